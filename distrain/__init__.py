@@ -1,0 +1,25 @@
+"""distrain: train PyTorch models on 1 process, N processes or N nodes — the strategy is one parameter."""
+
+from distrain.callbacks import Callback, ModelCheckpoint, ProgressBar
+from distrain.config import RunConfig, build_config
+from distrain.module import LossModule, Module
+from distrain.runtime import Runtime
+from distrain.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from distrain.trainer import Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Trainer",
+    "Module",
+    "LossModule",
+    "Runtime",
+    "Strategy",
+    "DDPStrategy",
+    "SingleDeviceStrategy",
+    "Callback",
+    "ModelCheckpoint",
+    "ProgressBar",
+    "RunConfig",
+    "build_config",
+]

@@ -1,0 +1,5 @@
+from distrain.callbacks.base import Callback
+from distrain.callbacks.checkpoint import ModelCheckpoint
+from distrain.callbacks.progress import ProgressBar
+
+__all__ = ["Callback", "ModelCheckpoint", "ProgressBar"]

@@ -1,0 +1,108 @@
+"""When to save: every n steps / epochs, the best k by a monitored metric, and always ``last``."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+from distrain.callbacks.base import Callback
+from distrain.checkpoint.io import LAST, point_last
+
+
+class ModelCheckpoint(Callback):
+    """Checkpoints are directories ``dirpath/<filename>``; ``dirpath/last`` links to the newest.
+
+    ``save_top_k``: keep the k best by ``monitor`` (or, with no monitor, the k newest); -1 keeps all.
+    ``filename`` may use ``{epoch}``, ``{step}`` and any logged metric, e.g. ``"{epoch}-{val_loss:.3f}"``.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        filename: str = "epoch={epoch}-step={step}",
+        monitor: str | None = None,
+        mode: str = "min",
+        save_top_k: int = 1,
+        save_last: bool = True,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+    ):
+        if mode not in ("min", "max"):
+            raise ValueError(f"ModelCheckpoint mode must be 'min' or 'max', got {mode!r}")
+        self.dirpath = Path(dirpath) if dirpath else None
+        self.filename = filename
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        self.save_last = save_last
+        self.every_n_train_steps = every_n_train_steps
+        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (None if every_n_train_steps else 1)
+        self.saved: list[tuple[float, str]] = []  # (score, path) of kept checkpoints
+        self.best_model_path: str | None = None
+        self.last_model_path: str | None = None
+        self._last_saved_step = -1
+
+    def setup(self, trainer, module, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if self.every_n_train_steps and trainer.global_step % self.every_n_train_steps == 0:
+            self.save(trainer)
+
+    def on_train_epoch_end(self, trainer, module) -> None:
+        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self.save(trainer)
+
+    def on_train_end(self, trainer, module) -> None:
+        if self.save_last:  # a finished run can always be resumed or inspected
+            self.save(trainer)
+
+    def _score(self, trainer) -> float:
+        if self.monitor is None:
+            return float(trainer.global_step)  # "best" = newest
+        if self.monitor not in trainer.callback_metrics:
+            raise KeyError(
+                f"ModelCheckpoint(monitor={self.monitor!r}): no such metric was logged; "
+                f"logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}"
+            )
+        value = float(trainer.callback_metrics[self.monitor])
+        return value if self.mode == "max" else -value
+
+    def save(self, trainer) -> None:
+        if trainer.global_step == self._last_saved_step:
+            return
+        self._last_saved_step = trainer.global_step
+        score = self._score(trainer)
+        fields = {"epoch": trainer.current_epoch, "step": trainer.global_step, **trainer.callback_metrics}
+        path = self.dirpath / self.filename.format(**fields)
+        trainer.save_checkpoint(path)
+        self.last_model_path = str(path)
+        if trainer.is_global_zero:
+            if self.save_last:
+                point_last(self.dirpath, path)
+            self._keep_top_k(score, str(path))
+        trainer.runtime.barrier("checkpoint")
+
+    def _keep_top_k(self, score: float, path: str) -> None:
+        self.saved = [(s, p) for s, p in self.saved if p != path] + [(score, path)]
+        self.saved.sort(key=lambda sp: sp[0], reverse=True)
+        if self.save_top_k >= 0:
+            for _, stale in self.saved[self.save_top_k :]:
+                if stale != self.last_model_path:  # never delete what `last` points to
+                    shutil.rmtree(stale, ignore_errors=True)
+            self.saved = [sp for sp in self.saved[: self.save_top_k]] + [
+                sp for sp in self.saved[self.save_top_k :] if sp[1] == self.last_model_path
+            ]
+        self.best_model_path = self.saved[0][1] if self.saved else None
+
+    def state_dict(self) -> dict:
+        return {"saved": [[s, p] for s, p in self.saved], "best_model_path": self.best_model_path}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.saved = [(s, p) for s, p in state.get("saved", []) if Path(p).exists() and not math.isnan(s)]
+        self.best_model_path = state.get("best_model_path")
+
+
+__all__ = ["ModelCheckpoint", "LAST"]

@@ -1,0 +1,46 @@
+"""A rank-0 progress bar: steps, loss, throughput, ETA."""
+
+from __future__ import annotations
+
+import sys
+
+from distrain.callbacks.base import Callback
+
+
+class ProgressBar(Callback):
+    def __init__(self, refresh_seconds: float = 1.0):
+        self.refresh_seconds = refresh_seconds
+        self.bar = None
+
+    def on_fit_start(self, trainer, module) -> None:
+        if not trainer.is_global_zero:
+            return
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(
+            total=trainer.estimated_stepping_batches or None,
+            initial=trainer.global_step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=self.refresh_seconds,
+            file=sys.stderr,
+        )
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(trainer.global_step - self.bar.n)
+        shown = {k: v for k, v in trainer.progress_bar_metrics.items()}
+        if shown:
+            self.bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in shown.items()}, refresh=False)
+
+    def on_train_end(self, trainer, module) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    on_exception = lambda self, trainer, module, exception: self.on_train_end(trainer, module)  # noqa: E731
+
+    def __getstate__(self):
+        return {**self.__dict__, "bar": None}

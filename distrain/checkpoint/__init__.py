@@ -1,0 +1,1 @@
+"""Checkpoint files: atomic directory writes and safe (weights-only) reads."""

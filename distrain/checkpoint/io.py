@@ -1,0 +1,130 @@
+"""Atomic checkpoint directories and safe loading.
+
+A checkpoint is a directory. It is written under a temporary name next to its final place and
+renamed into place only when complete, so a crash mid-save never leaves a half-written
+checkpoint where a resume would look for one. Reading never unpickles code:
+``torch.load(weights_only=True)`` only rebuilds tensors and plain containers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+STATE_FILE = "state.pt"
+LAST = "last"
+
+
+def is_stateful(obj: Any) -> bool:
+    return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
+
+
+def to_plain_state(state: dict[str, Any], unwrap: Callable = lambda m: m) -> dict[str, Any]:
+    """Replace every object that has ``state_dict()`` by its state dict (lists too)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, torch.nn.Module):
+            return unwrap(value).state_dict()
+        if is_stateful(value):
+            return value.state_dict()
+        if isinstance(value, (list, tuple)) and any(is_stateful(v) for v in value):
+            return [plain(v) for v in value]
+        return value
+
+    return {key: plain(value) for key, value in state.items()}
+
+
+def load_into(state: dict[str, Any], loaded: dict[str, Any], unwrap: Callable = lambda m: m, strict: bool = True) -> dict:
+    """Load ``loaded`` into the stateful objects of ``state`` in place; plain entries are replaced.
+
+    Returns the entries of the checkpoint that ``state`` did not ask for.
+    """
+    for key, target in state.items():
+        if key not in loaded:
+            if strict:
+                raise KeyError(f"checkpoint has no entry {key!r} (it has: {', '.join(sorted(loaded))})")
+            continue
+        value = loaded[key]
+        if isinstance(target, torch.nn.Module):
+            unwrap(target).load_state_dict(value, strict=strict)
+        elif is_stateful(target):
+            target.load_state_dict(value)
+        elif isinstance(target, (list, tuple)) and any(is_stateful(t) for t in target):
+            if len(target) != len(value):
+                raise ValueError(f"checkpoint entry {key!r} holds {len(value)} states, expected {len(target)}")
+            for t, v in zip(target, value):
+                t.load_state_dict(v)
+        else:
+            state[key] = value
+    return {k: v for k, v in loaded.items() if k not in state}
+
+
+def write_checkpoint_dir(path: str | os.PathLike, files: dict[str, Any]) -> None:
+    """Write ``{filename: object}`` as one checkpoint directory, atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        for name, obj in files.items():
+            with open(tmp / name, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+        commit_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def commit_dir(tmp: Path, path: Path) -> None:
+    """Move a finished temp directory onto ``path``; an older checkpoint there is replaced."""
+    if path.exists() or path.is_symlink():
+        trash = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(path, trash)
+        os.replace(tmp, path)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def point_last(dirpath: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Make ``dirpath/last`` a symlink to ``target``, replaced atomically."""
+    dirpath = Path(dirpath)
+    link = dirpath / LAST
+    tmp = dirpath / f".{LAST}.tmp-{uuid.uuid4().hex[:8]}"
+    os.symlink(os.path.relpath(target, dirpath), tmp)
+    os.replace(tmp, link)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory (``last`` links followed), or a clear error."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    return path.resolve()
+
+
+def read_state_file(path: str | os.PathLike) -> dict[str, Any]:
+    path = resolve_checkpoint(path)
+    file = path / STATE_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} is not a distrain checkpoint: {STATE_FILE} is missing")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # a pickle with code in it, or a truncated file
+        raise RuntimeError(f"cannot load checkpoint {file} safely (weights_only=True): {e}") from None

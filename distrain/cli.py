@@ -1,0 +1,168 @@
+"""``distrain train``: the built-in job (or your config) on any strategy, from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from distrain.config import ConfigError, RunConfig, build_config, save_config
+
+# CLI flag → the config key it sets (one name per knob; aliases live in argparse below)
+FLAG_KEYS = {
+    "strategy": "distributed.strategy",
+    "devices": "distributed.devices",
+    "accelerator": "distributed.accelerator",
+    "num_nodes": "distributed.num_nodes",
+    "precision": "training.precision",
+    "max_steps": "training.max_steps",
+    "seed": "training.seed",
+    "output_dir": "output_dir",
+}
+
+
+def _devices(value: str):
+    return value if value == "auto" else int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = False
+    train = sub.add_parser("train", help="train the built-in GPT job (or the one your config describes)")
+    train.add_argument("--config", help="YAML or JSON config file")
+    train.add_argument("--strategy", "--mode", dest="strategy", help="auto, single, ddp, ddp_spawn, ddp_fork")
+    train.add_argument("--devices", type=_devices, help="processes per node (an integer, or auto)")
+    train.add_argument("--accelerator", help="auto, cpu or gpu")
+    train.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int)
+    train.add_argument("--precision", help="32-true, 16-mixed, bf16-mixed or bf16-true")
+    train.add_argument("--max-steps", "--max_steps", dest="max_steps", type=int)
+    train.add_argument("--output-dir", "--output_dir", dest="output_dir")
+    train.add_argument("--seed", type=int)
+    train.add_argument("--resume", metavar="last|PATH", help="continue from the newest checkpoint, or from PATH")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. training.learning_rate=3e-4")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv or ["train"])
+    if args.command is None:
+        args = build_parser().parse_args(["train", *argv])
+    try:
+        flags = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
+        config = build_config(args.config, flags, args.overrides)
+    except ConfigError as e:
+        print(f"distrain: error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        return 0
+    try:
+        return train(config, resume=args.resume)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"distrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+def train(config: RunConfig, resume: str | None = None) -> int:
+    from torch.utils.data import DataLoader
+
+    from distrain.callbacks import ModelCheckpoint
+    from distrain.data import byte_datasets
+    from distrain.loggers import JSONLLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+    from distrain.models.gpt import GPT_SIZES
+    from distrain.models.lm import GPTLanguageModel
+    from distrain.trainer import Trainer
+
+    t, d, c, lg, data = config.training, config.distributed, config.checkpointing, config.logging, config.data
+    if t.model_name not in GPT_SIZES:
+        raise ConfigError(f"training.model_name {t.model_name!r} is not a built-in model; choose one of {', '.join(GPT_SIZES)}")
+    out = Path(config.output_dir)
+    ckpt_dir = Path(c.checkpoint_dir) if c.checkpoint_dir else out / "checkpoints"
+    if resume == "last" and not (ckpt_dir / "last").exists():
+        raise FileNotFoundError(f"--resume last: no checkpoint in {ckpt_dir} to resume from")
+
+    loggers = [JSONLLogger(str(out))]
+    if lg.use_tensorboard:
+        loggers.append(TensorBoardLogger(str(out)))
+    if lg.use_wandb:
+        loggers.append(WandbLogger(save_dir=str(out)))
+    if lg.use_mlflow:
+        loggers.append(MLFlowLogger())
+    ddp_options = {}
+    if d.strategy != "single":
+        ddp_options = dict(
+            find_unused_parameters=d.find_unused_parameters,
+            gradient_as_bucket_view=d.gradient_as_bucket_view,
+            static_graph=d.static_graph,
+            ddp_comm_hook=d.comm_hook,
+        )
+    trainer = Trainer(
+        accelerator=d.accelerator,
+        devices=d.devices,
+        num_nodes=d.num_nodes,
+        strategy=d.strategy,
+        precision=t.precision,
+        max_epochs=t.num_epochs,
+        max_steps=t.max_steps,
+        accumulate_grad_batches=t.gradient_accumulation_steps,
+        gradient_clip_val=t.max_grad_norm,
+        val_check_interval=t.val_check_interval,
+        limit_val_batches=t.limit_val_batches,
+        log_every_n_steps=lg.log_every_n_steps,
+        default_root_dir=str(out),
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=str(ckpt_dir),
+                every_n_train_steps=c.save_every_n_steps,
+                save_top_k=c.keep_last_n,
+                save_last=True,
+            )
+        ],
+        logger=loggers,
+        seed=t.seed,
+        enable_progress_bar=lg.progress_bar,
+        process_group_backend=d.backend,
+        timeout=d.timeout_seconds,
+        **ddp_options,
+    )
+    trainer.run_config = config.to_dict()
+
+    train_set, val_set = byte_datasets(data.dataset, data.seq_len, data.max_bytes, data.val_fraction)
+    global_batch = t.batch_size_per_gpu * trainer.world_size * t.gradient_accumulation_steps
+    steps_per_epoch = math.ceil(len(train_set) / global_batch)
+    total_steps = t.max_steps if t.max_steps > 0 else steps_per_epoch * t.num_epochs
+    module = GPTLanguageModel(
+        model_name=t.model_name,
+        block_size=data.seq_len,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        warmup_steps=int(t.warmup_ratio * total_steps),
+        total_steps=total_steps,
+        lr_schedule=t.lr_schedule,
+    )
+    loader = lambda ds, shuffle: DataLoader(  # noqa: E731
+        ds, batch_size=t.batch_size_per_gpu, shuffle=shuffle, num_workers=data.num_workers, drop_last=shuffle
+    )
+    if trainer.is_global_zero:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(config, out / "config.yaml")
+        print(
+            f"distrain: {t.model_name} on {trainer.world_size} process(es), strategy {d.strategy}, "
+            f"global batch {global_batch} × {data.seq_len} bytes, {total_steps} steps → {out}",
+            flush=True,
+        )
+    trainer.fit(module, loader(train_set, True), loader(val_set, False), ckpt_path=resume)
+    if trainer.is_global_zero:
+        cb = trainer.checkpoint_callback
+        print(f"distrain: done at step {trainer.global_step}; last checkpoint: {cb.last_model_path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Who am I: rank, local rank, world size, node rank and the master address — read from the env.
+
+One place knows every launcher's vocabulary. The rest of distrain asks ``detect_cluster()`` and
+never reads launcher variables itself.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ClusterEnv:
+    """A rank's place in the job, and which launcher told us."""
+
+    source: str  # "local" | "distrain" | "torchrun" | "slurm"
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    @property
+    def launched_externally(self) -> bool:
+        """True when some launcher already started every rank: we must not start more."""
+        return self.source != "local"
+
+
+def _int(env: dict, key: str) -> int:
+    value = env[key]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {key}={value!r} is not an integer") from None
+
+
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """``gpu[01-03,07],cpu5`` → ``['gpu01', 'gpu02', 'gpu03', 'gpu07', 'cpu5']``."""
+    hosts: list[str] = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            if "-" in part:
+                lo, hi = part.split("-")
+                hosts.extend(f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1))
+            else:
+                hosts.append(f"{prefix}{part}")
+    return hosts
+
+
+def _slurm_port(job_id: str) -> int:
+    # A port derived from the job id: every task computes the same one without talking.
+    return 15000 + int(re.sub(r"\D", "", job_id or "0")[-4:] or 0) % 20000
+
+
+def detect_cluster(env: dict | None = None) -> ClusterEnv:
+    env = dict(os.environ if env is None else env)
+    torchrun_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    if all(k in env for k in torchrun_keys):
+        world = _int(env, "WORLD_SIZE")
+        return ClusterEnv(
+            source="distrain" if "DISTRAIN_LAUNCHED" in env else "torchrun",
+            rank=_int(env, "RANK"),
+            local_rank=_int(env, "LOCAL_RANK"),
+            world_size=world,
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
+            master_addr=env["MASTER_ADDR"],
+            master_port=_int(env, "MASTER_PORT"),
+        )
+    # srun sets SLURM_PROCID per task; an interactive salloc shell (job name "bash"/"interactive")
+    # is not a launcher — there we launch ranks ourselves.
+    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        nodes = expand_slurm_nodelist(env.get("SLURM_STEP_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1")))
+        world = _int(env, "SLURM_NTASKS")
+        local_world = int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or max(1, world // max(1, len(nodes))))
+        return ClusterEnv(
+            source="slurm",
+            rank=_int(env, "SLURM_PROCID"),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            world_size=world,
+            local_world_size=local_world,
+            node_rank=int(env.get("SLURM_NODEID", 0)),
+            master_addr=env.get("MASTER_ADDR", nodes[0] if nodes else "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", _slurm_port(env.get("SLURM_JOB_ID", "0")))),
+        )
+    return ClusterEnv(source="local")
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

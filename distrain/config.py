@@ -1,0 +1,279 @@
+"""Typed run configuration: dataclasses are the single source of truth.
+
+A run's config is built in layers — defaults ← YAML/JSON file ← CLI flags ← ``key=value``
+overrides — and validated once, before any process starts. Every error names the key and where
+the bad value came from (the file, or "the command line").
+
+The section layout is the one users already write (``training``, ``distributed``,
+``checkpointing``, ``logging``) plus ``data`` and ``model`` for the built-in job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased so that one line tells the user what to fix."""
+
+
+@dataclass
+class TrainingConfig:
+    """What to train and how the optimizer steps."""
+
+    model_name: str = "gpt-tiny"
+    """A built-in GPT size (``gpt-tiny``, ``gpt-mini``, ``gpt-small``, ``gpt-124m``, ...)."""
+    batch_size_per_gpu: int = 8
+    """Micro-batch size on each rank (the global batch is this × ranks × accumulation)."""
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-3
+    num_epochs: int = 1
+    max_steps: int = 200
+    """Optimizer steps to run; -1 means run ``num_epochs`` epochs."""
+    warmup_ratio: float = 0.05
+    lr_schedule: str = "cosine"
+    """``cosine``, ``linear`` or ``constant`` decay after the warmup."""
+    weight_decay: float = 0.01
+    max_grad_norm: Optional[float] = 1.0
+    precision: str = "32-true"
+    seed: int = 1234
+    val_check_interval: int = 100
+    """Run validation every this many optimizer steps (and at the end)."""
+    limit_val_batches: int = 20
+
+
+@dataclass
+class DistributedConfig:
+    """Where the ranks run and how they talk."""
+
+    strategy: str = "auto"
+    accelerator: str = "auto"
+    devices: Union[int, str] = "auto"
+    num_nodes: int = 1
+    backend: Optional[str] = None
+    """``gloo`` or ``nccl``; by default nccl on CUDA, gloo on CPU."""
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    timeout_seconds: float = 1800.0
+    comm_hook: Optional[str] = None
+    """``fp16_compress``, ``bf16_compress``, ``powersgd`` or ``post_localsgd``."""
+
+
+@dataclass
+class CheckpointingConfig:
+    save_every_n_steps: Optional[int] = 100
+    checkpoint_dir: Optional[str] = None
+    """Defaults to ``<output_dir>/checkpoints``."""
+    keep_last_n: int = 2
+
+
+@dataclass
+class LoggingConfig:
+    log_every_n_steps: int = 10
+    use_tensorboard: bool = True
+    use_wandb: bool = False
+    use_mlflow: bool = False
+    progress_bar: bool = True
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "builtin:stdlib"
+    """``builtin:stdlib`` (Python's own source, byte level) or a path to a UTF-8 text file."""
+    seq_len: int = 128
+    max_bytes: int = 4_000_000
+    val_fraction: float = 0.05
+    num_workers: int = 0
+
+
+@dataclass
+class RunConfig:
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    output_dir: str = "runs/distrain"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# building a config from layers
+
+
+def load_config_file(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``training.learning_rate=3e-4`` → (``training.learning_rate``, 0.0003). Values are YAML."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def build_config(
+    file: str | os.PathLike | None = None,
+    overrides: dict[str, Any] | None = None,
+    cli_items: list[str] | None = None,
+) -> RunConfig:
+    """Defaults ← file ← ``overrides`` (dotted keys from CLI flags) ← ``key=value`` items."""
+    config = RunConfig()
+    if file is not None:
+        apply_tree(config, load_config_file(file), source=str(file))
+    flag_tree: dict = {}
+    for key, value in (overrides or {}).items():
+        set_dotted(flag_tree, key, value)
+    apply_tree(config, flag_tree, source="the command line")
+    item_tree: dict = {}
+    for item in cli_items or []:
+        key, value = parse_override(item)
+        set_dotted(item_tree, key, value)
+    apply_tree(config, item_tree, source="the command line")
+    validate(config)
+    return config
+
+
+def apply_tree(obj: Any, tree: dict, source: str, prefix: str = "") -> None:
+    """Write a nested dict onto a dataclass, checking every key and type against the schema."""
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    hints = typing.get_type_hints(type(obj))
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {prefix}{close[0]!r}?)" if close else f" (known: {', '.join(fields)})"
+            raise ConfigError(f"unknown key {dotted!r} in {source}{hint}")
+        hint_type = hints[key]
+        if dataclasses.is_dataclass(hint_type):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{dotted} in {source}: expected a section (mapping), got {value!r}")
+            apply_tree(getattr(obj, key), value, source, prefix=f"{dotted}.")
+        else:
+            setattr(obj, key, coerce(value, hint_type, dotted, source))
+
+
+def _type_name(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if args:
+        return " or ".join(_type_name(a) for a in args)
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Accept ``value`` if it fits ``tp`` (ints widen to floats); otherwise a ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return coerce(value, arg, key, source)
+            except ConfigError:
+                continue
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin in (dict, list):
+        if isinstance(value, origin):
+            return value
+    else:
+        return value
+    raise ConfigError(f"{key} in {source}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def validate(config: RunConfig) -> None:
+    """Checks that span several keys or need a range; types are already right here."""
+    t, d = config.training, config.distributed
+
+    def positive(name: str, value: Any) -> None:
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name} must be > 0, got {value}")
+
+    positive("training.batch_size_per_gpu", t.batch_size_per_gpu)
+    positive("training.gradient_accumulation_steps", t.gradient_accumulation_steps)
+    positive("training.learning_rate", t.learning_rate)
+    positive("training.num_epochs", t.num_epochs)
+    positive("distributed.num_nodes", d.num_nodes)
+    positive("data.seq_len", config.data.seq_len)
+    positive("logging.log_every_n_steps", config.logging.log_every_n_steps)
+    if t.max_steps == 0 or t.max_steps < -1:
+        raise ConfigError(f"training.max_steps must be > 0 or -1 (use num_epochs), got {t.max_steps}")
+    if not 0 <= t.warmup_ratio < 1:
+        raise ConfigError(f"training.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
+    if t.precision not in PRECISIONS:
+        raise ConfigError(f"training.precision must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
+    if t.lr_schedule not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"training.lr_schedule must be cosine, linear or constant, got {t.lr_schedule!r}")
+    if isinstance(d.devices, str) and d.devices != "auto":
+        raise ConfigError(f"distributed.devices must be an integer or 'auto', got {d.devices!r}")
+    if isinstance(d.devices, int) and d.devices <= 0:
+        raise ConfigError(f"distributed.devices must be > 0, got {d.devices}")
+    if d.accelerator not in ("auto", "cpu", "gpu", "cuda"):
+        raise ConfigError(f"distributed.accelerator must be auto, cpu or gpu, got {d.accelerator!r}")
+    if d.backend not in (None, "gloo", "nccl"):
+        raise ConfigError(f"distributed.backend must be gloo or nccl, got {d.backend!r}")
+    from distrain.strategies.registry import STRATEGIES
+
+    if d.strategy not in STRATEGIES:
+        raise ConfigError(f"distributed.strategy {d.strategy!r} is unknown; choose one of {', '.join(sorted(STRATEGIES))}")
+    from distrain.strategies.ddp import COMM_HOOKS
+
+    if d.comm_hook is not None and d.comm_hook not in COMM_HOOKS:
+        raise ConfigError(f"distributed.comm_hook {d.comm_hook!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
+
+
+def save_config(config: RunConfig, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

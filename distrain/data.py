@@ -1,0 +1,178 @@
+"""Distributed, resumable sampling and the built-in byte-level corpus.
+
+The data position is global: "how many samples of this epoch's global order were consumed". Rank
+``r`` of ``W`` takes every W-th index of that order starting at ``r``, so one batch step over all
+ranks always covers a contiguous slice of the global order. That is what makes a single process
+with accumulation k see the same samples per optimizer step as k ranks, and what lets a run
+resume on another world size without skipping or repeating a sample.
+"""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """torch's DistributedSampler, plus ``set_start(samples_consumed)`` for mid-epoch resume."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, even: bool = True):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.start = 0
+        # even=False (evaluation): no padding duplicates, so each sample is counted exactly once
+        # and ranks may get one sample more or less.
+        self.even = even
+        if not even:
+            self.total_size = len(dataset)
+
+    def set_start(self, samples_consumed: int) -> None:
+        """Skip the first ``samples_consumed`` samples of this epoch's global order (all ranks)."""
+        if samples_consumed % self.num_replicas:
+            raise ValueError(
+                f"cannot resume at global sample {samples_consumed} on {self.num_replicas} ranks: "
+                "it is not a whole step of this world size (change the per-rank batch so the global batch matches)"
+            )
+        self.start = samples_consumed
+
+    def global_order(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(len(self.dataset), generator=g).tolist()
+        else:
+            indices = list(range(len(self.dataset)))
+        if self.drop_last:
+            return indices[: self.total_size]
+        padding = self.total_size - len(indices)  # repeat the head so every rank gets equal counts
+        return indices + (indices * math.ceil(padding / max(1, len(indices))))[:padding]
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.global_order()[self.start :]
+        return iter(order[self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.total_size - self.start, self.num_replicas))
+
+
+def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, seed: int, even: bool = True) -> DataLoader:
+    """The same DataLoader, re-built around a ResumableDistributedSampler.
+
+    Shuffling is kept as the user asked (a RandomSampler means shuffle). Iterable datasets and
+    custom batch samplers are returned unchanged — they own their own sharding.
+    """
+    if isinstance(loader.dataset, IterableDataset) or isinstance(loader.sampler, ResumableDistributedSampler):
+        return loader
+    if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
+        return loader
+    shuffle = isinstance(loader.sampler, (RandomSampler, DistributedSampler)) and getattr(loader.sampler, "shuffle", True)
+    sampler = ResumableDistributedSampler(
+        loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+        drop_last=loader.drop_last, even=even,
+    )
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        # A private generator: creating the iterator must not draw from the global RNG, or a
+        # resumed run's dropout stream would be shifted by one draw.
+        generator=loader.generator or torch.Generator().manual_seed(seed),
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+    )
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(v, device) for v in batch)
+    if hasattr(batch, "to"):  # e.g. transformers' BatchEncoding
+        return batch.to(device)
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """Leading dimension of the first tensor found in the batch (1 if none)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
+    for value in values:
+        size = batch_size_of(value)
+        if size:
+            return size
+    return 1
+
+
+def tokens_in_batch(batch: Any) -> int | None:
+    """Token count when the batch carries integer token ids (B × T), else None."""
+    if isinstance(batch, dict):
+        batch = batch.get("input_ids", next(iter(batch.values()), None))
+    elif isinstance(batch, (list, tuple)) and batch:
+        batch = batch[0]
+    if isinstance(batch, torch.Tensor) and batch.dim() == 2 and not batch.is_floating_point():
+        return batch.numel()
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# built-in corpus: Python's own standard library, read byte by byte — no download, ever.
+
+
+def load_corpus(source: str = "builtin:stdlib", max_bytes: int = 4_000_000) -> torch.Tensor:
+    """A 1-D uint8 tensor of text bytes, identical on every rank of the same Python."""
+    if source == "builtin:stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        chunks, total = [], 0
+        for file in sorted(root.glob("*.py")):  # top-level modules only: stable and plenty
+            data = file.read_bytes()
+            chunks.append(data)
+            total += len(data)
+            if total >= max_bytes:
+                break
+        data = b"\n".join(chunks)[:max_bytes]
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"data.dataset: {source!r} is neither 'builtin:stdlib' nor an existing text file")
+        data = path.read_bytes()[:max_bytes]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class ByteBlocks(Dataset):
+    """Non-overlapping blocks of ``seq_len + 1`` bytes → (inputs, next-byte targets)."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int):
+        if len(data) < seq_len + 1:
+            raise ValueError(f"corpus has {len(data)} bytes, fewer than one block of seq_len+1={seq_len + 1}")
+        self.data = data
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.seq_len
+
+    def __getitem__(self, i: int):
+        block = self.data[i * self.seq_len : (i + 1) * self.seq_len + 1].long()
+        return block[:-1], block[1:]
+
+
+def byte_datasets(source: str, seq_len: int, max_bytes: int, val_fraction: float) -> tuple[ByteBlocks, ByteBlocks]:
+    data = load_corpus(source, max_bytes)
+    split = int(len(data) * (1 - val_fraction))
+    return ByteBlocks(data[:split], seq_len), ByteBlocks(data[split:], seq_len)

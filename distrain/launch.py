@@ -1,0 +1,180 @@
+"""Starting one process per rank on this node.
+
+Three ways, chosen by the strategy name:
+- ``popen`` ("ddp"): the user's command is run again once per extra rank, with the env set, and
+  this process becomes rank 0 — the same script then works unchanged under torchrun or srun.
+- ``spawn`` ("ddp_spawn"): torch.multiprocessing spawns fresh interpreters; the function's result
+  and the trained weights come back to the parent.
+- ``fork`` ("ddp_fork"): like spawn but forks, so it works for functions defined in a notebook.
+When a launcher (torchrun, srun, our own popen) already started the ranks, nothing is launched.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from distrain.cluster import ClusterEnv, find_free_port
+
+
+def _rank_env(rank: int, nprocs: int, node_rank: int, num_nodes: int, addr: str, port: int) -> dict[str, str]:
+    return {
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+        "RANK": str(node_rank * nprocs + rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nprocs * num_nodes),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "NODE_RANK": str(node_rank),
+        "DISTRAIN_LAUNCHED": "1",
+    }
+
+
+def _command_of_this_process() -> list[str]:
+    """The command that started us, so ranks 1..N-1 can run the very same thing."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:  # python -m package.module
+        name = spec.name.removesuffix(".__main__")
+        return [sys.executable, "-m", name, *sys.argv[1:]]
+    script = sys.argv[0]
+    if not script or script == "-c" or not os.path.exists(script):
+        raise RuntimeError(
+            "strategy='ddp' re-runs your script once per rank, but this process was not started from a "
+            "script file (interactive shell or notebook?). Use strategy='ddp_fork' or 'ddp_spawn' there."
+        )
+    return [sys.executable, os.path.abspath(script), *sys.argv[1:]]
+
+
+class SubprocessLauncher:
+    """Rank 0 is this process; ranks 1..N-1 are the same command, started with their env."""
+
+    def __init__(self, nprocs: int, num_nodes: int = 1, node_rank: int = 0):
+        self.nprocs = nprocs
+        self.num_nodes = num_nodes
+        self.node_rank = node_rank
+        self.procs: list[subprocess.Popen] = []
+
+    def launch(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        if self.nprocs > 1 and not self.procs:
+            self._start_others()
+        return fn(*args, **kwargs)
+
+    def _start_others(self) -> None:
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ.get("MASTER_PORT", 0)) or find_free_port()
+        command = _command_of_this_process()
+        os.environ.update(_rank_env(0, self.nprocs, self.node_rank, self.num_nodes, addr, port))
+        for local_rank in range(1, self.nprocs):
+            env = {**os.environ, **_rank_env(local_rank, self.nprocs, self.node_rank, self.num_nodes, addr, port)}
+            self.procs.append(subprocess.Popen(command, env=env))
+        atexit.register(self._wait_for_others)
+        threading.Thread(target=self._watch_others, daemon=True).start()
+
+    def _watch_others(self) -> None:
+        # If another rank dies, rank 0 would wait in its next collective until the timeout.
+        # Say which rank died and stop the job now instead.
+        while True:
+            for local_rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code is not None and code != 0:
+                    print(
+                        f"[distrain] rank {local_rank} exited with code {code}; stopping the other ranks",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    self._kill_others()
+                    os._exit(code if code > 0 else 1)
+            if all(p.poll() is not None for p in self.procs):
+                return
+            time.sleep(0.5)
+
+    def _kill_others(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    def _wait_for_others(self) -> None:
+        for local_rank, proc in enumerate(self.procs, start=1):
+            code = proc.wait()
+            if code != 0:
+                print(f"[distrain] rank {local_rank} exited with code {code}", file=sys.stderr, flush=True)
+
+
+class MultiprocessingLauncher:
+    """spawn/fork N workers; rank 0's return value and ``collect()`` payload come back to us."""
+
+    def __init__(self, nprocs: int, start_method: str, num_nodes: int = 1, node_rank: int = 0):
+        if start_method == "fork" and torch.cuda.is_initialized():
+            raise RuntimeError(
+                "strategy='ddp_fork' cannot fork once CUDA is initialized in this process; "
+                "do not touch CUDA before trainer.fit(), or use strategy='ddp_spawn'"
+            )
+        self.nprocs = nprocs
+        self.start_method = start_method
+        self.num_nodes = num_nodes
+        self.node_rank = node_rank
+
+    def launch(
+        self,
+        fn: Callable,
+        *args: Any,
+        collect: Callable[[], dict] | None = None,
+        restore: Callable[[dict], None] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = find_free_port()
+        outdir = tempfile.mkdtemp(prefix="distrain-launch-")
+        try:
+            mp.start_processes(
+                _worker,
+                args=(self.nprocs, self.node_rank, self.num_nodes, addr, port, outdir, fn, args, kwargs, collect),
+                nprocs=self.nprocs,
+                start_method=self.start_method,
+            )
+            result_file = Path(outdir) / "result.pkl"
+            if not result_file.exists():  # not global rank 0 on this node
+                return None
+            # Written a moment ago by our own child process, in a private temp dir.
+            result = pickle.loads(result_file.read_bytes())
+            state_file = Path(outdir) / "state.pt"
+            if restore is not None and state_file.exists():
+                restore(torch.load(state_file, weights_only=True))
+            return result
+        finally:
+            shutil.rmtree(outdir, ignore_errors=True)
+
+
+def _worker(local_rank, nprocs, node_rank, num_nodes, addr, port, outdir, fn, args, kwargs, collect):
+    os.environ.update(_rank_env(local_rank, nprocs, node_rank, num_nodes, addr, port))
+    result = fn(*args, **kwargs)
+    if int(os.environ["RANK"]) == 0:
+        if collect is not None:
+            torch.save(collect(), Path(outdir) / "state.pt")
+        (Path(outdir) / "result.pkl").write_bytes(pickle.dumps(result))
+
+
+def make_launcher(start_method: str | None, nprocs: int, cluster: ClusterEnv, num_nodes: int):
+    """None when a launcher already started every rank, or when there is one process."""
+    if cluster.launched_externally or start_method is None:
+        return None
+    if nprocs * num_nodes == 1:
+        return None
+    node_rank = int(os.environ.get("NODE_RANK", 0))
+    if start_method == "popen":
+        return SubprocessLauncher(nprocs, num_nodes, node_rank)
+    return MultiprocessingLauncher(nprocs, start_method, num_nodes, node_rank)

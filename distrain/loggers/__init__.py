@@ -1,0 +1,6 @@
+from distrain.loggers.base import Logger
+from distrain.loggers.external import MLFlowLogger, WandbLogger
+from distrain.loggers.jsonl import JSONLLogger
+from distrain.loggers.tensorboard import TensorBoardLogger
+
+__all__ = ["Logger", "JSONLLogger", "TensorBoardLogger", "WandbLogger", "MLFlowLogger"]

@@ -1,0 +1,57 @@
+"""The built-in job: the GPT trained next-byte on a corpus that needs no download."""
+
+from __future__ import annotations
+
+import torch
+
+from distrain.models.gpt import GPT, Block, gpt_config
+from distrain.module import Module
+from distrain.optim import adamw, warmup_decay
+
+
+class GPTLanguageModel(Module):
+    block_class = Block  # for activation-checkpointing / wrapping policies
+
+    def __init__(
+        self,
+        model_name: str = "gpt-tiny",
+        block_size: int = 128,
+        dropout: float = 0.0,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.01,
+        warmup_steps: int = 0,
+        total_steps: int = 1000,
+        lr_schedule: str = "cosine",
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.gpt: GPT | None = None
+
+    def configure_model(self) -> None:
+        if self.gpt is None:
+            h = self.hparams
+            self.gpt = GPT(gpt_config(h["model_name"], block_size=h["block_size"], dropout=h["dropout"]))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt(idx)
+
+    def flops_per_token(self) -> float:
+        return self.gpt.flops_per_token()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.gpt(x, y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", self.gpt(x, y))
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", self.gpt(x, y))
+
+    def configure_optimizers(self):
+        h = self.hparams
+        optimizer = adamw(self.gpt, h["learning_rate"], h["weight_decay"])
+        scheduler = warmup_decay(optimizer, h["warmup_steps"], h["total_steps"], h["lr_schedule"])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

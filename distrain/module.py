@@ -1,0 +1,142 @@
+"""``distrain.Module``: the user's model plus the steps that train, evaluate and predict it."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from distrain.checkpoint.io import read_state_file
+
+
+class Module(nn.Module):
+    """Subclass and implement ``training_step`` and ``configure_optimizers``.
+
+    Build layers in ``__init__`` or — for large models — in ``configure_model``, which runs
+    under the strategy's init context (on the device, or sharded for sharded strategies).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        object.__setattr__(self, "_trainer", None)  # not a submodule, not in state_dict
+        self.hparams: dict[str, Any] = {}
+
+    # ---- what users implement -------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Create layers here to have them built under the strategy's init context."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | dict:
+        raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch, batch_idx)")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        return None
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        return None
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return self(batch)
+
+    def configure_optimizers(self) -> Any:
+        """An optimizer; or ``{"optimizer": opt, "lr_scheduler": sched | {"scheduler": s,
+        "interval": "step"|"epoch", "frequency": 1}}``; or ``([opt], [sched])``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers()")
+
+    # optional hooks
+    def on_fit_start(self) -> None: ...
+    def on_train_epoch_start(self) -> None: ...
+    def on_train_epoch_end(self) -> None: ...
+    def on_validation_epoch_end(self) -> None: ...
+
+    # ---- services ------------------------------------------------------------------------
+    @property
+    def trainer(self):
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
+        return self._trainer
+
+    def log(
+        self,
+        name: str,
+        value: Any,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        sync_dist: bool = False,
+        prog_bar: bool = False,
+        batch_size: int | None = None,
+    ) -> None:
+        """Record a metric. Training defaults to per-step, evaluation to per-epoch (a
+        sample-weighted mean that is always reduced across ranks)."""
+        if self._trainer is not None:
+            self._trainer._metrics.log(name, value, on_step, on_epoch, sync_dist, prog_bar, batch_size)
+
+    def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
+        for name, value in metrics.items():
+            self.log(name, value, **kwargs)
+
+    def save_hyperparameters(self, *names: str) -> None:
+        """Store the calling ``__init__``'s arguments so ``load_from_checkpoint`` can rebuild us."""
+        frame = inspect.currentframe().f_back
+        init_args = inspect.getargvalues(frame)
+        values = {k: init_args.locals[k] for k in init_args.args if k != "self"}
+        if init_args.keywords:
+            values.update(init_args.locals[init_args.keywords])
+        self.hparams = {k: v for k, v in values.items() if not names or k in names}
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str, strict: bool = True, **kwargs: Any) -> "Module":
+        """Rebuild the module from its saved hyperparameters (``kwargs`` override) and weights."""
+        state = read_state_file(checkpoint_path)
+        module = cls(**{**state.get("hyper_parameters", {}), **kwargs})
+        module.configure_model()
+        module.load_state_dict(state["model"], strict=strict)
+        return module.eval()
+
+    def __getstate__(self):  # the trainer never travels with the module (spawn pickles it)
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state["_trainer"] = None
+        return state
+
+
+class LossModule(Module):
+    """Adapts a plain ``nn.Module`` whose forward returns a loss (or an object with ``.loss``)."""
+
+    def __init__(self, model: nn.Module, learning_rate: float = 1e-3, weight_decay: float = 0.0,
+                 warmup_steps: int = 0, total_steps: int = 0, lr_schedule: str = "constant"):
+        super().__init__()
+        self.model = model
+        self.settings = dict(learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps,
+                             total_steps=total_steps, lr_schedule=lr_schedule)
+
+    def forward(self, batch: Any) -> Any:
+        if isinstance(batch, dict):
+            return self.model(**batch)
+        if isinstance(batch, (list, tuple)):
+            return self.model(*batch)
+        return self.model(batch)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        out = self(batch)
+        if isinstance(out, torch.Tensor):
+            return out
+        loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+        if loss is None:
+            raise TypeError(f"{type(self.model).__name__}.forward must return a loss tensor or an object with .loss")
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        from distrain.optim import adamw, warmup_decay
+
+        s = self.settings
+        optimizer = adamw(self.model, s["learning_rate"], s["weight_decay"])
+        scheduler = warmup_decay(optimizer, s["warmup_steps"], s["total_steps"], s["lr_schedule"])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,258 @@
+"""``Runtime``: accelerator + precision + strategy, for users who write their own loop.
+
+    rt = Runtime(strategy="ddp", devices=2)
+    rt.launch(main)                       # main(rt) runs in every rank
+
+    def main(rt):
+        model, opt = rt.setup(model, opt)
+        loader = rt.setup_dataloaders(loader)
+        for x, y in loader:
+            loss = model(x, y)
+            rt.backward(loss)
+            opt.step(); opt.zero_grad()
+
+The Trainer is built on exactly this class and nothing beneath it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from distrain.accelerators import auto_device_count, resolve_accelerator
+from distrain.checkpoint import io as ckpt_io
+from distrain.cluster import detect_cluster
+from distrain.data import move_to_device, with_distributed_sampler
+from distrain.launch import make_launcher
+from distrain.precision import Precision
+from distrain.strategies.base import Strategy
+from distrain.strategies.registry import make_strategy
+
+
+class Runtime:
+    def __init__(
+        self,
+        accelerator: str = "auto",
+        strategy: str | Strategy = "auto",
+        devices: int | str = "auto",
+        num_nodes: int = 1,
+        precision: str = "32-true",
+        **strategy_kwargs: Any,
+    ):
+        self.cluster = detect_cluster()
+        self.accelerator = resolve_accelerator(accelerator)
+        self.num_nodes = num_nodes
+        self.nprocs = self._resolve_devices(devices, num_nodes)
+        self.precision = Precision(precision, self.accelerator.name)
+        self.strategy = make_strategy(strategy, self.nprocs * num_nodes, **strategy_kwargs)
+        if self.nprocs * num_nodes > 1 and self.strategy.start_method is None:
+            raise ValueError(
+                f"strategy {type(self.strategy).__name__} runs a single process, but "
+                f"{self.nprocs * num_nodes} processes were requested (devices={devices}, num_nodes={num_nodes})"
+            )
+        self.strategy.connect(self.accelerator, self.precision, self.cluster, self.nprocs, num_nodes)
+        self._launcher = make_launcher(self.strategy.start_method, self.nprocs, self.cluster, num_nodes)
+        self._environment_ready = False
+
+    def _resolve_devices(self, devices: int | str, num_nodes: int) -> int:
+        if self.cluster.launched_externally:
+            world = self.cluster.world_size
+            nprocs = self.cluster.local_world_size if devices == "auto" else int(devices)
+            if nprocs * num_nodes != world:
+                raise ValueError(
+                    f"num_nodes × devices = {num_nodes} × {nprocs} = {num_nodes * nprocs} (from the Trainer/CLI) but the "
+                    f"{self.cluster.source} environment says WORLD_SIZE={world}; make them agree"
+                )
+            return nprocs
+        if devices == "auto":
+            return auto_device_count(self.accelerator)
+        if not isinstance(devices, int) or devices < 1:
+            raise ValueError(f"devices must be a positive integer or 'auto', got {devices!r}")
+        if self.accelerator.name == "cuda" and devices > torch.cuda.device_count():
+            raise ValueError(f"devices={devices} but this machine has {torch.cuda.device_count()} CUDA GPUs")
+        return devices
+
+    # ---- where am I --------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", 0)))
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.root_device
+
+    # ---- launching ------------------------------------------------------------------------------
+    def launch(self, fn: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Start every rank and run ``fn(runtime, *args)`` in each; returns rank 0's result.
+
+        With strategy "ddp" in a script, ``launch()`` with no function starts the other ranks
+        (running the same script) and sets up this one, as Fabric's does.
+        """
+        if fn is None:
+            if self._launcher is not None and self.strategy.start_method != "popen":
+                raise ValueError(f"{self.strategy.start_method} launching needs a function: runtime.launch(fn)")
+            return self._launch(lambda: None)
+        return self._launch(fn, self, *args, **kwargs)
+
+    def _launch(self, fn: Callable, *args: Any, collect=None, restore=None, **kwargs: Any) -> Any:
+        def in_rank(*a, **kw):
+            self.setup_environment()
+            return fn(*a, **kw)
+
+        if self._launcher is None:
+            return in_rank(*args, **kwargs)
+        if self.strategy.start_method == "popen":
+            return self._launcher.launch(in_rank, *args, **kwargs)
+        return self._launcher.launch(in_rank, *args, collect=collect, restore=restore, **kwargs)
+
+    def setup_environment(self) -> None:
+        if not self._environment_ready:
+            self.strategy.setup_environment()
+            self._environment_ready = True
+
+    # ---- model, optimizers, data ----------------------------------------------------------------
+    def init_module(self, empty_init: bool | None = None):
+        """Context to build the model in: on the device (and in bf16 for bf16-true)."""
+        return self.strategy.module_init_context(empty_init)
+
+    def setup(self, module: nn.Module, *optimizers: torch.optim.Optimizer):
+        """Wrap the model for the strategy and move it; returns ``model`` or ``(model, *optimizers)``."""
+        self.setup_environment()
+        model, optimizers = self.strategy.setup(module, optimizers)
+        return (model, *optimizers) if optimizers else model
+
+    def setup_dataloaders(self, *loaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True, seed: int = 0):
+        """Give each rank its disjoint share (a resumable DistributedSampler) and move batches to the device."""
+        out = []
+        for loader in loaders:
+            if use_distributed_sampler:
+                loader = with_distributed_sampler(loader, self.world_size, self.global_rank, seed)
+            out.append(_DeviceLoader(loader, self.device) if move_to_device else loader)
+        return out[0] if len(out) == 1 else out
+
+    def to_device(self, batch: Any) -> Any:
+        return move_to_device(batch, self.device)
+
+    def autocast(self):
+        return self.precision.autocast()
+
+    # ---- the step -------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
+        self.strategy.backward(loss, model)
+
+    def no_backward_sync(self, model: nn.Module, enabled: bool = True):
+        return self.strategy.no_backward_sync(model, enabled)
+
+    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        return self.strategy.clip_gradients(model, optimizer, max_norm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
+        self.strategy.optimizer_step(optimizer, model)
+
+    # ---- collectives ------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        return self.strategy.all_reduce(tensor, op)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.strategy.all_gather(tensor)
+
+    def all_gather_object(self, obj: Any) -> list:
+        return self.strategy.all_gather_object(obj)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.strategy.broadcast(obj, src)
+
+    def barrier(self, name: str | None = None) -> None:
+        self.strategy.barrier(name)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_global_zero:
+            print(*args, **kwargs, flush=True)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
+        """Objects with ``state_dict()`` (model, optimizer, ...) are saved by state; the rest as is."""
+        self.strategy.save_checkpoint(path, state)
+
+    def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
+        """Load into ``state``'s objects in place; returns the checkpoint entries not asked for."""
+        if state is None:
+            return ckpt_io.read_state_file(path)
+        return self.strategy.load_checkpoint(path, state, strict=strict)
+
+    def seed_everything(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+    def teardown(self) -> None:
+        self.strategy.teardown()
+        self._environment_ready = False
+
+
+class _DeviceLoader:
+    """Iterates a DataLoader and moves each batch to the device; the loader stays reachable."""
+
+    def __init__(self, loader: DataLoader, device: torch.device):
+        self.loader = loader
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield move_to_device(batch, self.device)
+
+    @property
+    def sampler(self):
+        return self.loader.sampler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's RNG states as plain lists: they travel through all_gather_object and load
+    with weights_only=True."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])

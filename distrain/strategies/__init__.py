@@ -1,0 +1,6 @@
+from distrain.strategies.base import Strategy
+from distrain.strategies.ddp import DDPStrategy
+from distrain.strategies.registry import STRATEGIES, make_strategy
+from distrain.strategies.single import SingleDeviceStrategy
+
+__all__ = ["Strategy", "DDPStrategy", "SingleDeviceStrategy", "STRATEGIES", "make_strategy"]

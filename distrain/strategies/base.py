@@ -1,0 +1,178 @@
+"""The one interface every parallel strategy implements.
+
+A strategy owns: the process group, how the model and optimizer are wrapped, backward/step,
+skipping gradient sync, clipping, collectives, and how a checkpoint is written and read.
+It knows nothing about the Trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distrain.accelerators import Accelerator
+from distrain.checkpoint import io as ckpt_io
+from distrain.cluster import ClusterEnv
+from distrain.precision import Precision
+
+
+class Strategy:
+    #: how extra ranks are started when no launcher did it: "popen", "spawn", "fork" or None
+    start_method: str | None = None
+
+    def __init__(self, process_group_backend: str | None = None, timeout: timedelta | float = timedelta(minutes=30)):
+        self.process_group_backend = process_group_backend
+        self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self.accelerator: Accelerator | None = None
+        self.precision: Precision | None = None
+        self.cluster: ClusterEnv | None = None
+        self.nprocs_per_node = 1
+        self.num_nodes = 1
+
+    # ---- wiring, done once by the Runtime -------------------------------------------------
+    def connect(self, accelerator: Accelerator, precision: Precision, cluster: ClusterEnv, nprocs: int, num_nodes: int):
+        self.accelerator, self.precision, self.cluster = accelerator, precision, cluster
+        self.nprocs_per_node, self.num_nodes = nprocs, num_nodes
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else self.nprocs_per_node * self.num_nodes
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.accelerator.device(self.local_rank)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        """Called in every rank before anything touches the model."""
+        self.accelerator.setup_device(self.root_device)
+        self._set_cpu_threads()
+
+    def _set_cpu_threads(self) -> None:
+        # N ranks on one CPU each using every core oversubscribes it (the classic CPU slowdown).
+        # An explicit OMP_NUM_THREADS (torchrun sets one) wins.
+        if self.accelerator.name == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.nprocs_per_node))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+
+    def module_init_context(self, empty_init: bool | None = None):
+        """Where ``configure_model`` runs: directly on the device (and in bf16 for bf16-true)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.root_device)
+        if self.precision.name == "bf16-true":
+            stack.enter_context(_default_dtype(torch.bfloat16))
+        return stack
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return self.precision.convert_module(module).to(self.root_device)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def setup(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()):
+        return self.setup_module(module), [self.setup_optimizer(o) for o in optimizers]
+
+    def teardown(self) -> None:
+        pass
+
+    # ---- the step ----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, module: nn.Module | None = None) -> None:
+        self.precision.scale_loss(loss).backward()
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True):
+        """Skip gradient synchronization for this backward (accumulation micro-steps)."""
+        return contextlib.nullcontext()
+
+    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
+        self.precision.optimizer_step(optimizer)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module
+
+    # ---- collectives (no-ops on one process) ---------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        if not dist.is_initialized() or self.world_size == 1:
+            return tensor
+        tensor = tensor.detach().clone()
+        if op == "mean":
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            return tensor / self.world_size
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        if op not in ops:
+            raise ValueError(f"all_reduce op must be mean, sum, max or min, got {op!r}")
+        dist.all_reduce(tensor, op=ops[op])
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Stacks every rank's tensor along a new leading dimension."""
+        if not dist.is_initialized() or self.world_size == 1:
+            return tensor.unsqueeze(0)
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(out, tensor.contiguous())
+        return torch.stack(out)
+
+    def all_gather_object(self, obj: Any) -> list:
+        if not dist.is_initialized() or self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized() or self.world_size == 1:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            obj = obj.clone()
+            dist.broadcast(obj, src)
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+
+    # ---- checkpoints: one file written by rank 0 (sharded strategies override) -------------
+    def save_checkpoint(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
+        plain = ckpt_io.to_plain_state(state, self.unwrap)
+        if self.is_global_zero:
+            ckpt_io.write_checkpoint_dir(path, {"state.pt": plain})
+        self.barrier("save_checkpoint")
+
+    def load_checkpoint(self, path: str | os.PathLike, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+        loaded = ckpt_io.read_state_file(path)
+        return ckpt_io.load_into(state, loaded, self.unwrap, strict=strict)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,139 @@
+"""DistributedDataParallel: replicate the model, all-reduce gradients in buckets during backward."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from distrain.strategies.base import Strategy
+
+COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd", "post_localsgd")
+
+
+class DDPStrategy(Strategy):
+    """``start_method``: "popen" (re-run the script per rank), "spawn" or "fork"."""
+
+    def __init__(
+        self,
+        start_method: str = "popen",
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float = timedelta(minutes=30),
+        ddp_comm_hook: Callable | str | None = None,
+        ddp_comm_state: Any = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        **ddp_kwargs: Any,
+    ):
+        super().__init__(process_group_backend, timeout)
+        if start_method not in ("popen", "spawn", "fork"):
+            raise ValueError(f"start_method must be popen, spawn or fork, got {start_method!r}")
+        if isinstance(ddp_comm_hook, str) and ddp_comm_hook not in COMM_HOOKS:
+            raise ValueError(f"ddp_comm_hook {ddp_comm_hook!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
+        self.start_method = start_method
+        self.ddp_kwargs = dict(
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            **ddp_kwargs,
+        )
+        self.ddp_comm_hook = ddp_comm_hook
+        self.ddp_comm_state = ddp_comm_state
+        self.ddp_comm_wrapper = ddp_comm_wrapper
+        self.model_averaging_period = model_averaging_period
+        self._model_averager = None
+
+    @property
+    def backend(self) -> str:
+        return self.process_group_backend or self.accelerator.backend
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if not dist.is_initialized():
+            kwargs = {}
+            if self.backend == "nccl":
+                kwargs["device_id"] = self.root_device  # eager NCCL init: errors surface here, not mid-step
+            dist.init_process_group(
+                self.backend,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=self.timeout,
+                **kwargs,
+            )
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        self._register_comm_hook(ddp)
+        return ddp
+
+    def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
+        hook, state = self.ddp_comm_hook, self.ddp_comm_state
+        if hook is None:
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
+
+        if isinstance(hook, str):
+            hook, state = self._named_hook(hook)
+        if hook is default_hooks.bf16_compress_hook and self.backend == "gloo":
+            # DDP refuses this exact function unless NCCL is used, yet gloo all-reduces bf16
+            # fine; the same torch implementation under another name runs.
+            hook = functools.partial(default_hooks._compress_hook, torch.bfloat16)
+        if isinstance(state, post_localSGD_hook.PostLocalSGDState) and state.subgroup is None:
+            # torch's default subgroup is "ranks per node = GPUs per node", which is 0 on a CPU
+            # machine; use the ranks of this node explicitly.
+            state.subgroup, _ = dist.new_subgroups(group_size=int(os.environ.get("LOCAL_WORLD_SIZE", self.nprocs_per_node)))
+        if isinstance(state, post_localSGD_hook.PostLocalSGDState) and self.model_averaging_period:
+            from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+            self._model_averager = PeriodicModelAverager(
+                period=self.model_averaging_period, warmup_steps=state.start_localSGD_iter
+            )
+        if self.ddp_comm_wrapper is not None:
+            hook = self.ddp_comm_wrapper(hook)
+        ddp.register_comm_hook(state, hook)
+
+    def _named_hook(self, name: str):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+
+        if name == "fp16_compress":
+            return default_hooks.fp16_compress_hook, None
+        if name == "bf16_compress":
+            return default_hooks.bf16_compress_hook, None
+        if name == "powersgd":
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+            return powerSGD_hook.powerSGD_hook, state
+        # post_localsgd: global all-reduce for the first steps, then local SGD + periodic averaging
+        if self.model_averaging_period is None:
+            self.model_averaging_period = 4
+        state = post_localSGD_hook.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=8)
+        return post_localSGD_hook.post_localSGD_hook, state
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True):
+        if enabled and isinstance(module, DistributedDataParallel):
+            return module.no_sync()
+        return contextlib.nullcontext()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
+        super().optimizer_step(optimizer, module)
+        if self._model_averager is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            self._model_averager.average_parameters(params)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.module if isinstance(module, DistributedDataParallel) else module
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
