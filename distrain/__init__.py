@@ -3,7 +3,7 @@
 from distrain.callbacks import Callback, ModelCheckpoint, ProgressBar
 from distrain.config import RunConfig, build_config
 from distrain.module import LossModule, Module
-from distrain.runtime import Runtime
+from distrain.runtime import Runtime, seed_everything
 from distrain.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 from distrain.trainer import Trainer
 
@@ -22,4 +22,5 @@ __all__ = [
     "ProgressBar",
     "RunConfig",
     "build_config",
+    "seed_everything",
 ]

@@ -16,6 +16,7 @@ The Trainer is built on exactly this class and nothing beneath it.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 from typing import Any, Callable
@@ -117,10 +118,7 @@ class Runtime:
         return self._launch(fn, self, *args, **kwargs)
 
     def _launch(self, fn: Callable, *args: Any, collect=None, restore=None, **kwargs: Any) -> Any:
-        def in_rank(*a, **kw):
-            self.setup_environment()
-            return fn(*a, **kw)
-
+        in_rank = functools.partial(_run_in_rank, self, fn)  # picklable, for spawn
         if self._launcher is None:
             return in_rank(*args, **kwargs)
         if self.strategy.start_method == "popen":
@@ -202,14 +200,23 @@ class Runtime:
             return ckpt_io.read_state_file(path)
         return self.strategy.load_checkpoint(path, state, strict=strict)
 
-    def seed_everything(self, seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
+    seed_everything = staticmethod(lambda seed: seed_everything(seed))
 
     def teardown(self) -> None:
         self.strategy.teardown()
         self._environment_ready = False
+
+
+def _run_in_rank(runtime: Runtime, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    runtime.setup_environment()
+    return fn(*args, **kwargs)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices) in this process."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 class _DeviceLoader:

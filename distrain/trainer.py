@@ -128,14 +128,15 @@ class Trainer:
 
     def _launch(self, fn, module: Module, *args):
         # spawn/fork: the trained weights and the progress come back to this (parent) process
-        def collect():
-            return {"model": {k: v.detach().cpu() for k, v in module.state_dict().items()}, "progress": self._progress()}
-
         def restore(state):
             module.load_state_dict(state["model"])
             self._load_progress(state["progress"])
 
-        return self.runtime._launch(fn, module, *args, collect=collect, restore=restore)
+        return self.runtime._launch(fn, module, *args, collect=self._state_for_parent, restore=restore)
+
+    def _state_for_parent(self) -> dict:
+        weights = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        return {"model": weights, "progress": self._progress()}
 
     # ---- fit ----------------------------------------------------------------------------------
     def _fit(self, module: Module, train_loader, val_loader, ckpt_path):

