@@ -223,6 +223,11 @@ def coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, str):
             return value

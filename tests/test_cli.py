@@ -1,0 +1,89 @@
+"""The CLI as a user sees it: a subprocess, and the files in the run directory."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def distrain(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "distrain.cli", *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, timeout=timeout)
+
+
+def test_bad_key_is_one_clear_line(tmp_path):
+    cfg = tmp_path / "x.yaml"
+    cfg.write_text("training:\n  lerning_rate: 0.1\n")
+    proc = distrain("train", "--config", str(cfg), "--output-dir", str(tmp_path / "out"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "training.lerning_rate" in proc.stderr and str(cfg) in proc.stderr and "learning_rate" in proc.stderr
+    assert not (tmp_path / "out").exists()  # failed before any process started
+
+
+def test_wrong_type_names_key_and_file(tmp_path):
+    cfg = tmp_path / "x.json"
+    cfg.write_text(json.dumps({"training": {"batch_size_per_gpu": "eight"}}))
+    proc = distrain("train", "--config", str(cfg))
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+    assert "training.batch_size_per_gpu" in proc.stderr and str(cfg) in proc.stderr and "int" in proc.stderr
+
+
+def test_wrong_type_on_the_command_line(tmp_path):
+    proc = distrain("train", "training.max_grad_norm=[1]")
+    assert proc.returncode == 2 and "training.max_grad_norm" in proc.stderr and "command line" in proc.stderr
+
+
+def test_missing_config_file(tmp_path):
+    proc = distrain("train", "--config", str(tmp_path / "nope.yaml"))
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+    assert "nope.yaml" in proc.stderr and "not found" in proc.stderr
+
+
+def test_spec_layout_mode_alias_and_print_config(tmp_path):
+    proc = distrain("train", "--config", os.path.join(ROOT, "configs", "ddp.yaml"), "--mode", "ddp_spawn",
+                    "--output_dir", str(tmp_path), "training.learning_rate=3e-4", "--print-config")
+    assert proc.returncode == 0, proc.stderr
+    cfg = yaml.safe_load(proc.stdout)
+    assert cfg["distributed"]["strategy"] == "ddp_spawn"
+    assert cfg["training"]["learning_rate"] == 3e-4 and cfg["output_dir"] == str(tmp_path)
+
+
+@pytest.mark.slow
+def test_train_writes_run_dir_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    common = ["--output-dir", str(out), "--devices", "2", "training.model_name=gpt-tiny", "data.seq_len=32",
+              "training.batch_size_per_gpu=4", "logging.log_every_n_steps=2", "checkpointing.save_every_n_steps=3",
+              "training.val_check_interval=4", "training.limit_val_batches=2", "data.max_bytes=200000",
+              "logging.progress_bar=false"]
+    proc = distrain("train", "--max-steps", "6", *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert yaml.safe_load((out / "config.yaml").read_text())["training"]["max_steps"] == 6
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    for r in train:
+        assert r["tokens_per_sec"] > 0 and r["samples_per_sec"] > 0 and r["lr"] > 0 and "mem_peak_rss_mb" in r
+    assert any("val_loss" in r for r in records)
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    ckpts = out / "checkpoints"
+    assert (ckpts / "last").resolve().name == "epoch=0-step=6"
+    state = torch.load(ckpts / "last" / "state.pt", weights_only=True)
+    assert state["progress"]["global_step"] == 6 and len(state["rng"]) == 2
+    assert state["config"]["training"]["max_steps"] == 6
+
+    proc = distrain("train", "--max-steps", "8", "--resume", "last", *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [2, 4, 6, 8]  # continued, not restarted
+
+
+def test_resume_last_without_checkpoint_is_an_error(tmp_path):
+    proc = distrain("train", "--output-dir", str(tmp_path), "--resume", "last")
+    assert proc.returncode == 2 and "no checkpoint" in proc.stderr

@@ -1,0 +1,108 @@
+"""Loop features on one process (cheap) and the Runtime for hand-written loops (2 ranks)."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import distrain
+from helpers import TinyGPT, loader, make_trainer, params_of, run_ranks
+
+
+def test_accumulation_schedule_per_epoch(tmp_path):
+    trainer, rec = make_trainer(tmp_path, strategy="single", devices=1, max_epochs=3,
+                                accumulate_grad_batches={0: 1, 1: 2, 2: 4}, logger=False)
+    trainer.fit(TinyGPT(), loader(8, n=64))  # 8 batches per epoch
+    assert trainer.global_step == 8 + 4 + 2
+
+
+def test_bf16_mixed_on_cpu_trains(tmp_path):
+    trainer, rec = make_trainer(tmp_path, strategy="single", devices=1, max_steps=15, precision="bf16-mixed",
+                                enable_checkpointing=False, logger=False)
+    distrain.seed_everything(0)
+    trainer.fit(TinyGPT(lr=1e-2, schedule=False), loader(8))
+    assert sum(rec.losses[-3:]) < sum(rec.losses[:3]) - 0.3
+
+
+def test_fp16_mixed_refused_on_cpu():
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        distrain.Trainer(accelerator="cpu", precision="16-mixed")
+
+
+def test_validate_test_predict_and_load_from_checkpoint(tmp_path):
+    trainer, _ = make_trainer(tmp_path, strategy="single", devices=1, max_steps=4, logger=False)
+    distrain.seed_everything(0)
+    module = TinyGPT(lr=5e-3)
+    trainer.fit(module, loader(8))
+    restored = TinyGPT.load_from_checkpoint(str(tmp_path / "checkpoints" / "last"))
+    assert restored.hparams["lr"] == 5e-3
+    val = trainer.validate(module, loader(8, shuffle=False))[0]["val_loss"]
+    val2 = make_trainer(tmp_path, strategy="single", devices=1, logger=False)[0].validate(
+        restored, loader(8, shuffle=False))[0]["val_loss"]
+    assert val == pytest.approx(val2, rel=1e-6)
+    preds = trainer.predict(module, loader(8, shuffle=False))
+    assert len(preds) == 12 and preds[0].shape == (8, 16)
+
+
+class PlainRegressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.lin(x), y)
+
+
+def test_plain_module_with_loss_forward(tmp_path):
+    distrain.seed_everything(0)
+    x = torch.randn(64, 4)
+    data = TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]))
+    trainer, rec = make_trainer(tmp_path, strategy="single", devices=1, max_steps=40, logger=False,
+                                enable_checkpointing=False)
+    trainer.fit(distrain.LossModule(PlainRegressor(), learning_rate=0.05), DataLoader(data, batch_size=16, shuffle=True))
+    assert rec.losses[-1] < rec.losses[0] / 4
+    with pytest.raises(TypeError, match="LossModule"):
+        trainer.fit(PlainRegressor(), DataLoader(data))
+
+
+def _custom_loop(rank):
+    rt = distrain.Runtime(accelerator="cpu", strategy="ddp", devices=2)
+
+    def main(rt):
+        torch.manual_seed(rank)  # different init per rank: setup must broadcast rank 0's weights
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = rt.setup(model, opt)
+        data = TensorDataset(torch.arange(16.0).view(8, 2).repeat(1, 2), torch.ones(8, 1))
+        dl = rt.setup_dataloaders(DataLoader(data, batch_size=2))
+        seen = []
+        for i, (x, y) in enumerate(dl):
+            seen.append(x[:, 0].tolist())
+            with rt.no_backward_sync(model, enabled=i % 2 == 0):
+                rt.backward(nn.functional.mse_loss(model(x), y))
+            if i % 2 == 1:
+                rt.clip_gradients(model, opt, 1.0)
+                opt.step()
+                opt.zero_grad()
+        total = rt.all_reduce(torch.tensor(float(len(seen))), op="sum")
+        gathered = rt.all_gather(torch.tensor([rank]))
+        obj = rt.broadcast({"from": rt.global_rank})
+        rt.barrier()
+        rt.save(f"/tmp/distrain-rt-test-{rt.world_size}", {"model": model, "opt": opt, "step": 3})
+        restored = {"model": nn.Linear(4, 1), "step": 0}
+        rt.load(f"/tmp/distrain-rt-test-{rt.world_size}", restored, strict=False)
+        same = all(torch.equal(a, b) for a, b in zip(restored["model"].parameters(), model.module.parameters()))
+        return seen, float(total), gathered.flatten().tolist(), obj, restored["step"], same, params_of(model.module)
+
+    return rt.launch(main)
+
+
+@pytest.mark.slow
+def test_runtime_for_hand_written_loops():
+    r0, r1 = run_ranks(_custom_loop, 2)
+    assert {tuple(v) for b in r0[0] for v in [b]}.isdisjoint({tuple(v) for v in r1[0]})
+    assert r0[1] == r1[1] == 4.0  # 2 batches per rank, summed over ranks
+    assert r0[2] == [0, 1] and r1[3] == {"from": 0}
+    assert r0[4] == 3 and r0[5] and r1[5]
+    for k in r0[6]:
+        assert torch.equal(r0[6][k], r1[6][k])  # replicas identical after synced steps
