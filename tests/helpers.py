@@ -35,6 +35,7 @@ def _entry(rank, fn, world_size, port, out, args):
     import torch.distributed as dist
 
     if dist.is_initialized():
+        dist.barrier()  # nobody tears down while a peer still talks to it (rank 0 hosts the store)
         dist.destroy_process_group()
 
 
