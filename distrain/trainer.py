@@ -216,9 +216,9 @@ class Trainer:
                 self._throughput.step(step_samples, step_tokens or None)
                 self._log_train_step(step_loss, optimizer)
                 micro, step_samples, step_tokens, step_loss = 0, 0, 0, torch.zeros((), device=rt.device)
-                self._call("on_train_batch_end", output, batch, batch_idx)
                 if val_loader is not None and val_every and self.global_step % val_every == 0:
-                    self._validate_during_fit(module, val_loader)
+                    self._validate_during_fit(module, val_loader)  # first, so checkpoints can monitor it
+                self._call("on_train_batch_end", output, batch, batch_idx)
                 if self._done():
                     break
             else:  # the epoch ran to its end

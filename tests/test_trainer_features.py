@@ -106,3 +106,17 @@ def test_runtime_for_hand_written_loops():
     assert r0[4] == 3 and r0[5] and r1[5]
     for k in r0[6]:
         assert torch.equal(r0[6][k], r1[6][k])  # replicas identical after synced steps
+
+
+def test_model_checkpoint_keeps_top_k_by_monitored_metric(tmp_path):
+    ckpt = distrain.ModelCheckpoint(dirpath=str(tmp_path / "ck"), filename="{step}-{val_loss:.4f}", monitor="val_loss",
+                                    mode="min", save_top_k=2, every_n_train_steps=2)
+    trainer, _ = make_trainer(tmp_path, strategy="single", devices=1, max_steps=8, val_check_interval=2,
+                              callbacks=[ckpt], logger=False)
+    distrain.seed_everything(0)
+    trainer.fit(TinyGPT(lr=1e-2, schedule=False), loader(8), loader(8, n=32, shuffle=False))
+    kept = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name != "last")
+    scores = sorted(float(name.split("-")[1]) for name in kept)
+    assert len(kept) == 2 and (tmp_path / "ck" / "last").resolve().name.startswith("8-")
+    assert ckpt.best_model_path.endswith(f"{scores[0]:.4f}")
+    assert all(float(s) <= scores[1] for s in scores)
