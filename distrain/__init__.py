@@ -1,10 +1,11 @@
 """distrain: train PyTorch models on 1 process, N processes or N nodes — the strategy is one parameter."""
 
 from distrain.callbacks import Callback, ModelCheckpoint, ProgressBar
+from distrain.checkpoint.state import checkpoint_state_of
 from distrain.config import RunConfig, build_config
 from distrain.module import LossModule, Module
 from distrain.runtime import Runtime, seed_everything
-from distrain.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from distrain.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
 from distrain.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ __all__ = [
     "Runtime",
     "Strategy",
     "DDPStrategy",
+    "FSDPStrategy",
     "SingleDeviceStrategy",
     "Callback",
     "ModelCheckpoint",
@@ -23,4 +25,5 @@ __all__ = [
     "RunConfig",
     "build_config",
     "seed_everything",
+    "checkpoint_state_of",
 ]

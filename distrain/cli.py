@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="last|PATH", help="continue from the newest checkpoint, or from PATH")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. training.learning_rate=3e-4")
+    convert = sub.add_parser("convert", help="consolidate a (sharded) checkpoint into one weights file")
+    convert.add_argument("checkpoint", help="a checkpoint directory (or its `last` link)")
+    convert.add_argument("output", help="the file to write")
+    convert.add_argument("--to", choices=("torch", "safetensors"), default="safetensors")
     return parser
 
 
@@ -51,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv or ["train"])
     if args.command is None:
         args = build_parser().parse_args(["train", *argv])
+    if args.command == "convert":
+        try:
+            return convert(args.checkpoint, args.output, args.to)
+        except (FileNotFoundError, RuntimeError) as e:
+            print(f"distrain: error: {e}", file=sys.stderr)
+            return 2
     try:
         flags = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
         config = build_config(args.config, flags, args.overrides)
@@ -161,6 +171,25 @@ def train(config: RunConfig, resume: str | None = None) -> int:
     if trainer.is_global_zero:
         cb = trainer.checkpoint_callback
         print(f"distrain: done at step {trainer.global_step}; last checkpoint: {cb.last_model_path}", flush=True)
+    return 0
+
+
+def convert(checkpoint: str, output: str, to: str) -> int:
+    """Full model weights from any distrain checkpoint (DDP's or FSDP's shards), no process group."""
+    from distrain.checkpoint.state import read_model_weights
+
+    # clone: tied weights share storage, which safetensors refuses; contiguous for both formats
+    weights = {k: v.detach().contiguous().clone() for k, v in read_model_weights(checkpoint).items()}
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    if to == "torch":
+        import torch
+
+        torch.save(weights, output)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(weights, output)
+    print(f"distrain: wrote {len(weights)} tensors ({sum(v.numel() for v in weights.values()):,} values) to {output}")
     return 0
 
 

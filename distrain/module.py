@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distrain.checkpoint.io import read_state_file
+from distrain.checkpoint.state import read_checkpoint_meta, read_model_weights
 
 
 class Module(nn.Module):
@@ -88,10 +88,10 @@ class Module(nn.Module):
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str, strict: bool = True, **kwargs: Any) -> "Module":
         """Rebuild the module from its saved hyperparameters (``kwargs`` override) and weights."""
-        state = read_state_file(checkpoint_path)
-        module = cls(**{**state.get("hyper_parameters", {}), **kwargs})
+        meta = read_checkpoint_meta(checkpoint_path)
+        module = cls(**{**meta.get("hyper_parameters", {}), **kwargs})
         module.configure_model()
-        module.load_state_dict(state["model"], strict=strict)
+        module.load_state_dict(read_model_weights(checkpoint_path), strict=strict)
         return module.eval()
 
     def __getstate__(self):  # the trainer never travels with the module (spawn pickles it)

@@ -355,8 +355,11 @@ class Trainer:
         if stage != "fit":
             module.to(rt.device)
             return
+        # The model is set up first: sharding strategies replace parameters, and the optimizer
+        # must hold the ones that will be trained.
+        self.model = rt.strategy.setup_module(_StepRouter(module))
         optimizers, self.lr_schedulers = _parse_optimizers(module.configure_optimizers())
-        self.model, self.optimizers = rt.strategy.setup(_StepRouter(module), optimizers)
+        self.optimizers = [rt.strategy.setup_optimizer(o) for o in optimizers]
 
     def _setup_loader(self, loader, shuffle_seed: int = 0, even: bool = True):
         if not self.use_distributed_sampler or not isinstance(loader, DataLoader):
@@ -410,7 +413,7 @@ class Trainer:
     def _checkpoint_state(self) -> dict[str, Any]:
         return {
             "format": CHECKPOINT_FORMAT,
-            "model": self.model if self.model is not None else self.module,
+            "model": self.module,  # the bare module: same names under every strategy
             "optimizers": self.optimizers,
             "lr_schedulers": [c["scheduler"] for c in self.lr_schedulers],
             "precision": self.runtime.precision,
@@ -444,7 +447,7 @@ class Trainer:
             self.runtime.load(path, {"model": self.module})
             return
         state = {
-            "model": self.model,
+            "model": self.module,
             "optimizers": self.optimizers,
             "lr_schedulers": [c["scheduler"] for c in self.lr_schedulers],
             "precision": self.runtime.precision,
@@ -473,12 +476,6 @@ class _StepRouter(nn.Module):
 
     def forward(self, step_name: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.module, step_name)(*args, **kwargs)
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state, strict=strict, assign=assign)
 
 
 def _as_module(module: nn.Module) -> Module:

@@ -90,9 +90,12 @@ class TinyGPT(distrain.Module):
 class LossRecorder(distrain.Callback):
     def __init__(self):
         self.losses: list[float] = []
+        self.grad_norms: list[float] = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.losses.append(trainer.callback_metrics["loss"])
+        if "grad_norm" in trainer.callback_metrics:
+            self.grad_norms.append(trainer.callback_metrics["grad_norm"])
 
 
 def make_trainer(tmp, **kw) -> tuple[distrain.Trainer, LossRecorder]:

@@ -12,7 +12,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -22,46 +22,6 @@ LAST = "last"
 
 def is_stateful(obj: Any) -> bool:
     return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
-
-
-def to_plain_state(state: dict[str, Any], unwrap: Callable = lambda m: m) -> dict[str, Any]:
-    """Replace every object that has ``state_dict()`` by its state dict (lists too)."""
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, torch.nn.Module):
-            return unwrap(value).state_dict()
-        if is_stateful(value):
-            return value.state_dict()
-        if isinstance(value, (list, tuple)) and any(is_stateful(v) for v in value):
-            return [plain(v) for v in value]
-        return value
-
-    return {key: plain(value) for key, value in state.items()}
-
-
-def load_into(state: dict[str, Any], loaded: dict[str, Any], unwrap: Callable = lambda m: m, strict: bool = True) -> dict:
-    """Load ``loaded`` into the stateful objects of ``state`` in place; plain entries are replaced.
-
-    Returns the entries of the checkpoint that ``state`` did not ask for.
-    """
-    for key, target in state.items():
-        if key not in loaded:
-            if strict:
-                raise KeyError(f"checkpoint has no entry {key!r} (it has: {', '.join(sorted(loaded))})")
-            continue
-        value = loaded[key]
-        if isinstance(target, torch.nn.Module):
-            unwrap(target).load_state_dict(value, strict=strict)
-        elif is_stateful(target):
-            target.load_state_dict(value)
-        elif isinstance(target, (list, tuple)) and any(is_stateful(t) for t in target):
-            if len(target) != len(value):
-                raise ValueError(f"checkpoint entry {key!r} holds {len(value)} states, expected {len(target)}")
-            for t, v in zip(target, value):
-                t.load_state_dict(v)
-        else:
-            state[key] = value
-    return {k: v for k, v in loaded.items() if k not in state}
 
 
 def write_checkpoint_dir(path: str | os.PathLike, files: dict[str, Any]) -> None:

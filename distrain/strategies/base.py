@@ -8,6 +8,7 @@ It knows nothing about the Trainer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from datetime import timedelta
 from typing import Any, Iterable
@@ -18,6 +19,7 @@ from torch import nn
 
 from distrain.accelerators import Accelerator
 from distrain.checkpoint import io as ckpt_io
+from distrain.checkpoint import state as ckpt_state
 from distrain.cluster import ClusterEnv
 from distrain.precision import Precision
 
@@ -26,8 +28,14 @@ class Strategy:
     #: how extra ranks are started when no launcher did it: "popen", "spawn", "fork" or None
     start_method: str | None = None
 
-    def __init__(self, process_group_backend: str | None = None, timeout: timedelta | float = timedelta(minutes=30)):
+    def __init__(
+        self,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float = timedelta(minutes=30),
+        activation_checkpointing_policy: Any = None,
+    ):
         self.process_group_backend = process_group_backend
+        self.activation_checkpointing_policy = activation_checkpointing_policy
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self.accelerator: Accelerator | None = None
         self.precision: Precision | None = None
@@ -65,6 +73,21 @@ class Strategy:
         """Called in every rank before anything touches the model."""
         self.accelerator.setup_device(self.root_device)
         self._set_cpu_threads()
+        if self.start_method is not None and not dist.is_initialized():  # a multi-process strategy
+            kwargs = {}
+            if self.backend == "nccl":
+                kwargs["device_id"] = self.root_device  # eager NCCL init: errors surface here, not mid-step
+            dist.init_process_group(
+                self.backend,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=self.timeout,
+                **kwargs,
+            )
+
+    @property
+    def backend(self) -> str:
+        return self.process_group_backend or self.accelerator.backend
 
     def _set_cpu_threads(self) -> None:
         # N ranks on one CPU each using every core oversubscribes it (the classic CPU slowdown).
@@ -82,7 +105,9 @@ class Strategy:
         return stack
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        return self.precision.convert_module(module).to(self.root_device)
+        module = self.precision.convert_module(module).to(self.root_device)
+        apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        return module
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
@@ -156,16 +181,43 @@ class Strategy:
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
 
-    # ---- checkpoints: one file written by rank 0 (sharded strategies override) -------------
+    # ---- checkpoints: one full-state file written by rank 0 (sharded strategies override) -----
     def save_checkpoint(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
-        plain = ckpt_io.to_plain_state(state, self.unwrap)
+        plain = ckpt_state.collect(state, self.unwrap, ckpt_state.FULL)
         if self.is_global_zero:
-            ckpt_io.write_checkpoint_dir(path, {"state.pt": plain})
+            ckpt_io.write_checkpoint_dir(path, {ckpt_io.STATE_FILE: plain})
         self.barrier("save_checkpoint")
 
     def load_checkpoint(self, path: str | os.PathLike, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
-        loaded = ckpt_io.read_state_file(path)
-        return ckpt_io.load_into(state, loaded, self.unwrap, strict=strict)
+        """Reads both formats: a full ``state.pt`` and a DCP-sharded directory (resharded to us)."""
+        return ckpt_state.load_any(path, state, self.unwrap, ckpt_state.FULL, strict)
+
+
+def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
+    """Recompute the activations of the selected layers in backward (torch's non-reentrant
+    checkpoint). ``policy``: a set of layer classes, a callable ``(module) -> bool``, or
+    ``{"classes": {...}, "every_n": k}`` to checkpoint every k-th matching layer."""
+    if not policy:
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing as apply_ac,
+        checkpoint_wrapper,
+    )
+
+    every_n = 1
+    if isinstance(policy, dict):
+        every_n = int(policy.get("every_n", 1))
+        policy = policy["classes"]
+    if callable(policy) and not isinstance(policy, type):
+        selected = policy
+    else:
+        classes = tuple(policy) if isinstance(policy, (set, list, tuple, frozenset)) else (policy,)
+        matches = [m for m in module.modules() if isinstance(m, classes)]
+        chosen = {id(m) for i, m in enumerate(matches) if i % every_n == 0}
+        selected = lambda m: id(m) in chosen  # noqa: E731
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    apply_ac(module, checkpoint_wrapper_fn=wrapper, check_fn=selected)
 
 
 @contextlib.contextmanager

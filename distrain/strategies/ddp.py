@@ -32,9 +32,10 @@ class DDPStrategy(Strategy):
         ddp_comm_state: Any = None,
         ddp_comm_wrapper: Callable | None = None,
         model_averaging_period: int | None = None,
+        activation_checkpointing_policy: Any = None,
         **ddp_kwargs: Any,
     ):
-        super().__init__(process_group_backend, timeout)
+        super().__init__(process_group_backend, timeout, activation_checkpointing_policy)
         if start_method not in ("popen", "spawn", "fork"):
             raise ValueError(f"start_method must be popen, spawn or fork, got {start_method!r}")
         if isinstance(ddp_comm_hook, str) and ddp_comm_hook not in COMM_HOOKS:
@@ -51,24 +52,6 @@ class DDPStrategy(Strategy):
         self.ddp_comm_wrapper = ddp_comm_wrapper
         self.model_averaging_period = model_averaging_period
         self._model_averager = None
-
-    @property
-    def backend(self) -> str:
-        return self.process_group_backend or self.accelerator.backend
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        if not dist.is_initialized():
-            kwargs = {}
-            if self.backend == "nccl":
-                kwargs["device_id"] = self.root_device  # eager NCCL init: errors surface here, not mid-step
-            dist.init_process_group(
-                self.backend,
-                rank=int(os.environ["RANK"]),
-                world_size=int(os.environ["WORLD_SIZE"]),
-                timeout=self.timeout,
-                **kwargs,
-            )
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)

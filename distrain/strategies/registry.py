@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 from distrain.strategies.base import Strategy
 from distrain.strategies.ddp import DDPStrategy
+from distrain.strategies.fsdp import FSDPStrategy
 from distrain.strategies.single import SingleDeviceStrategy
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
@@ -14,6 +15,8 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "ddp_spawn": lambda **kw: DDPStrategy(start_method="spawn", **kw),
     "ddp_fork": lambda **kw: DDPStrategy(start_method="fork", **kw),
     "ddp_notebook": lambda **kw: DDPStrategy(start_method="fork", **kw),
+    "fsdp": FSDPStrategy,
+    "fsdp_cpu_offload": lambda **kw: FSDPStrategy(**{"cpu_offload": True, **kw}),
     "auto": lambda **kw: None,  # resolved by the Runtime once the world size is known
 }
 
@@ -23,7 +26,7 @@ def make_strategy(name: str | Strategy, world_size: int, **kwargs: Any) -> Strat
         return name
     if name not in STRATEGIES:
         raise ValueError(f"strategy {name!r} is unknown; choose one of {', '.join(sorted(STRATEGIES))}")
-    generic = {k: v for k, v in kwargs.items() if k in ("process_group_backend", "timeout")}
+    generic = {k: v for k, v in kwargs.items() if k in ("process_group_backend", "timeout", "activation_checkpointing_policy")}
     if name == "auto":
         if world_size == 1:  # options for the multi-process strategies do not apply to one process
             return SingleDeviceStrategy(**generic)

@@ -1,0 +1,192 @@
+"""Turning live objects into checkpoint state and back, for every strategy.
+
+Model and optimizer state go through torch.distributed.checkpoint's ``get_state_dict`` /
+``set_state_dict``: optimizer state is keyed by parameter name (not by position) and tensors are
+either full (single, DDP, FSDP "full") or DTensor shards (FSDP "sharded"). One format on every
+strategy is what lets a DDP checkpoint resume under FSDP and the reverse.
+
+On disk a checkpoint directory holds either ``state.pt`` (everything, full tensors) or a DCP
+shard set (``.metadata`` + ``*.distcp``: model and optimizers) next to ``meta.pt`` (the rest:
+progress, RNG, schedulers, config). Both load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from distrain.checkpoint import io as ckpt_io
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FULL_EVERY_RANK = StateDictOptions(full_state_dict=True)
+SHARDED = StateDictOptions(full_state_dict=False)
+META_FILE = "meta.pt"
+
+
+def _optimizers(value: Any) -> list[torch.optim.Optimizer] | None:
+    if isinstance(value, torch.optim.Optimizer):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.optim.Optimizer) for v in value):
+        return list(value)
+    return None
+
+
+def _the_model(state: dict[str, Any], unwrap: Callable) -> nn.Module | None:
+    models = [unwrap(v) for v in state.values() if isinstance(v, nn.Module)]
+    return models[0] if len(models) == 1 else None
+
+
+def tensor_keys(state: dict[str, Any]) -> list[str]:
+    """The entries that hold model/optimizer tensors (what DCP shards)."""
+    return [k for k, v in state.items() if isinstance(v, nn.Module) or _optimizers(v) is not None]
+
+
+def collect(state: dict[str, Any], unwrap: Callable, options: StateDictOptions) -> dict[str, Any]:
+    """Replace live objects by their state; must be called on every rank (may communicate)."""
+    model = _the_model(state, unwrap)
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        opts = _optimizers(value)
+        if isinstance(value, nn.Module):
+            out[key] = get_model_state_dict(unwrap(value), options=options)
+        elif opts is not None:
+            states = [
+                get_optimizer_state_dict(model, o, options=options) if model is not None else o.state_dict()
+                for o in opts
+            ]
+            out[key] = states if isinstance(value, (list, tuple)) else states[0]
+        elif ckpt_io.is_stateful(value):
+            out[key] = value.state_dict()
+        elif isinstance(value, (list, tuple)) and any(ckpt_io.is_stateful(v) for v in value):
+            out[key] = [v.state_dict() for v in value]
+        else:
+            out[key] = value
+    return out
+
+
+def apply(state: dict[str, Any], loaded: dict[str, Any], unwrap: Callable, options: StateDictOptions,
+          strict: bool = True) -> dict[str, Any]:
+    """Load ``loaded`` into ``state``'s objects in place; plain entries are replaced. Returns the
+    checkpoint's entries that ``state`` did not ask for."""
+    model = _the_model(state, unwrap)
+    options = StateDictOptions(full_state_dict=options.full_state_dict, strict=strict)
+    for key, target in state.items():
+        if key not in loaded:
+            if strict:
+                raise KeyError(f"checkpoint has no entry {key!r} (it has: {', '.join(sorted(loaded))})")
+            continue
+        value = loaded[key]
+        opts = _optimizers(target)
+        if isinstance(target, nn.Module):
+            set_model_state_dict(unwrap(target), value, options=options)
+        elif opts is not None:
+            values = value if isinstance(target, (list, tuple)) else [value]
+            if len(values) != len(opts):
+                raise ValueError(f"checkpoint entry {key!r} holds {len(values)} optimizer states, expected {len(opts)}")
+            for o, v in zip(opts, values):
+                if model is not None:
+                    set_optimizer_state_dict(model, o, v, options=options)
+                else:
+                    o.load_state_dict(v)
+        elif ckpt_io.is_stateful(target):
+            target.load_state_dict(value)
+        elif isinstance(target, (list, tuple)) and any(ckpt_io.is_stateful(t) for t in target):
+            for t, v in zip(target, value):
+                t.load_state_dict(v)
+        else:
+            state[key] = value
+    return {k: v for k, v in loaded.items() if k not in state}
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return (path / ".metadata").is_file()
+
+
+def save_sharded(path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, is_global_zero: bool,
+                 barrier: Callable) -> None:
+    """Every rank writes its own shards in parallel (DCP); rank 0 commits the directory."""
+    path = Path(path)
+    collected = collect(state, unwrap, SHARDED)
+    keys = tensor_keys(state)
+    tmp = path.with_name(f".{path.name}.tmp-sharded")  # the same name on every rank
+    if is_global_zero:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier("checkpoint tmp dir")
+    dcp.save({k: collected[k] for k in keys}, checkpoint_id=str(tmp))
+    if is_global_zero:
+        torch.save({k: v for k, v in collected.items() if k not in keys}, tmp / META_FILE)
+    barrier("checkpoint shards written")
+    if is_global_zero:
+        ckpt_io.commit_dir(tmp, path)
+    barrier("checkpoint committed")
+
+
+def load_any(path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, options: StateDictOptions,
+             strict: bool = True) -> dict[str, Any]:
+    """Load a full or a sharded checkpoint into ``state`` (whatever wrote it, whatever world size)."""
+    path = ckpt_io.resolve_checkpoint(path)
+    if not is_sharded_checkpoint(path):
+        return apply(state, ckpt_io.read_state_file(path), unwrap, FULL, strict)
+    # DCP reads into the tensors we hand it, resharding to our layout: ask for our own state
+    # first (this also creates optimizer state, so there is something to load into).
+    keys = tensor_keys(state)
+    every_rank = FULL_EVERY_RANK if options.full_state_dict else options  # FULL offloads to rank 0 only
+    target = collect({k: state[k] for k in keys} | _model_entry(state), unwrap, every_rank)
+    target = {k: target[k] for k in keys}
+    dcp.load(target, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    meta_file = path / META_FILE
+    meta = torch.load(meta_file, map_location="cpu", weights_only=True) if meta_file.exists() else {}
+    return apply(state, {**meta, **target}, unwrap, options, strict)
+
+
+def _model_entry(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+
+
+def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """Everything but the tensors' shards: progress, hyperparameters, config, ..."""
+    path = ckpt_io.resolve_checkpoint(path)
+    if not is_sharded_checkpoint(path):
+        return ckpt_io.read_state_file(path)
+    return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+
+
+def read_model_weights(path: str | os.PathLike, key: str = "model") -> dict[str, torch.Tensor]:
+    """The full model weights of any distrain checkpoint, on CPU, without a process group."""
+    path = ckpt_io.resolve_checkpoint(path)
+    if not is_sharded_checkpoint(path):
+        return ckpt_io.read_state_file(path)[key]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(path), str(out))
+        return torch.load(out, map_location="cpu", weights_only=True)[key]
+
+
+def checkpoint_state_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
+    """Full (unsharded) model and optimizer tensors by name, on every rank: handy to compare
+    runs across strategies and world sizes."""
+    out = {f"model.{k}": v.cpu() for k, v in get_model_state_dict(model, options=FULL_EVERY_RANK).items()}
+    if optimizer is not None:
+        osd = get_optimizer_state_dict(model, optimizer, options=FULL_EVERY_RANK)
+        for name, per_param in osd["state"].items():
+            out.update({f"optim.{name}.{k}": v.cpu() for k, v in per_param.items() if isinstance(v, torch.Tensor)})
+    return out

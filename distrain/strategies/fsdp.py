@@ -1,0 +1,238 @@
+"""Fully sharded data parallel on FSDP2 (``fully_shard``, DTensor parameters).
+
+Parameters, gradients and optimizer state are split across ranks; each wrapped layer
+all-gathers its parameters just before use and frees them after. The order of set-up matters:
+activation checkpointing wraps layers first (so recomputation happens inside the sharded unit),
+then every selected layer is sharded, then the root (which owns what is left: embeddings, head).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distrain.checkpoint import io as ckpt_io
+from distrain.checkpoint import state as ckpt_state
+from distrain.strategies.base import Strategy, apply_activation_checkpointing
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+class FSDPStrategy(Strategy):
+    """FSDP1-style option names, mapped onto FSDP2:
+
+    - ``FULL_SHARD``: reshard parameters after forward (ZeRO-3); ``SHARD_GRAD_OP``: keep them
+      gathered between forward and backward (ZeRO-2-like); ``NO_SHARD``: replicate (a 2-D mesh
+      with shard size 1); ``HYBRID_SHARD``: shard within a node, replicate across nodes.
+    - ``auto_wrap_policy``: a set of layer classes, a callable ``(module) -> bool``, or an int
+      (min parameters per wrapped unit). Default: the module's ``block_class`` if it has one.
+    - ``mixed_precision``: ``MixedPrecisionPolicy`` or a dict of param/reduce/buffer dtypes;
+      default from the Trainer's precision, with fp32 gradient reduction.
+    """
+
+    start_method = "popen"
+
+    def __init__(
+        self,
+        sharding_strategy: str = "FULL_SHARD",
+        cpu_offload: bool = False,
+        auto_wrap_policy: Any = None,
+        activation_checkpointing_policy: Any = None,
+        mixed_precision: Any = None,
+        state_dict_type: str = "sharded",
+        device_mesh: Any = None,
+        forward_prefetch: bool = False,
+        backward_prefetch: str | None = "BACKWARD_PRE",
+        use_orig_params: bool = True,
+        sync_module_states: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float = timedelta(minutes=30),
+        start_method: str = "popen",
+    ):
+        super().__init__(process_group_backend, timeout, activation_checkpointing_policy)
+        if sharding_strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {sharding_strategy!r}")
+        if state_dict_type not in ("sharded", "full"):
+            raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}")
+        self.start_method = start_method
+        self.sharding_strategy = sharding_strategy
+        self.cpu_offload = cpu_offload
+        self.auto_wrap_policy = auto_wrap_policy
+        self.mixed_precision = mixed_precision
+        self.state_dict_type = state_dict_type
+        self.device_mesh = device_mesh
+        self.forward_prefetch = forward_prefetch
+        self.sync_module_states = sync_module_states
+        self._explain_fsdp1_options(backward_prefetch, use_orig_params)
+
+    @staticmethod
+    def _explain_fsdp1_options(backward_prefetch, use_orig_params) -> None:
+        # FSDP2 has no switch for these; say what happens instead of silently dropping them.
+        if backward_prefetch not in (None, "BACKWARD_PRE"):
+            warnings.warn(f"backward_prefetch={backward_prefetch!r}: FSDP2 always prefetches the next layer's "
+                          "all-gather in backward (the BACKWARD_PRE behaviour); the option has no other setting")
+        if not use_orig_params:
+            warnings.warn("use_orig_params=False: FSDP2 always exposes the original parameters (as DTensors)")
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def module_init_context(self, empty_init: bool | None = None):
+        """configure_model builds on the meta device: no rank ever holds the whole model."""
+        if empty_init is False:
+            return super().module_init_context(empty_init)
+        return torch.device("meta")
+
+    def _mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.device_mesh is not None:
+            if isinstance(self.device_mesh, tuple):
+                return init_device_mesh(self.root_device.type, self.device_mesh, mesh_dim_names=("replicate", "shard"))
+            return self.device_mesh
+        world = self.world_size
+        if self.sharding_strategy == "NO_SHARD":
+            return init_device_mesh(self.root_device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
+        if self.sharding_strategy == "HYBRID_SHARD":
+            per_node = world // self.num_nodes
+            return init_device_mesh(self.root_device.type, (self.num_nodes, per_node), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(self.root_device.type, (world,), mesh_dim_names=("shard",))
+
+    def _mp_policy(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp = self.mixed_precision
+        if isinstance(mp, MixedPrecisionPolicy):
+            return mp
+        if isinstance(mp, dict):
+            dt = {k: _DTYPES[v] if isinstance(v, str) else v for k, v in mp.items() if v is not None}
+            return MixedPrecisionPolicy(param_dtype=dt.get("param_dtype"), reduce_dtype=dt.get("reduce_dtype", torch.float32),
+                                        output_dtype=dt.get("buffer_dtype"))
+        if self.precision.name in ("bf16-mixed", "16-mixed"):
+            return MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    def _wrap_selector(self, module: nn.Module) -> Callable[[nn.Module], bool]:
+        policy = self.auto_wrap_policy
+        if policy is None:
+            policy = _default_block_classes(module)
+        if policy is None:
+            return lambda m: False
+        if isinstance(policy, int):
+            return lambda m: m is not module and sum(p.numel() for p in m.parameters()) >= policy and not any(
+                sum(p.numel() for p in c.parameters()) >= policy for c in m.children())
+        if callable(policy) and not isinstance(policy, type):
+            return policy
+        classes = tuple(policy) if isinstance(policy, (set, list, tuple, frozenset)) else (policy,)
+        return lambda m: isinstance(m, classes)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        module = self.precision.convert_module(module)
+        on_meta = any(p.is_meta for p in module.parameters())
+        if not on_meta:
+            module = module.to(self.root_device)
+            if self.sync_module_states:
+                for t in [*module.parameters(), *module.buffers()]:
+                    dist.broadcast(t.data, src=0)
+        apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        kwargs = dict(
+            mesh=self._mesh(),
+            reshard_after_forward=self.sharding_strategy not in ("SHARD_GRAD_OP", "NO_SHARD"),
+            mp_policy=self._mp_policy(),
+        )
+        if self.cpu_offload:
+            # pinned memory needs an accelerator: on a CPU-only machine it fails at set-up
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        selected = self._wrap_selector(module)
+        units = [m for m in module.modules() if m is not module and selected(m)]
+        for unit in reversed(units):  # innermost first, so nested units own their own params
+            fully_shard(unit, **kwargs)
+        fully_shard(module, **kwargs)
+        if self.forward_prefetch and len(units) > 1:
+            for this, nxt in zip(units, units[1:]):
+                this.set_modules_to_forward_prefetch([nxt])
+        if on_meta:
+            _materialize_shards(module, torch.device("cpu") if self.cpu_offload else self.root_device)
+        return module
+
+    def setup(self, module: nn.Module, optimizers=()):
+        """Optimizers made before sharding point at the replaced parameters: re-point them."""
+        names = {id(p): n for n, p in module.named_parameters()}
+        module = self.setup_module(module)
+        params = dict(module.named_parameters())
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [params[names[id(p)]] if id(p) in names else p for p in group["params"]]
+        return module, list(optimizers)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True):
+        """Accumulate unsharded-free local gradients: no reduce-scatter until the last micro-step."""
+        if not enabled or not hasattr(module, "set_requires_gradient_sync"):
+            return contextlib.nullcontext()
+        return _gradient_sync_off(module)
+
+    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        # clip_grad_norm_ on DTensor gradients computes the global norm across shards
+        norm = super().clip_gradients(module, optimizer, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, path, state: dict[str, Any]) -> None:
+        if self.state_dict_type == "sharded":
+            ckpt_state.save_sharded(path, state, self.unwrap, self.is_global_zero, self.barrier)
+            return
+        # full: gathered shard by shard into CPU memory on rank 0 only, never onto one GPU
+        plain = ckpt_state.collect(state, self.unwrap, ckpt_state.FULL)
+        if self.is_global_zero:
+            ckpt_io.write_checkpoint_dir(path, {ckpt_io.STATE_FILE: plain})
+        self.barrier("save_checkpoint")
+
+    def load_checkpoint(self, path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+        return ckpt_state.load_any(path, state, self.unwrap, ckpt_state.SHARDED, strict)
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(module: nn.Module):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def _default_block_classes(module: nn.Module) -> set[type] | None:
+    """The model's repeated layer: distrain's ``block_class`` or transformers' ``_no_split_modules``."""
+    for m in module.modules():
+        cls = getattr(m, "block_class", None)
+        if isinstance(cls, type):
+            return {cls}
+    names = set()
+    for m in module.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    if names:
+        return {type(m) for m in module.modules() if type(m).__name__ in names} or None
+    return None
+
+
+def _materialize_shards(module: nn.Module, device: torch.device) -> None:
+    """Allocate only this rank's shards, then initialize them: each module's own
+    ``reset_parameters`` runs children first, so a parent's custom init (e.g. GPT's) wins."""
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for m in reversed(list(module.modules())):
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                reset()
