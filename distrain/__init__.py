@@ -6,6 +6,7 @@ from distrain.config import RunConfig, build_config
 from distrain.module import LossModule, Module
 from distrain.runtime import Runtime, seed_everything
 from distrain.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
+from distrain.strategies.base import wrap
 from distrain.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -25,5 +26,6 @@ __all__ = [
     "RunConfig",
     "build_config",
     "seed_everything",
+    "wrap",
     "checkpoint_state_of",
 ]

@@ -26,13 +26,10 @@ def _devices(value: str):
     return value if value == "auto" else int(value)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="distrain", description=__doc__)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = False
-    train = sub.add_parser("train", help="train the built-in GPT job (or the one your config describes)")
+def train_parser() -> argparse.ArgumentParser:
+    train = argparse.ArgumentParser(prog="distrain train", description="train the built-in GPT job (or your config's)")
     train.add_argument("--config", help="YAML or JSON config file")
-    train.add_argument("--strategy", "--mode", dest="strategy", help="auto, single, ddp, ddp_spawn, ddp_fork")
+    train.add_argument("--strategy", "--mode", dest="strategy", help="auto, single, ddp, ddp_spawn, ddp_fork, fsdp, ...")
     train.add_argument("--devices", type=_devices, help="processes per node (an integer, or auto)")
     train.add_argument("--accelerator", help="auto, cpu or gpu")
     train.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int)
@@ -43,19 +40,30 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="last|PATH", help="continue from the newest checkpoint, or from PATH")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. training.learning_rate=3e-4")
-    convert = sub.add_parser("convert", help="consolidate a (sharded) checkpoint into one weights file")
+    return train
+
+
+def convert_parser() -> argparse.ArgumentParser:
+    convert = argparse.ArgumentParser(prog="distrain convert", description="consolidate a (sharded) checkpoint into one weights file")
     convert.add_argument("checkpoint", help="a checkpoint directory (or its `last` link)")
     convert.add_argument("output", help="the file to write")
     convert.add_argument("--to", choices=("torch", "safetensors"), default="safetensors")
-    return parser
+    return convert
+
+
+COMMANDS = {"train": train_parser, "convert": convert_parser}
+USAGE = "usage: distrain {train,convert} [options]   (`distrain COMMAND -h` for help; no command means train)"
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv or ["train"])
-    if args.command is None:
-        args = build_parser().parse_args(["train", *argv])
-    if args.command == "convert":
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
+    # intermixed: `key=value` overrides may stand between and after the options
+    args = COMMANDS[command]().parse_intermixed_args(argv)
+    if command == "convert":
         try:
             return convert(args.checkpoint, args.output, args.to)
         except (FileNotFoundError, RuntimeError) as e:
@@ -104,9 +112,26 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         loggers.append(WandbLogger(save_dir=str(out)))
     if lg.use_mlflow:
         loggers.append(MLFlowLogger())
-    ddp_options = {}
-    if d.strategy != "single":
-        ddp_options = dict(
+    from distrain.models.gpt import Block
+
+    f = config.fsdp
+    every_n = f.activation_checkpointing.every_n_layers
+    use_ac = t.activation_checkpointing or f.activation_checkpointing.enabled  # the spec's name is an alias
+    strategy_options: dict = {"activation_checkpointing_policy": {"classes": {Block}, "every_n": every_n} if use_ac else None}
+    if d.strategy.startswith("fsdp"):
+        strategy_options.update(
+            sharding_strategy=f.sharding_strategy,
+            cpu_offload=f.cpu_offload or d.strategy == "fsdp_cpu_offload",
+            auto_wrap_policy={"transformer_based": {Block}, "size_based": f.min_num_params}.get(f.auto_wrap_policy, _root_only),
+            mixed_precision={k: v for k, v in vars(f.mixed_precision).items() if v} or None,
+            state_dict_type=f.state_dict_type,
+            forward_prefetch=f.forward_prefetch,
+            backward_prefetch=f.backward_prefetch,
+            use_orig_params=f.use_orig_params,
+            sync_module_states=f.sync_module_states,
+        )
+    elif d.strategy != "single":
+        strategy_options.update(
             find_unused_parameters=d.find_unused_parameters,
             gradient_as_bucket_view=d.gradient_as_bucket_view,
             static_graph=d.static_graph,
@@ -139,7 +164,7 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         enable_progress_bar=lg.progress_bar,
         process_group_backend=d.backend,
         timeout=d.timeout_seconds,
-        **ddp_options,
+        **strategy_options,
     )
     trainer.run_config = config.to_dict()
 
@@ -172,6 +197,11 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         cb = trainer.checkpoint_callback
         print(f"distrain: done at step {trainer.global_step}; last checkpoint: {cb.last_model_path}", flush=True)
     return 0
+
+
+def _root_only(module) -> bool:
+    """auto_wrap_policy: null — no unit but the root."""
+    return False
 
 
 def convert(checkpoint: str, output: str, to: str) -> int:

@@ -52,6 +52,8 @@ class TrainingConfig:
     val_check_interval: int = 100
     """Run validation every this many optimizer steps (and at the end)."""
     limit_val_batches: int = 20
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward (any strategy)."""
 
 
 @dataclass
@@ -100,12 +102,49 @@ class DataConfig:
 
 
 @dataclass
+class ActivationCheckpointingConfig:
+    enabled: bool = False
+    every_n_layers: int = 1
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """dtype names (bf16, fp16, fp32); null → from ``training.precision`` (reduction in fp32)."""
+
+    param_dtype: Optional[str] = None
+    reduce_dtype: Optional[str] = None
+    buffer_dtype: Optional[str] = None
+
+
+@dataclass
+class FSDPConfig:
+    """Used when ``distributed.strategy`` is ``fsdp``/``fsdp_cpu_offload``. FSDP1 names, mapped to FSDP2."""
+
+    sharding_strategy: str = "FULL_SHARD"
+    """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD."""
+    cpu_offload: bool = False
+    backward_prefetch: Optional[str] = "BACKWARD_PRE"
+    """FSDP2 always prefetches in backward (BACKWARD_PRE); other values are explained, not applied."""
+    forward_prefetch: bool = False
+    auto_wrap_policy: Optional[str] = "transformer_based"
+    """``transformer_based`` (the model's block class), ``size_based`` (min_num_params) or null (root only)."""
+    min_num_params: int = 1_000_000
+    use_orig_params: bool = True
+    sync_module_states: bool = False
+    state_dict_type: str = "sharded"
+    """``sharded`` (each rank writes its shards, DCP) or ``full`` (gathered to rank 0, on CPU)."""
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+
+
+@dataclass
 class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     output_dir: str = "runs/distrain"
 
     def to_dict(self) -> dict:
@@ -276,6 +315,19 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"distributed.strategy {d.strategy!r} is unknown; choose one of {', '.join(sorted(STRATEGIES))}")
     from distrain.strategies.ddp import COMM_HOOKS
 
+    f = config.fsdp
+    from distrain.strategies.fsdp import SHARDING_STRATEGIES
+
+    if f.sharding_strategy not in SHARDING_STRATEGIES:
+        raise ConfigError(f"fsdp.sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {f.sharding_strategy!r}")
+    if f.auto_wrap_policy not in (None, "transformer_based", "size_based"):
+        raise ConfigError(f"fsdp.auto_wrap_policy must be transformer_based, size_based or null, got {f.auto_wrap_policy!r}")
+    if f.state_dict_type not in ("sharded", "full"):
+        raise ConfigError(f"fsdp.state_dict_type must be sharded or full, got {f.state_dict_type!r}")
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        value = getattr(f.mixed_precision, name)
+        if value not in (None, "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
+            raise ConfigError(f"fsdp.mixed_precision.{name} must be bf16, fp16 or fp32, got {value!r}")
     if d.comm_hook is not None and d.comm_hook not in COMM_HOOKS:
         raise ConfigError(f"distributed.comm_hook {d.comm_hook!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
 

@@ -31,8 +31,11 @@ class MetricCollector:
         self.epoch_sums: dict[str, list[float]] = {}  # name -> [sum of value*weight, sum of weights]
         self.prog_bar: set[str] = set()
         self.epoch_sync: set[str] = set()
+        self.muted = False  # padding steps that only keep collectives matched
 
     def log(self, name, value, on_step, on_epoch, sync_dist, prog_bar, batch_size) -> None:
+        if self.muted:
+            return
         training = self.stage == "train"
         on_step = training if on_step is None else on_step
         on_epoch = (not training) if on_epoch is None else on_epoch

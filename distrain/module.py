@@ -91,6 +91,7 @@ class Module(nn.Module):
         meta = read_checkpoint_meta(checkpoint_path)
         module = cls(**{**meta.get("hyper_parameters", {}), **kwargs})
         module.configure_model()
+        object.__setattr__(module, "_distrain_configured", True)  # a later trainer must not rebuild it
         module.load_state_dict(read_model_weights(checkpoint_path), strict=strict)
         return module.eval()
 

@@ -98,6 +98,12 @@ class Trainer:
     world_size = property(lambda self: self.runtime.world_size)
     strategy = property(lambda self: self.runtime.strategy)
 
+    def init_module(self, empty_init: bool | None = None):
+        """``with trainer.init_module(): model = Model()`` builds directly on the device (and
+        in bf16 for bf16-true; on meta for sharded strategies). ``empty_init=True`` skips weight
+        initialization, for weights you are about to load."""
+        return self.runtime.init_module(empty_init)
+
     @property
     def checkpoint_callback(self) -> ModelCheckpoint | None:
         return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
@@ -303,16 +309,33 @@ class Trainer:
         module.eval()
         self._metrics.stage = "validate"
         default_name = "val_loss" if step_name == "validation_step" else "test_loss"
+        num_batches = len(loader) if limit is None else min(limit, len(loader))
+        collective = rt.strategy.collective_forward and self.model is not None
+        if collective:
+            # Sharded forwards all-gather: every rank must run as many steps as the busiest one.
+            # A rank that runs out repeats its last batch with logging muted, so each sample
+            # still counts exactly once.
+            num_steps = int(rt.all_reduce(torch.tensor(num_batches), op="max"))
+        else:
+            num_steps = num_batches
+        batches = iter(loader)
+        batch = None
         with torch.no_grad():
-            for batch_idx, batch in enumerate(loader):
-                if limit is not None and batch_idx >= limit:
+            for batch_idx in range(num_steps):
+                self._metrics.muted = batch_idx >= num_batches
+                if not self._metrics.muted:
+                    batch = move_to_device(next(batches), rt.device)
+                if batch is None:  # this rank got no evaluation data at all
                     break
-                batch = move_to_device(batch, rt.device)
                 self._metrics.current_batch_size = batch_size_of(batch)
                 with rt.autocast():
-                    output = getattr(module, step_name)(batch, batch_idx)
+                    if collective:
+                        output = self.model(step_name, batch, batch_idx)
+                    else:
+                        output = getattr(module, step_name)(batch, batch_idx)
                 if isinstance(output, torch.Tensor) and output.dim() == 0 and default_name not in self._metrics.epoch_sums:
                     self._metrics.log(default_name, output, None, None, True, False, None)
+        self._metrics.muted = False
         metrics = self._metrics.pop_epoch_metrics()
         self._metrics.stage = "train"
         module.train(was_training)

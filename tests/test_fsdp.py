@@ -149,9 +149,9 @@ def test_convert_sharded_checkpoint_loads_into_plain_module(tmp_path):
 class LazyGPT(TinyGPT):
     """Builds its layers in configure_model, so a sharded strategy can build them on meta."""
 
-    def __init__(self):
+    def __init__(self, lr: float = 3e-3, schedule: bool = False):
         distrain.Module.__init__(self)
-        self.hparams = {"lr": 3e-3, "schedule": False, "dropout": 0.0}
+        self.save_hyperparameters()
         self.gpt = None
         self.seen = []
 
@@ -208,3 +208,54 @@ def test_activation_checkpointing_saves_fewer_activations():
     assert ac_loss == plain_loss
     assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(plain_grads, ac_grads))
     assert ac_bytes < plain_bytes * 0.6
+
+
+class WrappedGPT(LazyGPT):
+    """Manual wrapping: distrain.wrap marks each block as its own sharded unit."""
+
+    def configure_model(self):
+        super().configure_model()
+        for block in self.gpt.blocks:
+            distrain.wrap(block)
+
+
+def _wrap_full_and_uneven_eval(rank, tmp):
+    from torch.distributed.fsdp import FSDPModule
+
+    strategy = distrain.FSDPStrategy(auto_wrap_policy=lambda m: False, state_dict_type="full")
+    trainer, _ = make_trainer(tmp, strategy=strategy, devices=2, max_steps=3, logger=False)
+    module = WrappedGPT()
+    trainer.fit(module, loader(4), loader(4, n=25, shuffle=False))  # 13 + 12 samples: 4 vs 3 batches
+    return [isinstance(b, FSDPModule) for b in module.gpt.blocks], trainer.callback_metrics["val_loss"]
+
+
+@pytest.mark.slow
+def test_manual_wrap_full_state_dict_and_uneven_eval(tmp_path):
+    (wrapped, val_loss), _ = run_ranks(_wrap_full_and_uneven_eval, 2, tmp_path)
+    assert wrapped == [True, True]
+    last = tmp_path / "checkpoints" / "last"
+    assert (last / "state.pt").is_file()  # full state, gathered on rank 0
+    restored = LazyGPT.load_from_checkpoint(str(last))
+    trainer, _ = make_trainer(tmp_path / "eval", strategy="single", devices=1, logger=False)
+    expected = trainer.validate(restored, loader(4, n=25, shuffle=False))[0]["val_loss"]
+    assert val_loss == pytest.approx(expected, rel=1e-5)  # every sample once, none twice
+
+
+@pytest.mark.slow
+def test_cli_fsdp_sharded_run_resumes_on_one_process(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    common = ["--output-dir", str(tmp_path), "--strategy", "fsdp", "data.seq_len=32", "data.max_bytes=100000",
+              "logging.log_every_n_steps=2", "logging.progress_bar=false", "training.activation_checkpointing=true"]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "distrain.cli", "train", *common, *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    first = run("--devices", "2", "--max-steps", "4", "training.batch_size_per_gpu=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "checkpoints" / "last" / ".metadata").is_file()
+    second = run("--devices", "1", "--max-steps", "6", "training.batch_size_per_gpu=8", "--resume", "last")
+    assert second.returncode == 0, second.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == [2, 4, 6]

@@ -27,6 +27,8 @@ from distrain.precision import Precision
 class Strategy:
     #: how extra ranks are started when no launcher did it: "popen", "spawn", "fork" or None
     start_method: str | None = None
+    #: forward passes run collectives (sharded parameters): every rank must run the same steps
+    collective_forward: bool = False
 
     def __init__(
         self,
@@ -74,6 +76,11 @@ class Strategy:
         self.accelerator.setup_device(self.root_device)
         self._set_cpu_threads()
         if self.start_method is not None and not dist.is_initialized():  # a multi-process strategy
+            if "RANK" not in os.environ:  # one process, started by nobody: a group of one
+                from distrain.cluster import find_free_port
+
+                os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
             kwargs = {}
             if self.backend == "nccl":
                 kwargs["device_id"] = self.root_device  # eager NCCL init: errors surface here, not mid-step
@@ -97,11 +104,14 @@ class Strategy:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
 
     def module_init_context(self, empty_init: bool | None = None):
-        """Where ``configure_model`` runs: directly on the device (and in bf16 for bf16-true)."""
+        """Where ``configure_model`` runs: directly on the device (and in bf16 for bf16-true).
+        ``empty_init=True`` skips the initializers: for weights about to be loaded anyway."""
         stack = contextlib.ExitStack()
         stack.enter_context(self.root_device)
         if self.precision.name == "bf16-true":
             stack.enter_context(_default_dtype(torch.bfloat16))
+        if empty_init:
+            stack.enter_context(_SkipInit())
         return stack
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -218,6 +228,22 @@ def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
         selected = lambda m: id(m) in chosen  # noqa: E731
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     apply_ac(module, checkpoint_wrapper_fn=wrapper, check_fn=selected)
+
+
+class _SkipInit(torch.overrides.TorchFunctionMode):
+    """Makes ``torch.nn.init.*`` no-ops: memory is allocated, nothing is written into it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs.get("tensor")
+        return func(*args, **(kwargs or {}))
+
+
+def wrap(module: nn.Module) -> nn.Module:
+    """Mark ``module`` as its own sharded unit (call inside ``configure_model``). Sharding
+    strategies shard it separately; every other strategy ignores the mark."""
+    module._distrain_wrap = True
+    return module
 
 
 @contextlib.contextmanager

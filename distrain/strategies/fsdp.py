@@ -39,6 +39,7 @@ class FSDPStrategy(Strategy):
     """
 
     start_method = "popen"
+    collective_forward = True
 
     def __init__(
         self,
@@ -152,7 +153,7 @@ class FSDPStrategy(Strategy):
             # pinned memory needs an accelerator: on a CPU-only machine it fails at set-up
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         selected = self._wrap_selector(module)
-        units = [m for m in module.modules() if m is not module and selected(m)]
+        units = [m for m in module.modules() if m is not module and (selected(m) or getattr(m, "_distrain_wrap", False))]
         for unit in reversed(units):  # innermost first, so nested units own their own params
             fully_shard(unit, **kwargs)
         fully_shard(module, **kwargs)
@@ -231,7 +232,9 @@ def _materialize_shards(module: nn.Module, device: torch.device) -> None:
     """Allocate only this rank's shards, then initialize them: each module's own
     ``reset_parameters`` runs children first, so a parent's custom init (e.g. GPT's) wins."""
     module.to_empty(device=device)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # each rank initializes its own shard: exactly what we want, so torch's caution is noise
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         for m in reversed(list(module.modules())):
             reset = getattr(m, "reset_parameters", None)
             if callable(reset):
