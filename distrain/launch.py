@@ -166,13 +166,9 @@ def _worker(local_rank, nprocs, node_rank, num_nodes, addr, port, outdir, fn, ar
         if collect is not None:
             torch.save(collect(), Path(outdir) / "state.pt")
         (Path(outdir) / "result.pkl").write_bytes(pickle.dumps(result))
-    import torch.distributed as dist
+    from distrain.runtime import shutdown_distributed
 
-    if dist.is_initialized():
-        # Rank 0 hosts the rendezvous store: if it exited while a peer still used the group,
-        # that peer would abort ("terminate called ...") after a successful run.
-        dist.barrier()
-        dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def make_launcher(start_method: str | None, nprocs: int, cluster: ClusterEnv, num_nodes: int):

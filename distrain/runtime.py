@@ -207,6 +207,27 @@ class Runtime:
         self._environment_ready = False
 
 
+def shutdown_distributed(barrier: bool = True) -> None:
+    """Tear the process group down while the interpreter is fully alive.
+
+    A DDP/FSDP wrapper caught in a reference cycle (module ↔ trainer) keeps gloo's worker
+    threads alive until interpreter finalization, where destroying them aborts the process
+    ("terminate called without an active exception") after a successful run. Collect such
+    cycles first, then destroy the group; the barrier keeps rank 0 (the store host) from leaving
+    while a peer still talks to it.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        if barrier:
+            dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()
+
+
 def _run_in_rank(runtime: Runtime, fn: Callable, *args: Any, **kwargs: Any) -> Any:
     runtime.setup_environment()
     return fn(*args, **kwargs)

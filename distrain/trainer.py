@@ -215,6 +215,7 @@ class Trainer:
 
                 if self.gradient_clip_val:
                     self._grad_norm = rt.clip_gradients(self.model, optimizer, self.gradient_clip_val)
+                self._call("on_before_optimizer_step", optimizer)
                 rt.optimizer_step(optimizer, self.model)
                 optimizer.zero_grad(set_to_none=True)
                 self._step_schedulers("step")

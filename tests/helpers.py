@@ -26,17 +26,18 @@ def run_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
 
 
 def _entry(rank, fn, world_size, port, out, args):
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a native abort in a rank still shows its Python stack
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
     )
     result = fn(rank, *args)
     (Path(out) / f"{rank}.pkl").write_bytes(pickle.dumps(result))
-    import torch.distributed as dist
+    from distrain.runtime import shutdown_distributed
 
-    if dist.is_initialized():
-        dist.barrier()  # nobody tears down while a peer still talks to it (rank 0 hosts the store)
-        dist.destroy_process_group()
+    shutdown_distributed()
 
 
 class IndexedTokens(Dataset):

@@ -7,6 +7,7 @@ It knows nothing about the Trainer.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -91,6 +92,10 @@ class Strategy:
                 timeout=self.timeout,
                 **kwargs,
             )
+            # No barrier at exit: a peer that crashed must not make the survivors hang.
+            from distrain.runtime import shutdown_distributed
+
+            atexit.register(shutdown_distributed, barrier=False)
 
     @property
     def backend(self) -> str:

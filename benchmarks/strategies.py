@@ -1,0 +1,108 @@
+"""Per-rank memory and speed of each strategy on the built-in GPT, 2 CPU ranks (gloo).
+
+    python benchmarks/strategies.py [--model gpt-small] [--steps 12]
+
+For DDP and each FSDP sharding: bytes of parameters, gradients and optimizer state held by one
+rank (measured from the tensors, just before the optimizer step), their sum relative to DDP,
+the rank's peak RSS (fresh processes per row), and tokens/s relative to DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader
+
+import distrain
+from distrain.cluster import find_free_port
+from distrain.data import byte_datasets
+from distrain.models.gpt import Block
+from distrain.models.lm import GPTLanguageModel
+
+WARMUP = 3
+ROWS = [
+    ("ddp", lambda: "ddp"),
+    ("fsdp FULL_SHARD", lambda: distrain.FSDPStrategy(sharding_strategy="FULL_SHARD")),
+    ("fsdp SHARD_GRAD_OP", lambda: distrain.FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")),
+    ("fsdp NO_SHARD", lambda: distrain.FSDPStrategy(sharding_strategy="NO_SHARD")),
+    ("fsdp FULL_SHARD + act. ckpt", lambda: distrain.FSDPStrategy(activation_checkpointing_policy={Block})),
+    ("fsdp FULL_SHARD + cpu offload", lambda: distrain.FSDPStrategy(cpu_offload=True)),
+]
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+class Measure(distrain.Callback):
+    def __init__(self):
+        self.model_state = None
+        self.times = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if self.model_state is None or trainer.global_step == 1:
+            params = [p for p in module.parameters()]
+            opt = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+            self.model_state = (
+                sum(_local_bytes(p) for p in params),
+                sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+                sum(_local_bytes(v) for v in opt),
+            )
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter())
+
+
+def rank_main(rank, row, args, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    name, make = ROWS[row]
+    train_set, _ = byte_datasets("builtin:stdlib", args.seq_len, 1_000_000, 0.05)
+    measure = Measure()
+    trainer = distrain.Trainer(accelerator="cpu", strategy=make(), devices=2, max_steps=args.steps,
+                               enable_progress_bar=False, enable_checkpointing=False, logger=False,
+                               callbacks=[measure], log_every_n_steps=1000)
+    torch.manual_seed(0)
+    module = GPTLanguageModel(args.model, block_size=args.seq_len, lr_schedule="constant")
+    trainer.fit(module, DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True))
+    steady = measure.times[WARMUP:]
+    tok_s = (len(steady) - 1) * args.batch * args.seq_len * 2 / (steady[-1] - steady[0])
+    peak_rss = trainer.runtime.accelerator.memory_stats(trainer.runtime.device)["mem_peak_rss_mb"]
+    if rank == 0:
+        queue.put((name, *measure.model_state, peak_rss, tok_s))
+    trainer.runtime.barrier()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="gpt-small")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    results = []
+    for row in range(len(ROWS)):  # fresh processes per row: peak RSS is per process
+        mp.start_processes(rank_main, args=(row, args, find_free_port(), queue), nprocs=2, start_method="spawn")
+        results.append(queue.get())
+    mb = 2**20
+    ddp_state = sum(results[0][1:4])
+    ddp_tok = results[0][5]
+    print(f"\n{args.model}, 2 CPU ranks (gloo), batch {args.batch}×{args.seq_len} per rank, {args.steps} steps; "
+          "per-rank figures\n")
+    header = f"{'strategy':<30} | {'params MB':>9} | {'grads MB':>8} | {'optim MB':>8} | {'state vs DDP':>12} | {'peak RSS MB':>11} | {'tok/s':>7} | {'vs DDP':>6}"
+    print(header)
+    print("-" * len(header))
+    for name, p, g, o, rss, tok in results:
+        print(f"{name:<30} | {p / mb:>9.1f} | {g / mb:>8.1f} | {o / mb:>8.1f} | {(p + g + o) / ddp_state:>12.3f} | "
+              f"{rss:>11.0f} | {tok:>7.0f} | {tok / ddp_tok:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()
