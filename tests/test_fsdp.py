@@ -25,6 +25,7 @@ def _fsdp_variants(rank, tmp):
         ("FULL_SHARD", {}, 4, 1),
         ("SHARD_GRAD_OP", {}, 4, 1),
         ("NO_SHARD", {}, 4, 1),
+        ("HYBRID_SHARD", {}, 4, 1),  # one node: replicate 1 × shard 2
         ("FULL_SHARD+accumulate", {}, 2, 2),
         ("FULL_SHARD+cpu_offload", {"cpu_offload": True}, 4, 1),
         ("FULL_SHARD+activation_checkpointing", {"activation_checkpointing_policy": {Block}}, 4, 1),

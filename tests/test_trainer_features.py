@@ -120,3 +120,16 @@ def test_model_checkpoint_keeps_top_k_by_monitored_metric(tmp_path):
     assert len(kept) == 2 and (tmp_path / "ck" / "last").resolve().name.startswith("8-")
     assert ckpt.best_model_path.endswith(f"{scores[0]:.4f}")
     assert all(float(s) <= scores[1] for s in scores)
+
+
+def test_init_module_builds_on_device_and_can_skip_init(tmp_path):
+    trainer = distrain.Trainer(accelerator="cpu", devices=1, precision="bf16-true", logger=False)
+    with trainer.init_module():
+        model = nn.Linear(8, 8)
+    assert model.weight.dtype == torch.bfloat16 and model.weight.device.type == "cpu"
+    torch.manual_seed(0)
+    reference = nn.Linear(64, 64)
+    torch.manual_seed(0)
+    with trainer.init_module(empty_init=True):
+        skipped = nn.Linear(64, 64)
+    assert not torch.equal(skipped.weight.float(), reference.weight)  # the initializer never ran
