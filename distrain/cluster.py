@@ -94,6 +94,23 @@ def detect_cluster(env: dict | None = None) -> ClusterEnv:
     return ClusterEnv(source="local")
 
 
+def export_cluster_env(cluster: ClusterEnv) -> None:
+    """Launchers like srun name ranks their own way; torch.distributed (env://) and the rest of
+    distrain read the standard variables. Fill them in where the launcher did not."""
+    if not cluster.launched_externally:
+        return
+    for key, value in {
+        "RANK": cluster.rank,
+        "LOCAL_RANK": cluster.local_rank,
+        "WORLD_SIZE": cluster.world_size,
+        "LOCAL_WORLD_SIZE": cluster.local_world_size,
+        "NODE_RANK": cluster.node_rank,
+        "MASTER_ADDR": cluster.master_addr,
+        "MASTER_PORT": cluster.master_port,
+    }.items():
+        os.environ.setdefault(key, str(value))
+
+
 def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

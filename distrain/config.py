@@ -295,6 +295,12 @@ def validate(config: RunConfig) -> None:
     positive("logging.log_every_n_steps", config.logging.log_every_n_steps)
     if t.max_steps == 0 or t.max_steps < -1:
         raise ConfigError(f"training.max_steps must be > 0 or -1 (use num_epochs), got {t.max_steps}")
+    if not 0 < config.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {config.data.val_fraction}")
+    if t.max_grad_norm is not None and t.max_grad_norm < 0:
+        raise ConfigError(f"training.max_grad_norm must be >= 0 or null, got {t.max_grad_norm}")
+    if config.fsdp.activation_checkpointing.every_n_layers < 1:
+        raise ConfigError(f"fsdp.activation_checkpointing.every_n_layers must be >= 1, got {config.fsdp.activation_checkpointing.every_n_layers}")
     if not 0 <= t.warmup_ratio < 1:
         raise ConfigError(f"training.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
     if t.precision not in PRECISIONS:

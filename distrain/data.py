@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -70,7 +70,16 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
         return loader
     if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
         return loader
-    shuffle = isinstance(loader.sampler, (RandomSampler, DistributedSampler)) and getattr(loader.sampler, "shuffle", True)
+    sampler = loader.sampler
+    plain_random = type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None
+    if not (type(sampler) is SequentialSampler or plain_random or type(sampler) is DistributedSampler):
+        if num_replicas == 1:
+            return loader  # nothing to shard; the user's sampler decides the order
+        raise ValueError(
+            f"the DataLoader uses a {type(sampler).__name__}, which distrain cannot shard across {num_replicas} ranks "
+            "without changing what it samples; shard it yourself and pass use_distributed_sampler=False"
+        )
+    shuffle = isinstance(sampler, (RandomSampler, DistributedSampler)) and getattr(sampler, "shuffle", True)
     sampler = ResumableDistributedSampler(
         loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
         drop_last=loader.drop_last, even=even,

@@ -43,6 +43,20 @@ def _rank_env(rank: int, nprocs: int, node_rank: int, num_nodes: int, addr: str,
     }
 
 
+def _master(num_nodes: int) -> tuple[str, int]:
+    """Where rank 0 listens. One node: any free local port. Several: every node must be told the
+    same address and port, so they must come from the environment."""
+    if num_nodes > 1:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if k not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"num_nodes={num_nodes}: set {', '.join(missing)} on every node (the same MASTER_ADDR/PORT everywhere, "
+                "NODE_RANK 0..N-1), or start the job with torchrun/srun"
+            )
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 0)) or find_free_port()
+
+
 def _command_of_this_process() -> list[str]:
     """The command that started us, so ranks 1..N-1 can run the very same thing."""
     main = sys.modules.get("__main__")
@@ -74,8 +88,7 @@ class SubprocessLauncher:
         return fn(*args, **kwargs)
 
     def _start_others(self) -> None:
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("MASTER_PORT", 0)) or find_free_port()
+        addr, port = _master(self.num_nodes)
         command = _command_of_this_process()
         os.environ.update(_rank_env(0, self.nprocs, self.node_rank, self.num_nodes, addr, port))
         for local_rank in range(1, self.nprocs):
@@ -136,8 +149,7 @@ class MultiprocessingLauncher:
         restore: Callable[[dict], None] | None = None,
         **kwargs: Any,
     ) -> Any:
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = find_free_port()
+        addr, port = _master(self.num_nodes)
         outdir = tempfile.mkdtemp(prefix="distrain-launch-")
         try:
             mp.start_processes(

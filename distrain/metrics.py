@@ -101,6 +101,7 @@ class Throughput:
         self.tokens += (tokens or 0) * self.world_size
 
     def compute(self) -> dict[str, Any]:
+        self.last = time.perf_counter()  # called after a device sync: the window's true end
         elapsed = max(self.last - self.window_start, 1e-9)
         out: dict[str, Any] = {"samples_per_sec": self.samples / elapsed}
         if self.tokens:

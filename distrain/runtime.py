@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from distrain.accelerators import auto_device_count, resolve_accelerator
 from distrain.checkpoint import io as ckpt_io
-from distrain.cluster import detect_cluster
+from distrain.cluster import detect_cluster, export_cluster_env
 from distrain.data import move_to_device, with_distributed_sampler
 from distrain.launch import make_launcher
 from distrain.precision import Precision
@@ -47,6 +47,7 @@ class Runtime:
         **strategy_kwargs: Any,
     ):
         self.cluster = detect_cluster()
+        export_cluster_env(self.cluster)
         self.accelerator = resolve_accelerator(accelerator)
         self.num_nodes = num_nodes
         self.nprocs = self._resolve_devices(devices, num_nodes)

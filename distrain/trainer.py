@@ -49,6 +49,10 @@ class Trainer:
         limit_val_batches: int | None = None,
         **strategy_kwargs: Any,
     ):
+        if gradient_clip_val is not None and gradient_clip_val < 0:
+            raise ValueError(f"gradient_clip_val must be >= 0 (None or 0 disables clipping), got {gradient_clip_val}")
+        if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps must be a positive integer, got {log_every_n_steps!r}")
         self.runtime = Runtime(accelerator, strategy, devices, num_nodes, precision, **strategy_kwargs)
         self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else None)
         self.max_steps = max_steps
@@ -90,6 +94,7 @@ class Trainer:
         self._grad_norm: torch.Tensor | None = None
         self._num_batches: int | None = None
         self._last_val_step = -1
+        self._epoch_done = False
 
     # ---- where am I ---------------------------------------------------------------------------
     is_global_zero = property(lambda self: self.runtime.is_global_zero)
@@ -135,6 +140,7 @@ class Trainer:
     def _launch(self, fn, module: Module, *args):
         # spawn/fork: the trained weights and the progress come back to this (parent) process
         def restore(state):
+            self._configure(module)  # the parent never built configure_model's layers
             module.load_state_dict(state["model"])
             self._load_progress(state["progress"])
 
@@ -185,7 +191,11 @@ class Trainer:
                 sampler.set_epoch(self.current_epoch)
                 sampler.set_start(self._samples_in_epoch)
             elif self._samples_in_epoch:
-                raise RuntimeError("cannot resume mid-epoch without distrain's sampler (use_distributed_sampler=False)")
+                raise RuntimeError(
+                    "this checkpoint was saved mid-epoch, and this train loader has no distrain sampler to skip the "
+                    "samples already seen (use_distributed_sampler=False, an IterableDataset or a custom batch "
+                    "sampler); resume from an epoch-end checkpoint, or let distrain shard the data"
+                )
             accumulate = self._accumulate_for(self.current_epoch)
             per_step = (getattr(loader, "batch_size", None) or 1) * rt.world_size
             first_batch = self._samples_in_epoch // per_step
@@ -234,13 +244,20 @@ class Trainer:
             break
 
     def _end_epoch(self, module: Module, val_loader, val_every) -> None:
+        if self._epoch_done:  # resumed from a checkpoint written at this epoch's end: already done
+            self._epoch_done = False
+            self.current_epoch += 1
+            self._samples_in_epoch = 0
+            return
         self._step_schedulers("epoch")
         epoch_metrics = self._metrics.pop_epoch_metrics()
         self._publish(epoch_metrics, to_loggers=bool(epoch_metrics))
         if val_loader is not None and not val_every:
             self._validate_during_fit(module, val_loader)
         module.on_train_epoch_end()
-        self._call("on_train_epoch_end")  # checkpoints saved here resume at the next epoch
+        self._epoch_done = True  # a checkpoint saved in the hooks below resumes at the next epoch
+        self._call("on_train_epoch_end")
+        self._epoch_done = False
         self.current_epoch += 1
         self._samples_in_epoch = 0
 
@@ -253,6 +270,7 @@ class Trainer:
             self.callback_metrics.update(logged)
             return
         # The loss is averaged over ranks only on logging steps: one small all-reduce.
+        self.runtime.accelerator.synchronize(self.runtime.device)  # CUDA is async: time what really ran
         metrics = {
             "epoch": self.current_epoch,
             "loss": self.runtime.all_reduce(step_loss).item(),
@@ -359,10 +377,9 @@ class Trainer:
         if ckpt_path is not None:
             self._restore(self._resolve_ckpt_path(ckpt_path), weights_only=True)
         module.eval()
+        step = (lambda b, i: self.model("predict_step", b, i)) if self.model is not None else module.predict_step
         with torch.no_grad(), self.runtime.autocast():
-            return [
-                module.predict_step(move_to_device(batch, self.runtime.device), i) for i, batch in enumerate(loader)
-            ]
+            return [step(move_to_device(batch, self.runtime.device), i) for i, batch in enumerate(loader)]
 
     # ---- set-up -----------------------------------------------------------------------------------
     def _attach(self, module: Module, stage: str) -> None:
@@ -370,20 +387,27 @@ class Trainer:
         rt.seed_everything(self.seed)  # same seed everywhere: every rank builds identical weights
         object.__setattr__(module, "_trainer", self)
         self.module = module
-        if not getattr(module, "_distrain_configured", False):
-            with rt.init_module():
-                module.configure_model()
-            object.__setattr__(module, "_distrain_configured", True)
+        self._configure(module)
         for cb in self.callbacks:
             cb.setup(self, module, stage)
         if stage != "fit":
-            module.to(rt.device)
+            if not rt.strategy.collective_forward:
+                self.model = None
+                module.to(rt.device)
+            elif self.model is None or self.model.module is not module:  # not the module fit() sharded
+                self.model = rt.strategy.setup_module(_StepRouter(module))
             return
         # The model is set up first: sharding strategies replace parameters, and the optimizer
         # must hold the ones that will be trained.
         self.model = rt.strategy.setup_module(_StepRouter(module))
         optimizers, self.lr_schedulers = _parse_optimizers(module.configure_optimizers())
         self.optimizers = [rt.strategy.setup_optimizer(o) for o in optimizers]
+
+    def _configure(self, module: Module) -> None:
+        if not getattr(module, "_distrain_configured", False):
+            with self.runtime.init_module():
+                module.configure_model()
+            object.__setattr__(module, "_distrain_configured", True)
 
     def _setup_loader(self, loader, shuffle_seed: int = 0, even: bool = True):
         if not self.use_distributed_sampler or not isinstance(loader, DataLoader):
@@ -425,6 +449,7 @@ class Trainer:
             "global_step": self.global_step,
             "epoch": self.current_epoch,
             "samples_in_epoch": self._samples_in_epoch,
+            "epoch_done": self._epoch_done,
             "callback_metrics": dict(self.callback_metrics),
         }
 
@@ -432,6 +457,7 @@ class Trainer:
         self.global_step = progress["global_step"]
         self.current_epoch = progress["epoch"]
         self._samples_in_epoch = progress["samples_in_epoch"]
+        self._epoch_done = progress.get("epoch_done", False)
         self.callback_metrics = dict(progress.get("callback_metrics", {}))
 
     def _checkpoint_state(self) -> dict[str, Any]:
@@ -479,6 +505,8 @@ class Trainer:
             "callbacks": None,
         }
         extra = self.runtime.load(path, state)
+        if extra.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:
+            raise RuntimeError(f"{path} has checkpoint format {extra['format']!r}; this distrain reads {CHECKPOINT_FORMAT!r}")
         self._load_progress(state["progress"])
         for cb in self.callbacks:
             if cb.state_key in state["callbacks"]:

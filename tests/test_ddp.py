@@ -169,3 +169,38 @@ def test_ddp_refuses_to_relaunch_without_a_script(tmp_path):
     code = SCRIPT.format(tests=os.path.dirname(__file__), strategy="ddp", out=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "ddp_fork" in proc.stderr
+
+
+@pytest.mark.slow
+def test_ranks_started_by_srun_form_one_group(tmp_path):
+    """Under srun only SLURM_* variables exist: the two tasks must still join one group of 2."""
+    from distrain.cluster import find_free_port
+
+    code = SCRIPT.format(tests=os.path.dirname(__file__), strategy="ddp", out=str(tmp_path))
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    port = str(find_free_port())
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        env.update(SLURM_NTASKS="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+                   SLURM_NODELIST="localhost", SLURM_JOB_NAME="train", SLURM_JOB_ID="77", SLURM_NTASKS_PER_NODE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        assert p.wait(timeout=180) == 0, p.stderr.read()[-3000:]
+    results = sorted(f.read_text().split() for f in tmp_path.glob("result-*"))
+    assert results == [["0", "2", "2", "True"], ["1", "2", "2", "True"]]
+
+
+def test_custom_sampler_is_not_silently_replaced():
+    from torch.utils.data import DataLoader, WeightedRandomSampler
+
+    from distrain.data import with_distributed_sampler
+    from helpers import IndexedTokens
+
+    data = IndexedTokens(16)
+    weighted = DataLoader(data, batch_size=4, sampler=WeightedRandomSampler([1.0] * 16, 16))
+    with pytest.raises(ValueError, match="WeightedRandomSampler.*use_distributed_sampler=False"):
+        with_distributed_sampler(weighted, 2, 0, seed=0)
+    assert with_distributed_sampler(weighted, 1, 0, seed=0) is weighted

@@ -100,3 +100,29 @@ def test_loading_refuses_pickled_code(tmp_path):
     torch.save({"model": Evil()}, bad / "state.pt")
     with pytest.raises(RuntimeError, match="weights_only"):
         TinyGPT.load_from_checkpoint(str(bad))
+
+
+def _epochs_run(tmp, crash_at, resume, epochs=3):
+    callbacks = [distrain.ModelCheckpoint(every_n_epochs=1, save_top_k=-1)]
+    if crash_at:
+        callbacks.append(CrashAt(crash_at))
+    trainer, rec = make_trainer(tmp, strategy="single", devices=1, max_epochs=epochs, callbacks=callbacks, logger=False)
+    distrain.seed_everything(0)
+    module = TinyGPT(schedule=False)
+    opt_sched = module.configure_optimizers
+    # an epoch-interval scheduler: stepping it twice at a resumed epoch end would show in the lr
+    module.configure_optimizers = lambda: (lambda o: {"optimizer": o, "lr_scheduler": torch.optim.lr_scheduler.StepLR(o, 1, 0.5)})(opt_sched())
+    try:
+        trainer.fit(module, loader(16, n=64), ckpt_path="last" if resume else None)
+    except KeyboardInterrupt:
+        return None
+    return params_of(module), rec.losses, trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def test_resume_from_an_epoch_end_checkpoint_starts_the_next_epoch(tmp_path):
+    ref, ref_losses, ref_lr = _epochs_run(tmp_path / "ref", None, False)
+    assert _epochs_run(tmp_path / "cut", 6, False) is None  # 4 steps/epoch: dies in epoch 1, last = end of epoch 0
+    params, losses, lr = _epochs_run(tmp_path / "cut", None, True)
+    assert len(losses) == 8 and losses == ref_losses[4:]
+    assert lr == ref_lr
+    _assert_identical(ref, params)

@@ -133,3 +133,13 @@ def test_init_module_builds_on_device_and_can_skip_init(tmp_path):
     with trainer.init_module(empty_init=True):
         skipped = nn.Linear(64, 64)
     assert not torch.equal(skipped.weight.float(), reference.weight)  # the initializer never ran
+
+
+def test_ddp_spawn_with_configure_model_returns_weights(tmp_path):
+    from test_fsdp import LazyGPT
+
+    trainer, _ = make_trainer(tmp_path, strategy="ddp_spawn", devices=2, max_steps=2, logger=False)
+    module = LazyGPT()
+    trainer.fit(module, loader(4))
+    saved = LazyGPT.load_from_checkpoint(str(tmp_path / "checkpoints" / "last"))
+    assert all(torch.equal(v, params_of(module)[k]) for k, v in params_of(saved).items())

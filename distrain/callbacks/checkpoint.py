@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import warnings
 from pathlib import Path
 
 from distrain.callbacks.base import Callback
@@ -42,6 +43,7 @@ class ModelCheckpoint(Callback):
         self.best_model_path: str | None = None
         self.last_model_path: str | None = None
         self._last_saved_step = -1
+        self._warned = False
 
     def setup(self, trainer, module, stage: str) -> None:
         if self.dirpath is None:
@@ -63,10 +65,14 @@ class ModelCheckpoint(Callback):
         if self.monitor is None:
             return float(trainer.global_step)  # "best" = newest
         if self.monitor not in trainer.callback_metrics:
-            raise KeyError(
-                f"ModelCheckpoint(monitor={self.monitor!r}): no such metric was logged; "
-                f"logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}"
-            )
+            # e.g. a step checkpoint before the first validation: save it, rank it worst
+            if trainer.is_global_zero and not self._warned:
+                warnings.warn(
+                    f"ModelCheckpoint(monitor={self.monitor!r}): no such metric logged yet at step {trainer.global_step} "
+                    f"(logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}); ranking this checkpoint last"
+                )
+                self._warned = True
+            return -math.inf
         value = float(trainer.callback_metrics[self.monitor])
         return value if self.mode == "max" else -value
 
@@ -101,7 +107,7 @@ class ModelCheckpoint(Callback):
         return {"saved": [[s, p] for s, p in self.saved], "best_model_path": self.best_model_path}
 
     def load_state_dict(self, state: dict) -> None:
-        self.saved = [(s, p) for s, p in state.get("saved", []) if Path(p).exists() and not math.isnan(s)]
+        self.saved = [(s, p) for s, p in state.get("saved", []) if Path(p).exists()]
         self.best_model_path = state.get("best_model_path")
 
 

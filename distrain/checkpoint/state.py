@@ -147,16 +147,11 @@ def load_any(path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, o
     # first (this also creates optimizer state, so there is something to load into).
     keys = tensor_keys(state)
     every_rank = FULL_EVERY_RANK if options.full_state_dict else options  # FULL offloads to rank 0 only
-    target = collect({k: state[k] for k in keys} | _model_entry(state), unwrap, every_rank)
-    target = {k: target[k] for k in keys}
+    target = collect({k: state[k] for k in keys}, unwrap, every_rank)
     dcp.load(target, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     meta_file = path / META_FILE
     meta = torch.load(meta_file, map_location="cpu", weights_only=True) if meta_file.exists() else {}
     return apply(state, {**meta, **target}, unwrap, options, strict)
-
-
-def _model_entry(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in state.items() if isinstance(v, nn.Module)}
 
 
 def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:

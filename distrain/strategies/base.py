@@ -131,7 +131,8 @@ class Strategy:
         return self.setup_module(module), [self.setup_optimizer(o) for o in optimizers]
 
     def teardown(self) -> None:
-        pass
+        if self.start_method is not None and dist.is_initialized():
+            dist.destroy_process_group()
 
     # ---- the step ----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, module: nn.Module | None = None) -> None:
@@ -153,26 +154,31 @@ class Strategy:
         return module
 
     # ---- collectives (no-ops on one process) ---------------------------------------------
+    def _comm_device(self) -> torch.device:
+        # NCCL only moves CUDA tensors; gloo moves CPU ones (and CUDA ones through the host)
+        return self.root_device if self.backend == "nccl" else torch.device("cpu")
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Returns the reduced tensor on the caller's device (the input is left unchanged)."""
         if not dist.is_initialized() or self.world_size == 1:
             return tensor
-        tensor = tensor.detach().clone()
-        if op == "mean":
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-            return tensor / self.world_size
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        ops = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         if op not in ops:
             raise ValueError(f"all_reduce op must be mean, sum, max or min, got {op!r}")
-        dist.all_reduce(tensor, op=ops[op])
-        return tensor
+        work = tensor.detach().to(self._comm_device(), copy=True)
+        dist.all_reduce(work, op=ops[op])
+        if op == "mean":
+            work = work / self.world_size
+        return work.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Stacks every rank's tensor along a new leading dimension."""
+        """Stacks every rank's tensor along a new leading dimension (on the caller's device)."""
         if not dist.is_initialized() or self.world_size == 1:
             return tensor.unsqueeze(0)
-        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(out, tensor.contiguous())
-        return torch.stack(out)
+        work = tensor.detach().to(self._comm_device()).contiguous()
+        out = [torch.empty_like(work) for _ in range(self.world_size)]
+        dist.all_gather(out, work)
+        return torch.stack(out).to(tensor.device)
 
     def all_gather_object(self, obj: Any) -> list:
         if not dist.is_initialized() or self.world_size == 1:
@@ -185,9 +191,9 @@ class Strategy:
         if not dist.is_initialized() or self.world_size == 1:
             return obj
         if isinstance(obj, torch.Tensor):
-            obj = obj.clone()
-            dist.broadcast(obj, src)
-            return obj
+            work = obj.detach().to(self._comm_device(), copy=True)
+            dist.broadcast(work, src)
+            return work.to(obj.device)
         box = [obj]
         dist.broadcast_object_list(box, src)
         return box[0]
@@ -223,6 +229,8 @@ def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
     every_n = 1
     if isinstance(policy, dict):
         every_n = int(policy.get("every_n", 1))
+        if every_n < 1:
+            raise ValueError(f"activation checkpointing every_n must be >= 1, got {every_n}")
         policy = policy["classes"]
     if callable(policy) and not isinstance(policy, type):
         selected = policy

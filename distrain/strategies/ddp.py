@@ -116,10 +116,6 @@ class DDPStrategy(Strategy):
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
 
-    def teardown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def _bf16_compress_hook_gloo(process_group, bucket):
     """torch's own bf16 compression, under a name DDP does not refuse on gloo (which does all-reduce

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
 from distrain.strategies.base import Strategy, apply_activation_checkpointing
 
@@ -83,6 +82,13 @@ class FSDPStrategy(Strategy):
         if not use_orig_params:
             warnings.warn("use_orig_params=False: FSDP2 always exposes the original parameters (as DTensors)")
 
+    @property
+    def backend(self) -> str:
+        # offloaded gradients live on the CPU: clipping reduces them there, which needs gloo
+        if self.process_group_backend is None and self.cpu_offload and self.accelerator.name == "cuda":
+            return "cpu:gloo,cuda:nccl"
+        return super().backend
+
     # ---- set-up ----------------------------------------------------------------------------
     def module_init_context(self, empty_init: bool | None = None):
         """configure_model builds on the meta device: no rank ever holds the whole model."""
@@ -111,13 +117,15 @@ class FSDPStrategy(Strategy):
         mp = self.mixed_precision
         if isinstance(mp, MixedPrecisionPolicy):
             return mp
+        default_param = self.precision.compute_dtype if self.precision.name in ("bf16-mixed", "16-mixed") else None
         if isinstance(mp, dict):
             dt = {k: _DTYPES[v] if isinstance(v, str) else v for k, v in mp.items() if v is not None}
-            return MixedPrecisionPolicy(param_dtype=dt.get("param_dtype"), reduce_dtype=dt.get("reduce_dtype", torch.float32),
-                                        output_dtype=dt.get("buffer_dtype"))
-        if self.precision.name in ("bf16-mixed", "16-mixed"):
-            return MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype, reduce_dtype=torch.float32)
-        return MixedPrecisionPolicy()
+            if "buffer_dtype" in dt:
+                warnings.warn("mixed_precision.buffer_dtype: FSDP2 does not cast buffers; they keep the dtype "
+                              "the model gives them (set it in the model, or use precision='bf16-true')")
+            return MixedPrecisionPolicy(param_dtype=dt.get("param_dtype", default_param),
+                                        reduce_dtype=dt.get("reduce_dtype", torch.float32))
+        return MixedPrecisionPolicy(param_dtype=default_param, reduce_dtype=torch.float32 if default_param else None)
 
     def _wrap_selector(self, module: nn.Module) -> Callable[[nn.Module], bool]:
         policy = self.auto_wrap_policy
@@ -162,6 +170,9 @@ class FSDPStrategy(Strategy):
                 this.set_modules_to_forward_prefetch([nxt])
         if on_meta:
             _materialize_shards(module, torch.device("cpu") if self.cpu_offload else self.root_device)
+            for sub in module.modules():  # offloading moves parameters only: buffers live on the device
+                for name, buf in sub.named_buffers(recurse=False):
+                    sub._buffers[name] = buf.to(self.root_device)
         return module
 
     def setup(self, module: nn.Module, optimizers=()):
@@ -190,19 +201,12 @@ class FSDPStrategy(Strategy):
     def save_checkpoint(self, path, state: dict[str, Any]) -> None:
         if self.state_dict_type == "sharded":
             ckpt_state.save_sharded(path, state, self.unwrap, self.is_global_zero, self.barrier)
-            return
-        # full: gathered shard by shard into CPU memory on rank 0 only, never onto one GPU
-        plain = ckpt_state.collect(state, self.unwrap, ckpt_state.FULL)
-        if self.is_global_zero:
-            ckpt_io.write_checkpoint_dir(path, {ckpt_io.STATE_FILE: plain})
-        self.barrier("save_checkpoint")
+        else:  # full: gathered into CPU memory on rank 0 only (cpu_offload), never onto one GPU
+            super().save_checkpoint(path, state)
 
     def load_checkpoint(self, path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         return ckpt_state.load_any(path, state, self.unwrap, ckpt_state.SHARDED, strict)
 
-    def teardown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @contextlib.contextmanager
