@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -37,7 +38,8 @@ def train_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-steps", "--max_steps", dest="max_steps", type=int)
     train.add_argument("--output-dir", "--output_dir", dest="output_dir")
     train.add_argument("--seed", type=int)
-    train.add_argument("--resume", metavar="last|PATH", help="continue from the newest checkpoint, or from PATH")
+    train.add_argument("--resume", metavar="last|auto|PATH",
+                       help="continue from the newest checkpoint (auto: only if one exists), or from PATH")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. training.learning_rate=3e-4")
     return train
@@ -51,8 +53,55 @@ def convert_parser() -> argparse.ArgumentParser:
     return convert
 
 
-COMMANDS = {"train": train_parser, "convert": convert_parser}
-USAGE = "usage: distrain {train,convert} [options]   (`distrain COMMAND -h` for help; no command means train)"
+def launch_parser() -> argparse.ArgumentParser:
+    launch = argparse.ArgumentParser(prog="distrain launch", description="job files for torchrun, SLURM and Kubernetes; "
+                                     "arguments after -- go to `distrain train`")
+    sub = launch.add_subparsers(dest="engine", required=True)
+    tr = sub.add_parser("torchrun", help="print (or --run) the per-node torchrun command, c10d rendezvous")
+    tr.add_argument("--nnodes", type=int, required=True)
+    tr.add_argument("--nproc-per-node", type=int, required=True)
+    tr.add_argument("--rdzv-endpoint", required=True, metavar="HOST:PORT")
+    tr.add_argument("--max-restarts", type=int, default=0)
+    tr.add_argument("--run", action="store_true", help="execute it here instead of printing it")
+    sl = sub.add_parser("slurm", help="write an sbatch script (srun, one task per GPU, requeue)")
+    sl.add_argument("--nodes", type=int, required=True)
+    sl.add_argument("--gpus-per-node", type=int, required=True)
+    sl.add_argument("--time", required=True, metavar="HH:MM:SS")
+    sl.add_argument("--partition")
+    sl.add_argument("--output", default="distrain.sbatch")
+    k8 = sub.add_parser("k8s", help="write a Kubeflow PyTorchJob manifest")
+    k8.add_argument("--nodes", type=int, required=True)
+    k8.add_argument("--gpus-per-node", type=int, required=True)
+    k8.add_argument("--image", required=True)
+    k8.add_argument("--output", default="pytorchjob.yaml")
+    return launch
+
+
+def launch(argv: list[str]) -> int:
+    from distrain import jobscripts
+
+    train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = launch_parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.engine == "torchrun":
+        cmd = jobscripts.torchrun_command(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, train_args,
+                                          max_restarts=args.max_restarts)
+        if args.run:
+            import subprocess
+
+            return subprocess.call([sys.executable, "-m", "torch.distributed.run", *cmd[1:]])
+        print(shlex.join(cmd))
+        return 0
+    if args.engine == "slurm":
+        text = jobscripts.sbatch_script(args.nodes, args.gpus_per_node, args.time, train_args, args.partition)
+    else:
+        text = jobscripts.pytorchjob_manifest(args.nodes, args.gpus_per_node, args.image, train_args)
+    Path(args.output).write_text(text)
+    print(f"distrain: wrote {args.output}")
+    return 0
+
+
+COMMANDS = {"train": train_parser, "convert": convert_parser, "launch": launch_parser}
+USAGE = "usage: distrain {train,convert,launch} [options]   (`distrain COMMAND -h` for help; no command means train)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
+    if command == "launch":  # its own grammar: `-- <train args>` passes through untouched
+        return launch(argv)
     # intermixed: `key=value` overrides may stand between and after the options
     args = COMMANDS[command]().parse_intermixed_args(argv)
     if command == "convert":
@@ -102,6 +153,8 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         raise ConfigError(f"training.model_name {t.model_name!r} is not a built-in model; choose one of {', '.join(GPT_SIZES)}")
     out = Path(config.output_dir)
     ckpt_dir = Path(c.checkpoint_dir) if c.checkpoint_dir else out / "checkpoints"
+    if resume == "auto":  # requeued/restarted jobs: continue if there is something to continue
+        resume = "last" if (ckpt_dir / "last").exists() else None
     if resume == "last" and not (ckpt_dir / "last").exists():
         raise FileNotFoundError(f"--resume last: no checkpoint in {ckpt_dir} to resume from")
 
@@ -193,6 +246,9 @@ def train(config: RunConfig, resume: str | None = None) -> int:
             flush=True,
         )
     trainer.fit(module, loader(train_set, True), loader(val_set, False), ckpt_path=resume)
+    marker = out / "PREEMPTED"  # tells a job script that `--resume auto` has more to do
+    if trainer.is_global_zero:
+        marker.write_text(f"{trainer.preempted}\n") if trainer.preempted else marker.unlink(missing_ok=True)
     if trainer.is_global_zero:
         cb = trainer.checkpoint_callback
         print(f"distrain: done at step {trainer.global_step}; last checkpoint: {cb.last_model_path}", flush=True)

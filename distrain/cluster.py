@@ -16,7 +16,7 @@ from dataclasses import dataclass
 class ClusterEnv:
     """A rank's place in the job, and which launcher told us."""
 
-    source: str  # "local" | "distrain" | "torchrun" | "slurm"
+    source: str  # "local" | "distrain" | "torchrun" | "slurm" | "mpi" | "kubeflow"
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -24,11 +24,13 @@ class ClusterEnv:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    num_nodes: int = 1
 
     @property
     def launched_externally(self) -> bool:
-        """True when some launcher already started every rank: we must not start more."""
-        return self.source != "local"
+        """True when some launcher already started every rank: we must not start more. A
+        Kubeflow PyTorchJob starts one pod per node; the ranks of a node are ours to start."""
+        return self.source not in ("local", "kubeflow")
 
 
 def _int(env: dict, key: str) -> int:
@@ -60,6 +62,36 @@ def _slurm_port(job_id: str) -> int:
     return 15000 + int(re.sub(r"\D", "", job_id or "0")[-4:] or 0) % 20000
 
 
+def _mpi(env: dict) -> ClusterEnv | None:
+    """mpirun: OpenMPI's OMPI_COMM_WORLD_* or MPICH/Intel MPI's PMI_* variables."""
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        keys = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+    elif "PMI_SIZE" in env:
+        keys = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+    else:
+        return None
+    rank, world = _int(env, keys[0]), _int(env, keys[1])
+    if world <= 1:
+        return None  # a singleton "MPI" process is just a local run
+    local_rank, local_world = int(env.get(keys[2], rank)), int(env.get(keys[3], world))
+    if world > local_world and "MASTER_ADDR" not in env:
+        raise ValueError(
+            f"mpirun across nodes ({keys[1]}={world}, {keys[3]}={local_world}): set MASTER_ADDR (and MASTER_PORT) "
+            "to the first node's address with -x MASTER_ADDR=... so every rank finds rank 0"
+        )
+    return ClusterEnv(
+        source="mpi",
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=rank // max(1, local_world),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(env.get("MASTER_PORT", 29500)),
+        num_nodes=max(1, world // max(1, local_world)),
+    )
+
+
 def detect_cluster(env: dict | None = None) -> ClusterEnv:
     env = dict(os.environ if env is None else env)
     torchrun_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -75,6 +107,18 @@ def detect_cluster(env: dict | None = None) -> ClusterEnv:
             master_addr=env["MASTER_ADDR"],
             master_port=_int(env, "MASTER_PORT"),
         )
+    # Kubeflow PyTorchJob: node-level RANK/WORLD_SIZE (pod index / pod count) and no LOCAL_RANK
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")) and "LOCAL_RANK" not in env:
+        return ClusterEnv(
+            source="kubeflow",
+            node_rank=_int(env, "RANK"),
+            num_nodes=_int(env, "WORLD_SIZE"),
+            master_addr=env["MASTER_ADDR"],
+            master_port=_int(env, "MASTER_PORT"),
+        )
+    mpi = _mpi(env)
+    if mpi is not None:
+        return mpi
     # srun sets SLURM_PROCID per task; an interactive salloc shell (job name "bash"/"interactive")
     # is not a launcher — there we launch ranks ourselves.
     if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):

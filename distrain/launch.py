@@ -81,16 +81,20 @@ class SubprocessLauncher:
         self.num_nodes = num_nodes
         self.node_rank = node_rank
         self.procs: list[subprocess.Popen] = []
+        self._started = False
 
     def launch(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        if self.nprocs > 1 and not self.procs:
+        if not self._started:  # also with one process per node: this process needs its rank env
             self._start_others()
+            self._started = True
         return fn(*args, **kwargs)
 
     def _start_others(self) -> None:
         addr, port = _master(self.num_nodes)
-        command = _command_of_this_process()
         os.environ.update(_rank_env(0, self.nprocs, self.node_rank, self.num_nodes, addr, port))
+        if self.nprocs == 1:
+            return
+        command = _command_of_this_process()
         for local_rank in range(1, self.nprocs):
             env = {**os.environ, **_rank_env(local_rank, self.nprocs, self.node_rank, self.num_nodes, addr, port)}
             self.procs.append(subprocess.Popen(command, env=env))

@@ -63,6 +63,13 @@ class Runtime:
         self._environment_ready = False
 
     def _resolve_devices(self, devices: int | str, num_nodes: int) -> int:
+        if self.cluster.source == "kubeflow":
+            if num_nodes != self.cluster.num_nodes:
+                raise ValueError(
+                    f"num_nodes={num_nodes} (from the Trainer/CLI) but the PyTorchJob runs "
+                    f"WORLD_SIZE={self.cluster.num_nodes} pods (one per node); make them agree"
+                )
+            os.environ["NODE_RANK"] = str(self.cluster.node_rank)  # our launcher starts this node's ranks
         if self.cluster.launched_externally:
             world = self.cluster.world_size
             nprocs = self.cluster.local_world_size if devices == "auto" else int(devices)
@@ -173,6 +180,9 @@ class Runtime:
     # ---- collectives ------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         return self.strategy.all_reduce(tensor, op)
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: str = "max") -> Callable[[], torch.Tensor]:
+        return self.strategy.all_reduce_async(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.strategy.all_gather(tensor)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -95,6 +97,9 @@ class Trainer:
         self._num_batches: int | None = None
         self._last_val_step = -1
         self._epoch_done = False
+        self._signal_received: int | None = None
+        self._pending_stop = None
+        self.preempted: int | None = None  # the signal that stopped the run, if one did
 
     # ---- where am I ---------------------------------------------------------------------------
     is_global_zero = property(lambda self: self.runtime.is_global_zero)
@@ -168,19 +173,55 @@ class Trainer:
                     lg.log_hyperparams(self.run_config)
         self._call("on_fit_start")
         module.on_fit_start()
+        previous_handlers = self._catch_preemption_signals()
         try:
             self._train_loop(module, train_loader, val_loader)
-            if val_loader is not None and self._last_val_step != self.global_step:
+            if val_loader is not None and self._last_val_step != self.global_step and not self.preempted:
                 self._validate_during_fit(module, val_loader)  # the run always ends with a val score
             self._call("on_train_end")
         except BaseException as e:
             self._call("on_exception", e)
             raise
         finally:
+            self._stop_requested(final=True)  # no collective may be left in flight
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
             for lg in self.loggers if self.is_global_zero else []:
                 lg.finalize()
             self._call("teardown", "fit")
+        if self.preempted and self.is_global_zero:
+            print(f"distrain: stopped by signal {self.preempted} at step {self.global_step}; "
+                  "the checkpoint in `last` resumes it", flush=True)
         return self.callback_metrics
+
+    def _catch_preemption_signals(self) -> dict:
+        """SIGTERM (torchrun/k8s stopping us) and SIGUSR1 (SLURM before time-out/preemption) end
+        the run at the next optimizer step with a checkpoint, instead of killing it mid-step."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum, frame):
+            self._signal_received = signum
+
+        previous = {}
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            previous[signum] = signal.signal(signum, handler)
+        return previous
+
+    def _stop_requested(self, final: bool = False) -> bool:
+        """True on every rank, at the same step, once any rank got a stop signal.
+
+        Each step starts an asynchronous max-reduction of "signal received?" and reads the one
+        started a step earlier, which has long finished: agreement without a blocking
+        collective per step. ``final`` only collects the reduction in flight.
+        """
+        previous, self._pending_stop = self._pending_stop, None
+        flag = float(previous()) if previous is not None else 0.0
+        if not final:
+            self._pending_stop = self.runtime.all_reduce_async(torch.tensor(float(self._signal_received or 0)), "max")
+        if flag:
+            self.preempted = int(flag)
+        return bool(flag)
 
     def _train_loop(self, module: Module, loader, val_loader) -> None:
         rt, optimizer = self.runtime, self.optimizers[0]
@@ -233,6 +274,8 @@ class Trainer:
                 self._throughput.step(step_samples, step_tokens or None)
                 self._log_train_step(step_loss, optimizer)
                 micro, step_samples, step_tokens, step_loss = 0, 0, 0, torch.zeros((), device=rt.device)
+                if self._stop_requested():
+                    self.should_stop = True  # on_train_end below writes the checkpoint
                 if val_loader is not None and val_every and self.global_step % val_every == 0:
                     self._validate_during_fit(module, val_loader)  # first, so checkpoints can monitor it
                 self._call("on_train_batch_end", output, batch, batch_idx)

@@ -87,3 +87,53 @@ def test_train_writes_run_dir_and_resumes(tmp_path):
 def test_resume_last_without_checkpoint_is_an_error(tmp_path):
     proc = distrain("train", "--output-dir", str(tmp_path), "--resume", "last")
     assert proc.returncode == 2 and "no checkpoint" in proc.stderr
+
+
+@pytest.mark.slow
+def test_two_nodes_through_our_own_launcher(tmp_path):
+    """NODE_RANK + MASTER_ADDR/PORT on each "node" (here: two processes on loopback): one group of 2."""
+    from distrain.cluster import find_free_port
+
+    port = str(find_free_port())
+    procs = []
+    for node in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "distrain.cli", "train", "--num-nodes", "2", "--devices", "1", "--strategy", "ddp",
+             "--max-steps", "4", "--output-dir", str(tmp_path / f"node{node}"), "data.max_bytes=100000",
+             "logging.progress_bar=false", "logging.log_every_n_steps=2"],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[1][1][-2000:]
+    assert "2 process(es)" in outs[0][0] and "done at step 4" in outs[0][0]
+    assert (tmp_path / "node0" / "checkpoints" / "last").exists()
+    assert not (tmp_path / "node1").exists()  # node 1 holds rank 1 only: rank 0 writes the run dir
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
+    """The signal reaches rank 0 only; both ranks stop at the same step, `last` is written, exit 0."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    args = ["train", "--devices", "2", "--output-dir", str(out), "--max-steps", "100000", "data.seq_len=32",
+            "data.max_bytes=200000", "logging.progress_bar=false", "logging.log_every_n_steps=1",
+            "training.val_check_interval=100000"]
+    proc = subprocess.Popen([sys.executable, "-m", "distrain.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "stopped by signal" in stdout and (out / "PREEMPTED").exists()
+    state = torch.load(out / "checkpoints" / "last" / "state.pt", weights_only=True)
+    stopped_at = state["progress"]["global_step"]
+    assert 3 <= stopped_at < 100000
+    resumed = distrain("train", *args[1:-2], "--resume", "last", "--max-steps", str(stopped_at + 2))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"done at step {stopped_at + 2}" in resumed.stdout and not (out / "PREEMPTED").exists()

@@ -67,3 +67,26 @@ def test_world_size_mismatch_says_which_numbers(monkeypatch):
         monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match=r"1 × 2 = 2.*WORLD_SIZE=4"):
         distrain.Runtime(accelerator="cpu", strategy="ddp", devices=2)
+
+
+def test_detects_mpi_and_kubeflow():
+    om = detect_cluster({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                         "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_ADDR": "n0"})
+    assert (om.source, om.rank, om.local_rank, om.world_size, om.node_rank, om.master_addr, om.master_port) == (
+        "mpi", 5, 1, 8, 1, "n0", 29500)
+    pmi = detect_cluster({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
+    assert (pmi.source, pmi.rank, pmi.world_size, pmi.master_addr) == ("mpi", 1, 2, "127.0.0.1")
+    assert detect_cluster({"PMI_RANK": "0", "PMI_SIZE": "1"}).source == "local"
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        detect_cluster({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
+    kf = detect_cluster({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"})
+    assert (kf.source, kf.node_rank, kf.num_nodes, kf.launched_externally) == ("kubeflow", 1, 2, False)
+
+
+def test_kubeflow_node_count_mismatch_names_both(monkeypatch):
+    import distrain
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=r"num_nodes=2.*WORLD_SIZE=3 pods"):
+        distrain.Runtime(accelerator="cpu", strategy="ddp", devices=1, num_nodes=2)

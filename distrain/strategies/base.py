@@ -12,7 +12,7 @@ import contextlib
 import functools
 import os
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,10 @@ class Strategy:
 
     @property
     def global_rank(self) -> int:
-        return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+        if dist.is_initialized():
+            return dist.get_rank()
+        # before our launcher ran: this process will be local rank 0 of its node
+        return int(os.environ.get("RANK", int(os.environ.get("NODE_RANK", 0)) * self.nprocs_per_node))
 
     @property
     def local_rank(self) -> int:
@@ -170,6 +173,21 @@ class Strategy:
         if op == "mean":
             work = work / self.world_size
         return work.to(tensor.device)
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: str = "max") -> Callable[[], torch.Tensor]:
+        """Start an all-reduce that overlaps with what follows; call the returned function for
+        the result. Every rank must start the same ones in the same order."""
+        if not dist.is_initialized() or self.world_size == 1:
+            return lambda: tensor
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        work = tensor.detach().to(self._comm_device(), copy=True)
+        handle = dist.all_reduce(work, op=ops[op], async_op=True)
+
+        def result() -> torch.Tensor:
+            handle.wait()
+            return work.to(tensor.device)
+
+        return result
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Stacks every rank's tensor along a new leading dimension (on the caller's device)."""

@@ -1,0 +1,58 @@
+"""`distrain launch`: the generated job files parse and carry the right counts."""
+
+import os
+import subprocess
+import sys
+
+import yaml
+
+
+def distrain(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "distrain.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+
+
+def test_torchrun_command(tmp_path):
+    proc = distrain("launch", "torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-endpoint", "h0:29400",
+                    "--", "--strategy", "fsdp", "training.learning_rate=1e-4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.split()
+    assert out[0] == "torchrun" and "--nnodes=2" in out and "--nproc-per-node=4" in out
+    assert "--rdzv-backend=c10d" in out and "--rdzv-endpoint=h0:29400" in out
+    assert out[-4:] == ["train", "--strategy", "fsdp", "training.learning_rate=1e-4"]
+
+
+def test_sbatch_script(tmp_path):
+    proc = distrain("launch", "slurm", "--nodes", "3", "--gpus-per-node", "8", "--time", "02:00:00",
+                    "--partition", "gpu", "--", "--config", "configs/ddp.yaml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "distrain.sbatch").read_text()
+    directives = dict(line[len("#SBATCH --"):].split("=", 1) for line in text.splitlines()
+                      if line.startswith("#SBATCH --") and "=" in line)
+    assert directives["nodes"] == "3" and directives["ntasks-per-node"] == "8" and directives["gpus-per-node"] == "8"
+    assert directives["time"] == "02:00:00" and directives["partition"] == "gpu" and "#SBATCH --requeue" in text
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "--num-nodes 3 --devices 8" in srun and "--resume auto" in srun and "configs/ddp.yaml" in srun
+    assert subprocess.run(["bash", "-n", str(tmp_path / "distrain.sbatch")]).returncode == 0
+
+
+def test_pytorchjob_manifest(tmp_path):
+    proc = distrain("launch", "k8s", "--nodes", "4", "--gpus-per-node", "2", "--image", "reg/distrain:1",
+                    "--", "--strategy", "ddp", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    job = yaml.safe_load((tmp_path / "pytorchjob.yaml").read_text())
+    assert job["kind"] == "PyTorchJob"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 3
+    container = specs["Worker"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "reg/distrain:1" and container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert container["command"][:4] == ["distrain", "train", "--strategy", "ddp"]
+    assert container["command"][-4:] == ["--num-nodes", "4", "--devices", "2"]
+
+
+def test_docker_files_have_no_secrets_or_ssh():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dockerfile = open(os.path.join(root, "docker", "Dockerfile")).read()
+    compose = yaml.safe_load(open(os.path.join(root, "docker", "docker-compose.yaml")))
+    assert "openssh" not in dockerfile.lower() and "passwd" not in dockerfile.lower()
+    assert "USER trainer" in dockerfile
+    assert set(compose["services"]) == {"node0", "node1"}
