@@ -1,0 +1,33 @@
+"""FSDP gradient reduction is skipped on accumulation micro-steps (counted, on real gloo ranks)."""
+
+import pytest
+import torch.distributed as dist
+
+from helpers import TinyGPT, loader, make_trainer, run_ranks
+
+
+def _count_reduce_scatters(rank, accumulate):
+    calls = []
+    real = dist.reduce_scatter_single
+
+    def counting(*args, **kwargs):  # pass-through instrumentation: the real collective still runs
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting
+    try:
+        trainer, _ = make_trainer("/tmp/unused", strategy="fsdp", devices=2, max_steps=3,
+                                  accumulate_grad_batches=accumulate, enable_checkpointing=False, logger=False)
+        trainer.fit(TinyGPT(), loader(4))
+    finally:
+        dist.reduce_scatter_single = real
+    return len(calls), trainer.global_step
+
+
+@pytest.mark.slow
+def test_no_reduce_scatter_on_accumulation_micro_steps():
+    (plain, steps), _ = run_ranks(_count_reduce_scatters, 2, 1)
+    (accumulated, steps_acc), _ = run_ranks(_count_reduce_scatters, 2, 4)
+    assert steps == steps_acc == 3
+    assert plain >= 3 and plain % 3 == 0  # one per sharded unit per optimizer step
+    assert accumulated == plain  # 12 micro-steps, reductions only on the 3 optimizer steps
