@@ -100,8 +100,17 @@ def launch(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train_parser, "convert": convert_parser, "launch": launch_parser}
-USAGE = "usage: distrain {train,convert,launch} [options]   (`distrain COMMAND -h` for help; no command means train)"
+def doctor_parser() -> argparse.ArgumentParser:
+    doctor = argparse.ArgumentParser(prog="distrain doctor", description="versions, devices, launcher variables; "
+                                     "with --devices N (or under a launcher) an all-reduce check and bandwidth test")
+    doctor.add_argument("--devices", type=int, help="start N local ranks for the check")
+    doctor.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int, default=1)
+    doctor.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for every rank")
+    return doctor
+
+
+COMMANDS = {"train": train_parser, "convert": convert_parser, "launch": launch_parser, "doctor": doctor_parser}
+USAGE = "usage: distrain {train,convert,launch,doctor} [options]   (`distrain COMMAND -h` for help; no command means train)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         return launch(argv)
     # intermixed: `key=value` overrides may stand between and after the options
     args = COMMANDS[command]().parse_intermixed_args(argv)
+    if command == "doctor":
+        from distrain import doctor
+
+        return doctor.run(args.devices, args.num_nodes, args.timeout)
     if command == "convert":
         try:
             return convert(args.checkpoint, args.output, args.to)

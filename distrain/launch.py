@@ -87,7 +87,11 @@ class SubprocessLauncher:
         if not self._started:  # also with one process per node: this process needs its rank env
             self._start_others()
             self._started = True
-        return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            self._kill_others()  # they would wait for rank 0 in a collective until the timeout
+            raise
 
     def _start_others(self) -> None:
         addr, port = _master(self.num_nodes)

@@ -1,0 +1,42 @@
+"""`distrain doctor`: a passing rank check with bandwidth figures, and an explained failure."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def doctor(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "distrain.cli", "doctor", *args], capture_output=True, text=True,
+                          timeout=180, env=env)
+
+
+def test_report_without_ranks():
+    proc = doctor()
+    assert proc.returncode == 0, proc.stderr
+    assert "torch" in proc.stdout and "process-group backends: gloo" in proc.stdout and "no rank check" in proc.stdout
+
+
+@pytest.mark.slow
+def test_doctor_devices_2_all_reduce_and_bandwidth():
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = doctor("--devices", "2", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "all-reduce across 2 ranks (gloo): OK" in proc.stdout
+    rows = re.findall(r"(\d+ [KM]iB) \|\s+\d+us \|\s+([\d.]+) \|", proc.stdout)
+    assert [size for size, _ in rows] == ["1 KiB", "64 KiB", "1 MiB", "16 MiB"]
+    assert float(rows[-1][1]) > 0
+
+
+@pytest.mark.slow
+def test_port_in_use_is_explained_and_nothing_hangs():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(busy.getsockname()[1])}
+        proc = doctor("--devices", "2", "--timeout", "20", env=env)
+    assert proc.returncode == 1
+    assert "FAILED on rank 0" in proc.stderr and "already in use" in proc.stderr
