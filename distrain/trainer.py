@@ -127,6 +127,9 @@ class Trainer:
                 val_dataloaders = datamodule.val_dataloader()
         if train_dataloaders is None:
             raise ValueError("fit() needs train_dataloaders or a datamodule with train_dataloader()")
+        if ckpt_path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+            # torchrun restarted the group after a failure: continue from the newest checkpoint
+            ckpt_path = "last" if self._last_checkpoint().exists() else None
         return self._launch(self._fit, module, train_dataloaders, val_dataloaders, ckpt_path)
 
     def validate(self, module: nn.Module, dataloaders=None, ckpt_path=None, datamodule=None) -> list[dict]:
@@ -525,11 +528,14 @@ class Trainer:
             raise RuntimeError("save_checkpoint() needs a module attached by fit/validate/test first")
         self.runtime.save(path, self._checkpoint_state())
 
+    def _last_checkpoint(self) -> Path:
+        cb = self.checkpoint_callback
+        dirpath = Path(cb.dirpath) if cb and cb.dirpath else Path(self.default_root_dir) / "checkpoints"
+        return dirpath / "last"
+
     def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike) -> Path:
         if ckpt_path == "last":
-            cb = self.checkpoint_callback
-            dirpath = Path(cb.dirpath) if cb and cb.dirpath else Path(self.default_root_dir) / "checkpoints"
-            last = dirpath / "last"
+            last = self._last_checkpoint()
             if not last.exists():
                 raise FileNotFoundError(f"ckpt_path='last': no checkpoint found at {last} (nothing to resume)")
             return last.resolve()

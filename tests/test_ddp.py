@@ -204,3 +204,47 @@ def test_custom_sampler_is_not_silently_replaced():
     with pytest.raises(ValueError, match="WeightedRandomSampler.*use_distributed_sampler=False"):
         with_distributed_sampler(weighted, 2, 0, seed=0)
     assert with_distributed_sampler(weighted, 1, 0, seed=0) is weighted
+
+
+ELASTIC = """
+import os, signal, sys, torch
+sys.path.insert(0, {tests!r})
+import distrain
+from helpers import TinyGPT, loader
+
+out, crash = sys.argv[1], sys.argv[2] == "crash"
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+class KillRank1(distrain.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if crash and restart == 0 and trainer.global_step == 5 and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+trainer = distrain.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=9, enable_progress_bar=False,
+                           logger=False, default_root_dir=out, seed=7,
+                           callbacks=[distrain.ModelCheckpoint(every_n_train_steps=2, save_top_k=-1), KillRank1()])
+distrain.seed_everything(0)
+module = TinyGPT(dropout=0.1)
+trainer.fit(module, loader(4))  # no ckpt_path: after a restart, "last" is the default
+if trainer.global_rank == 0:
+    torch.save({{k: v.detach() for k, v in module.state_dict().items()}}, os.path.join(out, "final.pt"))
+    open(os.path.join(out, "attempts"), "w").write(str(restart))
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_under_torchrun_restarts_and_resumes_exactly(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(ELASTIC.format(tests=os.path.dirname(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    ref = subprocess.run([*torchrun, str(script), str(tmp_path / "ref"), "ok"], env=env, capture_output=True, text=True, timeout=180)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    # one restart allowed: the restarted group must rendezvous at the first try
+    cut = subprocess.run([*torchrun, "--max-restarts", "1", str(script), str(tmp_path / "cut"), "crash"], env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    assert (tmp_path / "cut" / "attempts").read_text() == "1"
+    a = torch.load(tmp_path / "ref" / "final.pt", weights_only=True)
+    b = torch.load(tmp_path / "cut" / "final.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -88,13 +88,10 @@ class Strategy:
             kwargs = {}
             if self.backend == "nccl":
                 kwargs["device_id"] = self.root_device  # eager NCCL init: errors surface here, not mid-step
-            dist.init_process_group(
-                self.backend,
-                rank=int(os.environ["RANK"]),
-                world_size=int(os.environ["WORLD_SIZE"]),
-                timeout=self.timeout,
-                **kwargs,
-            )
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+                kwargs["store"] = _elastic_attempt_store(rank, world, self.timeout)
+            dist.init_process_group(self.backend, rank=rank, world_size=world, timeout=self.timeout, **kwargs)
             # No barrier at exit: a peer that crashed must not make the survivors hang.
             from distrain.runtime import shutdown_distributed
 
@@ -259,6 +256,19 @@ def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
         selected = lambda m: id(m) in chosen  # noqa: E731
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     apply_ac(module, checkpoint_wrapper_fn=wrapper, check_fn=selected)
+
+
+def _elastic_attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """torchrun's agent keeps one store for the whole job. After a restart, the keys the dead
+    attempt's ranks wrote (their gloo addresses) are still in it, and a new rank can read a dead
+    peer's address before the live peer overwrites it: "connectFullMesh failed ... Connection
+    refused". Each attempt gets its own key space."""
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        is_master=not agent_hosts_store and rank == 0, timeout=timeout,
+    )
+    return dist.PrefixStore(f"distrain/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 class _SkipInit(torch.overrides.TorchFunctionMode):
