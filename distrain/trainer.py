@@ -506,13 +506,19 @@ class Trainer:
         self._epoch_done = progress.get("epoch_done", False)
         self.callback_metrics = dict(progress.get("callback_metrics", {}))
 
-    def _checkpoint_state(self) -> dict[str, Any]:
+    def _resumable_objects(self) -> dict[str, Any]:
+        """The live objects a checkpoint restores in place (saving and loading use this one list)."""
         return {
-            "format": CHECKPOINT_FORMAT,
             "model": self.module,  # the bare module: same names under every strategy
             "optimizers": self.optimizers,
             "lr_schedulers": [c["scheduler"] for c in self.lr_schedulers],
             "precision": self.runtime.precision,
+        }
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            **self._resumable_objects(),
             "progress": self._progress(),
             "rng": self.runtime.all_gather_object(rng_state()),  # every rank's streams
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
@@ -545,14 +551,7 @@ class Trainer:
         if weights_only:
             self.runtime.load(path, {"model": self.module})
             return
-        state = {
-            "model": self.module,
-            "optimizers": self.optimizers,
-            "lr_schedulers": [c["scheduler"] for c in self.lr_schedulers],
-            "precision": self.runtime.precision,
-            "progress": None,
-            "callbacks": None,
-        }
+        state = {**self._resumable_objects(), "progress": None, "callbacks": None}
         extra = self.runtime.load(path, state)
         if extra.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:
             raise RuntimeError(f"{path} has checkpoint format {extra['format']!r}; this distrain reads {CHECKPOINT_FORMAT!r}")
