@@ -2,8 +2,9 @@
 
     python benchmarks/strategies.py [--model gpt-small] [--steps 12]
 
-For DDP and each FSDP sharding: bytes of parameters, gradients and optimizer state held by one
-rank (measured from the tensors, just before the optimizer step), their sum relative to DDP,
+For DDP, each FSDP sharding and each DeepSpeed ZeRO stage: bytes of parameters, gradients and
+optimizer state held by one rank (measured from the tensors, just before the optimizer step; for
+ZeRO just after it, its fp32 master partitions counted as optimizer state), their sum relative to DDP,
 the rank's peak RSS (fresh processes per row), and tokens/s relative to DDP.
 """
 
@@ -31,6 +32,11 @@ ROWS = [
     ("fsdp NO_SHARD", lambda: distrain.FSDPStrategy(sharding_strategy="NO_SHARD")),
     ("fsdp FULL_SHARD + act. ckpt", lambda: distrain.FSDPStrategy(activation_checkpointing_policy={Block})),
     ("fsdp FULL_SHARD + cpu offload", lambda: distrain.FSDPStrategy(cpu_offload=True)),
+    ("deepspeed ZeRO-1", lambda: "deepspeed_stage_1"),
+    ("deepspeed ZeRO-2", lambda: "deepspeed_stage_2"),
+    ("deepspeed ZeRO-2 + offload opt.", lambda: "deepspeed_stage_2_offload"),
+    ("deepspeed ZeRO-3", lambda: "deepspeed_stage_3"),
+    ("deepspeed ZeRO-3 + offload both", lambda: "deepspeed_stage_3_offload"),
 ]
 
 
@@ -45,6 +51,8 @@ class Measure(distrain.Callback):
         self.times = []
 
     def on_before_optimizer_step(self, trainer, module, optimizer):
+        if hasattr(optimizer, "optimizer"):  # a DeepSpeed ZeRO optimizer: measured after its step
+            return
         if self.model_state is None or trainer.global_step == 1:
             params = [p for p in module.parameters()]
             opt = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
@@ -56,6 +64,20 @@ class Measure(distrain.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.times.append(time.perf_counter())
+        optimizer = trainer.optimizers[0]
+        if hasattr(optimizer, "optimizer") and trainer.global_step == 2:
+            self.model_state = _zero_bytes(module, optimizer)
+
+
+def _zero_bytes(module, zero_optimizer) -> tuple[int, int, int]:
+    """ZeRO's per-rank state after a step: the rank's parameters (its partition under stage 3),
+    no gradients (freed after the step; ZeRO-2/3 only ever hold their partition's), and the
+    optimizer side: fp32 master partitions plus their Adam moments."""
+    params = sum(_local_bytes(getattr(p, "ds_tensor", p)) for p in module.parameters())
+    inner = zero_optimizer.optimizer
+    masters = [p for g in inner.param_groups for p in g["params"]]
+    moments = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    return params, 0, sum(_local_bytes(t) for t in masters + moments)
 
 
 def rank_main(rank, row, args, port, queue):

@@ -5,8 +5,9 @@ from distrain.checkpoint.state import checkpoint_state_of
 from distrain.config import RunConfig, build_config
 from distrain.module import LossModule, Module
 from distrain.runtime import Runtime, seed_everything
-from distrain.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
+from distrain.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
 from distrain.strategies.base import wrap
+from distrain.strategies.watch import CollectiveHangError
 from distrain.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __all__ = [
     "Runtime",
     "Strategy",
     "DDPStrategy",
+    "DeepSpeedStrategy",
     "FSDPStrategy",
     "SingleDeviceStrategy",
     "Callback",
@@ -28,4 +30,5 @@ __all__ = [
     "seed_everything",
     "wrap",
     "checkpoint_state_of",
+    "CollectiveHangError",
 ]

@@ -20,6 +20,7 @@ FLAG_KEYS = {
     "max_steps": "training.max_steps",
     "seed": "training.seed",
     "output_dir": "output_dir",
+    "model_name": "training.model_name",
 }
 
 
@@ -38,6 +39,8 @@ def train_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-steps", "--max_steps", dest="max_steps", type=int)
     train.add_argument("--output-dir", "--output_dir", dest="output_dir")
     train.add_argument("--seed", type=int)
+    train.add_argument("--model-name", "--model_name", dest="model_name",
+                       help="a built-in GPT size, or a Hugging Face hub name or local model directory")
     train.add_argument("--resume", metavar="last|auto|PATH",
                        help="continue from the newest checkpoint (auto: only if one exists), or from PATH")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -48,8 +51,9 @@ def train_parser() -> argparse.ArgumentParser:
 def convert_parser() -> argparse.ArgumentParser:
     convert = argparse.ArgumentParser(prog="distrain convert", description="consolidate a (sharded) checkpoint into one weights file")
     convert.add_argument("checkpoint", help="a checkpoint directory (or its `last` link)")
-    convert.add_argument("output", help="the file to write")
-    convert.add_argument("--to", choices=("torch", "safetensors"), default="safetensors")
+    convert.add_argument("output", help="the file to write (a directory for --to hf)")
+    convert.add_argument("--to", choices=("torch", "safetensors", "hf"), default="safetensors",
+                         help="hf: a from_pretrained directory (config, safetensors, tokenizer) of a Hugging Face model")
     return convert
 
 
@@ -162,8 +166,11 @@ def train(config: RunConfig, resume: str | None = None) -> int:
     from distrain.trainer import Trainer
 
     t, d, c, lg, data = config.training, config.distributed, config.checkpointing, config.logging, config.data
-    if t.model_name not in GPT_SIZES:
-        raise ConfigError(f"training.model_name {t.model_name!r} is not a built-in model; choose one of {', '.join(GPT_SIZES)}")
+    hf_job = None
+    if t.model_name not in GPT_SIZES:  # a Hugging Face hub name or local directory
+        from distrain.hf.job import HFJob
+
+        hf_job = HFJob(config)  # reads the model's config only: a bad name fails before any rank starts
     out = Path(config.output_dir)
     ckpt_dir = Path(c.checkpoint_dir) if c.checkpoint_dir else out / "checkpoints"
     if resume == "auto":  # requeued/restarted jobs: continue if there is something to continue
@@ -180,21 +187,34 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         loggers.append(MLFlowLogger())
     from distrain.models.gpt import Block
 
+    blocks = hf_job.block_classes if hf_job else {Block}  # the repeated layer: FSDP unit, checkpointed
+
     f = config.fsdp
     every_n = f.activation_checkpointing.every_n_layers
     use_ac = t.activation_checkpointing or f.activation_checkpointing.enabled  # the spec's name is an alias
-    strategy_options: dict = {"activation_checkpointing_policy": {"classes": {Block}, "every_n": every_n} if use_ac else None}
+    strategy_options: dict = {"activation_checkpointing_policy": {"classes": blocks, "every_n": every_n} if use_ac else None}
     if d.strategy.startswith("fsdp"):
         strategy_options.update(
             sharding_strategy=f.sharding_strategy,
             cpu_offload=f.cpu_offload or d.strategy == "fsdp_cpu_offload",
-            auto_wrap_policy={"transformer_based": {Block}, "size_based": f.min_num_params}.get(f.auto_wrap_policy, _root_only),
+            auto_wrap_policy={"transformer_based": blocks, "size_based": f.min_num_params}.get(f.auto_wrap_policy, _root_only),
             mixed_precision={k: v for k, v in vars(f.mixed_precision).items() if v} or None,
             state_dict_type=f.state_dict_type,
             forward_prefetch=f.forward_prefetch,
             backward_prefetch=f.backward_prefetch,
             use_orig_params=f.use_orig_params,
             sync_module_states=f.sync_module_states,
+        )
+    elif d.strategy.startswith("deepspeed"):
+        ds = config.deepspeed
+        if d.strategy == "deepspeed":  # a preset (deepspeed_stage_3_offload, ...) fixes stage and offload itself
+            strategy_options.update(
+                stage=ds.stage, offload_optimizer=ds.offload_optimizer, offload_parameters=ds.offload_parameters,
+                offload_optimizer_device=ds.offload_optimizer_device, offload_params_device=ds.offload_params_device,
+            )
+        strategy_options.update(
+            config=ds.config, nvme_path=ds.nvme_path, partition_activations=ds.partition_activations,
+            cpu_checkpointing=ds.cpu_checkpointing, save_full_weights=ds.save_full_weights,
         )
     elif d.strategy != "single":
         strategy_options.update(
@@ -230,10 +250,14 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         enable_progress_bar=lg.progress_bar,
         process_group_backend=d.backend,
         timeout=d.timeout_seconds,
+        collective_timeout=d.collective_timeout_seconds,
         **strategy_options,
     )
     trainer.run_config = config.to_dict()
 
+    if hf_job is not None:
+        hf_job.fit(trainer, resume)
+        return _finish(trainer, out)
     train_set, val_set = byte_datasets(data.dataset, data.seq_len, data.max_bytes, data.val_fraction)
     global_batch = t.batch_size_per_gpu * trainer.world_size * t.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train_set) / global_batch)
@@ -247,6 +271,10 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         total_steps=total_steps,
         lr_schedule=t.lr_schedule,
     )
+    from distrain.strategies.deepspeed import DeepSpeedStrategy
+
+    if isinstance(trainer.strategy, DeepSpeedStrategy):  # for "auto" in a DeepSpeed JSON scheduler
+        trainer.strategy.auto_values.setdefault("warmup_num_steps", max(1, module.hparams["warmup_steps"]))  # DeepSpeed wants >= 1
     loader = lambda ds, shuffle: DataLoader(  # noqa: E731
         ds, batch_size=t.batch_size_per_gpu, shuffle=shuffle, num_workers=data.num_workers, drop_last=shuffle
     )
@@ -259,6 +287,10 @@ def train(config: RunConfig, resume: str | None = None) -> int:
             flush=True,
         )
     trainer.fit(module, loader(train_set, True), loader(val_set, False), ckpt_path=resume)
+    return _finish(trainer, out)
+
+
+def _finish(trainer, out: Path) -> int:
     marker = out / "PREEMPTED"  # tells a job script that `--resume auto` has more to do
     if trainer.is_global_zero:
         marker.write_text(f"{trainer.preempted}\n") if trainer.preempted else marker.unlink(missing_ok=True)
@@ -277,6 +309,11 @@ def convert(checkpoint: str, output: str, to: str) -> int:
     """Full model weights from any distrain checkpoint (DDP's or FSDP's shards), no process group."""
     from distrain.checkpoint.state import read_model_weights
 
+    if to == "hf":  # a directory: config + safetensors + tokenizer, from the checkpoint's own hyperparameters
+        from distrain.hf.export import export_checkpoint
+
+        print(f"distrain: wrote the Hugging Face model directory {export_checkpoint(checkpoint, output)}")
+        return 0
     # clone: tied weights share storage, which safetensors refuses; contiguous for both formats
     weights = {k: v.detach().contiguous().clone() for k, v in read_model_weights(checkpoint).items()}
     Path(output).parent.mkdir(parents=True, exist_ok=True)

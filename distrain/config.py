@@ -34,7 +34,14 @@ class TrainingConfig:
     """What to train and how the optimizer steps."""
 
     model_name: str = "gpt-tiny"
-    """A built-in GPT size (``gpt-tiny``, ``gpt-mini``, ``gpt-small``, ``gpt-124m``, ...)."""
+    """A built-in GPT size (``gpt-tiny``, ``gpt-mini``, ``gpt-small``, ``gpt-124m``, ...), or a Hugging Face
+    model: a hub name (``org/name``) or a local directory with ``config.json``."""
+    task: Optional[str] = None
+    """Hugging Face models: ``causal_lm`` or ``sequence_classification``; null → from the model's config."""
+    pretrained: bool = True
+    """Hugging Face models: load the model's weights (``from_pretrained``); false → fresh ones (``from_config``)."""
+    num_labels: Optional[int] = None
+    """sequence_classification: number of classes; null → from the dataset's labels."""
     batch_size_per_gpu: int = 8
     """Micro-batch size on each rank (the global batch is this × ranks × accumulation)."""
     gradient_accumulation_steps: int = 1
@@ -70,6 +77,10 @@ class DistributedConfig:
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     timeout_seconds: float = 1800.0
+    """How long process-group init (and checkpoint IO) waits for every rank: nodes come up at different times."""
+    collective_timeout_seconds: float = 300.0
+    """Any other collective fails after this long, with an error naming the rank(s) that did not arrive
+    and the step and phase where they stopped."""
     comm_hook: Optional[str] = None
     """``fp16_compress``, ``bf16_compress``, ``powersgd`` or ``post_localsgd``."""
 
@@ -80,6 +91,8 @@ class CheckpointingConfig:
     checkpoint_dir: Optional[str] = None
     """Defaults to ``<output_dir>/checkpoints``."""
     keep_last_n: int = 2
+    export_hf: bool = True
+    """Hugging Face models: write a ``from_pretrained`` directory to ``<output_dir>/hf`` when training ends."""
 
 
 @dataclass
@@ -94,8 +107,28 @@ class LoggingConfig:
 @dataclass
 class DataConfig:
     dataset: str = "builtin:stdlib"
-    """``builtin:stdlib`` (Python's own source, byte level) or a path to a UTF-8 text file."""
+    """``builtin:stdlib`` (Python's own source, byte level) or a path to a UTF-8 text file. With a Hugging
+    Face model: a hub dataset name, or a local file (.txt, .json/.jsonl, .csv, .parquet) or directory."""
     seq_len: int = 128
+    """Bytes per sample of the built-in job (and the default of ``max_length``)."""
+    dataset_config: Optional[str] = None
+    """Hugging Face datasets: the dataset's configuration name (e.g. ``wikitext-2-raw-v1``)."""
+    split: str = "train"
+    """Hugging Face datasets: the split to train on."""
+    eval_split: Optional[str] = None
+    """A split name of ``dataset`` (``validation``, ``test``) or a local file; null → hold out ``val_fraction``
+    of the training split."""
+    text_column: str = "text"
+    label_column: str = "label"
+    """sequence_classification: the column of class ids or class names."""
+    max_length: Optional[int] = None
+    """Tokens per sample (truncation; the block size when packing); null → ``seq_len``."""
+    padding: str = "longest"
+    """``longest`` (pad each batch to its longest sample) or ``max_length``."""
+    packing: bool = False
+    """causal_lm: concatenate the texts (EOS between them) and cut fixed blocks of ``max_length`` tokens."""
+    tokenizer: Optional[str] = None
+    """A hub name or local directory; null → the model's own (``training.model_name``)."""
     max_bytes: int = 4_000_000
     val_fraction: float = 0.05
     num_workers: int = 0
@@ -138,6 +171,25 @@ class FSDPConfig:
 
 
 @dataclass
+class DeepSpeedSectionConfig:
+    """Used when ``distributed.strategy`` is ``deepspeed`` or a ``deepspeed_stage_*`` preset."""
+
+    config: Optional[str] = None
+    """A DeepSpeed JSON config (its "auto" values are filled from this run); overrides the keys below.
+    ``--config ds_config.json`` sets it."""
+    stage: int = 2
+    offload_optimizer: bool = False
+    offload_parameters: bool = False
+    offload_optimizer_device: str = "cpu"
+    offload_params_device: str = "cpu"
+    nvme_path: str = "/local_nvme"
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    save_full_weights: bool = False
+    """Also write a consolidated fp32 ``model.safetensors`` into each checkpoint."""
+
+
+@dataclass
 class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -145,6 +197,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    deepspeed: DeepSpeedSectionConfig = field(default_factory=DeepSpeedSectionConfig)
     output_dir: str = "runs/distrain"
 
     def to_dict(self) -> dict:
@@ -201,7 +254,12 @@ def build_config(
     """Defaults ← file ← ``overrides`` (dotted keys from CLI flags) ← ``key=value`` items."""
     config = RunConfig()
     if file is not None:
-        apply_tree(config, load_config_file(file), source=str(file))
+        tree = load_config_file(file)
+        from distrain.strategies.deepspeed_config import looks_like_deepspeed_config
+
+        if looks_like_deepspeed_config(tree):  # the spec's deepspeed_config.json, given as the run's config
+            tree = {"distributed": {"strategy": "deepspeed"}, "deepspeed": {"config": str(Path(file).resolve())}}
+        apply_tree(config, tree, source=str(file))
     flag_tree: dict = {}
     for key, value in (overrides or {}).items():
         set_dotted(flag_tree, key, value)
@@ -291,6 +349,8 @@ def validate(config: RunConfig) -> None:
     positive("training.learning_rate", t.learning_rate)
     positive("training.num_epochs", t.num_epochs)
     positive("distributed.num_nodes", d.num_nodes)
+    positive("distributed.timeout_seconds", d.timeout_seconds)
+    positive("distributed.collective_timeout_seconds", d.collective_timeout_seconds)
     positive("data.seq_len", config.data.seq_len)
     positive("logging.log_every_n_steps", config.logging.log_every_n_steps)
     if t.max_steps == 0 or t.max_steps < -1:
@@ -305,6 +365,12 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"training.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
     if t.precision not in PRECISIONS:
         raise ConfigError(f"training.precision must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
+    if t.task not in (None, "causal_lm", "sequence_classification"):
+        raise ConfigError(f"training.task must be causal_lm, sequence_classification or null (infer), got {t.task!r}")
+    positive("training.num_labels", t.num_labels)
+    positive("data.max_length", config.data.max_length)
+    if config.data.padding not in ("longest", "max_length"):
+        raise ConfigError(f"data.padding must be longest or max_length, got {config.data.padding!r}")
     if t.lr_schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"training.lr_schedule must be cosine, linear or constant, got {t.lr_schedule!r}")
     if isinstance(d.devices, str) and d.devices != "auto":
@@ -334,6 +400,15 @@ def validate(config: RunConfig) -> None:
         value = getattr(f.mixed_precision, name)
         if value not in (None, "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
             raise ConfigError(f"fsdp.mixed_precision.{name} must be bf16, fp16 or fp32, got {value!r}")
+    ds = config.deepspeed
+    if ds.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"deepspeed.stage must be 0, 1, 2 or 3, got {ds.stage}")
+    if ds.config is not None and not d.strategy.startswith("deepspeed"):
+        raise ConfigError(f"deepspeed.config is set ({ds.config}) but distributed.strategy is {d.strategy!r}; "
+                          "use strategy deepspeed (or a deepspeed_stage_* preset), or drop the DeepSpeed config")
+    for name in ("offload_optimizer_device", "offload_params_device"):
+        if getattr(ds, name) not in ("cpu", "nvme"):
+            raise ConfigError(f"deepspeed.{name} must be cpu or nvme, got {getattr(ds, name)!r}")
     if d.comm_hook is not None and d.comm_hook not in COMM_HOOKS:
         raise ConfigError(f"distributed.comm_hook {d.comm_hook!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
 

@@ -123,10 +123,18 @@ class SubprocessLauncher:
                 return
             time.sleep(0.5)
 
-    def _kill_others(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+    def _kill_others(self, grace: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL whatever still runs after ``grace`` s: a rank that hangs outside
+        a collective never acts on SIGTERM (distrain's handler only asks for a stop at the next step)."""
+        alive = [proc for proc in self.procs if proc.poll() is None]
+        for proc in alive:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in alive:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
     def _wait_for_others(self) -> None:
         for local_rank, proc in enumerate(self.procs, start=1):

@@ -31,9 +31,10 @@ class MetricCollector:
         self.epoch_sums: dict[str, list[float]] = {}  # name -> [sum of value*weight, sum of weights]
         self.prog_bar: set[str] = set()
         self.epoch_sync: set[str] = set()
+        self.epoch_summed: set[str] = set()  # reduce_fx="sum": totals, not means
         self.muted = False  # padding steps that only keep collectives matched
 
-    def log(self, name, value, on_step, on_epoch, sync_dist, prog_bar, batch_size) -> None:
+    def log(self, name, value, on_step, on_epoch, sync_dist, prog_bar, batch_size, reduce_fx="mean") -> None:
         if self.muted:
             return
         training = self.stage == "train"
@@ -46,8 +47,13 @@ class MetricCollector:
             self.step_entries[name] = entry
         if on_epoch:
             acc = self.epoch_sums.setdefault(name, [0.0, 0.0])
-            acc[0] += value * weight
-            acc[1] += weight
+            if reduce_fx == "sum":
+                acc[0] += value
+                acc[1] += 1
+                self.epoch_summed.add(name)
+            else:
+                acc[0] += value * weight
+                acc[1] += weight
             if sync_dist or not training:
                 self.epoch_sync.add(name)
         if prog_bar:
@@ -67,13 +73,19 @@ class MetricCollector:
         """Sample-weighted means; evaluation metrics and sync_dist ones over all ranks' samples."""
         sums, self.epoch_sums = self.epoch_sums, {}
         sync, self.epoch_sync = self.epoch_sync, set()
+        summed, self.epoch_summed = self.epoch_summed, set()
         # every rank must reduce the same names in the same order, even one that logged none
-        names = sorted(set().union(*self.runtime.all_gather_object(sorted(sync)))) if self.runtime.world_size > 1 else sorted(sync)
-        out = {n: s / w for n, (s, w) in sums.items() if w}
+        if self.runtime.world_size > 1:
+            gathered = self.runtime.all_gather_object((sorted(sync), sorted(summed)))
+            names = sorted(set().union(*(g[0] for g in gathered)))
+            summed = set().union(*(g[1] for g in gathered))
+        else:
+            names = sorted(sync)
+        out = {n: s if n in summed else s / w for n, (s, w) in sums.items() if w}
         if names:
             totals = torch.tensor([sums.get(n, [0.0, 0.0]) for n in names], dtype=torch.float64)
             totals = self.runtime.all_reduce(totals, op="sum")
-            out.update({n: s / w for n, (s, w) in zip(names, totals.tolist()) if w})
+            out.update({n: s if n in summed else s / w for n, (s, w) in zip(names, totals.tolist()) if w})
         return out
 
 

@@ -45,6 +45,13 @@ class Module(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers()")
 
     # optional hooks
+    def on_train_step_start(self, batches: list, accumulate: int) -> None:
+        """This rank's micro-batches of the coming optimizer step (as the loader yields them, not yet
+        on the device), before the first one runs. The step's gradient is the mean, over its
+        micro-steps (the Trainer divides each loss by ``accumulate``, also in a shorter last step) and
+        over the ranks, of the losses ``training_step`` returns. Override it to normalize a loss
+        by a whole step's count, e.g. of tokens; only then does the Trainer read batches ahead."""
+
     def on_fit_start(self) -> None: ...
     def on_train_epoch_start(self) -> None: ...
     def on_train_epoch_end(self) -> None: ...
@@ -66,11 +73,15 @@ class Module(nn.Module):
         sync_dist: bool = False,
         prog_bar: bool = False,
         batch_size: int | None = None,
+        reduce_fx: str = "mean",
     ) -> None:
         """Record a metric. Training defaults to per-step, evaluation to per-epoch (a
-        sample-weighted mean that is always reduced across ranks)."""
+        sample-weighted mean that is always reduced across ranks). ``reduce_fx="sum"``: the epoch
+        value is the total over all calls (and, reduced, all ranks), e.g. a count of samples."""
+        if reduce_fx not in ("mean", "sum"):
+            raise ValueError(f"log({name!r}): reduce_fx must be 'mean' or 'sum', got {reduce_fx!r}")
         if self._trainer is not None:
-            self._trainer._metrics.log(name, value, on_step, on_epoch, sync_dist, prog_bar, batch_size)
+            self._trainer._metrics.log(name, value, on_step, on_epoch, sync_dist, prog_bar, batch_size, reduce_fx)
 
     def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():

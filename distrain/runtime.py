@@ -60,6 +60,8 @@ class Runtime:
             )
         self.strategy.connect(self.accelerator, self.precision, self.cluster, self.nprocs, num_nodes)
         self._launcher = make_launcher(self.strategy.start_method, self.nprocs, self.cluster, num_nodes)
+        #: NCCL flight-recorder dumps on a collective timeout go here (the Trainer: its run dir)
+        self.flight_recorder_dir: str | None = None
         self._environment_ready = False
 
     def _resolve_devices(self, devices: int | str, num_nodes: int) -> int:
@@ -135,6 +137,8 @@ class Runtime:
 
     def setup_environment(self) -> None:
         if not self._environment_ready:
+            if self.flight_recorder_dir is not None:
+                self.strategy.flight_recorder_dir = self.flight_recorder_dir
             self.strategy.setup_environment()
             self._environment_ready = True
 
@@ -196,6 +200,17 @@ class Runtime:
     def barrier(self, name: str | None = None) -> None:
         self.strategy.barrier(name)
 
+    # ---- hang diagnosis ---------------------------------------------------------------------------
+    def progress(self, step: int | None, phase: str) -> None:
+        """Record where this rank is; if a collective later times out, the error names the ranks
+        that are elsewhere and their step and phase. Cheap: one store write per new phase."""
+        self.strategy.progress(step, phase)
+
+    def explain_failure(self, error: BaseException) -> Exception | None:
+        """For an error raised by a collective that timed out or lost a peer: an error naming the
+        rank(s) that did not arrive and where they stopped. None for any other error."""
+        return self.strategy.explain_failure(error)
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self.is_global_zero:
             print(*args, **kwargs, flush=True)
@@ -203,13 +218,15 @@ class Runtime:
     # ---- checkpoints ------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
         """Objects with ``state_dict()`` (model, optimizer, ...) are saved by state; the rest as is."""
-        self.strategy.save_checkpoint(path, state)
+        with self.strategy.patient("checkpoint save"):  # rank 0 may write for minutes while others wait
+            self.strategy.save_checkpoint(path, state)
 
     def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
         """Load into ``state``'s objects in place; returns the checkpoint entries not asked for."""
         if state is None:
             return ckpt_io.read_state_file(path)
-        return self.strategy.load_checkpoint(path, state, strict=strict)
+        with self.strategy.patient("checkpoint load"):
+            return self.strategy.load_checkpoint(path, state, strict=strict)
 
     seed_everything = staticmethod(lambda seed: seed_everything(seed))
 
@@ -236,6 +253,9 @@ def shutdown_distributed(barrier: bool = True) -> None:
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
+        from distrain.strategies import watch
+
+        watch.stop()
     gc.collect()
 
 

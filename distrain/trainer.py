@@ -5,6 +5,7 @@ The loop never asks which strategy runs it; it only talks to the Runtime.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import signal
@@ -22,7 +23,7 @@ from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 from distrain.metrics import MetricCollector, Throughput
 from distrain.module import Module
 from distrain.runtime import Runtime, rng_state, set_rng_state
-from distrain.strategies.base import Strategy
+from distrain.strategies.base import Strategy, TrainingPlan
 
 CHECKPOINT_FORMAT = "distrain/1"
 
@@ -63,6 +64,7 @@ class Trainer:
         self.val_check_interval = val_check_interval
         self.log_every_n_steps = log_every_n_steps
         self.default_root_dir = str(default_root_dir or os.path.join(os.getcwd(), "distrain_runs"))
+        self.runtime.flight_recorder_dir = os.path.join(self.default_root_dir, "flight_recorder")  # NCCL only
         self.seed = seed
         self.use_distributed_sampler = use_distributed_sampler
         self.limit_val_batches = limit_val_batches
@@ -161,15 +163,15 @@ class Trainer:
     # ---- fit ----------------------------------------------------------------------------------
     def _fit(self, module: Module, train_loader, val_loader, ckpt_path):
         rt = self.runtime
-        self._attach(module, "fit")
         train_loader = self._setup_loader(train_loader, shuffle_seed=self.seed)
         val_loader = self._setup_loader(val_loader, even=False) if val_loader is not None else None
+        self._num_batches = _safe_len(train_loader)
+        self._attach(module, "fit", train_loader)
         if ckpt_path is not None:
             self._restore(self._resolve_ckpt_path(ckpt_path))
         self._throughput = Throughput(
             rt.world_size, _flops_per_token(module), rt.accelerator.peak_flops(rt.device, rt.precision.compute_dtype)
         )
-        self._num_batches = _safe_len(train_loader)
         if self.is_global_zero:
             for lg in self.loggers:
                 if self.run_config:
@@ -179,12 +181,17 @@ class Trainer:
         previous_handlers = self._catch_preemption_signals()
         try:
             self._train_loop(module, train_loader, val_loader)
+            rt.progress(None, "end of training")
             if val_loader is not None and self._last_val_step != self.global_step and not self.preempted:
                 self._validate_during_fit(module, val_loader)  # the run always ends with a val score
             self._call("on_train_end")
-        except BaseException as e:
-            self._call("on_exception", e)
-            raise
+        except BaseException as error:
+            hang = rt.explain_failure(error)  # a collective timed out or lost a peer: who is elsewhere, and where
+            self._call("on_exception", hang or error)
+            if hang is None:
+                raise
+            self._pending_stop = None  # the stop-signal all-reduce in flight cannot finish either
+            raise hang from error
         finally:
             self._stop_requested(final=True)  # no collective may be left in flight
             for signum, handler in previous_handlers.items():
@@ -246,7 +253,8 @@ class Trainer:
             self._call("on_train_epoch_start")
             module.on_train_epoch_start()
             micro, step_samples, step_tokens, step_loss = 0, 0, 0, torch.zeros((), device=rt.device)
-            for batch_idx, batch in enumerate(loader, start=first_batch):
+            for batch_idx, batch in _steps_read_ahead(enumerate(loader, start=first_batch), accumulate, module):
+                rt.progress(self.global_step + 1, "forward/backward")  # where this rank is, if a collective hangs
                 batch = move_to_device(batch, rt.device)
                 samples, tokens = batch_size_of(batch), tokens_in_batch(batch)
                 is_last_batch = self._num_batches is not None and batch_idx + 1 >= self._num_batches
@@ -267,6 +275,7 @@ class Trainer:
                 if not steps_now:
                     continue
 
+                rt.progress(None, "optimizer step")
                 if self.gradient_clip_val:
                     self._grad_norm = rt.clip_gradients(self.model, optimizer, self.gradient_clip_val)
                 self._call("on_before_optimizer_step", optimizer)
@@ -277,10 +286,12 @@ class Trainer:
                 self._throughput.step(step_samples, step_tokens or None)
                 self._log_train_step(step_loss, optimizer)
                 micro, step_samples, step_tokens, step_loss = 0, 0, 0, torch.zeros((), device=rt.device)
+                rt.progress(None, "stop-signal check")
                 if self._stop_requested():
                     self.should_stop = True  # on_train_end below writes the checkpoint
                 if val_loader is not None and val_every and self.global_step % val_every == 0:
                     self._validate_during_fit(module, val_loader)  # first, so checkpoints can monitor it
+                rt.progress(None, "callbacks after the step (checkpointing)")
                 self._call("on_train_batch_end", output, batch, batch_idx)
                 if self._done():
                     break
@@ -290,6 +301,7 @@ class Trainer:
             break
 
     def _end_epoch(self, module: Module, val_loader, val_every) -> None:
+        self.runtime.progress(None, "end of epoch")
         if self._epoch_done:  # resumed from a checkpoint written at this epoch's end: already done
             self._epoch_done = False
             self.current_epoch += 1
@@ -311,6 +323,7 @@ class Trainer:
         return self.should_stop or (self.max_steps != -1 and self.global_step >= self.max_steps)
 
     def _log_train_step(self, step_loss: torch.Tensor, optimizer) -> None:
+        self.runtime.progress(None, "logging")
         logged = self._metrics.pop_step_metrics(reduce=True)
         if self.global_step % self.log_every_n_steps and not self._done():
             self.callback_metrics.update(logged)
@@ -362,6 +375,7 @@ class Trainer:
 
     # ---- evaluation ----------------------------------------------------------------------------
     def _validate_during_fit(self, module: Module, loader) -> None:
+        self.runtime.progress(None, "validation")
         self._last_val_step = self.global_step
         metrics = self._run_eval(module, "validation_step", loader, self.limit_val_batches)
         self._publish(metrics)
@@ -428,7 +442,7 @@ class Trainer:
             return [step(move_to_device(batch, self.runtime.device), i) for i, batch in enumerate(loader)]
 
     # ---- set-up -----------------------------------------------------------------------------------
-    def _attach(self, module: Module, stage: str) -> None:
+    def _attach(self, module: Module, stage: str, train_loader=None) -> None:
         rt = self.runtime
         rt.seed_everything(self.seed)  # same seed everywhere: every rank builds identical weights
         object.__setattr__(module, "_trainer", self)
@@ -440,14 +454,22 @@ class Trainer:
             if not rt.strategy.collective_forward:
                 self.model = None
                 module.to(rt.device)
-            elif self.model is None or self.model.module is not module:  # not the module fit() sharded
-                self.model = rt.strategy.setup_module(_StepRouter(module))
+            elif self.model is None or rt.strategy.unwrap(self.model).module is not module:  # not the one fit() set up
+                model = rt.strategy.setup_module(_StepRouter(module))
+                self.model, _, _ = rt.strategy.setup_training(model, [], [], TrainingPlan())  # no optimizer
             return
         # The model is set up first: sharding strategies replace parameters, and the optimizer
         # must hold the ones that will be trained.
-        self.model = rt.strategy.setup_module(_StepRouter(module))
-        optimizers, self.lr_schedulers = _parse_optimizers(module.configure_optimizers())
-        self.optimizers = [rt.strategy.setup_optimizer(o) for o in optimizers]
+        model = rt.strategy.setup_module(_StepRouter(module))
+        optimizers, schedulers = _parse_optimizers(module.configure_optimizers())
+        plan = TrainingPlan(
+            micro_batch_size=getattr(train_loader, "batch_size", None),
+            accumulate=self._accumulate_for(0),
+            gradient_clip_val=self.gradient_clip_val,
+            total_steps=self.estimated_stepping_batches,
+            run_dir=self.default_root_dir,
+        )
+        self.model, self.optimizers, self.lr_schedulers = rt.strategy.setup_training(model, optimizers, schedulers, plan)
 
     def _configure(self, module: Module) -> None:
         if not getattr(module, "_distrain_configured", False):
@@ -629,6 +651,21 @@ def _accumulation_schedule(value: int | dict[int, int]) -> dict[int, int]:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"accumulate_grad_batches[{epoch}] must be a positive integer, got {n!r}")
     return schedule
+
+
+def _steps_read_ahead(batches: Iterable, accumulate: int, module: Module) -> Iterable:
+    """The loader's ``(batch_idx, batch)`` pairs, unchanged. When the module overrides
+    ``on_train_step_start``, each optimizer step's ``accumulate`` micro-batches are read first and
+    shown to it before the first one runs (e.g. to normalize a loss by the step's token count).
+    The groups are the loop's own steps: ``accumulate`` batches from where the epoch (re)starts,
+    the last one shorter."""
+    if type(module).on_train_step_start is Module.on_train_step_start:
+        yield from batches
+        return
+    batches = iter(batches)
+    while group := list(itertools.islice(batches, accumulate)):
+        module.on_train_step_start([batch for _, batch in group], accumulate)
+        yield from group
 
 
 def _safe_len(loader) -> int | None:

@@ -40,3 +40,14 @@ def test_port_in_use_is_explained_and_nothing_hangs():
         proc = doctor("--devices", "2", "--timeout", "20", env=env)
     assert proc.returncode == 1
     assert "FAILED on rank 0" in proc.stderr and "already in use" in proc.stderr
+
+
+@pytest.mark.slow
+def test_wrong_interface_is_explained():
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["GLOO_SOCKET_IFNAME"] = "nosuch0"  # a typo'd interface: gloo cannot create its device
+    proc = doctor("--devices", "2", "--timeout", "20", env=env)
+    assert proc.returncode == 1
+    assert "FAILED on rank 0" in proc.stderr and "Unable to find address for: nosuch0" in proc.stderr
+    assert "likely cause: wrong interface: GLOO_SOCKET_IFNAME=nosuch0 names no usable network interface" in proc.stderr
+    assert "(it has: lo" in proc.stderr  # the interfaces to choose from

@@ -12,6 +12,8 @@ progress, RNG, schedulers, config). Both load with ``weights_only=True``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -34,6 +36,8 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_EVERY_RANK = StateDictOptions(full_state_dict=True)
 SHARDED = StateDictOptions(full_state_dict=False)
 META_FILE = "meta.pt"
+DEEPSPEED_TAG = "deepspeed"  # the engine's shard folder inside a distrain checkpoint directory
+DEEPSPEED_META = "deepspeed"  # meta.pt entry: world size, stage, where the model sits in the engine
 
 
 def _optimizers(value: Any) -> list[torch.optim.Optimizer] | None:
@@ -154,10 +158,14 @@ def load_any(path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, o
     return apply(state, {**meta, **target}, unwrap, options, strict)
 
 
+def is_deepspeed_checkpoint(path: Path) -> bool:
+    return (path / DEEPSPEED_TAG).is_dir()
+
+
 def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
     """Everything but the tensors' shards: progress, hyperparameters, config, ..."""
     path = ckpt_io.resolve_checkpoint(path)
-    if not is_sharded_checkpoint(path):
+    if not (path / META_FILE).is_file():
         return ckpt_io.read_state_file(path)
     return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
 
@@ -165,6 +173,8 @@ def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
 def read_model_weights(path: str | os.PathLike, key: str = "model") -> dict[str, torch.Tensor]:
     """The full model weights of any distrain checkpoint, on CPU, without a process group."""
     path = ckpt_io.resolve_checkpoint(path)
+    if is_deepspeed_checkpoint(path):
+        return _deepspeed_fp32_weights(path)
     if not is_sharded_checkpoint(path):
         return ckpt_io.read_state_file(path)[key]
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -174,6 +184,41 @@ def read_model_weights(path: str | os.PathLike, key: str = "model") -> dict[str,
         out = Path(tmp) / "full.pt"
         dcp_to_torch_save(str(path), str(out))
         return torch.load(out, map_location="cpu", weights_only=True)[key]
+
+
+def _deepspeed_fp32_weights(path: Path) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own consolidation (zero_to_fp32) of the ZeRO partitions, under the user
+    module's names."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    prefix = read_checkpoint_meta(path).get(DEEPSPEED_META, {}).get("module_prefix", "")
+    with deepspeed_safe_globals(force_weights_only=True):
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG)
+    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+@contextlib.contextmanager
+def deepspeed_safe_globals(force_weights_only: bool = False):
+    """The DeepSpeed classes its checkpoints pickle (plain records), allowed by name for
+    ``weights_only=True``; ``force_weights_only`` also makes DeepSpeed's own ``torch.load(...,
+    weights_only=False)`` calls safe (zero_to_fp32 has no switch for it)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    original = torch.load
+    with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+        if force_weights_only:
+            torch.load = functools.partial(_load_weights_only, original)
+        try:
+            yield
+        finally:
+            torch.load = original
+
+
+def _load_weights_only(load, *args, **kwargs):
+    kwargs["weights_only"] = True
+    return load(*args, **kwargs)
 
 
 def checkpoint_state_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:

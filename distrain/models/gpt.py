@@ -107,8 +107,9 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.pos_emb.weight.numel() if non_embedding else n
+        numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731  (ZeRO-3 keeps only a partition)
+        n = sum(numel(p) for p in self.parameters())
+        return n - numel(self.pos_emb.weight) if non_embedding else n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6N for the matmuls plus attention (PaLM appendix B)."""

@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import functools
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterable
 
@@ -23,6 +24,19 @@ from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
 from distrain.cluster import ClusterEnv
 from distrain.precision import Precision
+from distrain.strategies import watch
+
+
+@dataclass
+class TrainingPlan:
+    """What the training loop will do, for strategies that configure an engine up front
+    (DeepSpeed's batch, accumulation and clipping live in its config)."""
+
+    micro_batch_size: int | None = None
+    accumulate: int = 1
+    gradient_clip_val: float | None = None
+    total_steps: int | None = None
+    run_dir: str | None = None
 
 
 class Strategy:
@@ -36,10 +50,16 @@ class Strategy:
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(minutes=30),
         activation_checkpointing_policy: Any = None,
+        collective_timeout: timedelta | float | None = timedelta(minutes=5),
     ):
         self.process_group_backend = process_group_backend
         self.activation_checkpointing_policy = activation_checkpointing_policy
-        self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        #: process-group init (and checkpoint IO) wait this long: nodes come up at different times
+        self.timeout = _as_timedelta(timeout)
+        #: every other collective fails after this, naming the ranks that did not arrive (None: ``timeout``)
+        self.collective_timeout = _as_timedelta(collective_timeout)
+        #: where NCCL's flight recorder dumps on a timeout (the Trainer sets its run dir)
+        self.flight_recorder_dir: str | None = None
         self.accelerator: Accelerator | None = None
         self.precision: Precision | None = None
         self.cluster: ClusterEnv | None = None
@@ -91,11 +111,16 @@ class Strategy:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             if "TORCHELASTIC_RESTART_COUNT" in os.environ:
                 kwargs["store"] = _elastic_attempt_store(rank, world, self.timeout)
+            if self.backend == "nccl":
+                watch.enable_nccl_flight_recorder(self.flight_recorder_dir)
             dist.init_process_group(self.backend, rank=rank, world_size=world, timeout=self.timeout, **kwargs)
+            watch.start(rank, world, self.timeout)
             # No barrier at exit: a peer that crashed must not make the survivors hang.
             from distrain.runtime import shutdown_distributed
 
             atexit.register(shutdown_distributed, barrier=False)
+        if watch.active() is not None:  # a group distrain started (this strategy, or an earlier one)
+            watch.active().set_collective_timeout(self.collective_timeout or self.timeout)
 
     @property
     def backend(self) -> str:
@@ -130,9 +155,32 @@ class Strategy:
     def setup(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()):
         return self.setup_module(module), [self.setup_optimizer(o) for o in optimizers]
 
+    def setup_training(self, module: nn.Module, optimizers: list, schedulers: list[dict], plan: TrainingPlan):
+        """After ``setup_module`` and ``configure_optimizers``: returns the model to call, the
+        optimizers to step and the LR scheduler configs the loop steps."""
+        return module, [self.setup_optimizer(o) for o in optimizers], schedulers
+
     def teardown(self) -> None:
         if self.start_method is not None and dist.is_initialized():
             dist.destroy_process_group()
+            watch.stop()
+
+    # ---- hang diagnosis (see strategies/watch.py) ----------------------------------------------
+    def progress(self, step: int | None, phase: str) -> None:
+        """Record where this rank is (step, phase): a collective that times out names the ranks that
+        are elsewhere. Cheap: one store write when the phase changes."""
+        if watch.active() is not None:
+            watch.active().mark(step, phase)
+
+    def patient(self, phase: str):
+        """Context for a phase that may keep some ranks waiting long (checkpoint IO): its collectives
+        get the process-group init timeout instead of the collective timeout."""
+        return watch.active().patient(phase) if watch.active() is not None else contextlib.nullcontext()
+
+    def explain_failure(self, error: BaseException) -> Exception | None:
+        """A collective timed out or lost a peer: an error naming the ranks that did not arrive and where
+        they stopped (None for other errors)."""
+        return watch.active().explain(error) if watch.active() is not None else None
 
     # ---- the step ----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, module: nn.Module | None = None) -> None:
@@ -231,8 +279,7 @@ class Strategy:
 
 def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
     """Recompute the activations of the selected layers in backward (torch's non-reentrant
-    checkpoint). ``policy``: a set of layer classes, a callable ``(module) -> bool``, or
-    ``{"classes": {...}, "every_n": k}`` to checkpoint every k-th matching layer."""
+    checkpoint). ``policy``: see ``checkpointed_layers``."""
     if not policy:
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -241,6 +288,17 @@ def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
         checkpoint_wrapper,
     )
 
+    chosen = {id(m) for m in checkpointed_layers(module, policy)}
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    apply_ac(module, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen)
+
+
+def checkpointed_layers(module: nn.Module, policy: Any) -> list[nn.Module]:
+    """The layers an activation-checkpointing ``policy`` selects: a set of layer classes, a
+    callable ``(module) -> bool``, or ``{"classes": {...}, "every_n": k}`` for every k-th
+    matching layer."""
+    if not policy:
+        return []
     every_n = 1
     if isinstance(policy, dict):
         every_n = int(policy.get("every_n", 1))
@@ -248,14 +306,14 @@ def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
             raise ValueError(f"activation checkpointing every_n must be >= 1, got {every_n}")
         policy = policy["classes"]
     if callable(policy) and not isinstance(policy, type):
-        selected = policy
-    else:
-        classes = tuple(policy) if isinstance(policy, (set, list, tuple, frozenset)) else (policy,)
-        matches = [m for m in module.modules() if isinstance(m, classes)]
-        chosen = {id(m) for i, m in enumerate(matches) if i % every_n == 0}
-        selected = lambda m: id(m) in chosen  # noqa: E731
-    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    apply_ac(module, checkpoint_wrapper_fn=wrapper, check_fn=selected)
+        return [m for m in module.modules() if policy(m)]
+    classes = tuple(policy) if isinstance(policy, (set, list, tuple, frozenset)) else (policy,)
+    matches = [m for m in module.modules() if isinstance(m, classes)]
+    return [m for i, m in enumerate(matches) if i % every_n == 0]
+
+
+def _as_timedelta(value: timedelta | float | None) -> timedelta | None:
+    return value if value is None or isinstance(value, timedelta) else timedelta(seconds=float(value))
 
 
 def _elastic_attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:

@@ -33,9 +33,10 @@ class DDPStrategy(Strategy):
         ddp_comm_wrapper: Callable | None = None,
         model_averaging_period: int | None = None,
         activation_checkpointing_policy: Any = None,
+        collective_timeout: timedelta | float | None = timedelta(minutes=5),
         **ddp_kwargs: Any,
     ):
-        super().__init__(process_group_backend, timeout, activation_checkpointing_policy)
+        super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
         if start_method not in ("popen", "spawn", "fork"):
             raise ValueError(f"start_method must be popen, spawn or fork, got {start_method!r}")
         if isinstance(ddp_comm_hook, str) and ddp_comm_hook not in COMM_HOOKS:

@@ -56,8 +56,9 @@ class FSDPStrategy(Strategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(minutes=30),
         start_method: str = "popen",
+        collective_timeout: timedelta | float | None = timedelta(minutes=5),
     ):
-        super().__init__(process_group_backend, timeout, activation_checkpointing_policy)
+        super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
         if sharding_strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {sharding_strategy!r}")
         if state_dict_type not in ("sharded", "full"):

@@ -1,0 +1,104 @@
+"""What ``distrain train --model_name <hub name or local directory>`` runs: a Hugging Face model and
+dataset on distrain's Trainer, with the same config, strategies, checkpoints and run directory as
+the built-in job, plus a ``from_pretrained`` export at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from pathlib import Path
+
+from torch.utils.data import DataLoader
+
+from distrain.config import ConfigError, RunConfig, save_config
+from distrain.hf import data as hf_data
+from distrain.hf import models
+from distrain.hf.tasks import TASK_MODULES, config_dict
+
+
+class HFJob:
+    def __init__(self, config: RunConfig):
+        """Reads the model's config only (no weights, no data): a wrong name fails before any rank starts."""
+        t = config.training
+        self.config = config
+        from distrain.models.gpt import GPT_SIZES
+
+        close = difflib.get_close_matches(t.model_name, GPT_SIZES, n=1, cutoff=0.8)
+        if close and not models.looks_local(t.model_name):  # a typo, not a hub name: do not go to the network
+            raise ConfigError(f"training.model_name {t.model_name!r} is not a built-in GPT size (did you mean {close[0]!r}?)")
+        self.hf_config = models.load_config(t.model_name)
+        self.task = models.infer_task(self.hf_config, t.task, t.model_name)
+        # FSDP units and activation checkpointing: the model's own _no_split_modules layers
+        self.block_classes = models.block_classes(models.build_skeleton(self.task, self.hf_config))
+        self.data = self._data_config()
+
+    def fit(self, trainer, resume: str | None) -> None:
+        """Runs in every rank: data (tokenized once), the task module, fit, export."""
+        c = self.config
+        t, data = c.training, self.data
+        if trainer.strategy.start_method in (None, "popen"):
+            # start the ranks now, not at fit(): then rank 0 tokenizes while the others wait, instead
+            # of every rank tokenizing (spawn/fork strategies prepare the data once, in this process)
+            trainer.runtime.launch()
+        tokenizer_name = data.tokenizer or t.model_name
+        tokenizer = models.load_tokenizer(tokenizer_name)
+        prepared = hf_data.prepare(data, tokenizer, self.task, seed=t.seed, runtime=trainer.runtime)
+        hf_config = self._config_for(prepared, tokenizer)
+        global_batch = t.batch_size_per_gpu * trainer.world_size * t.gradient_accumulation_steps
+        total_steps = t.max_steps if t.max_steps > 0 else math.ceil(len(prepared.train) / global_batch) * t.num_epochs
+        module = TASK_MODULES[self.task](
+            model_name=t.model_name, pretrained=t.pretrained, hf_config=config_dict(hf_config), tokenizer=tokenizer_name,
+            learning_rate=t.learning_rate, weight_decay=t.weight_decay, warmup_steps=int(t.warmup_ratio * total_steps),
+            total_steps=total_steps, lr_schedule=t.lr_schedule, seed=t.seed,
+        )
+        from distrain.strategies.deepspeed import DeepSpeedStrategy
+
+        if isinstance(trainer.strategy, DeepSpeedStrategy):  # for "auto" in a DeepSpeed JSON scheduler
+            trainer.strategy.auto_values.setdefault("warmup_num_steps", max(1, module.hparams["warmup_steps"]))
+        collate = hf_data.collator(data, tokenizer)
+        train_loader = DataLoader(prepared.train, batch_size=t.batch_size_per_gpu, shuffle=True, drop_last=True,
+                                  collate_fn=collate, num_workers=data.num_workers)
+        val_loader = DataLoader(prepared.eval, batch_size=t.batch_size_per_gpu, shuffle=False, collate_fn=collate,
+                                num_workers=data.num_workers)
+        out = Path(c.output_dir)
+        if trainer.is_global_zero:
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(c, out / "config.yaml")
+            print(f"distrain: {t.model_name} ({self.task}) on {trainer.world_size} process(es), strategy "
+                  f"{c.distributed.strategy}, global batch {global_batch} × ≤{data.max_length or data.seq_len} tokens, "
+                  f"{len(prepared.train)} train / {len(prepared.eval)} eval samples, {total_steps} steps → {out}",
+                  flush=True)
+        trainer.fit(module, train_loader, val_loader, ckpt_path=resume)
+        if c.checkpointing.export_hf and not trainer.preempted and trainer.is_global_zero:
+            ckpt_dir = Path(c.checkpointing.checkpoint_dir) if c.checkpointing.checkpoint_dir else out / "checkpoints"
+            if (ckpt_dir / "last").exists():
+                from distrain.hf.export import export_checkpoint
+
+                print(f"distrain: Hugging Face model → {export_checkpoint(ckpt_dir / 'last', out / 'hf')}", flush=True)
+
+    def _data_config(self):
+        """``data`` with ``max_length`` resolved: never beyond the model's position embeddings."""
+        data = self.config.data
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if data.max_length is None:
+            return dataclasses.replace(data, max_length=min(data.seq_len, limit) if limit else data.seq_len)
+        if limit and data.max_length > limit:
+            raise ConfigError(f"data.max_length={data.max_length} is longer than {self.config.training.model_name}'s "
+                              f"max_position_embeddings={limit}")
+        return data
+
+    def _config_for(self, prepared: hf_data.Prepared, tokenizer):
+        """The model's config with what the data decides: classes (and their names), the pad token."""
+        config = self.hf_config
+        if self.task == "sequence_classification":
+            num_labels = self.config.training.num_labels or prepared.num_labels
+            if num_labels != config.num_labels:
+                config.num_labels = num_labels
+            if prepared.label_names and len(prepared.label_names) == num_labels:
+                config.id2label = dict(enumerate(prepared.label_names))
+                config.label2id = {n: i for i, n in enumerate(prepared.label_names)}
+        if getattr(config, "pad_token_id", None) is None:  # e.g. Llama for classification finds the last real token by it
+            config.pad_token_id = tokenizer.pad_token_id
+        return config

@@ -1,0 +1,184 @@
+"""The two Hugging Face jobs as ``distrain.Module``s: causal LM and sequence classification.
+
+Both take batches of ``input_ids`` / ``attention_mask`` (/ ``token_type_ids``) (/ ``labels``) as
+``distrain.hf.data.PadCollator`` makes them, and build their model in ``configure_model``: the
+full pretrained model on one process or DDP; under FSDP only its structure, on the meta device,
+with the weights streamed in from rank 0 once each rank's shards exist (``reset_parameters``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+
+from distrain.hf import models
+from distrain.module import Module
+from distrain.optim import adamw, warmup_decay
+
+
+class HFTaskModule(Module):
+    task: str = ""
+
+    def __init__(
+        self,
+        model_name: str,
+        pretrained: bool = True,
+        hf_config: dict | None = None,
+        tokenizer: str | None = None,
+        learning_rate: float = 5e-4,
+        weight_decay: float = 0.01,
+        warmup_steps: int = 0,
+        total_steps: int = 1000,
+        lr_schedule: str = "cosine",
+        seed: int = 0,
+        task: str | None = None,
+    ):
+        """``hf_config``: the model's config as a plain dict (``config_dict``), e.g. with ``num_labels``
+        set from the data; default: the model's own. It travels in checkpoints' hyperparameters with
+        ``task``, so an export needs nothing but the checkpoint."""
+        super().__init__()
+        if task not in (None, self.task):
+            raise ValueError(f"{type(self).__name__} is the {self.task} task, not {task!r}")
+        self.save_hyperparameters()
+        if hf_config is None:
+            self.hparams["hf_config"] = config_dict(models.load_config(model_name))
+        self.hparams["task"] = self.task
+        self.model = None
+
+    def hf_config(self):
+        return models.config_from_dict(self.hparams["hf_config"])
+
+    # ---- building ------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from distrain.strategies.deepspeed import building_partitioned
+
+        if torch.empty(0).device.type == "meta":  # a sharding strategy's init context
+            self.model = models.build_skeleton(self.task, self.hf_config())
+        elif building_partitioned():  # ZeRO-3: partitioned as built; the weights come in reset_parameters
+            self.model = models.auto_class(self.task).from_config(self.hf_config(), dtype=torch.float32)
+        else:
+            self.model = self._full_model()
+
+    def _full_model(self):
+        h = self.hparams
+        return models.build_model(h["model_name"], self.task, self.hf_config(), h["pretrained"], h["seed"])
+
+    def reset_parameters(self) -> None:
+        """FSDP calls this once this rank's (empty) shards are allocated, after every submodule's own
+        ``reset_parameters`` (DeepSpeed ZeRO-3 likewise, with the partitions gathered). Buffers that no checkpoint holds (rotary frequencies, position ids) are
+        recomputed by the model's own initializer; the weights come from rank 0, which alone builds
+        the full model on CPU and sends each tensor to the ranks that hold a piece of it."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        for module in self.model.modules():
+            if module._buffers:
+                self.model._init_weights(module)
+        distributed = dist.is_initialized()
+        full = {}
+        if not distributed or dist.get_rank() == 0:
+            with torch.device("cpu"):
+                full = self._full_model().state_dict()
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True,
+                                                                          broadcast_from_rank0=distributed))
+
+    def configure_optimizers(self):
+        h = self.hparams
+        optimizer = adamw(self.model, h["learning_rate"], h["weight_decay"])
+        scheduler = warmup_decay(optimizer, h["warmup_steps"], h["total_steps"], h["lr_schedule"])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def flops_per_token(self) -> float:
+        return 6.0 * sum(p.numel() for p in self.model.parameters())
+
+    def _inputs(self, batch: dict) -> dict:
+        return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+
+
+class CausalLMModule(HFTaskModule):
+    """Next-token loss over the real tokens only (padding masked out), normalized by the number of
+    real tokens in the whole optimizer step: all ranks, all accumulation micro-steps.
+
+    Why: with a per-micro-batch mean, a token in a short batch weighs more than one in a long
+    batch, so the result depends on how the global batch was split. Here the Trainer shows us the
+    step's micro-batches before the first runs (``on_train_step_start``); one all-reduce gives the
+    step's global token count N. Each micro-step then returns ``sum of its token losses × W × A / N``:
+    the Trainer divides by A (accumulation) and the gradient reduction averages over W ranks, so
+    the step's gradient is exactly that of (sum of all token losses) / N — as on one process."""
+
+    task = "causal_lm"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._loss_scale: float | None = None
+
+    @staticmethod
+    def _targets(batch: dict) -> torch.Tensor:
+        """Which next-token targets are real tokens: position t+1 is not padding."""
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        return (mask if mask is not None else torch.ones_like(ids))[:, 1:].bool()
+
+    def on_train_step_start(self, batches: list, accumulate: int) -> None:
+        local = sum(int(self._targets(b).sum()) for b in batches)
+        runtime = self.trainer.runtime
+        total = float(runtime.all_reduce(torch.tensor(local, dtype=torch.float64), op="sum"))
+        self._loss_scale = runtime.world_size * accumulate / max(total, 1.0)
+
+    def _token_loss_sum(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(**self._inputs(batch), use_cache=False).logits
+        targets = batch["input_ids"][:, 1:].masked_fill(~self._targets(batch), -100)
+        loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+                                   reduction="sum")
+        return loss_sum, (targets != -100).sum()
+
+    def training_step(self, batch, batch_idx):
+        loss_sum, count = self._token_loss_sum(batch)
+        if self._loss_scale is None:  # a loop without the step hook (your own): this micro-batch's mean
+            return loss_sum / count.clamp(min=1)
+        return loss_sum * self._loss_scale
+
+    def validation_step(self, batch, batch_idx):
+        loss_sum, count = self._token_loss_sum(batch)
+        n = int(count)
+        if n:  # weighted by tokens: the epoch value is the mean over every real token of all ranks
+            self.log("val_loss", loss_sum / n, batch_size=n)
+        self.log("val_tokens", n, reduce_fx="sum")
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(**self._inputs(batch), use_cache=False).logits
+
+
+class SequenceClassificationModule(HFTaskModule):
+    """Cross-entropy over ``labels``; evaluation logs loss and accuracy as sample-weighted means over
+    every rank's samples, and ``val_samples`` (their count: the eval set's size, each sample once)."""
+
+    task = "sequence_classification"
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(**self._inputs(batch)).logits
+        self.log("train_acc", (logits.argmax(-1) == batch["labels"]).float().mean())
+        return F.cross_entropy(logits.float(), batch["labels"])
+
+    def validation_step(self, batch, batch_idx):
+        logits = self.model(**self._inputs(batch)).logits
+        labels = batch["labels"]
+        n = len(labels)
+        self.log("val_loss", F.cross_entropy(logits.float(), labels), batch_size=n)
+        self.log("val_acc", (logits.argmax(-1) == labels).float().mean(), batch_size=n)
+        self.log("val_samples", n, reduce_fx="sum")
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(**self._inputs(batch)).logits
+
+
+TASK_MODULES = {"causal_lm": CausalLMModule, "sequence_classification": SequenceClassificationModule}
+
+
+def config_dict(config) -> dict:
+    """A config as plain JSON types: checkpoints load with ``weights_only=True``."""
+    return json.loads(config.to_json_string(use_diff=False))

@@ -1,0 +1,480 @@
+"""DeepSpeed ZeRO stages 1–3 with CPU/NVMe offload, on the real ``deepspeed`` engine.
+
+The engine owns what the other strategies leave to the loop: it reduces and partitions
+gradients, clips, steps the (possibly offloaded) optimizer and its own LR scheduler. The loop
+still decides *when*: every micro-step tells the engine whether it ends an accumulation window
+(``set_gradient_accumulation_boundary``), so the Trainer's accumulation schedule stays the one
+source of truth, and ``backward`` runs with ``scale_wrt_gas=False`` because the Trainer already
+divided the loss.
+
+Checkpoints are the engine's own shard files (each rank writes its partition) inside distrain's
+contract: an atomically committed directory with ``meta.pt`` holding progress, RNG and the rest.
+Everything is read back with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import logging
+import os
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distrain.checkpoint import io as ckpt_io
+from distrain.checkpoint import state as ckpt_state
+from distrain.strategies.base import Strategy, TrainingPlan, checkpointed_layers
+from distrain.strategies.deepspeed_config import (
+    TrainingFacts,
+    fill_config,
+    options_config,
+    read_user_config,
+    zero_stage,
+)
+
+
+_building_partitioned = False
+
+
+def building_partitioned() -> bool:
+    """True inside ``configure_model`` under ZeRO-3 (``deepspeed.zero.Init``): layers are
+    partitioned as they are built, so a model should be built fresh there and take its real
+    weights in ``reset_parameters``, which the strategy calls once on the gathered model."""
+    return _building_partitioned
+
+
+class DeepSpeedStrategy(Strategy):
+    start_method = "popen"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        remote_device: str | None = None,
+        offload_params_device: str = "cpu",
+        offload_optimizer_device: str = "cpu",
+        nvme_path: str = "/local_nvme",
+        cpu_checkpointing: bool = False,
+        partition_activations: bool = False,
+        allgather_bucket_size: int | float | str = 200_000_000,
+        reduce_bucket_size: int | float | str = 200_000_000,
+        contiguous_gradients: bool = True,
+        overlap_comm: bool = True,
+        config: dict | str | os.PathLike | None = None,
+        save_full_weights: bool = False,
+        logging_level: int = logging.WARNING,
+        auto_values: dict[str, Any] | None = None,
+        activation_checkpointing_policy: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float = timedelta(minutes=30),
+        collective_timeout: timedelta | float | None = timedelta(minutes=5),
+    ):
+        super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
+        user, self.config_source = read_user_config(config)
+        if user is None:
+            user = options_config(stage, offload_optimizer, offload_parameters, offload_optimizer_device,
+                                  offload_params_device, nvme_path, allgather_bucket_size, reduce_bucket_size,
+                                  contiguous_gradients, overlap_comm, partition_activations, cpu_checkpointing)
+        else:  # the file is the source of truth; these two only make DeepSpeed accept a torch optimizer quietly
+            user.setdefault("zero_allow_untested_optimizer", True)
+            user.setdefault("steps_per_print", 10**12)
+        self.config = user
+        self.stage = zero_stage(user)
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3 (in {self.config_source}), got {self.stage}")
+        self.remote_device = remote_device
+        self.save_full_weights = save_full_weights
+        self.logging_level = logging_level
+        #: values for "auto" keys only the caller knows (e.g. warmup_num_steps), by leaf name
+        self.auto_values = dict(auto_values or {})
+        self.filled_config: dict | None = None
+        self.engine = None
+        self._trains = False  # the engine has an optimizer (not set up for evaluation only)
+        self._rng_before_init: torch.Tensor | None = None
+
+    @property
+    def collective_forward(self) -> bool:
+        return self.stage == 3  # partitioned parameters are all-gathered in every forward
+
+    @property
+    def _offload_optimizer(self) -> bool:
+        device = self.config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+        return device in ("cpu", "nvme")
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        _quiet_deepspeed(self.logging_level, self.accelerator.name)
+        super().setup_environment()  # the torch process group (gloo on CPU) first, as DeepSpeed needs
+        import deepspeed
+
+        # adopts the existing group; on CPU this also builds DeepSpeed's shm op once (cached after)
+        deepspeed.init_distributed(dist_backend=self.backend, dist_init_required=False, verbose=False,
+                                   timeout=self.timeout)
+
+    def module_init_context(self, empty_init: bool | None = None):
+        """Under ZeRO-3, ``configure_model`` runs in ``deepspeed.zero.Init``: each layer is
+        partitioned across ranks as soon as it is built, so no rank ever holds the whole model."""
+        if self.stage != 3:
+            return super().module_init_context(empty_init)
+        return self._zero_init()
+
+    @contextlib.contextmanager
+    def _zero_init(self):
+        import deepspeed
+
+        self._rng_before_init = torch.get_rng_state()
+        offload = self.config.get("zero_optimization", {}).get("offload_param") or {}
+        offloaded = offload.get("device") in ("cpu", "nvme")
+        zero = {"stage": 3}
+        if offloaded:
+            zero["offload_param"] = {"device": offload["device"], "nvme_path": offload.get("nvme_path", "/local_nvme"),
+                                     "pin_memory": self.root_device.type == "cuda"}
+        # The dtype goes through the config: zero.Init's own ``dtype`` argument is ignored on
+        # accelerators without fp16 (it builds in bf16 on CPU whatever is asked, deepspeed 0.19).
+        bf16 = self.precision.name.startswith("bf16") or self.config.get("bf16", {}).get("enabled") is True
+        init_config = {  # zero.Init reads the partitioning and dtype; the batch keys just have to be valid
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": self.world_size,
+            "zero_optimization": zero, "bf16": {"enabled": bf16},
+        }
+        remote = self.remote_device or (offload["device"] if offloaded else None)
+        global _building_partitioned
+        with deepspeed.zero.Init(config_dict_or_path=init_config, remote_device=remote):
+            _building_partitioned = True
+            try:
+                yield
+            finally:
+                _building_partitioned = False
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if self._rng_before_init is not None:
+            self._replay_initialization(module)
+        else:
+            module = module.to(self.root_device)
+        self._checkpoint_activations(module)
+        return module
+
+    def _replay_initialization(self, module: nn.Module) -> None:
+        """zero.Init partitions each layer when its ``__init__`` returns, so a parent that
+        initializes its children's weights in its own ``__init__`` (GPT-2 style) writes into
+        empty partitions. Replay every ``reset_parameters`` children-first from the RNG state
+        construction began with: the same draws in the same order as an eager build, hence the
+        same weights as under DDP or FSDP."""
+        import deepspeed
+
+        rng, self._rng_before_init = self._rng_before_init, None
+        torch.set_rng_state(rng)
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0), torch.no_grad():
+            for m in _children_first(module):
+                reset = getattr(m, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+
+    def _checkpoint_activations(self, module: nn.Module) -> None:
+        """DeepSpeed's activation checkpointing (CPU offload / partitioning of the saved inputs)
+        on the layers the usual policy selects; the layers keep their names in the state dict."""
+        policy = self.activation_checkpointing_policy
+        section = self.config.get("activation_checkpointing") or {}
+        if not policy:
+            return
+        import deepspeed
+
+        deepspeed.checkpointing.configure(
+            None,
+            partition_activations=bool(section.get("partition_activations", False)),
+            checkpoint_in_cpu=bool(section.get("cpu_checkpointing", False)),
+            contiguous_checkpointing=bool(section.get("contiguous_memory_optimization", False)),
+            num_checkpoints=section.get("number_checkpoints"),
+            synchronize=bool(section.get("synchronize_checkpoint_boundary", False)),
+            profile=bool(section.get("profile", False)),
+        )
+        for layer in checkpointed_layers(module, policy):
+            layer.forward = functools.partial(deepspeed.checkpointing.checkpoint, layer.forward)
+
+    def setup(self, module: nn.Module, optimizers=()):
+        """The Runtime path (your own loop): you call backward/step yourself, so the micro-batch
+        size in the config is bookkeeping only."""
+        module = self.setup_module(module)
+        engine, optimizers, _ = self.setup_training(module, list(optimizers), [], TrainingPlan())
+        return engine, optimizers
+
+    def setup_training(self, module: nn.Module, optimizers: list, schedulers: list[dict], plan: TrainingPlan):
+        facts = TrainingFacts(
+            micro_batch_size=plan.micro_batch_size, accumulate=plan.accumulate, world_size=self.world_size,
+            gradient_clip_val=plan.gradient_clip_val, precision=self.precision.name,
+            on_cuda=self.root_device.type == "cuda", total_steps=plan.total_steps, hidden_size=_hidden_size(module),
+            optimizer_defaults=_hyperparameters(optimizers[0]) if optimizers else None,
+        )
+        self.filled_config = fill_config(self.config, facts, self.config_source, self.auto_values)
+        optimizer, schedulers = self._choose_optimizer(optimizers, schedulers)
+        cfg = self.filled_config
+        self._trains = optimizer is not None or "optimizer" in cfg
+        import deepspeed
+
+        # the config's optimizer is built over these; without one (evaluation) there is none to build
+        params = [p for p in module.parameters() if p.requires_grad] if optimizer is None and "optimizer" in cfg else None
+        with warnings.catch_warnings():
+            _ignore_torch_deprecations()
+            self.engine, ds_optimizer, _, _ = deepspeed.initialize(
+                model=module, optimizer=optimizer, model_parameters=params,
+                config=copy.deepcopy(cfg), dist_init_required=False,
+            )
+        if self.engine.checkpoint_engine is not None:  # (an engine without optimizer has none)
+            self.engine.checkpoint_engine.load = _load_weights_only  # DeepSpeed's own load unpickles anything
+        if plan.run_dir is not None and self.is_global_zero:
+            Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(plan.run_dir) / "deepspeed_config.json").write_text(json.dumps(self.filled_config, indent=2) + "\n")
+        return self.engine, [ds_optimizer] if ds_optimizer is not None else [], schedulers
+
+    def _choose_optimizer(self, optimizers: list, schedulers: list[dict]):
+        """One optimizer: the config's, or the client's (swapped for DeepSpeed's CPU Adam under
+        optimizer offload, FusedAdam on CUDA)."""
+        cfg = self.filled_config
+        if len(optimizers) > 1:
+            raise ValueError(f"DeepSpeed steps exactly one optimizer; configure_optimizers gave {len(optimizers)}")
+        client = optimizers[0] if optimizers else None
+        if "optimizer" in cfg:
+            if schedulers and "scheduler" not in cfg:
+                raise ValueError(f"{self.config_source} defines the optimizer, so the LR scheduler from "
+                                 "configure_optimizers has no optimizer to drive; add a \"scheduler\" section to the "
+                                 "config or remove its \"optimizer\" section")
+            if client is not None and self.is_global_zero:
+                print(f"distrain: the optimizer ({cfg['optimizer'].get('type')}) and LR scheduler come from "
+                      f"{self.config_source}; configure_optimizers' {type(client).__name__} is not used", flush=True)
+            return None, []
+        if client is None:  # evaluation only: an engine without optimizer (ZeRO-3 still gathers in forward)
+            return None, []
+        if "scheduler" in cfg and schedulers:
+            raise ValueError(f"both configure_optimizers and {self.config_source} define an LR scheduler; keep one")
+        native = self._native_optimizer(client)
+        if native is not None:
+            for config in schedulers:  # the schedulers were built on the optimizer being replaced
+                config["scheduler"].optimizer = native
+                # torch checks on its first step() that the optimizer's step is the one it wrapped at
+                # construction; it was, on the replaced optimizer: skip that check, not the step
+                config["scheduler"]._step_count = max(config["scheduler"]._step_count, 2)
+            return native, schedulers
+        if self._offload_optimizer:  # a torch optimizer on offloaded states: allowed, but slower
+            cfg["zero_force_ds_cpu_optimizer"] = False
+        return client, schedulers
+
+    def _native_optimizer(self, client: torch.optim.Optimizer):
+        if type(client) not in (torch.optim.Adam, torch.optim.AdamW) or client.defaults.get("amsgrad") \
+                or client.defaults.get("maximize"):
+            return None
+        groups = [{k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay")} for g in client.param_groups]
+        d = client.defaults
+        adamw = type(client) is torch.optim.AdamW
+        if self._offload_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
+                                    adamw_mode=adamw)
+        if self.root_device.type == "cuda":
+            try:
+                from deepspeed.ops.adam import FusedAdam
+
+                return FusedAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
+                                 adam_w_mode=adamw)
+            except Exception as e:  # no CUDA toolchain to build it: torch's optimizer works too
+                warnings.warn(f"DeepSpeed FusedAdam unavailable ({e}); using {type(client).__name__}")
+        return None
+
+    # ---- the step ----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, module: nn.Module | None = None) -> None:
+        with warnings.catch_warnings():
+            _ignore_torch_deprecations()
+            self.engine.backward(loss, scale_wrt_gas=False)  # the loop already divided by the accumulation
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True):
+        # ZeRO partitions gradients as they are produced; what the loop controls is the boundary
+        self.engine.set_gradient_accumulation_boundary(not enabled)
+        return contextlib.nullcontext()
+
+    def clip_gradients(self, module: nn.Module, optimizer, max_norm: float):
+        clipping = self.filled_config.get("gradient_clipping", 0.0)
+        if float(max_norm) != float(clipping):
+            raise ValueError(f"clip to {max_norm}: under DeepSpeed the engine clips, to gradient_clipping={clipping} "
+                             "from its config; set that value instead")
+        return _NormAfterStep(self.engine)  # clipped inside engine.step(), across the partitions
+
+    def optimizer_step(self, optimizer, module: nn.Module | None = None) -> None:
+        with warnings.catch_warnings():
+            _ignore_torch_deprecations()
+            self.engine.step()
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.module if module is self.engine else module
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def _engine_keys(self, state: dict[str, Any]) -> list[str]:
+        """The entries the engine saves itself: the model and its optimizer."""
+        opt = self.engine.optimizer if self.engine is not None else None
+
+        def is_engine_owned(v: Any) -> bool:
+            if isinstance(v, nn.Module):
+                return True
+            items = v if isinstance(v, (list, tuple)) else [v]
+            return opt is not None and any(o is opt for o in items)
+
+        return [k for k, v in state.items() if is_engine_owned(v)]
+
+    def save_checkpoint(self, path, state: dict[str, Any]) -> None:
+        path = Path(path)
+        keys = self._engine_keys(state)
+        rest = ckpt_state.collect({k: v for k, v in state.items() if k not in keys}, self.unwrap, ckpt_state.FULL)
+        model = next((state[k] for k in keys if isinstance(state[k], nn.Module)), None)
+        rest[ckpt_state.DEEPSPEED_META] = {
+            "world_size": self.world_size, "stage": self.stage,
+            "module_prefix": _prefix_of(self.unwrap(model) if model is not None else None, self.engine.module),
+        }
+        tmp = path.with_name(f".{path.name}.tmp-deepspeed")  # the same name on every rank
+        if self.is_global_zero:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.barrier("checkpoint tmp dir")
+        with warnings.catch_warnings():
+            _ignore_torch_deprecations()
+            self.engine.save_checkpoint(str(tmp), tag=ckpt_state.DEEPSPEED_TAG, client_state={}, save_latest=False)
+        if self.is_global_zero:
+            torch.save(rest, tmp / ckpt_state.META_FILE)
+        self.barrier("checkpoint shards written")
+        if self.is_global_zero:
+            if self.save_full_weights:  # one consolidated fp32 file beside the shards, for use elsewhere
+                from safetensors.torch import save_file
+
+                weights = ckpt_state.read_model_weights(tmp)
+                save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+            ckpt_io.commit_dir(tmp, path)
+        self.barrier("checkpoint committed")
+
+    def load_checkpoint(self, path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+        path = ckpt_io.resolve_checkpoint(path)
+        keys = self._engine_keys(state)
+        if not ckpt_state.is_deepspeed_checkpoint(path):
+            return self._load_foreign(path, state, keys, strict)
+        meta = ckpt_state.read_checkpoint_meta(path)
+        saved = meta.get(ckpt_state.DEEPSPEED_META, {})
+        wants_optimizer = any(not isinstance(state[k], nn.Module) for k in keys)
+        if wants_optimizer and saved.get("world_size") != self.world_size:
+            raise RuntimeError(
+                f"{path} was written by DeepSpeed on {saved.get('world_size')} ranks; resuming its optimizer "
+                f"partitions on {self.world_size} ranks is not supported. Convert it (`distrain convert {path} "
+                "weights.safetensors`) and start from those weights, or resume on the same number of ranks"
+            )
+        if not self._trains:  # no engine, or one set up for evaluation: the consolidated weights
+            if wants_optimizer:
+                raise RuntimeError("resuming a DeepSpeed checkpoint needs the engine: call setup (or fit) first")
+            return self._load_foreign(path, state, keys, strict)
+        with warnings.catch_warnings():
+            _ignore_torch_deprecations()
+            loaded, _ = self.engine.load_checkpoint(
+                str(path), tag=ckpt_state.DEEPSPEED_TAG, load_module_strict=strict,
+                load_optimizer_states=wants_optimizer, load_lr_scheduler_states=wants_optimizer,
+                load_module_only=not wants_optimizer,
+            )
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load {path}")
+        rest = {k: v for k, v in state.items() if k not in keys}
+        out = ckpt_state.apply(rest, meta, self.unwrap, ckpt_state.FULL, strict)
+        state.update(rest)
+        return out
+
+    def _load_foreign(self, path: Path, state: dict[str, Any], keys: list[str], strict: bool) -> dict[str, Any]:
+        """Full weights (a DDP/FSDP checkpoint, or a ZeRO one consolidated) into the model; a
+        DDP/FSDP optimizer state has another layout and cannot be resumed here."""
+        if any(not isinstance(state[k], nn.Module) for k in keys):
+            raise RuntimeError(f"{path} is not a DeepSpeed checkpoint: DeepSpeed can take its weights but not resume "
+                               "its optimizer state; load it as weights (e.g. validate/test with ckpt_path) instead")
+        weights = ckpt_state.read_model_weights(path)
+        for k in keys:
+            load_full_weights(self.unwrap(state[k]), weights, strict)
+        return {}
+
+
+class _NormAfterStep:
+    """The global gradient norm the engine computes inside ``step()`` (over all partitions,
+    before clipping), for the loop that asks for it just before the step and logs it after."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __float__(self) -> float:
+        return float(self.engine.get_global_grad_norm())
+
+
+def load_full_weights(module: nn.Module, weights: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Full weights into a (possibly ZeRO-3 partitioned) module: gathered, loaded by rank 0,
+    re-partitioned."""
+    import deepspeed
+
+    partitioned = any(hasattr(p, "ds_id") for p in module.parameters())
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+        # partitioned: rank 0's values are scattered on exit; otherwise each rank holds its own copy
+        if not partitioned or not dist.is_initialized() or dist.get_rank() == 0:
+            module.load_state_dict(weights, strict=strict)
+
+
+def _load_weights_only(path: str, map_location=None):
+    """What DeepSpeed's checkpoint engine loads, without unpickling arbitrary objects."""
+    with ckpt_state.deepspeed_safe_globals():
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def _children_first(module: nn.Module):
+    for child in module.children():
+        yield from _children_first(child)
+    yield module
+
+
+def _prefix_of(model: nn.Module | None, root: nn.Module) -> str:
+    """Where the user's module sits inside the engine's (e.g. ``module.`` under the Trainer)."""
+    for name, m in root.named_modules():
+        if m is model:
+            return f"{name}." if name else ""
+    return ""
+
+
+def _hidden_size(module: nn.Module) -> int | None:
+    """The width the bucket-size rules of thumb scale with: HF's config.hidden_size, GPT's n_embd."""
+    for m in module.modules():
+        for holder in (getattr(m, "config", None), getattr(m, "cfg", None)):
+            for key in ("hidden_size", "n_embd", "d_model"):
+                value = getattr(holder, key, None)
+                if isinstance(value, int):
+                    return value
+    return None
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The client optimizer's settings, for "auto" in the config's optimizer section. The lr is
+    the base one: a scheduler built on the optimizer has already scaled ``group["lr"]``."""
+    group = optimizer.param_groups[0]
+    out = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group}
+    out["lr"] = group.get("initial_lr", group["lr"])
+    return out
+
+
+def _ignore_torch_deprecations() -> None:
+    # ZeRO calls torch's renamed collectives hundreds of times per run; one warning each
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    warnings.filterwarnings("ignore", category=UserWarning, message=r".*TypedStorage is deprecated.*")
+
+
+def _quiet_deepspeed(level: int, accelerator: str) -> None:
+    # name the accelerator so DeepSpeed does not guess (and warn about guessing) at import
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if accelerator == "cuda" else "cpu")
+    from deepspeed.utils import logger
+
+    logger.setLevel(level)
+    _ignore_torch_deprecations()
