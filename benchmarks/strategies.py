@@ -74,9 +74,10 @@ def _zero_bytes(module, zero_optimizer) -> tuple[int, int, int]:
     no gradients (freed after the step; ZeRO-2/3 only ever hold their partition's), and the
     optimizer side: fp32 master partitions plus their Adam moments."""
     params = sum(_local_bytes(getattr(p, "ds_tensor", p)) for p in module.parameters())
-    inner = zero_optimizer.optimizer
-    masters = [p for g in inner.param_groups for p in g["params"]]
-    moments = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    # stage 3 hands its fp32 partitions to the inner optimizer only during step(): ask ZeRO itself
+    masters = getattr(zero_optimizer, "fp32_partitioned_groups_flat", None) or zero_optimizer.single_partition_of_fp32_groups
+    moments = [v for s in zero_optimizer.optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.dim()]
     return params, 0, sum(_local_bytes(t) for t in masters + moments)
 
 
