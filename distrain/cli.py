@@ -271,10 +271,6 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         total_steps=total_steps,
         lr_schedule=t.lr_schedule,
     )
-    from distrain.strategies.deepspeed import DeepSpeedStrategy
-
-    if isinstance(trainer.strategy, DeepSpeedStrategy):  # for "auto" in a DeepSpeed JSON scheduler
-        trainer.strategy.auto_values.setdefault("warmup_num_steps", max(1, module.hparams["warmup_steps"]))  # DeepSpeed wants >= 1
     loader = lambda ds, shuffle: DataLoader(  # noqa: E731
         ds, batch_size=t.batch_size_per_gpu, shuffle=shuffle, num_workers=data.num_workers, drop_last=shuffle
     )

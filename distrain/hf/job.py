@@ -53,10 +53,6 @@ class HFJob:
             learning_rate=t.learning_rate, weight_decay=t.weight_decay, warmup_steps=int(t.warmup_ratio * total_steps),
             total_steps=total_steps, lr_schedule=t.lr_schedule, seed=t.seed,
         )
-        from distrain.strategies.deepspeed import DeepSpeedStrategy
-
-        if isinstance(trainer.strategy, DeepSpeedStrategy):  # for "auto" in a DeepSpeed JSON scheduler
-            trainer.strategy.auto_values.setdefault("warmup_num_steps", max(1, module.hparams["warmup_steps"]))
         collate = hf_data.collator(data, tokenizer)
         train_loader = DataLoader(prepared.train, batch_size=t.batch_size_per_gpu, shuffle=True, drop_last=True,
                                   collate_fn=collate, num_workers=data.num_workers)

@@ -94,7 +94,8 @@ class DeepSpeedStrategy(Strategy):
         self.remote_device = remote_device
         self.save_full_weights = save_full_weights
         self.logging_level = logging_level
-        #: values for "auto" keys only the caller knows (e.g. warmup_num_steps), by leaf name
+        #: values for "auto" keys only the caller knows, by leaf name (warmup_num_steps defaults to
+        #: the module's ``warmup_steps`` hyperparameter)
         self.auto_values = dict(auto_values or {})
         self.filled_config: dict | None = None
         self.engine = None
@@ -211,9 +212,10 @@ class DeepSpeedStrategy(Strategy):
             micro_batch_size=plan.micro_batch_size, accumulate=plan.accumulate, world_size=self.world_size,
             gradient_clip_val=plan.gradient_clip_val, precision=self.precision.name,
             on_cuda=self.root_device.type == "cuda", total_steps=plan.total_steps, hidden_size=_hidden_size(module),
-            optimizer_defaults=_hyperparameters(optimizers[0]) if optimizers else None,
+            optimizer_defaults=_optimizer_settings(optimizers[0]) if optimizers else None,
         )
-        self.filled_config = fill_config(self.config, facts, self.config_source, self.auto_values)
+        self.filled_config = fill_config(self.config, facts, self.config_source,
+                                         {**_values_from_hyperparameters(module), **self.auto_values})
         optimizer, schedulers = self._choose_optimizer(optimizers, schedulers)
         cfg = self.filled_config
         self._trains = optimizer is not None or "optimizer" in cfg
@@ -456,7 +458,16 @@ def _hidden_size(module: nn.Module) -> int | None:
     return None
 
 
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _values_from_hyperparameters(module: nn.Module) -> dict[str, Any]:
+    """"auto" values a module states in its hyperparameters (the built-in and HF jobs do)."""
+    for m in module.modules():
+        hparams = getattr(m, "hparams", None)
+        if isinstance(hparams, dict) and "warmup_steps" in hparams:
+            return {"warmup_num_steps": max(1, int(hparams["warmup_steps"]))}  # DeepSpeed wants >= 1
+    return {}
+
+
+def _optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The client optimizer's settings, for "auto" in the config's optimizer section. The lr is
     the base one: a scheduler built on the optimizer has already scaled ``group["lr"]``."""
     group = optimizer.param_groups[0]
