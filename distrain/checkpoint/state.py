@@ -207,7 +207,10 @@ def deepspeed_safe_globals(force_weights_only: bool = False):
     from deepspeed.utils.tensor_fragment import fragment_address
 
     original = torch.load
-    with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+    # only what is not allowed yet: torch's context removes its globals on exit, even when an
+    # enclosing context (a nested load) had added them too
+    missing = [g for g in (LossScaler, ZeroStageEnum, fragment_address) if g not in torch.serialization.get_safe_globals()]
+    with torch.serialization.safe_globals(missing):
         if force_weights_only:
             torch.load = functools.partial(_load_weights_only, original)
         try:

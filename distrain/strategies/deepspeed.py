@@ -368,20 +368,17 @@ class DeepSpeedStrategy(Strategy):
         meta = ckpt_state.read_checkpoint_meta(path)
         saved = meta.get(ckpt_state.DEEPSPEED_META, {})
         wants_optimizer = any(not isinstance(state[k], nn.Module) for k in keys)
-        if wants_optimizer and saved.get("world_size") != self.world_size:
-            raise RuntimeError(
-                f"{path} was written by DeepSpeed on {saved.get('world_size')} ranks; resuming its optimizer "
-                f"partitions on {self.world_size} ranks is not supported. Convert it (`distrain convert {path} "
-                "weights.safetensors`) and start from those weights, or resume on the same number of ranks"
-            )
         if not self._trains:  # no engine, or one set up for evaluation: the consolidated weights
             if wants_optimizer:
                 raise RuntimeError("resuming a DeepSpeed checkpoint needs the engine: call setup (or fit) first")
             return self._load_foreign(path, state, keys, strict)
-        with warnings.catch_warnings():
+        reshard = wants_optimizer and saved.get("world_size") != self.world_size
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(warnings.catch_warnings())
             _ignore_torch_deprecations()
+            load_dir = stack.enter_context(self._universal(path, saved.get("world_size"))) if reshard else path
             loaded, _ = self.engine.load_checkpoint(
-                str(path), tag=ckpt_state.DEEPSPEED_TAG, load_module_strict=strict,
+                str(load_dir), tag=ckpt_state.DEEPSPEED_TAG, load_module_strict=strict,
                 load_optimizer_states=wants_optimizer, load_lr_scheduler_states=wants_optimizer,
                 load_module_only=not wants_optimizer,
             )
@@ -391,6 +388,43 @@ class DeepSpeedStrategy(Strategy):
         out = ckpt_state.apply(rest, meta, self.unwrap, ckpt_state.FULL, strict)
         state.update(rest)
         return out
+
+    @contextlib.contextmanager
+    def _universal(self, path: Path, saved_world_size: int | None):
+        """Resume on another number of ranks: DeepSpeed's Universal Checkpoint. Rank 0 converts the
+        engine's partitions (``ds_to_universal``) into a temporary directory beside the checkpoint
+        (the checkpoint itself stays as written); every rank loads its new partitions from it."""
+        from argparse import Namespace
+
+        from deepspeed.checkpoint import ds_to_universal
+
+        tmp = path.with_name(f".{path.name}.universal")
+        if self.is_global_zero:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            args = Namespace(input_folder=str(path / ckpt_state.DEEPSPEED_TAG),
+                             output_folder=str(tmp / ckpt_state.DEEPSPEED_TAG), num_extract_workers=1,
+                             num_merge_workers=1, keep_temp_folder=False, strict=True,
+                             inject_missing_state=True)  # the version record Megatron clients write
+            print(f"distrain: {path.name} was written on {saved_world_size} ranks; converting it to DeepSpeed's "
+                  f"universal format to resume on {self.world_size}", flush=True)
+            with ckpt_state.deepspeed_safe_globals(force_weights_only=True), contextlib.redirect_stdout(None):
+                ds_to_universal.main(args)
+        self.barrier("universal checkpoint converted")
+        config = self.engine._config
+        config.load_universal_checkpoint = True
+        try:
+            # the universal loader reads its files with its own torch.load calls
+            with ckpt_state.deepspeed_safe_globals(force_weights_only=True):
+                yield tmp
+        finally:
+            config.load_universal_checkpoint = False
+            self.barrier("universal checkpoint loaded")
+            if self.is_global_zero:
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def _load_foreign(self, path: Path, state: dict[str, Any], keys: list[str], strict: bool) -> dict[str, Any]:
         """Full weights (a DDP/FSDP checkpoint, or a ZeRO one consolidated) into the model; a
