@@ -8,11 +8,12 @@ checkpoint where a resume would look for one. Reading never unpickles code:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -40,6 +41,27 @@ def write_checkpoint_dir(path: str | os.PathLike, files: dict[str, Any]) -> None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def directory_of_all_ranks(path: str | os.PathLike, is_global_zero: bool, barrier: Callable,
+                           finish: Callable[[Path], None] | None = None):
+    """A checkpoint directory every rank writes into (its own shards): rank 0 makes an empty temp
+    directory under a name every rank derives alike, yields it to every rank, and once all have
+    written runs ``finish(tmp)`` (rank 0 only) and commits it onto ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-all-ranks")
+    if is_global_zero:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier("checkpoint tmp dir")
+    yield tmp
+    barrier("checkpoint shards written")
+    if is_global_zero:
+        if finish is not None:
+            finish(tmp)
+        commit_dir(tmp, path)
+    barrier("checkpoint committed")
 
 
 def commit_dir(tmp: Path, path: Path) -> None:

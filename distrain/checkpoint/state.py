@@ -125,20 +125,10 @@ def save_sharded(path: str | os.PathLike, state: dict[str, Any], unwrap: Callabl
     path = Path(path)
     collected = collect(state, unwrap, SHARDED)
     keys = tensor_keys(state)
-    tmp = path.with_name(f".{path.name}.tmp-sharded")  # the same name on every rank
-    if is_global_zero:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier("checkpoint tmp dir")
-    dcp.save({k: collected[k] for k in keys}, checkpoint_id=str(tmp))
-    if is_global_zero:
-        torch.save({k: v for k, v in collected.items() if k not in keys}, tmp / META_FILE)
-    barrier("checkpoint shards written")
-    if is_global_zero:
-        ckpt_io.commit_dir(tmp, path)
-    barrier("checkpoint committed")
+    with ckpt_io.directory_of_all_ranks(path, is_global_zero, barrier) as tmp:
+        dcp.save({k: collected[k] for k in keys}, checkpoint_id=str(tmp))
+        if is_global_zero:
+            torch.save({k: v for k, v in collected.items() if k not in keys}, tmp / META_FILE)
 
 
 def load_any(path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, options: StateDictOptions,

@@ -223,8 +223,7 @@ class DeepSpeedStrategy(Strategy):
 
         # the config's optimizer is built over these; without one (evaluation) there is none to build
         params = [p for p in module.parameters() if p.requires_grad] if optimizer is None and "optimizer" in cfg else None
-        with warnings.catch_warnings():
-            _ignore_torch_deprecations()
+        with _without_torch_deprecations():
             self.engine, ds_optimizer, _, _ = deepspeed.initialize(
                 model=module, optimizer=optimizer, model_parameters=params,
                 config=copy.deepcopy(cfg), dist_init_required=False,
@@ -292,8 +291,7 @@ class DeepSpeedStrategy(Strategy):
 
     # ---- the step ----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, module: nn.Module | None = None) -> None:
-        with warnings.catch_warnings():
-            _ignore_torch_deprecations()
+        with _without_torch_deprecations():
             self.engine.backward(loss, scale_wrt_gas=False)  # the loop already divided by the accumulation
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True):
@@ -309,8 +307,7 @@ class DeepSpeedStrategy(Strategy):
         return _NormAfterStep(self.engine)  # clipped inside engine.step(), across the partitions
 
     def optimizer_step(self, optimizer, module: nn.Module | None = None) -> None:
-        with warnings.catch_warnings():
-            _ignore_torch_deprecations()
+        with _without_torch_deprecations():
             self.engine.step()
 
     def unwrap(self, module: nn.Module) -> nn.Module:
@@ -330,7 +327,6 @@ class DeepSpeedStrategy(Strategy):
         return [k for k, v in state.items() if is_engine_owned(v)]
 
     def save_checkpoint(self, path, state: dict[str, Any]) -> None:
-        path = Path(path)
         keys = self._engine_keys(state)
         rest = ckpt_state.collect({k: v for k, v in state.items() if k not in keys}, self.unwrap, ckpt_state.FULL)
         model = next((state[k] for k in keys if isinstance(state[k], nn.Module)), None)
@@ -338,27 +334,12 @@ class DeepSpeedStrategy(Strategy):
             "world_size": self.world_size, "stage": self.stage,
             "module_prefix": _prefix_of(self.unwrap(model) if model is not None else None, self.engine.module),
         }
-        tmp = path.with_name(f".{path.name}.tmp-deepspeed")  # the same name on every rank
-        if self.is_global_zero:
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self.barrier("checkpoint tmp dir")
-        with warnings.catch_warnings():
-            _ignore_torch_deprecations()
-            self.engine.save_checkpoint(str(tmp), tag=ckpt_state.DEEPSPEED_TAG, client_state={}, save_latest=False)
-        if self.is_global_zero:
-            torch.save(rest, tmp / ckpt_state.META_FILE)
-        self.barrier("checkpoint shards written")
-        if self.is_global_zero:
-            if self.save_full_weights:  # one consolidated fp32 file beside the shards, for use elsewhere
-                from safetensors.torch import save_file
-
-                weights = ckpt_state.read_model_weights(tmp)
-                save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(tmp / "model.safetensors"))
-            ckpt_io.commit_dir(tmp, path)
-        self.barrier("checkpoint committed")
+        with ckpt_io.directory_of_all_ranks(path, self.is_global_zero, self.barrier,
+                                            finish=_write_full_weights if self.save_full_weights else None) as tmp:
+            with _without_torch_deprecations():
+                self.engine.save_checkpoint(str(tmp), tag=ckpt_state.DEEPSPEED_TAG, client_state={}, save_latest=False)
+            if self.is_global_zero:
+                torch.save(rest, tmp / ckpt_state.META_FILE)
 
     def load_checkpoint(self, path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         path = ckpt_io.resolve_checkpoint(path)
@@ -374,8 +355,7 @@ class DeepSpeedStrategy(Strategy):
             return self._load_foreign(path, state, keys, strict)
         reshard = wants_optimizer and saved.get("world_size") != self.world_size
         with contextlib.ExitStack() as stack:
-            stack.enter_context(warnings.catch_warnings())
-            _ignore_torch_deprecations()
+            stack.enter_context(_without_torch_deprecations())
             load_dir = stack.enter_context(self._universal(path, saved.get("world_size"))) if reshard else path
             loaded, _ = self.engine.load_checkpoint(
                 str(load_dir), tag=ckpt_state.DEEPSPEED_TAG, load_module_strict=strict,
@@ -461,6 +441,14 @@ def load_full_weights(module: nn.Module, weights: dict[str, torch.Tensor], stric
             module.load_state_dict(weights, strict=strict)
 
 
+def _write_full_weights(checkpoint_dir: Path) -> None:
+    """``save_full_weights``: one consolidated fp32 file beside the shards, for use elsewhere."""
+    from safetensors.torch import save_file
+
+    weights = ckpt_state.read_model_weights(checkpoint_dir)
+    save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(checkpoint_dir / "model.safetensors"))
+
+
 def _load_weights_only(path: str, map_location=None):
     """What DeepSpeed's checkpoint engine loads, without unpickling arbitrary objects."""
     with ckpt_state.deepspeed_safe_globals():
@@ -508,6 +496,13 @@ def _optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     out = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group}
     out["lr"] = group.get("initial_lr", group["lr"])
     return out
+
+
+@contextlib.contextmanager
+def _without_torch_deprecations():
+    with warnings.catch_warnings():
+        _ignore_torch_deprecations()
+        yield
 
 
 def _ignore_torch_deprecations() -> None:
