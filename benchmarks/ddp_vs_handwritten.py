@@ -61,12 +61,20 @@ def with_distrain(args, train_set) -> float:
     torch.manual_seed(0)
     timer = StepTimes()
     trainer = distrain.Trainer(
-        accelerator="cpu", strategy="ddp", devices=2, max_steps=args.steps, gradient_clip_val=1.0,
-        log_every_n_steps=50, enable_progress_bar=False, enable_checkpointing=False, logger=False,
+        accelerator="cpu",
+        strategy="ddp",
+        devices=2,
+        max_steps=args.steps,
+        gradient_clip_val=1.0,
+        log_every_n_steps=50,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        logger=False,
         callbacks=[timer],
     )
-    module = GPTLanguageModel(args.model, block_size=args.seq_len, learning_rate=1e-3, weight_decay=0.0,
-                              lr_schedule="constant")
+    module = GPTLanguageModel(
+        args.model, block_size=args.seq_len, learning_rate=1e-3, weight_decay=0.0, lr_schedule="constant"
+    )
     trainer.fit(module, DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True))
     return _tokens_per_sec(timer.times, args)
 
@@ -78,8 +86,14 @@ def _tokens_per_sec(times, args) -> float:
 
 
 def rank_main(rank, args, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     dist.init_process_group("gloo")
     train_set, _ = byte_datasets("builtin:stdlib", args.seq_len, 2_000_000, 0.05)
@@ -105,8 +119,10 @@ def main():
     results = ctx.SimpleQueue()
     mp.start_processes(rank_main, args=(args, find_free_port(), results), nprocs=2, start_method="spawn")
     rows = results.get()
-    print(f"\n{args.model}, 2 CPU ranks (gloo), batch {args.batch}×{args.seq_len} per rank, "
-          f"{args.steps} steps/run (first {WARMUP} excluded)\n")
+    print(
+        f"\n{args.model}, 2 CPU ranks (gloo), batch {args.batch}×{args.seq_len} per rank, "
+        f"{args.steps} steps/run (first {WARMUP} excluded)\n"
+    )
     print(f"{'round':>5} | {'hand-written tok/s':>18} | {'distrain tok/s':>14} | {'ratio':>6}")
     print("-" * 54)
     for i, (hand, ours) in enumerate(rows):

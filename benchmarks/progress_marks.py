@@ -1,4 +1,4 @@
-"""What hang diagnosis costs a training step: the per-phase progress record (strategies/watch.py).
+"""What hang diagnosis costs a training step: the per-phase progress record (distrain/distributed/watch.py).
 
     python benchmarks/progress_marks.py [--marks 20000]
 
@@ -22,9 +22,16 @@ PHASES = ("forward/backward", "optimizer step", "logging", "stop-signal check", 
 
 
 def _rank(rank: int, port: int, marks: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    from distrain.runtime import Runtime, shutdown_distributed
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+    )
+    from distrain.distributed import shutdown
+    from distrain.runtime import Runtime
 
     rt = Runtime(accelerator="cpu", strategy="ddp", devices=2)
     rt.setup_environment()
@@ -39,7 +46,7 @@ def _rank(rank: int, port: int, marks: int, out: dict) -> None:
     same_phase = (time.perf_counter() - start) / marks
     rt.barrier()
     out[rank] = (new_phase, same_phase)
-    shutdown_distributed()
+    shutdown()
 
 
 def main() -> None:

@@ -75,21 +75,41 @@ def _zero_bytes(module, zero_optimizer) -> tuple[int, int, int]:
     optimizer side: fp32 master partitions plus their Adam moments."""
     params = sum(_local_bytes(getattr(p, "ds_tensor", p)) for p in module.parameters())
     # stage 3 hands its fp32 partitions to the inner optimizer only during step(): ask ZeRO itself
-    masters = getattr(zero_optimizer, "fp32_partitioned_groups_flat", None) or zero_optimizer.single_partition_of_fp32_groups
-    moments = [v for s in zero_optimizer.optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.dim()]
+    masters = (
+        getattr(zero_optimizer, "fp32_partitioned_groups_flat", None) or zero_optimizer.single_partition_of_fp32_groups
+    )
+    moments = [
+        v
+        for s in zero_optimizer.optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim()
+    ]
     return params, 0, sum(_local_bytes(t) for t in masters + moments)
 
 
 def rank_main(rank, row, args, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+    )
     name, make = ROWS[row]
     train_set, _ = byte_datasets("builtin:stdlib", args.seq_len, 1_000_000, 0.05)
     measure = Measure()
-    trainer = distrain.Trainer(accelerator="cpu", strategy=make(), devices=2, max_steps=args.steps,
-                               enable_progress_bar=False, enable_checkpointing=False, logger=False,
-                               callbacks=[measure], log_every_n_steps=1000)
+    trainer = distrain.Trainer(
+        accelerator="cpu",
+        strategy=make(),
+        devices=2,
+        max_steps=args.steps,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        logger=False,
+        callbacks=[measure],
+        log_every_n_steps=1000,
+    )
     torch.manual_seed(0)
     module = GPTLanguageModel(args.model, block_size=args.seq_len, lr_schedule="constant")
     trainer.fit(module, DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True))
@@ -117,14 +137,21 @@ def main():
     mb = 2**20
     ddp_state = sum(results[0][1:4])
     ddp_tok = results[0][5]
-    print(f"\n{args.model}, 2 CPU ranks (gloo), batch {args.batch}×{args.seq_len} per rank, {args.steps} steps; "
-          "per-rank figures\n")
-    header = f"{'strategy':<30} | {'params MB':>9} | {'grads MB':>8} | {'optim MB':>8} | {'state vs DDP':>12} | {'peak RSS MB':>11} | {'tok/s':>7} | {'vs DDP':>6}"
+    print(
+        f"\n{args.model}, 2 CPU ranks (gloo), batch {args.batch}×{args.seq_len} per rank, {args.steps} steps; "
+        "per-rank figures\n"
+    )
+    header = (
+        f"{'strategy':<30} | {'params MB':>9} | {'grads MB':>8} | {'optim MB':>8} | {'state vs DDP':>12} | "
+        f"{'peak RSS MB':>11} | {'tok/s':>7} | {'vs DDP':>6}"
+    )
     print(header)
     print("-" * len(header))
     for name, p, g, o, rss, tok in results:
-        print(f"{name:<30} | {p / mb:>9.1f} | {g / mb:>8.1f} | {o / mb:>8.1f} | {(p + g + o) / ddp_state:>12.3f} | "
-              f"{rss:>11.0f} | {tok:>7.0f} | {tok / ddp_tok:>6.3f}")
+        print(
+            f"{name:<30} | {p / mb:>9.1f} | {g / mb:>8.1f} | {o / mb:>8.1f} | {(p + g + o) / ddp_state:>12.3f} | "
+            f"{rss:>11.0f} | {tok:>7.0f} | {tok / ddp_tok:>6.3f}"
+        )
 
 
 if __name__ == "__main__":

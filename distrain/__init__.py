@@ -3,11 +3,11 @@
 from distrain.callbacks import Callback, ModelCheckpoint, ProgressBar
 from distrain.checkpoint.state import checkpoint_state_of
 from distrain.config import RunConfig, build_config
+from distrain.distributed.watch import CollectiveHangError
 from distrain.module import LossModule, Module
 from distrain.runtime import Runtime, seed_everything
 from distrain.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
-from distrain.strategies.base import wrap
-from distrain.strategies.watch import CollectiveHangError
+from distrain.strategies.layers import wrap
 from distrain.trainer import Trainer
 
 __version__ = "0.1.0"

@@ -31,7 +31,9 @@ def _devices(value: str):
 def train_parser() -> argparse.ArgumentParser:
     train = argparse.ArgumentParser(prog="distrain train", description="train the built-in GPT job (or your config's)")
     train.add_argument("--config", help="YAML or JSON config file")
-    train.add_argument("--strategy", "--mode", dest="strategy", help="auto, single, ddp, ddp_spawn, ddp_fork, fsdp, ...")
+    train.add_argument(
+        "--strategy", "--mode", dest="strategy", help="auto, single, ddp, ddp_spawn, ddp_fork, fsdp, ..."
+    )
     train.add_argument("--devices", type=_devices, help="processes per node (an integer, or auto)")
     train.add_argument("--accelerator", help="auto, cpu or gpu")
     train.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int)
@@ -39,27 +41,42 @@ def train_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-steps", "--max_steps", dest="max_steps", type=int)
     train.add_argument("--output-dir", "--output_dir", dest="output_dir")
     train.add_argument("--seed", type=int)
-    train.add_argument("--model-name", "--model_name", dest="model_name",
-                       help="a built-in GPT size, or a Hugging Face hub name or local model directory")
-    train.add_argument("--resume", metavar="last|auto|PATH",
-                       help="continue from the newest checkpoint (auto: only if one exists), or from PATH")
+    train.add_argument(
+        "--model-name",
+        "--model_name",
+        dest="model_name",
+        help="a built-in GPT size, or a Hugging Face hub name or local model directory",
+    )
+    train.add_argument(
+        "--resume",
+        metavar="last|auto|PATH",
+        help="continue from the newest checkpoint (auto: only if one exists), or from PATH",
+    )
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. training.learning_rate=3e-4")
     return train
 
 
 def convert_parser() -> argparse.ArgumentParser:
-    convert = argparse.ArgumentParser(prog="distrain convert", description="consolidate a (sharded) checkpoint into one weights file")
+    convert = argparse.ArgumentParser(
+        prog="distrain convert", description="consolidate a (sharded) checkpoint into one weights file"
+    )
     convert.add_argument("checkpoint", help="a checkpoint directory (or its `last` link)")
     convert.add_argument("output", help="the file to write (a directory for --to hf)")
-    convert.add_argument("--to", choices=("torch", "safetensors", "hf"), default="safetensors",
-                         help="hf: a from_pretrained directory (config, safetensors, tokenizer) of a Hugging Face model")
+    convert.add_argument(
+        "--to",
+        choices=("torch", "safetensors", "hf"),
+        default="safetensors",
+        help="hf: a from_pretrained directory (config, safetensors, tokenizer) of a Hugging Face model",
+    )
     return convert
 
 
 def launch_parser() -> argparse.ArgumentParser:
-    launch = argparse.ArgumentParser(prog="distrain launch", description="job files for torchrun, SLURM and Kubernetes; "
-                                     "arguments after -- go to `distrain train`")
+    launch = argparse.ArgumentParser(
+        prog="distrain launch",
+        description="job files for torchrun, SLURM and Kubernetes; arguments after -- go to `distrain train`",
+    )
     sub = launch.add_subparsers(dest="engine", required=True)
     tr = sub.add_parser("torchrun", help="print (or --run) the per-node torchrun command, c10d rendezvous")
     tr.add_argument("--nnodes", type=int, required=True)
@@ -87,8 +104,9 @@ def launch(argv: list[str]) -> int:
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = launch_parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.engine == "torchrun":
-        cmd = jobscripts.torchrun_command(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, train_args,
-                                          max_restarts=args.max_restarts)
+        cmd = jobscripts.torchrun_command(
+            args.nnodes, args.nproc_per_node, args.rdzv_endpoint, train_args, max_restarts=args.max_restarts
+        )
         if args.run:
             import subprocess
 
@@ -105,8 +123,11 @@ def launch(argv: list[str]) -> int:
 
 
 def doctor_parser() -> argparse.ArgumentParser:
-    doctor = argparse.ArgumentParser(prog="distrain doctor", description="versions, devices, launcher variables; "
-                                     "with --devices N (or under a launcher) an all-reduce check and bandwidth test")
+    doctor = argparse.ArgumentParser(
+        prog="distrain doctor",
+        description="versions, devices, launcher variables; "
+        "with --devices N (or under a launcher) an all-reduce check and bandwidth test",
+    )
     doctor.add_argument("--devices", type=int, help="start N local ranks for the check")
     doctor.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int, default=1)
     doctor.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for every rank")
@@ -114,7 +135,9 @@ def doctor_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"train": train_parser, "convert": convert_parser, "launch": launch_parser, "doctor": doctor_parser}
-USAGE = "usage: distrain {train,convert,launch,doctor} [options]   (`distrain COMMAND -h` for help; no command means train)"
+USAGE = (
+    "usage: distrain {train,convert,launch,doctor} [options]   (`distrain COMMAND -h` for help; no command means train)"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +186,7 @@ def train(config: RunConfig, resume: str | None = None) -> int:
     from distrain.loggers import JSONLLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
     from distrain.models.gpt import GPT_SIZES
     from distrain.models.lm import GPTLanguageModel
+    from distrain.strategies import registry
     from distrain.trainer import Trainer
 
     t, d, c, lg, data = config.training, config.distributed, config.checkpointing, config.logging, config.data
@@ -189,40 +213,12 @@ def train(config: RunConfig, resume: str | None = None) -> int:
 
     blocks = hf_job.block_classes if hf_job else {Block}  # the repeated layer: FSDP unit, checkpointed
 
-    f = config.fsdp
-    every_n = f.activation_checkpointing.every_n_layers
-    use_ac = t.activation_checkpointing or f.activation_checkpointing.enabled  # the spec's name is an alias
-    strategy_options: dict = {"activation_checkpointing_policy": {"classes": blocks, "every_n": every_n} if use_ac else None}
-    if d.strategy.startswith("fsdp"):
-        strategy_options.update(
-            sharding_strategy=f.sharding_strategy,
-            cpu_offload=f.cpu_offload or d.strategy == "fsdp_cpu_offload",
-            auto_wrap_policy={"transformer_based": blocks, "size_based": f.min_num_params}.get(f.auto_wrap_policy, _root_only),
-            mixed_precision={k: v for k, v in vars(f.mixed_precision).items() if v} or None,
-            state_dict_type=f.state_dict_type,
-            forward_prefetch=f.forward_prefetch,
-            backward_prefetch=f.backward_prefetch,
-            use_orig_params=f.use_orig_params,
-            sync_module_states=f.sync_module_states,
-        )
-    elif d.strategy.startswith("deepspeed"):
-        ds = config.deepspeed
-        if d.strategy == "deepspeed":  # a preset (deepspeed_stage_3_offload, ...) fixes stage and offload itself
-            strategy_options.update(
-                stage=ds.stage, offload_optimizer=ds.offload_optimizer, offload_parameters=ds.offload_parameters,
-                offload_optimizer_device=ds.offload_optimizer_device, offload_params_device=ds.offload_params_device,
-            )
-        strategy_options.update(
-            config=ds.config, nvme_path=ds.nvme_path, partition_activations=ds.partition_activations,
-            cpu_checkpointing=ds.cpu_checkpointing, save_full_weights=ds.save_full_weights,
-        )
-    elif d.strategy != "single":
-        strategy_options.update(
-            find_unused_parameters=d.find_unused_parameters,
-            gradient_as_bucket_view=d.gradient_as_bucket_view,
-            static_graph=d.static_graph,
-            ddp_comm_hook=d.comm_hook,
-        )
+    every_n = config.fsdp.activation_checkpointing.every_n_layers
+    use_ac = t.activation_checkpointing or config.fsdp.activation_checkpointing.enabled  # the spec's name is an alias
+    strategy_options = {
+        "activation_checkpointing_policy": {"classes": blocks, "every_n": every_n} if use_ac else None,
+        **registry.options_from_config(d.strategy, config, blocks),
+    }
     trainer = Trainer(
         accelerator=d.accelerator,
         devices=d.devices,
@@ -294,11 +290,6 @@ def _finish(trainer, out: Path) -> int:
         cb = trainer.checkpoint_callback
         print(f"distrain: done at step {trainer.global_step}; last checkpoint: {cb.last_model_path}", flush=True)
     return 0
-
-
-def _root_only(module) -> bool:
-    """auto_wrap_policy: null — no unit but the root."""
-    return False
 
 
 def convert(checkpoint: str, output: str, to: str) -> int:

@@ -65,7 +65,12 @@ def _slurm_port(job_id: str) -> int:
 def _mpi(env: dict) -> ClusterEnv | None:
     """mpirun: OpenMPI's OMPI_COMM_WORLD_* or MPICH/Intel MPI's PMI_* variables."""
     if "OMPI_COMM_WORLD_SIZE" in env:
-        keys = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+        keys = (
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        )
     elif "PMI_SIZE" in env:
         keys = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
     else:

@@ -18,7 +18,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import yaml
 
@@ -36,11 +36,11 @@ class TrainingConfig:
     model_name: str = "gpt-tiny"
     """A built-in GPT size (``gpt-tiny``, ``gpt-mini``, ``gpt-small``, ``gpt-124m``, ...), or a Hugging Face
     model: a hub name (``org/name``) or a local directory with ``config.json``."""
-    task: Optional[str] = None
+    task: str | None = None
     """Hugging Face models: ``causal_lm`` or ``sequence_classification``; null → from the model's config."""
     pretrained: bool = True
     """Hugging Face models: load the model's weights (``from_pretrained``); false → fresh ones (``from_config``)."""
-    num_labels: Optional[int] = None
+    num_labels: int | None = None
     """sequence_classification: number of classes; null → from the dataset's labels."""
     batch_size_per_gpu: int = 8
     """Micro-batch size on each rank (the global batch is this × ranks × accumulation)."""
@@ -53,7 +53,7 @@ class TrainingConfig:
     lr_schedule: str = "cosine"
     """``cosine``, ``linear`` or ``constant`` decay after the warmup."""
     weight_decay: float = 0.01
-    max_grad_norm: Optional[float] = 1.0
+    max_grad_norm: float | None = 1.0
     precision: str = "32-true"
     seed: int = 1234
     val_check_interval: int = 100
@@ -69,9 +69,9 @@ class DistributedConfig:
 
     strategy: str = "auto"
     accelerator: str = "auto"
-    devices: Union[int, str] = "auto"
+    devices: int | str = "auto"
     num_nodes: int = 1
-    backend: Optional[str] = None
+    backend: str | None = None
     """``gloo`` or ``nccl``; by default nccl on CUDA, gloo on CPU."""
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
@@ -81,14 +81,14 @@ class DistributedConfig:
     collective_timeout_seconds: float = 300.0
     """Any other collective fails after this long, with an error naming the rank(s) that did not arrive
     and the step and phase where they stopped."""
-    comm_hook: Optional[str] = None
+    comm_hook: str | None = None
     """``fp16_compress``, ``bf16_compress``, ``powersgd`` or ``post_localsgd``."""
 
 
 @dataclass
 class CheckpointingConfig:
-    save_every_n_steps: Optional[int] = 100
-    checkpoint_dir: Optional[str] = None
+    save_every_n_steps: int | None = 100
+    checkpoint_dir: str | None = None
     """Defaults to ``<output_dir>/checkpoints``."""
     keep_last_n: int = 2
     export_hf: bool = True
@@ -111,23 +111,23 @@ class DataConfig:
     Face model: a hub dataset name, or a local file (.txt, .json/.jsonl, .csv, .parquet) or directory."""
     seq_len: int = 128
     """Bytes per sample of the built-in job (and the default of ``max_length``)."""
-    dataset_config: Optional[str] = None
+    dataset_config: str | None = None
     """Hugging Face datasets: the dataset's configuration name (e.g. ``wikitext-2-raw-v1``)."""
     split: str = "train"
     """Hugging Face datasets: the split to train on."""
-    eval_split: Optional[str] = None
+    eval_split: str | None = None
     """A split name of ``dataset`` (``validation``, ``test``) or a local file; null → hold out ``val_fraction``
     of the training split."""
     text_column: str = "text"
     label_column: str = "label"
     """sequence_classification: the column of class ids or class names."""
-    max_length: Optional[int] = None
+    max_length: int | None = None
     """Tokens per sample (truncation; the block size when packing); null → ``seq_len``."""
     padding: str = "longest"
     """``longest`` (pad each batch to its longest sample) or ``max_length``."""
     packing: bool = False
     """causal_lm: concatenate the texts (EOS between them) and cut fixed blocks of ``max_length`` tokens."""
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     """A hub name or local directory; null → the model's own (``training.model_name``)."""
     max_bytes: int = 4_000_000
     val_fraction: float = 0.05
@@ -144,9 +144,9 @@ class ActivationCheckpointingConfig:
 class MixedPrecisionConfig:
     """dtype names (bf16, fp16, fp32); null → from ``training.precision`` (reduction in fp32)."""
 
-    param_dtype: Optional[str] = None
-    reduce_dtype: Optional[str] = None
-    buffer_dtype: Optional[str] = None
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    buffer_dtype: str | None = None
 
 
 @dataclass
@@ -156,10 +156,10 @@ class FSDPConfig:
     sharding_strategy: str = "FULL_SHARD"
     """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD."""
     cpu_offload: bool = False
-    backward_prefetch: Optional[str] = "BACKWARD_PRE"
+    backward_prefetch: str | None = "BACKWARD_PRE"
     """FSDP2 always prefetches in backward (BACKWARD_PRE); other values are explained, not applied."""
     forward_prefetch: bool = False
-    auto_wrap_policy: Optional[str] = "transformer_based"
+    auto_wrap_policy: str | None = "transformer_based"
     """``transformer_based`` (the model's block class), ``size_based`` (min_num_params) or null (root only)."""
     min_num_params: int = 1_000_000
     use_orig_params: bool = True
@@ -174,7 +174,7 @@ class FSDPConfig:
 class DeepSpeedSectionConfig:
     """Used when ``distributed.strategy`` is ``deepspeed`` or a ``deepspeed_stage_*`` preset."""
 
-    config: Optional[str] = None
+    config: str | None = None
     """A DeepSpeed JSON config (its "auto" values are filled from this run); overrides the keys below.
     ``--config ds_config.json`` sets it."""
     stage: int = 2
@@ -360,7 +360,10 @@ def validate(config: RunConfig) -> None:
     if t.max_grad_norm is not None and t.max_grad_norm < 0:
         raise ConfigError(f"training.max_grad_norm must be >= 0 or null, got {t.max_grad_norm}")
     if config.fsdp.activation_checkpointing.every_n_layers < 1:
-        raise ConfigError(f"fsdp.activation_checkpointing.every_n_layers must be >= 1, got {config.fsdp.activation_checkpointing.every_n_layers}")
+        raise ConfigError(
+            "fsdp.activation_checkpointing.every_n_layers must be >= 1, got "
+            f"{config.fsdp.activation_checkpointing.every_n_layers}"
+        )
     if not 0 <= t.warmup_ratio < 1:
         raise ConfigError(f"training.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
     if t.precision not in PRECISIONS:
@@ -381,19 +384,25 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"distributed.accelerator must be auto, cpu or gpu, got {d.accelerator!r}")
     if d.backend not in (None, "gloo", "nccl"):
         raise ConfigError(f"distributed.backend must be gloo or nccl, got {d.backend!r}")
-    from distrain.strategies.registry import STRATEGIES
+    from distrain.strategies import registry
 
-    if d.strategy not in STRATEGIES:
-        raise ConfigError(f"distributed.strategy {d.strategy!r} is unknown; choose one of {', '.join(sorted(STRATEGIES))}")
+    if d.strategy not in registry.names():
+        raise ConfigError(
+            f"distributed.strategy {d.strategy!r} is unknown; choose one of {', '.join(registry.names())}"
+        )
     from distrain.strategies.ddp import COMM_HOOKS
 
     f = config.fsdp
     from distrain.strategies.fsdp import SHARDING_STRATEGIES
 
     if f.sharding_strategy not in SHARDING_STRATEGIES:
-        raise ConfigError(f"fsdp.sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {f.sharding_strategy!r}")
+        raise ConfigError(
+            f"fsdp.sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {f.sharding_strategy!r}"
+        )
     if f.auto_wrap_policy not in (None, "transformer_based", "size_based"):
-        raise ConfigError(f"fsdp.auto_wrap_policy must be transformer_based, size_based or null, got {f.auto_wrap_policy!r}")
+        raise ConfigError(
+            f"fsdp.auto_wrap_policy must be transformer_based, size_based or null, got {f.auto_wrap_policy!r}"
+        )
     if f.state_dict_type not in ("sharded", "full"):
         raise ConfigError(f"fsdp.state_dict_type must be sharded or full, got {f.state_dict_type!r}")
     for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
@@ -403,9 +412,11 @@ def validate(config: RunConfig) -> None:
     ds = config.deepspeed
     if ds.stage not in (0, 1, 2, 3):
         raise ConfigError(f"deepspeed.stage must be 0, 1, 2 or 3, got {ds.stage}")
-    if ds.config is not None and not d.strategy.startswith("deepspeed"):
-        raise ConfigError(f"deepspeed.config is set ({ds.config}) but distributed.strategy is {d.strategy!r}; "
-                          "use strategy deepspeed (or a deepspeed_stage_* preset), or drop the DeepSpeed config")
+    if ds.config is not None and registry.lookup(registry.resolve_auto(d.strategy, 2)).config_section != "deepspeed":
+        raise ConfigError(
+            f"deepspeed.config is set ({ds.config}) but distributed.strategy is {d.strategy!r}; "
+            "use strategy deepspeed (or a deepspeed_stage_* preset), or drop the DeepSpeed config"
+        )
     for name in ("offload_optimizer_device", "offload_params_device"):
         if getattr(ds, name) not in ("cpu", "nvme"):
             raise ConfigError(f"deepspeed.{name} must be cpu or nvme, got {getattr(ds, name)!r}")

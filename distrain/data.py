@@ -11,18 +11,29 @@ from __future__ import annotations
 
 import math
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from distrain import compat
 
 
 class ResumableDistributedSampler(DistributedSampler):
     """torch's DistributedSampler, plus ``set_start(samples_consumed)`` for mid-epoch resume."""
 
-    def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, even: bool = True):
+    def __init__(
+        self,
+        dataset,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        even: bool = True,
+    ):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.start = 0
         # even=False (evaluation): no padding duplicates, so each sample is counted exactly once
@@ -60,7 +71,9 @@ class ResumableDistributedSampler(DistributedSampler):
         return len(range(self.rank, self.total_size - self.start, self.num_replicas))
 
 
-def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, seed: int, even: bool = True) -> DataLoader:
+def with_distributed_sampler(
+    loader: DataLoader, num_replicas: int, rank: int, seed: int, even: bool = True
+) -> DataLoader:
     """The same DataLoader, re-built around a ResumableDistributedSampler.
 
     Shuffling is kept as the user asked (a RandomSampler means shuffle). Iterable datasets and
@@ -71,8 +84,11 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
     if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
         return loader
     sampler = loader.sampler
-    plain_random = type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None
-    if not (type(sampler) is SequentialSampler or plain_random or type(sampler) is DistributedSampler):
+    if not (
+        type(sampler) is SequentialSampler
+        or compat.plain_random_sampler(sampler)
+        or type(sampler) is DistributedSampler
+    ):
         if num_replicas == 1:
             return loader  # nothing to shard; the user's sampler decides the order
         raise ValueError(
@@ -81,8 +97,13 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
         )
     shuffle = isinstance(sampler, (RandomSampler, DistributedSampler)) and getattr(sampler, "shuffle", True)
     sampler = ResumableDistributedSampler(
-        loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-        drop_last=loader.drop_last, even=even,
+        loader.dataset,
+        num_replicas=num_replicas,
+        rank=rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=loader.drop_last,
+        even=even,
     )
     return DataLoader(
         loader.dataset,

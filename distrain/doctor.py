@@ -20,10 +20,29 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-ENV_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
-                "MASTER_PORT", "TORCHELASTIC_", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID",
-                "SLURM_JOB_NODELIST", "SLURM_NODELIST", "OMPI_COMM_WORLD_", "PMI_", "NCCL_", "GLOO_", "OMP_NUM_THREADS",
-                "CUDA_VISIBLE_DEVICES")
+ENV_PREFIXES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "OMPI_COMM_WORLD_",
+    "PMI_",
+    "NCCL_",
+    "GLOO_",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+)
 SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 24)
 
 
@@ -31,7 +50,10 @@ def environment_report() -> str:
     from distrain import __version__
     from distrain.cluster import detect_cluster
 
-    lines = [f"distrain {__version__}, torch {torch.__version__}, Python {platform.python_version()} on {platform.platform()}"]
+    lines = [
+        f"distrain {__version__}, torch {torch.__version__}, "
+        f"Python {platform.python_version()} on {platform.platform()}"
+    ]
     lines.append(f"CPU cores: {os.cpu_count()}")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -39,12 +61,21 @@ def environment_report() -> str:
             lines.append(f"cuda:{i}: {p.name}, {p.total_memory / 2**30:.1f} GiB")
     else:
         lines.append("CUDA: not available (training runs on CPU with gloo)")
-    backends = [name for name, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
-                                      ("mpi", dist.is_mpi_available())) if ok]
+    backends = [
+        name
+        for name, ok in (
+            ("gloo", dist.is_gloo_available()),
+            ("nccl", dist.is_nccl_available()),
+            ("mpi", dist.is_mpi_available()),
+        )
+        if ok
+    ]
     lines.append(f"process-group backends: {', '.join(backends) or 'none'}")
     try:
         cluster = detect_cluster()
-        lines.append(f"launcher: {cluster.source} (rank {cluster.rank} of {cluster.world_size}, node {cluster.node_rank})")
+        lines.append(
+            f"launcher: {cluster.source} (rank {cluster.rank} of {cluster.world_size}, node {cluster.node_rank})"
+        )
     except ValueError as e:
         lines.append(f"launcher: misconfigured: {e}")
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
@@ -61,19 +92,29 @@ def likely_cause(error: BaseException) -> str:
         return f"port {port} on {addr} is already in use: pick another MASTER_PORT (or stop the old job)"
     interfaces = ", ".join(name for _, name in socket.if_nameindex())
     if "unable to find address for" in text or "no socket interface found" in text:
-        chosen = ", ".join(f"{k}={os.environ[k]}" for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k in os.environ)
-        return (f"wrong interface: {chosen or 'the socket interface setting'} names no usable network interface on "
-                f"this host (it has: {interfaces}); set it to the interface the nodes share")
+        chosen = ", ".join(
+            f"{k}={os.environ[k]}" for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k in os.environ
+        )
+        return (
+            f"wrong interface: {chosen or 'the socket interface setting'} names no usable network interface on "
+            f"this host (it has: {interfaces}); set it to the interface the nodes share"
+        )
     if _LOOPBACK_PEER.search(text) and not _is_loopback(addr):
-        return (f"wrong interface: a rank told its peers a loopback address (127.x) although MASTER_ADDR is {addr}: "
-                "its hostname resolves to loopback, so gloo/NCCL picked `lo`. Set GLOO_SOCKET_IFNAME (NCCL: "
-                f"NCCL_SOCKET_IFNAME) on every node to the interface the nodes share (this host has: {interfaces})")
+        return (
+            f"wrong interface: a rank told its peers a loopback address (127.x) although MASTER_ADDR is {addr}: "
+            "its hostname resolves to loopback, so gloo/NCCL picked `lo`. Set GLOO_SOCKET_IFNAME (NCCL: "
+            f"NCCL_SOCKET_IFNAME) on every node to the interface the nodes share (this host has: {interfaces})"
+        )
     if "timed out" in text or "timeout" in text:
-        return (f"the ranks did not all arrive at {addr}:{port}: a rank did not start, MASTER_ADDR is unreachable "
-                "from some node (firewall, wrong address), or the world size is larger than the ranks started")
+        return (
+            f"the ranks did not all arrive at {addr}:{port}: a rank did not start, MASTER_ADDR is unreachable "
+            "from some node (firewall, wrong address), or the world size is larger than the ranks started"
+        )
     if "connection refused" in text or "no route" in text or "unreachable" in text:
-        return (f"nothing answers at {addr}:{port}: rank 0 is not running there, or the address is wrong; on a "
-                "multi-homed host set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface the nodes share")
+        return (
+            f"nothing answers at {addr}:{port}: rank 0 is not running there, or the address is wrong; on a "
+            "multi-homed host set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface the nodes share"
+        )
     if "world_size" in text or "world size" in text or "num_nodes" in text:
         return "the launcher's world size and --num-nodes × --devices disagree (see the numbers above)"
     return "see the error above"
@@ -130,17 +171,28 @@ def run(devices, num_nodes: int, timeout_s: float) -> int:
         print("\n(no rank check: run under a launcher, or with --devices N)")
         return 0
     try:
-        runtime = Runtime(accelerator="auto", strategy="ddp", devices=devices or "auto", num_nodes=num_nodes,
-                          timeout=timedelta(seconds=timeout_s))
+        runtime = Runtime(
+            accelerator="auto",
+            strategy="ddp",
+            devices=devices or "auto",
+            num_nodes=num_nodes,
+            timeout=timedelta(seconds=timeout_s),
+        )
         result = runtime.launch(_check)
     except Exception as e:  # noqa: BLE001 — every failure gets an explanation
-        print(f"distrain doctor: the rank check FAILED on rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}",
-              file=sys.stderr)
+        print(
+            f"distrain doctor: the rank check FAILED on rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}",
+            file=sys.stderr,
+        )
         print(f"likely cause: {likely_cause(e)}", file=sys.stderr)
         return 1
     if runtime.is_global_zero:
         print(environment_report())
-        status = "OK" if result["ok"] else f"WRONG (sum {result['sum']}, expected {result['world'] * (result['world'] - 1) // 2})"
+        status = (
+            "OK"
+            if result["ok"]
+            else f"WRONG (sum {result['sum']}, expected {result['world'] * (result['world'] - 1) // 2})"
+        )
         print(f"\nall-reduce across {result['world']} ranks ({runtime.strategy.backend}): {status}")
         print(f"\n{'size':>8} | {'time/op':>10} | {'algbw GB/s':>10} | {'busbw GB/s':>10} | {'p90 time':>10}")
         for size, us, algbw, busbw, p90 in result["rows"]:

@@ -21,12 +21,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
+from distrain import distributed
 from distrain.cluster import ClusterEnv, find_free_port
 
 
@@ -194,9 +196,7 @@ def _worker(local_rank, nprocs, node_rank, num_nodes, addr, port, outdir, fn, ar
         if collect is not None:
             torch.save(collect(), Path(outdir) / "state.pt")
         (Path(outdir) / "result.pkl").write_bytes(pickle.dumps(result))
-    from distrain.runtime import shutdown_distributed
-
-    shutdown_distributed()
+    distributed.shutdown()
 
 
 def make_launcher(start_method: str | None, nprocs: int, cluster: ClusterEnv, num_nodes: int):

@@ -81,7 +81,16 @@ class Module(nn.Module):
         if reduce_fx not in ("mean", "sum"):
             raise ValueError(f"log({name!r}): reduce_fx must be 'mean' or 'sum', got {reduce_fx!r}")
         if self._trainer is not None:
-            self._trainer._metrics.log(name, value, on_step, on_epoch, sync_dist, prog_bar, batch_size, reduce_fx)
+            self._trainer.metrics.collector.log(
+                name,
+                value,
+                on_step=on_step,
+                on_epoch=on_epoch,
+                sync_dist=sync_dist,
+                prog_bar=prog_bar,
+                batch_size=batch_size,
+                reduce_fx=reduce_fx,
+            )
 
     def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():
@@ -97,7 +106,7 @@ class Module(nn.Module):
         self.hparams = {k: v for k, v in values.items() if not names or k in names}
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: str, strict: bool = True, **kwargs: Any) -> "Module":
+    def load_from_checkpoint(cls, checkpoint_path: str, strict: bool = True, **kwargs: Any) -> Module:
         """Rebuild the module from its saved hyperparameters (``kwargs`` override) and weights."""
         meta = read_checkpoint_meta(checkpoint_path)
         module = cls(**{**meta.get("hyper_parameters", {}), **kwargs})
@@ -116,12 +125,24 @@ class Module(nn.Module):
 class LossModule(Module):
     """Adapts a plain ``nn.Module`` whose forward returns a loss (or an object with ``.loss``)."""
 
-    def __init__(self, model: nn.Module, learning_rate: float = 1e-3, weight_decay: float = 0.0,
-                 warmup_steps: int = 0, total_steps: int = 0, lr_schedule: str = "constant"):
+    def __init__(
+        self,
+        model: nn.Module,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        total_steps: int = 0,
+        lr_schedule: str = "constant",
+    ):
         super().__init__()
         self.model = model
-        self.settings = dict(learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps,
-                             total_steps=total_steps, lr_schedule=lr_schedule)
+        self.settings = dict(
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            lr_schedule=lr_schedule,
+        )
 
     def forward(self, batch: Any) -> Any:
         if isinstance(batch, dict):

@@ -14,9 +14,7 @@ class Precision:
         if name not in ("32-true", "16-mixed", "bf16-mixed", "bf16-true"):
             raise ValueError(f"precision must be 32-true, 16-mixed, bf16-mixed or bf16-true, got {name!r}")
         if name == "16-mixed" and device_type != "cuda":
-            raise ValueError(
-                "precision='16-mixed' needs a CUDA GPU (fp16 with a GradScaler); on CPU use 'bf16-mixed'"
-            )
+            raise ValueError("precision='16-mixed' needs a CUDA GPU (fp16 with a GradScaler); on CPU use 'bf16-mixed'")
         self.name = name
         self.device_type = device_type
         self.scaler = torch.amp.GradScaler("cuda") if name == "16-mixed" else None

@@ -19,7 +19,8 @@ from __future__ import annotations
 import functools
 import os
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from distrain.accelerators import auto_device_count, resolve_accelerator
 from distrain.checkpoint import io as ckpt_io
 from distrain.cluster import detect_cluster, export_cluster_env
 from distrain.data import move_to_device, with_distributed_sampler
+from distrain.distributed import watch
 from distrain.launch import make_launcher
 from distrain.precision import Precision
 from distrain.strategies.base import Strategy
@@ -77,8 +79,8 @@ class Runtime:
             nprocs = self.cluster.local_world_size if devices == "auto" else int(devices)
             if nprocs * num_nodes != world:
                 raise ValueError(
-                    f"num_nodes × devices = {num_nodes} × {nprocs} = {num_nodes * nprocs} (from the Trainer/CLI) but the "
-                    f"{self.cluster.source} environment says WORLD_SIZE={world}; make them agree"
+                    f"num_nodes × devices = {num_nodes} × {nprocs} = {num_nodes * nprocs} (from the Trainer/CLI) "
+                    f"but the {self.cluster.source} environment says WORLD_SIZE={world}; make them agree"
                 )
             return nprocs
         if devices == "auto":
@@ -153,7 +155,9 @@ class Runtime:
         model, optimizers = self.strategy.setup(module, optimizers)
         return (model, *optimizers) if optimizers else model
 
-    def setup_dataloaders(self, *loaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True, seed: int = 0):
+    def setup_dataloaders(
+        self, *loaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True, seed: int = 0
+    ):
         """Give each rank its disjoint share (a resumable DistributedSampler) and move batches to the device."""
         out = []
         for loader in loaders:
@@ -204,12 +208,17 @@ class Runtime:
     def progress(self, step: int | None, phase: str) -> None:
         """Record where this rank is; if a collective later times out, the error names the ranks
         that are elsewhere and their step and phase. Cheap: one store write per new phase."""
-        self.strategy.progress(step, phase)
+        watch.mark(step, phase)
+
+    def patient(self, phase: str):
+        """Context for a phase that may keep some ranks waiting long (checkpoint IO, rank 0
+        tokenizing): its collectives get the process-group init timeout, not the collective one."""
+        return watch.patient(phase)
 
     def explain_failure(self, error: BaseException) -> Exception | None:
         """For an error raised by a collective that timed out or lost a peer: an error naming the
         rank(s) that did not arrive and where they stopped. None for any other error."""
-        return self.strategy.explain_failure(error)
+        return watch.explain(error)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self.is_global_zero:
@@ -218,14 +227,14 @@ class Runtime:
     # ---- checkpoints ------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
         """Objects with ``state_dict()`` (model, optimizer, ...) are saved by state; the rest as is."""
-        with self.strategy.patient("checkpoint save"):  # rank 0 may write for minutes while others wait
+        with watch.patient("checkpoint save"):  # rank 0 may write for minutes while others wait
             self.strategy.save_checkpoint(path, state)
 
     def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
         """Load into ``state``'s objects in place; returns the checkpoint entries not asked for."""
         if state is None:
             return ckpt_io.read_state_file(path)
-        with self.strategy.patient("checkpoint load"):
+        with watch.patient("checkpoint load"):
             return self.strategy.load_checkpoint(path, state, strict=strict)
 
     seed_everything = staticmethod(lambda seed: seed_everything(seed))
@@ -233,30 +242,6 @@ class Runtime:
     def teardown(self) -> None:
         self.strategy.teardown()
         self._environment_ready = False
-
-
-def shutdown_distributed(barrier: bool = True) -> None:
-    """Tear the process group down while the interpreter is fully alive.
-
-    A DDP/FSDP wrapper caught in a reference cycle (module ↔ trainer) keeps gloo's worker
-    threads alive until interpreter finalization, where destroying them aborts the process
-    ("terminate called without an active exception") after a successful run. Collect such
-    cycles first, then destroy the group; the barrier keeps rank 0 (the store host) from leaving
-    while a peer still talks to it.
-    """
-    import gc
-
-    import torch.distributed as dist
-
-    gc.collect()
-    if dist.is_initialized():
-        if barrier:
-            dist.barrier()
-        dist.destroy_process_group()
-        from distrain.strategies import watch
-
-        watch.stop()
-    gc.collect()
 
 
 def _run_in_rank(runtime: Runtime, fn: Callable, *args: Any, **kwargs: Any) -> Any:

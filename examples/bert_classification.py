@@ -48,11 +48,30 @@ def main() -> int:
         lr = lr or 1e-2  # a 32-wide model from scratch wants a large step
     if not model or not dataset:
         p.error("give --model_name and --dataset, or --make-tiny DIR")
-    argv = ["train", "--model_name", model, "--strategy", args.strategy, "--devices", args.devices,
-            "--precision", args.precision, "--max-steps", str(args.max_steps), "--output-dir", args.output_dir,
-            "training.task=sequence_classification", f"training.learning_rate={lr or 2e-5}", "training.num_epochs=100",
-            f"data.dataset={dataset}", "data.text_column=text", "data.label_column=label", "data.max_length=128",
-            *([f"data.eval_split={eval_split}"] if eval_split else []), *overrides]
+    argv = [
+        "train",
+        "--model_name",
+        model,
+        "--strategy",
+        args.strategy,
+        "--devices",
+        args.devices,
+        "--precision",
+        args.precision,
+        "--max-steps",
+        str(args.max_steps),
+        "--output-dir",
+        args.output_dir,
+        "training.task=sequence_classification",
+        f"training.learning_rate={lr or 2e-5}",
+        "training.num_epochs=100",
+        f"data.dataset={dataset}",
+        "data.text_column=text",
+        "data.label_column=label",
+        "data.max_length=128",
+        *([f"data.eval_split={eval_split}"] if eval_split else []),
+        *overrides,
+    ]
     if "RANK" not in os.environ:
         print("distrain " + shlex.join(argv), flush=True)
     return cli.main(argv)

@@ -53,12 +53,31 @@ def main() -> int:
         lr = lr or 1e-2
     if not model or not dataset:
         p.error("give --model_name and --dataset, or --make-tiny DIR")
-    argv = ["train", "--model_name", model, "--strategy", "fsdp", "--devices", args.devices, "--precision", args.precision,
-            "--max-steps", str(args.max_steps), "--output-dir", args.output_dir, "training.task=causal_lm",
-            f"training.learning_rate={lr or 2e-5}", "training.activation_checkpointing=true", "training.num_epochs=100",
-            "fsdp.auto_wrap_policy=transformer_based", f"data.dataset={dataset}", "data.packing=true",
-            f"data.max_length={args.max_length}",
-            *([f"data.dataset_config={args.dataset_config}"] if args.dataset_config else []), *overrides]
+    argv = [
+        "train",
+        "--model_name",
+        model,
+        "--strategy",
+        "fsdp",
+        "--devices",
+        args.devices,
+        "--precision",
+        args.precision,
+        "--max-steps",
+        str(args.max_steps),
+        "--output-dir",
+        args.output_dir,
+        "training.task=causal_lm",
+        f"training.learning_rate={lr or 2e-5}",
+        "training.activation_checkpointing=true",
+        "training.num_epochs=100",
+        "fsdp.auto_wrap_policy=transformer_based",
+        f"data.dataset={dataset}",
+        "data.packing=true",
+        f"data.max_length={args.max_length}",
+        *([f"data.dataset_config={args.dataset_config}"] if args.dataset_config else []),
+        *overrides,
+    ]
     if "RANK" not in os.environ:
         print("distrain " + shlex.join(argv), flush=True)
     return cli.main(argv)

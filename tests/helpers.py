@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -30,14 +31,19 @@ def _entry(rank, fn, world_size, port, out, args):
 
     faulthandler.enable(all_threads=True)  # a native abort in a rank still shows its Python stack
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
     )
     result = fn(rank, *args)
     (Path(out) / f"{rank}.pkl").write_bytes(pickle.dumps(result))
-    from distrain.runtime import shutdown_distributed
+    from distrain.distributed import shutdown
 
-    shutdown_distributed()
+    shutdown()
 
 
 class IndexedTokens(Dataset):
@@ -103,7 +109,9 @@ def make_trainer(tmp, **kw) -> tuple[distrain.Trainer, LossRecorder]:
     rec = LossRecorder()
     kw.setdefault("callbacks", [])
     kw["callbacks"] = [rec, *kw["callbacks"]]
-    defaults = dict(accelerator="cpu", log_every_n_steps=1, enable_progress_bar=False, default_root_dir=str(tmp), seed=7)
+    defaults = dict(
+        accelerator="cpu", log_every_n_steps=1, enable_progress_bar=False, default_root_dir=str(tmp), seed=7
+    )
     return distrain.Trainer(**{**defaults, **kw}), rec
 
 

@@ -13,8 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def distrain(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "distrain.cli", *args], capture_output=True, text=True,
-                          cwd=cwd or ROOT, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "distrain.cli", *args], capture_output=True, text=True, cwd=cwd or ROOT, timeout=timeout
+    )
 
 
 def test_bad_key_is_one_clear_line(tmp_path):
@@ -47,8 +48,17 @@ def test_missing_config_file(tmp_path):
 
 
 def test_spec_layout_mode_alias_and_print_config(tmp_path):
-    proc = distrain("train", "--config", os.path.join(ROOT, "configs", "ddp.yaml"), "--mode", "ddp_spawn",
-                    "--output_dir", str(tmp_path), "training.learning_rate=3e-4", "--print-config")
+    proc = distrain(
+        "train",
+        "--config",
+        os.path.join(ROOT, "configs", "ddp.yaml"),
+        "--mode",
+        "ddp_spawn",
+        "--output_dir",
+        str(tmp_path),
+        "training.learning_rate=3e-4",
+        "--print-config",
+    )
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load(proc.stdout)
     assert cfg["distributed"]["strategy"] == "ddp_spawn"
@@ -58,10 +68,21 @@ def test_spec_layout_mode_alias_and_print_config(tmp_path):
 @pytest.mark.slow
 def test_train_writes_run_dir_and_resumes(tmp_path):
     out = tmp_path / "run"
-    common = ["--output-dir", str(out), "--devices", "2", "training.model_name=gpt-tiny", "data.seq_len=32",
-              "training.batch_size_per_gpu=4", "logging.log_every_n_steps=2", "checkpointing.save_every_n_steps=3",
-              "training.val_check_interval=4", "training.limit_val_batches=2", "data.max_bytes=200000",
-              "logging.progress_bar=false"]
+    common = [
+        "--output-dir",
+        str(out),
+        "--devices",
+        "2",
+        "training.model_name=gpt-tiny",
+        "data.seq_len=32",
+        "training.batch_size_per_gpu=4",
+        "logging.log_every_n_steps=2",
+        "checkpointing.save_every_n_steps=3",
+        "training.val_check_interval=4",
+        "training.limit_val_batches=2",
+        "data.max_bytes=200000",
+        "logging.progress_bar=false",
+    ]
     proc = distrain("train", "--max-steps", "6", *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert yaml.safe_load((out / "config.yaml").read_text())["training"]["max_steps"] == 6
@@ -99,11 +120,34 @@ def test_two_nodes_through_our_own_launcher(tmp_path):
     for node in range(2):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "distrain.cli", "train", "--num-nodes", "2", "--devices", "1", "--strategy", "ddp",
-             "--max-steps", "4", "--output-dir", str(tmp_path / f"node{node}"), "data.max_bytes=100000",
-             "logging.progress_bar=false", "logging.log_every_n_steps=2"],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "distrain.cli",
+                    "train",
+                    "--num-nodes",
+                    "2",
+                    "--devices",
+                    "1",
+                    "--strategy",
+                    "ddp",
+                    "--max-steps",
+                    "4",
+                    "--output-dir",
+                    str(tmp_path / f"node{node}"),
+                    "data.max_bytes=100000",
+                    "logging.progress_bar=false",
+                    "logging.log_every_n_steps=2",
+                ],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[1][1][-2000:]
     assert "2 process(es)" in outs[0][0] and "done at step 4" in outs[0][0]
@@ -118,11 +162,27 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     import time
 
     out = tmp_path / "run"
-    args = ["train", "--devices", "2", "--output-dir", str(out), "--max-steps", "100000", "data.seq_len=32",
-            "data.max_bytes=200000", "logging.progress_bar=false", "logging.log_every_n_steps=1",
-            "training.val_check_interval=100000"]
-    proc = subprocess.Popen([sys.executable, "-m", "distrain.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    args = [
+        "train",
+        "--devices",
+        "2",
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "100000",
+        "data.seq_len=32",
+        "data.max_bytes=200000",
+        "logging.progress_bar=false",
+        "logging.log_every_n_steps=1",
+        "training.val_check_interval=100000",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distrain.cli", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):

@@ -47,14 +47,40 @@ def test_slurm_nodelist_expansion():
 
 
 def test_detects_torchrun_slurm_and_plain():
-    tr = detect_cluster({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                         "GROUP_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"})
+    tr = detect_cluster(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1",
+            "MASTER_ADDR": "h0",
+            "MASTER_PORT": "29500",
+            "TORCHELASTIC_RUN_ID": "x",
+        }
+    )
     assert (tr.source, tr.rank, tr.local_rank, tr.world_size, tr.node_rank) == ("torchrun", 3, 1, 4, 1)
-    sl = detect_cluster({"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
-                         "SLURM_NODELIST": "gpu[01-04]", "SLURM_JOB_ID": "1234", "SLURM_NTASKS_PER_NODE": "2",
-                         "SLURM_JOB_NAME": "train"})
+    sl = detect_cluster(
+        {
+            "SLURM_NTASKS": "8",
+            "SLURM_PROCID": "5",
+            "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "2",
+            "SLURM_NODELIST": "gpu[01-04]",
+            "SLURM_JOB_ID": "1234",
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_JOB_NAME": "train",
+        }
+    )
     assert (sl.source, sl.rank, sl.local_rank, sl.world_size, sl.node_rank, sl.master_addr, sl.local_world_size) == (
-        "slurm", 5, 1, 8, 2, "gpu01", 2)
+        "slurm",
+        5,
+        1,
+        8,
+        2,
+        "gpu01",
+        2,
+    )
     assert detect_cluster({"SLURM_NTASKS": "8", "SLURM_PROCID": "0", "SLURM_JOB_NAME": "bash"}).source == "local"
     assert not detect_cluster({}).launched_externally
 
@@ -62,18 +88,38 @@ def test_detects_torchrun_slurm_and_plain():
 def test_world_size_mismatch_says_which_numbers(monkeypatch):
     import distrain
 
-    for k, v in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match=r"1 × 2 = 2.*WORLD_SIZE=4"):
         distrain.Runtime(accelerator="cpu", strategy="ddp", devices=2)
 
 
 def test_detects_mpi_and_kubeflow():
-    om = detect_cluster({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-                         "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_ADDR": "n0"})
+    om = detect_cluster(
+        {
+            "OMPI_COMM_WORLD_RANK": "5",
+            "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            "MASTER_ADDR": "n0",
+        }
+    )
     assert (om.source, om.rank, om.local_rank, om.world_size, om.node_rank, om.master_addr, om.master_port) == (
-        "mpi", 5, 1, 8, 1, "n0", 29500)
+        "mpi",
+        5,
+        1,
+        8,
+        1,
+        "n0",
+        29500,
+    )
     pmi = detect_cluster({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
     assert (pmi.source, pmi.rank, pmi.world_size, pmi.master_addr) == ("mpi", 1, 2, "127.0.0.1")
     assert detect_cluster({"PMI_RANK": "0", "PMI_SIZE": "1"}).source == "local"

@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -13,7 +12,9 @@ from helpers import TinyGPT, loader, make_trainer, params_of, run_ranks
 
 
 def _seen_per_epoch(rank):
-    trainer, _ = make_trainer("/tmp/unused", strategy="ddp", devices=2, max_epochs=2, enable_checkpointing=False, logger=False)
+    trainer, _ = make_trainer(
+        "/tmp/unused", strategy="ddp", devices=2, max_epochs=2, enable_checkpointing=False, logger=False
+    )
     module = TinyGPT()
     epochs = []
 
@@ -47,8 +48,15 @@ def _count_allreduce(rank, accumulate):
         return allreduce_hook(state, bucket)
 
     strategy = distrain.DDPStrategy(ddp_comm_hook=counting_hook)
-    trainer, _ = make_trainer("/tmp/unused", strategy=strategy, devices=2, max_steps=3,
-                              accumulate_grad_batches=accumulate, enable_checkpointing=False, logger=False)
+    trainer, _ = make_trainer(
+        "/tmp/unused",
+        strategy=strategy,
+        devices=2,
+        max_steps=3,
+        accumulate_grad_batches=accumulate,
+        enable_checkpointing=False,
+        logger=False,
+    )
     trainer.fit(TinyGPT(), loader(4))
     return len(calls), trainer.global_step
 
@@ -83,8 +91,9 @@ def _hooks(rank):
                 ddp_comm_state=post_localSGD_hook.PostLocalSGDState(None, None, start_localSGD_iter=2),
                 model_averaging_period=2,
             )
-        trainer, rec = make_trainer("/tmp/unused", strategy=strategy, devices=2, max_steps=12,
-                                    enable_checkpointing=False, logger=False)
+        trainer, rec = make_trainer(
+            "/tmp/unused", strategy=strategy, devices=2, max_steps=12, enable_checkpointing=False, logger=False
+        )
         distrain.seed_everything(0)
         module = TinyGPT(lr=1e-2, schedule=False)
         trainer.fit(module, loader(8))
@@ -182,10 +191,23 @@ def test_ranks_started_by_srun_form_one_group(tmp_path):
     port = str(find_free_port())
     procs = []
     for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        env.update(SLURM_NTASKS="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
-                   SLURM_NODELIST="localhost", SLURM_JOB_NAME="train", SLURM_JOB_ID="77", SLURM_NTASKS_PER_NODE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        }
+        env.update(
+            SLURM_NTASKS="2",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NODEID="0",
+            SLURM_NODELIST="localhost",
+            SLURM_JOB_NAME="train",
+            SLURM_JOB_ID="77",
+            SLURM_NTASKS_PER_NODE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True))
     for p in procs:
         assert p.wait(timeout=180) == 0, p.stderr.read()[-3000:]
@@ -236,13 +258,24 @@ if trainer.global_rank == 0:
 def test_kill_9_under_torchrun_restarts_and_resumes_exactly(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(ELASTIC.format(tests=os.path.dirname(__file__)))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    ref = subprocess.run([*torchrun, str(script), str(tmp_path / "ref"), "ok"], env=env, capture_output=True, text=True, timeout=180)
+    ref = subprocess.run(
+        [*torchrun, str(script), str(tmp_path / "ref"), "ok"], env=env, capture_output=True, text=True, timeout=180
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     # one restart allowed: the restarted group must rendezvous at the first try
-    cut = subprocess.run([*torchrun, "--max-restarts", "1", str(script), str(tmp_path / "cut"), "crash"], env=env,
-                         capture_output=True, text=True, timeout=240)
+    cut = subprocess.run(
+        [*torchrun, "--max-restarts", "1", str(script), str(tmp_path / "cut"), "crash"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert cut.returncode == 0, cut.stderr[-3000:]
     assert (tmp_path / "cut" / "attempts").read_text() == "1"
     a = torch.load(tmp_path / "ref" / "final.pt", weights_only=True)

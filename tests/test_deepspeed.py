@@ -31,9 +31,17 @@ class LazyTinyGPT(TinyGPT):
 
 
 def _train(tmp, strategy, devices, batch, accumulate=1, steps=STEPS, **kw):
-    trainer, rec = make_trainer(tmp, strategy=strategy, devices=devices, max_steps=steps,
-                                accumulate_grad_batches=accumulate, gradient_clip_val=0.5, logger=False,
-                                enable_checkpointing=False, **kw)
+    trainer, rec = make_trainer(
+        tmp,
+        strategy=strategy,
+        devices=devices,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        **kw,
+    )
     trainer.fit(LazyTinyGPT(), loader(batch))
     return rec.losses, rec.grad_norms
 
@@ -45,7 +53,12 @@ def _variants(rank, tmp):
         ("stage2", "deepspeed_stage_2", 4, 1),
         ("stage3", "deepspeed_stage_3", 4, 1),
         ("stage2+accumulate", "deepspeed_stage_2", 2, 2),
-        ("stage3+activation_checkpointing", distrain.DeepSpeedStrategy(stage=3, activation_checkpointing_policy={Block}), 4, 1),
+        (
+            "stage3+activation_checkpointing",
+            distrain.DeepSpeedStrategy(stage=3, activation_checkpointing_policy={Block}),
+            4,
+            1,
+        ),
         ("stage2+offload_optimizer", "deepspeed_stage_2_offload", 4, 1),
     ]:
         out[name] = _train(tmp / name, strategy, 2, batch, acc)
@@ -81,8 +94,15 @@ def test_stage3_with_parameter_and_optimizer_offload_trains(tmp_path):
 
 # ---- checkpoints ----------------------------------------------------------------------------
 def _run(tmp, strategy, steps, resume=False):
-    trainer, rec = make_trainer(tmp, strategy=strategy, devices=2, max_steps=steps, logger=False,
-                                gradient_clip_val=0.5, callbacks=[distrain.ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)])
+    trainer, rec = make_trainer(
+        tmp,
+        strategy=strategy,
+        devices=2,
+        max_steps=steps,
+        logger=False,
+        gradient_clip_val=0.5,
+        callbacks=[distrain.ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)],
+    )
     module = LazyTinyGPT(dropout=0.1)  # dropout: the RNG streams must resume too
     trainer.fit(module, loader(4), ckpt_path="last" if resume else None)
     import deepspeed
@@ -98,14 +118,18 @@ def _save_and_resume(rank, tmp, strategy):
     second, resumed_weights = _run(tmp / "cut", strategy, 8, resume=True)
     # a fresh Trainer evaluates the checkpoint (ZeRO-3: an engine without optimizer, partitioned)
     trainer, _ = make_trainer(tmp / "eval", strategy=strategy, devices=2, logger=False)
-    val = trainer.validate(LazyTinyGPT(), loader(4, shuffle=False), ckpt_path=str(tmp / "full" / "checkpoints" / "last"))
+    val = trainer.validate(
+        LazyTinyGPT(), loader(4, shuffle=False), ckpt_path=str(tmp / "full" / "checkpoints" / "last")
+    )
     return full_losses, first + second, full_weights, resumed_weights, val[0]["val_loss"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_2", "deepspeed_stage_3"])
 def test_resume_equals_uninterrupted_and_converts(tmp_path, strategy):
-    full_losses, cut_losses, full_weights, resumed_weights, val_loss = run_ranks(_save_and_resume, 2, tmp_path, strategy)[0]
+    full_losses, cut_losses, full_weights, resumed_weights, val_loss = run_ranks(
+        _save_and_resume, 2, tmp_path, strategy
+    )[0]
     assert cut_losses == full_losses  # bit-identical trajectory
     for k in full_weights:
         assert torch.equal(full_weights[k], resumed_weights[k]), k
@@ -139,8 +163,15 @@ def test_resume_equals_uninterrupted_and_converts(tmp_path, strategy):
 
 
 def _world_size_run(rank, tmp, strategy, ws, steps, resume):
-    trainer, rec = make_trainer(tmp, strategy=strategy, devices=ws, max_steps=steps, logger=False, gradient_clip_val=0.5,
-                                callbacks=[distrain.ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)])
+    trainer, rec = make_trainer(
+        tmp,
+        strategy=strategy,
+        devices=ws,
+        max_steps=steps,
+        logger=False,
+        gradient_clip_val=0.5,
+        callbacks=[distrain.ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)],
+    )
     module = LazyTinyGPT()
     trainer.fit(module, loader(12 // ws), ckpt_path="last" if resume else None)  # global batch 12 on 2 or 3 ranks
     import deepspeed
@@ -168,21 +199,41 @@ def test_resume_on_another_world_size_through_universal_checkpoint(tmp_path, str
 
 # ---- the JSON config through the CLI ------------------------------------------------------------
 def _cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "distrain.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "distrain.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout
+    )
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMON = ["--devices", "2", "data.seq_len=32", "training.batch_size_per_gpu=4", "logging.log_every_n_steps=1",
-          "data.max_bytes=100000", "logging.progress_bar=false", "training.val_check_interval=100",
-          "training.limit_val_batches=2", "checkpointing.save_every_n_steps=null"]
+COMMON = [
+    "--devices",
+    "2",
+    "data.seq_len=32",
+    "training.batch_size_per_gpu=4",
+    "logging.log_every_n_steps=1",
+    "data.max_bytes=100000",
+    "logging.progress_bar=false",
+    "training.val_check_interval=100",
+    "training.limit_val_batches=2",
+    "checkpointing.save_every_n_steps=null",
+]
 
 
 @pytest.mark.slow
 def test_spec_json_with_auto_trains_via_cli(tmp_path):
     out = tmp_path / "run"
-    proc = _cli("train", "--config", "configs/deepspeed_config.json", "--max-steps", "6", "--output-dir", str(out),
-                "training.gradient_accumulation_steps=2", "training.activation_checkpointing=true", *COMMON)
+    proc = _cli(
+        "train",
+        "--config",
+        "configs/deepspeed_config.json",
+        "--max-steps",
+        "6",
+        "--output-dir",
+        str(out),
+        "training.gradient_accumulation_steps=2",
+        "training.activation_checkpointing=true",
+        *COMMON,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     filled = json.loads((out / "deepspeed_config.json").read_text())
     assert "auto" not in json.dumps(filled)
@@ -209,13 +260,23 @@ def test_config_conflict_names_both_values(tmp_path):
 def test_conflict_and_fp16_on_cpu_through_the_cli(tmp_path):
     conflict = tmp_path / "ds.json"
     conflict.write_text(json.dumps({"train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": 2}}))
-    proc = _cli("train", "--config", str(conflict), "--max-steps", "2", "--output-dir", str(tmp_path / "a"),
-                *COMMON, timeout=300)
+    proc = _cli(
+        "train",
+        "--config",
+        str(conflict),
+        "--max-steps",
+        "2",
+        "--output-dir",
+        str(tmp_path / "a"),
+        *COMMON,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "train_micro_batch_size_per_gpu=16" in proc.stderr and "batch_size" in proc.stderr and "4" in proc.stderr
 
     fp16 = tmp_path / "fp16.json"
     fp16.write_text(json.dumps({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
-    proc = _cli("train", "--config", str(fp16), "--max-steps", "2", "--output-dir", str(tmp_path / "b"),
-                *COMMON, timeout=300)
+    proc = _cli(
+        "train", "--config", str(fp16), "--max-steps", "2", "--output-dir", str(tmp_path / "b"), *COMMON, timeout=300
+    )
     assert proc.returncode != 0 and "fp16, which needs a CUDA GPU" in proc.stderr, proc.stderr[-3000:]

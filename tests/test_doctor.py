@@ -10,8 +10,9 @@ import pytest
 
 
 def doctor(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "distrain.cli", "doctor", *args], capture_output=True, text=True,
-                          timeout=180, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "distrain.cli", "doctor", *args], capture_output=True, text=True, timeout=180, env=env
+    )
 
 
 def test_report_without_ranks():

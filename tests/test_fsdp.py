@@ -11,8 +11,16 @@ STEPS = 6
 
 
 def _train(tmp, strategy, devices, batch, accumulate=1, steps=STEPS, **kw):
-    trainer, rec = make_trainer(tmp, strategy=strategy, devices=devices, max_steps=steps,
-                                accumulate_grad_batches=accumulate, gradient_clip_val=0.5, logger=False, **kw)
+    trainer, rec = make_trainer(
+        tmp,
+        strategy=strategy,
+        devices=devices,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=0.5,
+        logger=False,
+        **kw,
+    )
     distrain.seed_everything(0)
     module = TinyGPT()
     trainer.fit(module, loader(batch))
@@ -54,8 +62,14 @@ GLOBAL_BATCH = 12
 
 
 def _run(tmp, strategy, ws, steps, resume=False, save_every=4):
-    trainer, rec = make_trainer(tmp, strategy=strategy, devices=ws, max_steps=steps, logger=False,
-                                callbacks=[distrain.ModelCheckpoint(every_n_train_steps=save_every, save_top_k=-1)])
+    trainer, rec = make_trainer(
+        tmp,
+        strategy=strategy,
+        devices=ws,
+        max_steps=steps,
+        logger=False,
+        callbacks=[distrain.ModelCheckpoint(every_n_train_steps=save_every, save_top_k=-1)],
+    )
     distrain.seed_everything(0)
     module = TinyGPT()
     trainer.fit(module, loader(GLOBAL_BATCH // ws), ckpt_path="last" if resume else None)
@@ -132,8 +146,20 @@ def test_convert_sharded_checkpoint_loads_into_plain_module(tmp_path):
     run_ranks(_rank_run, 2, tmp_path, "fsdp", 2, 4, False)
     weights = {}
     for fmt, name in (("torch", "w.pt"), ("safetensors", "w.safetensors")):
-        proc = subprocess.run([sys.executable, "-m", "distrain.cli", "convert", str(tmp_path / "checkpoints" / "last"),
-                               str(tmp_path / name), "--to", fmt], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "distrain.cli",
+                "convert",
+                str(tmp_path / "checkpoints" / "last"),
+                str(tmp_path / name),
+                "--to",
+                fmt,
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0, proc.stderr
     from safetensors.torch import load_file
 
@@ -166,8 +192,9 @@ class LazyGPT(TinyGPT):
 def _sharded_init(rank):
     from torch.distributed.tensor import DTensor
 
-    trainer, rec = make_trainer("/tmp/unused", strategy="fsdp", devices=2, max_steps=6, logger=False,
-                                enable_checkpointing=False)
+    trainer, rec = make_trainer(
+        "/tmp/unused", strategy="fsdp", devices=2, max_steps=6, logger=False, enable_checkpointing=False
+    )
     module = LazyGPT()
     trainer.fit(module, loader(4))
     params = list(module.gpt.parameters())
@@ -186,7 +213,7 @@ def test_configure_model_is_built_on_meta_and_only_shards_are_allocated():
 
 def test_activation_checkpointing_saves_fewer_activations():
     """Same loss and gradients; far fewer bytes kept for backward (the activation memory)."""
-    from distrain.strategies.base import apply_activation_checkpointing
+    from distrain.strategies.layers import apply_activation_checkpointing
 
     def run(policy):
         distrain.seed_everything(0)
@@ -248,15 +275,31 @@ def test_cli_fsdp_sharded_run_resumes_on_one_process(tmp_path):
     import subprocess
     import sys
 
-    common = ["--output-dir", str(tmp_path), "--strategy", "fsdp", "data.seq_len=32", "data.max_bytes=100000",
-              "logging.log_every_n_steps=2", "logging.progress_bar=false", "training.activation_checkpointing=true"]
-    run = lambda *a: subprocess.run([sys.executable, "-m", "distrain.cli", "train", *common, *a],  # noqa: E731
-                                    capture_output=True, text=True, timeout=300)
+    common = [
+        "--output-dir",
+        str(tmp_path),
+        "--strategy",
+        "fsdp",
+        "data.seq_len=32",
+        "data.max_bytes=100000",
+        "logging.log_every_n_steps=2",
+        "logging.progress_bar=false",
+        "training.activation_checkpointing=true",
+    ]
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "distrain.cli", "train", *common, *a],  # noqa: E731
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     first = run("--devices", "2", "--max-steps", "4", "training.batch_size_per_gpu=4")
     assert first.returncode == 0, first.stderr[-3000:]
     assert (tmp_path / "checkpoints" / "last" / ".metadata").is_file()
     second = run("--devices", "1", "--max-steps", "6", "training.batch_size_per_gpu=8", "--resume", "last")
     assert second.returncode == 0, second.stderr[-3000:]
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
-             if "loss" in json.loads(line)]
+    steps = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
     assert steps == [2, 4, 6]

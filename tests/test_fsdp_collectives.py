@@ -16,8 +16,15 @@ def _count_reduce_scatters(rank, accumulate):
 
     dist.reduce_scatter_single = counting
     try:
-        trainer, _ = make_trainer("/tmp/unused", strategy="fsdp", devices=2, max_steps=3,
-                                  accumulate_grad_batches=accumulate, enable_checkpointing=False, logger=False)
+        trainer, _ = make_trainer(
+            "/tmp/unused",
+            strategy="fsdp",
+            devices=2,
+            max_steps=3,
+            accumulate_grad_batches=accumulate,
+            enable_checkpointing=False,
+            logger=False,
+        )
         trainer.fit(TinyGPT(), loader(4))
     finally:
         dist.reduce_scatter_single = real

@@ -13,7 +13,7 @@ import pytest
 import torch.multiprocessing as mp
 
 import distrain
-from distrain.strategies.watch import _describe, _ranks
+from distrain.distributed.watch import _describe, _ranks
 from helpers import TinyGPT, loader, make_trainer, run_ranks
 
 TIMEOUT = 3.0  # distributed.collective_timeout_seconds for these runs
@@ -40,9 +40,16 @@ class Stall(distrain.Callback):
 
 
 def _train_with_a_stalled_rank(rank, out, how):
-    trainer, _ = make_trainer(out, strategy="ddp", devices=3, max_steps=8, collective_timeout=TIMEOUT,
-                              enable_checkpointing=False, logger=False,
-                              callbacks=[Stall(1, 3, how, os.path.join(out, "stalled"))])
+    trainer, _ = make_trainer(
+        out,
+        strategy="ddp",
+        devices=3,
+        max_steps=8,
+        collective_timeout=TIMEOUT,
+        enable_checkpointing=False,
+        logger=False,
+        callbacks=[Stall(1, 3, how, os.path.join(out, "stalled"))],
+    )
     try:
         trainer.fit(TinyGPT(), loader(4))
     finally:
@@ -104,7 +111,11 @@ def test_under_distrains_own_launcher_the_job_ends_with_the_diagnosis(tmp_path):
     stops the hung rank too (SIGTERM, then SIGKILL), instead of waiting for it forever."""
     script = tmp_path / "train.py"
     script.write_text(HUNG_SCRIPT.format(tests=os.path.dirname(__file__), timeout=TIMEOUT))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     start = time.time()
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     elapsed = time.time() - start
@@ -126,8 +137,14 @@ class SlowSave(distrain.DDPStrategy):
 def _slow_start_and_slow_save(rank, out):
     if rank == 1:
         time.sleep(2 * SHORT)  # this node came up late: init waits for it
-    trainer, _ = make_trainer(out, strategy=SlowSave(collective_timeout=SHORT), devices=2, max_steps=2, logger=False,
-                              callbacks=[distrain.ModelCheckpoint(every_n_train_steps=2)])
+    trainer, _ = make_trainer(
+        out,
+        strategy=SlowSave(collective_timeout=SHORT),
+        devices=2,
+        max_steps=2,
+        logger=False,
+        callbacks=[distrain.ModelCheckpoint(every_n_train_steps=2)],
+    )
     trainer.fit(TinyGPT(), loader(4))
     return trainer.global_step
 
@@ -142,8 +159,13 @@ def test_late_start_and_slow_checkpoint_write_are_not_hangs(tmp_path):
 def test_the_message_sorts_ranks_into_behind_ahead_silent_busy_and_waiting():
     # ranks 3 (this one), 0 and 6 are in phase 9 of the run, 6 has not failed (yet); 1 is behind,
     # 2 went ahead, 4 and 5 never reported
-    reports = {3: (9, 4, "failed", "logging"), 0: (9, 4, "failed", "logging"), 6: (9, 4, "running", "logging"),
-               1: (7, 4, "running", "optimizer step"), 2: (10, 4, "running", "stop-signal check")}
+    reports = {
+        3: (9, 4, "failed", "logging"),
+        0: (9, 4, "failed", "logging"),
+        6: (9, 4, "running", "logging"),
+        1: (7, 4, "running", "optimizer step"),
+        2: (10, 4, "running", "stop-signal check"),
+    }
     lines = _describe(9, reports, "waited at step 4 (in logging) for 3 s", 7)
     assert lines == [
         "rank 1 stopped at step 4 (in optimizer step) and never reached this collective;",
@@ -159,13 +181,18 @@ def test_the_message_sorts_ranks_into_behind_ahead_silent_busy_and_waiting():
     assert "none is behind" in everyone_waited[-1]
 
 
-FR_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
-           "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+FR_VARS = (
+    "TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_FR_DUMP_TEMP_FILE",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+)
 
 
 def test_nccl_flight_recorder_dumps_into_the_run_dir(tmp_path, monkeypatch):
     """What an NCCL run sets before its process group exists (no GPU here: the settings only)."""
-    from distrain.strategies.watch import enable_nccl_flight_recorder
+    from distrain.distributed.watch import enable_nccl_flight_recorder
 
     for name in FR_VARS:  # recorded, so the test leaves the environment as it found it
         monkeypatch.setenv(name, "")

@@ -32,13 +32,21 @@ def tiny(tmp_path_factory):
         "bert": tiny.make_tiny_bert(root / "bert"),
         "counting": str(root / "counting.txt"),
         "reviews_train": tiny.write_jsonl(root / "reviews_train.jsonl", tiny.reviews(160, seed=2)),
-        "reviews_eval": tiny.write_jsonl(root / "reviews_eval.jsonl", tiny.reviews(21, seed=3)),  # odd: 11 + 10 on 2 ranks
+        "reviews_eval": tiny.write_jsonl(
+            root / "reviews_eval.jsonl", tiny.reviews(21, seed=3)
+        ),  # odd: 11 + 10 on 2 ranks
     }
 
 
 def _cli(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "distrain.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout, env={**os.environ, **OFFLINE, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "distrain.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+        env={**os.environ, **OFFLINE, **(env or {})},
+    )
 
 
 # ---- data ------------------------------------------------------------------------------------
@@ -65,17 +73,24 @@ def test_local_datasets_load_and_hub_names_offline_fail_clearly(tiny, tmp_path):
         assert p.train[0]["input_ids"][0] == tok.cls_token_id  # the model's own tokenizer ran
     # text file: one sample per non-empty line; packing cuts equal blocks of max_length tokens
     llama_tok = load_tokenizer(tiny["llama"])
-    plain = hf_data.prepare(DataConfig(dataset=tiny["counting"], max_length=16), llama_tok, "causal_lm", cache_dir=cache)
+    plain = hf_data.prepare(
+        DataConfig(dataset=tiny["counting"], max_length=16), llama_tok, "causal_lm", cache_dir=cache
+    )
     assert len(plain.train) + len(plain.eval) == 64
     assert len({len(s["input_ids"]) for s in plain.train}) > 3  # uneven lengths, padded per batch later
-    packed = hf_data.prepare(DataConfig(dataset=tiny["counting"], max_length=16, packing=True), llama_tok, "causal_lm",
-                             cache_dir=cache)
+    packed = hf_data.prepare(
+        DataConfig(dataset=tiny["counting"], max_length=16, packing=True), llama_tok, "causal_lm", cache_dir=cache
+    )
     assert {len(s["input_ids"]) for s in packed.train} == {16}
     batch = hf_data.collator(DataConfig(), llama_tok)([plain.train[0], plain.train[1]])
     assert batch["attention_mask"].sum().item() == len(plain.train[0]["input_ids"]) + len(plain.train[1]["input_ids"])
     with pytest.raises(ConfigError, match="data.text_column.*'review'"):
-        hf_data.prepare(DataConfig(dataset=tiny["reviews_train"], text_column="review"), tok, "sequence_classification",
-                        cache_dir=cache)
+        hf_data.prepare(
+            DataConfig(dataset=tiny["reviews_train"], text_column="review"),
+            tok,
+            "sequence_classification",
+            cache_dir=cache,
+        )
     with pytest.raises(ConfigError, match="no such file"):
         hf_data.load_raw("./missing/data.jsonl")
 
@@ -84,8 +99,17 @@ def test_local_datasets_load_and_hub_names_offline_fail_clearly(tiny, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "training.model_name" in proc.stderr and "some-org/some-model" in proc.stderr
     assert "local directory" in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
-    proc = _cli("train", "--model_name", tiny["bert"], "--devices", "1", "--output-dir", str(tmp_path / "o"),
-                "data.dataset=some-org/some-reviews", env={"HF_DATASETS_CACHE": cache})
+    proc = _cli(
+        "train",
+        "--model_name",
+        tiny["bert"],
+        "--devices",
+        "1",
+        "--output-dir",
+        str(tmp_path / "o"),
+        "data.dataset=some-org/some-reviews",
+        env={"HF_DATASETS_CACHE": cache},
+    )
     assert proc.returncode == 2, proc.stderr
     assert "data.dataset" in proc.stderr and "some-org/some-reviews" in proc.stderr and "local" in proc.stderr
     assert not (tmp_path / "o" / "checkpoints").exists()
@@ -110,8 +134,16 @@ def _fit_llama(tmp, tiny, strategy, devices, accumulate):
 
         blocks = models.block_classes(models.build_skeleton("causal_lm", models.load_config(tiny["llama"])))
         assert [c.__name__ for c in blocks] == ["LlamaDecoderLayer"]
-    trainer, rec = make_trainer(tmp, strategy=strategy, devices=devices, max_steps=STEPS, accumulate_grad_batches=accumulate,
-                                gradient_clip_val=1e6, logger=False, activation_checkpointing_policy=blocks)
+    trainer, rec = make_trainer(
+        tmp,
+        strategy=strategy,
+        devices=devices,
+        max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=1e6,
+        logger=False,
+        activation_checkpointing_policy=blocks,
+    )
     trainer.runtime.launch()  # the process group first: rank 0 tokenizes, the others read its cache
     tok = load_tokenizer(tiny["llama"])
     data = DataConfig(dataset=tiny["counting"], max_length=16, val_fraction=0.23)  # 15 eval samples: 8 + 7
@@ -119,16 +151,27 @@ def _fit_llama(tmp, tiny, strategy, devices, accumulate):
     collate = hf_data.collator(data, tok)
     module = CausalLMModule(tiny["llama"], learning_rate=1e-2, warmup_steps=0, lr_schedule="constant")
     per_rank = GLOBAL_BATCH // (devices * accumulate)
-    trainer.fit(module, DataLoader(p.train, batch_size=per_rank, shuffle=True, collate_fn=collate),
-                DataLoader(p.eval, batch_size=7, collate_fn=collate))  # 2 batches on rank 0, 1 on rank 1
+    trainer.fit(
+        module,
+        DataLoader(p.train, batch_size=per_rank, shuffle=True, collate_fn=collate),
+        DataLoader(p.eval, batch_size=7, collate_fn=collate),
+    )  # 2 batches on rank 0, 1 on rank 1
     probe = collate([p.eval[i] for i in range(4)])
     with torch.no_grad():
         logits = trainer.model("predict_step", probe, 0) if trainer.model is not None else module.predict_step(probe, 0)
     wrapped = any("CheckpointWrapper" in type(m).__name__ for m in module.modules())
-    return {"losses": rec.losses, "norms": rec.grad_norms, "val_loss": trainer.callback_metrics["val_loss"],
-            "val_tokens": trainer.callback_metrics["val_tokens"], "eval_targets": sum(len(s["input_ids"]) - 1 for s in p.eval),
-            "logits": logits.detach().cpu(), "probe": probe, "from_cache": p.from_cache, "ac": wrapped,
-            "ckpt": str(trainer.checkpoint_callback.last_model_path)}
+    return {
+        "losses": rec.losses,
+        "norms": rec.grad_norms,
+        "val_loss": trainer.callback_metrics["val_loss"],
+        "val_tokens": trainer.callback_metrics["val_tokens"],
+        "eval_targets": sum(len(s["input_ids"]) - 1 for s in p.eval),
+        "logits": logits.detach().cpu(),
+        "probe": probe,
+        "from_cache": p.from_cache,
+        "ac": wrapped,
+        "ckpt": str(trainer.checkpoint_callback.last_model_path),
+    }
 
 
 def _fsdp_rank(rank, tmp, tiny):
@@ -166,7 +209,10 @@ def test_llama_fsdp_activation_checkpointing_matches_one_process_and_exports(tin
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     torch.testing.assert_close(logits, fsdp["logits"], rtol=1e-5, atol=1e-5)
-    assert AutoTokenizer.from_pretrained(out)("one two").input_ids == AutoTokenizer.from_pretrained(tiny["llama"])("one two").input_ids
+    assert (
+        AutoTokenizer.from_pretrained(out)("one two").input_ids
+        == AutoTokenizer.from_pretrained(tiny["llama"])("one two").input_ids
+    )
 
 
 def _zero3_rank(rank, tmp, tiny):
@@ -186,8 +232,11 @@ def test_llama_zero3_matches_one_process_and_exports(tiny, tmp_path):
     # lr 1e-2 amplifies that rounding a little (measured: 1e-5 by step 4, 1.1e-4 on val_loss).
     assert abs(ref["losses"][0] - zero3["losses"][0]) <= 1e-6 * ref["losses"][0]
     assert abs(ref["norms"][0] - zero3["norms"][0]) <= 1e-6 * ref["norms"][0]
-    for a, b in zip(ref["losses"] + ref["norms"] + [ref["val_loss"]], zero3["losses"] + zero3["norms"] + [zero3["val_loss"]],
-                    strict=True):
+    for a, b in zip(
+        ref["losses"] + ref["norms"] + [ref["val_loss"]],
+        zero3["losses"] + zero3["norms"] + [zero3["val_loss"]],
+        strict=True,
+    ):
         assert abs(a - b) <= 3e-4 * abs(a), (ref, zero3)
     torch.testing.assert_close(zero3["logits"], ref["logits"], rtol=1e-3, atol=1e-3)
 
@@ -210,11 +259,29 @@ def test_llama_zero3_matches_one_process_and_exports(tiny, tmp_path):
 def test_bert_classification_cli_two_ranks(tiny, tmp_path):
     out = tmp_path / "run"
     proc = _cli(
-        "train", "--model_name", tiny["bert"], "--devices", "2", "--strategy", "ddp", "--max-steps", "40",
-        "--output-dir", str(out), f"data.dataset={tiny['reviews_train']}", f"data.eval_split={tiny['reviews_eval']}",
-        "data.max_length=16", "training.batch_size_per_gpu=8", "training.learning_rate=1e-2", "training.val_check_interval=20",
-        "training.warmup_ratio=0.0", "training.num_epochs=10", "logging.log_every_n_steps=5", "logging.progress_bar=false",
-        "logging.use_tensorboard=false", env={"HF_DATASETS_CACHE": str(tmp_path / "cache")},
+        "train",
+        "--model_name",
+        tiny["bert"],
+        "--devices",
+        "2",
+        "--strategy",
+        "ddp",
+        "--max-steps",
+        "40",
+        "--output-dir",
+        str(out),
+        f"data.dataset={tiny['reviews_train']}",
+        f"data.eval_split={tiny['reviews_eval']}",
+        "data.max_length=16",
+        "training.batch_size_per_gpu=8",
+        "training.learning_rate=1e-2",
+        "training.val_check_interval=20",
+        "training.warmup_ratio=0.0",
+        "training.num_epochs=10",
+        "logging.log_every_n_steps=5",
+        "logging.progress_bar=false",
+        "logging.use_tensorboard=false",
+        env={"HF_DATASETS_CACHE": str(tmp_path / "cache")},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -8,12 +8,27 @@ import yaml
 
 
 def distrain(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "distrain.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "distrain.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=60
+    )
 
 
 def test_torchrun_command(tmp_path):
-    proc = distrain("launch", "torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-endpoint", "h0:29400",
-                    "--", "--strategy", "fsdp", "training.learning_rate=1e-4", cwd=tmp_path)
+    proc = distrain(
+        "launch",
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "4",
+        "--rdzv-endpoint",
+        "h0:29400",
+        "--",
+        "--strategy",
+        "fsdp",
+        "training.learning_rate=1e-4",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout.split()
     assert out[0] == "torchrun" and "--nnodes=2" in out and "--nproc-per-node=4" in out
@@ -22,12 +37,29 @@ def test_torchrun_command(tmp_path):
 
 
 def test_sbatch_script(tmp_path):
-    proc = distrain("launch", "slurm", "--nodes", "3", "--gpus-per-node", "8", "--time", "02:00:00",
-                    "--partition", "gpu", "--", "--config", "configs/ddp.yaml", cwd=tmp_path)
+    proc = distrain(
+        "launch",
+        "slurm",
+        "--nodes",
+        "3",
+        "--gpus-per-node",
+        "8",
+        "--time",
+        "02:00:00",
+        "--partition",
+        "gpu",
+        "--",
+        "--config",
+        "configs/ddp.yaml",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     text = (tmp_path / "distrain.sbatch").read_text()
-    directives = dict(line[len("#SBATCH --"):].split("=", 1) for line in text.splitlines()
-                      if line.startswith("#SBATCH --") and "=" in line)
+    directives = dict(
+        line[len("#SBATCH --") :].split("=", 1)
+        for line in text.splitlines()
+        if line.startswith("#SBATCH --") and "=" in line
+    )
     assert directives["nodes"] == "3" and directives["ntasks-per-node"] == "8" and directives["gpus-per-node"] == "8"
     assert directives["time"] == "02:00:00" and directives["partition"] == "gpu" and "#SBATCH --requeue" in text
     srun = next(line for line in text.splitlines() if line.startswith("srun "))
@@ -36,8 +68,20 @@ def test_sbatch_script(tmp_path):
 
 
 def test_pytorchjob_manifest(tmp_path):
-    proc = distrain("launch", "k8s", "--nodes", "4", "--gpus-per-node", "2", "--image", "reg/distrain:1",
-                    "--", "--strategy", "ddp", cwd=tmp_path)
+    proc = distrain(
+        "launch",
+        "k8s",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "2",
+        "--image",
+        "reg/distrain:1",
+        "--",
+        "--strategy",
+        "ddp",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     job = yaml.safe_load((tmp_path / "pytorchjob.yaml").read_text())
     assert job["kind"] == "PyTorchJob"

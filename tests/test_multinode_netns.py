@@ -15,9 +15,19 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "two_node_netns.sh")
-TRAIN_ARGS = ["--max-steps", "4", "--seed", "3", "training.batch_size_per_gpu=2", "data.seq_len=32",
-              "data.max_bytes=100000", "training.limit_val_batches=1", "logging.log_every_n_steps=1",
-              "logging.progress_bar=false", "logging.use_tensorboard=false"]
+TRAIN_ARGS = [
+    "--max-steps",
+    "4",
+    "--seed",
+    "3",
+    "training.batch_size_per_gpu=2",
+    "data.seq_len=32",
+    "data.max_bytes=100000",
+    "training.limit_val_batches=1",
+    "logging.log_every_n_steps=1",
+    "logging.progress_bar=false",
+    "logging.use_tensorboard=false",
+]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
 
 
@@ -52,18 +62,38 @@ def test_two_namespaced_nodes_train_like_four_local_processes(tmp_path):
     netns_id = uuid.uuid4().hex[:6]  # unique names: a stale run's namespaces cannot get in the way
     env = {**_env(), "DISTRAIN_NETNS_ID": netns_id, "PYTHON": sys.executable}
     try:
-        two = subprocess.run([SCRIPT, "run", "--nproc-per-node", "2", "--", *TRAIN_ARGS, "--output-dir",
-                              str(tmp_path / "two_nodes")], env=env, cwd=ROOT, capture_output=True, text=True,
-                             timeout=400)
+        two = subprocess.run(
+            [SCRIPT, "run", "--nproc-per-node", "2", "--", *TRAIN_ARGS, "--output-dir", str(tmp_path / "two_nodes")],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
     finally:  # also after a timeout (SIGKILL skips the script's own clean-up)
         subprocess.run([SCRIPT, "down"], env=env, capture_output=True, timeout=60)
     assert two.returncode == 0, two.stdout[-4000:] + two.stderr[-2000:]
     assert f"dtn{netns_id}a" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "[node-a]" in two.stdout and "[node-b]" in two.stdout and "4 process(es)" in two.stdout
 
-    one = subprocess.run([sys.executable, "-m", "distrain.cli", "train", "--devices", "4", *TRAIN_ARGS,
-                          "--output-dir", str(tmp_path / "one_node")], env=_env(), cwd=ROOT, capture_output=True,
-                         text=True, timeout=400)
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distrain.cli",
+            "train",
+            "--devices",
+            "4",
+            *TRAIN_ARGS,
+            "--output-dir",
+            str(tmp_path / "one_node"),
+        ],
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     two_losses, one_losses = _losses(tmp_path / "two_nodes"), _losses(tmp_path / "one_node")
     assert len(two_losses) == 4
@@ -77,11 +107,17 @@ def test_doctor_explains_the_loopback_interface_across_namespaces():
     reason = _netns_available()
     if reason:
         pytest.skip(reason)
-    env = {**_env(), "DISTRAIN_NETNS_ID": uuid.uuid4().hex[:6], "PYTHON": sys.executable,
-           "DISTRAIN_COMMAND": "doctor", "NETNS_GLOO_SOCKET_IFNAME": ""}
+    env = {
+        **_env(),
+        "DISTRAIN_NETNS_ID": uuid.uuid4().hex[:6],
+        "PYTHON": sys.executable,
+        "DISTRAIN_COMMAND": "doctor",
+        "NETNS_GLOO_SOCKET_IFNAME": "",
+    }
     try:
-        proc = subprocess.run([SCRIPT, "run", "--", "--timeout", "30"], env=env, cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            [SCRIPT, "run", "--", "--timeout", "30"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
     finally:
         subprocess.run([SCRIPT, "down"], env=env, capture_output=True, timeout=60)
     assert proc.returncode != 0

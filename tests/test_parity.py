@@ -10,8 +10,14 @@ STEPS = 8
 
 def _train(tmp, strategy, devices, per_rank_batch, accumulate):
     trainer, rec = make_trainer(
-        tmp, strategy=strategy, devices=devices, max_steps=STEPS, accumulate_grad_batches=accumulate,
-        gradient_clip_val=1.0, enable_checkpointing=False, logger=False,
+        tmp,
+        strategy=strategy,
+        devices=devices,
+        max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=1.0,
+        enable_checkpointing=False,
+        logger=False,
     )
     distrain.seed_everything(0)
     module = TinyGPT()

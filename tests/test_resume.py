@@ -25,8 +25,14 @@ def _run(tmp, strategy, devices, crash: bool, resume: bool):
     if crash:
         callbacks.append(CrashAt(CRASH_AT))
     trainer, rec = make_trainer(
-        tmp, strategy=strategy, devices=devices, max_steps=TOTAL, accumulate_grad_batches=2,
-        gradient_clip_val=1.0, callbacks=callbacks, logger=False,
+        tmp,
+        strategy=strategy,
+        devices=devices,
+        max_steps=TOTAL,
+        accumulate_grad_batches=2,
+        gradient_clip_val=1.0,
+        callbacks=callbacks,
+        logger=False,
     )
     distrain.seed_everything(0)
     module = TinyGPT(dropout=0.1)  # dropout: the RNG streams must be restored too
@@ -52,7 +58,7 @@ def test_resume_single_process_is_bit_identical(tmp_path):
     assert _run(tmp_path / "cut", "single", 1, crash=True, resume=False) is None
     resumed, losses, opt = _run(tmp_path / "cut", "single", 1, crash=False, resume=True)
     _assert_identical(ref, resumed)
-    assert losses == ref_losses[-len(losses):] and len(losses) == TOTAL - 4
+    assert losses == ref_losses[-len(losses) :] and len(losses) == TOTAL - 4
     for i in ref_opt:
         _assert_identical(ref_opt[i], opt[i])
 
@@ -64,7 +70,7 @@ def test_resume_ddp_is_bit_identical(tmp_path):
     resumed = run_ranks(_rank, 2, tmp_path / "cut", False, True)
     for rank in range(2):
         _assert_identical(ref[rank][0], resumed[rank][0])
-        assert resumed[rank][1] == ref[rank][1][-len(resumed[rank][1]):]
+        assert resumed[rank][1] == ref[rank][1][-len(resumed[rank][1]) :]
 
 
 def test_last_is_never_half_written(tmp_path, monkeypatch):
@@ -111,7 +117,9 @@ def _epochs_run(tmp, crash_at, resume, epochs=3):
     module = TinyGPT(schedule=False)
     opt_sched = module.configure_optimizers
     # an epoch-interval scheduler: stepping it twice at a resumed epoch end would show in the lr
-    module.configure_optimizers = lambda: (lambda o: {"optimizer": o, "lr_scheduler": torch.optim.lr_scheduler.StepLR(o, 1, 0.5)})(opt_sched())
+    module.configure_optimizers = lambda: (
+        lambda o: {"optimizer": o, "lr_scheduler": torch.optim.lr_scheduler.StepLR(o, 1, 0.5)}
+    )(opt_sched())
     try:
         trainer.fit(module, loader(16, n=64), ckpt_path="last" if resume else None)
     except KeyboardInterrupt:

@@ -10,15 +10,23 @@ from helpers import TinyGPT, loader, make_trainer, params_of, run_ranks
 
 
 def test_accumulation_schedule_per_epoch(tmp_path):
-    trainer, rec = make_trainer(tmp_path, strategy="single", devices=1, max_epochs=3,
-                                accumulate_grad_batches={0: 1, 1: 2, 2: 4}, logger=False)
+    trainer, rec = make_trainer(
+        tmp_path, strategy="single", devices=1, max_epochs=3, accumulate_grad_batches={0: 1, 1: 2, 2: 4}, logger=False
+    )
     trainer.fit(TinyGPT(), loader(8, n=64))  # 8 batches per epoch
     assert trainer.global_step == 8 + 4 + 2
 
 
 def test_bf16_mixed_on_cpu_trains(tmp_path):
-    trainer, rec = make_trainer(tmp_path, strategy="single", devices=1, max_steps=15, precision="bf16-mixed",
-                                enable_checkpointing=False, logger=False)
+    trainer, rec = make_trainer(
+        tmp_path,
+        strategy="single",
+        devices=1,
+        max_steps=15,
+        precision="bf16-mixed",
+        enable_checkpointing=False,
+        logger=False,
+    )
     distrain.seed_everything(0)
     trainer.fit(TinyGPT(lr=1e-2, schedule=False), loader(8))
     assert sum(rec.losses[-3:]) < sum(rec.losses[:3]) - 0.3
@@ -38,7 +46,8 @@ def test_validate_test_predict_and_load_from_checkpoint(tmp_path):
     assert restored.hparams["lr"] == 5e-3
     val = trainer.validate(module, loader(8, shuffle=False))[0]["val_loss"]
     val2 = make_trainer(tmp_path, strategy="single", devices=1, logger=False)[0].validate(
-        restored, loader(8, shuffle=False))[0]["val_loss"]
+        restored, loader(8, shuffle=False)
+    )[0]["val_loss"]
     assert val == pytest.approx(val2, rel=1e-6)
     preds = trainer.predict(module, loader(8, shuffle=False))
     assert len(preds) == 12 and preds[0].shape == (8, 16)
@@ -57,9 +66,12 @@ def test_plain_module_with_loss_forward(tmp_path):
     distrain.seed_everything(0)
     x = torch.randn(64, 4)
     data = TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]))
-    trainer, rec = make_trainer(tmp_path, strategy="single", devices=1, max_steps=40, logger=False,
-                                enable_checkpointing=False)
-    trainer.fit(distrain.LossModule(PlainRegressor(), learning_rate=0.05), DataLoader(data, batch_size=16, shuffle=True))
+    trainer, rec = make_trainer(
+        tmp_path, strategy="single", devices=1, max_steps=40, logger=False, enable_checkpointing=False
+    )
+    trainer.fit(
+        distrain.LossModule(PlainRegressor(), learning_rate=0.05), DataLoader(data, batch_size=16, shuffle=True)
+    )
     assert rec.losses[-1] < rec.losses[0] / 4
     with pytest.raises(TypeError, match="LossModule"):
         trainer.fit(PlainRegressor(), DataLoader(data))
@@ -109,10 +121,17 @@ def test_runtime_for_hand_written_loops():
 
 
 def test_model_checkpoint_keeps_top_k_by_monitored_metric(tmp_path):
-    ckpt = distrain.ModelCheckpoint(dirpath=str(tmp_path / "ck"), filename="{step}-{val_loss:.4f}", monitor="val_loss",
-                                    mode="min", save_top_k=2, every_n_train_steps=2)
-    trainer, _ = make_trainer(tmp_path, strategy="single", devices=1, max_steps=8, val_check_interval=2,
-                              callbacks=[ckpt], logger=False)
+    ckpt = distrain.ModelCheckpoint(
+        dirpath=str(tmp_path / "ck"),
+        filename="{step}-{val_loss:.4f}",
+        monitor="val_loss",
+        mode="min",
+        save_top_k=2,
+        every_n_train_steps=2,
+    )
+    trainer, _ = make_trainer(
+        tmp_path, strategy="single", devices=1, max_steps=8, val_check_interval=2, callbacks=[ckpt], logger=False
+    )
     distrain.seed_everything(0)
     trainer.fit(TinyGPT(lr=1e-2, schedule=False), loader(8), loader(8, n=32, shuffle=False))
     kept = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name != "last")

@@ -68,8 +68,10 @@ class ModelCheckpoint(Callback):
             # e.g. a step checkpoint before the first validation: save it, rank it worst
             if trainer.is_global_zero and not self._warned:
                 warnings.warn(
-                    f"ModelCheckpoint(monitor={self.monitor!r}): no such metric logged yet at step {trainer.global_step} "
-                    f"(logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}); ranking this checkpoint last"
+                    f"ModelCheckpoint(monitor={self.monitor!r}): no such metric logged yet at step "
+                    f"{trainer.global_step} (logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}); "
+                    "ranking this checkpoint last",
+                    stacklevel=2,
                 )
                 self._warned = True
             return -math.inf

@@ -33,7 +33,9 @@ class ProgressBar(Callback):
         self.bar.update(trainer.global_step - self.bar.n)
         shown = {k: v for k, v in trainer.progress_bar_metrics.items()}
         if shown:
-            self.bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in shown.items()}, refresh=False)
+            self.bar.set_postfix(
+                {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in shown.items()}, refresh=False
+            )
 
     def on_train_end(self, trainer, module) -> None:
         if self.bar is not None:

@@ -12,8 +12,9 @@ import contextlib
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -44,8 +45,9 @@ def write_checkpoint_dir(path: str | os.PathLike, files: dict[str, Any]) -> None
 
 
 @contextlib.contextmanager
-def directory_of_all_ranks(path: str | os.PathLike, is_global_zero: bool, barrier: Callable,
-                           finish: Callable[[Path], None] | None = None):
+def directory_of_all_ranks(
+    path: str | os.PathLike, is_global_zero: bool, barrier: Callable, finish: Callable[[Path], None] | None = None
+):
     """A checkpoint directory every rank writes into (its own shards): rank 0 makes an empty temp
     directory under a name every rank derives alike, yields it to every rank, and once all have
     written runs ``finish(tmp)`` (rank 0 only) and commits it onto ``path``."""

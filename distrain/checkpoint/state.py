@@ -12,11 +12,10 @@ progress, RNG, schedulers, config). Both load with ``weights_only=True``.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from distrain import compat
 from distrain.checkpoint import io as ckpt_io
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -58,7 +58,7 @@ def tensor_keys(state: dict[str, Any]) -> list[str]:
     return [k for k, v in state.items() if isinstance(v, nn.Module) or _optimizers(v) is not None]
 
 
-def collect(state: dict[str, Any], unwrap: Callable, options: StateDictOptions) -> dict[str, Any]:
+def state_of(state: dict[str, Any], unwrap: Callable, options: StateDictOptions) -> dict[str, Any]:
     """Replace live objects by their state; must be called on every rank (may communicate)."""
     model = _the_model(state, unwrap)
     out: dict[str, Any] = {}
@@ -81,8 +81,9 @@ def collect(state: dict[str, Any], unwrap: Callable, options: StateDictOptions) 
     return out
 
 
-def apply(state: dict[str, Any], loaded: dict[str, Any], unwrap: Callable, options: StateDictOptions,
-          strict: bool = True) -> dict[str, Any]:
+def load_into(
+    state: dict[str, Any], loaded: dict[str, Any], unwrap: Callable, options: StateDictOptions, strict: bool = True
+) -> dict[str, Any]:
     """Load ``loaded`` into ``state``'s objects in place; plain entries are replaced. Returns the
     checkpoint's entries that ``state`` did not ask for."""
     model = _the_model(state, unwrap)
@@ -119,11 +120,12 @@ def is_sharded_checkpoint(path: Path) -> bool:
     return (path / ".metadata").is_file()
 
 
-def save_sharded(path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, is_global_zero: bool,
-                 barrier: Callable) -> None:
+def save_sharded(
+    path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, is_global_zero: bool, barrier: Callable
+) -> None:
     """Every rank writes its own shards in parallel (DCP); rank 0 commits the directory."""
     path = Path(path)
-    collected = collect(state, unwrap, SHARDED)
+    collected = state_of(state, unwrap, SHARDED)
     keys = tensor_keys(state)
     with ckpt_io.directory_of_all_ranks(path, is_global_zero, barrier) as tmp:
         dcp.save({k: collected[k] for k in keys}, checkpoint_id=str(tmp))
@@ -131,21 +133,22 @@ def save_sharded(path: str | os.PathLike, state: dict[str, Any], unwrap: Callabl
             torch.save({k: v for k, v in collected.items() if k not in keys}, tmp / META_FILE)
 
 
-def load_any(path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, options: StateDictOptions,
-             strict: bool = True) -> dict[str, Any]:
+def load_any(
+    path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, options: StateDictOptions, strict: bool = True
+) -> dict[str, Any]:
     """Load a full or a sharded checkpoint into ``state`` (whatever wrote it, whatever world size)."""
     path = ckpt_io.resolve_checkpoint(path)
     if not is_sharded_checkpoint(path):
-        return apply(state, ckpt_io.read_state_file(path), unwrap, FULL, strict)
+        return load_into(state, ckpt_io.read_state_file(path), unwrap, FULL, strict)
     # DCP reads into the tensors we hand it, resharding to our layout: ask for our own state
     # first (this also creates optimizer state, so there is something to load into).
     keys = tensor_keys(state)
     every_rank = FULL_EVERY_RANK if options.full_state_dict else options  # FULL offloads to rank 0 only
-    target = collect({k: state[k] for k in keys}, unwrap, every_rank)
+    target = state_of({k: state[k] for k in keys}, unwrap, every_rank)
     dcp.load(target, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     meta_file = path / META_FILE
     meta = torch.load(meta_file, map_location="cpu", weights_only=True) if meta_file.exists() else {}
-    return apply(state, {**meta, **target}, unwrap, options, strict)
+    return load_into(state, {**meta, **target}, unwrap, options, strict)
 
 
 def is_deepspeed_checkpoint(path: Path) -> bool:
@@ -167,8 +170,9 @@ def read_model_weights(path: str | os.PathLike, key: str = "model") -> dict[str,
         return _deepspeed_fp32_weights(path)
     if not is_sharded_checkpoint(path):
         return ckpt_io.read_state_file(path)[key]
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "full.pt"
@@ -182,36 +186,9 @@ def _deepspeed_fp32_weights(path: Path) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     prefix = read_checkpoint_meta(path).get(DEEPSPEED_META, {}).get("module_prefix", "")
-    with deepspeed_safe_globals(force_weights_only=True):
+    with compat.deepspeed_safe_globals(force_weights_only=True):
         weights = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG)
-    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-
-
-@contextlib.contextmanager
-def deepspeed_safe_globals(force_weights_only: bool = False):
-    """The DeepSpeed classes its checkpoints pickle (plain records), allowed by name for
-    ``weights_only=True``; ``force_weights_only`` also makes DeepSpeed's own ``torch.load(...,
-    weights_only=False)`` calls safe (zero_to_fp32 has no switch for it)."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    original = torch.load
-    # only what is not allowed yet: torch's context removes its globals on exit, even when an
-    # enclosing context (a nested load) had added them too
-    missing = [g for g in (LossScaler, ZeroStageEnum, fragment_address) if g not in torch.serialization.get_safe_globals()]
-    with torch.serialization.safe_globals(missing):
-        if force_weights_only:
-            torch.load = functools.partial(_load_weights_only, original)
-        try:
-            yield
-        finally:
-            torch.load = original
-
-
-def _load_weights_only(load, *args, **kwargs):
-    kwargs["weights_only"] = True
-    return load(*args, **kwargs)
+    return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
 def checkpoint_state_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:

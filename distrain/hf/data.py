@@ -20,15 +20,27 @@ from typing import Any
 import torch
 
 from distrain.config import ConfigError, DataConfig
+from distrain.distributed import watch
 from distrain.hf.models import looks_local, not_loadable
 
-LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv",
-                  ".parquet": "parquet"}
+LOCAL_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
 
 
 # ---- loading ------------------------------------------------------------------------------------
-def load_raw(source: str, config_name: str | None = None, split: str = "train", cache_dir: str | None = None,
-             key: str = "data.dataset"):
+def load_raw(
+    source: str,
+    config_name: str | None = None,
+    split: str = "train",
+    cache_dir: str | None = None,
+    key: str = "data.dataset",
+):
     """One split of a hub dataset, or a local file (the whole file) or directory (``split`` of it)."""
     import datasets
 
@@ -37,7 +49,9 @@ def load_raw(source: str, config_name: str | None = None, split: str = "train", 
         if path.is_file():
             builder = LOCAL_BUILDERS.get(path.suffix.lower())
             if builder is None:
-                raise ConfigError(f"{key}: {source!r} has an unknown file type; use .txt, .json, .jsonl, .csv or .parquet")
+                raise ConfigError(
+                    f"{key}: {source!r} has an unknown file type; use .txt, .json, .jsonl, .csv or .parquet"
+                )
             return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
         if path.is_dir():
             if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():  # save_to_disk output
@@ -76,29 +90,31 @@ def rank_zero_first(runtime):
         yield
         return
     # tokenizing a large corpus takes far longer than a training step: the wait gets the long
-    # (process-group init) timeout, not the steady-state collective one, where the strategy has both
-    patient = getattr(getattr(runtime, "strategy", None), "patient", None)
+    # (process-group init) timeout, not the steady-state collective one
     phase = "data: rank 0 tokenizes first"
     if not runtime.is_global_zero:
-        with patient(phase) if patient else contextlib.nullcontext():
+        with watch.patient(phase):
             runtime.barrier(phase)
     try:
         yield
     finally:  # also when rank 0 failed: the others go on and report their own error instead of hanging
         if runtime.is_global_zero:
-            with patient(phase) if patient else contextlib.nullcontext():
+            with watch.patient(phase):
                 runtime.barrier(phase)
 
 
-def prepare(data: DataConfig, tokenizer, task: str, seed: int = 0, runtime=None, cache_dir: str | None = None) -> Prepared:
+def prepare(
+    data: DataConfig, tokenizer, task: str, seed: int = 0, runtime=None, cache_dir: str | None = None
+) -> Prepared:
     """Train and eval datasets, tokenized (and packed) as ``data`` says, for ``task``."""
     max_length = data.max_length or data.seq_len
     with rank_zero_first(runtime):
         train = load_raw(data.dataset, data.dataset_config, data.split, cache_dir)
         if data.eval_split is None:  # hold out a deterministic, shuffled slice of the training split
             fp = _fingerprint(_fp_of(train), "split", data.val_fraction, seed)
-            parts = train.train_test_split(test_size=data.val_fraction, seed=seed, train_new_fingerprint=fp + "a",
-                                           test_new_fingerprint=fp + "b")
+            parts = train.train_test_split(
+                test_size=data.val_fraction, seed=seed, train_new_fingerprint=fp + "a", test_new_fingerprint=fp + "b"
+            )
             train, evaluation = parts["train"], parts["test"]
         elif os.path.exists(os.path.expanduser(data.eval_split)):
             evaluation = load_raw(data.eval_split, key="data.eval_split", cache_dir=cache_dir)
@@ -111,13 +127,20 @@ def prepare(data: DataConfig, tokenizer, task: str, seed: int = 0, runtime=None,
             for ds in (train, evaluation):
                 _require_column(ds, data.label_column, "data.label_column")
             label2id, label_names, num_labels = _labels(train, evaluation, data.label_column)
-        tokenize = _Tokenize(tokenizer, data.text_column, data.label_column if task == "sequence_classification" else None,
-                             label2id, None if (task == "causal_lm" and data.packing) else max_length)
+        tokenize = _Tokenize(
+            tokenizer,
+            data.text_column,
+            data.label_column if task == "sequence_classification" else None,
+            label2id,
+            None if (task == "causal_lm" and data.packing) else max_length,
+        )
         (train, from_cache), (evaluation, _) = (_tokenize(ds, tokenize, tokenizer, task) for ds in (train, evaluation))
         if task == "causal_lm" and data.packing:
             pack = _Pack(max_length, tokenizer.eos_token_id)
-            train, evaluation = (_map(ds, pack, _fingerprint(_fp_of(ds), "pack", max_length, pack.eos_id), "packing")
-                                 for ds in (train, evaluation))
+            train, evaluation = (
+                _map(ds, pack, _fingerprint(_fp_of(ds), "pack", max_length, pack.eos_id), "packing")
+                for ds in (train, evaluation)
+            )
             if len(train) == 0:
                 raise ConfigError(f"data.max_length={max_length}: the training text is shorter than one packed block")
     return Prepared(train, evaluation, num_labels, label_names, from_cache)
@@ -147,7 +170,9 @@ def _labels(train, evaluation, column: str):
 class _Tokenize:
     """A batched map function (a class, not a closure: datasets and worker processes pickle it)."""
 
-    def __init__(self, tokenizer, text_column: str, label_column: str | None, label2id: dict | None, max_length: int | None):
+    def __init__(
+        self, tokenizer, text_column: str, label_column: str | None, label2id: dict | None, max_length: int | None
+    ):
         self.tokenizer, self.text_column, self.label_column = tokenizer, text_column, label_column
         self.label2id, self.max_length = label2id, max_length
 
@@ -211,8 +236,14 @@ class _AtLeastTwo:
 
 
 def _map(ds, fn, fingerprint: str, desc: str):
-    return ds.map(fn, batched=True, remove_columns=ds.column_names, new_fingerprint=fingerprint, desc=desc,
-                  **_cache_args(ds, fingerprint))
+    return ds.map(
+        fn,
+        batched=True,
+        remove_columns=ds.column_names,
+        new_fingerprint=fingerprint,
+        desc=desc,
+        **_cache_args(ds, fingerprint),
+    )
 
 
 def _cache_args(ds, fingerprint: str) -> dict:
@@ -267,4 +298,6 @@ class PadCollator:
 
 
 def collator(data: DataConfig, tokenizer) -> PadCollator:
-    return PadCollator(tokenizer.pad_token_id, (data.max_length or data.seq_len) if data.padding == "max_length" else None)
+    return PadCollator(
+        tokenizer.pad_token_id, (data.max_length or data.seq_len) if data.padding == "max_length" else None
+    )

@@ -21,20 +21,25 @@ _PREFIXES = ("model.",)
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: str | int = "5GB") -> Path:
+def export_checkpoint(
+    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: str | int = "5GB"
+) -> Path:
     """Write ``config.json``, ``model.safetensors`` (sharded with an index above ``max_shard_size``)
     and the tokenizer files of the model in ``checkpoint`` to ``out_dir``."""
     from distrain.checkpoint.state import read_checkpoint_meta, read_model_weights
 
     hparams = read_checkpoint_meta(checkpoint).get("hyper_parameters") or {}
     if "hf_config" not in hparams or "task" not in hparams:
-        raise RuntimeError(f"{checkpoint}: not a checkpoint of a Hugging Face model (distrain.hf task); "
-                           "`--to torch` or `--to safetensors` export its weights")
+        raise RuntimeError(
+            f"{checkpoint}: not a checkpoint of a Hugging Face model (distrain.hf task); "
+            "`--to torch` or `--to safetensors` export its weights"
+        )
     return export_weights(read_model_weights(checkpoint), hparams, out_dir, max_shard_size)
 
 
-def export_weights(weights: dict[str, torch.Tensor], hparams: dict, out_dir: str | os.PathLike,
-                   max_shard_size: str | int = "5GB") -> Path:
+def export_weights(
+    weights: dict[str, torch.Tensor], hparams: dict, out_dir: str | os.PathLike, max_shard_size: str | int = "5GB"
+) -> Path:
     """The same from weights in hand (the task module's state dict) and its hyperparameters."""
     out = Path(out_dir)
     config = models.config_from_dict(hparams["hf_config"])
@@ -44,8 +49,10 @@ def export_weights(weights: dict[str, torch.Tensor], hparams: dict, out_dir: str
     tied = {name for name, _ in _tied_names(model)}
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
-        raise RuntimeError(f"the checkpoint's weights do not fit {type(model).__name__}: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
+        raise RuntimeError(
+            f"the checkpoint's weights do not fit {type(model).__name__}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
     model.tie_weights()
     model.save_pretrained(out, max_shard_size=max_shard_size)
     _save_tokenizer(hparams.get("tokenizer") or hparams.get("model_name"), out)
@@ -57,7 +64,7 @@ def _hf_name(key: str) -> str:
         key = key.replace(part, "")
     for prefix in _PREFIXES:
         if key.startswith(prefix):
-            return key[len(prefix):]
+            return key[len(prefix) :]
     return key
 
 
@@ -82,4 +89,6 @@ def _save_tokenizer(source: str | None, out: Path) -> None:
 
         AutoTokenizer.from_pretrained(os.path.expanduser(source)).save_pretrained(out)  # as it was, no pad added
     except Exception as e:  # the weights are what matters; say why the tokenizer is missing
-        warnings.warn(f"exported {out} without tokenizer files: could not load the tokenizer {source!r} ({e})")
+        warnings.warn(
+            f"exported {out} without tokenizer files: could not load the tokenizer {source!r} ({e})", stacklevel=2
+        )

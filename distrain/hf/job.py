@@ -27,7 +27,9 @@ class HFJob:
 
         close = difflib.get_close_matches(t.model_name, GPT_SIZES, n=1, cutoff=0.8)
         if close and not models.looks_local(t.model_name):  # a typo, not a hub name: do not go to the network
-            raise ConfigError(f"training.model_name {t.model_name!r} is not a built-in GPT size (did you mean {close[0]!r}?)")
+            raise ConfigError(
+                f"training.model_name {t.model_name!r} is not a built-in GPT size (did you mean {close[0]!r}?)"
+            )
         self.hf_config = models.load_config(t.model_name)
         self.task = models.infer_task(self.hf_config, t.task, t.model_name)
         # FSDP units and activation checkpointing: the model's own _no_split_modules layers
@@ -49,23 +51,43 @@ class HFJob:
         global_batch = t.batch_size_per_gpu * trainer.world_size * t.gradient_accumulation_steps
         total_steps = t.max_steps if t.max_steps > 0 else math.ceil(len(prepared.train) / global_batch) * t.num_epochs
         module = TASK_MODULES[self.task](
-            model_name=t.model_name, pretrained=t.pretrained, hf_config=config_dict(hf_config), tokenizer=tokenizer_name,
-            learning_rate=t.learning_rate, weight_decay=t.weight_decay, warmup_steps=int(t.warmup_ratio * total_steps),
-            total_steps=total_steps, lr_schedule=t.lr_schedule, seed=t.seed,
+            model_name=t.model_name,
+            pretrained=t.pretrained,
+            hf_config=config_dict(hf_config),
+            tokenizer=tokenizer_name,
+            learning_rate=t.learning_rate,
+            weight_decay=t.weight_decay,
+            warmup_steps=int(t.warmup_ratio * total_steps),
+            total_steps=total_steps,
+            lr_schedule=t.lr_schedule,
+            seed=t.seed,
         )
         collate = hf_data.collator(data, tokenizer)
-        train_loader = DataLoader(prepared.train, batch_size=t.batch_size_per_gpu, shuffle=True, drop_last=True,
-                                  collate_fn=collate, num_workers=data.num_workers)
-        val_loader = DataLoader(prepared.eval, batch_size=t.batch_size_per_gpu, shuffle=False, collate_fn=collate,
-                                num_workers=data.num_workers)
+        train_loader = DataLoader(
+            prepared.train,
+            batch_size=t.batch_size_per_gpu,
+            shuffle=True,
+            drop_last=True,
+            collate_fn=collate,
+            num_workers=data.num_workers,
+        )
+        val_loader = DataLoader(
+            prepared.eval,
+            batch_size=t.batch_size_per_gpu,
+            shuffle=False,
+            collate_fn=collate,
+            num_workers=data.num_workers,
+        )
         out = Path(c.output_dir)
         if trainer.is_global_zero:
             out.mkdir(parents=True, exist_ok=True)
             save_config(c, out / "config.yaml")
-            print(f"distrain: {t.model_name} ({self.task}) on {trainer.world_size} process(es), strategy "
-                  f"{c.distributed.strategy}, global batch {global_batch} × ≤{data.max_length or data.seq_len} tokens, "
-                  f"{len(prepared.train)} train / {len(prepared.eval)} eval samples, {total_steps} steps → {out}",
-                  flush=True)
+            print(
+                f"distrain: {t.model_name} ({self.task}) on {trainer.world_size} process(es), strategy "
+                f"{c.distributed.strategy}, global batch {global_batch} × ≤{data.max_length or data.seq_len} tokens, "
+                f"{len(prepared.train)} train / {len(prepared.eval)} eval samples, {total_steps} steps → {out}",
+                flush=True,
+            )
         trainer.fit(module, train_loader, val_loader, ckpt_path=resume)
         if c.checkpointing.export_hf and not trainer.preempted and trainer.is_global_zero:
             ckpt_dir = Path(c.checkpointing.checkpoint_dir) if c.checkpointing.checkpoint_dir else out / "checkpoints"
@@ -81,8 +103,10 @@ class HFJob:
         if data.max_length is None:
             return dataclasses.replace(data, max_length=min(data.seq_len, limit) if limit else data.seq_len)
         if limit and data.max_length > limit:
-            raise ConfigError(f"data.max_length={data.max_length} is longer than {self.config.training.model_name}'s "
-                              f"max_position_embeddings={limit}")
+            raise ConfigError(
+                f"data.max_length={data.max_length} is longer than {self.config.training.model_name}'s "
+                f"max_position_embeddings={limit}"
+            )
         return data
 
     def _config_for(self, prepared: hf_data.Prepared, tokenizer):
@@ -95,6 +119,8 @@ class HFJob:
             if prepared.label_names and len(prepared.label_names) == num_labels:
                 config.id2label = dict(enumerate(prepared.label_names))
                 config.label2id = {n: i for i, n in enumerate(prepared.label_names)}
-        if getattr(config, "pad_token_id", None) is None:  # e.g. Llama for classification finds the last real token by it
+        if (
+            getattr(config, "pad_token_id", None) is None
+        ):  # e.g. Llama for classification finds the last real token by it
             config.pad_token_id = tokenizer.pad_token_id
         return config

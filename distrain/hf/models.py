@@ -21,8 +21,12 @@ TASKS = ("causal_lm", "sequence_classification")
 
 def looks_local(name: str) -> bool:
     """A path rather than a hub id (``org/name``): it exists, or it is written like a path."""
-    return (os.path.exists(os.path.expanduser(name)) or name.startswith((".", "/", "~"))
-            or name.count("/") > 1 or (os.sep != "/" and os.sep in name))
+    return (
+        os.path.exists(os.path.expanduser(name))
+        or name.startswith((".", "/", "~"))
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+    )
 
 
 def not_loadable(key: str, name: str, error: BaseException, what: str = "model") -> ConfigError:
@@ -56,13 +60,17 @@ def load_config(name: str, key: str = "training.model_name", **overrides: Any):
     except ImportError:
         from distrain.models.gpt import GPT_SIZES
 
-        raise ConfigError(f"{key} {name!r} is not a built-in GPT size ({', '.join(GPT_SIZES)}); Hugging Face models "
-                          "need transformers, datasets and tokenizers: ./install.sh hf") from None
+        raise ConfigError(
+            f"{key} {name!r} is not a built-in GPT size ({', '.join(GPT_SIZES)}); Hugging Face models "
+            "need transformers, datasets and tokenizers: ./install.sh hf"
+        ) from None
 
     path = os.path.expanduser(name)
     if looks_local(name) and not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"{key}: {name!r} is not a built-in GPT size, and no Hugging Face model directory "
-                          f"(with a config.json) is there")
+        raise ConfigError(
+            f"{key}: {name!r} is not a built-in GPT size, and no Hugging Face model directory "
+            f"(with a config.json) is there"
+        )
     try:
         return AutoConfig.from_pretrained(path, **overrides)
     except _hub_errors() as e:
@@ -88,15 +96,19 @@ def infer_task(config, task: str | None = None, name: str = "the model") -> str:
             return "sequence_classification"
         if arch.endswith(("ForCausalLM", "LMHeadModel")):
             return "causal_lm"
-    raise ConfigError(f"training.task: cannot tell the task of {name} from its config (architectures: "
-                      f"{getattr(config, 'architectures', None)}); set training.task=causal_lm or sequence_classification")
+    raise ConfigError(
+        f"training.task: cannot tell the task of {name} from its config (architectures: "
+        f"{getattr(config, 'architectures', None)}); set training.task=causal_lm or sequence_classification"
+    )
 
 
 def auto_class(task: str):
     import transformers
 
-    return {"causal_lm": transformers.AutoModelForCausalLM,
-            "sequence_classification": transformers.AutoModelForSequenceClassification}[task]
+    return {
+        "causal_lm": transformers.AutoModelForCausalLM,
+        "sequence_classification": transformers.AutoModelForSequenceClassification,
+    }[task]
 
 
 def build_model(name: str, task: str, config, pretrained: bool = True, seed: int = 0) -> nn.Module:
@@ -108,8 +120,12 @@ def build_model(name: str, task: str, config, pretrained: bool = True, seed: int
     if pretrained:
         try:
             # ignore_mismatched_sizes: a classifier head for another num_labels is re-initialized, not an error
-            return cls.from_pretrained(os.path.expanduser(name), config=config, dtype=torch.float32,
-                                       ignore_mismatched_sizes=task == "sequence_classification")
+            return cls.from_pretrained(
+                os.path.expanduser(name),
+                config=config,
+                dtype=torch.float32,
+                ignore_mismatched_sizes=task == "sequence_classification",
+            )
         except _hub_errors() as e:
             raise not_loadable("training.model_name", name, e) from None
     with torch.random.fork_rng(devices=[]):

@@ -69,9 +69,10 @@ class HFTaskModule(Module):
 
     def reset_parameters(self) -> None:
         """FSDP calls this once this rank's (empty) shards are allocated, after every submodule's own
-        ``reset_parameters`` (DeepSpeed ZeRO-3 likewise, with the partitions gathered). Buffers that no checkpoint holds (rotary frequencies, position ids) are
-        recomputed by the model's own initializer; the weights come from rank 0, which alone builds
-        the full model on CPU and sends each tensor to the ranks that hold a piece of it."""
+        ``reset_parameters`` (DeepSpeed ZeRO-3 likewise, with the partitions gathered). Buffers that no
+        checkpoint holds (rotary frequencies, position ids) are recomputed by the model's own initializer;
+        the weights come from rank 0, which alone builds the full model on CPU and sends each tensor to
+        the ranks that hold a piece of it."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -83,8 +84,9 @@ class HFTaskModule(Module):
         if not distributed or dist.get_rank() == 0:
             with torch.device("cpu"):
                 full = self._full_model().state_dict()
-        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True,
-                                                                          broadcast_from_rank0=distributed))
+        set_model_state_dict(
+            self.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
+        )
 
     def configure_optimizers(self):
         h = self.hparams
@@ -132,8 +134,9 @@ class CausalLMModule(HFTaskModule):
     def _token_loss_sum(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.model(**self._inputs(batch), use_cache=False).logits
         targets = batch["input_ids"][:, 1:].masked_fill(~self._targets(batch), -100)
-        loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
-                                   reduction="sum")
+        loss_sum = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
+        )
         return loss_sum, (targets != -100).sum()
 
     def training_step(self, batch, batch_idx):

@@ -18,8 +18,28 @@ import torch
 
 POSITIVE = ["good", "great", "excellent", "wonderful", "loved", "fun", "brilliant", "superb"]
 NEGATIVE = ["bad", "awful", "terrible", "boring", "hated", "dull", "poor", "worst"]
-NEUTRAL = ["the", "a", "movie", "film", "plot", "actors", "was", "and", "story", "music", "really", "quite",
-           "very", "ending", "scenes", "this", "it", "felt", "cast", "director"]
+NEUTRAL = [
+    "the",
+    "a",
+    "movie",
+    "film",
+    "plot",
+    "actors",
+    "was",
+    "and",
+    "story",
+    "music",
+    "really",
+    "quite",
+    "very",
+    "ending",
+    "scenes",
+    "this",
+    "it",
+    "felt",
+    "cast",
+    "director",
+]
 NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
@@ -39,8 +59,10 @@ def reviews(n: int, seed: int = 0) -> list[dict]:
 def counting_texts(n: int, seed: int = 0) -> list[str]:
     """Counting runs of random length ("three four five six"): next-token predictable, uneven lengths."""
     rng = random.Random(seed)
-    return [" ".join(NUMBERS[(start + i) % 10] for i in range(rng.randint(3, 14)))
-            for start in (rng.randrange(10) for _ in range(n))]
+    return [
+        " ".join(NUMBERS[(start + i) % 10] for i in range(rng.randint(3, 14)))
+        for start in (rng.randrange(10) for _ in range(n))
+    ]
 
 
 def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> str:
@@ -62,7 +84,9 @@ def make_tokenizer(special: dict[str, str], bert_template: bool = False):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     if bert_template:  # [CLS] text [SEP], as BERT's own tokenizer does
         cls, sep = special["cls_token"], special["sep_token"]
-        tok.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}", special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{cls} $A {sep}", special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])]
+        )
     return PreTrainedTokenizerFast(tokenizer_object=tok, **special)
 
 
@@ -89,11 +113,26 @@ def make_tiny_bert(out_dir: str | os.PathLike, num_labels: int = 2, seed: int = 
     from transformers import BertConfig, BertForSequenceClassification
 
     def write(tmp: Path) -> None:
-        tokenizer = make_tokenizer({"unk_token": "[UNK]", "pad_token": "[PAD]", "cls_token": "[CLS]",
-                                    "sep_token": "[SEP]", "mask_token": "[MASK]"}, bert_template=True)
-        config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                            intermediate_size=64, max_position_embeddings=64, num_labels=num_labels,
-                            pad_token_id=tokenizer.pad_token_id)
+        tokenizer = make_tokenizer(
+            {
+                "unk_token": "[UNK]",
+                "pad_token": "[PAD]",
+                "cls_token": "[CLS]",
+                "sep_token": "[SEP]",
+                "mask_token": "[MASK]",
+            },
+            bert_template=True,
+        )
+        config = BertConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=num_labels,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         torch.manual_seed(seed)
         BertForSequenceClassification(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -107,10 +146,18 @@ def make_tiny_llama(out_dir: str | os.PathLike, seed: int = 0) -> str:
 
     def write(tmp: Path) -> None:
         tokenizer = make_tokenizer({"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"})
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                             num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
-                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                             tie_word_embeddings=False)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=128,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            tie_word_embeddings=False,
+        )
         torch.manual_seed(seed)
         LlamaForCausalLM(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -12,7 +12,9 @@ def _require(package: str, extra: str):
     try:
         return __import__(package)
     except ImportError:
-        raise ImportError(f"the {package} logger needs the '{package}' package: pip install 'distrain[{extra}]'") from None
+        raise ImportError(
+            f"the {package} logger needs the '{package}' package: pip install 'distrain[{extra}]'"
+        ) from None
 
 
 class WandbLogger(Logger):

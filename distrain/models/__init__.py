@@ -1,3 +1,3 @@
-from distrain.models.gpt import GPT, GPTConfig, Block, GPT_SIZES
+from distrain.models.gpt import GPT, GPT_SIZES, Block, GPTConfig
 
 __all__ = ["GPT", "GPTConfig", "Block", "GPT_SIZES"]

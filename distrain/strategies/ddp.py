@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from distrain import compat
 from distrain.strategies.base import Strategy
+from distrain.strategies.registry import register
 
 COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd", "post_localsgd")
 
@@ -72,11 +76,13 @@ class DDPStrategy(Strategy):
         if hook is default_hooks.bf16_compress_hook and self.backend == "gloo":
             # DDP refuses this exact function unless NCCL is used, yet gloo all-reduces bf16
             # fine; the same torch implementation under another name runs.
-            hook = _bf16_compress_hook_gloo
+            hook = compat.bf16_compress_hook_gloo
         if isinstance(state, post_localSGD_hook.PostLocalSGDState) and state.subgroup is None:
             # torch's default subgroup is "ranks per node = GPUs per node", which is 0 on a CPU
             # machine; use the ranks of this node explicitly.
-            state.subgroup, _ = dist.new_subgroups(group_size=int(os.environ.get("LOCAL_WORLD_SIZE", self.nprocs_per_node)))
+            state.subgroup, _ = dist.new_subgroups(
+                group_size=int(os.environ.get("LOCAL_WORLD_SIZE", self.nprocs_per_node))
+            )
         if isinstance(state, post_localSGD_hook.PostLocalSGDState) and self.model_averaging_period:
             from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
@@ -118,9 +124,21 @@ class DDPStrategy(Strategy):
         return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def _bf16_compress_hook_gloo(process_group, bucket):
-    """torch's own bf16 compression, under a name DDP does not refuse on gloo (which does all-reduce
-    bf16; DDP's check assumes the hook is only for NCCL)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+def options_from_config(config, block_classes) -> dict:
+    """The config's DDP keys (``distributed.*``) → DDPStrategy options."""
+    d = config.distributed
+    return dict(
+        find_unused_parameters=d.find_unused_parameters,
+        gradient_as_bucket_view=d.gradient_as_bucket_view,
+        static_graph=d.static_graph,
+        ddp_comm_hook=d.comm_hook,
+    )
 
-    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+for _name, _method, _about in (
+    ("ddp", "popen", "DistributedDataParallel; re-runs your script once per rank (works under torchrun/srun)"),
+    ("ddp_spawn", "spawn", "DDP in spawned workers; the trained weights come back to the parent"),
+    ("ddp_fork", "fork", "DDP in forked workers (notebooks)"),
+    ("ddp_notebook", "fork", "the same as ddp_fork"),
+):
+    register(_name, functools.partial(DDPStrategy, start_method=_method), _about, options_from_config, "distributed")

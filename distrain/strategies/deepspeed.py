@@ -29,17 +29,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distrain import compat
 from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
-from distrain.strategies.base import Strategy, TrainingPlan, checkpointed_layers
+from distrain.strategies.base import Strategy, TrainingPlan
 from distrain.strategies.deepspeed_config import (
+    PRESETS,
     TrainingFacts,
     fill_config,
     options_config,
     read_user_config,
     zero_stage,
 )
-
+from distrain.strategies.layers import selected_layers
+from distrain.strategies.registry import register
 
 _building_partitioned = False
 
@@ -81,16 +84,29 @@ class DeepSpeedStrategy(Strategy):
         super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
         user, self.config_source = read_user_config(config)
         if user is None:
-            user = options_config(stage, offload_optimizer, offload_parameters, offload_optimizer_device,
-                                  offload_params_device, nvme_path, allgather_bucket_size, reduce_bucket_size,
-                                  contiguous_gradients, overlap_comm, partition_activations, cpu_checkpointing)
+            user = options_config(
+                stage,
+                offload_optimizer,
+                offload_parameters,
+                offload_optimizer_device,
+                offload_params_device,
+                nvme_path,
+                allgather_bucket_size,
+                reduce_bucket_size,
+                contiguous_gradients,
+                overlap_comm,
+                partition_activations,
+                cpu_checkpointing,
+            )
         else:  # the file is the source of truth; these two only make DeepSpeed accept a torch optimizer quietly
             user.setdefault("zero_allow_untested_optimizer", True)
             user.setdefault("steps_per_print", 10**12)
         self.config = user
         self.stage = zero_stage(user)
         if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3 (in {self.config_source}), got {self.stage}")
+            raise ValueError(
+                f"zero_optimization.stage must be 0, 1, 2 or 3 (in {self.config_source}), got {self.stage}"
+            )
         self.remote_device = remote_device
         self.save_full_weights = save_full_weights
         self.logging_level = logging_level
@@ -118,8 +134,9 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         # adopts the existing group; on CPU this also builds DeepSpeed's shm op once (cached after)
-        deepspeed.init_distributed(dist_backend=self.backend, dist_init_required=False, verbose=False,
-                                   timeout=self.timeout)
+        deepspeed.init_distributed(
+            dist_backend=self.backend, dist_init_required=False, verbose=False, timeout=self.timeout
+        )
 
     def module_init_context(self, empty_init: bool | None = None):
         """Under ZeRO-3, ``configure_model`` runs in ``deepspeed.zero.Init``: each layer is
@@ -137,14 +154,20 @@ class DeepSpeedStrategy(Strategy):
         offloaded = offload.get("device") in ("cpu", "nvme")
         zero = {"stage": 3}
         if offloaded:
-            zero["offload_param"] = {"device": offload["device"], "nvme_path": offload.get("nvme_path", "/local_nvme"),
-                                     "pin_memory": self.root_device.type == "cuda"}
+            zero["offload_param"] = {
+                "device": offload["device"],
+                "nvme_path": offload.get("nvme_path", "/local_nvme"),
+                "pin_memory": self.root_device.type == "cuda",
+            }
         # The dtype goes through the config: zero.Init's own ``dtype`` argument is ignored on
         # accelerators without fp16 (it builds in bf16 on CPU whatever is asked, deepspeed 0.19).
         bf16 = self.precision.name.startswith("bf16") or self.config.get("bf16", {}).get("enabled") is True
         init_config = {  # zero.Init reads the partitioning and dtype; the batch keys just have to be valid
-            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": self.world_size,
-            "zero_optimization": zero, "bf16": {"enabled": bf16},
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": self.world_size,
+            "zero_optimization": zero,
+            "bf16": {"enabled": bf16},
         }
         remote = self.remote_device or (offload["device"] if offloaded else None)
         global _building_partitioned
@@ -197,7 +220,7 @@ class DeepSpeedStrategy(Strategy):
             synchronize=bool(section.get("synchronize_checkpoint_boundary", False)),
             profile=bool(section.get("profile", False)),
         )
-        for layer in checkpointed_layers(module, policy):
+        for layer in selected_layers(module, policy):
             layer.forward = functools.partial(deepspeed.checkpointing.checkpoint, layer.forward)
 
     def setup(self, module: nn.Module, optimizers=()):
@@ -209,27 +232,37 @@ class DeepSpeedStrategy(Strategy):
 
     def setup_training(self, module: nn.Module, optimizers: list, schedulers: list[dict], plan: TrainingPlan):
         facts = TrainingFacts(
-            micro_batch_size=plan.micro_batch_size, accumulate=plan.accumulate, world_size=self.world_size,
-            gradient_clip_val=plan.gradient_clip_val, precision=self.precision.name,
-            on_cuda=self.root_device.type == "cuda", total_steps=plan.total_steps, hidden_size=_hidden_size(module),
+            micro_batch_size=plan.micro_batch_size,
+            accumulate=plan.accumulate,
+            world_size=self.world_size,
+            gradient_clip_val=plan.gradient_clip_val,
+            precision=self.precision.name,
+            on_cuda=self.root_device.type == "cuda",
+            total_steps=plan.total_steps,
+            hidden_size=_hidden_size(module),
             optimizer_defaults=_optimizer_settings(optimizers[0]) if optimizers else None,
         )
-        self.filled_config = fill_config(self.config, facts, self.config_source,
-                                         {**_values_from_hyperparameters(module), **self.auto_values})
+        self.filled_config = fill_config(
+            self.config, facts, self.config_source, {**_values_from_hyperparameters(module), **self.auto_values}
+        )
         optimizer, schedulers = self._choose_optimizer(optimizers, schedulers)
         cfg = self.filled_config
         self._trains = optimizer is not None or "optimizer" in cfg
         import deepspeed
 
         # the config's optimizer is built over these; without one (evaluation) there is none to build
-        params = [p for p in module.parameters() if p.requires_grad] if optimizer is None and "optimizer" in cfg else None
+        params = (
+            [p for p in module.parameters() if p.requires_grad] if optimizer is None and "optimizer" in cfg else None
+        )
         with _without_torch_deprecations():
             self.engine, ds_optimizer, _, _ = deepspeed.initialize(
-                model=module, optimizer=optimizer, model_parameters=params,
-                config=copy.deepcopy(cfg), dist_init_required=False,
+                model=module,
+                optimizer=optimizer,
+                model_parameters=params,
+                config=copy.deepcopy(cfg),
+                dist_init_required=False,
             )
-        if self.engine.checkpoint_engine is not None:  # (an engine without optimizer has none)
-            self.engine.checkpoint_engine.load = _load_weights_only  # DeepSpeed's own load unpickles anything
+        compat.deepspeed_safe_checkpoint_loading(self.engine)  # DeepSpeed's own load unpickles anything
         if plan.run_dir is not None and self.is_global_zero:
             Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(plan.run_dir) / "deepspeed_config.json").write_text(json.dumps(self.filled_config, indent=2) + "\n")
@@ -244,12 +277,17 @@ class DeepSpeedStrategy(Strategy):
         client = optimizers[0] if optimizers else None
         if "optimizer" in cfg:
             if schedulers and "scheduler" not in cfg:
-                raise ValueError(f"{self.config_source} defines the optimizer, so the LR scheduler from "
-                                 "configure_optimizers has no optimizer to drive; add a \"scheduler\" section to the "
-                                 "config or remove its \"optimizer\" section")
+                raise ValueError(
+                    f"{self.config_source} defines the optimizer, so the LR scheduler from "
+                    'configure_optimizers has no optimizer to drive; add a "scheduler" section to the '
+                    'config or remove its "optimizer" section'
+                )
             if client is not None and self.is_global_zero:
-                print(f"distrain: the optimizer ({cfg['optimizer'].get('type')}) and LR scheduler come from "
-                      f"{self.config_source}; configure_optimizers' {type(client).__name__} is not used", flush=True)
+                print(
+                    f"distrain: the optimizer ({cfg['optimizer'].get('type')}) and LR scheduler come from "
+                    f"{self.config_source}; configure_optimizers' {type(client).__name__} is not used",
+                    flush=True,
+                )
             return None, []
         if client is None:  # evaluation only: an engine without optimizer (ZeRO-3 still gathers in forward)
             return None, []
@@ -268,8 +306,11 @@ class DeepSpeedStrategy(Strategy):
         return client, schedulers
 
     def _native_optimizer(self, client: torch.optim.Optimizer):
-        if type(client) not in (torch.optim.Adam, torch.optim.AdamW) or client.defaults.get("amsgrad") \
-                or client.defaults.get("maximize"):
+        if (
+            type(client) not in (torch.optim.Adam, torch.optim.AdamW)
+            or client.defaults.get("amsgrad")
+            or client.defaults.get("maximize")
+        ):
             return None
         groups = [{k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay")} for g in client.param_groups]
         d = client.defaults
@@ -277,16 +318,23 @@ class DeepSpeedStrategy(Strategy):
         if self._offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            return DeepSpeedCPUAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
-                                    adamw_mode=adamw)
+            return DeepSpeedCPUAdam(
+                groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"], adamw_mode=adamw
+            )
         if self.root_device.type == "cuda":
             try:
                 from deepspeed.ops.adam import FusedAdam
 
-                return FusedAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
-                                 adam_w_mode=adamw)
+                return FusedAdam(
+                    groups,
+                    lr=d["lr"],
+                    betas=d["betas"],
+                    eps=d["eps"],
+                    weight_decay=d["weight_decay"],
+                    adam_w_mode=adamw,
+                )
             except Exception as e:  # no CUDA toolchain to build it: torch's optimizer works too
-                warnings.warn(f"DeepSpeed FusedAdam unavailable ({e}); using {type(client).__name__}")
+                warnings.warn(f"DeepSpeed FusedAdam unavailable ({e}); using {type(client).__name__}", stacklevel=2)
         return None
 
     # ---- the step ----------------------------------------------------------------------------
@@ -302,8 +350,10 @@ class DeepSpeedStrategy(Strategy):
     def clip_gradients(self, module: nn.Module, optimizer, max_norm: float):
         clipping = self.filled_config.get("gradient_clipping", 0.0)
         if float(max_norm) != float(clipping):
-            raise ValueError(f"clip to {max_norm}: under DeepSpeed the engine clips, to gradient_clipping={clipping} "
-                             "from its config; set that value instead")
+            raise ValueError(
+                f"clip to {max_norm}: under DeepSpeed the engine clips, to gradient_clipping={clipping} "
+                "from its config; set that value instead"
+            )
         return _NormAfterStep(self.engine)  # clipped inside engine.step(), across the partitions
 
     def optimizer_step(self, optimizer, module: nn.Module | None = None) -> None:
@@ -328,14 +378,16 @@ class DeepSpeedStrategy(Strategy):
 
     def save_checkpoint(self, path, state: dict[str, Any]) -> None:
         keys = self._engine_keys(state)
-        rest = ckpt_state.collect({k: v for k, v in state.items() if k not in keys}, self.unwrap, ckpt_state.FULL)
+        rest = ckpt_state.state_of({k: v for k, v in state.items() if k not in keys}, self.unwrap, ckpt_state.FULL)
         model = next((state[k] for k in keys if isinstance(state[k], nn.Module)), None)
         rest[ckpt_state.DEEPSPEED_META] = {
-            "world_size": self.world_size, "stage": self.stage,
+            "world_size": self.world_size,
+            "stage": self.stage,
             "module_prefix": _prefix_of(self.unwrap(model) if model is not None else None, self.engine.module),
         }
-        with ckpt_io.directory_of_all_ranks(path, self.is_global_zero, self.barrier,
-                                            finish=_write_full_weights if self.save_full_weights else None) as tmp:
+        with ckpt_io.directory_of_all_ranks(
+            path, self.is_global_zero, self.barrier, finish=_write_full_weights if self.save_full_weights else None
+        ) as tmp:
             with _without_torch_deprecations():
                 self.engine.save_checkpoint(str(tmp), tag=ckpt_state.DEEPSPEED_TAG, client_state={}, save_latest=False)
             if self.is_global_zero:
@@ -358,14 +410,17 @@ class DeepSpeedStrategy(Strategy):
             stack.enter_context(_without_torch_deprecations())
             load_dir = stack.enter_context(self._universal(path, saved.get("world_size"))) if reshard else path
             loaded, _ = self.engine.load_checkpoint(
-                str(load_dir), tag=ckpt_state.DEEPSPEED_TAG, load_module_strict=strict,
-                load_optimizer_states=wants_optimizer, load_lr_scheduler_states=wants_optimizer,
+                str(load_dir),
+                tag=ckpt_state.DEEPSPEED_TAG,
+                load_module_strict=strict,
+                load_optimizer_states=wants_optimizer,
+                load_lr_scheduler_states=wants_optimizer,
                 load_module_only=not wants_optimizer,
             )
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path}")
         rest = {k: v for k, v in state.items() if k not in keys}
-        out = ckpt_state.apply(rest, meta, self.unwrap, ckpt_state.FULL, strict)
+        out = ckpt_state.load_into(rest, meta, self.unwrap, ckpt_state.FULL, strict)
         state.update(rest)
         return out
 
@@ -374,44 +429,34 @@ class DeepSpeedStrategy(Strategy):
         """Resume on another number of ranks: DeepSpeed's Universal Checkpoint. Rank 0 converts the
         engine's partitions (``ds_to_universal``) into a temporary directory beside the checkpoint
         (the checkpoint itself stays as written); every rank loads its new partitions from it."""
-        from argparse import Namespace
-
-        from deepspeed.checkpoint import ds_to_universal
+        import shutil
 
         tmp = path.with_name(f".{path.name}.universal")
         if self.is_global_zero:
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
-            args = Namespace(input_folder=str(path / ckpt_state.DEEPSPEED_TAG),
-                             output_folder=str(tmp / ckpt_state.DEEPSPEED_TAG), num_extract_workers=1,
-                             num_merge_workers=1, keep_temp_folder=False, strict=True,
-                             inject_missing_state=True)  # the version record Megatron clients write
-            print(f"distrain: {path.name} was written on {saved_world_size} ranks; converting it to DeepSpeed's "
-                  f"universal format to resume on {self.world_size}", flush=True)
-            with ckpt_state.deepspeed_safe_globals(force_weights_only=True), contextlib.redirect_stdout(None):
-                ds_to_universal.main(args)
+            print(
+                f"distrain: {path.name} was written on {saved_world_size} ranks; converting it to DeepSpeed's "
+                f"universal format to resume on {self.world_size}",
+                flush=True,
+            )
+            compat.deepspeed_to_universal(str(path / ckpt_state.DEEPSPEED_TAG), str(tmp / ckpt_state.DEEPSPEED_TAG))
         self.barrier("universal checkpoint converted")
-        config = self.engine._config
-        config.load_universal_checkpoint = True
         try:
-            # the universal loader reads its files with its own torch.load calls
-            with ckpt_state.deepspeed_safe_globals(force_weights_only=True):
+            with compat.deepspeed_universal_loading(self.engine):
                 yield tmp
         finally:
-            config.load_universal_checkpoint = False
             self.barrier("universal checkpoint loaded")
             if self.is_global_zero:
-                import shutil
-
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def _load_foreign(self, path: Path, state: dict[str, Any], keys: list[str], strict: bool) -> dict[str, Any]:
         """Full weights (a DDP/FSDP checkpoint, or a ZeRO one consolidated) into the model; a
         DDP/FSDP optimizer state has another layout and cannot be resumed here."""
         if any(not isinstance(state[k], nn.Module) for k in keys):
-            raise RuntimeError(f"{path} is not a DeepSpeed checkpoint: DeepSpeed can take its weights but not resume "
-                               "its optimizer state; load it as weights (e.g. validate/test with ckpt_path) instead")
+            raise RuntimeError(
+                f"{path} is not a DeepSpeed checkpoint: DeepSpeed can take its weights but not resume "
+                "its optimizer state; load it as weights (e.g. validate/test with ckpt_path) instead"
+            )
         weights = ckpt_state.read_model_weights(path)
         for k in keys:
             load_full_weights(self.unwrap(state[k]), weights, strict)
@@ -449,12 +494,6 @@ def _write_full_weights(checkpoint_dir: Path) -> None:
     save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(checkpoint_dir / "model.safetensors"))
 
 
-def _load_weights_only(path: str, map_location=None):
-    """What DeepSpeed's checkpoint engine loads, without unpickling arbitrary objects."""
-    with ckpt_state.deepspeed_safe_globals():
-        return torch.load(path, map_location=map_location, weights_only=True)
-
-
 def _children_first(module: nn.Module):
     for child in module.children():
         yield from _children_first(child)
@@ -481,7 +520,7 @@ def _hidden_size(module: nn.Module) -> int | None:
 
 
 def _values_from_hyperparameters(module: nn.Module) -> dict[str, Any]:
-    """"auto" values a module states in its hyperparameters (the built-in and HF jobs do)."""
+    """ "auto" values a module states in its hyperparameters (the built-in and HF jobs do)."""
     for m in module.modules():
         hparams = getattr(m, "hparams", None)
         if isinstance(hparams, dict) and "warmup_steps" in hparams:
@@ -518,3 +557,39 @@ def _quiet_deepspeed(level: int, accelerator: str) -> None:
 
     logger.setLevel(level)
     _ignore_torch_deprecations()
+
+
+def options_from_config(config, block_classes) -> dict:
+    """The config's ``deepspeed:`` section → DeepSpeedStrategy options (a preset fixes stage and
+    offload itself; only the plain ``deepspeed`` name takes them from the section)."""
+    ds = config.deepspeed
+    options = dict(
+        config=ds.config,
+        nvme_path=ds.nvme_path,
+        partition_activations=ds.partition_activations,
+        cpu_checkpointing=ds.cpu_checkpointing,
+        save_full_weights=ds.save_full_weights,
+    )
+    if config.distributed.strategy == "deepspeed":
+        options.update(
+            stage=ds.stage,
+            offload_optimizer=ds.offload_optimizer,
+            offload_parameters=ds.offload_parameters,
+            offload_optimizer_device=ds.offload_optimizer_device,
+            offload_params_device=ds.offload_params_device,
+        )
+    return options
+
+
+def _preset(preset: dict, **options: Any) -> DeepSpeedStrategy:
+    return DeepSpeedStrategy(**{**preset, **options})
+
+
+for _name, _preset_options in PRESETS.items():
+    register(
+        _name,
+        functools.partial(_preset, _preset_options),
+        f"DeepSpeed ZeRO {_preset_options}",
+        options_from_config,
+        "deepspeed",
+    )

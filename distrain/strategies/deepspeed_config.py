@@ -25,8 +25,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "deepspeed_stage_2_offload": {"stage": 2, "offload_optimizer": True},
     "deepspeed_stage_3": {"stage": 3},
     "deepspeed_stage_3_offload": {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
-    "deepspeed_stage_3_offload_nvme": {"stage": 3, "offload_optimizer": True, "offload_parameters": True,
-                                       "offload_params_device": "nvme", "offload_optimizer_device": "nvme"},
+    "deepspeed_stage_3_offload_nvme": {
+        "stage": 3,
+        "offload_optimizer": True,
+        "offload_parameters": True,
+        "offload_params_device": "nvme",
+        "offload_optimizer_device": "nvme",
+    },
 }
 
 
@@ -71,14 +76,32 @@ def read_user_config(config: dict | str | os.PathLike | None) -> tuple[dict | No
 
 def looks_like_deepspeed_config(data: dict) -> bool:
     """A JSON with DeepSpeed's own top-level keys (not distrain's sections)."""
-    return bool(data.keys() & {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size",
-                               "gradient_accumulation_steps", "zero_allow_untested_optimizer"})
+    return bool(
+        data.keys()
+        & {
+            "zero_optimization",
+            "train_micro_batch_size_per_gpu",
+            "train_batch_size",
+            "gradient_accumulation_steps",
+            "zero_allow_untested_optimizer",
+        }
+    )
 
 
-def options_config(stage: int, offload_optimizer: bool, offload_parameters: bool, offload_optimizer_device: str,
-                   offload_params_device: str, nvme_path: str, allgather_bucket_size: Any, reduce_bucket_size: Any,
-                   contiguous_gradients: bool, overlap_comm: bool, partition_activations: bool,
-                   cpu_checkpointing: bool) -> dict:
+def options_config(
+    stage: int,
+    offload_optimizer: bool,
+    offload_parameters: bool,
+    offload_optimizer_device: str,
+    offload_params_device: str,
+    nvme_path: str,
+    allgather_bucket_size: Any,
+    reduce_bucket_size: Any,
+    contiguous_gradients: bool,
+    overlap_comm: bool,
+    partition_activations: bool,
+    cpu_checkpointing: bool,
+) -> dict:
     """The config the strategy's keyword options describe."""
     zero: dict[str, Any] = {
         "stage": stage,
@@ -99,8 +122,10 @@ def options_config(stage: int, offload_optimizer: bool, offload_parameters: bool
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
         "zero_optimization": zero,
-        "activation_checkpointing": {"partition_activations": partition_activations,
-                                     "cpu_checkpointing": cpu_checkpointing},
+        "activation_checkpointing": {
+            "partition_activations": partition_activations,
+            "cpu_checkpointing": cpu_checkpointing,
+        },
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": "auto"},
         "fp16": {"enabled": "auto"},
@@ -125,8 +150,10 @@ def fill_config(config: dict, facts: TrainingFacts, source: str, extra: dict[str
     _fill_buckets(cfg, facts, source)
     leftover = [path for path, value in _leaves(cfg) if value == "auto"]
     if leftover:
-        raise ValueError(f"{source}: cannot fill {', '.join(leftover)} = \"auto\" (distrain knows no value for it); "
-                         "write a number instead")
+        raise ValueError(
+            f'{source}: cannot fill {", ".join(leftover)} = "auto" (distrain knows no value for it); '
+            "write a number instead"
+        )
     return cfg
 
 
@@ -142,11 +169,15 @@ def _check_precision(cfg: dict, facts: TrainingFacts, source: str) -> None:
             block["enabled"] = wants[section]
         elif bool(block["enabled"]) != wants[section] and (block["enabled"] is False or facts.precision != "32-true"):
             # an explicit bf16/fp16 over the Trainer's default fp32 is the file's choice; any other mix is a conflict
-            raise ValueError(f"{section}.enabled={block['enabled']} in {source} disagrees with the Trainer's "
-                             f"precision {facts.precision!r}; set {section}.enabled to \"auto\" or make them agree")
+            raise ValueError(
+                f"{section}.enabled={block['enabled']} in {source} disagrees with the Trainer's "
+                f'precision {facts.precision!r}; set {section}.enabled to "auto" or make them agree'
+            )
     if cfg.get("fp16", {}).get("enabled") and not facts.on_cuda:
-        raise ValueError(f"{source} enables fp16, which needs a CUDA GPU (DeepSpeed's fp16 loss scaling); "
-                         "on CPU use bf16 (precision='bf16-mixed') or fp32")
+        raise ValueError(
+            f"{source} enables fp16, which needs a CUDA GPU (DeepSpeed's fp16 loss scaling); "
+            "on CPU use bf16 (precision='bf16-mixed') or fp32"
+        )
     if cfg.get("fp16", {}).get("enabled") and cfg.get("bf16", {}).get("enabled"):
         raise ValueError(f"{source} enables both fp16 and bf16; choose one")
 
@@ -156,8 +187,9 @@ def _agree(cfg: dict, key: str, ours: Any, ours_from: str, source: str) -> None:
     if value == "auto" or value is None:
         cfg[key] = ours
     elif ours is not None and value != ours:
-        raise ValueError(f"{key}={value} in {source} disagrees with {ours} ({ours_from}); "
-                         f"set it to \"auto\" or make them agree")
+        raise ValueError(
+            f'{key}={value} in {source} disagrees with {ours} ({ours_from}); set it to "auto" or make them agree'
+        )
 
 
 def _fill_batch(cfg: dict, facts: TrainingFacts, source: str) -> None:
@@ -168,8 +200,13 @@ def _fill_batch(cfg: dict, facts: TrainingFacts, source: str) -> None:
         micro = 1 if written in ("auto", None) else int(written)
     _agree(cfg, "train_micro_batch_size_per_gpu", micro, "the train DataLoader's batch_size", source)
     _agree(cfg, "gradient_accumulation_steps", facts.accumulate, "the Trainer's accumulate_grad_batches", source)
-    _agree(cfg, "train_batch_size", micro * facts.accumulate * facts.world_size,
-           f"batch {micro} × accumulation {facts.accumulate} × {facts.world_size} ranks", source)
+    _agree(
+        cfg,
+        "train_batch_size",
+        micro * facts.accumulate * facts.world_size,
+        f"batch {micro} × accumulation {facts.accumulate} × {facts.world_size} ranks",
+        source,
+    )
 
 
 def _fill_clipping(cfg: dict, facts: TrainingFacts, source: str) -> None:
@@ -178,8 +215,10 @@ def _fill_clipping(cfg: dict, facts: TrainingFacts, source: str) -> None:
     if value == "auto":
         cfg["gradient_clipping"] = clip
     elif facts.gradient_clip_val and float(value) != clip:
-        raise ValueError(f"gradient_clipping={value} in {source} disagrees with the Trainer's gradient_clip_val={clip}; "
-                         "set it to \"auto\" or make them agree")
+        raise ValueError(
+            f"gradient_clipping={value} in {source} disagrees with the Trainer's gradient_clip_val={clip}; "
+            'set it to "auto" or make them agree'
+        )
 
 
 def _fill_optimizer_and_scheduler(cfg: dict, facts: TrainingFacts, source: str, extra: dict) -> None:
@@ -188,8 +227,10 @@ def _fill_optimizer_and_scheduler(cfg: dict, facts: TrainingFacts, source: str, 
     for key, value in list(params.items()):
         if value == "auto":
             if key not in known:
-                raise ValueError(f"{source}: optimizer.params.{key} is \"auto\" but no client optimizer gives it "
-                                 "(return one from configure_optimizers, or write the value)")
+                raise ValueError(
+                    f'{source}: optimizer.params.{key} is "auto" but no client optimizer gives it '
+                    "(return one from configure_optimizers, or write the value)"
+                )
             params[key] = list(known[key]) if isinstance(known[key], tuple) else known[key]
     lr = params.get("lr", known.get("lr"))
     sched = cfg.get("scheduler", {}).get("params", {})
@@ -197,8 +238,10 @@ def _fill_optimizer_and_scheduler(cfg: dict, facts: TrainingFacts, source: str, 
     for key, value in list(sched.items()):
         if value == "auto":
             if derived.get(key) is None:
-                raise ValueError(f"{source}: scheduler.params.{key} is \"auto\" but distrain cannot tell its value; "
-                                 f"pass DeepSpeedStrategy(auto_values={{'{key}': ...}}) or write the value")
+                raise ValueError(
+                    f'{source}: scheduler.params.{key} is "auto" but distrain cannot tell its value; '
+                    f"pass DeepSpeedStrategy(auto_values={{'{key}': ...}}) or write the value"
+                )
             sched[key] = derived[key]
 
 
@@ -215,8 +258,10 @@ def _fill_buckets(cfg: dict, facts: TrainingFacts, source: str) -> None:
     for key, rule in rules.items():
         if zero.get(key) == "auto":
             if h is None:
-                raise ValueError(f"{source}: zero_optimization.{key} is \"auto\" but the model has no hidden size "
-                                 "distrain can find (config.hidden_size / n_embd); write the value")
+                raise ValueError(
+                    f'{source}: zero_optimization.{key} is "auto" but the model has no hidden size '
+                    "distrain can find (config.hidden_size / n_embd); write the value"
+                )
             zero[key] = rule()
     for section in ("offload_optimizer", "offload_param"):
         block = zero.get(section)

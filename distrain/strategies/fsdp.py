@@ -9,20 +9,30 @@ then every selected layer is sharded, then the root (which owns what is left: em
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from distrain.checkpoint import state as ckpt_state
-from distrain.strategies.base import Strategy, apply_activation_checkpointing
+from distrain.strategies.base import Strategy
+from distrain.strategies.layers import apply_activation_checkpointing, is_marked_unit
+from distrain.strategies.registry import register
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "fp32": torch.float32, "float32": torch.float32}
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 class FSDPStrategy(Strategy):
@@ -60,7 +70,9 @@ class FSDPStrategy(Strategy):
     ):
         super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
         if sharding_strategy not in SHARDING_STRATEGIES:
-            raise ValueError(f"sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {sharding_strategy!r}")
+            raise ValueError(
+                f"sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {sharding_strategy!r}"
+            )
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}")
         self.start_method = start_method
@@ -78,10 +90,15 @@ class FSDPStrategy(Strategy):
     def _explain_fsdp1_options(backward_prefetch, use_orig_params) -> None:
         # FSDP2 has no switch for these; say what happens instead of silently dropping them.
         if backward_prefetch not in (None, "BACKWARD_PRE"):
-            warnings.warn(f"backward_prefetch={backward_prefetch!r}: FSDP2 always prefetches the next layer's "
-                          "all-gather in backward (the BACKWARD_PRE behaviour); the option has no other setting")
+            warnings.warn(
+                f"backward_prefetch={backward_prefetch!r}: FSDP2 always prefetches the next layer's "
+                "all-gather in backward (the BACKWARD_PRE behaviour); the option has no other setting",
+                stacklevel=3,
+            )
         if not use_orig_params:
-            warnings.warn("use_orig_params=False: FSDP2 always exposes the original parameters (as DTensors)")
+            warnings.warn(
+                "use_orig_params=False: FSDP2 always exposes the original parameters (as DTensors)", stacklevel=3
+            )
 
     @property
     def backend(self) -> str:
@@ -109,7 +126,9 @@ class FSDPStrategy(Strategy):
             return init_device_mesh(self.root_device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
         if self.sharding_strategy == "HYBRID_SHARD":
             per_node = world // self.num_nodes
-            return init_device_mesh(self.root_device.type, (self.num_nodes, per_node), mesh_dim_names=("replicate", "shard"))
+            return init_device_mesh(
+                self.root_device.type, (self.num_nodes, per_node), mesh_dim_names=("replicate", "shard")
+            )
         return init_device_mesh(self.root_device.type, (world,), mesh_dim_names=("shard",))
 
     def _mp_policy(self):
@@ -122,10 +141,14 @@ class FSDPStrategy(Strategy):
         if isinstance(mp, dict):
             dt = {k: _DTYPES[v] if isinstance(v, str) else v for k, v in mp.items() if v is not None}
             if "buffer_dtype" in dt:
-                warnings.warn("mixed_precision.buffer_dtype: FSDP2 does not cast buffers; they keep the dtype "
-                              "the model gives them (set it in the model, or use precision='bf16-true')")
-            return MixedPrecisionPolicy(param_dtype=dt.get("param_dtype", default_param),
-                                        reduce_dtype=dt.get("reduce_dtype", torch.float32))
+                warnings.warn(
+                    "mixed_precision.buffer_dtype: FSDP2 does not cast buffers; they keep the dtype "
+                    "the model gives them (set it in the model, or use precision='bf16-true')",
+                    stacklevel=2,
+                )
+            return MixedPrecisionPolicy(
+                param_dtype=dt.get("param_dtype", default_param), reduce_dtype=dt.get("reduce_dtype", torch.float32)
+            )
         return MixedPrecisionPolicy(param_dtype=default_param, reduce_dtype=torch.float32 if default_param else None)
 
     def _wrap_selector(self, module: nn.Module) -> Callable[[nn.Module], bool]:
@@ -135,8 +158,11 @@ class FSDPStrategy(Strategy):
         if policy is None:
             return lambda m: False
         if isinstance(policy, int):
-            return lambda m: m is not module and sum(p.numel() for p in m.parameters()) >= policy and not any(
-                sum(p.numel() for p in c.parameters()) >= policy for c in m.children())
+            return lambda m: (
+                m is not module
+                and sum(p.numel() for p in m.parameters()) >= policy
+                and not any(sum(p.numel() for p in c.parameters()) >= policy for c in m.children())
+            )
         if callable(policy) and not isinstance(policy, type):
             return policy
         classes = tuple(policy) if isinstance(policy, (set, list, tuple, frozenset)) else (policy,)
@@ -162,7 +188,7 @@ class FSDPStrategy(Strategy):
             # pinned memory needs an accelerator: on a CPU-only machine it fails at set-up
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         selected = self._wrap_selector(module)
-        units = [m for m in module.modules() if m is not module and (selected(m) or getattr(m, "_distrain_wrap", False))]
+        units = [m for m in module.modules() if m is not module and (selected(m) or is_marked_unit(m))]
         for unit in reversed(units):  # innermost first, so nested units own their own params
             fully_shard(unit, **kwargs)
         fully_shard(module, **kwargs)
@@ -209,7 +235,6 @@ class FSDPStrategy(Strategy):
         return ckpt_state.load_any(path, state, self.unwrap, ckpt_state.SHARDED, strict)
 
 
-
 @contextlib.contextmanager
 def _gradient_sync_off(module: nn.Module):
     module.set_requires_gradient_sync(False)
@@ -244,3 +269,42 @@ def _materialize_shards(module: nn.Module, device: torch.device) -> None:
             reset = getattr(m, "reset_parameters", None)
             if callable(reset):
                 reset()
+
+
+def options_from_config(config, block_classes) -> dict:
+    """The config's ``fsdp:`` section → FSDPStrategy options."""
+    f = config.fsdp
+    return dict(
+        sharding_strategy=f.sharding_strategy,
+        cpu_offload=f.cpu_offload or config.distributed.strategy == "fsdp_cpu_offload",
+        auto_wrap_policy={"transformer_based": block_classes, "size_based": f.min_num_params}.get(
+            f.auto_wrap_policy, _root_only
+        ),
+        mixed_precision={k: v for k, v in vars(f.mixed_precision).items() if v} or None,
+        state_dict_type=f.state_dict_type,
+        forward_prefetch=f.forward_prefetch,
+        backward_prefetch=f.backward_prefetch,
+        use_orig_params=f.use_orig_params,
+        sync_module_states=f.sync_module_states,
+    )
+
+
+def _root_only(module: nn.Module) -> bool:
+    """auto_wrap_policy: null — no unit but the root."""
+    return False
+
+
+register(
+    "fsdp",
+    FSDPStrategy,
+    "FSDP2: parameters, gradients and optimizer state sharded across ranks",
+    options_from_config,
+    "fsdp",
+)
+register(
+    "fsdp_cpu_offload",
+    functools.partial(FSDPStrategy, cpu_offload=True),
+    "FSDP2 with parameters, gradients and optimizer state offloaded to CPU memory",
+    options_from_config,
+    "fsdp",
+)

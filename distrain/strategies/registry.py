@@ -1,46 +1,88 @@
-"""String names for strategies, in one place."""
+"""Strategy names → strategies. Each strategy's file registers its own names (``register``), with
+a one-line description and how the config file's settings become its options, so a new strategy
+is one new file: nothing here or in the CLI changes."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from distrain.strategies.base import Strategy
-from distrain.strategies.ddp import DDPStrategy
-from distrain.strategies.deepspeed import DeepSpeedStrategy
-from distrain.strategies.deepspeed_config import PRESETS as DEEPSPEED_PRESETS
-from distrain.strategies.fsdp import FSDPStrategy
-from distrain.strategies.single import SingleDeviceStrategy
-
-STRATEGIES: dict[str, Callable[..., Strategy]] = {
-    "single": SingleDeviceStrategy,
-    "ddp": lambda **kw: DDPStrategy(start_method="popen", **kw),
-    "ddp_spawn": lambda **kw: DDPStrategy(start_method="spawn", **kw),
-    "ddp_fork": lambda **kw: DDPStrategy(start_method="fork", **kw),
-    "ddp_notebook": lambda **kw: DDPStrategy(start_method="fork", **kw),
-    "fsdp": FSDPStrategy,
-    "fsdp_cpu_offload": lambda **kw: FSDPStrategy(**{"cpu_offload": True, **kw}),
-    **{name: functools.partial(lambda preset, **kw: DeepSpeedStrategy(**{**preset, **kw}), preset)
-       for name, preset in DEEPSPEED_PRESETS.items()},
-    "auto": lambda **kw: None,  # resolved by the Runtime once the world size is known
-}
+#: options every strategy takes (``Trainer(**kwargs)`` and the CLI pass them through)
+GENERIC_OPTIONS = ("process_group_backend", "timeout", "collective_timeout", "activation_checkpointing_policy")
 
 
-def make_strategy(name: str | Strategy, world_size: int, **kwargs: Any) -> Strategy:
+@dataclass(frozen=True)
+class StrategyEntry:
+    name: str
+    build: Callable[..., Any]
+    """Keyword options → a Strategy."""
+    description: str
+    options_from_config: Callable[[Any, set], dict] | None = None
+    """``(RunConfig, the model's block classes) → options``: what the config file says for this strategy."""
+    config_section: str | None = None
+    """The config file's section those options come from (``fsdp``, ``deepspeed``, ``distributed``)."""
+
+
+_ENTRIES: dict[str, StrategyEntry] = {}
+
+
+def register(
+    name: str,
+    build: Callable[..., Any],
+    description: str,
+    options_from_config: Callable[[Any, set], dict] | None = None,
+    config_section: str | None = None,
+) -> None:
+    if name in _ENTRIES:
+        raise ValueError(f"strategy name {name!r} is registered twice")
+    _ENTRIES[name] = StrategyEntry(name, build, description, options_from_config, config_section)
+
+
+def entries() -> dict[str, StrategyEntry]:
+    import distrain.strategies  # noqa: F401  (its modules register themselves on import)
+
+    return dict(_ENTRIES)
+
+
+def names() -> list[str]:
+    return ["auto", *sorted(entries())]
+
+
+def lookup(name: str) -> StrategyEntry:
+    known = entries()
+    if name not in known:
+        raise ValueError(f"strategy {name!r} is unknown; choose one of {', '.join(names())}")
+    return known[name]
+
+
+def resolve_auto(name: str, world_size: int) -> str:
+    """``auto``: one process → single; several → ddp."""
+    if name != "auto":
+        return name
+    return "single" if world_size == 1 else "ddp"
+
+
+def make_strategy(name: Any, world_size: int, **kwargs: Any):
+    from distrain.strategies.base import Strategy
+
     if isinstance(name, Strategy):
         return name
-    if name not in STRATEGIES:
-        raise ValueError(f"strategy {name!r} is unknown; choose one of {', '.join(sorted(STRATEGIES))}")
-    generic = {k: v for k, v in kwargs.items() if k in ("process_group_backend", "timeout", "collective_timeout",
-                                                       "activation_checkpointing_policy")}
-    if name == "auto":
-        if world_size == 1:  # options for the multi-process strategies do not apply to one process
-            return SingleDeviceStrategy(**generic)
-        name = "ddp"
-    if name == "single":
+    resolved = resolve_auto(name, world_size)
+    entry = lookup(resolved)
+    if resolved == "single":
         if world_size > 1:
             raise ValueError(f"strategy='single' runs one process, but {world_size} were requested")
-        if kwargs.keys() - generic.keys():
-            raise ValueError(f"strategy='single' does not take {', '.join(sorted(kwargs.keys() - generic.keys()))}")
-        return SingleDeviceStrategy(**generic)
-    return STRATEGIES[name](**kwargs)
+        extra = kwargs.keys() - set(GENERIC_OPTIONS)
+        if extra:
+            if name == "auto":  # options for the multi-process strategies do not apply to one process
+                kwargs = {k: v for k, v in kwargs.items() if k in GENERIC_OPTIONS}
+            else:
+                raise ValueError(f"strategy='single' does not take {', '.join(sorted(extra))}")
+    return entry.build(**kwargs)
+
+
+def options_from_config(strategy: str, config: Any, block_classes: set) -> dict:
+    """The config file's options for ``strategy`` (``auto`` takes those of what it resolves to)."""
+    entry = lookup(resolve_auto(strategy, 2 if strategy == "auto" else 1))
+    return entry.options_from_config(config, block_classes) if entry.options_from_config else {}

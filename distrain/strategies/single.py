@@ -1,7 +1,11 @@
 """One process, one device: no process group, no wrapping."""
 
 from distrain.strategies.base import Strategy
+from distrain.strategies.registry import register
 
 
 class SingleDeviceStrategy(Strategy):
     start_method = None
+
+
+register("single", SingleDeviceStrategy, "one process on one device")

@@ -3,7 +3,7 @@
 tests/test_compat.py resumes them with today's distrain: a checkpoint written by an earlier release
 must keep resuming. Regenerate only when the format changes on purpose (and keep the old ones).
 
-    python tests/data/make_previous_checkpoints.py tests/data/previous
+    OMP_NUM_THREADS=1 python tests/data/make_previous_checkpoints.py tests/data/previous  # as the tests run
 """
 
 import sys

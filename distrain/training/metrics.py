@@ -1,4 +1,10 @@
-"""Collecting what ``Module.log`` records, reducing it across ranks, and measuring throughput."""
+"""What the loop measures and where it goes.
+
+``MetricCollector`` receives ``Module.log`` calls and reduces them across ranks; ``Throughput``
+times optimizer steps; ``MetricsLogger`` turns a finished step into one record (loss, lr, grad
+norm, throughput, memory, the module's own values), keeps the views callbacks read
+(``callback_metrics``, ``progress_bar_metrics``) and sends records to the loggers on rank 0.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from distrain.loggers import Logger
 
 
 @dataclass
@@ -34,7 +42,18 @@ class MetricCollector:
         self.epoch_summed: set[str] = set()  # reduce_fx="sum": totals, not means
         self.muted = False  # padding steps that only keep collectives matched
 
-    def log(self, name, value, on_step, on_epoch, sync_dist, prog_bar, batch_size, reduce_fx="mean") -> None:
+    def log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        sync_dist: bool = False,
+        prog_bar: bool = False,
+        batch_size: int | None = None,
+        reduce_fx: str = "mean",
+    ) -> None:
         if self.muted:
             return
         training = self.stage == "train"
@@ -125,3 +144,94 @@ class Throughput:
             out["step_time_std"] = statistics.pstdev(self.step_times) if len(self.step_times) > 1 else 0.0
         self.reset()
         return out
+
+
+@dataclass
+class StepResult:
+    """One optimizer step, as the loop hands it over."""
+
+    step: int
+    epoch: int
+    loss: torch.Tensor  # this rank's step loss (mean over its micro-batches), still on the device
+    lr: float
+    grad_norm: Any  # a tensor, a lazy norm (DeepSpeed's), or None without clipping
+    samples: int  # this rank's samples in the step
+    tokens: int
+
+
+class MetricsLogger:
+    def __init__(self, runtime, loggers: list[Logger], log_every_n_steps: int, print_steps: bool):
+        self.runtime = runtime
+        self.loggers = loggers
+        self.log_every_n_steps = log_every_n_steps
+        self.print_steps = print_steps  # a line per logged step when there is no progress bar
+        self.collector = MetricCollector(runtime)
+        self.throughput: Throughput | None = None
+        #: the latest value of everything logged: what callbacks (ModelCheckpoint's monitor) read
+        self.callback_metrics: dict[str, float] = {}
+        self.logged_metrics: dict[str, Any] = {}
+        self.progress_bar_metrics: dict[str, float] = {}
+
+    def start_fit(self, flops_per_token: float | None, run_config: dict | None) -> None:
+        rt = self.runtime
+        peak = rt.accelerator.peak_flops(rt.device, rt.precision.compute_dtype)
+        self.throughput = Throughput(rt.world_size, flops_per_token, peak)
+        if run_config and rt.is_global_zero:
+            for lg in self.loggers:
+                lg.log_hyperparams(run_config)
+
+    def step_done(self, result: StepResult, final: bool, max_steps: int) -> None:
+        """After each optimizer step. Values are reduced across ranks only on logging steps (and the
+        final one): one small all-reduce for the loss, one for the module's ``sync_dist`` values."""
+        rt = self.runtime
+        self.throughput.step(result.samples, result.tokens or None)
+        logging_step = final or result.step % self.log_every_n_steps == 0
+        logged = self.collector.pop_step_metrics(reduce=logging_step)
+        if not logging_step:
+            self.callback_metrics.update(logged)
+            return
+        rt.accelerator.synchronize(rt.device)  # CUDA is async: time what really ran
+        metrics = {
+            "epoch": result.epoch,
+            "loss": rt.all_reduce(result.loss).item(),
+            "lr": result.lr,
+            **logged,
+            **self.throughput.compute(),
+            **self.memory_stats(),
+        }
+        if result.grad_norm is not None:
+            metrics["grad_norm"] = float(result.grad_norm)
+        self.progress_bar_metrics = {
+            "loss": metrics["loss"],
+            **({"tok/s": round(metrics["tokens_per_sec"])} if "tokens_per_sec" in metrics else {}),
+            **{k: v for k, v in logged.items() if k in self.collector.prog_bar},
+        }
+        self.publish(metrics, result.step)
+        if self.print_steps and rt.is_global_zero:
+            shown = " | ".join(
+                f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float) and not k.startswith("mem")
+            )
+            total = f"/{max_steps}" if max_steps > 0 else ""
+            print(f"step {result.step}{total} | {shown}", flush=True)
+
+    def memory_stats(self) -> dict[str, Any]:
+        rt = self.runtime
+        local = rt.accelerator.memory_stats(rt.device)
+        if rt.world_size == 1:
+            return local
+        per_rank = rt.all_gather(torch.tensor(list(local.values()), dtype=torch.float64)).tolist()
+        out = {name: max(r[i] for r in per_rank) for i, name in enumerate(local)}  # the fullest rank
+        out["mem_per_rank_mb"] = [r[-1] for r in per_rank]
+        return out
+
+    def publish(self, metrics: dict[str, Any], step: int, to_loggers: bool = True) -> None:
+        self.callback_metrics.update({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        self.logged_metrics = metrics
+        if to_loggers and self.runtime.is_global_zero:
+            for lg in self.loggers:
+                lg.log_metrics(metrics, step)
+
+    def finalize(self) -> None:
+        if self.runtime.is_global_zero:
+            for lg in self.loggers:
+                lg.finalize()

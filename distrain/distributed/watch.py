@@ -12,7 +12,7 @@ that did not arrive and where they stopped:
 
     distrain: a collective did not complete on every rank.
       rank 1 stopped at step 7 (in optimizer step) and never reached this collective;
-      ranks 0,2,3 waited at step 7 (in logging) for 300 s, the collective timeout (distributed.collective_timeout_seconds, ...).
+      ranks 0,2,3 waited at step 7 (in logging) for 300 s, the collective timeout (...).
       (RuntimeError on rank 0: ... Timed out waiting 300000ms for recv operation to complete)
 
 All ranks run the same phases in the same order, so the phase count orders them: a rank with a
@@ -36,31 +36,55 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from distrain import compat
+
 #: what torch/gloo/NCCL say when a collective gave up on a peer
 _TIMEOUT_WORDS = ("timed out", "timeout")
-_PEER_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed",
-               "connection refused", "end of file")
+_PEER_WORDS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "socket closed",
+    "connection refused",
+    "end of file",
+)
 
 #: ... and only errors that come from a backend (gloo's carry its source paths, or say "pair")
 _BACKEND_WORDS = ("gloo", "nccl", "c10d", "processgroup", "pair closure")
 
-_active: "CollectiveWatch | None" = None
+_active: CollectiveWatch | None = None
 
 
-def active() -> "CollectiveWatch | None":
+def active() -> CollectiveWatch | None:
     """The watch of the process group distrain initialized in this process, if any."""
     return _active
 
 
-def start(rank: int, world_size: int, init_timeout: timedelta) -> "CollectiveWatch":
+def start(rank: int, world_size: int, init_timeout: timedelta) -> CollectiveWatch:
     global _active
-    _active = CollectiveWatch(dist.distributed_c10d._get_default_store(), rank, world_size, init_timeout)
+    _active = CollectiveWatch(compat.default_store(), rank, world_size, init_timeout)
     return _active
 
 
 def stop() -> None:
     global _active
     _active = None
+
+
+def mark(step: int | None, phase: str) -> None:
+    """Record where this rank is (no-op without a watched group)."""
+    if _active is not None:
+        _active.mark(step, phase)
+
+
+def patient(phase: str):
+    """Context for a phase whose collectives may wait as long as process-group init."""
+    return _active.patient(phase) if _active is not None else contextlib.nullcontext()
+
+
+def explain(error: BaseException) -> CollectiveHangError | None:
+    """The diagnosis of a collective that timed out or lost a peer; None for any other error."""
+    return _active.explain(error) if _active is not None else None
 
 
 class CollectiveWatch:
@@ -95,7 +119,7 @@ class CollectiveWatch:
     def set_collective_timeout(self, timeout: timedelta) -> None:
         self.collective_timeout = timeout
         if not self._patient:
-            _set_group_timeouts(timeout)
+            compat.set_group_timeouts(timeout)
 
     @contextlib.contextmanager
     def patient(self, phase: str):
@@ -104,17 +128,17 @@ class CollectiveWatch:
         self.mark(None, phase)
         self._patient += 1
         if self._patient == 1:
-            _set_group_timeouts(self.init_timeout)
+            compat.set_group_timeouts(self.init_timeout)
         try:
             yield
         finally:
             self._patient -= 1
             if self._patient == 0:
-                _set_group_timeouts(self.collective_timeout)
+                compat.set_group_timeouts(self.collective_timeout)
             self.mark(None, previous)
 
     # ---- diagnosis -------------------------------------------------------------------------------------
-    def explain(self, error: BaseException) -> "CollectiveHangError | None":
+    def explain(self, error: BaseException) -> CollectiveHangError | None:
         """For a collective that timed out or lost a peer: an error naming the ranks that were
         elsewhere, and where. None for any other error."""
         if isinstance(error, CollectiveHangError) or not isinstance(error, RuntimeError):
@@ -129,11 +153,15 @@ class CollectiveWatch:
         here = f"at step {self.step} (in {self.phase})"
         if timed_out:
             if self._patient:  # checkpoint IO waits as long as init does
-                how = (f"waited {here} for {_seconds(self.init_timeout)} s, the init/checkpoint timeout "
-                       "(distributed.timeout_seconds, Trainer(timeout=...))")
+                how = (
+                    f"waited {here} for {_seconds(self.init_timeout)} s, the init/checkpoint timeout "
+                    "(distributed.timeout_seconds, Trainer(timeout=...))"
+                )
             else:
-                how = (f"waited {here} for {_seconds(self.collective_timeout)} s, the collective timeout "
-                       "(distributed.collective_timeout_seconds, Trainer(collective_timeout=...))")
+                how = (
+                    f"waited {here} for {_seconds(self.collective_timeout)} s, the collective timeout "
+                    "(distributed.collective_timeout_seconds, Trainer(collective_timeout=...))"
+                )
         else:
             how = f"were {here} when a peer's connection closed (a rank exited or crashed: see its log)"
         reports, unreadable = self._read_reports()
@@ -142,8 +170,10 @@ class CollectiveWatch:
             reports, unreadable = self._read_reports()
         lines = _describe(self._count, reports, how, self.world_size)
         if unreadable:
-            lines.append(f"(could not read the other ranks' progress from the store: {unreadable}; "
-                         "rank 0 hosts it unless a launcher such as torchrun does — did it die?)")
+            lines.append(
+                f"(could not read the other ranks' progress from the store: {unreadable}; "
+                "rank 0 hosts it unless a launcher such as torchrun does — did it die?)"
+            )
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         lines.append(f"({type(error).__name__} on rank {self.rank}: {first_line[:300]})")
         return CollectiveHangError("distrain: a collective did not complete on every rank.\n  " + "\n  ".join(lines))
@@ -174,7 +204,7 @@ def _describe(my_count: int, reports: dict, how: str, world_size: int) -> list[s
     busy = sorted(r for r, rep in reports.items() if rep[0] == my_count and rep[2] != "failed")
     behind: dict[tuple, list[int]] = {}
     ahead: dict[tuple, list[int]] = {}
-    for r, (count, step, state, phase) in sorted(reports.items()):
+    for r, (count, step, _state, phase) in sorted(reports.items()):
         if count < my_count:
             behind.setdefault((count, step, phase), []).append(r)
         elif count > my_count:
@@ -184,17 +214,23 @@ def _describe(my_count: int, reports: dict, how: str, world_size: int) -> list[s
     for (_, step, phase), ranks in sorted(behind.items()):
         lines.append(f"{_ranks(ranks)} stopped at step {step} (in {phase}) and never reached this collective;")
     for (_, step, phase), ranks in sorted(ahead.items()):
-        lines.append(f"{_ranks(ranks)} went on to step {step} (in {phase}) without it: a different code path "
-                     "(a collective that only some ranks run?);")
+        lines.append(
+            f"{_ranks(ranks)} went on to step {step} (in {phase}) without it: a different code path "
+            "(a collective that only some ranks run?);"
+        )
     if silent:
         lines.append(f"{_ranks(silent)} never reported progress (not started, or died before training);")
     if busy:
-        lines.append(f"{_ranks(busy)} reached the same step and phase but not this collective: slow inside the "
-                     "phase (a long computation or IO before it)?")
+        lines.append(
+            f"{_ranks(busy)} reached the same step and phase but not this collective: slow inside the "
+            "phase (a long computation or IO before it)?"
+        )
     lines.append(f"{_ranks(waited)} {how}.")
     if not (behind or ahead or silent or busy):
-        lines.append("Every rank reached this phase and waited, so none is behind: the ranks issued different "
-                     "collectives inside it, or the network failed.")
+        lines.append(
+            "Every rank reached this phase and waited, so none is behind: the ranks issued different "
+            "collectives inside it, or the network failed."
+        )
     return lines
 
 
@@ -214,18 +250,6 @@ def _seconds(t: timedelta) -> str:
     return f"{t.total_seconds():g}"
 
 
-def _set_group_timeouts(timeout: timedelta) -> None:
-    """The timeout of every process group this rank belongs to (torch has no public setter;
-    ``_set_pg_timeout`` is what torchtitan uses for the same purpose)."""
-    c10d = dist.distributed_c10d
-    groups = [None] + [pg for pg in list(c10d._world.pg_map) if pg is not c10d._get_default_group()]
-    for group in groups:
-        try:
-            c10d._set_pg_timeout(timeout, group)
-        except (ValueError, RuntimeError, AssertionError):  # not a member, or a backend without timeouts
-            pass
-
-
 def enable_nccl_flight_recorder(dump_dir: str | None, buffer_size: int = 2000) -> None:
     """Before an NCCL process group is created: keep the last ``buffer_size`` collectives of every
     rank in PyTorch's flight recorder and dump them when the NCCL watchdog sees a timeout, to
@@ -233,8 +257,10 @@ def enable_nccl_flight_recorder(dump_dir: str | None, buffer_size: int = 2000) -
     <dump_dir>`` (it names the rank that did not join). Variables the user set win."""
     import os
 
-    names = {"buffer": ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),  # new name, older name
-             "file": ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")}
+    names = {
+        "buffer": ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),  # new name, older name
+        "file": ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),
+    }
     if not any(n in os.environ for n in names["buffer"]):
         for n in names["buffer"]:
             os.environ[n] = str(buffer_size)

@@ -1,0 +1,145 @@
+"""Every private or version-sensitive call into torch, DeepSpeed and transformers, in one place.
+
+Each function names what it relies on and the versions it was checked against; each has a test in
+``tests/test_compat.py`` that exercises the real call, so an upgrade that moves one fails there,
+by name, instead of deep inside a training run. Supported torch: see ``pyproject.toml``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# ---- torch.distributed ------------------------------------------------------------------------------
+
+
+def default_store() -> dist.Store:
+    """The default group's rendezvous store (the hang watch writes progress records into it).
+    ``distributed_c10d._get_default_store``: checked on torch 2.13.0; torchtitan uses it too."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def set_group_timeouts(timeout: timedelta) -> None:
+    """The timeout of every process group this rank belongs to. torch has no public setter;
+    ``_set_pg_timeout`` (checked on torch 2.13.0) is what torchtitan uses for the same purpose."""
+    c10d = dist.distributed_c10d
+    groups = [None] + [pg for pg in list(c10d._world.pg_map) if pg is not c10d._get_default_group()]
+    for group in groups:
+        try:
+            c10d._set_pg_timeout(timeout, group)
+        except (ValueError, RuntimeError, AssertionError):  # not a member, or a backend without timeouts
+            pass
+
+
+def bf16_compress_hook_gloo(process_group, bucket):
+    """torch's own bf16 compression hook, under a name DDP does not refuse on gloo: DDP rejects any
+    hook *named* ``bf16_compress_hook`` unless NCCL is used, yet gloo all-reduces bf16 fine.
+    ``default_hooks._compress_hook``: checked on torch 2.13.0."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def checkpoint_wrapper_api():
+    """torch's activation-checkpoint wrappers (``checkpoint_wrapper``, ``apply_activation_checkpointing``,
+    ``CheckpointImpl``) live in a private module path: checked on torch 2.13.0 (FSDP2 docs use it)."""
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper
+
+    return checkpoint_wrapper
+
+
+def plain_random_sampler(sampler: Any) -> bool:
+    """A RandomSampler that is a plain shuffle (no replacement, no fixed ``num_samples``), which
+    distrain can replace by its distributed sampler. ``RandomSampler._num_samples``: torch 2.13.0."""
+    from torch.utils.data import RandomSampler
+
+    return type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None
+
+
+# ---- DeepSpeed ----------------------------------------------------------------------------------------
+# Checked against deepspeed 0.19.8.
+
+
+def deepspeed_record_classes() -> list[type]:
+    """The plain-record classes DeepSpeed pickles into its checkpoints, allowed by name for
+    ``torch.load(weights_only=True)``."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def deepspeed_safe_globals(force_weights_only: bool = False):
+    """DeepSpeed's record classes allowed for ``weights_only=True`` loads; ``force_weights_only``
+    also turns DeepSpeed's own ``torch.load(..., weights_only=False)`` calls into safe ones
+    (``zero_to_fp32`` and ``ds_to_universal`` have no switch for it), by replacing ``torch.load``
+    for the duration of the context only."""
+    original = torch.load
+    # only what is not allowed yet: torch's context removes its globals on exit, even when an
+    # enclosing context (a nested load) had added them too
+    missing = [g for g in deepspeed_record_classes() if g not in torch.serialization.get_safe_globals()]
+    with torch.serialization.safe_globals(missing):
+        if force_weights_only:
+            torch.load = functools.partial(_load_weights_only, original)
+        try:
+            yield
+        finally:
+            torch.load = original
+
+
+def _load_weights_only(load, *args, **kwargs):
+    kwargs["weights_only"] = True
+    return load(*args, **kwargs)
+
+
+def deepspeed_safe_checkpoint_loading(engine) -> None:
+    """Make the engine's checkpoint engine load with ``weights_only=True`` (its own ``load``
+    unpickles anything). ``engine.checkpoint_engine.load(path, map_location)``: deepspeed 0.19.8."""
+    if engine.checkpoint_engine is None:  # an engine without optimizer has none
+        return
+
+    def load(path: str, map_location=None):
+        with deepspeed_safe_globals():
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    engine.checkpoint_engine.load = load
+
+
+@contextlib.contextmanager
+def deepspeed_universal_loading(engine):
+    """Load the next checkpoint in DeepSpeed's universal format (resharded to this world size).
+    The switch is the engine config's ``load_universal_checkpoint`` (deepspeed 0.19.8); DeepSpeed
+    reads it on each ``load_checkpoint``."""
+    engine._config.load_universal_checkpoint = True
+    try:
+        with deepspeed_safe_globals(force_weights_only=True):
+            yield
+    finally:
+        engine._config.load_universal_checkpoint = False
+
+
+def deepspeed_to_universal(input_folder: str, output_folder: str) -> None:
+    """DeepSpeed's ``ds_to_universal`` converter, called as its command line would (it has no
+    function API): deepspeed 0.19.8."""
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = Namespace(
+        input_folder=input_folder,
+        output_folder=output_folder,
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )  # the version record Megatron clients write
+    with deepspeed_safe_globals(force_weights_only=True), contextlib.redirect_stdout(None):
+        ds_to_universal.main(args)

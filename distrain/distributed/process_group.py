@@ -1,0 +1,88 @@
+"""Starting and ending the default process group.
+
+Start: ``init_process_group`` waits ``timeout`` for every rank (generous: nodes come up at
+different times), then gives steady-state collectives the tight ``collective_timeout`` and starts
+the hang watch (``watch.py``). End: ``shutdown`` is the one teardown path, used by the strategies,
+the launchers' workers and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from distrain.distributed import watch
+
+
+def init_process_group(
+    backend: str,
+    timeout: timedelta,
+    collective_timeout: timedelta | None,
+    device: torch.device | None = None,
+    flight_recorder_dir: str | None = None,
+) -> None:
+    """Join (or, started by nobody, create) the default group from the standard env variables.
+    A group that already exists is kept; only its collective timeout is set."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # one process, started by nobody: a group of one
+            from distrain.cluster import find_free_port
+
+            os.environ.update(
+                RANK="0",
+                LOCAL_RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(find_free_port()),
+            )
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        kwargs = {}
+        if "nccl" in backend:
+            kwargs["device_id"] = device  # eager NCCL init: errors surface here, not mid-step
+            watch.enable_nccl_flight_recorder(flight_recorder_dir)
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            kwargs["store"] = _elastic_attempt_store(rank, world, timeout)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+        watch.start(rank, world, timeout)
+        # No barrier at exit: a peer that crashed must not make the survivors hang.
+        atexit.register(shutdown, barrier=False)
+    if watch.active() is not None:  # a group distrain started (now, or for an earlier strategy)
+        watch.active().set_collective_timeout(collective_timeout or timeout)
+
+
+def shutdown(barrier: bool = True) -> None:
+    """Tear the process group down while the interpreter is fully alive.
+
+    A DDP/FSDP wrapper caught in a reference cycle (module ↔ trainer) keeps gloo's worker threads
+    alive until interpreter finalization, where destroying them aborts the process ("terminate
+    called without an active exception") after a successful run. Collect such cycles first, then
+    destroy the group; the barrier keeps rank 0 (the store host) from leaving while a peer still
+    talks to it."""
+    gc.collect()
+    if dist.is_initialized():
+        if barrier:
+            dist.barrier()
+        dist.destroy_process_group()
+        watch.stop()
+    gc.collect()
+
+
+def _elastic_attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """torchrun's agent keeps one store for the whole job. After a restart, the keys the dead
+    attempt's ranks wrote (their gloo addresses) are still in it, and a new rank can read a dead
+    peer's address before the live peer overwrites it: "connectFullMesh failed ... Connection
+    refused". Each attempt gets its own key space."""
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_hosts_store and rank == 0,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"distrain/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)

@@ -1,0 +1,84 @@
+"""What strategies do to a model's layers: choose them (policies), recompute their activations
+(activation checkpointing), mark them as sharded units (``wrap``), and build them (init contexts)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from distrain import compat
+
+
+def wrap(module: nn.Module) -> nn.Module:
+    """Mark ``module`` as its own sharded unit (call inside ``configure_model``). Sharding
+    strategies shard it separately; every other strategy ignores the mark."""
+    module._distrain_wrap = True
+    return module
+
+
+def is_marked_unit(module: nn.Module) -> bool:
+    return getattr(module, "_distrain_wrap", False)
+
+
+def selected_layers(module: nn.Module, policy: Any) -> list[nn.Module]:
+    """The layers a ``policy`` selects: a set of layer classes, a callable ``(module) -> bool``, or
+    ``{"classes": {...}, "every_n": k}`` for every k-th matching layer."""
+    if not policy:
+        return []
+    every_n = 1
+    if isinstance(policy, dict):
+        every_n = int(policy.get("every_n", 1))
+        if every_n < 1:
+            raise ValueError(f"activation checkpointing every_n must be >= 1, got {every_n}")
+        policy = policy["classes"]
+    if callable(policy) and not isinstance(policy, type):
+        return [m for m in module.modules() if policy(m)]
+    classes = tuple(policy) if isinstance(policy, (set, list, tuple, frozenset)) else (policy,)
+    matches = [m for m in module.modules() if isinstance(m, classes)]
+    return [m for i, m in enumerate(matches) if i % every_n == 0]
+
+
+def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
+    """Recompute the activations of the selected layers in backward (torch's non-reentrant
+    checkpoint). ``policy``: see ``selected_layers``."""
+    if not policy:
+        return
+    api = compat.checkpoint_wrapper_api()
+    chosen = {id(m) for m in selected_layers(module, policy)}
+    wrapper = functools.partial(api.checkpoint_wrapper, checkpoint_impl=api.CheckpointImpl.NO_REENTRANT)
+    api.apply_activation_checkpointing(module, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen)
+
+
+def device_init_context(device: torch.device, bf16_true: bool, empty_init: bool | None):
+    """Build directly on ``device`` (and in bf16 for bf16-true); ``empty_init=True`` skips the
+    initializers, for weights about to be loaded anyway."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(device)
+    if bf16_true:
+        stack.enter_context(default_dtype(torch.bfloat16))
+    if empty_init:
+        stack.enter_context(SkipInit())
+    return stack
+
+
+class SkipInit(torch.overrides.TorchFunctionMode):
+    """Makes ``torch.nn.init.*`` no-ops: memory is allocated, nothing is written into it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs.get("tensor")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

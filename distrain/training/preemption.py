@@ -1,0 +1,64 @@
+"""Stopping on a signal, on every rank at the same step.
+
+SIGTERM (torchrun or Kubernetes stopping us) and SIGUSR1 (SLURM before the time limit or a
+preemption) end the run at the next optimizer step with a checkpoint, instead of killing it
+mid-step. A signal reaches the ranks at different moments, so each step starts an asynchronous
+max-reduction of "signal received?" and reads the one started a step earlier, which has long
+finished: agreement without a blocking collective per step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+
+import torch
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopAgreement:
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.received: int | None = None  # a signal this rank got
+        self.preempted: int | None = None  # the signal every rank agreed to stop on
+        self._pending: Callable[[], torch.Tensor] | None = None
+        self._previous_handlers: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+
+        def handler(signum, frame):
+            self.received = signum
+
+        for signum in SIGNALS:
+            self._previous_handlers[signum] = signal.signal(signum, handler)
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = {}
+
+    def requested(self) -> bool:
+        """Call once per optimizer step on every rank: True on all of them, at the same step, one
+        step after any rank got a signal."""
+        flag = self._collect()
+        self._pending = self.runtime.all_reduce_async(torch.tensor(float(self.received or 0)), "max")
+        return flag
+
+    def finish(self) -> None:
+        """Collect the reduction still in flight: no collective may be left behind."""
+        self._collect()
+
+    def abandon(self) -> None:
+        """After a failed collective: the reduction in flight can never finish either."""
+        self._pending = None
+
+    def _collect(self) -> bool:
+        pending, self._pending = self._pending, None
+        flag = float(pending()) if pending is not None else 0.0
+        if flag:
+            self.preempted = int(flag)
+        return bool(flag)

@@ -1,0 +1,109 @@
+"""Each private or version-sensitive call in distrain/compat.py, exercised for real; and
+checkpoints written by an earlier distrain (tests/data/previous/) still resume."""
+
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import RandomSampler
+
+import distrain
+from distrain import compat
+from helpers import TinyGPT, loader, make_trainer, run_ranks
+
+PREVIOUS = Path(__file__).parent / "data" / "previous"
+
+
+def _group_calls(rank):
+    distrain.Runtime(strategy="ddp", devices=2, accelerator="cpu").setup_environment()
+    store = compat.default_store()
+    store.set(f"k{rank}", "v")
+    compat.set_group_timeouts(timedelta(seconds=42))
+    dist.barrier()  # the group still works under its new timeout
+    # bf16 compression of a DDP bucket on gloo: gradients are the bf16-rounded mean
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 1, bias=False))
+    ddp.register_comm_hook(None, compat.bf16_compress_hook_gloo)
+    ddp(torch.full((1, 4), float(rank + 1))).sum().backward()
+    return store.get(f"k{1 - rank}").decode(), ddp.module.weight.grad.tolist()
+
+
+def test_process_group_store_timeouts_and_bf16_hook():
+    results = run_ranks(_group_calls, 2)
+    assert [r[0] for r in results] == ["v", "v"]
+    assert results[0][1] == results[1][1] == [[1.5, 1.5, 1.5, 1.5]]
+
+
+def test_checkpoint_wrapper_and_random_sampler():
+    api = compat.checkpoint_wrapper_api()
+    model = nn.Sequential(nn.Linear(2, 2))
+    api.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Linear))
+    assert isinstance(model[0], api.CheckpointWrapper)
+    assert compat.plain_random_sampler(RandomSampler(range(4)))
+    assert not compat.plain_random_sampler(RandomSampler(range(4), replacement=True))
+    assert not compat.plain_random_sampler(RandomSampler(range(4), num_samples=2))
+
+
+def test_deepspeed_record_classes_load_weights_only(tmp_path):
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    torch.save({"stage": ZeroStageEnum.weights}, tmp_path / "x.pt")
+    with pytest.raises(Exception, match="Unsupported global"):
+        torch.load(tmp_path / "x.pt", weights_only=True)
+    with compat.deepspeed_safe_globals():
+        assert torch.load(tmp_path / "x.pt", weights_only=True)["stage"] == ZeroStageEnum.weights
+    with compat.deepspeed_safe_globals(force_weights_only=True):
+        torch.load(tmp_path / "x.pt", weights_only=False)  # forced to weights_only=True, allowed class
+    assert torch.load is torch.serialization.load  # the replacement ends with the context
+
+
+# ---- checkpoints written by distrain 0.1.0 (tests/data/make_previous_checkpoints.py) ----------------
+def _install(tmp: Path, previous: str) -> None:
+    shutil.copytree(PREVIOUS / previous, tmp / "checkpoints" / "old")
+    (tmp / "checkpoints" / "last").symlink_to("old")
+
+
+def _continue(tmp, previous: str | None, strategy: str, devices: int):
+    """Train TinyGPT to step 6 as the fixtures were made (one thread per rank); with ``previous``,
+    resume from that checkpoint, written at step 3 by distrain 0.1.0."""
+    trainer, rec = make_trainer(
+        tmp,
+        strategy=strategy,
+        devices=devices,
+        max_steps=6,
+        accumulate_grad_batches=2,
+        gradient_clip_val=1.0,
+        logger=False,
+    )
+    distrain.seed_everything(0)
+    module = TinyGPT(dropout=0.1)
+    trainer.fit(module, loader(4), ckpt_path="last" if previous else None)
+    return distrain.checkpoint_state_of(module), rec.losses
+
+
+def test_previous_single_checkpoint_resumes_bit_identically(tmp_path):
+    ref, ref_losses = _continue(tmp_path / "ref", None, "single", 1)
+    _install(tmp_path / "old", "single-step3")
+    resumed, losses = _continue(tmp_path / "old", "single-step3", "single", 1)
+    assert losses == ref_losses[3:]
+    for k in ref:
+        assert torch.equal(ref[k], resumed[k]), k
+
+
+def _fsdp_rank(rank, tmp, previous):
+    return _continue(tmp, previous, "fsdp", 2)
+
+
+@pytest.mark.slow
+def test_previous_fsdp_checkpoint_resumes(tmp_path):
+    ref = run_ranks(_fsdp_rank, 2, tmp_path / "ref", None)[0]
+    _install(tmp_path / "old", "fsdp2-step3")
+    resumed = run_ranks(_fsdp_rank, 2, tmp_path / "old", "fsdp2-step3")[0]
+    assert resumed[1] == ref[1][3:]
+    for k in ref[0]:
+        assert torch.equal(ref[0][k], resumed[0][k]), k
