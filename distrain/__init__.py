@@ -1,6 +1,7 @@
 """distrain: train PyTorch models on 1 process, N processes or N nodes — the strategy is one parameter."""
 
 from distrain.callbacks import Callback, ModelCheckpoint, ProgressBar
+from distrain.checkpoint.io import CheckpointError
 from distrain.checkpoint.state import checkpoint_state_of
 from distrain.config import RunConfig, build_config
 from distrain.distributed.watch import CollectiveHangError
@@ -8,7 +9,7 @@ from distrain.module import LossModule, Module
 from distrain.runtime import Runtime, seed_everything
 from distrain.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
 from distrain.strategies.layers import wrap
-from distrain.trainer import Trainer
+from distrain.trainer import NonFiniteError, Trainer
 
 __version__ = "0.1.0"
 
@@ -31,4 +32,6 @@ __all__ = [
     "wrap",
     "checkpoint_state_of",
     "CollectiveHangError",
+    "NonFiniteError",
+    "CheckpointError",
 ]

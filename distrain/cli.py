@@ -197,8 +197,7 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         hf_job = HFJob(config)  # reads the model's config only: a bad name fails before any rank starts
     out = Path(config.output_dir)
     ckpt_dir = Path(c.checkpoint_dir) if c.checkpoint_dir else out / "checkpoints"
-    if resume == "auto":  # requeued/restarted jobs: continue if there is something to continue
-        resume = "last" if (ckpt_dir / "last").exists() else None
+    # --resume auto (requeued/restarted jobs): the newest intact checkpoint if there is one, else a fresh start
     if resume == "last" and not (ckpt_dir / "last").exists():
         raise FileNotFoundError(f"--resume last: no checkpoint in {ckpt_dir} to resume from")
 

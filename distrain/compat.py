@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import pickle
 from datetime import timedelta
 from typing import Any
 
@@ -143,3 +144,80 @@ def deepspeed_to_universal(input_folder: str, output_folder: str) -> None:
     )  # the version record Megatron clients write
     with deepspeed_safe_globals(force_weights_only=True), contextlib.redirect_stdout(None):
         ds_to_universal.main(args)
+
+
+# ---- transformers ---------------------------------------------------------------------------------------
+# Checked against transformers 5.23.
+
+
+def transformers_no_init_weights():
+    """Build a model without running its initializers (``transformers.initialization.no_init_weights``
+    in 5.x; ``modeling_utils.no_init_weights`` before)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+# ---- torch.distributed.checkpoint metadata, read without unpickling code ---------------------------------------
+# Checked against torch 2.13.0: FileSystemReader.read_metadata does a plain ``pickle.load`` of
+# ``.metadata``, so a crafted file runs code on load. These classes are all a real one holds.
+_DCP_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        allowed = (module, name) in _DCP_METADATA_GLOBALS or module == "torch.distributed.checkpoint.metadata"
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"DCP .metadata refers to {module}.{name}, which a checkpoint's metadata never holds; "
+                "refusing to load it (it could run code)"
+            )
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(path):
+    """A DCP checkpoint's ``Metadata``, through the restricted unpickler."""
+    from pathlib import Path
+
+    with open(Path(path) / ".metadata", "rb") as f:
+        return _DCPMetadataUnpickler(f).load()
+
+
+def safe_dcp_reader(path):
+    """torch's ``FileSystemReader`` whose ``read_metadata`` uses the restricted unpickler (it mirrors
+    torch 2.13.0's own: the metadata path, then ``storage_meta.load_id``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _DCPMetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(str(path))
+
+
+def dcp_storage_extents(path) -> dict[str, int]:
+    """``file name → bytes its items need`` from a DCP checkpoint's metadata (``storage_data`` maps
+    each item to a ``_StorageInfo(relative_path, offset, length)``: torch 2.13.0)."""
+    extents: dict[str, int] = {}
+    for info in read_dcp_metadata(path).storage_data.values():
+        extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
+    return extents

@@ -105,7 +105,7 @@ def with_distributed_sampler(
         drop_last=loader.drop_last,
         even=even,
     )
-    return DataLoader(
+    distributed = DataLoader(
         loader.dataset,
         batch_size=loader.batch_size,
         sampler=sampler,
@@ -117,11 +117,26 @@ def with_distributed_sampler(
         worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context,
         # A private generator: creating the iterator must not draw from the global RNG, or a
-        # resumed run's dropout stream would be shifted by one draw.
-        generator=loader.generator or torch.Generator().manual_seed(seed),
+        # resumed run's dropout stream would be shifted by one draw. It also seeds the workers
+        # (``seed_workers``): per rank and epoch.
+        generator=torch.Generator(),
         prefetch_factor=loader.prefetch_factor,
         persistent_workers=loader.persistent_workers,
     )
+    distributed.distrain_worker_seed = (seed, rank)
+    seed_workers(distributed, epoch=0)
+    return distributed
+
+
+def seed_workers(loader: DataLoader, epoch: int) -> None:
+    """Seed this epoch's DataLoader workers from (seed, rank, epoch): random augmentation in workers
+    differs between ranks and epochs, and a run resumed at an epoch repeats that epoch's streams.
+    (torch seeds each worker from a base seed drawn from the loader's generator when an epoch's
+    iterator starts.) Loaders distrain did not build are left alone."""
+    owner = getattr(loader, "distrain_worker_seed", None)
+    if owner is not None:
+        seed, rank = owner
+        loader.generator.manual_seed((seed * 1_000_003 + rank * 7_919 + epoch * 104_729) % 2**63)
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:

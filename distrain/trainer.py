@@ -11,9 +11,11 @@ metrics and stop-signal agreement are components it holds (``distrain/training/`
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from distrain.callbacks import Callback, ModelCheckpoint, ProgressBar
-from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, tokens_in_batch
+from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, seed_workers, tokens_in_batch
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 from distrain.module import Module
 from distrain.runtime import Runtime
@@ -33,7 +35,13 @@ from distrain.training.evaluation import Evaluator
 from distrain.training.metrics import MetricsLogger, StepResult
 from distrain.training.preemption import StopAgreement
 
-__all__ = ["Trainer", "CHECKPOINT_FORMAT"]
+__all__ = ["Trainer", "CHECKPOINT_FORMAT", "NonFiniteError"]
+
+NONFINITE_POLICIES = ("stop", "skip", "ignore")
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient norm was NaN or infinite (``on_nonfinite="stop"``)."""
 
 
 @dataclass
@@ -48,6 +56,9 @@ class LoopOptions:
     val_check_interval: int | float | None
     limit_val_batches: int | None
     use_distributed_sampler: bool
+    on_nonfinite: str
+    """A non-finite loss or gradient norm: ``stop`` the run (the default), ``skip`` the step on every
+    rank, or ``ignore`` it (no check, no host sync per step)."""
 
     def accumulate_for(self, epoch: int) -> int:
         return self.accumulation[max(e for e in self.accumulation if e <= epoch)]
@@ -88,10 +99,13 @@ class Trainer:
         enable_checkpointing: bool = True,
         use_distributed_sampler: bool = True,
         limit_val_batches: int | None = None,
+        on_nonfinite: str = "stop",
         **strategy_kwargs: Any,
     ):
         if gradient_clip_val is not None and gradient_clip_val < 0:
             raise ValueError(f"gradient_clip_val must be >= 0 (None or 0 disables clipping), got {gradient_clip_val}")
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
         if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be a positive integer, got {log_every_n_steps!r}")
         # where and how the ranks run
@@ -108,6 +122,7 @@ class Trainer:
             val_check_interval=val_check_interval,
             limit_val_batches=limit_val_batches,
             use_distributed_sampler=use_distributed_sampler,
+            on_nonfinite=on_nonfinite,
         )
         self.progress = TrainProgress()
         # what runs beside it
@@ -131,7 +146,8 @@ class Trainer:
         self.model = None
         self.optimizers = []
         self.lr_schedulers = []
-        self.should_stop = False  # a callback may set it: the run ends after this step
+        self.should_stop = False  # a callback may set it: the run ends (on every rank) at a step boundary
+        self._stopping = False
         self._last_val_step = -1
         self._num_batches: int | None = None  # the train loader's length, when it has one
 
@@ -181,7 +197,8 @@ class Trainer:
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Write a checkpoint directory (all ranks must call this together)."""
-        self.checkpoints.save(path)
+        if not self.checkpoints.save(path) and self.is_global_zero:
+            warnings.warn(f"distrain: the checkpoint {path} holds non-finite weights", stacklevel=2)
 
     # ---- public entry points: each launches the ranks, then runs the stage in every rank -------
     def fit(self, module: nn.Module, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
@@ -193,8 +210,8 @@ class Trainer:
         if train_dataloaders is None:
             raise ValueError("fit() needs train_dataloaders or a datamodule with train_dataloader()")
         if ckpt_path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
-            # torchrun restarted the group after a failure: continue from the newest checkpoint
-            ckpt_path = "last" if self.checkpoints.last_path().exists() else None
+            # torchrun restarted the group after a failure: continue from the newest intact checkpoint
+            ckpt_path = "auto"
         return self._launch(self._fit, module, train_dataloaders, val_dataloaders, ckpt_path)
 
     def validate(self, module: nn.Module, dataloaders=None, ckpt_path=None, datamodule=None) -> list[dict]:
@@ -231,18 +248,12 @@ class Trainer:
         module.on_fit_start()
         self.stop.install()
         try:
-            self._fit_loop(train_loader, val_loader)
-            rt.progress(None, "end of training")
-            if val_loader is not None and self._last_val_step != self.global_step and not self.preempted:
-                self._validate_during_fit(val_loader)  # the run always ends with a val score
-            self._call("on_train_end")
-        except BaseException as error:
-            hang = rt.explain_failure(error)  # a collective timed out or lost a peer: who is elsewhere, and where
-            self._call("on_exception", hang or error)
-            if hang is None:
-                raise
-            self.stop.abandon()  # the stop-signal all-reduce in flight cannot finish either
-            raise hang from error
+            with self._diagnosing_hangs(on_error=self._on_fit_error):
+                self._fit_loop(train_loader, val_loader)
+                rt.progress(None, "end of training")
+                if val_loader is not None and self._last_val_step != self.global_step and not self.preempted:
+                    self._validate_during_fit(val_loader)  # the run always ends with a val score
+                self._call("on_train_end")
         finally:
             self.stop.finish()  # no collective may be left in flight
             self.stop.uninstall()
@@ -256,19 +267,59 @@ class Trainer:
             )
         return self.callback_metrics
 
+    def _on_fit_error(self, error: BaseException, hang: Exception | None) -> None:
+        self._call("on_exception", hang or error)
+        if hang is not None:
+            self.stop.abandon()  # the stop-signal all-reduce in flight cannot finish either
+
+    @contextlib.contextmanager
+    def _diagnosing_hangs(self, on_error=None):
+        """A collective that timed out or lost a peer becomes a CollectiveHangError naming the ranks
+        that were elsewhere, and where (fit, validate, test and predict alike)."""
+        try:
+            yield
+        except BaseException as error:
+            hang = self.runtime.explain_failure(error)
+            if on_error is not None:
+                on_error(error, hang)
+            if hang is None:
+                raise
+            raise hang from error
+
     def _fit_loop(self, loader, val_loader) -> None:
         while not self._done() and (self.loop.max_epochs is None or self.current_epoch < self.loop.max_epochs):
             accumulate = self.loop.accumulate_for(self.current_epoch)
-            for micro_batches in _optimizer_steps(self._epoch_batches(loader), accumulate):
-                output = self.train_step(micro_batches, accumulate)
+            for micro_batches in self._optimizer_steps(self._epoch_batches(loader), accumulate, loader):
+                output = self.train_step(micro_batches)
                 self._after_step(output, micro_batches[-1], val_loader)
                 if self._done():
                     return
             self._end_epoch(val_loader)
 
+    def _optimizer_steps(self, batches: Iterable, accumulate: int, loader) -> Iterator[list]:
+        """The epoch's ``(batch_idx, batch)`` pairs in windows of ``accumulate``, one per optimizer
+        step, counted from where the epoch (re)starts. The last window of an epoch may be shorter: it
+        still steps, its gradient the mean over the micro-batches it has (``train_step``).
+
+        With distrain's sampler every rank has the same number of batches. Without it (an iterable
+        dataset, a sampler of your own) ranks may run out at different times, so they agree on each
+        window's length (one small all-reduce per step): batches beyond the shortest rank's are
+        dropped, and the epoch ends for all when one rank has none left."""
+        batches = iter(batches)
+        agree = self.world_size > 1 and not isinstance(getattr(loader, "sampler", None), ResumableDistributedSampler)
+        while True:
+            window = list(itertools.islice(batches, accumulate))
+            if agree:
+                shortest = int(self.runtime.all_reduce(torch.tensor(len(window)), op="min"))
+                window = window[:shortest]
+            if not window:
+                return
+            yield window
+
     def _epoch_batches(self, loader) -> Iterator[tuple[int, Any]]:
         """This epoch's ``(batch_idx, batch)`` pairs from where the data position says."""
         sampler = getattr(loader, "sampler", None)
+        seed_workers(loader, self.current_epoch)
         if isinstance(sampler, ResumableDistributedSampler):
             sampler.set_epoch(self.current_epoch)
             sampler.set_start(self.progress.samples_in_epoch)
@@ -283,41 +334,84 @@ class Trainer:
         self.module.on_train_epoch_start()
         return enumerate(loader, start=self.progress.samples_in_epoch // per_step)
 
-    def train_step(self, micro_batches: list[tuple[int, Any]], accumulate: int) -> Any:
+    def train_step(self, micro_batches: list[tuple[int, Any]]) -> Any:
         """One optimizer step over this rank's micro-batches: forward/backward each (gradients
-        synchronized on the last one only), then clip, step and log. Returns the last
-        ``training_step`` output."""
+        synchronized on the last one only), then check, clip, step and log. The gradient is the mean
+        over the step's micro-batches (each loss divided by their number, also in a shorter last
+        window) and over the ranks. Returns the last ``training_step`` output."""
         rt, optimizer = self.runtime, self.optimizers[0]
         rt.progress(self.global_step + 1, "forward/backward")  # where this rank is, if a collective hangs
-        self.module.on_train_step_start([batch for _, batch in micro_batches], accumulate)
+        window = len(micro_batches)
+        self.module.on_train_step_start([batch for _, batch in micro_batches], window)
         step_loss = torch.zeros((), device=rt.device)
         samples = tokens = 0
         for i, (batch_idx, batch) in enumerate(micro_batches):
             batch = move_to_device(batch, rt.device)
-            loss, output = self.forward_backward_step(
-                batch, batch_idx, scale=1 / accumulate, sync=i == len(micro_batches) - 1
-            )
-            step_loss += loss / accumulate
+            loss, output = self.forward_backward_step(batch, batch_idx, scale=1 / window, sync=i == window - 1)
+            step_loss += loss / window
             samples += batch_size_of(batch)
             tokens += tokens_in_batch(batch) or 0
             self.progress.samples_in_epoch += batch_size_of(batch) * self.world_size
 
         rt.progress(None, "optimizer step")
-        grad_norm = None
-        if self.loop.gradient_clip_val:
-            grad_norm = rt.clip_gradients(self.model, optimizer, self.loop.gradient_clip_val)
-        self._call("on_before_optimizer_step", optimizer)
-        rt.optimizer_step(optimizer, self.model)
+        grad_norm = self._gradient_norm(optimizer)
+        # The norm is global (every rank computed the same one), so every rank decides alike: the
+        # check needs no collective of its own, only this host sync (on_nonfinite="ignore" skips it).
+        healthy = rt.strategy.skips_nonfinite_steps or self._finite(grad_norm, step_loss)
+        if healthy:
+            self._call("on_before_optimizer_step", optimizer)
+            rt.optimizer_step(optimizer, self.model)
+            if rt.strategy.skips_nonfinite_steps:  # the engine checked, and skipped the step if it had to
+                healthy = self._finite(grad_norm, step_loss)
+        if not healthy:
+            self.progress.skipped_steps += 1
         optimizer.zero_grad(set_to_none=True)
         self._step_schedulers("step")
         self.progress.global_step += 1
 
         rt.progress(None, "logging")
+        lr = optimizer.param_groups[0]["lr"]
         result = StepResult(
-            self.global_step, self.current_epoch, step_loss, optimizer.param_groups[0]["lr"], grad_norm, samples, tokens
+            self.global_step, self.current_epoch, step_loss, lr, grad_norm, samples, tokens, self.progress.skipped_steps
         )
         self.metrics.step_done(result, final=self._done(), max_steps=self.loop.max_steps)
         return output
+
+    def _gradient_norm(self, optimizer) -> Any:
+        """The global gradient norm: clipped to ``gradient_clip_val`` when set; else measured only to
+        check it is finite."""
+        rt = self.runtime
+        if self.loop.gradient_clip_val:
+            return rt.clip_gradients(self.model, optimizer, self.loop.gradient_clip_val)
+        if self.loop.on_nonfinite == "ignore" or rt.precision.scaler is not None:
+            return None  # fp16's GradScaler skips overflowed steps itself: that is how it finds its scale
+        return rt.strategy.gradient_norm(self.model, optimizer)
+
+    def _finite(self, grad_norm: Any, step_loss: torch.Tensor) -> bool:
+        """False when the step's gradient norm is NaN or infinite (``skip``); ``stop`` raises instead,
+        naming the step, the rank(s) whose loss was bad, or the gradient norm."""
+        if grad_norm is None or self.loop.on_nonfinite == "ignore" or math.isfinite(float(grad_norm)):
+            return True
+        # every rank is here together (the norm is the same everywhere): find which losses were bad
+        losses = self.runtime.all_gather(step_loss.detach().float().reshape(1)).flatten().tolist()
+        bad = [r for r, v in enumerate(losses) if not math.isfinite(v)]
+        if bad:
+            what = f"the loss was {losses[bad[0]]} on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+        else:
+            what = f"the gradient norm was {float(grad_norm)} (the loss was finite on every rank)"
+        step = self.global_step + 1
+        if self.loop.on_nonfinite == "stop":
+            last = self.checkpoints.last_path()
+            kept = f"; {last} still holds the newest checkpoint" if last.exists() else ""
+            raise NonFiniteError(
+                f"distrain: at step {step} {what}; training stopped before applying it (on_nonfinite='stop'){kept}. "
+                "on_nonfinite='skip' drops such steps instead"
+            )
+        if self.is_global_zero:
+            print(
+                f"distrain: at step {step} {what}; the step is skipped on every rank (on_nonfinite='skip')", flush=True
+            )
+        return False
 
     def forward_backward_step(self, batch: Any, batch_idx: int, scale: float, sync: bool) -> tuple[torch.Tensor, Any]:
         """``training_step`` and its backward, the loss scaled by ``scale``; gradients are
@@ -334,15 +428,16 @@ class Trainer:
 
     def _after_step(self, output: Any, last_micro_batch: tuple[int, Any], val_loader) -> None:
         rt = self.runtime
-        rt.progress(None, "stop-signal check")
-        if self.stop.requested():
-            self.should_stop = True  # on_train_end writes the checkpoint
         val_every = self._val_every_steps()
         if val_loader is not None and val_every and self.global_step % val_every == 0:
             self._validate_during_fit(val_loader)  # before the callbacks, so checkpoints can monitor it
         rt.progress(None, "callbacks after the step (checkpointing)")
         batch_idx, batch = last_micro_batch
         self._call("on_train_batch_end", output, batch, batch_idx)
+        rt.progress(None, "stop-signal check")
+        # A signal, or a callback's should_stop, on any rank: every rank stops at the same step (on
+        # several ranks the step after the request; on_train_end writes the checkpoint)
+        self._stopping = self.stop.requested(local=self.should_stop)
 
     def _end_epoch(self, val_loader) -> None:
         self.runtime.progress(None, "end of epoch")
@@ -365,7 +460,7 @@ class Trainer:
         self.progress.samples_in_epoch = 0
 
     def _done(self) -> bool:
-        return self.should_stop or (self.loop.max_steps != -1 and self.global_step >= self.loop.max_steps)
+        return self._stopping or (self.loop.max_steps != -1 and self.global_step >= self.loop.max_steps)
 
     def _step_schedulers(self, interval: str) -> None:
         count = self.global_step + 1 if interval == "step" else self.current_epoch + 1
@@ -397,7 +492,8 @@ class Trainer:
         loader = self._setup_loader(loader, even=False)
         if ckpt_path is not None:
             self.checkpoints.restore(self.checkpoints.resolve(ckpt_path), weights_only=True)
-        metrics = self.evaluator.run(module, self.model, step_name, loader, None)
+        with self._diagnosing_hangs():
+            metrics = self.evaluator.run(module, self.model, step_name, loader, None)
         self.metrics.publish(metrics, self.global_step)
         self.metrics.finalize()
         return [metrics]
@@ -407,7 +503,8 @@ class Trainer:
         loader = self._setup_loader(loader, even=False)
         if ckpt_path is not None:
             self.checkpoints.restore(self.checkpoints.resolve(ckpt_path), weights_only=True)
-        return self.evaluator.predict(module, self.model, loader)
+        with self._diagnosing_hangs():
+            return self.evaluator.predict(module, self.model, loader)
 
     # ---- set-up -----------------------------------------------------------------------------------
     def _attach(self, module: Module, stage: str, train_loader=None) -> None:
@@ -469,14 +566,6 @@ class _StepRouter(nn.Module):
 
     def forward(self, step_name: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.module, step_name)(*args, **kwargs)
-
-
-def _optimizer_steps(batches: Iterable, accumulate: int) -> Iterator[list]:
-    """The epoch's ``(batch_idx, batch)`` pairs in windows of ``accumulate``, one per optimizer
-    step, counted from where the epoch (re)starts; the last window may be shorter."""
-    batches = iter(batches)
-    while window := list(itertools.islice(batches, accumulate)):
-        yield window
 
 
 def _loggers(logger: bool | Logger | Iterable[Logger], root: str) -> list[Logger]:

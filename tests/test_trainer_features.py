@@ -147,11 +147,19 @@ def test_init_module_builds_on_device_and_can_skip_init(tmp_path):
         model = nn.Linear(8, 8)
     assert model.weight.dtype == torch.bfloat16 and model.weight.device.type == "cpu"
     torch.manual_seed(0)
-    reference = nn.Linear(64, 64)
+    with trainer.init_module():
+        reference = nn.Linear(64, 64)
     torch.manual_seed(0)
+    with trainer.init_module():
+        again = nn.Linear(64, 64)
+    assert torch.equal(again.weight, reference.weight)  # the control: same seed, same bf16 draws
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
     with trainer.init_module(empty_init=True):
         skipped = nn.Linear(64, 64)
-    assert not torch.equal(skipped.weight.float(), reference.weight)  # the initializer never ran
+    assert skipped.weight.dtype == torch.bfloat16
+    assert torch.equal(torch.get_rng_state(), before)  # no initializer drew a random number
+    assert not torch.equal(skipped.weight, reference.weight)
 
 
 def test_ddp_spawn_with_configure_model_returns_weights(tmp_path):

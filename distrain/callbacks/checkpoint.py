@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import shutil
 import warnings
 from pathlib import Path
 
 from distrain.callbacks.base import Callback
-from distrain.checkpoint.io import LAST, point_last
+from distrain.checkpoint.io import LAST, point_last, remove_checkpoint
 
 
 class ModelCheckpoint(Callback):
@@ -83,9 +82,20 @@ class ModelCheckpoint(Callback):
             return
         self._last_saved_step = trainer.global_step
         score = self._score(trainer)
+        # Rank 0 names the checkpoint and every rank writes there: a name may use metrics that
+        # differ per rank (step time, tokens/s), and a sharded checkpoint needs every rank's shards.
         fields = {"epoch": trainer.current_epoch, "step": trainer.global_step, **trainer.callback_metrics}
-        path = self.dirpath / self.filename.format(**fields)
-        trainer.save_checkpoint(path)
+        name = self.filename.format(**fields) if trainer.is_global_zero else None
+        path = self.dirpath / trainer.runtime.broadcast(name)
+        finite = trainer.checkpoints.save(path)
+        if not finite:  # kept for a post-mortem, but never what a resume picks up
+            if trainer.is_global_zero:
+                warnings.warn(
+                    f"distrain: the checkpoint at step {trainer.global_step} holds non-finite weights: "
+                    f"written to {path}, but `last` still points at {self.last_model_path}",
+                    stacklevel=2,
+                )
+            return
         self.last_model_path = str(path)
         if trainer.is_global_zero:
             if self.save_last:
@@ -99,7 +109,7 @@ class ModelCheckpoint(Callback):
         if self.save_top_k >= 0:
             for _, stale in self.saved[self.save_top_k :]:
                 if stale != self.last_model_path:  # never delete what `last` points to
-                    shutil.rmtree(stale, ignore_errors=True)
+                    remove_checkpoint(stale)
             self.saved = [sp for sp in self.saved[: self.save_top_k]] + [
                 sp for sp in self.saved[self.save_top_k :] if sp[1] == self.last_model_path
             ]

@@ -35,7 +35,7 @@ from distrain.checkpoint import io as ckpt_io
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_EVERY_RANK = StateDictOptions(full_state_dict=True)
 SHARDED = StateDictOptions(full_state_dict=False)
-META_FILE = "meta.pt"
+META_FILE = ckpt_io.META_FILE
 DEEPSPEED_TAG = "deepspeed"  # the engine's shard folder inside a distrain checkpoint directory
 DEEPSPEED_META = "deepspeed"  # meta.pt entry: world size, stage, where the model sits in the engine
 
@@ -96,6 +96,8 @@ def load_into(
         value = loaded[key]
         opts = _optimizers(target)
         if isinstance(target, nn.Module):
+            if strict:
+                _check_fits(unwrap(target), {k: tuple(v.shape) for k, v in value.items()}, key)
             set_model_state_dict(unwrap(target), value, options=options)
         elif opts is not None:
             values = value if isinstance(target, (list, tuple)) else [value]
@@ -121,16 +123,40 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def save_sharded(
-    path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, is_global_zero: bool, barrier: Callable
+    path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, is_global_zero: bool, gather: Callable
 ) -> None:
     """Every rank writes its own shards in parallel (DCP); rank 0 commits the directory."""
-    path = Path(path)
     collected = state_of(state, unwrap, SHARDED)
     keys = tensor_keys(state)
-    with ckpt_io.directory_of_all_ranks(path, is_global_zero, barrier) as tmp:
+
+    def write(tmp: Path) -> None:
         dcp.save({k: collected[k] for k in keys}, checkpoint_id=str(tmp))
         if is_global_zero:
             torch.save({k: v for k, v in collected.items() if k not in keys}, tmp / META_FILE)
+
+    ckpt_io.write_checkpoint(path, write, is_global_zero, gather)
+
+
+def _check_fits(model: nn.Module, found: dict[str, tuple], source: str) -> None:
+    """A checkpoint of another model fails in one line naming the first keys that differ."""
+    expected = {k: tuple(v.shape) for k, v in get_model_state_dict(model, options=SHARDED).items()}
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    reshaped = [
+        f"{k} {found[k]} in the checkpoint, {expected[k]} here"
+        for k in expected
+        if k in found and found[k] != expected[k]
+    ]
+    problems = [
+        f"{what}: {', '.join(names[:3])}{' …' if len(names) > 3 else ''}"
+        for what, names in (("missing", missing), ("unexpected", unexpected), ("other shapes", reshaped))
+        if names
+    ]
+    if problems:
+        raise ckpt_io.CheckpointError(
+            f"the checkpoint's {source!r} does not fit {type(model).__name__} "
+            f"(a checkpoint of another model?): {'; '.join(problems)}"
+        )
 
 
 def load_any(
@@ -145,9 +171,19 @@ def load_any(
     keys = tensor_keys(state)
     every_rank = FULL_EVERY_RANK if options.full_state_dict else options  # FULL offloads to rank 0 only
     target = state_of({k: state[k] for k in keys}, unwrap, every_rank)
-    dcp.load(target, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    meta_file = path / META_FILE
-    meta = torch.load(meta_file, map_location="cpu", weights_only=True) if meta_file.exists() else {}
+    if strict:  # DCP's own error for a key it lacks is long; say it in one line first
+        stored = compat.read_dcp_metadata(path).state_dict_metadata
+        for key in keys:
+            model = state[key]
+            if isinstance(model, nn.Module):
+                found = {
+                    k[len(key) + 1 :]: tuple(getattr(m, "size", ()))
+                    for k, m in stored.items()
+                    if k.startswith(f"{key}.")
+                }
+                _check_fits(unwrap(model), found, key)
+    dcp.load(target, storage_reader=compat.safe_dcp_reader(path), no_dist=not dist.is_initialized())
+    meta = ckpt_io.load_file(path / META_FILE) if (path / META_FILE).exists() else {}
     return load_into(state, {**meta, **target}, unwrap, options, strict)
 
 
@@ -160,7 +196,7 @@ def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
     path = ckpt_io.resolve_checkpoint(path)
     if not (path / META_FILE).is_file():
         return ckpt_io.read_state_file(path)
-    return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    return ckpt_io.load_file(path / META_FILE)
 
 
 def read_model_weights(path: str | os.PathLike, key: str = "model") -> dict[str, torch.Tensor]:
@@ -170,14 +206,18 @@ def read_model_weights(path: str | os.PathLike, key: str = "model") -> dict[str,
         return _deepspeed_fp32_weights(path)
     if not is_sharded_checkpoint(path):
         return ckpt_io.read_state_file(path)[key]
-    import tempfile
+    # only the model's tensors: empty full-size ones from the metadata, filled by DCP (no process group)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "full.pt"
-        dcp_to_torch_save(str(path), str(out))
-        return torch.load(out, map_location="cpu", weights_only=True)[key]
+    stored = compat.read_dcp_metadata(path).state_dict_metadata
+    prefix = f"{key}."
+    weights = {
+        name[len(prefix) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for name, meta in stored.items()
+        if name.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load({key: weights}, storage_reader=compat.safe_dcp_reader(path), no_dist=True)
+    return weights
 
 
 def _deepspeed_fp32_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from distrain import compat
 from distrain.config import ConfigError
 
 TASKS = ("causal_lm", "sequence_classification")
@@ -111,26 +112,116 @@ def auto_class(task: str):
     }[task]
 
 
-def build_model(name: str, task: str, config, pretrained: bool = True, seed: int = 0) -> nn.Module:
-    """The full model on the current device, in fp32 (the Trainer's precision casts it later).
+def build_empty(task: str, config) -> nn.Module:
+    """The model's structure, its initializers not run, wherever the current context builds
+    (the device, the meta device, or partitioned by ZeRO-3's ``zero.Init``): ``initialize`` gives it
+    its weights, the same way under every strategy."""
+    with compat.transformers_no_init_weights():
+        model = auto_class(task).from_config(config, dtype=torch.float32)
+    model.tie_weights()  # skipped with the initializers; tied embeddings share one parameter
+    return model
 
-    ``pretrained=False``: fresh weights from a private seed, so that every strategy (and rank 0
-    alone, under FSDP) builds exactly the same ones whatever else drew from the RNG before."""
-    cls = auto_class(task)
-    if pretrained:
-        try:
-            # ignore_mismatched_sizes: a classifier head for another num_labels is re-initialized, not an error
-            return cls.from_pretrained(
-                os.path.expanduser(name),
-                config=config,
-                dtype=torch.float32,
-                ignore_mismatched_sizes=task == "sequence_classification",
-            )
-        except _hub_errors() as e:
-            raise not_loadable("training.model_name", name, e) from None
-    with torch.random.fork_rng(devices=[]):
+
+def initialize(model: nn.Module, name: str, pretrained: bool, seed: int) -> None:
+    """The weights of a model from ``build_empty``: with ``pretrained``, the checkpoint files'
+    tensors, read one at a time (no rank ever holds a second copy of the model); what the files do
+    not hold (a new classification head, buffers such as rotary frequencies) and, without
+    ``pretrained``, everything comes from the library's own initializer under ``seed`` (a private
+    RNG stream: the outer one is left as it was)."""
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
-        return cls.from_config(config, dtype=torch.float32)
+        loaded = _load_pretrained(model, name) if pretrained else set()
+        for path, module in model.named_modules():
+            own = [_plain_name(f"{path}.{n}" if path else n) for n, _ in module.named_parameters(recurse=False)]
+            has_buffers = any(b is not None for b in module.buffers(recurse=False))
+            if has_buffers or any(key not in loaded for key in own):
+                model._init_weights(module)
+
+
+def _load_pretrained(model: nn.Module, name: str) -> set[str]:
+    """Copy the checkpoint's tensors into ``model`` one at a time; returns the parameter names loaded.
+    Names are matched as Hugging Face does for the common cases: exactly, with or without the base
+    model's prefix (``bert.``), and LayerNorm's old ``gamma``/``beta``."""
+    directory = _local_model_dir(name)
+    targets = {_plain_name(k): t for k, t in model.state_dict(keep_vars=True).items()}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    loaded: set[str] = set()
+    unexpected = []
+    for key, read in checkpoint_tensors(directory):
+        target_key = _match_key(key, targets, prefix)
+        if target_key is None:
+            unexpected.append(key)
+            continue
+        target = targets[target_key]
+        tensor = read()
+        if tuple(tensor.shape) != tuple(target.shape):  # e.g. a classifier head for another num_labels
+            continue
+        target.copy_(tensor)
+        loaded.add(target_key)
+    if not loaded and targets:
+        raise ConfigError(
+            f"training.model_name: none of the weights in {directory} match {type(model).__name__} (checkpoint keys "
+            f"such as {', '.join(unexpected[:3])}; the model's: {', '.join(list(targets)[:3])})"
+        )
+    return loaded
+
+
+def _plain_name(key: str) -> str:
+    """A parameter's name without what wrappers insert (activation checkpointing, torch.compile)."""
+    for part in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        key = key.replace(part, "")
+    return key
+
+
+def _match_key(key: str, targets: dict, prefix: str) -> str | None:
+    candidates = [key, key.replace(".gamma", ".weight").replace(".beta", ".bias")]
+    if prefix:
+        candidates += [f"{prefix}.{c}" for c in candidates] + [
+            c[len(prefix) + 1 :] for c in candidates if c.startswith(f"{prefix}.")
+        ]
+    return next((c for c in candidates if c in targets), None)
+
+
+def checkpoint_tensors(directory: Path):
+    """``(name, read)`` for each tensor of a Hugging Face checkpoint directory, ``read()`` loading that
+    one tensor: safetensors (one file or an index of shards), else ``pytorch_model.bin`` read with
+    ``weights_only=True``."""
+    import json
+
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else (["model.safetensors"] if (directory / "model.safetensors").is_file() else [])
+    )
+    if files:
+        for file in files:
+            with safe_open(str(directory / file), framework="pt") as f:
+                for key in f.keys():
+                    yield key, (lambda f=f, key=key: f.get_tensor(key))
+        return
+    bin_file = directory / "pytorch_model.bin"
+    if not bin_file.is_file():
+        raise ConfigError(f"training.model_name: {directory} holds no model.safetensors or pytorch_model.bin")
+    for key, tensor in torch.load(bin_file, map_location="cpu", weights_only=True, mmap=True).items():
+        yield key, (lambda tensor=tensor: tensor)
+
+
+def _local_model_dir(name: str) -> Path:
+    """The directory holding the model's files: a local path as given, a hub name from the local cache
+    (``snapshot_download``; no network with HF_HUB_OFFLINE=1)."""
+    path = Path(os.path.expanduser(name))
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=["*.safetensors", "*.json", "*.bin"]))
+    except _hub_errors() as e:
+        raise not_loadable("training.model_name", name, e) from None
 
 
 def build_skeleton(task: str, config) -> nn.Module:

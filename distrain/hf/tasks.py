@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from distrain.hf import models
 from distrain.module import Module
 from distrain.optim import adamw, warmup_decay
+from distrain.strategies import sharded_init
 
 
 class HFTaskModule(Module):
@@ -51,42 +52,26 @@ class HFTaskModule(Module):
         return models.config_from_dict(self.hparams["hf_config"])
 
     # ---- building ------------------------------------------------------------------------------
+    #: the Hugging Face model's weights come from its files or the library's own initializer, all of
+    #: them in ``reset_parameters`` (a sharded replay calls it and does not descend into the model)
+    reset_parameters_covers_children = True
+
     def configure_model(self) -> None:
+        """The model is built empty wherever the strategy builds (the device, the meta device, ZeRO-3
+        partitions) and gets its weights in ``reset_parameters``: one code path under every strategy,
+        hence the same weights on any world size."""
         if self.model is not None:
             return
-        from distrain.strategies.deepspeed import building_partitioned
-
-        if torch.empty(0).device.type == "meta":  # a sharding strategy's init context
-            self.model = models.build_skeleton(self.task, self.hf_config())
-        elif building_partitioned():  # ZeRO-3: partitioned as built; the weights come in reset_parameters
-            self.model = models.auto_class(self.task).from_config(self.hf_config(), dtype=torch.float32)
-        else:
-            self.model = self._full_model()
-
-    def _full_model(self):
-        h = self.hparams
-        return models.build_model(h["model_name"], self.task, self.hf_config(), h["pretrained"], h["seed"])
+        self.model = models.build_empty(self.task, self.hf_config())
+        if not sharded_init.initialization_deferred():  # built whole here: initialize it now
+            sharded_init.initialize_now(self)
 
     def reset_parameters(self) -> None:
-        """FSDP calls this once this rank's (empty) shards are allocated, after every submodule's own
-        ``reset_parameters`` (DeepSpeed ZeRO-3 likewise, with the partitions gathered). Buffers that no
-        checkpoint holds (rotary frequencies, position ids) are recomputed by the model's own initializer;
-        the weights come from rank 0, which alone builds the full model on CPU and sends each tensor to
-        the ranks that hold a piece of it."""
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        for module in self.model.modules():
-            if module._buffers:
-                self.model._init_weights(module)
-        distributed = dist.is_initialized()
-        full = {}
-        if not distributed or dist.get_rank() == 0:
-            with torch.device("cpu"):
-                full = self._full_model().state_dict()
-        set_model_state_dict(
-            self.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
-        )
+        """Pretrained weights from the checkpoint files, one tensor at a time (under FSDP and ZeRO-3
+        each rank keeps only its shard of each); buffers and anything the files lack from the model's
+        own initializer (``models.initialize``)."""
+        h = self.hparams
+        models.initialize(self.model, h["model_name"], h["pretrained"], h["seed"])
 
     def configure_optimizers(self):
         h = self.hparams

@@ -45,6 +45,8 @@ class Strategy:
     start_method: str | None = None
     #: forward passes run collectives (sharded parameters): every rank must run the same steps
     collective_forward: bool = False
+    #: the optimizer step itself skips a step whose gradients are not finite (DeepSpeed's engine)
+    skips_nonfinite_steps: bool = False
 
     def __init__(
         self,
@@ -163,6 +165,13 @@ class Strategy:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
+    def gradient_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """The global norm of the gradients about to be applied, without clipping them."""
+        self.precision.unscale_gradients(optimizer)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded gradients: over all shards
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
         self.precision.optimizer_step(optimizer)
 
@@ -188,9 +197,12 @@ class Strategy:
     # ---- checkpoints: one full-state file written by rank 0 (sharded strategies override) -------
     def save_checkpoint(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
         plain = ckpt_state.state_of(state, self.unwrap, ckpt_state.FULL)
-        if self.is_global_zero:
-            ckpt_io.write_checkpoint_dir(path, {ckpt_io.STATE_FILE: plain})
-        self.barrier("save_checkpoint")
+
+        def write(tmp) -> None:
+            if self.is_global_zero:
+                torch.save(plain, tmp / ckpt_io.STATE_FILE)
+
+        ckpt_io.write_checkpoint(path, write, self.is_global_zero, self.all_gather_object)
 
     def load_checkpoint(self, path: str | os.PathLike, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         """Reads both formats: a full ``state.pt`` and a DCP-sharded directory (resharded to us)."""

@@ -32,6 +32,7 @@ from torch import nn
 from distrain import compat
 from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
+from distrain.strategies import sharded_init
 from distrain.strategies.base import Strategy, TrainingPlan
 from distrain.strategies.deepspeed_config import (
     PRESETS,
@@ -43,15 +44,6 @@ from distrain.strategies.deepspeed_config import (
 )
 from distrain.strategies.layers import selected_layers
 from distrain.strategies.registry import register
-
-_building_partitioned = False
-
-
-def building_partitioned() -> bool:
-    """True inside ``configure_model`` under ZeRO-3 (``deepspeed.zero.Init``): layers are
-    partitioned as they are built, so a model should be built fresh there and take its real
-    weights in ``reset_parameters``, which the strategy calls once on the gathered model."""
-    return _building_partitioned
 
 
 class DeepSpeedStrategy(Strategy):
@@ -116,7 +108,7 @@ class DeepSpeedStrategy(Strategy):
         self.filled_config: dict | None = None
         self.engine = None
         self._trains = False  # the engine has an optimizer (not set up for evaluation only)
-        self._rng_before_init: torch.Tensor | None = None
+        self._rng_before_init: dict | None = None
 
     @property
     def collective_forward(self) -> bool:
@@ -149,7 +141,7 @@ class DeepSpeedStrategy(Strategy):
     def _zero_init(self):
         import deepspeed
 
-        self._rng_before_init = torch.get_rng_state()
+        self._rng_before_init = sharded_init.record_rng()
         offload = self.config.get("zero_optimization", {}).get("offload_param") or {}
         offloaded = offload.get("device") in ("cpu", "nvme")
         zero = {"stage": 3}
@@ -170,37 +162,22 @@ class DeepSpeedStrategy(Strategy):
             "bf16": {"enabled": bf16},
         }
         remote = self.remote_device or (offload["device"] if offloaded else None)
-        global _building_partitioned
-        with deepspeed.zero.Init(config_dict_or_path=init_config, remote_device=remote):
-            _building_partitioned = True
-            try:
-                yield
-            finally:
-                _building_partitioned = False
+        with deepspeed.zero.Init(config_dict_or_path=init_config, remote_device=remote), sharded_init.deferred():
+            yield
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         if self._rng_before_init is not None:
-            self._replay_initialization(module)
+            # zero.Init partitions each layer when its ``__init__`` returns, so a parent that
+            # initializes its children's weights in its own ``__init__`` (GPT-2 style) wrote into
+            # empty partitions: replay the initialization from the RNG state construction began with,
+            # one gathered module at a time (sharded_init)
+            rng, self._rng_before_init = self._rng_before_init, None
+            unit_of = sharded_init.units_of_parameters(module)
+            sharded_init.replay_initialization(module, rng, _GatheredPartitions(), unit_of)
         else:
             module = module.to(self.root_device)
         self._checkpoint_activations(module)
         return module
-
-    def _replay_initialization(self, module: nn.Module) -> None:
-        """zero.Init partitions each layer when its ``__init__`` returns, so a parent that
-        initializes its children's weights in its own ``__init__`` (GPT-2 style) writes into
-        empty partitions. Replay every ``reset_parameters`` children-first from the RNG state
-        construction began with: the same draws in the same order as an eager build, hence the
-        same weights as under DDP or FSDP."""
-        import deepspeed
-
-        rng, self._rng_before_init = self._rng_before_init, None
-        torch.set_rng_state(rng)
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0), torch.no_grad():
-            for m in _children_first(module):
-                reset = getattr(m, "reset_parameters", None)
-                if callable(reset):
-                    reset()
 
     def _checkpoint_activations(self, module: nn.Module) -> None:
         """DeepSpeed's activation checkpointing (CPU offload / partitioning of the saved inputs)
@@ -356,6 +333,12 @@ class DeepSpeedStrategy(Strategy):
             )
         return _NormAfterStep(self.engine)  # clipped inside engine.step(), across the partitions
 
+    #: the engine skips a step whose gradient norm is not finite (ZeRO 1-3, fp32 and bf16)
+    skips_nonfinite_steps = True
+
+    def gradient_norm(self, module: nn.Module, optimizer):
+        return _NormAfterStep(self.engine)  # the engine computes it inside step(), across the partitions
+
     def optimizer_step(self, optimizer, module: nn.Module | None = None) -> None:
         with _without_torch_deprecations():
             self.engine.step()
@@ -385,13 +368,20 @@ class DeepSpeedStrategy(Strategy):
             "stage": self.stage,
             "module_prefix": _prefix_of(self.unwrap(model) if model is not None else None, self.engine.module),
         }
-        with ckpt_io.directory_of_all_ranks(
-            path, self.is_global_zero, self.barrier, finish=_write_full_weights if self.save_full_weights else None
-        ) as tmp:
+
+        def write(tmp: Path) -> None:
             with _without_torch_deprecations():
                 self.engine.save_checkpoint(str(tmp), tag=ckpt_state.DEEPSPEED_TAG, client_state={}, save_latest=False)
             if self.is_global_zero:
                 torch.save(rest, tmp / ckpt_state.META_FILE)
+
+        ckpt_io.write_checkpoint(
+            path,
+            write,
+            self.is_global_zero,
+            self.all_gather_object,
+            finish=_write_full_weights if self.save_full_weights else None,
+        )
 
     def load_checkpoint(self, path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         path = ckpt_io.resolve_checkpoint(path)
@@ -494,10 +484,25 @@ def _write_full_weights(checkpoint_dir: Path) -> None:
     save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(checkpoint_dir / "model.safetensors"))
 
 
-def _children_first(module: nn.Module):
-    for child in module.children():
-        yield from _children_first(child)
-    yield module
+class _GatheredPartitions(sharded_init.ShardAccess):
+    """ZeRO-3: a partitioned parameter is gathered whole (``GatheredParameters``) while
+    initialization works on it, and partitioned again (from rank 0's identical copy) after."""
+
+    metadata_from_shard = False  # a partitioned parameter's own shape is empty
+
+    def __init__(self):
+        self._open: dict[int, Any] = {}
+
+    def full(self, param, overwritten):
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters([param], modifier_rank=0)
+        gathered.__enter__()
+        self._open[id(param)] = gathered
+        return param
+
+    def commit(self, param, full):
+        self._open.pop(id(param)).__exit__(None, None, None)
 
 
 def _prefix_of(model: nn.Module | None, root: nn.Module) -> str:

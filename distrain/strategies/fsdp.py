@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distrain.checkpoint import state as ckpt_state
+from distrain.strategies import sharded_init
 from distrain.strategies.base import Strategy
 from distrain.strategies.layers import apply_activation_checkpointing, is_marked_unit
 from distrain.strategies.registry import register
@@ -84,6 +85,8 @@ class FSDPStrategy(Strategy):
         self.device_mesh = device_mesh
         self.forward_prefetch = forward_prefetch
         self.sync_module_states = sync_module_states
+        self._build_rng = None  # the RNG state configure_model started from (sharded_init replays it)
+        self._skip_init = False
         self._explain_fsdp1_options(backward_prefetch, use_orig_params)
 
     @staticmethod
@@ -109,10 +112,21 @@ class FSDPStrategy(Strategy):
 
     # ---- set-up ----------------------------------------------------------------------------
     def module_init_context(self, empty_init: bool | None = None):
-        """configure_model builds on the meta device: no rank ever holds the whole model."""
+        """configure_model builds on the meta device: no rank ever holds the whole model. Set-up then
+        initializes it shard by shard to exactly the weights a one-process build would have
+        (``sharded_init``), from the RNG state recorded here; ``empty_init=True`` skips that (for
+        weights about to be loaded)."""
         if empty_init is False:
             return super().module_init_context(empty_init)
-        return torch.device("meta")
+        self._skip_init = bool(empty_init)
+        stack = contextlib.ExitStack()
+        stack.enter_context(sharded_init.recording_rng(self._record_build_rng))
+        stack.enter_context(sharded_init.deferred())
+        stack.enter_context(torch.device("meta"))
+        return stack
+
+    def _record_build_rng(self, state) -> None:
+        self._build_rng = state
 
     def _mesh(self):
         from torch.distributed.device_mesh import init_device_mesh
@@ -172,7 +186,7 @@ class FSDPStrategy(Strategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         module = self.precision.convert_module(module)
-        on_meta = any(p.is_meta for p in module.parameters())
+        on_meta = _built_on_meta(module)
         if not on_meta:
             module = module.to(self.root_device)
             if self.sync_module_states:
@@ -196,10 +210,17 @@ class FSDPStrategy(Strategy):
             for this, nxt in zip(units, units[1:]):
                 this.set_modules_to_forward_prefetch([nxt])
         if on_meta:
-            _materialize_shards(module, torch.device("cpu") if self.cpu_offload else self.root_device)
+            module.to_empty(device=torch.device("cpu") if self.cpu_offload else self.root_device)
+            if not self._skip_init:
+                rng = self._build_rng or sharded_init.record_rng()  # built on meta by the caller: from here
+                unit_of = sharded_init.units_of_parameters(module, list(reversed(units)))
+                access = sharded_init.DTensorShards(self.root_device)
+                #: the most bytes of full-size temporaries initialization held at once (one unit at most)
+                self.init_peak_bytes = sharded_init.replay_initialization(module, rng, access, unit_of)
             for sub in module.modules():  # offloading moves parameters only: buffers live on the device
                 for name, buf in sub.named_buffers(recurse=False):
                     sub._buffers[name] = buf.to(self.root_device)
+        self._build_rng, self._skip_init = None, False
         return module
 
     def setup(self, module: nn.Module, optimizers=()):
@@ -227,7 +248,7 @@ class FSDPStrategy(Strategy):
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, path, state: dict[str, Any]) -> None:
         if self.state_dict_type == "sharded":
-            ckpt_state.save_sharded(path, state, self.unwrap, self.is_global_zero, self.barrier)
+            ckpt_state.save_sharded(path, state, self.unwrap, self.is_global_zero, self.all_gather_object)
         else:  # full: gathered into CPU memory on rank 0 only (cpu_offload), never onto one GPU
             super().save_checkpoint(path, state)
 
@@ -258,17 +279,17 @@ def _default_block_classes(module: nn.Module) -> set[type] | None:
     return None
 
 
-def _materialize_shards(module: nn.Module, device: torch.device) -> None:
-    """Allocate only this rank's shards, then initialize them: each module's own
-    ``reset_parameters`` runs children first, so a parent's custom init (e.g. GPT's) wins."""
-    module.to_empty(device=device)
-    with torch.no_grad(), warnings.catch_warnings():
-        # each rank initializes its own shard: exactly what we want, so torch's caution is noise
-        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-        for m in reversed(list(module.modules())):
-            reset = getattr(m, "reset_parameters", None)
-            if callable(reset):
-                reset()
+def _built_on_meta(module: nn.Module) -> bool:
+    """Whether configure_model built the model on the meta device; a mix of meta and real tensors
+    cannot be sharded faithfully (re-allocating the meta ones would wipe the real ones)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    meta = [t.is_meta for t in tensors]
+    if any(meta) and not all(meta):
+        raise ValueError(
+            f"{type(module).__name__} has layers built in __init__ and layers built in configure_model (on the meta "
+            "device); under FSDP build all of them in configure_model (or all in __init__)"
+        )
+    return any(meta)
 
 
 def options_from_config(config, block_classes) -> dict:

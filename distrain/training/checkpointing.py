@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from distrain.checkpoint import io as ckpt_io
 from distrain.runtime import rng_state, set_rng_state
 
 CHECKPOINT_FORMAT = "distrain/1"
@@ -29,6 +32,8 @@ class TrainProgress:
     """Global position in this epoch's sample order (samples consumed by all ranks together)."""
     epoch_done: bool = False
     """Saved at the end of ``epoch``: a resume starts the next one."""
+    skipped_steps: int = 0
+    """Optimizer steps dropped because their gradients were not finite (``on_nonfinite="skip"``)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -36,6 +41,7 @@ class TrainProgress:
             "epoch": self.epoch,
             "samples_in_epoch": self.samples_in_epoch,
             "epoch_done": self.epoch_done,
+            "skipped_steps": self.skipped_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -43,6 +49,7 @@ class TrainProgress:
         self.epoch = state["epoch"]
         self.samples_in_epoch = state["samples_in_epoch"]
         self.epoch_done = state.get("epoch_done", False)
+        self.skipped_steps = state.get("skipped_steps", 0)
 
 
 class CheckpointManager:
@@ -55,13 +62,48 @@ class CheckpointManager:
         dirpath = Path(cb.dirpath) if cb and cb.dirpath else Path(self.trainer.default_root_dir) / "checkpoints"
         return dirpath / "last"
 
-    def resolve(self, ckpt_path: str | os.PathLike) -> Path:
-        if ckpt_path == "last":
+    def resolve(self, ckpt_path: str | os.PathLike) -> Path | None:
+        """The checkpoint to load. ``"last"``: the newest one, and a one-line error naming the newest
+        intact one if it is damaged; ``"auto"``: the newest intact one (with a warning when that is
+        not ``last``), or None when there is none yet; else the path itself, checked. Rank 0 decides
+        and every rank follows, so all load the same checkpoint."""
+        t = self.trainer
+        decision = self._decide(ckpt_path) if t.is_global_zero else None
+        kind, value = t.runtime.broadcast(decision)
+        if kind == "missing":
+            raise FileNotFoundError(value)
+        if kind == "damaged":
+            raise ckpt_io.CheckpointError(value)
+        return Path(value) if value is not None else None
+
+    def _decide(self, ckpt_path: str | os.PathLike) -> tuple[str, str | None]:
+        if ckpt_path in ("last", "auto"):
             last = self.last_path()
-            if not last.exists():
-                raise FileNotFoundError(f"ckpt_path='last': no checkpoint found at {last} (nothing to resume)")
-            return last.resolve()
-        return Path(ckpt_path)
+            if last.exists():
+                target = last.resolve()
+            elif ckpt_path == "auto":  # e.g. a crash between a commit and `last`: the newest intact one
+                intact = ckpt_io.newest_intact(last.parent)
+                return "ok", str(intact) if intact else None
+            else:
+                return "missing", f"ckpt_path='last': no checkpoint found at {last} (nothing to resume)"
+        else:
+            target = Path(ckpt_path)
+            if not target.exists():
+                return "missing", f"checkpoint not found: {target}"
+            target = target.resolve()
+        problem = ckpt_io.verify(target)
+        if problem is None:
+            return "ok", str(target)
+        intact = ckpt_io.newest_intact(target.parent, exclude=target)
+        if ckpt_path == "auto" and intact is not None:
+            ckpt_io.warn_fallback(target, problem, intact)
+            return "ok", str(intact)
+        where = (
+            f"the newest intact checkpoint is {intact} (--resume auto / ckpt_path='auto' falls back to it)"
+            if intact
+            else "no intact checkpoint is left beside it"
+        )
+        return "damaged", f"checkpoint {target} is damaged or incomplete ({problem}); {where}"
 
     # ---- what -------------------------------------------------------------------------------------
     def _live_objects(self) -> dict[str, Any]:
@@ -76,7 +118,9 @@ class CheckpointManager:
 
     def progress_state(self) -> dict[str, Any]:
         t = self.trainer
-        return {**t.progress.state_dict(), "callback_metrics": dict(t.metrics.callback_metrics)}
+        # numbers only (a value logged on a step that was not a logging step is still a tensor)
+        metrics = {k: float(v) for k, v in t.metrics.callback_metrics.items()}
+        return {**t.progress.state_dict(), "callback_metrics": metrics}
 
     def load_progress_state(self, state: dict[str, Any]) -> None:
         t = self.trainer
@@ -98,13 +142,24 @@ class CheckpointManager:
         }
 
     # ---- save and restore -------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike) -> None:
-        """Write a checkpoint directory (all ranks call this together)."""
+    def save(self, path: str | os.PathLike) -> bool:
+        """Write a checkpoint directory (all ranks call this together). Returns whether every weight
+        is finite (agreed across ranks): a checkpoint that is not must never become ``last``."""
         if self.trainer.module is None:
             raise RuntimeError("save_checkpoint() needs a module attached by fit/validate/test first")
         self.trainer.runtime.save(path, self.state())
+        return self.weights_finite()
 
-    def restore(self, path: Path, weights_only: bool = False) -> None:
+    def weights_finite(self) -> bool:
+        t = self.trainer
+        local = [getattr(p, "ds_tensor", p) for p in t.module.parameters()]  # ZeRO-3: this rank's partition
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in local]  # FSDP: this rank's shard
+        finite = all(bool(torch.isfinite(p).all()) for p in local if p.numel())
+        return bool(t.runtime.all_reduce(torch.tensor(float(finite)), op="min"))
+
+    def restore(self, path: Path | None, weights_only: bool = False) -> None:
+        if path is None:  # ckpt_path="auto" with no checkpoint yet: a fresh start
+            return
         t = self.trainer
         if weights_only:
             t.runtime.load(path, {"model": t.module})

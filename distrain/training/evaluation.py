@@ -2,11 +2,15 @@
 
 Under strategies whose forward runs collectives (FSDP, ZeRO-3: each layer all-gathers its
 parameters), every rank must run as many forwards as the busiest one, or the others wait forever.
-A rank that runs out of batches repeats its last one with logging muted, so each sample still
-counts exactly once.
+A rank that runs out of batches repeats its last one (one that got none at all: a stand-in made
+from the dataset's first sample) with its results dropped, so each sample still counts exactly once.
 """
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -31,26 +35,13 @@ class Evaluator:
         module.eval()
         collector.stage = "validate"
         default_name = DEFAULT_LOSS_NAMES[step_name]
-        num_batches = len(loader) if limit is None else min(limit, len(loader))
-        collective = rt.strategy.collective_forward and model is not None
-        # Sharded forwards all-gather: every rank must run as many steps as the busiest one.
-        num_steps = int(rt.all_reduce(torch.tensor(num_batches), op="max")) if collective else num_batches
-        batches = iter(loader)
-        batch = None
+        step, collective = self._step_function(module, model, step_name)
         with torch.no_grad():
-            for batch_idx in range(num_steps):
-                collector.muted = batch_idx >= num_batches
-                if not collector.muted:
-                    batch = move_to_device(next(batches), rt.device)
-                if batch is None:  # this rank got no evaluation data at all
-                    break
+            for batch_idx, batch, padding in self._lockstep(loader, limit, collective):
+                collector.muted = padding
                 collector.current_batch_size = batch_size_of(batch)
                 with rt.autocast():
-                    output = (
-                        model(step_name, batch, batch_idx)
-                        if collective
-                        else getattr(module, step_name)(batch, batch_idx)
-                    )
+                    output = step(move_to_device(batch, rt.device), batch_idx)
                 if isinstance(output, torch.Tensor) and output.dim() == 0 and default_name not in collector.epoch_sums:
                     collector.log(default_name, output, sync_dist=True)
         collector.muted = False
@@ -62,6 +53,63 @@ class Evaluator:
     def predict(self, module, model, loader) -> list:
         """This rank's predictions, in its sampler order."""
         module.eval()
-        step = (lambda b, i: model("predict_step", b, i)) if model is not None else module.predict_step
+        step, collective = self._step_function(module, model, "predict_step")
+        predictions = []
         with torch.no_grad(), self.runtime.autocast():
-            return [step(move_to_device(batch, self.runtime.device), i) for i, batch in enumerate(loader)]
+            for batch_idx, batch, padding in self._lockstep(loader, None, collective):
+                output = step(move_to_device(batch, self.runtime.device), batch_idx)
+                if not padding:
+                    predictions.append(output)
+        return predictions
+
+    def _step_function(self, module, model, step_name: str):
+        """Through the strategy's wrapper where forwards communicate (every rank must run them),
+        else the module's own step."""
+        if self.runtime.strategy.collective_forward and model is not None:
+            return (lambda batch, i: model(step_name, batch, i)), True
+        return getattr(module, step_name), False
+
+    def _lockstep(self, loader, limit: int | None, collective: bool) -> Iterator[tuple[int, Any, bool]]:
+        """``(batch_idx, batch, padding)``: this rank's batches; where forwards communicate, followed by
+        stand-in batches (``padding``, their results dropped) until the busiest rank is done, so every
+        rank runs every forward — also a rank that got no sample at all."""
+        batches = iter(loader) if limit is None else itertools.islice(loader, limit)
+        if not collective:
+            yield from ((i, batch, False) for i, batch in enumerate(batches))
+            return
+        local = _length(loader)
+        if local is None:  # an iterable loader: count by reading (evaluation sets are small)
+            batches = list(batches)
+            local = len(batches)
+        local = local if limit is None else min(limit, local)
+        busiest = int(self.runtime.all_reduce(torch.tensor(local), op="max"))
+        last = None
+        for i, batch in enumerate(batches):
+            last = batch
+            yield i, batch, False
+        for i in range(local, busiest):
+            if last is None:
+                last = _stand_in_batch(loader, self.runtime.global_rank)
+            yield i, last, True
+
+
+def _length(loader) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _stand_in_batch(loader, rank: int):
+    """A batch for a rank that got no evaluation sample: the dataset's first sample, collated as the
+    loader would. Its results are never counted."""
+    dataset = getattr(loader, "dataset", None)
+    collate = getattr(loader, "collate_fn", None)
+    try:
+        return collate([dataset[0]])
+    except Exception as e:
+        raise RuntimeError(
+            f"rank {rank} has no evaluation batch, but its forward must run (the model's layers all-gather their "
+            f"parameters on every rank) and its loader cannot make a stand-in batch ({type(e).__name__}: {e}); "
+            "give every rank at least one sample (e.g. fewer ranks, or a larger evaluation set)"
+        ) from None

@@ -20,23 +20,23 @@ from distrain.loggers import Logger
 
 @dataclass
 class _Entry:
-    value: float
-    on_step: bool
-    on_epoch: bool
+    value: torch.Tensor | float  # a tensor stays on its device until the values are needed
     sync_dist: bool
-    prog_bar: bool
-    batch_size: int
 
 
 class MetricCollector:
-    """Training logs default to per-step; evaluation logs to a per-epoch sample-weighted mean."""
+    """Training logs default to per-step; evaluation logs to a per-epoch sample-weighted mean.
+
+    Logged tensors stay on their device (no host sync per micro-step); they become numbers once per
+    logging step or epoch, when they are also reduced across ranks — by names every rank agrees on,
+    since a collective over lists that differ between ranks would mismatch or hang."""
 
     def __init__(self, runtime) -> None:
         self.runtime = runtime
         self.stage = "train"
         self.current_batch_size = 1
         self.step_entries: dict[str, _Entry] = {}
-        self.epoch_sums: dict[str, list[float]] = {}  # name -> [sum of value*weight, sum of weights]
+        self.epoch_sums: dict[str, list] = {}  # name -> [sum of value*weight, sum of weights]
         self.prog_bar: set[str] = set()
         self.epoch_sync: set[str] = set()
         self.epoch_summed: set[str] = set()  # reduce_fx="sum": totals, not means
@@ -59,34 +59,40 @@ class MetricCollector:
         training = self.stage == "train"
         on_step = training if on_step is None else on_step
         on_epoch = (not training) if on_epoch is None else on_epoch
-        value = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+        value = value.detach().float().mean() if isinstance(value, torch.Tensor) else float(value)
         weight = batch_size or self.current_batch_size
-        entry = _Entry(value, on_step, on_epoch, sync_dist, prog_bar, weight)
         if on_step:
-            self.step_entries[name] = entry
+            self.step_entries[name] = _Entry(value, sync_dist)
         if on_epoch:
             acc = self.epoch_sums.setdefault(name, [0.0, 0.0])
             if reduce_fx == "sum":
-                acc[0] += value
+                acc[0] = acc[0] + value
                 acc[1] += 1
                 self.epoch_summed.add(name)
             else:
-                acc[0] += value * weight
+                acc[0] = acc[0] + value * weight
                 acc[1] += weight
             if sync_dist or not training:
                 self.epoch_sync.add(name)
         if prog_bar:
             self.prog_bar.add(name)
 
-    def pop_step_metrics(self, reduce: bool) -> dict[str, float]:
-        """The latest per-step values; ``sync_dist`` ones averaged over ranks when ``reduce``."""
+    def pop_step_metrics(self, reduce: bool) -> dict[str, Any]:
+        """The latest per-step values. With ``reduce`` (logging steps): plain numbers, ``sync_dist``
+        ones averaged over the ranks that logged them; without: as logged (tensors stay on the device)."""
         entries, self.step_entries = self.step_entries, {}
+        if not reduce:
+            return {n: e.value for n, e in entries.items()}
         synced = sorted(n for n, e in entries.items() if e.sync_dist)
-        out = {n: e.value for n, e in entries.items()}
-        if reduce and synced:
-            values = self.runtime.all_reduce(torch.tensor([entries[n].value for n in synced], dtype=torch.float64))
-            out.update(zip(synced, values.tolist()))
-        return out
+        if self.runtime.world_size > 1:  # a rank that did not log a name this step still takes part
+            synced = sorted(set().union(*self.runtime.all_gather_object(synced)))
+        out = {n: e.value for n, e in entries.items() if n not in synced}
+        if synced:
+            # [value, 1] per name this rank logged, [0, 0] for the others: the mean over those that did
+            rows = [[entries[n].value, 1.0] if n in entries else [0.0, 0.0] for n in synced]
+            sums = self.runtime.all_reduce(_as_tensor(rows, self.runtime.device), op="sum").tolist()
+            out.update({n: total / count for n, (total, count) in zip(synced, sums) if count})
+        return {n: float(v) for n, v in out.items()}
 
     def pop_epoch_metrics(self) -> dict[str, float]:
         """Sample-weighted means; evaluation metrics and sync_dist ones over all ranks' samples."""
@@ -100,12 +106,20 @@ class MetricCollector:
             summed = set().union(*(g[1] for g in gathered))
         else:
             names = sorted(sync)
-        out = {n: s if n in summed else s / w for n, (s, w) in sums.items() if w}
+        local = {n: (float(s), w) for n, (s, w) in sums.items()}
+        out = {n: s if n in summed else s / w for n, (s, w) in local.items() if w}
         if names:
-            totals = torch.tensor([sums.get(n, [0.0, 0.0]) for n in names], dtype=torch.float64)
-            totals = self.runtime.all_reduce(totals, op="sum")
-            out.update({n: s if n in summed else s / w for n, (s, w) in zip(names, totals.tolist()) if w})
+            rows = [sums.get(n, [0.0, 0.0]) for n in names]
+            totals = self.runtime.all_reduce(_as_tensor(rows, self.runtime.device), op="sum").tolist()
+            out.update({n: s if n in summed else s / w for n, (s, w) in zip(names, totals) if w})
         return out
+
+
+def _as_tensor(rows: list[list], device: torch.device) -> torch.Tensor:
+    """Rows of tensors and numbers → one float64 tensor on ``device`` (one transfer, no host sync)."""
+    return torch.stack(
+        [torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in row]) for row in rows]
+    )
 
 
 class Throughput:
@@ -157,6 +171,7 @@ class StepResult:
     grad_norm: Any  # a tensor, a lazy norm (DeepSpeed's), or None without clipping
     samples: int  # this rank's samples in the step
     tokens: int
+    skipped_steps: int = 0  # steps dropped so far for non-finite gradients
 
 
 class MetricsLogger:
@@ -201,6 +216,8 @@ class MetricsLogger:
         }
         if result.grad_norm is not None:
             metrics["grad_norm"] = float(result.grad_norm)
+        if result.skipped_steps:
+            metrics["skipped_steps"] = result.skipped_steps
         self.progress_bar_metrics = {
             "loss": metrics["loss"],
             **({"tok/s": round(metrics["tokens_per_sec"])} if "tokens_per_sec" in metrics else {}),

@@ -4,7 +4,8 @@ SIGTERM (torchrun or Kubernetes stopping us) and SIGUSR1 (SLURM before the time 
 preemption) end the run at the next optimizer step with a checkpoint, instead of killing it
 mid-step. A signal reaches the ranks at different moments, so each step starts an asynchronous
 max-reduction of "signal received?" and reads the one started a step earlier, which has long
-finished: agreement without a blocking collective per step.
+finished: agreement without a blocking collective per step. A callback setting ``should_stop`` on
+some ranks only is agreed the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_ASKED = 0.5  # a stop asked for by the code (should_stop), not by a signal: below every signal number
 
 
 class StopAgreement:
@@ -41,11 +43,15 @@ class StopAgreement:
             signal.signal(signum, handler)
         self._previous_handlers = {}
 
-    def requested(self) -> bool:
-        """Call once per optimizer step on every rank: True on all of them, at the same step, one
-        step after any rank got a signal."""
+    def requested(self, local: bool = False) -> bool:
+        """Call once per optimizer step on every rank: True on all of them at the same step once any
+        rank got a signal or asked to stop (``local``, a callback's ``should_stop``). On several ranks
+        that is one step after the request; on one process, at once."""
+        mine = float(self.received or 0) or (_ASKED if local else 0.0)
+        if self.runtime.world_size == 1:
+            return self._decide(mine)
         flag = self._collect()
-        self._pending = self.runtime.all_reduce_async(torch.tensor(float(self.received or 0)), "max")
+        self._pending = self.runtime.all_reduce_async(torch.tensor(mine), "max")
         return flag
 
     def finish(self) -> None:
@@ -58,7 +64,9 @@ class StopAgreement:
 
     def _collect(self) -> bool:
         pending, self._pending = self._pending, None
-        flag = float(pending()) if pending is not None else 0.0
-        if flag:
+        return self._decide(float(pending()) if pending is not None else 0.0)
+
+    def _decide(self, flag: float) -> bool:
+        if flag >= 1:  # a signal number
             self.preempted = int(flag)
         return bool(flag)

@@ -1,0 +1,334 @@
+"""Ranks never silently disagree: evaluation in lockstep, decisions made once, metrics reduced by
+agreed names, non-finite steps stopped or skipped on every rank alike, partial windows that step."""
+
+import math
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+import distrain
+from helpers import IndexedTokens, TinyGPT, loader, make_trainer, run_ranks
+
+
+# ---- evaluation and prediction in lockstep ------------------------------------------------------------
+class CountingGPT(TinyGPT):
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        self.log("val_samples", len(batch[0]), reduce_fx="sum")
+
+    def predict_step(self, batch, batch_idx):
+        return batch[2]  # the sample ids this rank predicted
+
+
+def _evaluate_few(rank, tmp, n):
+    trainer, _ = make_trainer(tmp, strategy="fsdp", devices=3, logger=False, collective_timeout=20)
+    module = CountingGPT()
+    data = DataLoader(IndexedTokens(n), batch_size=2)
+    metrics = trainer.validate(module, data)[0]
+    ids = torch.cat(trainer.predict(module, data)).tolist() if n else []
+    return metrics, ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 7])
+def test_fsdp_validation_and_predict_with_fewer_or_uneven_samples(tmp_path, n):
+    """3 ranks, 2 samples (one rank has none) or 7 (2+2 / 2+1 / 2+1 in batches): every forward runs
+    on every rank, and each sample counts exactly once."""
+    results = run_ranks(_evaluate_few, 3, tmp_path, n)
+    assert all(r[0]["val_samples"] == n for r in results)
+    assert sorted(i for r in results for i in r[1]) == list(range(n))
+
+
+# ---- decisions every rank must share ---------------------------------------------------------------------
+def _checkpoint_named_by_throughput(rank, tmp):
+    ckpt = distrain.ModelCheckpoint(
+        filename="step={step}-tok={tokens_per_sec:.0f}", every_n_train_steps=2, save_top_k=-1
+    )
+    trainer, _ = make_trainer(tmp, strategy="fsdp", devices=2, max_steps=4, logger=False, callbacks=[ckpt])
+    trainer.fit(TinyGPT(), loader(4))
+    return ckpt.last_model_path
+
+
+def test_checkpoint_named_by_a_per_rank_metric_lands_in_one_directory(tmp_path):
+    paths = run_ranks(_checkpoint_named_by_throughput, 2, tmp_path)
+    assert paths[0] == paths[1]
+    saved = sorted(p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step="))
+    assert [p.name.split("-")[0] for p in saved] == ["step=2", "step=4"]
+    for directory in saved:  # both ranks' shards in each
+        assert {f.name for f in directory.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+
+
+class RankZeroLogs(TinyGPT):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_rank == 0:  # a name only one rank logs, reduced across ranks
+            self.log("only_rank0", 10.0, sync_dist=True)
+        self.log("rank", float(self.trainer.global_rank), sync_dist=True)
+        return loss
+
+
+def _log_on_one_rank(rank, tmp):
+    trainer, _ = make_trainer(tmp, strategy="ddp", devices=2, max_steps=2, logger=False, collective_timeout=20)
+    trainer.fit(RankZeroLogs(), loader(4))
+    return trainer.callback_metrics["only_rank0"], trainer.callback_metrics["rank"]
+
+
+def test_step_metric_logged_on_one_rank_is_reduced_without_a_hang(tmp_path):
+    for only_rank0, rank in run_ranks(_log_on_one_rank, 2, tmp_path):
+        assert only_rank0 == 10.0  # the mean over the ranks that logged it
+        assert rank == 0.5
+
+
+class StopOnRankOne(distrain.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_rank == 1 and trainer.global_step == 2:
+            trainer.should_stop = True
+
+
+def _stop_on_one_rank(rank, tmp):
+    trainer, _ = make_trainer(
+        tmp, strategy="ddp", devices=2, max_steps=10, logger=False, collective_timeout=20, callbacks=[StopOnRankOne()]
+    )
+    trainer.fit(TinyGPT(), loader(4))
+    return trainer.global_step
+
+
+def test_should_stop_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    steps = run_ranks(_stop_on_one_rank, 2, tmp_path)
+    assert steps[0] == steps[1] == 3  # agreed asynchronously: the step after the request
+
+
+class ConversionCounter(torch.Tensor):
+    """Counts conversions to Python numbers (a host sync on an accelerator)."""
+
+    conversions = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.tolist):
+            ConversionCounter.conversions += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class LogsEveryMicroStep(TinyGPT):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("probe", loss.detach().as_subclass(ConversionCounter), sync_dist=True)
+        return loss
+
+
+def test_logged_values_stay_on_the_device_until_a_logging_step(tmp_path):
+    trainer, _ = make_trainer(
+        tmp_path,
+        strategy="single",
+        devices=1,
+        max_steps=3,
+        log_every_n_steps=3,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(LogsEveryMicroStep(), loader(4))
+    # six micro-steps, three optimizer steps, one logging step: one conversion, not six
+    assert ConversionCounter.conversions == 1
+
+
+# ---- non-finite values -----------------------------------------------------------------------------------
+class NaNAt(TinyGPT):
+    """The loss becomes NaN at optimizer step ``step`` on rank ``rank`` (one micro-batch)."""
+
+    def __init__(self, step, rank=0):
+        super().__init__()
+        self.nan_step, self.nan_rank = step, rank
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step + 1 == self.nan_step and self.trainer.global_rank == self.nan_rank:
+            loss = loss * float("nan")
+        return loss
+
+
+def _nan_run(rank, tmp, strategy, policy, devices):
+    ckpt = distrain.ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)
+    trainer, rec = make_trainer(
+        tmp, strategy=strategy, devices=devices, max_steps=5, logger=False, on_nonfinite=policy, callbacks=[ckpt]
+    )
+    module = NaNAt(step=3, rank=devices - 1)
+    try:
+        trainer.fit(module, loader(4))
+    except distrain.NonFiniteError as e:
+        return "error", str(e), trainer.global_step
+    weights = distrain.checkpoint_state_of(module)
+    finite = all(torch.isfinite(v).all() for v in weights.values())
+    return "done", finite, trainer.global_step, rec.losses, trainer.progress.skipped_steps
+
+
+@pytest.mark.parametrize("strategy,devices", [("single", 1), ("ddp", 2), ("fsdp", 2)])
+def test_nan_loss_stops_at_that_step_naming_the_rank(tmp_path, strategy, devices):
+    results = (
+        run_ranks(_nan_run, devices, tmp_path, strategy, "stop", devices)
+        if devices > 1
+        else [_nan_run(0, tmp_path, strategy, "stop", 1)]
+    )
+    for kind, message, step in results:
+        assert kind == "error"
+        assert step == 2  # the bad step was not applied
+        assert f"at step 3 the loss was nan on rank {devices - 1}" in message, message
+        assert "still holds the newest checkpoint" in message
+    last = (tmp_path / "checkpoints" / "last").resolve()
+    assert last.name.endswith("step=2")
+    from distrain.checkpoint.state import read_model_weights
+
+    assert all(torch.isfinite(v).all() for v in read_model_weights(last).values())
+
+
+@pytest.mark.parametrize("strategy,devices", [("single", 1), ("ddp", 2), ("fsdp", 2)])
+def test_nan_step_is_skipped_on_every_rank(tmp_path, strategy, devices):
+    results = (
+        run_ranks(_nan_run, devices, tmp_path, strategy, "skip", devices)
+        if devices > 1
+        else [_nan_run(0, tmp_path, strategy, "skip", 1)]
+    )
+    for kind, finite, step, losses, skipped in results:
+        assert kind == "done" and finite and step == 5 and skipped == 1
+        assert math.isnan(losses[2]) and all(math.isfinite(v) for i, v in enumerate(losses) if i != 2)
+
+
+# ---- the last window of an epoch ----------------------------------------------------------------------------
+class LinearJob(distrain.Module):
+    """y = w·x with SGD(lr=1): the final weight is w0 minus the sum of the step gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(1, 1, bias=False)
+        nn.init.constant_(self.w.weight, 0.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self.w(x) - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+class Stream(IterableDataset):
+    def __init__(self, values):
+        self.values = values
+
+    def __iter__(self):
+        for v in self.values:
+            yield torch.tensor([v]), torch.tensor([0.0])
+
+
+class GradientsClearAtEpochEnd(distrain.Callback):
+    def on_train_epoch_end(self, trainer, module):
+        assert all(p.grad is None for p in module.parameters()), "gradients leaked past the epoch's end"
+
+
+def test_a_short_last_window_steps_with_the_mean_of_its_micro_batches(tmp_path):
+    # one sample per batch, accumulate 2: windows [1, 2], [3, 4], [5] — the last one alone
+    values = [0.1, 0.2, 0.3, 0.4, 0.5]
+    trainer, _ = make_trainer(
+        tmp_path,
+        strategy="single",
+        devices=1,
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[GradientsClearAtEpochEnd()],
+    )
+    module = LinearJob()
+    nn.init.constant_(module.w.weight, 0.01)
+    trainer.fit(module, DataLoader(Stream(values), batch_size=1))
+    w = 0.01
+    for window in ([0.1, 0.2], [0.3, 0.4], [0.5]):  # d/dw (w·x)² = 2x²w, the mean over the window
+        w -= sum(2 * x * x * w for x in window) / len(window)
+    assert trainer.global_step == 3
+    assert module.w.weight.item() == pytest.approx(w, rel=1e-6)
+
+
+def _uneven_streams(rank, tmp):
+    values = [[0.1, 0.2, 0.3, 0.4, 0.5], [0.1, 0.2, 0.3]][rank]  # 5 batches on rank 0, 3 on rank 1
+    trainer, _ = make_trainer(
+        tmp,
+        strategy="ddp",
+        devices=2,
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        collective_timeout=20,
+        callbacks=[GradientsClearAtEpochEnd()],
+    )
+    module = LinearJob()
+    nn.init.constant_(module.w.weight, 0.01)
+    trainer.fit(module, DataLoader(Stream(values), batch_size=1))
+    return trainer.global_step, module.w.weight.item()
+
+
+def test_ranks_with_uneven_iterable_data_agree_on_every_window(tmp_path):
+    (steps0, w0), (steps1, w1) = run_ranks(_uneven_streams, 2, tmp_path)
+    # windows of the shorter rank: [2, 1] per epoch; rank 0's extra batches are dropped
+    assert steps0 == steps1 == 4 and w0 == w1
+
+
+# ---- hangs outside fit ---------------------------------------------------------------------------------------
+class SlowValidation(TinyGPT):
+    def validation_step(self, batch, batch_idx):
+        if self.trainer.global_rank == 1 and batch_idx == 0:
+            time.sleep(8)  # far beyond the collective timeout
+        super().validation_step(batch, batch_idx)
+
+
+def _validate_with_a_slow_rank(rank, tmp):
+    trainer, _ = make_trainer(tmp, strategy="ddp", devices=2, logger=False, collective_timeout=3)
+    try:
+        trainer.validate(SlowValidation(), loader(4))
+    except distrain.CollectiveHangError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_a_hang_in_validate_is_diagnosed(tmp_path):
+    messages = run_ranks(_validate_with_a_slow_rank, 2, tmp_path)
+    assert messages[0] is not None and "rank 1" in messages[0], messages
+
+
+# ---- DataLoader workers: random augmentation differs across ranks, and resumes --------------------------------
+class Augmented(TensorDataset):
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x + torch.randint(0, 1000, (1,)).float(), y  # worker-side randomness
+
+
+class RecordsInputs(LinearJob):
+    def __init__(self):
+        super().__init__()
+        self.inputs = []
+
+    def training_step(self, batch, batch_idx):
+        self.inputs.append(batch[0].flatten().tolist())
+        return super().training_step(batch, batch_idx)
+
+
+def _augmented_run(rank, tmp, epochs, resume):
+    data = Augmented(torch.zeros(8, 1), torch.zeros(8, 1))
+    trainer, _ = make_trainer(tmp, strategy="ddp", devices=2, max_epochs=epochs, logger=False)
+    module = RecordsInputs()
+    trainer.fit(module, DataLoader(data, batch_size=2, num_workers=1), ckpt_path="last" if resume else None)
+    return module.inputs
+
+
+@pytest.mark.slow
+def test_worker_randomness_is_per_rank_and_resumes(tmp_path):
+    full = run_ranks(_augmented_run, 2, tmp_path / "full", 2, False)
+    assert full[0] != full[1]  # each rank draws its own augmentation
+    run_ranks(_augmented_run, 2, tmp_path / "cut", 1, False)
+    resumed = run_ranks(_augmented_run, 2, tmp_path / "cut", 2, True)
+    for rank in range(2):  # the second epoch, resumed from the first one's end, sees the same values
+        assert resumed[rank] == full[rank][len(full[rank]) // 2 :]
