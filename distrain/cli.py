@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         import yaml
 
+        for note in config.mapped_keys:  # keys written the spec's way, and where they went
+            print(f"# {note}")
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
     try:

@@ -253,12 +253,14 @@ def build_config(
 ) -> RunConfig:
     """Defaults ← file ← ``overrides`` (dotted keys from CLI flags) ← ``key=value`` items."""
     config = RunConfig()
+    config.mapped_keys = []  # spec-style keys and where they went, for --print-config
     if file is not None:
         tree = load_config_file(file)
         from distrain.strategies.deepspeed_config import looks_like_deepspeed_config
 
         if looks_like_deepspeed_config(tree):  # the spec's deepspeed_config.json, given as the run's config
             tree = {"distributed": {"strategy": "deepspeed"}, "deepspeed": {"config": str(Path(file).resolve())}}
+        tree = map_spec_keys(tree, config.mapped_keys)
         apply_tree(config, tree, source=str(file))
     flag_tree: dict = {}
     for key, value in (overrides or {}).items():
@@ -268,9 +270,50 @@ def build_config(
     for item in cli_items or []:
         key, value = parse_override(item)
         set_dotted(item_tree, key, value)
-    apply_tree(config, item_tree, source="the command line")
+    apply_tree(config, map_spec_keys(item_tree, config.mapped_keys), source="the command line")
     validate(config)
     return config
+
+
+#: where keys written as the spec's config files write them live in this schema. The spec's FSDP file
+#: lost its indentation, so its activation_checkpointing/mixed_precision sections may stand at the top
+#: level or under fsdp:; both land in the fsdp section.
+SPEC_KEYS = {
+    "training.max_length": "data.max_length",
+    "activation_checkpointing": "fsdp.activation_checkpointing",
+    "mixed_precision": "fsdp.mixed_precision",
+    "fsdp.activation_checkpointing.checkpoint_every_n_layers": "fsdp.activation_checkpointing.every_n_layers",
+}
+
+
+def map_spec_keys(tree: dict, notes: list[str]) -> dict:
+    """``tree`` with the spec's key names moved to this schema's (``SPEC_KEYS``); ``notes`` records
+    each move as ``from → to``. A key given both ways is an error: which one was meant?"""
+    flat = _flatten(tree)
+    out: dict = {}
+    moved: dict[str, str] = {}
+    for key, value in flat.items():
+        target = key
+        for old, new in SPEC_KEYS.items():  # applied in order: a section first, then its renamed keys
+            if target == old or target.startswith(f"{old}."):
+                target = new + target[len(old) :]
+        if target != key:
+            if target in flat or target in moved:
+                raise ConfigError(f"{key} and {moved.get(target, target)} both set {target}; keep one")
+            moved[target] = key
+            notes.append(f"{key} → {target}")
+        set_dotted(out, target, value)
+    return out
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def apply_tree(obj: Any, tree: dict, source: str, prefix: str = "") -> None:

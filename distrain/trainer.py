@@ -530,6 +530,7 @@ class Trainer:
         plan = TrainingPlan(
             micro_batch_size=getattr(train_loader, "batch_size", None),
             accumulate=self.loop.accumulate_for(0),
+            max_accumulate=max(self.loop.accumulation.values()),
             gradient_clip_val=self.loop.gradient_clip_val,
             total_steps=self.estimated_stepping_batches,
             run_dir=self.default_root_dir,

@@ -28,7 +28,7 @@ def _evaluate_few(rank, tmp, n):
     module = CountingGPT()
     data = DataLoader(IndexedTokens(n), batch_size=2)
     metrics = trainer.validate(module, data)[0]
-    ids = torch.cat(trainer.predict(module, data)).tolist() if n else []
+    ids = [i for batch_ids in trainer.predict(module, data) for i in batch_ids.tolist()]
     return metrics, ids
 
 

@@ -35,6 +35,7 @@ class TrainingPlan:
 
     micro_batch_size: int | None = None
     accumulate: int = 1
+    max_accumulate: int = 1  # the largest accumulation of the schedule (it may grow with the epochs)
     gradient_clip_val: float | None = None
     total_steps: int | None = None
     run_dir: str | None = None

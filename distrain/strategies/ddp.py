@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain import compat
-from distrain.strategies.base import Strategy
+from distrain.strategies.base import Strategy, TrainingPlan
 from distrain.strategies.registry import register
 
 COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd", "post_localsgd")
@@ -58,10 +58,31 @@ class DDPStrategy(Strategy):
         self.model_averaging_period = model_averaging_period
         self._model_averager = None
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        module = super().setup_module(module)
+    # DDP wraps once it knows whether the loop accumulates (setup_training), or at once for a loop of
+    # your own (setup): a static graph cannot skip gradient sync on accumulation micro-steps.
+    def setup(self, module: nn.Module, optimizers=()):
+        module, optimizers = super().setup(module, optimizers)
+        return self._wrap(module, accumulating=False), optimizers
+
+    def setup_training(self, module: nn.Module, optimizers: list, schedulers: list[dict], plan: TrainingPlan):
+        module = self._wrap(module, accumulating=plan.max_accumulate > 1)
+        return super().setup_training(module, optimizers, schedulers, plan)
+
+    def _wrap(self, module: nn.Module, accumulating: bool) -> DistributedDataParallel:
+        kwargs = dict(self.ddp_kwargs)
+        if kwargs.get("static_graph") and accumulating:
+            # torch's DDP asserts (expect_autograd_hooks_) when a static graph meets no_sync, and once
+            # past that stops reducing gradients (pytorch#143580, #187732): train correctly instead
+            if self.is_global_zero:
+                print(
+                    "distrain: static_graph=true with gradient accumulation: torch's DDP cannot skip the gradient "
+                    "all-reduce of accumulation micro-steps on a static graph (pytorch#143580), so this run uses "
+                    "static_graph=false (the micro-steps still skip their all-reduce)",
+                    flush=True,
+                )
+            kwargs["static_graph"] = False
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        ddp = DistributedDataParallel(module, device_ids=device_ids, **kwargs)
         self._register_comm_hook(ddp)
         return ddp
 
@@ -111,6 +132,12 @@ class DDPStrategy(Strategy):
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True):
         if enabled and isinstance(module, DistributedDataParallel):
+            if module.static_graph:
+                raise RuntimeError(
+                    "no_backward_sync with DDP(static_graph=True): torch's DDP asserts, or silently stops reducing "
+                    "gradients, when a static graph skips a sync (pytorch#143580); use static_graph=False to "
+                    "accumulate gradients"
+                )
             return module.no_sync()
         return contextlib.nullcontext()
 

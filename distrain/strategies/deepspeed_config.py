@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger("distrain")
 
 CONFIG_ENV = "DISTRAIN_DEEPSPEED_CONFIG_PATH"
 
@@ -257,12 +260,16 @@ def _fill_buckets(cfg: dict, facts: TrainingFacts, source: str) -> None:
     }
     for key, rule in rules.items():
         if zero.get(key) == "auto":
-            if h is None:
-                raise ValueError(
-                    f'{source}: zero_optimization.{key} is "auto" but the model has no hidden size '
-                    "distrain can find (config.hidden_size / n_embd); write the value"
+            if h is None:  # a model of one's own: DeepSpeed's defaults are made for that
+                del zero[key]
+                logger.debug(
+                    '%s: zero_optimization.%s is "auto" and the model has no hidden size '
+                    "(config.hidden_size / n_embd): DeepSpeed's default applies",
+                    source,
+                    key,
                 )
-            zero[key] = rule()
+            else:
+                zero[key] = rule()
     for section in ("offload_optimizer", "offload_param"):
         block = zero.get(section)
         if isinstance(block, dict) and block.get("pin_memory") == "auto":

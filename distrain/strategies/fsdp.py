@@ -154,7 +154,7 @@ class FSDPStrategy(Strategy):
         default_param = self.precision.compute_dtype if self.precision.name in ("bf16-mixed", "16-mixed") else None
         if isinstance(mp, dict):
             dt = {k: _DTYPES[v] if isinstance(v, str) else v for k, v in mp.items() if v is not None}
-            if "buffer_dtype" in dt:
+            if dt.get("buffer_dtype", torch.float32) != torch.float32:
                 warnings.warn(
                     "mixed_precision.buffer_dtype: FSDP2 does not cast buffers; they keep the dtype "
                     "the model gives them (set it in the model, or use precision='bf16-true')",
