@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -176,8 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return train(config, resume=args.resume)
     except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"distrain: error: {e}", file=sys.stderr)
+        if not getattr(e, "distrain_reported", False):  # the launcher already named the rank and the log
+            print(f"distrain: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # inside a rank: one line here, the traceback in that rank's log
+        if not getattr(e, "distrain_reported", False):
+            rank = os.environ.get("RANK", "0")
+            log = Path(config.output_dir) / "logs" / f"rank_{rank}.log"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            print(f"distrain: error on rank {rank}: {type(e).__name__}: {first} (traceback: {log})", file=sys.stderr)
+        return 1
 
 
 def train(config: RunConfig, resume: str | None = None) -> int:

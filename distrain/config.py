@@ -430,9 +430,10 @@ def validate(config: RunConfig) -> None:
     from distrain.strategies import registry
 
     if d.strategy not in registry.names():
-        raise ConfigError(
-            f"distributed.strategy {d.strategy!r} is unknown; choose one of {', '.join(registry.names())}"
-        )
+        try:
+            registry.lookup(d.strategy)
+        except ValueError as e:  # unknown, or one that another library runs: the message says what replaces it
+            raise ConfigError(f"distributed.{e}") from None
     from distrain.strategies.ddp import COMM_HOOKS
 
     f = config.fsdp

@@ -84,6 +84,9 @@ class SubprocessLauncher:
         self.node_rank = node_rank
         self.procs: list[subprocess.Popen] = []
         self._started = False
+        self._stopping = False  # set before we stop the others ourselves: their exit is not news
+        #: where each rank's output and failure record go (the Trainer: ``<run dir>/logs``); None: the console
+        self.log_dir: str | None = None
 
     def launch(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         if not self._started:  # also with one process per node: this process needs its rank env
@@ -91,8 +94,12 @@ class SubprocessLauncher:
             self._started = True
         try:
             return fn(*args, **kwargs)
-        except BaseException:
+        except BaseException as error:
             self._kill_others()  # they would wait for rank 0 in a collective until the timeout
+            summary = failure_summary(self.log_dir)
+            if summary:  # the first failure may be another rank's: this one's error may be its consequence
+                print(summary, file=sys.stderr, flush=True)
+                error.distrain_reported = True
             raise
 
     def _start_others(self) -> None:
@@ -103,19 +110,29 @@ class SubprocessLauncher:
         command = _command_of_this_process()
         for local_rank in range(1, self.nprocs):
             env = {**os.environ, **_rank_env(local_rank, self.nprocs, self.node_rank, self.num_nodes, addr, port)}
-            self.procs.append(subprocess.Popen(command, env=env))
+            output = None
+            if self.log_dir is not None:  # the whole output, C libraries' included; the console keeps rank 0's
+                rank = self.node_rank * self.nprocs + local_rank
+                output = open(rank_log(self.log_dir, rank), "ab")  # noqa: SIM115 (the child owns it)
+                env["DISTRAIN_LAUNCHED_CHILD"] = "1"
+            self.procs.append(
+                subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None)
+            )
         atexit.register(self._wait_for_others)
         threading.Thread(target=self._watch_others, daemon=True).start()
 
     def _watch_others(self) -> None:
         # If another rank dies, rank 0 would wait in its next collective until the timeout.
-        # Say which rank died and stop the job now instead.
+        # Say which rank failed first, how, and where its output is, and stop the job now.
         while True:
             for local_rank, proc in enumerate(self.procs, start=1):
                 code = proc.poll()
-                if code is not None and code != 0:
+                if code is not None and code != 0 and not self._stopping:
+                    self._stopping = True
+                    rank = self.node_rank * self.nprocs + local_rank
+                    summary = failure_summary(self.log_dir, wait_for=rank)
                     print(
-                        f"[distrain] rank {local_rank} exited with code {code}; stopping the other ranks",
+                        summary or f"[distrain] rank {rank} exited with code {code}; stopping the other ranks",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -128,6 +145,7 @@ class SubprocessLauncher:
     def _kill_others(self, grace: float = 10.0) -> None:
         """SIGTERM, then SIGKILL whatever still runs after ``grace`` s: a rank that hangs outside
         a collective never acts on SIGTERM (distrain's handler only asks for a stop at the next step)."""
+        self._stopping = True
         alive = [proc for proc in self.procs if proc.poll() is None]
         for proc in alive:
             proc.send_signal(signal.SIGTERM)
@@ -141,7 +159,7 @@ class SubprocessLauncher:
     def _wait_for_others(self) -> None:
         for local_rank, proc in enumerate(self.procs, start=1):
             code = proc.wait()
-            if code != 0:
+            if code != 0 and not self._stopping:
                 print(f"[distrain] rank {local_rank} exited with code {code}", file=sys.stderr, flush=True)
 
 
@@ -209,3 +227,79 @@ def make_launcher(start_method: str | None, nprocs: int, cluster: ClusterEnv, nu
     if start_method == "popen":
         return SubprocessLauncher(nprocs, num_nodes, node_rank)
     return MultiprocessingLauncher(nprocs, start_method, num_nodes, node_rank)
+
+
+# ---- each rank's output and failure, kept in <run dir>/logs ------------------------------------------------
+def rank_log(log_dir: str, rank: int) -> str:
+    os.makedirs(log_dir, exist_ok=True)
+    return os.path.join(log_dir, f"rank_{rank}.log")
+
+
+def tee_output(log_dir: str, rank: int) -> None:
+    """Copy what this process prints (Python's stdout and stderr) into ``logs/rank_N.log`` too."""
+    if isinstance(sys.stdout, _Tee):
+        return
+    log = open(rank_log(log_dir, rank), "a", buffering=1)  # noqa: SIM115 (open for the process's life)
+    sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+
+
+class _Tee:
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.log.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def record_failure(log_dir: str | None, rank: int, error: BaseException) -> None:
+    """Write this rank's failure (when, what, the traceback) for the launcher's summary."""
+    if log_dir is None:
+        return
+    import json
+    import traceback
+
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    record = {"time": time.time(), "rank": rank, "type": type(error).__name__, "message": message[:500]}
+    with open(rank_log(log_dir, rank), "a") as log:
+        log.write("".join(traceback.format_exception(error)))
+    with open(os.path.join(log_dir, f"rank_{rank}.error.json"), "w") as f:
+        json.dump(record, f)
+
+
+def failure_summary(log_dir: str | None, wait_for: int | None = None) -> str | None:
+    """Which rank failed first, how, and where its whole output is; the later failures (often the
+    consequence of the first: a peer that left) in one line each."""
+    if log_dir is None:
+        return None
+    import json
+
+    record = os.path.join(log_dir, f"rank_{wait_for}.error.json") if wait_for is not None else None
+    deadline = time.monotonic() + 3.0  # a dying rank writes its record just before it exits
+    while record is not None and not os.path.exists(record) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    records = []
+    for name in os.listdir(log_dir) if os.path.isdir(log_dir) else []:
+        if name.endswith(".error.json"):
+            try:
+                with open(os.path.join(log_dir, name)) as f:
+                    records.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+    if not records:
+        return None
+    records.sort(key=lambda r: r["time"])
+    first = records[0]
+    lines = [
+        f"[distrain] rank {first['rank']} failed first: {first['type']}: {first['message']}",
+        f"[distrain]   its whole output and traceback: {rank_log(log_dir, first['rank'])}",
+    ]
+    lines += [f"[distrain]   then rank {r['rank']}: {r['type']}: {r['message'][:160]}" for r in records[1:]]
+    return "\n".join(lines)

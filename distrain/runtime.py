@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from distrain import launch
 from distrain.accelerators import auto_device_count, resolve_accelerator
 from distrain.checkpoint import io as ckpt_io
 from distrain.cluster import detect_cluster, export_cluster_env
@@ -64,6 +65,8 @@ class Runtime:
         self._launcher = make_launcher(self.strategy.start_method, self.nprocs, self.cluster, num_nodes)
         #: NCCL flight-recorder dumps on a collective timeout go here (the Trainer: its run dir)
         self.flight_recorder_dir: str | None = None
+        #: each rank's output (``rank_N.log``) and failure record go here (the Trainer: its run dir's logs/)
+        self.log_dir: str | None = None
         self._environment_ready = False
 
     def _resolve_devices(self, devices: int | str, num_nodes: int) -> int:
@@ -130,6 +133,8 @@ class Runtime:
         return self._launch(fn, self, *args, **kwargs)
 
     def _launch(self, fn: Callable, *args: Any, collect=None, restore=None, **kwargs: Any) -> Any:
+        if self._launcher is not None and hasattr(self._launcher, "log_dir"):
+            self._launcher.log_dir = self.log_dir
         in_rank = functools.partial(_run_in_rank, self, fn)  # picklable, for spawn
         if self._launcher is None:
             return in_rank(*args, **kwargs)
@@ -245,8 +250,14 @@ class Runtime:
 
 
 def _run_in_rank(runtime: Runtime, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    runtime.setup_environment()
-    return fn(*args, **kwargs)
+    if runtime.log_dir is not None and not os.environ.get("DISTRAIN_LAUNCHED_CHILD"):
+        launch.tee_output(runtime.log_dir, runtime.global_rank)  # a child's output already goes to its log
+    try:
+        runtime.setup_environment()
+        return fn(*args, **kwargs)
+    except Exception as error:
+        launch.record_failure(runtime.log_dir, runtime.global_rank, error)
+        raise
 
 
 def seed_everything(seed: int) -> None:

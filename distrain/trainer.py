@@ -112,6 +112,7 @@ class Trainer:
         self.runtime = Runtime(accelerator, strategy, devices, num_nodes, precision, **strategy_kwargs)
         self.default_root_dir = str(default_root_dir or os.path.join(os.getcwd(), "distrain_runs"))
         self.runtime.flight_recorder_dir = os.path.join(self.default_root_dir, "flight_recorder")  # NCCL only
+        self.runtime.log_dir = os.path.join(self.default_root_dir, "logs")  # rank_N.log: every rank's output
         self.seed = seed
         # what the loop does
         self.loop = LoopOptions(

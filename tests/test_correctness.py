@@ -121,15 +121,16 @@ class LogsEveryMicroStep(TinyGPT):
 
 
 def test_logged_values_stay_on_the_device_until_a_logging_step(tmp_path):
-    trainer, _ = make_trainer(
-        tmp_path,
+    trainer = distrain.Trainer(
+        accelerator="cpu",
         strategy="single",
-        devices=1,
         max_steps=3,
         log_every_n_steps=3,
         accumulate_grad_batches=2,
         logger=False,
         enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
     )
     trainer.fit(LogsEveryMicroStep(), loader(4))
     # six micro-steps, three optimizer steps, one logging step: one conversion, not six

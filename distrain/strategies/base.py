@@ -74,6 +74,12 @@ class Strategy:
     def connect(self, accelerator: Accelerator, precision: Precision, cluster: ClusterEnv, nprocs: int, num_nodes: int):
         self.accelerator, self.precision, self.cluster = accelerator, precision, cluster
         self.nprocs_per_node, self.num_nodes = nprocs, num_nodes
+        if self.start_method is not None and "nccl" in self.backend and accelerator.name != "cuda":
+            raise ValueError(
+                f"process group backend {self.process_group_backend!r} (distributed.backend in a config file) needs "
+                f"CUDA GPUs, and this run is on {accelerator.name} (torch.cuda.is_available()="
+                f"{torch.cuda.is_available()}); use gloo, or leave the backend unset (gloo on CPU, nccl on GPUs)"
+            )
 
     @property
     def world_size(self) -> int:

@@ -26,6 +26,28 @@ class StrategyEntry:
 
 _ENTRIES: dict[str, StrategyEntry] = {}
 
+#: strategies other libraries (and the spec) name that distrain does not run, and what replaces each
+REPLACED = {
+    "dp": "DataParallel ('dp', DataParallelStrategy) runs one process over threads and is deprecated by PyTorch; "
+    "use 'ddp' (one process per device, the same training)",
+    "horovod": "Horovod ('horovod', HorovodStrategy) is not supported; use 'ddp' (its all-reduce), and for its fp16 "
+    "compression DDPStrategy(ddp_comm_hook='fp16_compress') (config: distributed.comm_hook=fp16_compress)",
+    "bagua": "Bagua ('bagua', BaguaStrategy) is not supported; its algorithms map to 'ddp' with a comm hook: "
+    "gradient_allreduce → plain ddp, bytegrad/qadam → comm_hook='fp16_compress' (or 'powersgd'), "
+    "decentralized/async → comm_hook='post_localsgd'",
+    "ddp2": "'ddp2' was removed from Lightning; use 'ddp'",
+    "ddp_sharded": "'ddp_sharded' (FairScale) is replaced by 'fsdp' (FSDP2: parameters, gradients and optimizer "
+    "state sharded) or 'deepspeed_stage_2'",
+}
+REPLACED.update(
+    {
+        "DataParallelStrategy": REPLACED["dp"],
+        "HorovodStrategy": REPLACED["horovod"],
+        "BaguaStrategy": REPLACED["bagua"],
+        "DDPShardedStrategy": REPLACED["ddp_sharded"],
+    }
+)
+
 
 def register(
     name: str,
@@ -51,6 +73,8 @@ def names() -> list[str]:
 
 def lookup(name: str) -> StrategyEntry:
     known = entries()
+    if name in REPLACED:
+        raise ValueError(f"strategy {name!r}: {REPLACED[name]}")
     if name not in known:
         raise ValueError(f"strategy {name!r} is unknown; choose one of {', '.join(names())}")
     return known[name]
