@@ -54,6 +54,18 @@ def checkpoint_wrapper_api():
     return checkpoint_wrapper
 
 
+def optimizer_load_options(optimizer: torch.optim.Optimizer, options):
+    """``set_optimizer_state_dict`` with full state dicts asserts ("Expected device to be set", torch
+    2.13.0) when the optimizer holds no tensor state at all — plain SGD, say. There is nothing to
+    distribute then: load it as a local state dict (param groups by name)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    has_tensors = any(isinstance(v, torch.Tensor) and v.dim() > 0 for s in optimizer.state.values() for v in s.values())
+    if options.full_state_dict and not has_tensors:
+        return StateDictOptions(full_state_dict=False, strict=options.strict)
+    return options
+
+
 def plain_random_sampler(sampler: Any) -> bool:
     """A RandomSampler that is a plain shuffle (no replacement, no fixed ``num_samples``), which
     distrain can replace by its distributed sampler. ``RandomSampler._num_samples``: torch 2.13.0."""

@@ -86,7 +86,10 @@ def _agree(action, what: str, path: Path, tmp: Path, is_global_zero: bool, gathe
         try:
             action()
         except Exception as e:  # noqa: BLE001 — reported on every rank below, by name
-            error = f"{type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            free = shutil.disk_usage(path.parent).free if path.parent.exists() else None
+            if free is not None and free < 1 << 20:  # torch's zip writer hides ENOSPC behind "unexpected pos"
+                error += f" (the disk is full: {free} bytes free under {path.parent})"
     failed = [(rank, e) for rank, e in enumerate(gather(error)) if e]
     if failed:
         if is_global_zero:
@@ -99,7 +102,7 @@ def _agree(action, what: str, path: Path, tmp: Path, is_global_zero: bool, gathe
         )
         raise CheckpointError(
             f"checkpoint {path} was not written: rank {rank} failed while {what} it{others}: "
-            f"{cause.splitlines()[0]}; the previous checkpoint there, if any, is intact"
+            f"{cause}; the previous checkpoint there, if any, is intact"
         )
 
 

@@ -99,6 +99,7 @@ class DeepSpeedStrategy(Strategy):
             raise ValueError(
                 f"zero_optimization.stage must be 0, 1, 2 or 3 (in {self.config_source}), got {self.stage}"
             )
+        _check_nvme_offload(user, self.config_source)
         self.remote_device = remote_device
         self.save_full_weights = save_full_weights
         self.logging_level = logging_level
@@ -451,6 +452,36 @@ class DeepSpeedStrategy(Strategy):
         for k in keys:
             load_full_weights(self.unwrap(state[k]), weights, strict)
         return {}
+
+
+def _check_nvme_offload(config: dict, source: str) -> None:
+    """NVMe offload (ZeRO-Infinity) needs libaio for DeepSpeed's async_io op and a directory on the
+    drive: refused here, before any rank starts, rather than in rank 0's first step."""
+    zero = config.get("zero_optimization") or {}
+    paths = sorted(
+        {
+            block.get("nvme_path") or "/local_nvme"
+            for block in (zero.get("offload_param"), zero.get("offload_optimizer"))
+            if isinstance(block, dict) and block.get("device") == "nvme"
+        }
+    )
+    if not paths:
+        return
+    for path in paths:
+        if not os.path.isdir(path) or not os.access(path, os.W_OK):
+            raise ValueError(
+                f"NVMe offload: nvme_path {path!r} (in {source}) is not a writable directory; point "
+                "deepspeed.nvme_path (DeepSpeedStrategy(nvme_path=...)) at a directory on the NVMe drive"
+            )
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")  # no guessing noise
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise ValueError(
+            "NVMe offload (ZeRO-Infinity) needs libaio for DeepSpeed's async_io op, and this machine "
+            "lacks it: install it (Debian/Ubuntu: apt-get install libaio-dev; RHEL/Fedora: dnf install "
+            "libaio-devel), or offload to cpu"
+        )
 
 
 class _NormAfterStep:
