@@ -201,8 +201,10 @@ def train(config: RunConfig, resume: str | None = None) -> int:
     from distrain.trainer import Trainer
 
     t, d, c, lg, data = config.training, config.distributed, config.checkpointing, config.logging, config.data
-    hf_job = None
-    if t.model_name not in GPT_SIZES:  # a Hugging Face hub name or local directory
+    hf_job = user_module = None
+    if t.module is not None:  # a Module of the user's own: imported (and built) before any rank starts
+        user_module = load_user_module(t.module, t.module_args)
+    elif t.model_name not in GPT_SIZES:  # a Hugging Face hub name or local directory
         from distrain.hf.job import HFJob
 
         hf_job = HFJob(config)  # reads the model's config only: a bad name fails before any rank starts
@@ -221,7 +223,13 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         loggers.append(MLFlowLogger())
     from distrain.models.gpt import Block
 
-    blocks = hf_job.block_classes if hf_job else {Block}  # the repeated layer: FSDP unit, checkpointed
+    # the repeated layer: FSDP unit, checkpointed
+    if user_module is not None:
+        from distrain.strategies.fsdp import _default_block_classes
+
+        blocks = _default_block_classes(user_module) or set()
+    else:
+        blocks = hf_job.block_classes if hf_job else {Block}
 
     every_n = config.fsdp.activation_checkpointing.every_n_layers
     use_ac = t.activation_checkpointing or config.fsdp.activation_checkpointing.enabled  # the spec's name is an alias
@@ -257,12 +265,22 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         process_group_backend=d.backend,
         timeout=d.timeout_seconds,
         collective_timeout=d.collective_timeout_seconds,
+        on_nonfinite=t.on_nonfinite,
         **strategy_options,
     )
     trainer.run_config = config.to_dict()
 
     if hf_job is not None:
         hf_job.fit(trainer, resume)
+        return _finish(trainer, out)
+    if user_module is not None:
+        if trainer.is_global_zero:
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(config, out / "config.yaml")
+            print(
+                f"distrain: {t.module} on {trainer.world_size} process(es), strategy {d.strategy} → {out}", flush=True
+            )
+        trainer.fit(user_module, datamodule=user_module, ckpt_path=resume)
         return _finish(trainer, out)
     train_set, val_set = byte_datasets(data.dataset, data.seq_len, data.max_bytes, data.val_fraction)
     global_batch = t.batch_size_per_gpu * trainer.world_size * t.gradient_accumulation_steps
@@ -290,6 +308,42 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         )
     trainer.fit(module, loader(train_set, True), loader(val_set, False), ckpt_path=resume)
     return _finish(trainer, out)
+
+
+def load_user_module(spec: str, args: dict):
+    """``package.module:Class`` or ``path/to/file.py:Class`` → an instance built with ``args``."""
+    import importlib
+    import importlib.util
+
+    from distrain.module import Module
+
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ConfigError(f"training.module {spec!r}: write it as package.module:Class or path/to/file.py:Class")
+    try:
+        if where.endswith(".py"):
+            if not Path(where).is_file():
+                raise ConfigError(f"training.module {spec!r}: no such file {where}")
+            loader_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+            source = importlib.util.module_from_spec(loader_spec)
+            sys.modules[loader_spec.name] = source  # spawned ranks unpickle the module's class by this name
+            loader_spec.loader.exec_module(source)
+        else:
+            source = importlib.import_module(where)
+    except ImportError as e:
+        raise ConfigError(f"training.module {spec!r}: cannot import {where} ({e})") from None
+    cls = getattr(source, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Module)):
+        raise ConfigError(f"training.module {spec!r}: {where} has no distrain.Module subclass named {name!r}")
+    if not callable(getattr(cls, "train_dataloader", None)):
+        raise ConfigError(
+            f"training.module {spec!r}: {name} must define train_dataloader() (the CLI has no data "
+            "for a module of your own)"
+        )
+    try:
+        return cls(**args)
+    except TypeError as e:
+        raise ConfigError(f"training.module_args {args!r} do not fit {name}: {e}") from None
 
 
 def _finish(trainer, out: Path) -> int:

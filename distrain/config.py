@@ -61,6 +61,14 @@ class TrainingConfig:
     limit_val_batches: int = 20
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward (any strategy)."""
+    on_nonfinite: str = "stop"
+    """A NaN/inf loss or gradient norm: ``stop`` the run at that step (naming step and rank), ``skip`` the
+    step on every rank, or ``ignore`` it (no check)."""
+    module: str | None = None
+    """A ``distrain.Module`` of your own instead of a built-in or Hugging Face model: ``package.module:Class`` or
+    ``path/to/file.py:Class``. It brings its data (``train_dataloader()``, optionally ``val_dataloader()``) and
+    is built with ``module_args``; ``model_name`` and ``data`` are then unused."""
+    module_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -336,6 +344,8 @@ def apply_tree(obj: Any, tree: dict, source: str, prefix: str = "") -> None:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (dict, list):
+        return f"a {typing.get_origin(tp).__name__}"
     args = typing.get_args(tp)
     if args:
         return " or ".join(_type_name(a) for a in args)
@@ -411,6 +421,8 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"training.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
     if t.precision not in PRECISIONS:
         raise ConfigError(f"training.precision must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
+    if t.on_nonfinite not in ("stop", "skip", "ignore"):
+        raise ConfigError(f"training.on_nonfinite must be stop, skip or ignore, got {t.on_nonfinite!r}")
     if t.task not in (None, "causal_lm", "sequence_classification"):
         raise ConfigError(f"training.task must be causal_lm, sequence_classification or null (infer), got {t.task!r}")
     positive("training.num_labels", t.num_labels)

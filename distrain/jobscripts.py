@@ -15,6 +15,14 @@ def _train_command(train_args: list[str]) -> str:
     return shlex.join(["distrain", "train", *train_args])
 
 
+def _with_output_dir(train_args: list[str]) -> tuple[list[str], str]:
+    """The train arguments with an explicit output directory (the job script needs to know it), and it."""
+    out_flags = [a for a in ("--output-dir", "--output_dir") if a in train_args]
+    if out_flags:
+        return train_args, train_args[train_args.index(out_flags[0]) + 1]
+    return [*train_args, "--output-dir", "runs/distrain"], "runs/distrain"
+
+
 def torchrun_command(
     nnodes: int,
     nproc_per_node: int,
@@ -49,10 +57,7 @@ def sbatch_script(
 ) -> str:
     """One srun task per GPU: srun starts every rank and distrain reads SLURM_* (no torchrun inside)."""
     partition_line = f"#SBATCH --partition={partition}\n" if partition else ""
-    out_flags = [a for a in ("--output-dir", "--output_dir") if a in train_args]
-    output_dir = train_args[train_args.index(out_flags[0]) + 1] if out_flags else "runs/distrain"
-    if not out_flags:
-        train_args = [*train_args, "--output-dir", output_dir]
+    train_args, output_dir = _with_output_dir(train_args)
     srun_command = _train_command(
         [*train_args, "--num-nodes", str(nodes), "--devices", str(gpus_per_node), "--resume", "auto"]
     )
@@ -85,8 +90,18 @@ fi
 def pytorchjob_manifest(
     nodes: int, gpus_per_node: int, image: str, train_args: list[str], name: str = "distrain"
 ) -> str:
-    """A Kubeflow PyTorchJob: one pod per node; distrain starts that node's ranks itself."""
-    command = ["distrain", "train", *train_args, "--num-nodes", str(nodes), "--devices", str(gpus_per_node)]
+    """A Kubeflow PyTorchJob: one pod per node; distrain starts that node's ranks itself.
+
+    Restarts resume as SLURM's requeue does: every start runs ``--resume auto``, and a run stopped by
+    SIGTERM (preemption, eviction) — which checkpoints and exits 0 — leaves ``PREEMPTED`` in its run
+    directory; the container then exits 143 (128 + SIGTERM) so ``restartPolicy: OnFailure`` starts it
+    again."""
+    train_args, output_dir = _with_output_dir(train_args)
+    train = _train_command(
+        [*train_args, "--num-nodes", str(nodes), "--devices", str(gpus_per_node), "--resume", "auto"]
+    )
+    marker = shlex.quote(f"{output_dir}/PREEMPTED")
+    command = ["sh", "-c", f"{train}; code=$?; if [ -f {marker} ]; then exit 143; fi; exit $code"]
 
     def replica(count: int) -> dict:
         return {

@@ -210,9 +210,10 @@ class MultiprocessingLauncher:
 def _worker(local_rank, nprocs, node_rank, num_nodes, addr, port, outdir, fn, args, kwargs, collect):
     os.environ.update(_rank_env(local_rank, nprocs, node_rank, num_nodes, addr, port))
     result = fn(*args, **kwargs)
+    payload = collect() if collect is not None else None  # on every rank: gathering it may take collectives
     if int(os.environ["RANK"]) == 0:
-        if collect is not None:
-            torch.save(collect(), Path(outdir) / "state.pt")
+        if payload is not None:
+            torch.save(payload, Path(outdir) / "state.pt")
         (Path(outdir) / "result.pkl").write_bytes(pickle.dumps(result))
     distributed.shutdown()
 

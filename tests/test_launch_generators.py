@@ -89,8 +89,18 @@ def test_pytorchjob_manifest(tmp_path):
     assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 3
     container = specs["Worker"]["template"]["spec"]["containers"][0]
     assert container["image"] == "reg/distrain:1" and container["resources"]["limits"]["nvidia.com/gpu"] == 2
-    assert container["command"][:4] == ["distrain", "train", "--strategy", "ddp"]
-    assert container["command"][-4:] == ["--num-nodes", "4", "--devices", "2"]
+    shell, flag, script = container["command"]
+    assert (shell, flag) == ("sh", "-c") and script.startswith("distrain train --strategy ddp")
+    assert "--num-nodes 4 --devices 2 --resume auto" in script and specs["Worker"]["restartPolicy"] == "OnFailure"
+    # a preempted run checkpoints and exits 0; the pod must fail so that OnFailure restarts it
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for preempted, code, expected in ((True, 0, 143), (False, 0, 0), (False, 3, 3)):
+        marker = "mkdir -p runs/distrain && touch runs/distrain/PREEMPTED; " if preempted else "rm -rf runs; "
+        (fake / "distrain").write_text(f"#!/bin/sh\n{marker}exit {code}\n")
+        (fake / "distrain").chmod(0o755)
+        env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+        assert subprocess.run([shell, flag, script], cwd=tmp_path, env=env).returncode == expected
 
 
 def test_docker_files_have_no_secrets_or_ssh():

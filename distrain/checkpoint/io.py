@@ -85,8 +85,10 @@ def _agree(action, what: str, path: Path, tmp: Path, is_global_zero: bool, gathe
     if action is not None:
         try:
             action()
-        except Exception as e:  # noqa: BLE001 — reported on every rank below, by name
-            error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 — reported on every rank below (DCP's error is a BaseException)
+            error = _describe(e)
             free = shutil.disk_usage(path.parent).free if path.parent.exists() else None
             if free is not None and free < 1 << 20:  # torch's zip writer hides ENOSPC behind "unexpected pos"
                 error += f" (the disk is full: {free} bytes free under {path.parent})"
@@ -104,6 +106,18 @@ def _agree(action, what: str, path: Path, tmp: Path, is_global_zero: bool, gathe
             f"checkpoint {path} was not written: rank {rank} failed while {what} it{others}: "
             f"{cause}; the previous checkpoint there, if any, is intact"
         )
+
+
+def _describe(error: BaseException) -> str:
+    """One line; DCP's CheckpointException carries each rank's own error."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(
+            f"on rank {rank}: {_describe(wrapped[0] if isinstance(wrapped, tuple) else wrapped)}"
+            for rank, wrapped in sorted(failures.items())
+        )
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def commit_dir(tmp: Path, path: Path) -> None:

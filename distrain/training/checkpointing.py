@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from distrain.checkpoint import io as ckpt_io
+from distrain.checkpoint import state as ckpt_state
 from distrain.runtime import rng_state, set_rng_state
 
 CHECKPOINT_FORMAT = "distrain/1"
@@ -55,6 +56,8 @@ class TrainProgress:
 class CheckpointManager:
     def __init__(self, trainer):
         self.trainer = trainer
+        #: in the parent of spawned/forked ranks after fit: the checkpoint rank 0 sent back
+        self.parent_checkpoint: dict[str, Any] | None = None
 
     # ---- where ------------------------------------------------------------------------------------
     def last_path(self) -> Path:
@@ -147,6 +150,12 @@ class CheckpointManager:
         is finite (agreed across ranks): a checkpoint that is not must never become ``last``."""
         if self.trainer.module is None:
             raise RuntimeError("save_checkpoint() needs a module attached by fit/validate/test first")
+        if self.parent_checkpoint is not None:  # the parent of spawned/forked ranks: what rank 0 sent back
+            plain = self.parent_checkpoint
+            ckpt_io.write_checkpoint(
+                path, lambda tmp: torch.save(plain, tmp / ckpt_io.STATE_FILE), True, lambda outcome: [outcome]
+            )
+            return all(bool(torch.isfinite(v).all()) for v in plain["model"].values())
         self.trainer.runtime.save(path, self.state())
         return self.weights_finite()
 
@@ -182,9 +191,18 @@ class CheckpointManager:
 
     # ---- spawn/fork: the trained weights and the progress come back to the parent -----------------
     def state_for_parent(self) -> dict[str, Any]:
-        weights = {k: v.detach().cpu() for k, v in self.trainer.module.state_dict().items()}
-        return {"model": weights, "progress": self.progress_state()}
+        """Called on every rank after the stage; rank 0's result travels to the parent: the weights,
+        the progress and, after fit, the whole checkpoint (optimizer state included), so the parent
+        can save, evaluate and export what was trained."""
+        t = self.trainer
+        weights = {k: v.detach().cpu() for k, v in t.module.state_dict().items()}
+        payload = {"model": weights, "progress": self.progress_state()}
+        if t.optimizers:
+            payload["checkpoint"] = ckpt_state.state_of(self.state(), t.strategy.unwrap, ckpt_state.FULL)
+        return payload
 
     def restore_in_parent(self, module, state: dict[str, Any]) -> None:
         module.load_state_dict(state["model"])
         self.load_progress_state(state["progress"])
+        self.trainer.module = module
+        self.parent_checkpoint = state.get("checkpoint")
