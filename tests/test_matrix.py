@@ -1,0 +1,154 @@
+"""Every strategy the README names × every kind of model users bring × both routes (the Python API and
+`distrain train`): each cell trains on 2 CPU ranks and matches the one-process run of the same global
+batch, or is refused before any rank starts with one line.
+
+Tolerances: 1e-5 relative on losses and gradient norms (fp32), 1e-4 where the optimizer is DeepSpeed's
+CPU Adam (optimizer offload: a different Adam implementation, same math). The CLI route runs each
+strategy once in CI (the model kinds rotate); `DISTRAIN_FULL_MATRIX=1 python -m pytest
+tests/test_matrix.py` runs every cell. The table is printed at the end of the test session.
+"""
+
+import itertools
+import math
+import os
+from pathlib import Path
+
+import matrix_models
+import pytest
+from conftest import report
+from torch.utils.data import DataLoader
+
+import distrain
+from helpers import LossRecorder, run_ranks
+
+KINDS = ("mlp", "gpt", "hf-causal", "hf-classifier")
+SHARED = (
+    "ddp",
+    "fsdp",
+    "fsdp_cpu_offload",
+    "deepspeed",
+    "deepspeed_stage_1",
+    "deepspeed_stage_2",
+    "deepspeed_stage_2_offload",
+    "deepspeed_stage_3",
+    "deepspeed_stage_3_offload",
+    "deepspeed_stage_3_offload_nvme",
+)
+LAUNCHING = ("ddp_spawn", "ddp_fork", "ddp_notebook")  # they start their own workers
+CPU_ADAM = ("deepspeed_stage_2_offload", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme")
+STEPS, BATCH = 3, 4  # per-rank batch 4 on 2 ranks = one process accumulating 2 batches of 4
+FULL = os.environ.get("DISTRAIN_FULL_MATRIX") == "1"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    pytest.importorskip("transformers")
+    pytest.importorskip("deepspeed")
+    from distrain.hf import tiny as hf_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    texts = root / "counting.txt"
+    texts.write_text("\n".join(hf_tiny.counting_texts(120)) + "\n")
+    return {
+        "hf-causal": hf_tiny.make_tiny_llama(root / "llama"),
+        "hf-classifier": hf_tiny.make_tiny_bert(root / "bert"),
+        "counting": str(texts),
+        "reviews": hf_tiny.write_jsonl(root / "reviews.jsonl", hf_tiny.reviews(120)),
+    }
+
+
+def _job(kind: str, tiny: dict):
+    if kind == "mlp":
+        module = matrix_models.MLP(batch_size=BATCH)
+        return module, module.train_dataloader()
+    if kind == "gpt":
+        return matrix_models.gpt(), DataLoader(matrix_models.ByteSequences(), batch_size=BATCH, shuffle=True)
+    task = "causal_lm" if kind == "hf-causal" else "sequence_classification"
+    module = matrix_models.hf_causal(tiny[kind]) if kind == "hf-causal" else matrix_models.hf_classifier(tiny[kind])
+    samples = matrix_models.hf_samples(tiny[kind], task)
+    return module, DataLoader(samples, batch_size=BATCH, shuffle=True, collate_fn=matrix_models.hf_collate(tiny[kind]))
+
+
+def _fit(strategy: str, devices: int, kind: str, tiny: dict, tmp: Path, **options):
+    recorder = LossRecorder()
+    trainer = distrain.Trainer(
+        accelerator="cpu",
+        strategy=strategy,
+        devices=devices,
+        max_steps=STEPS,
+        accumulate_grad_batches=2 if devices == 1 else 1,
+        gradient_clip_val=1.0,
+        seed=7,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        logger=False,
+        default_root_dir=str(tmp),
+        callbacks=[recorder],
+        **options,
+    )
+    module, loader = _job(kind, tiny)
+    trainer.fit(module, loader)
+    if strategy in LAUNCHING:  # the workers' recorder stays in the workers: the parent gets the final step
+        return [trainer.callback_metrics["loss"]], [trainer.callback_metrics["grad_norm"]]
+    return recorder.losses, recorder.grad_norms
+
+
+def _options(strategy: str, tmp: Path) -> dict:
+    if strategy == "deepspeed_stage_3_offload_nvme":
+        (tmp / "nvme").mkdir(parents=True, exist_ok=True)
+        return {"nvme_path": str(tmp / "nvme")}
+    return {}
+
+
+def _shared_session(rank, tiny, tmp):
+    out = {}
+    for strategy, kind in itertools.product(SHARED, KINDS):
+        out[strategy, kind] = _fit(strategy, 2, kind, tiny, tmp / f"{strategy}-{kind}", **_options(strategy, tmp))
+    return out
+
+
+def _matches(reference, result, strategy) -> str:
+    tolerance = 1e-4 if strategy in CPU_ADAM else 1e-5
+    ref_losses, ref_norms = reference
+    losses, norms = result
+    if len(losses) != len(ref_losses[-len(losses) :]):
+        return f"{len(losses)} steps"
+    for name, a_values, b_values in (
+        ("loss", ref_losses[-len(losses) :], losses),
+        ("grad norm", ref_norms[-len(norms) :], norms),
+    ):
+        for step, (a, b) in enumerate(zip(a_values, b_values)):
+            if not math.isclose(a, b, rel_tol=tolerance):
+                return f"{name} {b:.6g} ≠ {a:.6g} at step {step + 1}"
+    return ""
+
+
+def _table(title: str, cells: dict) -> list[str]:
+    strategies = sorted({s for s, _ in cells}, key=lambda s: (s != "single", s))
+    lines = [title, "| strategy | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 1) + "|"]
+    for s in strategies:
+        lines.append(f"| {s} | " + " | ".join(cells.get((s, k), "–") for k in KINDS) + " |")
+    return lines
+
+
+@pytest.mark.slow
+def test_api_matrix(tiny, tmp_path):
+    references = {kind: _fit("single", 1, kind, tiny, tmp_path / f"single-{kind}") for kind in KINDS}
+    results = run_ranks(_shared_session, 2, tiny, tmp_path)[0]
+    for strategy, kind in itertools.product(LAUNCHING if FULL else LAUNCHING[:2], KINDS):
+        if FULL or (strategy, kind) in (
+            ("ddp_spawn", "mlp"),
+            ("ddp_spawn", "hf-causal"),
+            ("ddp_fork", "gpt"),
+            ("ddp_fork", "hf-classifier"),
+        ):
+            results[strategy, kind] = _fit(strategy, 2, kind, tiny, tmp_path / f"{strategy}-{kind}")
+    cells, failures = {("single", k): "reference" for k in KINDS}, []
+    for (strategy, kind), result in results.items():
+        problem = _matches(references[kind], result, strategy)
+        cells[strategy, kind] = f"✗ {problem}" if problem else "✓ matches"
+        if problem:
+            failures.append(f"{strategy} × {kind}: {problem}")
+    report(_table("Python API: 2 CPU ranks vs one process (losses and gradient norms, 3 steps)", cells))
+    assert not failures, failures
