@@ -232,7 +232,11 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         blocks = hf_job.block_classes if hf_job else {Block}
 
     every_n = config.fsdp.activation_checkpointing.every_n_layers
-    use_ac = t.activation_checkpointing or config.fsdp.activation_checkpointing.enabled  # the spec's name is an alias
+    # the spec's fsdp/top-level section is an alias; a DeepSpeed JSON that configures how activations are
+    # checkpointed (partitioned, on the CPU) asks for it too
+    use_ac = (
+        t.activation_checkpointing or config.fsdp.activation_checkpointing.enabled or _deepspeed_asks_for_ac(config)
+    )
     strategy_options = {
         "activation_checkpointing_policy": {"classes": blocks, "every_n": every_n} if use_ac else None,
         **registry.options_from_config(d.strategy, config, blocks),
@@ -308,6 +312,15 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         )
     trainer.fit(module, loader(train_set, True), loader(val_set, False), ckpt_path=resume)
     return _finish(trainer, out)
+
+
+def _deepspeed_asks_for_ac(config: RunConfig) -> bool:
+    if config.deepspeed.config is None:
+        return False
+    from distrain.strategies.deepspeed_config import read_user_config
+
+    section = (read_user_config(config.deepspeed.config)[0] or {}).get("activation_checkpointing") or {}
+    return any(section.get(k) for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"))
 
 
 def load_user_module(spec: str, args: dict):

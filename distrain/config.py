@@ -171,7 +171,8 @@ class FSDPConfig:
     """``transformer_based`` (the model's block class), ``size_based`` (min_num_params) or null (root only)."""
     min_num_params: int = 1_000_000
     use_orig_params: bool = True
-    sync_module_states: bool = False
+    sync_module_states: bool = True
+    """A model built in __init__ (not on the meta device) starts from rank 0's weights on every rank, as under DDP."""
     state_dict_type: str = "sharded"
     """``sharded`` (each rank writes its shards, DCP) or ``full`` (gathered to rank 0, on CPU)."""
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)

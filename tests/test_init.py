@@ -147,3 +147,20 @@ def test_a_parameter_nothing_initializes_is_an_error():
         module.configure_model()
     with pytest.raises(RuntimeError, match=r"nothing initializes layer\.w.*reset_parameters"):
         rt.strategy.setup_module(module)
+
+
+def _eager_build_with_rank_dependent_rng(rank):
+    torch.manual_seed(100 + rank)  # a script that drew random numbers differently on each rank before this
+    rt = distrain.Runtime(strategy=distrain.FSDPStrategy(), devices=2, accelerator="cpu")
+    rt.setup_environment()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sharded = rt.strategy.setup_module(model)
+    return before, {k: v.clone() for k, v in get_model_state_dict(sharded, options=FULL_EVERY_RANK).items()}
+
+
+def test_fsdp_model_built_in_init_starts_from_rank_zeros_weights():
+    (before0, after0), (before1, after1) = run_ranks(_eager_build_with_rank_dependent_rng, 2)
+    assert not torch.equal(before0["0.weight"], before1["0.weight"])
+    for k in before0:  # as under DDP: rank 0's weights, on every rank
+        assert torch.equal(after0[k], before0[k]) and torch.equal(after1[k], before0[k]), k

@@ -108,8 +108,9 @@ def _write_atomically(out_dir: str | os.PathLike, write) -> str:
     return str(out)
 
 
-def make_tiny_bert(out_dir: str | os.PathLike, num_labels: int = 2, seed: int = 0) -> str:
-    """A 2-layer, 32-wide BertForSequenceClassification with its tokenizer."""
+def make_tiny_bert(out_dir: str | os.PathLike, num_labels: int = 2, seed: int = 0, dropout: float = 0.1) -> str:
+    """A 2-layer, 32-wide BertForSequenceClassification with its tokenizer (``dropout=0``: the same
+    losses on any number of ranks, for parity checks)."""
     from transformers import BertConfig, BertForSequenceClassification
 
     def write(tmp: Path) -> None:
@@ -131,6 +132,9 @@ def make_tiny_bert(out_dir: str | os.PathLike, num_labels: int = 2, seed: int = 
             intermediate_size=64,
             max_position_embeddings=64,
             num_labels=num_labels,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+            classifier_dropout=dropout,
             pad_token_id=tokenizer.pad_token_id,
         )
         torch.manual_seed(seed)
@@ -140,7 +144,7 @@ def make_tiny_bert(out_dir: str | os.PathLike, num_labels: int = 2, seed: int = 
     return _write_atomically(out_dir, write)
 
 
-def make_tiny_llama(out_dir: str | os.PathLike, seed: int = 0) -> str:
+def make_tiny_llama(out_dir: str | os.PathLike, seed: int = 0, max_position_embeddings: int = 128) -> str:
     """A 2-layer, 32-wide LlamaForCausalLM with its tokenizer (no pad token, as Llama's own)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -153,7 +157,7 @@ def make_tiny_llama(out_dir: str | os.PathLike, seed: int = 0) -> str:
             num_attention_heads=2,
             num_key_value_heads=2,
             intermediate_size=64,
-            max_position_embeddings=128,
+            max_position_embeddings=max_position_embeddings,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             tie_word_embeddings=False,

@@ -63,7 +63,7 @@ class FSDPStrategy(Strategy):
         forward_prefetch: bool = False,
         backward_prefetch: str | None = "BACKWARD_PRE",
         use_orig_params: bool = True,
-        sync_module_states: bool = False,
+        sync_module_states: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(minutes=30),
         start_method: str = "popen",
