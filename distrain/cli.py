@@ -203,6 +203,9 @@ def train(config: RunConfig, resume: str | None = None) -> int:
     t, d, c, lg, data = config.training, config.distributed, config.checkpointing, config.logging, config.data
     hf_job = user_module = None
     if t.module is not None:  # a Module of the user's own: imported (and built) before any rank starts
+        from distrain.runtime import seed_everything
+
+        seed_everything(t.seed)  # its layers built in __init__ draw from training.seed, as a script's would
         user_module = load_user_module(t.module, t.module_args)
     elif t.model_name not in GPT_SIZES:  # a Hugging Face hub name or local directory
         from distrain.hf.job import HFJob

@@ -104,7 +104,7 @@ def test_spec_ddp_config_with_its_nccl_on_a_cpu_machine(local, tmp_path):
         f"data.dataset={local['reviews']}",
     )
     assert proc.returncode == 2
-    error = proc.stderr.strip().splitlines()
+    error = [line for line in proc.stderr.splitlines() if line.startswith("distrain")]  # not other libraries' noise
     assert len(error) == 1 and "distributed.backend" in error[0] and "gloo" in error[0], proc.stderr
 
 

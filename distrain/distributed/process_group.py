@@ -29,23 +29,16 @@ def init_process_group(
     """Join (or, started by nobody, create) the default group from the standard env variables.
     A group that already exists is kept; only its collective timeout is set."""
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # one process, started by nobody: a group of one
-            from distrain.cluster import find_free_port
-
-            os.environ.update(
-                RANK="0",
-                LOCAL_RANK="0",
-                WORLD_SIZE="1",
-                LOCAL_WORLD_SIZE="1",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(find_free_port()),
-            )
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         kwargs = {}
+        if "RANK" in os.environ:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        else:  # one process, started by nobody: a group of one with a store of its own, and the env left as
+            rank, world = 0, 1  # it was (a later run in this process, ddp_spawn in a notebook, starts clean)
+            kwargs["store"] = dist.HashStore()
         if "nccl" in backend:
             kwargs["device_id"] = device  # eager NCCL init: errors surface here, not mid-step
             watch.enable_nccl_flight_recorder(flight_recorder_dir)
-        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ and "store" not in kwargs:
             kwargs["store"] = _elastic_attempt_store(rank, world, timeout)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
         watch.start(rank, world, timeout)

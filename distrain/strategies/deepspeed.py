@@ -189,16 +189,18 @@ class DeepSpeedStrategy(Strategy):
             return
         import deepspeed
 
+        layers = selected_layers(module, policy)
         deepspeed.checkpointing.configure(
             None,
             partition_activations=bool(section.get("partition_activations", False)),
             checkpoint_in_cpu=bool(section.get("cpu_checkpointing", False)),
             contiguous_checkpointing=bool(section.get("contiguous_memory_optimization", False)),
-            num_checkpoints=section.get("number_checkpoints"),
+            # contiguous buffers need the count; "null" (the spec's) means: the layers checkpointed here
+            num_checkpoints=section.get("number_checkpoints") or len(layers),
             synchronize=bool(section.get("synchronize_checkpoint_boundary", False)),
             profile=bool(section.get("profile", False)),
         )
-        for layer in selected_layers(module, policy):
+        for layer in layers:
             layer.forward = functools.partial(deepspeed.checkpointing.checkpoint, layer.forward)
 
     def setup(self, module: nn.Module, optimizers=()):
