@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import pickle
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger("distrain")
 
 # ---- torch.distributed ------------------------------------------------------------------------------
 
@@ -33,8 +36,8 @@ def set_group_timeouts(timeout: timedelta) -> None:
     for group in groups:
         try:
             c10d._set_pg_timeout(timeout, group)
-        except (ValueError, RuntimeError, AssertionError):  # not a member, or a backend without timeouts
-            pass
+        except (ValueError, RuntimeError, AssertionError) as e:  # not a member, or a backend without timeouts
+            logger.debug("distrain: could not set the timeout of process group %s: %s", group, e)
 
 
 def bf16_compress_hook_gloo(process_group, bucket):

@@ -642,5 +642,10 @@ def _flops_per_token(module: Module) -> float | None:
     fn = getattr(module, "flops_per_token", None)
     try:
         return float(fn() if callable(fn) else fn) if fn is not None else None
-    except Exception:
+    except Exception as e:  # MFU is a nicety: say why it is missing, and train on
+        warnings.warn(
+            f"distrain: {type(module).__name__}.flops_per_token failed ({type(e).__name__}: {e}); "
+            "MFU will not be logged",
+            stacklevel=2,
+        )
         return None

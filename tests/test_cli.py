@@ -197,3 +197,54 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     resumed = distrain("train", *args[1:-2], "--resume", "last", "--max-steps", str(stopped_at + 2))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"done at step {stopped_at + 2}" in resumed.stdout and not (out / "PREEMPTED").exists()
+
+
+BOOM = """
+import sys
+sys.path.insert(0, {tests!r})
+from matrix_models import MLP
+
+
+class Boom(MLP):
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_rank == 1 and self.trainer.global_step == 1:
+            raise ValueError("boom on rank 1")
+        return super().training_step(batch, batch_idx)
+"""
+
+
+@pytest.mark.slow
+def test_an_error_in_one_rank_reaches_the_console_in_three_lines(tmp_path):
+    """Which rank failed first, its exception and message, where its whole output is; every rank's
+    output is in logs/rank_N.log."""
+    (tmp_path / "boom.py").write_text(BOOM.format(tests=os.path.dirname(__file__)))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distrain.cli",
+            "train",
+            "--strategy",
+            "ddp",
+            "--devices",
+            "2",
+            "--max-steps",
+            "4",
+            "--output-dir",
+            "run",
+            "training.module=boom.py:Boom",
+            "logging.progress_bar=false",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("[distrain]")]
+    assert ours[0] == "[distrain] rank 1 failed first: ValueError: boom on rank 1", proc.stderr
+    assert ours[1] == "[distrain]   its whole output and traceback: run/logs/rank_1.log"
+    assert "exited with code -15" not in proc.stderr and "Traceback" not in proc.stderr
+    log = (tmp_path / "run" / "logs" / "rank_1.log").read_text()
+    assert "Traceback" in log and "ValueError: boom on rank 1" in log
+    assert "step 1" in (tmp_path / "run" / "logs" / "rank_0.log").read_text()  # rank 0's output is kept too

@@ -11,10 +11,8 @@ import distrain
 from helpers import TinyGPT, loader, make_trainer, params_of, run_ranks
 
 
-def _seen_per_epoch(rank):
-    trainer, _ = make_trainer(
-        "/tmp/unused", strategy="ddp", devices=2, max_epochs=2, enable_checkpointing=False, logger=False
-    )
+def _seen_per_epoch(rank, tmp):
+    trainer, _ = make_trainer(tmp, strategy="ddp", devices=2, max_epochs=2, enable_checkpointing=False, logger=False)
     module = TinyGPT()
     epochs = []
 
@@ -29,8 +27,8 @@ def _seen_per_epoch(rank):
 
 
 @pytest.mark.slow
-def test_ranks_see_disjoint_samples_and_reshuffle_each_epoch():
-    r0, r1 = run_ranks(_seen_per_epoch, 2)
+def test_ranks_see_disjoint_samples_and_reshuffle_each_epoch(tmp_path):
+    r0, r1 = run_ranks(_seen_per_epoch, 2, tmp_path)
     for epoch in range(2):
         assert len(r0[epoch]) == len(r1[epoch]) == 32
         assert set(r0[epoch]).isdisjoint(r1[epoch])
@@ -38,7 +36,7 @@ def test_ranks_see_disjoint_samples_and_reshuffle_each_epoch():
     assert r0[0] != r0[1]  # set_epoch was called: a new order
 
 
-def _count_allreduce(rank, accumulate):
+def _count_allreduce(rank, tmp, accumulate):
     calls = []
 
     def counting_hook(state, bucket):
@@ -49,7 +47,7 @@ def _count_allreduce(rank, accumulate):
 
     strategy = distrain.DDPStrategy(ddp_comm_hook=counting_hook)
     trainer, _ = make_trainer(
-        "/tmp/unused",
+        tmp,
         strategy=strategy,
         devices=2,
         max_steps=3,
@@ -62,9 +60,9 @@ def _count_allreduce(rank, accumulate):
 
 
 @pytest.mark.slow
-def test_no_allreduce_on_accumulation_micro_steps():
-    (plain, steps), _ = run_ranks(_count_allreduce, 2, 1)
-    (accumulated, steps_acc), _ = run_ranks(_count_allreduce, 2, 4)
+def test_no_allreduce_on_accumulation_micro_steps(tmp_path):
+    (plain, steps), _ = run_ranks(_count_allreduce, 2, tmp_path / "a", 1)
+    (accumulated, steps_acc), _ = run_ranks(_count_allreduce, 2, tmp_path / "b", 4)
     assert steps == steps_acc == 3
     buckets_per_step = plain // 3
     assert buckets_per_step >= 1 and plain == 3 * buckets_per_step
@@ -72,7 +70,7 @@ def test_no_allreduce_on_accumulation_micro_steps():
     assert accumulated == plain
 
 
-def _hooks(rank):
+def _hooks(rank, tmp):
     results = {}
     for hook in ["fp16_compress", "bf16_compress", "powersgd", "post_localsgd"]:
         strategy = distrain.DDPStrategy(ddp_comm_hook=hook)
@@ -92,7 +90,7 @@ def _hooks(rank):
                 model_averaging_period=2,
             )
         trainer, rec = make_trainer(
-            "/tmp/unused", strategy=strategy, devices=2, max_steps=12, enable_checkpointing=False, logger=False
+            tmp, strategy=strategy, devices=2, max_steps=12, enable_checkpointing=False, logger=False
         )
         distrain.seed_everything(0)
         module = TinyGPT(lr=1e-2, schedule=False)
@@ -102,8 +100,8 @@ def _hooks(rank):
 
 
 @pytest.mark.slow
-def test_comm_hooks_train_and_keep_replicas_in_sync():
-    r0, r1 = run_ranks(_hooks, 2)
+def test_comm_hooks_train_and_keep_replicas_in_sync(tmp_path):
+    r0, r1 = run_ranks(_hooks, 2, tmp_path)
     for hook, (losses, params) in r0.items():
         assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, (hook, losses)
         if hook != "post_localsgd":  # local SGD lets replicas drift between averagings

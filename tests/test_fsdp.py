@@ -189,12 +189,10 @@ class LazyGPT(TinyGPT):
         self.built_on = {p.device.type for p in self.gpt.parameters()}
 
 
-def _sharded_init(rank):
+def _sharded_init(rank, tmp):
     from torch.distributed.tensor import DTensor
 
-    trainer, rec = make_trainer(
-        "/tmp/unused", strategy="fsdp", devices=2, max_steps=6, logger=False, enable_checkpointing=False
-    )
+    trainer, rec = make_trainer(tmp, strategy="fsdp", devices=2, max_steps=6, logger=False, enable_checkpointing=False)
     module = LazyGPT()
     trainer.fit(module, loader(4))
     params = list(module.gpt.parameters())
@@ -204,8 +202,8 @@ def _sharded_init(rank):
 
 
 @pytest.mark.slow
-def test_configure_model_is_built_on_meta_and_only_shards_are_allocated():
-    for built_on, all_dtensor, local, full, losses in run_ranks(_sharded_init, 2):
+def test_configure_model_is_built_on_meta_and_only_shards_are_allocated(tmp_path):
+    for built_on, all_dtensor, local, full, losses in run_ranks(_sharded_init, 2, tmp_path):
         assert built_on == {"meta"} and all_dtensor
         assert local <= full / 2 * 1.05  # this rank holds its half, never the whole model
         assert losses[-1] < losses[0]

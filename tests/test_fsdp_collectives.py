@@ -6,7 +6,7 @@ import torch.distributed as dist
 from helpers import TinyGPT, loader, make_trainer, run_ranks
 
 
-def _count_reduce_scatters(rank, accumulate):
+def _count_reduce_scatters(rank, tmp, accumulate):
     calls = []
     real = dist.reduce_scatter_single
 
@@ -17,7 +17,7 @@ def _count_reduce_scatters(rank, accumulate):
     dist.reduce_scatter_single = counting
     try:
         trainer, _ = make_trainer(
-            "/tmp/unused",
+            tmp,
             strategy="fsdp",
             devices=2,
             max_steps=3,
@@ -32,9 +32,9 @@ def _count_reduce_scatters(rank, accumulate):
 
 
 @pytest.mark.slow
-def test_no_reduce_scatter_on_accumulation_micro_steps():
-    (plain, steps), _ = run_ranks(_count_reduce_scatters, 2, 1)
-    (accumulated, steps_acc), _ = run_ranks(_count_reduce_scatters, 2, 4)
+def test_no_reduce_scatter_on_accumulation_micro_steps(tmp_path):
+    (plain, steps), _ = run_ranks(_count_reduce_scatters, 2, tmp_path / "a", 1)
+    (accumulated, steps_acc), _ = run_ranks(_count_reduce_scatters, 2, tmp_path / "b", 4)
     assert steps == steps_acc == 3
     assert plain >= 3 and plain % 3 == 0  # one per sharded unit per optimizer step
     assert accumulated == plain  # 12 micro-steps, reductions only on the 3 optimizer steps

@@ -77,7 +77,7 @@ def test_plain_module_with_loss_forward(tmp_path):
         trainer.fit(PlainRegressor(), DataLoader(data))
 
 
-def _custom_loop(rank):
+def _custom_loop(rank, tmp):
     rt = distrain.Runtime(accelerator="cpu", strategy="ddp", devices=2)
 
     def main(rt):
@@ -100,9 +100,9 @@ def _custom_loop(rank):
         gathered = rt.all_gather(torch.tensor([rank]))
         obj = rt.broadcast({"from": rt.global_rank})
         rt.barrier()
-        rt.save(f"/tmp/distrain-rt-test-{rt.world_size}", {"model": model, "opt": opt, "step": 3})
+        rt.save(f"{tmp}/rt-test-{rt.world_size}", {"model": model, "opt": opt, "step": 3})
         restored = {"model": nn.Linear(4, 1), "step": 0}
-        rt.load(f"/tmp/distrain-rt-test-{rt.world_size}", restored, strict=False)
+        rt.load(f"{tmp}/rt-test-{rt.world_size}", restored, strict=False)
         same = all(torch.equal(a, b) for a, b in zip(restored["model"].parameters(), model.module.parameters()))
         return seen, float(total), gathered.flatten().tolist(), obj, restored["step"], same, params_of(model.module)
 
@@ -110,8 +110,8 @@ def _custom_loop(rank):
 
 
 @pytest.mark.slow
-def test_runtime_for_hand_written_loops():
-    r0, r1 = run_ranks(_custom_loop, 2)
+def test_runtime_for_hand_written_loops(tmp_path):
+    r0, r1 = run_ranks(_custom_loop, 2, tmp_path)
     assert {tuple(v) for b in r0[0] for v in [b]}.isdisjoint({tuple(v) for v in r1[0]})
     assert r0[1] == r1[1] == 4.0  # 2 batches per rank, summed over ranks
     assert r0[2] == [0, 1] and r1[3] == {"from": 0}
@@ -170,3 +170,22 @@ def test_ddp_spawn_with_configure_model_returns_weights(tmp_path):
     trainer.fit(module, loader(4))
     saved = LazyGPT.load_from_checkpoint(str(tmp_path / "checkpoints" / "last"))
     assert all(torch.equal(v, params_of(module)[k]) for k, v in params_of(saved).items())
+
+
+def test_ddp_spawn_parent_saves_a_checkpoint_that_resumes(tmp_path):
+    """After fit under ddp_spawn the trained run comes back to the parent: it saves (optimizer state
+    included), evaluates and resumes from there."""
+    trainer, _ = make_trainer(
+        tmp_path / "spawn", strategy="ddp_spawn", devices=2, max_steps=3, logger=False, enable_checkpointing=False
+    )
+    distrain.seed_everything(0)
+    module = TinyGPT()
+    trainer.fit(module, loader(4))
+    trainer.save_checkpoint(tmp_path / "saved")
+    state = torch.load(tmp_path / "saved" / "state.pt", weights_only=True)
+    assert state["progress"]["global_step"] == 3 and state["optimizers"][0]["state"]
+    for k, v in module.state_dict().items():
+        assert torch.equal(state["model"][k], v), k
+    resumed, rec = make_trainer(tmp_path / "resume", strategy="single", devices=1, max_steps=5, logger=False)
+    resumed.fit(TinyGPT(), loader(8), ckpt_path=str(tmp_path / "saved"))
+    assert resumed.global_step == 5 and len(rec.losses) == 2

@@ -201,7 +201,7 @@ class DeepSpeedStrategy(Strategy):
             profile=bool(section.get("profile", False)),
         )
         for layer in layers:
-            layer.forward = functools.partial(deepspeed.checkpointing.checkpoint, layer.forward)
+            layer.forward = _deepspeed_checkpointed(layer.forward)
 
     def setup(self, module: nn.Module, optimizers=()):
         """The Runtime path (your own loop): you call backward/step yourself, so the micro-batch
@@ -484,6 +484,21 @@ def _check_nvme_offload(config: dict, source: str) -> None:
             "lacks it: install it (Debian/Ubuntu: apt-get install libaio-dev; RHEL/Fedora: dnf install "
             "libaio-devel), or offload to cpu"
         )
+
+
+def _deepspeed_checkpointed(forward):
+    """``forward`` under ``deepspeed.checkpointing.checkpoint``, which takes positional arguments only:
+    keyword ones (an HF layer's attention mask, rotary embeddings) are bound into the recomputed call."""
+    import deepspeed
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation: nothing to recompute (its buffers count backward passes)
+            return forward(*args, **kwargs)
+        function = functools.partial(forward, **kwargs) if kwargs else forward
+        return deepspeed.checkpointing.checkpoint(function, *args)
+
+    return checkpointed
 
 
 class _NormAfterStep:
