@@ -45,12 +45,12 @@ class Module(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers()")
 
     # optional hooks
-    def on_train_step_start(self, batches: list, accumulate: int) -> None:
+    def on_train_step_start(self, batches: list, window: int) -> None:
         """This rank's micro-batches of the coming optimizer step (as the loader yields them, not yet
-        on the device), before the first one runs. The step's gradient is the mean, over its
-        micro-steps (the Trainer divides each loss by ``accumulate``, also in a shorter last step) and
-        over the ranks, of the losses ``training_step`` returns. Override it to normalize a loss
-        by a whole step's count, e.g. of tokens; only then does the Trainer read batches ahead."""
+        on the device), before the first one runs; ``window`` is their number (``accumulate``, or fewer
+        in an epoch's last step). The step's gradient is the mean, over its micro-steps (the Trainer
+        divides each loss by ``window``) and over the ranks, of the losses ``training_step`` returns.
+        Override it to normalize a loss by a whole step's count, e.g. of tokens."""
 
     def on_fit_start(self) -> None: ...
     def on_train_epoch_start(self) -> None: ...

@@ -513,6 +513,7 @@ class Trainer:
         rt.seed_everything(self.seed)  # same seed everywhere: every rank builds identical weights
         object.__setattr__(module, "_trainer", self)
         self.module = module
+        _own_memory(module)
         self._configure(module)
         for cb in self.callbacks:
             cb.setup(self, module, stage)
@@ -629,6 +630,16 @@ def _accumulation_schedule(value: int | dict[int, int]) -> dict[int, int]:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"accumulate_grad_batches[{epoch}] must be a positive integer, got {n!r}")
     return schedule
+
+
+def _own_memory(module: nn.Module) -> None:
+    """Spawned ranks receive the module through torch.multiprocessing, which puts its tensors in shared
+    memory: every rank would then update the same weights (each step applied once per rank). Each rank
+    takes its own copy."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.is_shared():
+                tensor.data = tensor.data.clone()
 
 
 def _length(loader) -> int | None:

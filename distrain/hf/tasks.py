@@ -94,7 +94,7 @@ class CausalLMModule(HFTaskModule):
     batch, so the result depends on how the global batch was split. Here the Trainer shows us the
     step's micro-batches before the first runs (``on_train_step_start``); one all-reduce gives the
     step's global token count N. Each micro-step then returns ``sum of its token losses × W × A / N``:
-    the Trainer divides by A (accumulation) and the gradient reduction averages over W ranks, so
+    the Trainer divides by A (the micro-batches in the step) and the gradient reduction averages over W ranks, so
     the step's gradient is exactly that of (sum of all token losses) / N — as on one process."""
 
     task = "causal_lm"
@@ -110,11 +110,11 @@ class CausalLMModule(HFTaskModule):
         mask = batch.get("attention_mask")
         return (mask if mask is not None else torch.ones_like(ids))[:, 1:].bool()
 
-    def on_train_step_start(self, batches: list, accumulate: int) -> None:
+    def on_train_step_start(self, batches: list, window: int) -> None:
         local = sum(int(self._targets(b).sum()) for b in batches)
         runtime = self.trainer.runtime
         total = float(runtime.all_reduce(torch.tensor(local, dtype=torch.float64), op="sum"))
-        self._loss_scale = runtime.world_size * accumulate / max(total, 1.0)
+        self._loss_scale = runtime.world_size * window / max(total, 1.0)
 
     def _token_loss_sum(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.model(**self._inputs(batch), use_cache=False).logits

@@ -167,6 +167,14 @@ class DeepSpeedStrategy(Strategy):
             yield
 
     def setup_module(self, module: nn.Module) -> nn.Module:
+        partitioned = [hasattr(p, "ds_id") for p in module.parameters()]
+        if any(partitioned) and not all(partitioned):
+            raise ValueError(
+                f"{type(module).__name__} has layers built in __init__ and layers built in configure_model "
+                "(partitioned by ZeRO-3); build all of them in configure_model (or all in __init__)"
+            )
+        if not any(partitioned):  # built in __init__: its weights are final (the engine starts from rank 0's)
+            self._rng_before_init = None
         if self._rng_before_init is not None:
             # zero.Init partitions each layer when its ``__init__`` returns, so a parent that
             # initializes its children's weights in its own ``__init__`` (GPT-2 style) wrote into
