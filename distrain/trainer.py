@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from distrain.callbacks import Callback, ModelCheckpoint, ProgressBar
+from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary, ProgressBar
 from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, tokens_in_batch
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 from distrain.module import Module
@@ -88,6 +88,7 @@ class Trainer:
         enable_checkpointing: bool = True,
         use_distributed_sampler: bool = True,
         limit_val_batches: int | None = None,
+        enable_plots: bool = True,
         **strategy_kwargs: Any,
     ):
         if gradient_clip_val is not None and gradient_clip_val < 0:
@@ -116,6 +117,8 @@ class Trainer:
             self.callbacks.append(ModelCheckpoint())
         if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.append(ProgressBar())
+        if enable_plots and not any(isinstance(c, PlotSummary) for c in self.callbacks):
+            self.callbacks.append(PlotSummary())  # <default_root_dir>/plots/summary.png when training ends
         self.metrics = MetricsLogger(
             self.runtime,
             _loggers(logger, self.default_root_dir),
