@@ -89,6 +89,7 @@ class Trainer:
         use_distributed_sampler: bool = True,
         limit_val_batches: int | None = None,
         enable_plots: bool = True,
+        histogram_every_n_steps: int | None = None,
         **strategy_kwargs: Any,
     ):
         if gradient_clip_val is not None and gradient_clip_val < 0:
@@ -119,6 +120,10 @@ class Trainer:
             self.callbacks.append(ProgressBar())
         if enable_plots and not any(isinstance(c, PlotSummary) for c in self.callbacks):
             self.callbacks.append(PlotSummary())  # <default_root_dir>/plots/summary.png when training ends
+        if histogram_every_n_steps is not None:  # weights and gradients, gathered one parameter at a time
+            from distrain.callbacks.histograms import ParameterHistograms
+
+            self.callbacks.append(ParameterHistograms(histogram_every_n_steps))
         self.metrics = MetricsLogger(
             self.runtime,
             _loggers(logger, self.default_root_dir),
