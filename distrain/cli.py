@@ -322,6 +322,7 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         enable_progress_bar=lg.progress_bar,
         enable_plots=lg.plot_summary,
         histogram_every_n_steps=lg.histogram_every_n_steps,
+        compile=t.compile,
         process_group_backend=d.backend,
         timeout=d.timeout_seconds,
         collective_timeout=d.collective_timeout_seconds,

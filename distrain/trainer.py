@@ -90,6 +90,7 @@ class Trainer:
         limit_val_batches: int | None = None,
         enable_plots: bool = True,
         histogram_every_n_steps: int | None = None,
+        compile: bool | dict = False,
         **strategy_kwargs: Any,
     ):
         if gradient_clip_val is not None and gradient_clip_val < 0:
@@ -100,6 +101,10 @@ class Trainer:
         self.runtime = Runtime(accelerator, strategy, devices, num_nodes, precision, **strategy_kwargs)
         self.default_root_dir = str(default_root_dir or os.path.join(os.getcwd(), "distrain_runs"))
         self.runtime.flight_recorder_dir = os.path.join(self.default_root_dir, "flight_recorder")  # NCCL only
+        if compile:  # torch.compile when the strategy sets the model up (strategies/layers.py: apply_compile)
+            if not self.runtime.strategy.supports_compile:
+                raise ValueError(f"compile=True is not supported with {type(self.runtime.strategy).__name__}")
+            self.runtime.strategy.compile = compile
         self.seed = seed
         # what the loop does
         self.loop = LoopOptions(

@@ -25,7 +25,7 @@ from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
 from distrain.cluster import ClusterEnv
 from distrain.precision import Precision
-from distrain.strategies.layers import apply_activation_checkpointing, device_init_context
+from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, device_init_context
 
 
 @dataclass
@@ -45,6 +45,10 @@ class Strategy:
     start_method: str | None = None
     #: forward passes run collectives (sharded parameters): every rank must run the same steps
     collective_forward: bool = False
+    #: ``torch.compile`` in ``setup_module`` (``Trainer(compile=...)`` sets it): False, True or compile kwargs
+    compile: bool | dict = False
+    #: whether this strategy can compile the model it sets up
+    supports_compile: bool = True
 
     def __init__(
         self,
@@ -133,6 +137,7 @@ class Strategy:
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = self.precision.convert_module(module).to(self.root_device)
+        apply_compile(module, self.compile, per_block=False)  # the whole model; before AC: AC stays outside
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         return module
 

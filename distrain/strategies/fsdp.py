@@ -21,7 +21,7 @@ from torch import nn
 
 from distrain.checkpoint import state as ckpt_state
 from distrain.strategies.base import Strategy
-from distrain.strategies.layers import apply_activation_checkpointing, is_marked_unit
+from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, is_marked_unit
 from distrain.strategies.registry import register
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -178,6 +178,7 @@ class FSDPStrategy(Strategy):
             if self.sync_module_states:
                 for t in [*module.parameters(), *module.buffers()]:
                     dist.broadcast(t.data, src=0)
+        apply_compile(module, self.compile, per_block=True)  # each block, before AC and sharding (torchtitan)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         kwargs = dict(
             mesh=self._mesh(),
