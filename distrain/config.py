@@ -442,6 +442,10 @@ def validate(config: RunConfig) -> None:
             f"deepspeed.config is set ({ds.config}) but distributed.strategy is {d.strategy!r}; "
             "use strategy deepspeed (or a deepspeed_stage_* preset), or drop the DeepSpeed config"
         )
+    if registry.lookup(registry.resolve_auto(d.strategy, 2)).config_section == "deepspeed":
+        for key, on in (("training.compile", t.compile), ("training.precision=fp8", t.precision == "fp8")):
+            if on:
+                raise ConfigError(f"{key} is not supported with distributed.strategy {d.strategy!r} (DeepSpeed)")
     for name in ("offload_optimizer_device", "offload_params_device"):
         if getattr(ds, name) not in ("cpu", "nvme"):
             raise ConfigError(f"deepspeed.{name} must be cpu or nvme, got {getattr(ds, name)!r}")

@@ -81,3 +81,56 @@ def test_fused_adamw_on_fsdp_shards_matches_ddp_for_each():
     fsdp, fsdp_norms, _, fsdp_fused = run_ranks(_losses, 2, "fsdp", False, True)[0]
     assert fsdp_fused and not ddp_fused  # fused AdamW on DTensor shards, for-each on DDP's replicas
     assert _close(fsdp, ddp) and _close(fsdp_norms, ddp_norms), (fsdp, ddp)
+
+
+# ---- fp8 ----------------------------------------------------------------------------------------
+
+
+def test_fp8_is_refused_without_an_fp8_gpu_in_one_line():
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("this machine has an fp8 GPU")
+    with pytest.raises(ValueError, match=r"^precision='fp8' needs an NVIDIA GPU with float8 tensor cores") as e:
+        distrain.Trainer(accelerator="cpu", devices=1, precision="fp8")
+    assert "\n" not in str(e.value)
+    from distrain.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="training.precision=fp8 is not supported"):
+        build_config(overrides={"training.precision": "fp8", "distributed.strategy": "deepspeed"})
+
+
+def test_fp8_converts_the_linears_and_trains_on_cpu():
+    pytest.importorskip("torchao", reason="the test extra installs torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from distrain.precision import convert_to_float8
+
+    torch.manual_seed(0)
+    reference = TinyGPT().gpt
+    model = TinyGPT().gpt
+    model.load_state_dict(reference.state_dict())
+    converted = convert_to_float8(model)
+    assert converted == [
+        f"blocks.{i}.{layer}" for i in range(2) for layer in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+    ]
+    assert type(model.head) is torch.nn.Linear and model.head.weight is model.tok_emb.weight  # head kept, tied
+    assert all(isinstance(model.get_submodule(n), Float8Linear) for n in converted)
+    x, y = torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16))
+    loss, ref = model(x, y), reference(x, y)
+    loss.backward()
+    ref.backward()
+    # float8 matmuls (emulated on CPU by torchao) are close to fp32, not equal
+    assert loss.item() != ref.item() and abs(loss.item() - ref.item()) / ref.item() < 2e-2
+    g, g_ref = model.blocks[0].mlp.fc.weight.grad, reference.blocks[0].mlp.fc.weight.grad
+    assert torch.nn.functional.cosine_similarity(g.flatten(), g_ref.flatten(), dim=0) > 0.99
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+    reason="fp8 training needs an NVIDIA GPU with compute capability 8.9+ (none here)",
+)
+def test_fp8_training_on_a_gpu(tmp_path):
+    trainer, rec = make_trainer(tmp_path, accelerator="gpu", devices=1, strategy="single", precision="fp8",
+                                max_steps=20, enable_checkpointing=False, logger=False)  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(TinyGPT(), loader(8))
+    assert rec.losses[-1] < rec.losses[0]

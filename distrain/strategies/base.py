@@ -49,6 +49,10 @@ class Strategy:
     compile: bool | dict = False
     #: whether this strategy can compile the model it sets up
     supports_compile: bool = True
+    #: whether this strategy converts the model for precision="fp8" (Precision.convert_module)
+    supports_fp8: bool = True
+    #: fp8 weights all-gathered in float8 (FSDP2)
+    float8_all_gather: bool = False
 
     def __init__(
         self,
@@ -74,6 +78,9 @@ class Strategy:
     # ---- wiring, done once by the Runtime ------------------------------------------------------
     def connect(self, accelerator: Accelerator, precision: Precision, cluster: ClusterEnv, nprocs: int, num_nodes: int):
         self.accelerator, self.precision, self.cluster = accelerator, precision, cluster
+        if precision.name == "fp8" and not self.supports_fp8:
+            raise ValueError(f"precision='fp8' is not supported with {type(self).__name__}")
+        precision.float8_all_gather = self.float8_all_gather
         self.nprocs_per_node, self.num_nodes = nprocs, num_nodes
 
     @property

@@ -49,6 +49,7 @@ class FSDPStrategy(Strategy):
 
     start_method = "popen"
     collective_forward = True
+    float8_all_gather = True  # precision="fp8": weights travel in float8 (torchao)
 
     def __init__(
         self,
@@ -137,7 +138,9 @@ class FSDPStrategy(Strategy):
         mp = self.mixed_precision
         if isinstance(mp, MixedPrecisionPolicy):
             return mp
-        default_param = self.precision.compute_dtype if self.precision.name in ("bf16-mixed", "16-mixed") else None
+        default_param = (
+            self.precision.compute_dtype if self.precision.name in ("bf16-mixed", "16-mixed", "fp8") else None
+        )
         if isinstance(mp, dict):
             dt = {k: _DTYPES[v] if isinstance(v, str) else v for k, v in mp.items() if v is not None}
             if "buffer_dtype" in dt:
