@@ -205,6 +205,7 @@ COMMANDS = {
     "launch": launch_parser,
     "doctor": doctor_parser,
     "plot": plot_parser,
+    "bench": lambda: __import__("distrain.bench", fromlist=["bench_parser"]).bench_parser(),
 }
 USAGE = (
     "usage: distrain {train,convert,launch,doctor,plot,bench} [options]   "
@@ -228,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         return doctor.run(args.devices, args.num_nodes, args.timeout)
     if command == "plot":
         return plot(args.runs, args.output, args.labels, args.title)
+    if command == "bench":
+        from distrain import bench
+
+        return bench.main(args)
     if command == "convert":
         try:
             return convert(args.checkpoint, args.output, args.to)
