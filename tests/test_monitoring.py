@@ -136,3 +136,18 @@ def test_plot_summary_is_a_default_callback():
         isinstance(c, distrain.callbacks.PlotSummary)
         for c in distrain.Trainer(accelerator="cpu", devices=1, enable_plots=False).callbacks
     )
+
+
+def test_new_config_keys_are_validated_with_clear_errors():
+    from distrain.config import ConfigError, build_config
+
+    config = build_config(cli_items=["logging.histogram_every_n_steps=5", "training.compile=true"])
+    assert config.logging.histogram_every_n_steps == 5 and config.training.compile
+    for items, message in (
+        (["logging.histogram_every_n_steps=0"], "logging.histogram_every_n_steps must be > 0, got 0"),
+        (["logging.wandb_mode=cloud"], "logging.wandb_mode must be online, offline, disabled or null"),
+        (["training.compile=yes please"], "training.compile in the command line: expected bool"),
+        (["training.compile=true", "distributed.strategy=deepspeed_stage_3"], "training.compile is not supported"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            build_config(cli_items=items)

@@ -25,11 +25,9 @@ class PlotSummary(Callback):
 
         jsonl = next((lg for lg in trainer.loggers if isinstance(lg, JSONLLogger)), None)
         if jsonl is None or not jsonl.path.is_file():
-            return  # nothing was logged to draw from
+            return  # nothing was logged to draw from (the JSONL file is line-buffered: complete here)
         output = Path(self.dirpath or Path(trainer.default_root_dir) / "plots") / self.filename
         try:
-            if jsonl._file is not None:
-                jsonl._file.flush()
             from distrain.plotting import plot_runs
 
             self.last_path = plot_runs([jsonl.path], output, labels=[Path(trainer.default_root_dir).name])
