@@ -99,7 +99,7 @@ def convert_to_float8(module: torch.nn.Module, fsdp_float8_all_gather: bool = Fa
     returns their names. Layers whose sizes are not multiples of 16 (float8 matmuls need that) and
     the output head (``head``, ``lm_head``, ``output``: kept in bf16 for accuracy, as torchtitan does)
     stay as they are."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # public torchao API, checked on 0.18.0
 
     converted: list[str] = []
 

@@ -8,7 +8,6 @@ validator applies them (tests/data/skypilot_schema.json, dumped from skypilot 0.
 """
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -20,19 +19,16 @@ import yaml
 from distrain import jobscripts
 
 SCHEMA = Path(__file__).parent / "data" / "skypilot_schema.json"
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def _cli(tmp, *args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "distrain.cli", "launch", "sky", *args],
-        cwd=tmp,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def _cli(tmp, capsys, monkeypatch, *args):
+    """``distrain launch sky ARGS`` in ``tmp`` (in-process: the same main() the console script runs)."""
+    from distrain.cli import main
+
+    monkeypatch.chdir(tmp)
+    code = main(["launch", "sky", *args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 def _validator(schema):
@@ -53,9 +49,9 @@ def _check_against_schema(task: dict) -> None:
     _validator(schemas["resources"]).validate(task["resources"])
 
 
-def test_spot_task_on_aws_two_nodes(tmp_path):
-    out = _cli(tmp_path, "--nodes", "2", "--gpus", "A100:8", "--cloud", "aws", "--spot", "--bucket", "ckpts",
-               "--", "--strategy", "fsdp", "--precision", "bf16-mixed")  # fmt: skip
+def test_spot_task_on_aws_two_nodes(tmp_path, capsys, monkeypatch):
+    flags = ["--nodes", "2", "--gpus", "A100:8", "--cloud", "aws", "--spot", "--bucket", "ckpts"]
+    out = _cli(tmp_path, capsys, monkeypatch, *flags, "--", "--strategy", "fsdp", "--precision", "bf16-mixed")
     assert out.returncode == 0, out.stderr
     assert "sky jobs launch --yes --name distrain distrain.sky.yaml" in out.stdout  # spot: a managed job
     text = (tmp_path / "distrain.sky.yaml").read_text()
@@ -96,8 +92,8 @@ def test_on_demand_tasks_for_each_cloud(tmp_path, cloud, infra):
                                                                    "t.yaml"]  # fmt: skip
 
 
-def test_bad_gpus_and_cloud_are_one_line_errors(tmp_path):
-    out = _cli(tmp_path, "--nodes", "2", "--gpus", "A100:x")
+def test_bad_gpus_and_cloud_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    out = _cli(tmp_path, capsys, monkeypatch, "--nodes", "2", "--gpus", "A100:x")
     assert out.returncode == 2 and "--gpus 'A100:x': expected NAME:COUNT" in out.stderr
     with pytest.raises(ValueError, match="--cloud must be one of aws, gcp, azure, kubernetes"):
         jobscripts.skypilot_task(1, "A100:8", [], cloud="mars")
