@@ -38,7 +38,7 @@ def train_parser() -> argparse.ArgumentParser:
     train.add_argument("--devices", type=_devices, help="processes per node (an integer, or auto)")
     train.add_argument("--accelerator", help="auto, cpu or gpu")
     train.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int)
-    train.add_argument("--precision", help="32-true, 16-mixed, bf16-mixed or bf16-true")
+    train.add_argument("--precision", help="32-true, 16-mixed, bf16-mixed, bf16-true or fp8")
     train.add_argument("--max-steps", "--max_steps", dest="max_steps", type=int)
     train.add_argument("--output-dir", "--output_dir", dest="output_dir")
     train.add_argument("--seed", type=int)
@@ -96,7 +96,24 @@ def launch_parser() -> argparse.ArgumentParser:
     k8.add_argument("--gpus-per-node", type=int, required=True)
     k8.add_argument("--image", required=True)
     k8.add_argument("--output", default="pytorchjob.yaml")
+    sky = sub.add_parser("sky", help="write a SkyPilot task (AWS, GCP, Azure, Kubernetes, ...); --run launches it")
+    sky.add_argument("--nodes", type=int, required=True)
+    sky.add_argument("--gpus", required=True, metavar="NAME:COUNT", help="per node, e.g. A100:8 or H100:8")
+    sky.add_argument("--cloud", choices=jobscripts_clouds(), help="default: wherever SkyPilot finds the GPUs")
+    sky.add_argument("--spot", action="store_true", help="spot instances; a preempted job resumes (--resume auto)")
+    sky.add_argument("--bucket", help="a storage bucket mounted at /checkpoints (where a recovered job finds them)")
+    sky.add_argument("--name", default="distrain", help="the task and cluster name")
+    sky.add_argument("--output", help="the file to write (default: NAME.sky.yaml)")
+    sky.add_argument(
+        "--run", action="store_true", help="then launch it with `sky launch` (`sky jobs launch` for --spot)"
+    )
     return launch
+
+
+def jobscripts_clouds() -> tuple[str, ...]:
+    from distrain.jobscripts import SKY_CLOUDS
+
+    return SKY_CLOUDS
 
 
 def launch(argv: list[str]) -> int:
@@ -114,6 +131,8 @@ def launch(argv: list[str]) -> int:
             return subprocess.call([sys.executable, "-m", "torch.distributed.run", *cmd[1:]])
         print(shlex.join(cmd))
         return 0
+    if args.engine == "sky":
+        return launch_sky(args, train_args)
     if args.engine == "slurm":
         text = jobscripts.sbatch_script(args.nodes, args.gpus_per_node, args.time, train_args, args.partition)
     else:
@@ -121,6 +140,38 @@ def launch(argv: list[str]) -> int:
     Path(args.output).write_text(text)
     print(f"distrain: wrote {args.output}")
     return 0
+
+
+def launch_sky(args, train_args: list[str]) -> int:
+    from distrain import jobscripts
+
+    try:
+        text = jobscripts.skypilot_task(
+            args.nodes, args.gpus, train_args, cloud=args.cloud, spot=args.spot, bucket=args.bucket, name=args.name
+        )
+    except ValueError as e:
+        print(f"distrain: error: {e}", file=sys.stderr)
+        return 2
+    output = args.output or f"{args.name}.sky.yaml"
+    Path(output).write_text(text)
+    command = jobscripts.sky_launch_command(output, args.spot, args.name)
+    if args.spot and not args.bucket:
+        print(
+            "distrain: warning: --spot without --bucket: a job recovered on new machines starts without the "
+            "checkpoints of the preempted one",
+            file=sys.stderr,
+        )
+    if not args.run:
+        print(f"distrain: wrote {output}; launch it with: {shlex.join(command)}")
+        return 0
+    import shutil
+    import subprocess
+
+    if shutil.which("sky") is None:
+        print("distrain: error: the `sky` command is not installed: pip install 'distrain[sky]'", file=sys.stderr)
+        return 2
+    print(f"distrain: wrote {output}; running: {shlex.join(command)}", flush=True)
+    return subprocess.call(command)
 
 
 def doctor_parser() -> argparse.ArgumentParser:
@@ -135,9 +186,30 @@ def doctor_parser() -> argparse.ArgumentParser:
     return doctor
 
 
-COMMANDS = {"train": train_parser, "convert": convert_parser, "launch": launch_parser, "doctor": doctor_parser}
+def plot_parser() -> argparse.ArgumentParser:
+    plot = argparse.ArgumentParser(
+        prog="distrain plot",
+        description="loss, learning rate, throughput, MFU and memory against the step, from each run's "
+        "metrics.jsonl; several runs overlay",
+    )
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or metrics.jsonl files)")
+    plot.add_argument("-o", "--output", default="distrain-plot.png", help="the PNG to write")
+    plot.add_argument("--labels", nargs="+", help="one name per run for the legend (default: the directory names)")
+    plot.add_argument("--title")
+    return plot
+
+
+COMMANDS = {
+    "train": train_parser,
+    "convert": convert_parser,
+    "launch": launch_parser,
+    "doctor": doctor_parser,
+    "plot": plot_parser,
+    "bench": lambda: __import__("distrain.bench", fromlist=["bench_parser"]).bench_parser(),
+}
 USAGE = (
-    "usage: distrain {train,convert,launch,doctor} [options]   (`distrain COMMAND -h` for help; no command means train)"
+    "usage: distrain {train,convert,launch,doctor,plot,bench} [options]   "
+    "(`distrain COMMAND -h` for help; no command means train)"
 )
 
 
@@ -155,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         from distrain import doctor
 
         return doctor.run(args.devices, args.num_nodes, args.timeout)
+    if command == "plot":
+        return plot(args.runs, args.output, args.labels, args.title)
+    if command == "bench":
+        from distrain import bench
+
+        return bench.main(args)
     if command == "convert":
         try:
             return convert(args.checkpoint, args.output, args.to)
@@ -221,9 +299,11 @@ def train(config: RunConfig, resume: str | None = None) -> int:
     if lg.use_tensorboard:
         loggers.append(TensorBoardLogger(str(out)))
     if lg.use_wandb:
-        loggers.append(WandbLogger(save_dir=str(out)))
+        loggers.append(WandbLogger(project=lg.wandb_project, name=out.name, save_dir=str(out), mode=lg.wandb_mode))
     if lg.use_mlflow:
-        loggers.append(MLFlowLogger())
+        # no URI anywhere: a SQLite store in the run directory (MLflow 3 refuses its old ./mlruns default)
+        uri = lg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out.resolve()}/mlflow.db"
+        loggers.append(MLFlowLogger(experiment_name=lg.mlflow_experiment, tracking_uri=uri, run_name=out.name))
     from distrain.models.gpt import Block
 
     # the repeated layer: FSDP unit, checkpointed
@@ -269,6 +349,9 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         logger=loggers,
         seed=t.seed,
         enable_progress_bar=lg.progress_bar,
+        enable_plots=lg.plot_summary,
+        histogram_every_n_steps=lg.histogram_every_n_steps,
+        compile=t.compile,
         process_group_backend=d.backend,
         timeout=d.timeout_seconds,
         collective_timeout=d.collective_timeout_seconds,
@@ -369,6 +452,21 @@ def _finish(trainer, out: Path) -> int:
     if trainer.is_global_zero:
         cb = trainer.checkpoint_callback
         print(f"distrain: done at step {trainer.global_step}; last checkpoint: {cb.last_model_path}", flush=True)
+    return 0
+
+
+def plot(runs: list[str], output: str, labels: list[str] | None, title: str | None) -> int:
+    from distrain.plotting import plot_runs
+
+    if labels and len(labels) != len(runs):
+        print(f"distrain: error: {len(labels)} --labels for {len(runs)} runs", file=sys.stderr)
+        return 2
+    try:
+        path = plot_runs(runs, output, labels, title)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"distrain: error: {e}", file=sys.stderr)
+        return 2
+    print(f"distrain: wrote {path}")
     return 0
 
 

@@ -22,7 +22,7 @@ from typing import Any, Union
 
 import yaml
 
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
 
 
 class ConfigError(ValueError):
@@ -69,6 +69,10 @@ class TrainingConfig:
     ``path/to/file.py:Class``. It brings its data (``train_dataloader()``, optionally ``val_dataloader()``) and
     is built with ``module_args``; ``model_name`` and ``data`` are then unused."""
     module_args: dict[str, Any] = field(default_factory=dict)
+    compile: bool = False
+    """``torch.compile``: each transformer block under FSDP and DeepSpeed (before sharding; activation
+    checkpointing stays outside the compiled region), the whole model under single and DDP. Off by
+    default: compiling takes tens of seconds, and on CPU it does not speed up the built-in GPT."""
 
 
 @dataclass
@@ -106,9 +110,25 @@ class CheckpointingConfig:
 @dataclass
 class LoggingConfig:
     log_every_n_steps: int = 10
+    """Log loss, throughput, memory and the host/GPU readings every this many optimizer steps."""
     use_tensorboard: bool = True
     use_wandb: bool = False
+    """Weights & Biases (``pip install 'distrain[wandb]'``); rank 0 logs, a resumed run continues the same W&B run."""
+    wandb_project: str = "distrain"
+    wandb_mode: str | None = None
+    """``online``, ``offline`` (written under ``<output_dir>/wandb``, ``wandb sync`` later) or ``disabled``;
+    null → W&B's own default (``WANDB_MODE``)."""
     use_mlflow: bool = False
+    """MLflow (``pip install 'distrain[mlflow]'``); rank 0 logs, a resumed run continues the same MLflow run."""
+    mlflow_tracking_uri: str | None = None
+    """e.g. ``sqlite:///mlflow.db``, ``file:./mlruns`` or a server's URL; null → MLflow's default
+    (``MLFLOW_TRACKING_URI``)."""
+    mlflow_experiment: str = "distrain"
+    histogram_every_n_steps: int | None = None
+    """TensorBoard histograms of every parameter and its gradient every this many steps (null: never).
+    Sharded parameters are gathered one at a time, never the whole model on one rank."""
+    plot_summary: bool = True
+    """Draw ``<output_dir>/plots/summary.png`` (loss, lr, throughput, MFU, memory) when training ends."""
     progress_bar: bool = True
 
 
@@ -407,6 +427,11 @@ def validate(config: RunConfig) -> None:
     positive("distributed.collective_timeout_seconds", d.collective_timeout_seconds)
     positive("data.seq_len", config.data.seq_len)
     positive("logging.log_every_n_steps", config.logging.log_every_n_steps)
+    positive("logging.histogram_every_n_steps", config.logging.histogram_every_n_steps)
+    if config.logging.wandb_mode not in (None, "online", "offline", "disabled"):
+        raise ConfigError(
+            f"logging.wandb_mode must be online, offline, disabled or null, got {config.logging.wandb_mode!r}"
+        )
     if t.max_steps == 0 or t.max_steps < -1:
         raise ConfigError(f"training.max_steps must be > 0 or -1 (use num_epochs), got {t.max_steps}")
     if not 0 < config.data.val_fraction < 1:
@@ -474,6 +499,10 @@ def validate(config: RunConfig) -> None:
             f"deepspeed.config is set ({ds.config}) but distributed.strategy is {d.strategy!r}; "
             "use strategy deepspeed (or a deepspeed_stage_* preset), or drop the DeepSpeed config"
         )
+    if registry.lookup(registry.resolve_auto(d.strategy, 2)).config_section == "deepspeed":
+        for key, on in (("training.compile", t.compile), ("training.precision=fp8", t.precision == "fp8")):
+            if on:
+                raise ConfigError(f"{key} is not supported with distributed.strategy {d.strategy!r} (DeepSpeed)")
     for name in ("offload_optimizer_device", "offload_params_device"):
         if getattr(ds, name) not in ("cpu", "nvme"):
             raise ConfigError(f"deepspeed.{name} must be cpu or nvme, got {getattr(ds, name)!r}")

@@ -8,28 +8,42 @@ import torch
 
 
 class Precision:
-    """``32-true`` | ``16-mixed`` | ``bf16-mixed`` | ``bf16-true``."""
+    """``32-true`` | ``16-mixed`` | ``bf16-mixed`` | ``bf16-true`` | ``fp8``.
+
+    ``fp8``: torchao's float8 training (the torchtitan choice): the model's linear layers compute
+    their matmuls in float8 with dynamic per-tensor scales, everything else runs under bf16
+    autocast; under FSDP2 the weights are all-gathered in float8 (half the bytes of bf16).
+    Needs a GPU with float8 tensor cores (H100-class) and torchao."""
 
     def __init__(self, name: str, device_type: str):
-        if name not in ("32-true", "16-mixed", "bf16-mixed", "bf16-true"):
-            raise ValueError(f"precision must be 32-true, 16-mixed, bf16-mixed or bf16-true, got {name!r}")
+        if name not in ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "fp8"):
+            raise ValueError(f"precision must be 32-true, 16-mixed, bf16-mixed, bf16-true or fp8, got {name!r}")
         if name == "16-mixed" and device_type != "cuda":
             raise ValueError("precision='16-mixed' needs a CUDA GPU (fp16 with a GradScaler); on CPU use 'bf16-mixed'")
+        if name == "fp8":
+            check_fp8_support(device_type)
         self.name = name
         self.device_type = device_type
         self.scaler = torch.amp.GradScaler("cuda") if name == "16-mixed" else None
+        #: fp8 under FSDP2: weights all-gathered in float8; their scales are computed once per step
+        self.float8_all_gather = False
+        self._float8_module: torch.nn.Module | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}.get(
-            self.name, torch.float32
-        )
+        # fp8: the matmuls of linear layers run in float8, the rest in bf16 (MFU is against the bf16 peak)
+        dtypes = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
+        return {**dtypes, "fp8": torch.bfloat16}.get(self.name, torch.float32)
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.name == "fp8":
+            convert_to_float8(module, fsdp_float8_all_gather=self.float8_all_gather)
+            self._float8_module = module
+            return module
         return module.to(torch.bfloat16) if self.name == "bf16-true" else module
 
     def autocast(self):
-        if self.name in ("16-mixed", "bf16-mixed"):
+        if self.name in ("16-mixed", "bf16-mixed", "fp8"):
             return torch.autocast(self.device_type, dtype=self.compute_dtype)
         return contextlib.nullcontext()
 
@@ -47,6 +61,11 @@ class Precision:
         else:
             self.scaler.step(optimizer)  # skips the step when grads overflowed
             self.scaler.update()
+        if self.float8_all_gather and self._float8_module is not None:
+            # one all-reduce for every layer's weight scale, instead of one per layer in the next forward
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self._float8_module)
 
     def state_dict(self) -> dict:
         return self.scaler.state_dict() if self.scaler is not None else {}
@@ -54,3 +73,47 @@ class Precision:
     def load_state_dict(self, state: dict) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+#: compute capability from which NVIDIA GPUs have float8 tensor cores (Ada: L4, L40S; Hopper: H100, H200)
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def check_fp8_support(device_type: str) -> None:
+    """One line saying what fp8 training needs, when this machine lacks it."""
+    need = "precision='fp8' needs an NVIDIA GPU with float8 tensor cores (compute capability 8.9+: H100, H200, L4)"
+    if device_type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"{need}; this run has no CUDA GPU (use 'bf16-mixed')")
+    capability = torch.cuda.get_device_capability()
+    if capability < FP8_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name()
+        raise ValueError(f"{need}; this {name} is {capability[0]}.{capability[1]} (use 'bf16-mixed')")
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError(f"{need} and torchao: pip install 'distrain[fp8]'")
+
+
+def convert_to_float8(module: torch.nn.Module, fsdp_float8_all_gather: bool = False) -> list[str]:
+    """Swap the module's linear layers for torchao's ``Float8Linear`` in place (before sharding);
+    returns their names. Layers whose sizes are not multiples of 16 (float8 matmuls need that) and
+    the output head (``head``, ``lm_head``, ``output``: kept in bf16 for accuracy, as torchtitan does)
+    stay as they are."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # public torchao API, checked on 0.18.0
+
+    converted: list[str] = []
+
+    def eligible(layer: torch.nn.Module, name: str) -> bool:
+        ok = (
+            isinstance(layer, torch.nn.Linear)
+            and layer.in_features % 16 == 0
+            and layer.out_features % 16 == 0
+            and name.rsplit(".", 1)[-1] not in ("head", "lm_head", "output")
+        )
+        if ok:
+            converted.append(name)
+        return ok
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+    convert_to_float8_training(module, config=config, module_filter_fn=eligible)
+    return converted

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from distrain.callbacks import Callback, ModelCheckpoint, ProgressBar
+from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary, ProgressBar
 from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, seed_workers, tokens_in_batch
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 from distrain.module import Module
@@ -100,6 +100,9 @@ class Trainer:
         use_distributed_sampler: bool = True,
         limit_val_batches: int | None = None,
         on_nonfinite: str = "stop",
+        enable_plots: bool = True,
+        histogram_every_n_steps: int | None = None,
+        compile: bool | dict = False,
         **strategy_kwargs: Any,
     ):
         if gradient_clip_val is not None and gradient_clip_val < 0:
@@ -113,6 +116,10 @@ class Trainer:
         self.default_root_dir = str(default_root_dir or os.path.join(os.getcwd(), "distrain_runs"))
         self.runtime.flight_recorder_dir = os.path.join(self.default_root_dir, "flight_recorder")  # NCCL only
         self.runtime.log_dir = os.path.join(self.default_root_dir, "logs")  # rank_N.log: every rank's output
+        if compile:  # torch.compile when the strategy sets the model up (strategies/layers.py: apply_compile)
+            if not self.runtime.strategy.supports_compile:
+                raise ValueError(f"compile=True is not supported with {type(self.runtime.strategy).__name__}")
+            self.runtime.strategy.compile = compile
         self.seed = seed
         # what the loop does
         self.loop = LoopOptions(
@@ -132,6 +139,12 @@ class Trainer:
             self.callbacks.append(ModelCheckpoint())
         if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.append(ProgressBar())
+        if enable_plots and not any(isinstance(c, PlotSummary) for c in self.callbacks):
+            self.callbacks.append(PlotSummary())  # <default_root_dir>/plots/summary.png when training ends
+        if histogram_every_n_steps is not None:  # weights and gradients, gathered one parameter at a time
+            from distrain.callbacks.histograms import ParameterHistograms
+
+            self.callbacks.append(ParameterHistograms(histogram_every_n_steps))
         self.metrics = MetricsLogger(
             self.runtime,
             _loggers(logger, self.default_root_dir),

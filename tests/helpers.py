@@ -110,7 +110,12 @@ def make_trainer(tmp, **kw) -> tuple[distrain.Trainer, LossRecorder]:
     kw.setdefault("callbacks", [])
     kw["callbacks"] = [rec, *kw["callbacks"]]
     defaults = dict(
-        accelerator="cpu", log_every_n_steps=1, enable_progress_bar=False, default_root_dir=str(tmp), seed=7
+        accelerator="cpu",
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_plots=False,  # drawing summary.png costs ~1 s a run; tests/test_monitoring.py checks it
+        default_root_dir=str(tmp),
+        seed=7,
     )
     return distrain.Trainer(**{**defaults, **kw}), rec
 

@@ -27,6 +27,9 @@ class TensorBoardLogger(Logger):
             if isinstance(value, Number) and not isinstance(value, bool):
                 self.writer.add_scalar(name, value, step)
 
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        self.writer.add_histogram(name, values.detach().float().cpu(), step)
+
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         import yaml
 

@@ -25,7 +25,7 @@ from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
 from distrain.cluster import ClusterEnv
 from distrain.precision import Precision
-from distrain.strategies.layers import apply_activation_checkpointing, device_init_context
+from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, device_init_context
 
 
 @dataclass
@@ -48,6 +48,14 @@ class Strategy:
     collective_forward: bool = False
     #: the optimizer step itself skips a step whose gradients are not finite (DeepSpeed's engine)
     skips_nonfinite_steps: bool = False
+    #: ``torch.compile`` in ``setup_module`` (``Trainer(compile=...)`` sets it): False, True or compile kwargs
+    compile: bool | dict = False
+    #: whether this strategy can compile the model it sets up
+    supports_compile: bool = True
+    #: whether this strategy converts the model for precision="fp8" (Precision.convert_module)
+    supports_fp8: bool = True
+    #: fp8 weights all-gathered in float8 (FSDP2)
+    float8_all_gather: bool = False
 
     def __init__(
         self,
@@ -73,6 +81,9 @@ class Strategy:
     # ---- wiring, done once by the Runtime ------------------------------------------------------
     def connect(self, accelerator: Accelerator, precision: Precision, cluster: ClusterEnv, nprocs: int, num_nodes: int):
         self.accelerator, self.precision, self.cluster = accelerator, precision, cluster
+        if precision.name == "fp8" and not self.supports_fp8:
+            raise ValueError(f"precision='fp8' is not supported with {type(self).__name__}")
+        precision.float8_all_gather = self.float8_all_gather
         self.nprocs_per_node, self.num_nodes = nprocs, num_nodes
         if self.start_method is not None and "nccl" in self.backend and accelerator.name != "cuda":
             raise ValueError(
@@ -142,6 +153,7 @@ class Strategy:
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = self.precision.convert_module(module).to(self.root_device)
+        apply_compile(module, self.compile, per_block=False)  # the whole model; before AC: AC stays outside
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         return module
 

@@ -48,6 +48,8 @@ from distrain.strategies.registry import register
 
 class DeepSpeedStrategy(Strategy):
     start_method = "popen"
+    supports_compile = False  # ZeRO-3's gather hooks sit on every layer; DeepSpeed's own engine.compile is not wired in
+    supports_fp8 = False  # the engine owns the model's dtypes; torchao's float8 layers are not wired in
 
     def __init__(
         self,

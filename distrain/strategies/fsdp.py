@@ -22,7 +22,7 @@ from torch import nn
 from distrain.checkpoint import state as ckpt_state
 from distrain.strategies import sharded_init
 from distrain.strategies.base import Strategy
-from distrain.strategies.layers import apply_activation_checkpointing, is_marked_unit
+from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, is_marked_unit
 from distrain.strategies.registry import register
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -50,6 +50,7 @@ class FSDPStrategy(Strategy):
 
     start_method = "popen"
     collective_forward = True
+    float8_all_gather = True  # precision="fp8": weights travel in float8 (torchao)
 
     def __init__(
         self,
@@ -151,7 +152,9 @@ class FSDPStrategy(Strategy):
         mp = self.mixed_precision
         if isinstance(mp, MixedPrecisionPolicy):
             return mp
-        default_param = self.precision.compute_dtype if self.precision.name in ("bf16-mixed", "16-mixed") else None
+        default_param = (
+            self.precision.compute_dtype if self.precision.name in ("bf16-mixed", "16-mixed", "fp8") else None
+        )
         if isinstance(mp, dict):
             dt = {k: _DTYPES[v] if isinstance(v, str) else v for k, v in mp.items() if v is not None}
             if dt.get("buffer_dtype", torch.float32) != torch.float32:
@@ -192,6 +195,7 @@ class FSDPStrategy(Strategy):
             if self.sync_module_states:
                 for t in [*module.parameters(), *module.buffers()]:
                     dist.broadcast(t.data, src=0)
+        apply_compile(module, self.compile, per_block=True)  # each block, before AC and sharding (torchtitan)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         kwargs = dict(
             mesh=self._mesh(),

@@ -53,6 +53,47 @@ def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
     api.apply_activation_checkpointing(module, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen)
 
 
+def apply_compile(module: nn.Module, options: bool | dict | None, per_block: bool) -> list[nn.Module]:
+    """``torch.compile`` the model's compute: each transformer block (``per_block``, the torchtitan
+    way for sharded strategies; a block's ``forward`` is one graph, reused by every block) or each
+    network the module holds (the whole model, for single and DDP). Returns what was compiled.
+
+    Only ``forward`` is compiled, in place: hooks on the module (FSDP's all-gather, activation
+    checkpointing's wrapper, applied after this) stay outside the compiled region, and parameter
+    names — hence checkpoints — do not change. ``options``: True, or ``torch.compile`` keyword
+    arguments (``{"mode": "max-autotune"}``). Compilation itself happens at the first step."""
+    if not options:
+        return []
+    kwargs = {} if options is True else dict(options)
+    targets = _blocks(module) if per_block else []
+    if not targets:
+        targets = _networks(module)
+    for target in targets:
+        target.forward = torch.compile(target.forward, **kwargs)
+    return targets
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    from distrain.strategies.fsdp import _default_block_classes  # the FSDP unit: block_class / _no_split_modules
+
+    classes = _default_block_classes(module)
+    return [m for m in module.modules() if classes and isinstance(m, tuple(classes))]
+
+
+def _networks(module: nn.Module) -> list[nn.Module]:
+    """The networks a distrain Module holds (its child modules with parameters), not the Module
+    itself: ``training_step`` logs and keeps Python state that a graph should not capture. Any
+    other module is compiled whole."""
+    from distrain.module import Module
+
+    inner = getattr(module, "module", None)  # the Trainer's step router around the user's Module
+    if isinstance(inner, Module) and not isinstance(module, Module):
+        module = inner
+    if not isinstance(module, Module):
+        return [module]
+    return [child for child in module.children() if any(True for _ in child.parameters())]
+
+
 def device_init_context(device: torch.device, bf16_true: bool, empty_init: bool | None):
     """Build directly on ``device`` (and in bf16 for bf16-true); ``empty_init=True`` skips the
     initializers, for weights about to be loaded anyway."""

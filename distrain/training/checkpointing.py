@@ -138,11 +138,22 @@ class CheckpointManager:
             "progress": self.progress_state(),
             "rng": t.runtime.all_gather_object(rng_state()),  # every rank's streams
             "callbacks": {cb.state_key: cb.state_dict() for cb in t.callbacks},
+            "loggers": self.logger_states(),
             "hyper_parameters": dict(t.module.hparams) if t.module is not None else {},
             "config": t.run_config or {},
             "world_size": t.world_size,
             "strategy": type(t.strategy).__name__,
         }
+
+    # A tracker's run (W&B id, MLflow run id) rides along, so a resumed job continues that run.
+    # Rank 0's loggers hold it (only rank 0 logs), and rank 0 writes what is not sharded.
+    def logger_states(self) -> dict[str, dict]:
+        return {lg.state_key: s for lg in self.trainer.loggers if (s := lg.state_dict())}
+
+    def load_logger_states(self, states: dict[str, dict]) -> None:
+        for lg in self.trainer.loggers:
+            if lg.state_key in states:
+                lg.load_state_dict(states[lg.state_key])
 
     # ---- save and restore -------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> bool:
@@ -183,6 +194,7 @@ class CheckpointManager:
         for cb in t.callbacks:
             if cb.state_key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][cb.state_key])
+        self.load_logger_states(extra.get("loggers", {}))  # absent in older checkpoints
         rngs = extra.get("rng", [])
         if t.global_rank < len(rngs):
             set_rng_state(rngs[t.global_rank])

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from distrain.loggers import Logger
+from distrain.training.monitor import SystemMonitor, across_ranks
 
 
 @dataclass
@@ -182,6 +183,7 @@ class MetricsLogger:
         self.print_steps = print_steps  # a line per logged step when there is no progress bar
         self.collector = MetricCollector(runtime)
         self.throughput: Throughput | None = None
+        self.monitor: SystemMonitor | None = None  # host/GPU readings (monitor.py), made when first needed
         #: the latest value of everything logged: what callbacks (ModelCheckpoint's monitor) read
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, Any] = {}
@@ -191,6 +193,8 @@ class MetricsLogger:
         rt = self.runtime
         peak = rt.accelerator.peak_flops(rt.device, rt.precision.compute_dtype)
         self.throughput = Throughput(rt.world_size, flops_per_token, peak)
+        if self.monitor is None:  # now: its CPU-utilization window starts with training
+            self.monitor = SystemMonitor(rt.device, announce=rt.is_global_zero)
         if run_config and rt.is_global_zero:
             for lg in self.loggers:
                 lg.log_hyperparams(run_config)
@@ -225,20 +229,27 @@ class MetricsLogger:
         }
         self.publish(metrics, result.step)
         if self.print_steps and rt.is_global_zero:
+            machine = ("mem", "host_", "gpu_")  # in the loggers, too many for one line
             shown = " | ".join(
-                f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float) and not k.startswith("mem")
+                f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float) and not k.startswith(machine)
             )
             total = f"/{max_steps}" if max_steps > 0 else ""
             print(f"step {result.step}{total} | {shown}", flush=True)
 
     def memory_stats(self) -> dict[str, Any]:
+        """torch's memory numbers and the host/GPU readings of ``monitor.py``. On several ranks:
+        the maximum over ranks under each plain name, ``_min``/``_mean`` beside it, and
+        ``mem_per_rank_mb`` (each rank's last torch memory number)."""
         rt = self.runtime
-        local = rt.accelerator.memory_stats(rt.device)
+        if self.monitor is None:
+            self.monitor = SystemMonitor(rt.device, announce=rt.is_global_zero)
+        torch_mem = rt.accelerator.memory_stats(rt.device)
+        local = {**torch_mem, **self.monitor.sample()}
         if rt.world_size == 1:
-            return local
+            return {k: v for k, v in local.items() if v == v}  # NaN: not available here
         per_rank = rt.all_gather(torch.tensor(list(local.values()), dtype=torch.float64)).tolist()
-        out = {name: max(r[i] for r in per_rank) for i, name in enumerate(local)}  # the fullest rank
-        out["mem_per_rank_mb"] = [r[-1] for r in per_rank]
+        out: dict[str, Any] = across_ranks(list(local), per_rank)
+        out["mem_per_rank_mb"] = [r[len(torch_mem) - 1] for r in per_rank]
         return out
 
     def publish(self, metrics: dict[str, Any], step: int, to_loggers: bool = True) -> None:
