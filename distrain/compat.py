@@ -236,3 +236,22 @@ def dcp_storage_extents(path) -> dict[str, int]:
     for info in read_dcp_metadata(path).storage_data.values():
         extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
     return extents
+
+
+# ---- torchao (precision="fp8") ------------------------------------------------------------------------------
+class _DropImportNoise(logging.Filter):
+    """torchao 0.18 on a CPU build of torch: importing it (transformers does, for any model) warns that its
+    CUDA kernels cannot load and makes torch warn about its enum registrations. Neither says anything a
+    user can act on; only these two messages are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cpu_kernels = message.startswith("Failed to load") and ".so" in message and not torch.cuda.is_available()
+        return not (cpu_kernels or "is an Enum subclass and is now natively supported by torch.compile" in message)
+
+
+def quiet_torchao_import() -> None:
+    for name in ("torchao", "torch.utils._pytree"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropImportNoise) for f in log.filters):
+            log.addFilter(_DropImportNoise())

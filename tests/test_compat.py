@@ -144,3 +144,17 @@ def test_transformers_builds_without_initializers():
             LlamaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
         )
     assert torch.equal(torch.get_rng_state(), before)  # no initializer drew a random number
+
+
+def test_importing_torchao_through_transformers_is_quiet():
+    pytest.importorskip("torchao")
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", "import distrain, transformers.modeling_utils, torchao"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "Failed to load" not in proc.stderr and "Enum subclass" not in proc.stderr, (
+        proc.stderr
+    )
