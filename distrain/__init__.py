@@ -1,9 +1,6 @@
 """distrain: train PyTorch models on 1 process, N processes or N nodes — the strategy is one parameter."""
 
 from distrain import compat
-
-compat.quiet_torchao_import()  # before transformers (or distrain's fp8) imports it
-
 from distrain.callbacks import Callback, ModelCheckpoint, ProgressBar
 from distrain.checkpoint.io import CheckpointError
 from distrain.checkpoint.state import checkpoint_state_of
@@ -16,6 +13,8 @@ from distrain.strategies.layers import wrap
 from distrain.trainer import NonFiniteError, Trainer
 
 __version__ = "0.1.0"
+
+compat.quiet_torchao_import()  # before transformers (or distrain's fp8) imports it
 
 __all__ = [
     "Trainer",
