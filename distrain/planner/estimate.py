@@ -307,22 +307,21 @@ class Estimator:
                 clip=job.clip,
             )
         p = self._fsdp[key]
+        # the activations column means the same for every row: the traced peak at this micro-batch (the
+        # simulation's own kinds at its peak moment mix in the optimizer step's temporaries)
+        activations = self.trace("fsdp", option.checkpoint).activations
         if option.offload == "none":
-            return Row(
-                option, p.params, p.grads, p.optimizer, p.activations, p.buffers, p.peak, sharded=p.sharded_state
-            )
-        # CPU offload keeps the sharded parameters, gradients and optimizer state in host memory
-        # (the optimizer steps there); the device holds what is unsharded for compute
-        device_peak = p.peak - p.sharded_state
+            return Row(option, p.params, p.grads, p.optimizer, activations, p.buffers, p.peak, sharded=p.sharded_state)
+        # CPU offload keeps the sharded parameters, gradients and optimizer state in host memory (the
+        # optimizer steps there); the device holds what is unsharded for compute
         return Row(
             option,
             p.params,
             p.grads,
             p.optimizer,
-            p.activations,
+            activations,
             p.buffers,
-            device_peak,
+            p.peak - p.sharded_state,
             host=p.sharded_state,
-            sharded=0,
             note="device peak: the simulated one less the sharded state moved to the host",
         )

@@ -160,14 +160,10 @@ def measure(case: Case, world_size: int, hf: dict[str, str], workdir: str, steps
     from distrain.planner.model_stats import ModelSpec  # noqa: F401
 
     spec = spec_of(case, hf)
-    tracker = compat.memory_tracker_class()()
+    tracker = compat.peak_memory_tracker()
     data = torch.utils.data.DataLoader(
         _Samples(spec.make_batch(1), case.micro_batch * world_size * steps), batch_size=case.micro_batch
     )
-
-    class NextStep(distrain.Callback):
-        def on_train_batch_end(self, trainer, module, *args):
-            tracker.reset_mod_stats()  # MemTracker refuses a second iteration of a module it tracked
 
     with tracker:
         module = _module(case, hf)
@@ -180,13 +176,10 @@ def measure(case: Case, world_size: int, hf: dict[str, str], workdir: str, steps
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
-            callbacks=[NextStep()],
             default_root_dir=workdir,
         )
         trainer.fit(module, data)
-        # tensors on the meta device (FSDP's and zero.Init's skeletons) take no memory
-        snapshot = tracker.get_tracker_snapshot("peak")
-        peak = sum(per_device["Total"] for device, per_device in snapshot.items() if device.type != "meta")
+        peak = tracker.peak_bytes()
     del trainer, module, data
     gc.collect()
     return peak

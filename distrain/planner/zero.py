@@ -160,101 +160,163 @@ def _partition_grad_elements(group: list[int], world: int, align: int, rank: int
     return sum(n for n, ranks in zip(group, owners) if rank in ranks)
 
 
-def zero_row(est: Estimator, option: Option) -> Row:
+def optimizer_groups(est: Estimator) -> list[list[int]]:
+    """The optimizer's parameter groups (trainable element counts, in order), from the meta model:
+    ZeRO flattens and partitions each group on its own."""
+    if getattr(est, "_optimizer_groups", None) is None:
+        optimizer = first_optimizer(est.job.spec.build().configure_optimizers())
+        groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+        est._optimizer_groups = [g for g in groups if g]
+    return est._optimizer_groups
+
+
+@dataclass
+class ZeroStates:
+    """One rank's model states under ZeRO (bytes), before activations."""
+
+    params: int
+    """Stage 1/2: the flat copy of every parameter; stage 3: this rank's partitions and the persistent ones."""
+    master: int
+    """The fp32 master partition."""
+    optimizer: int
+    """The optimizer's state on it."""
+    grads: int
+    """Stage 1/2: ``grads_in_partition`` on the busiest rank; stage 3: the gradient-partition buffer."""
+    step_grad: int
+    """During the step: the gradient partition flattened and cast to fp32 (stage 3: one sub-group at a time)."""
+    step_extra: int
+    """During the step: the optimizer's temporaries on that fp32 partition."""
+    buckets: int
+    """The ``ipg`` reduction buffers (two with ``overlap_comm`` at stages 1/2)."""
+    gathered: int = 0
+    """Stage 3, forward and backward: parameters gathered and kept while reused."""
+    part: int = 0
+    """Elements of this rank's partition."""
+    per_rank_grads: dict[int, int] | None = None
+
+    @property
+    def resident(self) -> int:
+        """What stays allocated between steps."""
+        return self.params + self.master + self.optimizer + self.grads
+
+    @property
+    def at_step(self) -> int:
+        """Model states while the optimizer steps (no activations, no buckets)."""
+        return self.resident + self.step_grad + self.step_extra
+
+
+def zero_states(est: Estimator, option: Option) -> ZeroStates:
     job = est.job
+    world, stats = job.world_size, est.stats
     zero = zero_settings(job.zero or None, option.stage, job.spec.hidden_size)
-    param_dtype, _ = est.dtypes("zero")
-    pb = ELEMENT_BYTES[param_dtype]
-    stats = est.stats
-    trace = est.trace("zero", option.checkpoint)
+    pb = ELEMENT_BYTES[est.dtypes("zero")[0]]
     opt = flat_optimizer(est, on_gpu_fused=job.gpu and option.offload == "none")
     frozen = (stats.numel - stats.trainable) * pb + stats.buffer_bytes
     bucket = int(zero["reduce_bucket_size"])
-    buckets = (
-        (2 if zero["overlap_comm"] and option.stage < 3 else 1) * bucket * pb if zero["contiguous_gradients"] else 0
-    )
+    copies = 2 if zero["overlap_comm"] and option.stage < 3 else 1
+    buckets = copies * bucket * pb if zero["contiguous_gradients"] else 0
     if option.stage in (1, 2):
-        return _stage_1_2(est, option, trace, opt, zero, pb, frozen, buckets, bucket)
-    return _stage_3(est, option, trace, opt, zero, pb, frozen, buckets)
-
-
-def _stage_1_2(est, option, trace, opt, zero, pb, frozen, buckets, bucket) -> Row:
-    world, stats = est.job.world_size, est.stats
-    align = 2 * world  # nccl_start_alignment_factor × world size
-    groups = trace.groups
-    flat = sum(math.ceil(sum(g) / align) * align for g in groups)
-    part = flat // world
-    params = flat * pb + frozen
-    master = 4 * part
-    state = int(opt.state_per_element * part)
-    step_flat = 4 * part  # the flattened gradient partition, cast to fp32 for the inner optimizer
-    step_extra = int(opt.step_extra_per_element * part)
-    # each rank's grads_in_partition appears at its first bucket reduction in backward, beside the
-    # activations still alive then; the busiest rank sets the peak
-    first_copy = _first_partition_copy(trace, world, align, bucket)
-    per_rank = {r: sum(_partition_grad_elements(g, world, align, r) for g in groups) * pb for r in range(world)}
-    grads = max(per_rank.values())
-    backward = max(
-        max(trace.activations, trace.activations_from(first_copy.get(r, len(trace.timeline))) + per_rank[r])
-        for r in range(world)
-    )
-    forward_backward = params + master + state + buckets + backward
-    if option.offload == "none":
-        step = params + master + state + grads + step_flat + step_extra
-        return Row(
-            option,
-            params,
-            grads,
-            master + state,
-            trace.activations,
-            buckets,
-            max(forward_backward, step),
-            sharded=master + state + grads,
+        align = 2 * world  # nccl_start_alignment_factor × world size
+        groups = optimizer_groups(est)
+        flat = sum(math.ceil(sum(g) / align) * align for g in groups)
+        part = flat // world
+        per_rank = {r: sum(_partition_grad_elements(g, world, align, r) for g in groups) * pb for r in range(world)}
+        return ZeroStates(
+            params=flat * pb + frozen,
+            master=4 * part,
+            optimizer=int(opt.state_per_element * part),
+            grads=max(per_rank.values()),
+            step_grad=4 * part,
+            step_extra=int(opt.step_extra_per_element * part),
+            buckets=buckets,
+            part=part,
+            per_rank_grads=per_rank,
         )
-    # optimizer offload: master, states, fp32 gradients and a bit16 staging copy of the partition live
-    # on the host (DeepSpeed's CPU Adam steps there); the device keeps the parameters, buckets and a
-    # gradient staging buffer of the largest parameter
-    staging = stats.largest_param * pb
-    device = params + buckets + staging + trace.activations
-    host = master + state + 4 * part + pb * part + staging
-    return Row(option, params, 0, 0, trace.activations, buckets + staging, device, host=host)
-
-
-def _stage_3(est, option, trace, opt, zero, pb, frozen, buckets) -> Row:
-    world, stats = est.job.world_size, est.stats
-    shapes = stats.shapes
-    numels = [math.prod(s) for s in shapes]
+    numels = [math.prod(s) for s in stats.shapes]
     part = sum(math.ceil(n / world) for n in numels)
     threshold = int(zero["stage3_param_persistence_threshold"])
     persistent = sum(n for n in numels if n <= threshold)
     gatherable = sum(n for n in numels if n > threshold)
-    # kept gathered from forward into backward while reused within the reuse distance (in elements,
-    # counted over the modules in between: twice the parameters after a layer), plus the module at
-    # work and the prefetch bucket
+    # kept gathered from forward into backward while reused within the reuse distance (elements of
+    # the modules in between: twice the parameters after a layer), plus the module at work and the
+    # prefetch bucket; a model under half the distance keeps every parameter gathered
     reuse = int(zero["stage3_max_reuse_distance"])
     working = stats.largest_layer + int(zero["stage3_prefetch_bucket_size"])
-    gathered = min(gatherable, reuse // 2 + working) * pb
-    params = part * pb + persistent * pb + gathered + frozen
-    master = 4 * part
-    state = int(opt.state_per_element * part)
-    grads = part * pb  # grad_partitions_flat_buffer, allocated at set-up
     chunk = min(part, int(zero["sub_group_size"]))
-    step_extra = 4 * chunk + int(opt.step_extra_per_element * chunk)
+    return ZeroStates(
+        params=part * pb + persistent * pb + frozen,
+        master=4 * part,
+        optimizer=int(opt.state_per_element * part),
+        grads=part * pb,
+        step_grad=4 * chunk,
+        step_extra=int(opt.step_extra_per_element * chunk),
+        buckets=buckets,
+        gathered=min(gatherable, reuse // 2 + working) * pb,
+        part=part,
+    )
+
+
+def zero_row(est: Estimator, option: Option) -> Row:
+    job = est.job
+    zero = zero_settings(job.zero or None, option.stage, job.spec.hidden_size)
+    states = zero_states(est, option)
+    trace = est.trace("zero", option.checkpoint)
+    pb = ELEMENT_BYTES[est.dtypes("zero")[0]]
+    if option.stage in (1, 2):
+        return _stage_1_2(est, option, states, trace, pb, int(zero["reduce_bucket_size"]))
+    return _stage_3(est, option, states, trace, pb)
+
+
+def _stage_1_2(est, option, states: ZeroStates, trace, pb: int, bucket: int) -> Row:
+    world = est.job.world_size
+    s = states
+    # each rank's grads_in_partition appears at its first bucket reduction in backward, beside the
+    # activations still alive then; the busiest rank sets the peak
+    first_copy = _first_partition_copy(trace, world, 2 * world, bucket)
+    backward = max(
+        max(trace.activations, trace.activations_from(first_copy.get(r, len(trace.timeline))) + grads)
+        for r, grads in s.per_rank_grads.items()
+    )
     if option.offload == "none":
-        forward_backward = params + master + state + grads + buckets + trace.activations
-        step = part * pb + persistent * pb + frozen + master + state + grads + buckets + step_extra
+        forward_backward = s.params + s.master + s.optimizer + s.buckets + backward
         return Row(
             option,
-            params,
-            grads,
-            master + state,
+            s.params,
+            s.grads,
+            s.master + s.optimizer,
             trace.activations,
-            buckets,
+            s.buckets,
+            max(forward_backward, s.at_step),
+            sharded=s.master + s.optimizer + s.grads,
+        )
+    # optimizer offload: master, states, fp32 gradients and a bit16 staging copy of the partition live
+    # on the host (DeepSpeed's CPU Adam steps there); the device keeps the parameters, buckets and a
+    # gradient staging buffer of the largest parameter
+    staging = est.stats.largest_param * pb
+    device = s.params + s.buckets + staging + trace.activations
+    host = s.master + s.optimizer + 4 * s.part + pb * s.part + staging
+    return Row(option, s.params, 0, 0, trace.activations, s.buckets + staging, device, host=host)
+
+
+def _stage_3(est, option, states: ZeroStates, trace, pb: int) -> Row:
+    s = states
+    if option.offload == "none":
+        forward_backward = s.resident + s.gathered + s.buckets + trace.activations
+        step = s.at_step + s.buckets
+        return Row(
+            option,
+            s.params + s.gathered,
+            s.grads,
+            s.master + s.optimizer,
+            trace.activations,
+            s.buckets,
             max(forward_backward, step),
-            sharded=part * pb + master + state + grads,
+            sharded=s.part * pb + s.master + s.optimizer + s.grads,
         )
     # parameter + optimizer offload: partitions, masters, states and gradients live on the host; the
     # device holds the persistent parameters, the gathered working set, the bucket and activations
-    device = persistent * pb + gathered + frozen + buckets + trace.activations
-    host = part * pb + master + state + 4 * part
-    return Row(option, persistent * pb + gathered + frozen, 0, 0, trace.activations, buckets, device, host=host)
+    on_device = s.params - s.part * pb + s.gathered
+    host = s.part * pb + s.master + s.optimizer + 4 * s.part
+    return Row(
+        option, on_device, 0, 0, trace.activations, s.buckets, on_device + s.buckets + trace.activations, host=host
+    )
