@@ -18,29 +18,12 @@ import argparse
 import tempfile
 import time
 
-from distrain.planner.measure import Case, hf_dirs, measure_in_processes, predict
+from distrain.planner.measure import ACCURACY_CASES, Case, hf_dirs, measure_in_processes, predict
 
 MODELS = ("gpt-tiny", "gpt-mini", "gpt-small", "tiny-llama", "tiny-bert")
 STRATEGIES = ("ddp", "fsdp:FULL_SHARD", "fsdp:SHARD_GRAD_OP", "zero1", "zero2", "zero3")
 BATCHES = {"gpt-tiny": (4, 16), "gpt-mini": (2, 8), "gpt-small": (2, 8), "tiny-llama": (4, 16), "tiny-bert": (4, 16)}
 HIDDEN = {"gpt-tiny": 128, "gpt-mini": 384, "gpt-small": 512, "tiny-llama": 32, "tiny-bert": 32}
-
-#: every strategy × activation checkpointing × model kind (GPT, Llama, BERT) at least once, two batch sizes
-CI_CASES = [
-    Case("gpt-tiny", "ddp", False, 8),
-    Case("gpt-mini", "ddp", True, 4),
-    Case("tiny-bert", "ddp", False, 16),
-    Case("gpt-tiny", "fsdp:FULL_SHARD", True, 8),
-    Case("tiny-llama", "fsdp:FULL_SHARD", False, 16),
-    Case("gpt-mini", "fsdp:SHARD_GRAD_OP", False, 4),
-    Case("tiny-bert", "fsdp:SHARD_GRAD_OP", True, 8),
-    Case("gpt-tiny", "zero1", False, 16, bucket=128 * 128),
-    Case("tiny-llama", "zero1", True, 8, bucket=32 * 32),
-    Case("gpt-tiny", "zero2", True, 8, bucket=128 * 128),
-    Case("tiny-bert", "zero2", False, 16, bucket=32 * 32),
-    Case("gpt-mini", "zero3", False, 4, bucket=384 * 384),
-    Case("tiny-llama", "zero3", True, 16, bucket=32 * 32),
-]
 
 
 def full_grid(models, strategies, default_buckets: bool) -> list[Case]:
@@ -65,7 +48,7 @@ def main():
     parser.add_argument("--default-buckets", action="store_true")
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
-    cases = CI_CASES if args.grid == "ci" else full_grid(args.models, args.strategies, args.default_buckets)
+    cases = ACCURACY_CASES if args.grid == "ci" else full_grid(args.models, args.strategies, args.default_buckets)
     with tempfile.TemporaryDirectory() as workdir:
         hf = hf_dirs(workdir)
         start = time.perf_counter()

@@ -172,8 +172,8 @@ class Estimator:
     extrapolated to its depth: every part is affine in the number of identical blocks (their
     parameters, gradients, states and saved activations add up; embeddings, head, loss, buffers and
     the one-block working sets do not change), and a 70B model plans in seconds instead of minutes.
-    Checkpointing k of L blocks is interpolated between 1 and L: each further block trades its saved
-    activations for its input, the same amount every time."""
+    Checkpointing k of L blocks is extrapolated from none and one block (each further block trades
+    its saved activations for its input), never below checkpointing them all."""
 
     def __init__(self, job: Job):
         self.job = job
@@ -237,10 +237,17 @@ class Estimator:
         if option.checkpoint not in (0, 1, None) and blocks > 1:
             if option.checkpoint >= blocks:
                 return _replace(self.estimate(_replace(option, checkpoint=None)), option=option)
+            # each further checkpointed block (from the first) trades its saved activations for its
+            # input, the same amount every time, until the count where recomputing the last block
+            # (at the start of backward) is what remains: no lower than checkpointing them all
+            none = self.estimate(_replace(option, checkpoint=0))
             one = self.estimate(_replace(option, checkpoint=1))
             every = self.estimate(_replace(option, checkpoint=None))
-            share = (option.checkpoint - 1) / (blocks - 1)
-            values = {f: int(getattr(one, f) + share * (getattr(every, f) - getattr(one, f))) for f in _BYTE_FIELDS}
+            k = option.checkpoint
+            values = {
+                f: max(int(getattr(none, f) + k * (getattr(one, f) - getattr(none, f))), getattr(every, f))
+                for f in _BYTE_FIELDS
+            }
             return _replace(one, option=option, **values)
         if self._shallow is not None:
             rows = {d: est.estimate(option) for d, est in self._shallow.items()}
@@ -260,9 +267,10 @@ class Estimator:
         Only activations grow with the batch; every other part stays."""
         blocks, b = self.num_blocks, self.job.micro_batch
         if option.checkpoint not in (0, 1, None) and blocks > 1:
+            none = self.activation_slope(_replace(option, checkpoint=0))
             one = self.activation_slope(_replace(option, checkpoint=1))
             every = self.activation_slope(_replace(option, checkpoint=None))
-            return one + (min(option.checkpoint, blocks) - 1) / (blocks - 1) * (every - one)
+            return max(none + min(option.checkpoint, blocks) * (one - none), every)
         if self._shallow is not None:
             slopes = {d: est.activation_slope(option) for d, est in self._shallow.items()}
             return float(affine(slopes, blocks))

@@ -47,6 +47,25 @@ class Case:
         return " ".join(parts)
 
 
+#: the cases tests/test_planner.py asserts (within 10%): every strategy × activation checkpointing ×
+#: model kind (GPT, Llama, BERT) at least once, at two micro-batch sizes
+ACCURACY_CASES = [
+    Case("gpt-tiny", "ddp", False, 8),
+    Case("gpt-mini", "ddp", True, 4),
+    Case("tiny-bert", "ddp", False, 16),
+    Case("gpt-tiny", "fsdp:FULL_SHARD", True, 8),
+    Case("tiny-llama", "fsdp:FULL_SHARD", False, 16),
+    Case("gpt-mini", "fsdp:SHARD_GRAD_OP", False, 4),
+    Case("tiny-bert", "fsdp:SHARD_GRAD_OP", True, 8),
+    Case("gpt-tiny", "zero1", False, 16, bucket=128 * 128),
+    Case("tiny-llama", "zero1", True, 8, bucket=32 * 32),
+    Case("gpt-tiny", "zero2", True, 8, bucket=128 * 128),
+    Case("tiny-bert", "zero2", False, 16, bucket=32 * 32),
+    Case("gpt-mini", "zero3", False, 4, bucket=384 * 384),
+    Case("tiny-llama", "zero3", True, 16, bucket=32 * 32),
+]
+
+
 def hf_dirs(root: str) -> dict[str, str]:
     """The tiny Hugging Face models, written once under ``root`` (call before starting the ranks)."""
     from distrain.hf.tiny import make_tiny_bert, make_tiny_llama

@@ -358,7 +358,7 @@ def trace_step(
         module.to(param_dtype)
     apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint))
     with _fake_mode() as mode, compat.transformers_masks_as_in_eager():
-        materialize_fake(module)
+        to_empty_keeping_ties(module)
         optimizer = first_optimizer(module.configure_optimizers())
         if foreach:
             use_foreach(optimizer)
@@ -415,7 +415,7 @@ def trace_step(
     )
 
 
-def materialize_fake(module: nn.Module, device: str = "cpu") -> None:
+def to_empty_keeping_ties(module: nn.Module, device: str = "cpu") -> None:
     """Meta parameters → fake ones (inside a fake mode), keeping tied weights tied: ``to_empty``
     swaps each occurrence of a shared parameter separately."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}

@@ -249,13 +249,7 @@ class Planner:
         every = self.row(replace(option, checkpoint=None), max_batch=False)
         if not every.fits or blocks <= 1:
             return every if every.fits else None
-        one = self.row(replace(option, checkpoint=1), max_batch=False)
-        if one.fits:
-            return one
-        # peak(k) is linear between 1 and every block: solve for the first k under the budget
-        slope = (every.peak - one.peak) / (blocks - 1)
-        k = 1 + math.ceil((self.budget.usable - one.peak) / slope) if slope < 0 else blocks
-        for count in range(max(2, k), blocks):
+        for count in range(1, blocks):  # rows for partial counts are arithmetic on cached estimates
             row = self.row(replace(option, checkpoint=count), max_batch=False)
             if row.fits:
                 return row

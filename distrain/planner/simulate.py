@@ -43,7 +43,41 @@ class FSDPPeak:
     """Sharded parameters, sharded gradients and optimizer state: what CPU offload moves to the host."""
 
 
-def simulate_fsdp(
+def simulate_fsdp(*args, **kwargs) -> FSDPPeak:
+    """One rank's peak during a training step under FSDP2 (``sharding``: FULL_SHARD, SHARD_GRAD_OP
+    or HYBRID_SHARD), simulated in a forked child process: a simulation leaves state behind in the
+    process that ran it (DTensors built afterwards on a real group placed their shards as the fake
+    group's rank 0 — every rank the same shard — and checkpoints failed), and the process that
+    plans is the one that trains (rank 0 of ``distrain train``)."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        raise RuntimeError("simulating FSDP needs os.fork (Linux, macOS)")
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(send, args, kwargs), daemon=True)
+    child.start()
+    send.close()
+    try:
+        ok, value = receive.recv()
+    except EOFError:
+        ok, value = False, RuntimeError(f"the FSDP simulation died (exit code {child.exitcode})")
+    child.join()
+    if not ok:
+        raise value
+    return value
+
+
+def _child(send, args, kwargs) -> None:
+    try:
+        result = (True, _simulate_fsdp(*args, **kwargs))
+    except BaseException as e:  # sent back and raised in the parent
+        result = (False, RuntimeError(f"{type(e).__name__}: {e}"))
+    send.send(result)
+    send.close()
+
+
+def _simulate_fsdp(
     spec: ModelSpec,
     micro_batch: int,
     *,
@@ -56,8 +90,7 @@ def simulate_fsdp(
     foreach: bool = False,
     clip: float | None = None,
 ) -> FSDPPeak:
-    """One rank's peak during a training step under FSDP2 (``sharding``: FULL_SHARD,
-    SHARD_GRAD_OP or HYBRID_SHARD). Needs a process without a process group (it makes a fake one)."""
+    """The simulation itself; needs a process without a process group (it makes a fake one)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from distrain.accelerators import Accelerator
