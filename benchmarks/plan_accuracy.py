@@ -49,25 +49,30 @@ def main():
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
     cases = ACCURACY_CASES if args.grid == "ci" else full_grid(args.models, args.strategies, args.default_buckets)
-    with tempfile.TemporaryDirectory() as workdir:
-        hf = hf_dirs(workdir)
-        start = time.perf_counter()
-        measured = measure_in_processes(cases, args.world, hf, workdir)
-        measure_s = time.perf_counter() - start
-        start = time.perf_counter()
-        predicted = [predict(c, args.world, hf).peak for c in cases]
-        predict_s = time.perf_counter() - start
     mb = 2**20
     print(f"\n{args.world} CPU ranks (gloo), seq 128 tokens, fp32, 2 optimizer steps; per-rank peak of tensor memory\n")
     header = f"{'configuration':<46} | {'predicted MiB':>13} | {'measured MiB':>12} | {'error':>7}"
     print(header)
-    print("-" * len(header))
-    errors = []
-    for case, pred, peaks in zip(cases, predicted, measured):
-        meas = max(peaks)
-        err = (pred - meas) / meas
-        errors.append(abs(err))
-        print(f"{case.label:<46} | {pred / mb:>13.2f} | {meas / mb:>12.2f} | {100 * err:>+6.1f}%")
+    print("-" * len(header), flush=True)
+    errors, measure_s, predict_s = [], 0.0, 0.0
+    with tempfile.TemporaryDirectory() as workdir:
+        hf = hf_dirs(workdir)
+        # fresh ranks per model and engine: each process then holds a bounded number of finished runs
+        chunks: dict[tuple, list[Case]] = {}
+        for case in cases:
+            chunks.setdefault((case.model, case.strategy.startswith("zero")), []).append(case)
+        for chunk in chunks.values():
+            start = time.perf_counter()
+            measured = measure_in_processes(chunk, args.world, hf, workdir)
+            measure_s += time.perf_counter() - start
+            for case, peaks in zip(chunk, measured):
+                start = time.perf_counter()
+                pred = predict(case, args.world, hf).peak
+                predict_s += time.perf_counter() - start
+                meas = max(peaks)
+                err = (pred - meas) / meas
+                errors.append(abs(err))
+                print(f"{case.label:<46} | {pred / mb:>13.2f} | {meas / mb:>12.2f} | {100 * err:>+6.1f}%", flush=True)
     mean = sum(errors) / len(errors)
     print(
         f"\n{len(cases)} configurations: largest error {100 * max(errors):.1f}%, mean {100 * mean:.1f}%; "

@@ -309,6 +309,7 @@ def _train_within_budget(rank, tmp, node_memory):
     from distrain.planner.cli import decide_for_training
 
     decision = decide_for_training(config)
+    os.environ["DISTRAIN_LAUNCHED"] = "1"  # train() takes this decision, as ranks our launcher starts do
     tracker = compat.peak_memory_tracker()
     with tracker:
         assert cli.train(config) == 0

@@ -197,12 +197,14 @@ class Estimator:
         return self._stats
 
     def dtypes(self, family: str) -> tuple[torch.dtype, torch.dtype | None]:
-        """(parameter dtype, autocast dtype) of the model as the strategy runs it. DeepSpeed keeps
-        its bf16/fp16 copy of the parameters in the model (fp32 masters in the optimizer); the
-        others keep fp32 parameters under autocast, except bf16-true."""
+        """(parameter dtype, autocast dtype) of the model as the strategy computes with it. DeepSpeed
+        keeps its bf16/fp16 copy of the parameters in the model (fp32 masters in the optimizer), and
+        FSDP's mixed-precision policy gathers them in the compute dtype; one process and DDP keep fp32
+        parameters under autocast (whose cache holds a bf16 copy of each weight during forward),
+        except bf16-true."""
         p = self.job.precision
         autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(p)
-        if family == "zero":
+        if family in ("zero", "fsdp"):
             return {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(
                 p, torch.float32
             ), autocast
@@ -274,7 +276,7 @@ class Estimator:
         if self._shallow is not None:
             slopes = {d: est.activation_slope(option) for d, est in self._shallow.items()}
             return float(affine(slopes, blocks))
-        family = "zero" if option.family == "zero" else "ddp"
+        family = "ddp" if option.family in ("single", "ddp") else option.family
         single = self.trace(family, option.checkpoint).activations
         double = self.trace(family, option.checkpoint, 2 * b).activations
         return max(0.0, (double - single) / b)

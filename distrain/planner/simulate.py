@@ -135,9 +135,8 @@ def _simulate_fsdp(
                             loss = loss_of(model("training_step", batch, 0))
                         (loss / accumulate).backward()
                         del loss
-                params = [p for p in model.parameters() if p.grad is not None]
-                if clip:
-                    torch.nn.utils.clip_grad_norm_(params, clip, foreach=foreach or None)
+                # no clip_grad_norm_: in place on the sharded gradients in a real run (measured: the same
+                # peak with and without), while DTensor's foreach multiply under fake tensors is not
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             snapshot = tracker.get_tracker_snapshot("peak")
