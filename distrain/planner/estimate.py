@@ -215,7 +215,8 @@ class Estimator:
         job = self.job
         b = micro_batch or job.micro_batch
         param_dtype, autocast = self.dtypes(family)
-        key = (b, param_dtype, autocast, checkpoint)
+        reentrant = family == "zero" and checkpoint != 0  # DeepSpeed's activation checkpointing is reentrant
+        key = (b, param_dtype, autocast, checkpoint, reentrant)
         if key not in self._traces:
             self._traces[key] = trace_step(
                 job.spec,
@@ -225,6 +226,7 @@ class Estimator:
                 autocast=autocast,
                 foreach=job.gpu,
                 clip=job.clip,
+                reentrant=reentrant,
             )
         return self._traces[key]
 

@@ -348,15 +348,17 @@ def trace_step(
     checkpoint: int | None = 0,
     foreach: bool = False,
     clip: float | None = None,
+    reentrant: bool = False,
 ) -> StepTrace:
     """One training step of the bare model under fake tensors: forward (``training_step``, under
     autocast when given), backward, gradient clipping, the module's own optimizer step.
-    ``checkpoint``: blocks whose activations are recomputed (``None``: all)."""
+    ``checkpoint``: blocks whose activations are recomputed (``None``: all), with torch's
+    reentrant checkpoint if ``reentrant`` (DeepSpeed's activation checkpointing is reentrant)."""
     start = time.perf_counter()
     module = spec.build()
     if param_dtype != torch.float32:
         module.to(param_dtype)
-    apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint))
+    apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint), reentrant)
     with _fake_mode() as mode, compat.transformers_masks_as_in_eager():
         to_empty_keeping_ties(module)
         optimizer = first_optimizer(module.configure_optimizers())

@@ -273,13 +273,16 @@ class Planner:
 
     def reason(self, chosen: Row | None, seen: list[Row]) -> str:
         """``fsdp FULL_SHARD + AC: DDP needs 112 GiB/rank, FSDP 61, FSDP+AC 38 of 72``."""
-        unit = "GiB" if max([r.peak for r in seen] + [self.budget.usable]) >= 2**30 else "MiB"
+        values = [r.peak for r in seen] + [self.budget.usable]
+        unit = "GiB" if max(values) >= 2**30 else "MiB"
+        one_unit = min(values) >= (2**30 if unit == "GiB" else 2**20) / 10  # else each number with its own unit
+        size = (lambda n: format_size(n, unit)) if one_unit else human
         parts = []
         for i, r in enumerate(seen):
-            parts.append(f"{r.option.short} {'needs ' if i == 0 else ''}{format_size(r.peak, unit)}")
+            parts.append(f"{r.option.short} {'needs ' if i == 0 else ''}{size(r.peak)}")
             if i == 0:
-                parts[-1] += f" {unit}/rank"
-        budget = f" of {format_size(self.budget.usable, unit)}"
+                parts[-1] += f" {unit}/rank" if one_unit else "/rank"
+        budget = f" of {size(self.budget.usable)}"
         if chosen is None:
             return "nothing fits: " + ", ".join(parts) + budget
         why = ", ".join(parts) + budget

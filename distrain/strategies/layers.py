@@ -44,14 +44,16 @@ def selected_layers(module: nn.Module, policy: Any) -> list[nn.Module]:
     return [m for i, m in enumerate(matches) if i % every_n == 0][:count]
 
 
-def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
+def apply_activation_checkpointing(module: nn.Module, policy: Any, reentrant: bool = False) -> None:
     """Recompute the activations of the selected layers in backward (torch's non-reentrant
-    checkpoint). ``policy``: see ``selected_layers``."""
+    checkpoint; ``reentrant=True``: the older reentrant one, as DeepSpeed's own works — the memory
+    planner traces ZeRO runs with it). ``policy``: see ``selected_layers``."""
     if not policy:
         return
     api = compat.checkpoint_wrapper_api()
     chosen = {id(m) for m in selected_layers(module, policy)}
-    wrapper = functools.partial(api.checkpoint_wrapper, checkpoint_impl=api.CheckpointImpl.NO_REENTRANT)
+    impl = api.CheckpointImpl.REENTRANT if reentrant else api.CheckpointImpl.NO_REENTRANT
+    wrapper = functools.partial(api.checkpoint_wrapper, checkpoint_impl=impl)
     api.apply_activation_checkpointing(module, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen)
 
 
