@@ -30,12 +30,18 @@ def full_grid(models, strategies, default_buckets: bool) -> list[Case]:
     cases = []
     for model in models:
         for strategy in strategies:
+            if (model, strategy) == ("tiny-bert", "zero3"):
+                continue  # BERT's weight init indexes the padding row zero.Init has partitioned away (IndexError)
             for ac in (False, True):
                 for b in BATCHES[model]:
                     bucket = HIDDEN[model] ** 2 if strategy.startswith("zero") else None
                     cases.append(Case(model, strategy, ac, b, bucket=bucket))
         if default_buckets:
-            cases += [Case(model, s, False, BATCHES[model][0]) for s in strategies if s.startswith("zero")]
+            cases += [
+                Case(model, s, False, BATCHES[model][0])
+                for s in strategies
+                if s.startswith("zero") and (model, s) != ("tiny-bert", "zero3")
+            ]
     # DeepSpeed last: its engines leave global state (activation checkpointing config) behind
     return sorted(cases, key=lambda c: c.strategy.startswith("zero"))
 

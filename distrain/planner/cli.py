@@ -84,6 +84,10 @@ def job_from_config(config: RunConfig, gpu: bool, hf_job=None) -> Job:
         gpu=gpu,
         zero=zero_config(config) or {},
         gradient_as_bucket_view=d.gradient_as_bucket_view,
+        fsdp_options={
+            "forward_prefetch": config.fsdp.forward_prefetch,
+            "mixed_precision": {k: v for k, v in vars(config.fsdp.mixed_precision).items() if v} or None,
+        },
     )
 
 

@@ -159,6 +159,8 @@ class Job:
     zero: dict = field(default_factory=dict)
     """The DeepSpeed ``zero_optimization`` section a run would use (bucket sizes, thresholds)."""
     gradient_as_bucket_view: bool = True
+    fsdp_options: dict = field(default_factory=dict)
+    """FSDPStrategy options the run sets (``mixed_precision``, ``forward_prefetch``), for the simulation."""
 
     @property
     def per_node(self) -> int:
@@ -316,7 +318,7 @@ class Estimator:
                 checkpoint=option.checkpoint,
                 accumulate=job.accumulate,
                 foreach=job.gpu,
-                clip=job.clip,
+                options=job.fsdp_options,
             )
         p = self._fsdp[key]
         # the activations column means the same for every row: the traced peak at this micro-batch (the

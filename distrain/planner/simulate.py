@@ -3,7 +3,7 @@ size, under fake tensors, measured by torch's ``FSDPMemTracker``.
 
 distrain's own ``FSDPStrategy`` shards the module (same units, mixed-precision policy, activation
 checkpointing and ``reshard_after_forward`` as a run), then one training step runs as the Trainer
-runs it: accumulation micro-steps without gradient sync, the last with it, clipping, the
+runs it: accumulation micro-steps without gradient sync, the last with it, the
 optimizer step. The tracker's peak, by kind (sharded and unsharded parameters and gradients,
 activations, all-gather and reduce-scatter buffers, optimizer state), is the prediction. This is
 torchtitan's memory estimator, applied to every sharding and to distrain's own set-up.
@@ -88,7 +88,7 @@ def _simulate_fsdp(
     checkpoint: int | None = 0,
     accumulate: int = 1,
     foreach: bool = False,
-    clip: float | None = None,
+    options: dict | None = None,
 ) -> FSDPPeak:
     """The simulation itself; needs a process without a process group (it makes a fake one)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -109,6 +109,7 @@ def _simulate_fsdp(
             device_mesh=mesh,
             auto_wrap_policy=set(spec.block_classes) or None,
             activation_checkpointing_policy=checkpoint_policy(spec.block_classes, checkpoint),
+            **(options or {}),
         )
         # fp16 runs as bf16 here (same bytes): a CPU simulation cannot build a 16-mixed Precision
         sim_precision = "bf16-mixed" if precision == "16-mixed" else precision
@@ -128,12 +129,17 @@ def _simulate_fsdp(
             tracker.track_inputs(tuple(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)))
             autocast = Precision(sim_precision, "cpu").autocast
             with tracker:
-                for i in range(accumulate):
-                    sync = i == accumulate - 1
+                # with accumulation, the micro-steps before the last keep unsharded gradients (no
+                # reduce-scatter); one of them shows what all of them hold
+                micro_steps = min(accumulate, 2)
+                for i in range(micro_steps):
+                    if i:
+                        tracker.reset_mod_stats()  # FSDPMemTracker refuses a module's second forward otherwise
+                    sync = i == micro_steps - 1
                     with contextlib.nullcontext() if sync else _no_sync(model):
                         with autocast():
                             loss = loss_of(model("training_step", batch, 0))
-                        (loss / accumulate).backward()
+                        (loss / micro_steps).backward()
                         del loss
                 # no clip_grad_norm_: in place on the sharded gradients in a real run (measured: the same
                 # peak with and without), while DTensor's foreach multiply under fake tensors is not
