@@ -28,9 +28,7 @@ def host_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        import psutil
-
-        return psutil.virtual_memory().total
+        raise ValueError("cannot read this machine's memory: give --cpu-memory (e.g. 64GB)") from None
 
 
 def device_memory() -> int | None:
