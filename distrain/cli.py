@@ -22,6 +22,10 @@ FLAG_KEYS = {
     "seed": "training.seed",
     "output_dir": "output_dir",
     "model_name": "training.model_name",
+    "batch_size": "training.batch_size_per_gpu",
+    "seq_len": "data.seq_len",
+    "gpu_memory": "distributed.gpu_memory",
+    "cpu_memory": "distributed.cpu_memory",
 }
 
 
@@ -29,8 +33,10 @@ def _devices(value: str):
     return value if value == "auto" else int(value)
 
 
-def train_parser() -> argparse.ArgumentParser:
-    train = argparse.ArgumentParser(prog="distrain train", description="train the built-in GPT job (or your config's)")
+def train_parser(
+    prog: str = "distrain train", description: str = "train the built-in GPT job (or your config's)"
+) -> argparse.ArgumentParser:
+    train = argparse.ArgumentParser(prog=prog, description=description)
     train.add_argument("--config", help="YAML or JSON config file")
     train.add_argument(
         "--strategy", "--mode", dest="strategy", help="auto, single, ddp, ddp_spawn, ddp_fork, fsdp, ..."
@@ -48,6 +54,14 @@ def train_parser() -> argparse.ArgumentParser:
         dest="model_name",
         help="a built-in GPT size, or a Hugging Face hub name or local model directory",
     )
+    train.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, help="micro-batch per rank")
+    train.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, help="tokens (bytes) per sample")
+    train.add_argument(
+        "--gpu-memory", "--gpu_memory", dest="gpu_memory", metavar="SIZE", help="memory per GPU to plan for (80GB)"
+    )
+    train.add_argument(
+        "--cpu-memory", "--cpu_memory", dest="cpu_memory", metavar="SIZE", help="host memory per node to plan for (1TB)"
+    )
     train.add_argument(
         "--resume",
         metavar="last|auto|PATH",
@@ -56,6 +70,17 @@ def train_parser() -> argparse.ArgumentParser:
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. training.learning_rate=3e-4")
     return train
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    plan = train_parser(
+        "distrain plan",
+        "per-rank memory of every strategy (DDP, FSDP, ZeRO; with and without activation checkpointing and "
+        "offload) for this run, the largest micro-batch that fits, and the recommendation; nothing is allocated",
+    )
+    plan.set_defaults(strategy="all")
+    plan.add_argument("--json", action="store_true", help="the rows as JSON")
+    return plan
 
 
 def convert_parser() -> argparse.ArgumentParser:
@@ -201,6 +226,7 @@ def plot_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {
     "train": train_parser,
+    "plan": plan_parser,
     "convert": convert_parser,
     "launch": launch_parser,
     "doctor": doctor_parser,
@@ -208,7 +234,7 @@ COMMANDS = {
     "bench": lambda: __import__("distrain.bench", fromlist=["bench_parser"]).bench_parser(),
 }
 USAGE = (
-    "usage: distrain {train,convert,launch,doctor,plot,bench} [options]   "
+    "usage: distrain {train,plan,convert,launch,doctor,plot,bench} [options]   "
     "(`distrain COMMAND -h` for help; no command means train)"
 )
 
@@ -241,10 +267,20 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         flags = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
+        if command == "plan":  # `all` (every option) is the plan's own value, not a strategy to configure
+            flags.pop("distributed.strategy", None)
         config = build_config(args.config, flags, args.overrides)
     except ConfigError as e:
         print(f"distrain: error: {e}", file=sys.stderr)
         return 2
+    if command == "plan":
+        from distrain.planner.cli import plan_command
+
+        try:
+            return plan_command(config, args.strategy, args.json)
+        except (ConfigError, FileNotFoundError, ValueError) as e:
+            print(f"distrain: error: {e}", file=sys.stderr)
+            return 2
     if args.print_config:
         import yaml
 
@@ -314,21 +350,33 @@ def train(config: RunConfig, resume: str | None = None) -> int:
     else:
         blocks = hf_job.block_classes if hf_job else {Block}
 
+    # the memory plan: strategy auto, activation_checkpointing auto, a warning when it will not fit
+    from distrain.planner.cli import Decision, decide_for_training, print_messages
+
+    # a Module of the user's own is planned by Trainer.fit (strategy auto), from the module itself
+    decision = decide_for_training(config, hf_job) if user_module is None else Decision(strategy=d.strategy)
+    print_messages(decision)
+    if decision.stop:
+        return 2
+    strategy = decision.strategy
     every_n = config.fsdp.activation_checkpointing.every_n_layers
     # the spec's fsdp/top-level section is an alias; a DeepSpeed JSON that configures how activations are
     # checkpointed (partitioned, on the CPU) asks for it too
     use_ac = (
-        t.activation_checkpointing or config.fsdp.activation_checkpointing.enabled or _deepspeed_asks_for_ac(config)
+        t.activation_checkpointing is True
+        or config.fsdp.activation_checkpointing.enabled
+        or _deepspeed_asks_for_ac(config)
     )
     strategy_options = {
         "activation_checkpointing_policy": {"classes": blocks, "every_n": every_n} if use_ac else None,
-        **registry.options_from_config(d.strategy, config, blocks),
+        **registry.options_from_config(strategy, config, blocks),
+        **decision.strategy_options(blocks),
     }
     trainer = Trainer(
         accelerator=d.accelerator,
         devices=d.devices,
         num_nodes=d.num_nodes,
-        strategy=d.strategy,
+        strategy=strategy,
         precision=t.precision,
         max_epochs=t.num_epochs,
         max_steps=t.max_steps,
@@ -392,7 +440,7 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         save_config(config, out / "config.yaml")
         print(
-            f"distrain: {t.model_name} on {trainer.world_size} process(es), strategy {d.strategy}, "
+            f"distrain: {t.model_name} on {trainer.world_size} process(es), strategy {strategy}, "
             f"global batch {global_batch} × {data.seq_len} bytes, {total_steps} steps → {out}",
             flush=True,
         )

@@ -59,8 +59,9 @@ class TrainingConfig:
     val_check_interval: int = 100
     """Run validation every this many optimizer steps (and at the end)."""
     limit_val_batches: int = 20
-    activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in backward (any strategy)."""
+    activation_checkpointing: bool | str = False
+    """Recompute each transformer block's activations in backward (any strategy). ``auto``: the memory
+    planner checkpoints just enough blocks (the first ones) for the run to fit in device memory."""
     on_nonfinite: str = "stop"
     """A NaN/inf loss or gradient norm: ``stop`` the run at that step (naming step and rank), ``skip`` the
     step on every rank, or ``ignore`` it (no check)."""
@@ -95,6 +96,10 @@ class DistributedConfig:
     and the step and phase where they stopped."""
     comm_hook: str | None = None
     """``fp16_compress``, ``bf16_compress``, ``powersgd`` or ``post_localsgd``."""
+    gpu_memory: str | int | None = None
+    """Memory per GPU the memory planner plans for (``80GB``); null → this machine's."""
+    cpu_memory: str | int | None = None
+    """Host memory per node the planner plans for (``1TB``; on a CPU run, the ranks share it); null → this machine's."""
 
 
 @dataclass
@@ -443,6 +448,19 @@ def validate(config: RunConfig) -> None:
             "fsdp.activation_checkpointing.every_n_layers must be >= 1, got "
             f"{config.fsdp.activation_checkpointing.every_n_layers}"
         )
+    if isinstance(t.activation_checkpointing, str) and t.activation_checkpointing != "auto":
+        raise ConfigError(
+            f"training.activation_checkpointing must be true, false or auto, got {t.activation_checkpointing!r}"
+        )
+    for name in ("gpu_memory", "cpu_memory"):
+        value = getattr(d, name)
+        if value is not None:
+            from distrain.planner.units import parse_size
+
+            try:
+                parse_size(value)
+            except ValueError as e:
+                raise ConfigError(f"distributed.{name}: {e}") from None
     if not 0 <= t.warmup_ratio < 1:
         raise ConfigError(f"training.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
     if t.precision not in PRECISIONS:

@@ -56,6 +56,8 @@ class Runtime:
         self.nprocs = self._resolve_devices(devices, num_nodes)
         self.precision = Precision(precision, self.accelerator.name)
         self.strategy = make_strategy(strategy, self.nprocs * num_nodes, **strategy_kwargs)
+        #: strategy="auto" stands for DDP until ``plan_strategy`` (fit) asks the memory planner
+        self._auto_kwargs = strategy_kwargs if isinstance(strategy, str) and strategy == "auto" else None
         if self.nprocs * num_nodes > 1 and self.strategy.start_method is None:
             raise ValueError(
                 f"strategy {type(self.strategy).__name__} runs a single process, but "
@@ -141,6 +143,21 @@ class Runtime:
         if self.strategy.start_method == "popen":
             return self._launcher.launch(in_rank, *args, **kwargs)
         return self._launcher.launch(in_rank, *args, collect=collect, restore=restore, **kwargs)
+
+    def plan_strategy(self, module: nn.Module, train_loader: Any, accumulate: int = 1, clip: float | None = None):
+        """strategy="auto": before any rank starts, let the memory planner pick the fastest strategy
+        that fits this module and micro-batch in the device's memory (DDP, FSDP, with activation
+        checkpointing or offload), and say why. Any other strategy is left alone."""
+        if self._auto_kwargs is None or self._environment_ready:
+            return
+        from distrain.planner.auto import plan_runtime_strategy
+
+        kwargs, self._auto_kwargs = self._auto_kwargs, None  # plan once
+        strategy = plan_runtime_strategy(self, module, train_loader, accumulate, clip, kwargs)
+        if strategy is not None:
+            strategy.connect(self.accelerator, self.precision, self.cluster, self.nprocs, self.num_nodes)
+            self.strategy = strategy
+            self._launcher = make_launcher(strategy.start_method, self.nprocs, self.cluster, self.num_nodes)
 
     def setup_environment(self) -> None:
         if not self._environment_ready:

@@ -226,6 +226,7 @@ class Trainer:
         if ckpt_path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
             # torchrun restarted the group after a failure: continue from the newest intact checkpoint
             ckpt_path = "auto"
+        self.runtime.plan_strategy(module, train_dataloaders, self.loop.accumulate_for(0), self.loop.gradient_clip_val)
         return self._launch(self._fit, module, train_dataloaders, val_dataloaders, ckpt_path)
 
     def validate(self, module: nn.Module, dataloaders=None, ckpt_path=None, datamodule=None) -> list[dict]:

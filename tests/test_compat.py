@@ -158,3 +158,71 @@ def test_importing_torchao_through_transformers_is_quiet():
     assert proc.returncode == 0 and "Failed to load" not in proc.stderr and "Enum subclass" not in proc.stderr, (
         proc.stderr
     )
+
+
+# ---- memory planning: torch.distributed._tools, fake tensors and process groups, transformers masks ----------
+def test_fake_tensors_fake_process_group_and_memory_trackers():
+    with compat.fake_tensor_mode():
+        huge = torch.empty(2**40)  # a TiB: shapes and dtypes only
+        assert huge.numel() == 2**40
+    with compat.fake_process_group(4):
+        assert dist.get_world_size() == 4 and dist.get_rank() == 0
+    assert not dist.is_initialized()
+    samples = []
+    model = nn.Linear(64, 64)
+    with compat.timeline_memory_tracker(samples.append):
+        model(torch.ones(8, 64)).sum().backward()
+    totals = [sum(per_device["Total"] for per_device in s.values()) for s in samples]
+    assert max(totals) >= 8 * 64 * 4  # at least the output was alive
+    tracker = compat.peak_memory_tracker()
+    with tracker:
+        for _ in range(2):  # MemTracker alone refuses the second iteration
+            model(torch.ones(8, 64)).sum().backward()
+    assert tracker.peak_bytes() >= 8 * 64 * 4 + 64 * 65 * 4  # the output and the new gradients
+    assert issubclass(compat.fsdp_memory_tracker_class(), compat.memory_tracker_class())
+
+
+def test_transformers_masks_as_in_eager_under_fake_tensors(tmp_path, monkeypatch):
+    """A full-length batch traced under fake tensors holds the activations an eager step does
+    (without the context, transformers builds a 4-D mask the eager run skips)."""
+    pytest.importorskip("transformers")
+    from distrain.hf.tiny import make_tiny_llama
+    from distrain.planner.model_stats import (
+        ModelSpec,
+        _Phases,
+        create_optimizer_state,
+        first_optimizer,
+        to_empty_keeping_ties,
+        trace_step,
+    )
+
+    spec = ModelSpec.huggingface(make_tiny_llama(tmp_path / "llama"), 64)
+    traced = trace_step(spec, 4)
+    module = spec.build()
+    to_empty_keeping_ties(module)
+    optimizer = first_optimizer(module.configure_optimizers())
+    create_optimizer_state(module, optimizer)
+    batch = spec.make_batch(4)
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])  # what real data has
+    phases = _Phases()
+    tracker = compat.timeline_memory_tracker(phases.sample)
+    tracker.track_external(module, optimizer, *batch.values())
+    with tracker:
+        loss = module.training_step(batch, 0)
+        phases.phase = "backward"
+        loss.backward()
+    assert traced.activations == pytest.approx(phases.act, rel=0.01)
+    import contextlib
+
+    monkeypatch.setattr(compat, "transformers_masks_as_in_eager", contextlib.nullcontext)
+    assert trace_step(spec, 4).activations > 1.05 * phases.act  # the explicit-mask path the eager run skips
+
+
+def test_deepspeed_model_state_estimates():
+    pytest.importorskip("deepspeed")
+    psi, layer = 7_000_000_000, 200_000_000
+    estimates = compat.deepspeed_model_state_estimates(psi, layer, 8, 1)
+    assert estimates["zero2"][1] == 2 * psi + 18 * psi // 8  # 2Ψ + 18Ψ/N on each GPU
+    assert estimates["zero2_offload"][1] == 2 * psi
+    assert estimates["zero3"][1] == 4 * layer + 18 * psi // 8
+    assert estimates["zero3_offload_params"][1] == 4 * layer

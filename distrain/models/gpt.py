@@ -33,6 +33,7 @@ GPT_SIZES: dict[str, dict] = {
     "gpt-350m": dict(n_layer=24, n_head=16, n_embd=1024),
     "gpt-1.3b": dict(n_layer=24, n_head=32, n_embd=2048),
     "gpt-7b": dict(n_layer=32, n_head=32, n_embd=4096),
+    "gpt-70b": dict(n_layer=80, n_head=64, n_embd=8192),  # 64B: for planning (`distrain plan`)
 }
 
 

@@ -26,12 +26,14 @@ def is_marked_unit(module: nn.Module) -> bool:
 
 def selected_layers(module: nn.Module, policy: Any) -> list[nn.Module]:
     """The layers a ``policy`` selects: a set of layer classes, a callable ``(module) -> bool``, or
-    ``{"classes": {...}, "every_n": k}`` for every k-th matching layer."""
+    ``{"classes": {...}, "every_n": k}`` for every k-th matching layer (``"count": n``: only the
+    first n of those, as the memory planner's ``activation_checkpointing: auto`` asks)."""
     if not policy:
         return []
-    every_n = 1
+    every_n, count = 1, None
     if isinstance(policy, dict):
         every_n = int(policy.get("every_n", 1))
+        count = policy.get("count")
         if every_n < 1:
             raise ValueError(f"activation checkpointing every_n must be >= 1, got {every_n}")
         policy = policy["classes"]
@@ -39,17 +41,19 @@ def selected_layers(module: nn.Module, policy: Any) -> list[nn.Module]:
         return [m for m in module.modules() if policy(m)]
     classes = tuple(policy) if isinstance(policy, (set, list, tuple, frozenset)) else (policy,)
     matches = [m for m in module.modules() if isinstance(m, classes)]
-    return [m for i, m in enumerate(matches) if i % every_n == 0]
+    return [m for i, m in enumerate(matches) if i % every_n == 0][:count]
 
 
-def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
+def apply_activation_checkpointing(module: nn.Module, policy: Any, reentrant: bool = False) -> None:
     """Recompute the activations of the selected layers in backward (torch's non-reentrant
-    checkpoint). ``policy``: see ``selected_layers``."""
+    checkpoint; ``reentrant=True``: the older reentrant one, as DeepSpeed's own works — the memory
+    planner traces ZeRO runs with it). ``policy``: see ``selected_layers``."""
     if not policy:
         return
     api = compat.checkpoint_wrapper_api()
     chosen = {id(m) for m in selected_layers(module, policy)}
-    wrapper = functools.partial(api.checkpoint_wrapper, checkpoint_impl=api.CheckpointImpl.NO_REENTRANT)
+    impl = api.CheckpointImpl.REENTRANT if reentrant else api.CheckpointImpl.NO_REENTRANT
+    wrapper = functools.partial(api.checkpoint_wrapper, checkpoint_impl=impl)
     api.apply_activation_checkpointing(module, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen)
 
 

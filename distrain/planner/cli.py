@@ -1,0 +1,272 @@
+"""The planner on the command line: ``distrain plan``, and the decisions ``distrain train`` takes
+before any rank starts (``strategy: auto``, ``activation_checkpointing: auto``, the does-it-fit
+warning, stopping when nothing fits)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from distrain.config import RunConfig
+from distrain.planner.estimate import Job, Option, Row
+from distrain.planner.model_stats import ModelSpec
+from distrain.planner.plan import Budget, Planner, option_for_run
+from distrain.planner.units import human
+
+#: the decision of the process that planned, for the ranks its launcher starts (they re-run the command)
+PLANNED_ENV = "DISTRAIN_PLANNED"
+
+
+# ---- from a run's config ---------------------------------------------------------------------------------
+def plans_for_gpu(config: RunConfig) -> bool:
+    import torch
+
+    accelerator = config.distributed.accelerator
+    if accelerator in ("gpu", "cuda"):
+        return True
+    if accelerator == "cpu":
+        return False
+    return config.distributed.gpu_memory is not None or torch.cuda.is_available()
+
+
+def ranks_per_node(config: RunConfig, gpu: bool) -> int:
+    devices = config.distributed.devices
+    if devices != "auto":
+        return int(devices)
+    import torch
+
+    from distrain.accelerators import Accelerator, auto_device_count
+
+    if gpu:
+        if not torch.cuda.is_available():
+            raise ValueError("planning for GPUs on a machine without one: give --devices (GPUs per node)")
+        return torch.cuda.device_count()
+    return auto_device_count(Accelerator())
+
+
+def spec_from_config(config: RunConfig, hf_job=None) -> ModelSpec:
+    from distrain.models.gpt import GPT_SIZES
+
+    t, data = config.training, config.data
+    if t.model_name in GPT_SIZES:
+        return ModelSpec.builtin_gpt(t.model_name, data.seq_len)
+    if hf_job is not None:
+        return ModelSpec.huggingface(
+            t.model_name, hf_job.data.max_length, hf_job.task, t.num_labels, hf_config=hf_job.hf_config
+        )
+    return ModelSpec.huggingface(t.model_name, data.max_length or data.seq_len, t.task, t.num_labels)
+
+
+def zero_config(config: RunConfig) -> dict | None:
+    """The DeepSpeed config a ZeRO run would use: the user's JSON, if given."""
+    path = config.deepspeed.config
+    if path is None:
+        return None
+    from distrain.strategies.deepspeed_config import read_user_config
+
+    return read_user_config(path)[0]
+
+
+def job_from_config(config: RunConfig, gpu: bool, hf_job=None) -> Job:
+    t, d = config.training, config.distributed
+    per_node = ranks_per_node(config, gpu)
+    return Job(
+        spec=spec_from_config(config, hf_job),
+        micro_batch=t.batch_size_per_gpu,
+        precision=t.precision,
+        world_size=per_node * d.num_nodes,
+        num_nodes=d.num_nodes,
+        accumulate=t.gradient_accumulation_steps,
+        clip=t.max_grad_norm or None,
+        gpu=gpu,
+        zero=zero_config(config) or {},
+        gradient_as_bucket_view=d.gradient_as_bucket_view,
+        fsdp_options={
+            "forward_prefetch": config.fsdp.forward_prefetch,
+            "mixed_precision": {k: v for k, v in vars(config.fsdp.mixed_precision).items() if v} or None,
+        },
+    )
+
+
+def budget_from_config(config: RunConfig, gpu: bool, per_node: int) -> Budget:
+    d = config.distributed
+    return Budget.resolve(per_node, gpu=gpu, gpu_memory=d.gpu_memory, cpu_memory=d.cpu_memory)
+
+
+# ---- distrain plan -----------------------------------------------------------------------------------------
+def plan_command(config: RunConfig, strategy: str, as_json: bool) -> int:
+    gpu = plans_for_gpu(config)
+    job = job_from_config(config, gpu)
+    budget = budget_from_config(config, gpu, job.per_node)
+    ac = config.training.activation_checkpointing
+    checkpoint = "both" if ac in (False, "auto") else True
+    plan = Planner(job, budget).plan("all" if strategy in ("all", "auto") else strategy, checkpoint)
+    if as_json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        print(plan.table())
+    return 0
+
+
+# ---- distrain train ------------------------------------------------------------------------------------------
+@dataclass
+class Decision:
+    """What the planner decided for a run."""
+
+    strategy: str
+    sharding: str | None = None
+    checkpoint: int | None = 0
+    """Blocks to checkpoint: 0 none, ``None`` every one (the planner's; the config's when not planned)."""
+    planned_checkpoint: bool = False
+    """The planner chose ``checkpoint`` (else the config's activation checkpointing applies)."""
+    messages: list[str] = field(default_factory=list)
+    stop: bool = False
+
+    def strategy_options(self, block_classes) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if self.sharding is not None:
+            options["sharding_strategy"] = self.sharding
+        if self.planned_checkpoint:
+            from distrain.planner.model_stats import checkpoint_policy
+
+            options["activation_checkpointing_policy"] = checkpoint_policy(tuple(block_classes), self.checkpoint)
+        return options
+
+    def to_env(self, config: RunConfig) -> str:
+        return json.dumps(
+            {
+                "config": _fingerprint(config),
+                "strategy": self.strategy,
+                "sharding": self.sharding,
+                "checkpoint": self.checkpoint,
+                "planned_checkpoint": self.planned_checkpoint,
+            }
+        )
+
+    @classmethod
+    def from_env(cls, text: str, config: RunConfig) -> Decision | None:
+        """The decision the launching process took for this same config, if it took one."""
+        values = json.loads(text)
+        if values.pop("config", None) != _fingerprint(config):
+            return None
+        return cls(**values)
+
+
+def _fingerprint(config: RunConfig) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def decide_for_training(config: RunConfig, hf_job=None) -> Decision:
+    """Before any rank starts: resolve ``strategy: auto`` and ``activation_checkpointing: auto``
+    with the memory plan, warn when an explicit strategy will not fit, stop when nothing fits. A
+    planner failure never stops a run: it falls back to what the config says, with a note."""
+    inherited = os.environ.get(PLANNED_ENV)
+    if inherited and os.environ.get("DISTRAIN_LAUNCHED"):  # a rank our launcher started: the parent decided
+        decision = Decision.from_env(inherited, config)
+        if decision is not None:
+            return decision
+    fallback = Decision(strategy=_without_plan(config))
+    try:
+        decision = _decide(config, hf_job)
+    except Exception as e:  # the plan is advice; training must not depend on it
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        fallback.messages.append(f"distrain: the memory planner could not plan this run ({type(e).__name__}: {first})")
+        return fallback
+    os.environ[PLANNED_ENV] = decision.to_env(config)
+    return decision
+
+
+def _without_plan(config: RunConfig) -> str:
+    """``auto`` as it was before the planner: one process → single, several → ddp."""
+    d = config.distributed
+    if d.strategy != "auto":
+        return d.strategy
+    try:
+        return "ddp" if ranks_per_node(config, plans_for_gpu(config)) * d.num_nodes > 1 else "single"
+    except Exception:
+        return "auto"
+
+
+def _decide(config: RunConfig, hf_job) -> Decision:
+    d, t = config.distributed, config.training
+    gpu = plans_for_gpu(config)
+    job = job_from_config(config, gpu, hf_job)
+    budget = budget_from_config(config, gpu, job.per_node)
+    planner = Planner(job, budget)
+    ac = t.activation_checkpointing
+    if d.strategy == "auto":
+        checkpoint = "auto" if ac == "auto" else (True if ac else "both")
+        row, seen = planner.choose("auto", checkpoint)
+        if row is None:
+            plan = planner.plan("all", "both")
+            return Decision(
+                strategy="auto",
+                stop=True,
+                messages=[
+                    plan.table(),
+                    f"distrain: nothing fits in {human(budget.usable)} per rank; not starting "
+                    "(`distrain plan` with the same arguments shows this table)",
+                ],
+            )
+        option = row.option
+        planned_ac = ac == "auto" or (ac is False and option.checkpoint != 0)
+        return Decision(
+            strategy=option.strategy,
+            sharding=option.sharding,
+            checkpoint=option.checkpoint,
+            planned_checkpoint=planned_ac,
+            messages=[f"distrain: strategy auto → {planner.reason(row, seen)}"],
+        )
+    option = option_for_run(d.strategy, job, config.fsdp.sharding_strategy, config.fsdp.cpu_offload)
+    if option is None:
+        return Decision(strategy=d.strategy)
+    if ac == "auto":
+        row = planner.fitting_checkpoint(option)
+        if row is None:
+            every = planner.row(_with_checkpoint(option, None), max_batch=False)
+            return Decision(
+                strategy=d.strategy,
+                checkpoint=None,
+                planned_checkpoint=True,
+                messages=[_does_not_fit(every, budget)],
+            )
+        blocks = "no blocks" if row.option.checkpoint == 0 else "every block"
+        if row.option.checkpoint not in (0, None):
+            blocks = f"the first {row.option.checkpoint} of {job.spec.num_blocks} blocks"
+        return Decision(
+            strategy=d.strategy,
+            checkpoint=row.option.checkpoint,
+            planned_checkpoint=True,
+            messages=[
+                f"distrain: activation_checkpointing auto → {blocks}: {human(row.peak)} per rank "
+                f"of {human(budget.usable)}"
+            ],
+        )
+    row = planner.row(_with_checkpoint(option, None if ac else 0), max_batch=False)
+    return Decision(strategy=d.strategy, messages=[] if row.fits else [_does_not_fit(row, budget)])
+
+
+def _with_checkpoint(option: Option, checkpoint: int | None) -> Option:
+    from dataclasses import replace
+
+    return replace(option, checkpoint=checkpoint)
+
+
+def _does_not_fit(row: Row, budget: Budget) -> str:
+    return (
+        f"distrain: warning: the memory plan says {row.option.label} needs {human(row.peak)} per rank, more than "
+        f"the {human(budget.usable)} usable ({budget.source}): it will not fit. `distrain plan` with the same "
+        "arguments shows what would"
+    )
+
+
+def print_messages(decision: Decision) -> None:
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    for message in decision.messages:
+        print(message, file=sys.stderr if decision.stop or "warning" in message else sys.stdout, flush=True)

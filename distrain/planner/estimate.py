@@ -1,0 +1,341 @@
+"""Per-rank memory of each way to train: the options, and what each one holds.
+
+Every estimate is a sum of named parts, each either measured on the traced step (activations,
+the optimizer's state and temporaries, exactly as the module's own code allocates them) or
+counted from the model's parameters by how the strategy stores them:
+
+- single process / DDP: replicated parameters, gradients in DDP's buckets (with
+  ``gradient_as_bucket_view`` the gradients *are* the buckets), the optimizer state, and the traced
+  activations; the optimizer step adds its traced temporaries.
+- FSDP: simulated (``simulate.py``): FSDP2 itself on a fake process group, measured by
+  ``FSDPMemTracker``.
+- DeepSpeed ZeRO: ``zero.py``, DeepSpeed's buffers counted from its source, with the same traced
+  activations and optimizer temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from dataclasses import replace as _replace
+
+import torch
+
+from distrain.planner.model_stats import (
+    SHALLOW_DEPTHS,
+    ModelSpec,
+    ParamStats,
+    StepTrace,
+    affine,
+    is_deep,
+    param_stats,
+    trace_step,
+)
+
+#: Row fields that are bytes (extrapolated and interpolated)
+_BYTE_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "peak", "host", "sharded")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to train: a strategy with its sharding, activation checkpointing and offload."""
+
+    family: str
+    """``single``, ``ddp``, ``fsdp`` or ``zero``."""
+    sharding: str | None = None
+    """FSDP: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD."""
+    stage: int | None = None
+    """ZeRO stage."""
+    checkpoint: int | None = 0
+    """Blocks whose activations are recomputed: 0 none, ``None`` every block."""
+    offload: str = "none"
+    """``none``, ``cpu`` or ``nvme``: where sharded state (ZeRO: optimizer, and parameters at stage 3) lives."""
+
+    @property
+    def strategy(self) -> str:
+        """The strategy name a run takes (``--strategy``)."""
+        if self.family == "fsdp":
+            return "fsdp_cpu_offload" if self.offload == "cpu" else "fsdp"
+        if self.family == "zero":
+            suffix = {"none": "", "cpu": "_offload", "nvme": "_offload_nvme"}[self.offload]
+            return f"deepspeed_stage_{self.stage}{suffix}"
+        return self.family
+
+    @property
+    def level(self) -> int:
+        """What is sharded (the ranking's first key): 0 nothing, 1 optimizer state, 2 and gradients,
+        3 and parameters within a node (hybrid), 4 and parameters across every rank."""
+        if self.family == "zero":
+            return {1: 1, 2: 2, 3: 4}[self.stage]
+        if self.family == "fsdp":
+            return {"SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "FULL_SHARD": 4}[self.sharding]
+        return 0
+
+    @property
+    def label(self) -> str:
+        base = {
+            "single": "single process",
+            "ddp": "ddp",
+            "fsdp": f"fsdp {self.sharding}",
+            "zero": f"zero-{self.stage}",
+        }[self.family]
+        parts = [base]
+        if self.checkpoint is None:
+            parts.append("AC")
+        elif self.checkpoint:
+            parts.append(f"AC {self.checkpoint} blocks")
+        if self.offload != "none":
+            what = "opt+params" if self.family == "zero" and self.stage == 3 else "opt"
+            if self.family == "fsdp":
+                what = "params+grads+opt"
+            parts.append(f"{self.offload} offload ({what})")
+        return " + ".join(parts)
+
+    @property
+    def short(self) -> str:
+        """The name in one-line reasons: ``DDP``, ``FSDP+AC``, ``ZeRO-3``."""
+        base = {"single": "1 process", "ddp": "DDP", "fsdp": "FSDP", "zero": f"ZeRO-{self.stage}"}[self.family]
+        if self.family == "fsdp" and self.sharding != "FULL_SHARD":
+            base += {"SHARD_GRAD_OP": " grad-op", "HYBRID_SHARD": " hybrid"}[self.sharding]
+        if self.checkpoint != 0:
+            base += "+AC" if self.checkpoint is None else f"+AC{self.checkpoint}"
+        if self.offload != "none":
+            base += "+offload"
+        return base
+
+
+@dataclass
+class Row:
+    """An option's per-rank bytes (the table's row)."""
+
+    option: Option
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    peak: int
+    host: int = 0
+    """Host memory per rank for offloaded state."""
+    sharded: int = 0
+    """The part of ``peak`` divided among the ranks (shrinks as 1/N with more of them)."""
+    fits: bool | None = None
+    max_micro_batch: int | None = None
+    note: str = ""
+
+    def to_json(self) -> dict:
+        o = self.option
+        return {
+            "strategy": o.strategy,
+            "label": o.label,
+            "sharding": o.sharding or (f"zero-{o.stage}" if o.stage else None),
+            "activation_checkpointing": "all" if o.checkpoint is None else o.checkpoint,
+            "offload": o.offload,
+            "params_bytes": self.params,
+            "grads_bytes": self.grads,
+            "optimizer_bytes": self.optimizer,
+            "activations_bytes": self.activations,
+            "buffers_bytes": self.buffers,
+            "peak_bytes": self.peak,
+            "host_bytes": self.host,
+            "fits": self.fits,
+            "max_micro_batch": self.max_micro_batch,
+            "note": self.note,
+        }
+
+
+@dataclass
+class Job:
+    """The run being planned."""
+
+    spec: ModelSpec
+    micro_batch: int
+    precision: str = "32-true"
+    world_size: int = 1
+    num_nodes: int = 1
+    accumulate: int = 1
+    clip: float | None = None
+    gpu: bool = False
+    """Plan for CUDA devices: the optimizer runs torch's multi-tensor (foreach) kernels, offload applies."""
+    zero: dict = field(default_factory=dict)
+    """The DeepSpeed ``zero_optimization`` section a run would use (bucket sizes, thresholds)."""
+    gradient_as_bucket_view: bool = True
+    fsdp_options: dict = field(default_factory=dict)
+    """FSDPStrategy options the run sets (``mixed_precision``, ``forward_prefetch``), for the simulation."""
+
+    @property
+    def per_node(self) -> int:
+        return self.world_size // self.num_nodes
+
+
+class Estimator:
+    """Estimates options for one job; traces and simulations are cached.
+
+    A deep model (more than 8 identical blocks) is estimated at 4 and 8 blocks and each byte count
+    extrapolated to its depth: every part is affine in the number of identical blocks (their
+    parameters, gradients, states and saved activations add up; embeddings, head, loss, buffers and
+    the one-block working sets do not change), and a 70B model plans in seconds instead of minutes.
+    Checkpointing k of L blocks is extrapolated from none and one block (each further block trades
+    its saved activations for its input), never below checkpointing them all."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self._traces: dict[tuple, StepTrace] = {}
+        self._stats: ParamStats | None = None
+        self._fsdp: dict[tuple, object] = {}
+        self._rows: dict[Option, Row] = {}
+        self._shallow: dict[int, Estimator] | None = None
+        if is_deep(job.spec):
+            self._shallow = {d: Estimator(_replace(job, spec=job.spec.with_depth(d))) for d in SHALLOW_DEPTHS}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.job.spec.num_blocks
+
+    # ---- shared measurements -----------------------------------------------------------------------
+    @property
+    def stats(self) -> ParamStats:
+        if self._stats is None:
+            self._stats = param_stats(self.job.spec)
+        return self._stats
+
+    def dtypes(self, family: str) -> tuple[torch.dtype, torch.dtype | None]:
+        """(parameter dtype, autocast dtype) of the model as the strategy computes with it. DeepSpeed
+        keeps its bf16/fp16 copy of the parameters in the model (fp32 masters in the optimizer), and
+        FSDP's mixed-precision policy gathers them in the compute dtype; one process and DDP keep fp32
+        parameters under autocast (whose cache holds a bf16 copy of each weight during forward),
+        except bf16-true."""
+        p = self.job.precision
+        autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(p)
+        if family in ("zero", "fsdp"):
+            return {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(
+                p, torch.float32
+            ), autocast
+        return (torch.bfloat16 if p == "bf16-true" else torch.float32), autocast
+
+    def trace(self, family: str, checkpoint: int | None, micro_batch: int | None = None) -> StepTrace:
+        """The traced bare step with this family's dtypes."""
+        job = self.job
+        b = micro_batch or job.micro_batch
+        param_dtype, autocast = self.dtypes(family)
+        reentrant = family == "zero" and checkpoint != 0  # DeepSpeed's activation checkpointing is reentrant
+        key = (b, param_dtype, autocast, checkpoint, reentrant)
+        if key not in self._traces:
+            self._traces[key] = trace_step(
+                job.spec,
+                b,
+                checkpoint=checkpoint,
+                param_dtype=param_dtype,
+                autocast=autocast,
+                foreach=job.gpu,
+                clip=job.clip,
+                reentrant=reentrant,
+            )
+        return self._traces[key]
+
+    # ---- options -------------------------------------------------------------------------------------
+    def estimate(self, option: Option) -> Row:
+        if option not in self._rows:
+            self._rows[option] = self._estimate(option)
+        return self._rows[option]
+
+    def _estimate(self, option: Option) -> Row:
+        blocks = self.num_blocks
+        if option.checkpoint not in (0, 1, None) and blocks > 1:
+            if option.checkpoint >= blocks:
+                return _replace(self.estimate(_replace(option, checkpoint=None)), option=option)
+            # each further checkpointed block (from the first) trades its saved activations for its
+            # input, the same amount every time, until the count where recomputing the last block
+            # (at the start of backward) is what remains: no lower than checkpointing them all
+            none = self.estimate(_replace(option, checkpoint=0))
+            one = self.estimate(_replace(option, checkpoint=1))
+            every = self.estimate(_replace(option, checkpoint=None))
+            k = option.checkpoint
+            values = {
+                f: max(int(getattr(none, f) + k * (getattr(one, f) - getattr(none, f))), getattr(every, f))
+                for f in _BYTE_FIELDS
+            }
+            return _replace(one, option=option, **values)
+        if self._shallow is not None:
+            rows = {d: est.estimate(option) for d, est in self._shallow.items()}
+            values = {f: affine({d: getattr(r, f) for d, r in rows.items()}, blocks) for f in _BYTE_FIELDS}
+            note = rows[max(rows)].note
+            return _replace(rows[max(rows)], option=option, note=note, **values)
+        if option.family in ("single", "ddp"):
+            return self._replicated(option)
+        if option.family == "fsdp":
+            return self._fsdp_row(option)
+        from distrain.planner.zero import zero_row
+
+        return zero_row(self, option)
+
+    def activation_slope(self, option: Option) -> float:
+        """Peak bytes per extra sample of micro-batch: the traced activations at twice the batch.
+        Only activations grow with the batch; every other part stays."""
+        blocks, b = self.num_blocks, self.job.micro_batch
+        if option.checkpoint not in (0, 1, None) and blocks > 1:
+            none = self.activation_slope(_replace(option, checkpoint=0))
+            one = self.activation_slope(_replace(option, checkpoint=1))
+            every = self.activation_slope(_replace(option, checkpoint=None))
+            return max(none + min(option.checkpoint, blocks) * (one - none), every)
+        if self._shallow is not None:
+            slopes = {d: est.activation_slope(option) for d, est in self._shallow.items()}
+            return float(affine(slopes, blocks))
+        family = "ddp" if option.family in ("single", "ddp") else option.family
+        single = self.trace(family, option.checkpoint).activations
+        double = self.trace(family, option.checkpoint, 2 * b).activations
+        return max(0.0, (double - single) / b)
+
+    def _replicated(self, option: Option) -> Row:
+        """One process, or DDP: every rank holds everything."""
+        t = self.trace(option.family, option.checkpoint)
+        params = t.param_bytes + t.buffer_bytes
+        grads, opt = t.grad_bytes, t.optimizer_bytes
+        if option.family == "single":
+            # gradients appear one by one in backward, beside the activations still alive
+            forward_backward = params + opt + t.activations_and_grads
+            buffers = 0
+        else:
+            # DDP allocates its gradient buckets up front (with gradient_as_bucket_view they are the .grad
+            # tensors); without bucket views the gradients and the buckets are separate copies
+            buffers = 0 if self.job.gradient_as_bucket_view else grads
+            forward_backward = params + grads + buffers + opt + t.activations
+        step = params + grads + buffers + opt + t.input_bytes + t.step_extra
+        return Row(option, params, grads, opt, t.activations, buffers, max(forward_backward, step))
+
+    def _fsdp_row(self, option: Option) -> Row:
+        from distrain.planner.simulate import simulate_fsdp
+
+        job = self.job
+        key = (option.sharding, option.checkpoint, job.micro_batch)
+        if key not in self._fsdp:
+            self._fsdp[key] = simulate_fsdp(
+                job.spec,
+                job.micro_batch,
+                world_size=job.world_size,
+                num_nodes=job.num_nodes,
+                sharding=option.sharding,
+                precision=job.precision,
+                checkpoint=option.checkpoint,
+                accumulate=job.accumulate,
+                foreach=job.gpu,
+                options=job.fsdp_options,
+            )
+        p = self._fsdp[key]
+        # the activations column means the same for every row: the traced peak at this micro-batch (the
+        # simulation's own kinds at its peak moment mix in the optimizer step's temporaries)
+        activations = self.trace("fsdp", option.checkpoint).activations
+        if option.offload == "none":
+            return Row(option, p.params, p.grads, p.optimizer, activations, p.buffers, p.peak, sharded=p.sharded_state)
+        # CPU offload keeps the sharded parameters, gradients and optimizer state in host memory (the
+        # optimizer steps there); the device holds what is unsharded for compute
+        return Row(
+            option,
+            p.params,
+            p.grads,
+            p.optimizer,
+            activations,
+            p.buffers,
+            p.peak - p.sharded_state,
+            host=p.sharded_state,
+            note="device peak: the simulated one less the sharded state moved to the host",
+        )

@@ -1,0 +1,254 @@
+"""Measured against predicted: a training run's real per-rank peak of tensor memory (torch's
+``MemTracker`` around ``Trainer.fit``, in real mode: every tensor the run allocates, from building
+the model to the last optimizer step) beside the planner's prediction for the same run.
+
+``measure`` runs inside a rank whose process group already exists, so one pair of processes can
+measure many configurations in a row (the accuracy test and ``benchmarks/plan_accuracy.py``)."""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from distrain import compat
+
+#: the models measured: the built-in GPT sizes and the tiny Hugging Face models of distrain.hf.tiny
+HF_TINY = ("tiny-llama", "tiny-bert")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration."""
+
+    model: str
+    strategy: str
+    """``ddp``, ``fsdp:FULL_SHARD``, ``fsdp:SHARD_GRAD_OP``, ``zero1``, ``zero2``, ``zero3``."""
+    ac: bool
+    micro_batch: int
+    seq_len: int = 128
+    precision: str = "32-true"
+    bucket: int | None = None
+    """ZeRO: reduce/all-gather bucket elements (None: DeepSpeedStrategy's default, 2e8)."""
+
+    @property
+    def label(self) -> str:
+        parts = [self.model, self.strategy.replace("fsdp:", "fsdp ")]
+        if self.ac:
+            parts.append("AC")
+        parts.append(f"b={self.micro_batch}")
+        if self.precision != "32-true":
+            parts.append(self.precision)
+        if self.bucket is not None:
+            parts.append(f"bucket {self.bucket:,}")
+        return " ".join(parts)
+
+
+#: the cases tests/test_planner.py asserts (within 10%): every strategy × activation checkpointing ×
+#: model kind (GPT, Llama, BERT) at least once, at two micro-batch sizes
+ACCURACY_CASES = [
+    Case("gpt-tiny", "ddp", False, 8),
+    Case("gpt-mini", "ddp", True, 4),
+    Case("tiny-bert", "ddp", False, 16),
+    Case("gpt-tiny", "fsdp:FULL_SHARD", True, 8),
+    Case("tiny-llama", "fsdp:FULL_SHARD", False, 16),
+    Case("gpt-mini", "fsdp:SHARD_GRAD_OP", False, 4),
+    Case("tiny-bert", "fsdp:SHARD_GRAD_OP", True, 8),
+    Case("gpt-tiny", "zero1", False, 16, bucket=128 * 128),
+    Case("tiny-llama", "zero1", True, 8, bucket=32 * 32),
+    Case("gpt-tiny", "zero2", True, 8, bucket=128 * 128),
+    Case("tiny-bert", "zero2", False, 16, bucket=32 * 32),
+    Case("gpt-mini", "zero3", False, 4, bucket=384 * 384),
+    Case("tiny-llama", "zero3", True, 16, bucket=32 * 32),
+]
+
+
+def hf_dirs(root: str) -> dict[str, str]:
+    """The tiny Hugging Face models, written once under ``root`` (call before starting the ranks)."""
+    from distrain.hf.tiny import make_tiny_bert, make_tiny_llama
+
+    return {
+        "tiny-llama": make_tiny_llama(os.path.join(root, "tiny-llama")),
+        "tiny-bert": make_tiny_bert(os.path.join(root, "tiny-bert")),
+    }
+
+
+def spec_of(case: Case, hf: dict[str, str]):
+    from distrain.planner.model_stats import ModelSpec
+
+    if case.model in HF_TINY:
+        return ModelSpec.huggingface(hf[case.model], case.seq_len)
+    return ModelSpec.builtin_gpt(case.model, case.seq_len)
+
+
+def zero_section(case: Case) -> dict:
+    if case.bucket is None:
+        return {}
+    return {"zero_optimization": {"reduce_bucket_size": case.bucket, "allgather_bucket_size": case.bucket}}
+
+
+def predict(case: Case, world_size: int, hf: dict[str, str]):
+    """The planner's per-rank row for ``case`` (CPU, as measured)."""
+    from distrain.planner.estimate import Estimator, Job
+
+    job = Job(spec_of(case, hf), case.micro_batch, case.precision, world_size, zero=_zero_config(case))
+    return Estimator(job).estimate(_option(case))
+
+
+def _option(case: Case):
+    from distrain.planner.estimate import Option
+
+    checkpoint = None if case.ac else 0
+    if case.strategy == "ddp":
+        return Option("ddp", checkpoint=checkpoint)
+    if case.strategy.startswith("fsdp:"):
+        return Option("fsdp", sharding=case.strategy[5:], checkpoint=checkpoint)
+    return Option("zero", stage=int(case.strategy[-1]), checkpoint=checkpoint)
+
+
+def _zero_config(case: Case) -> dict:
+    from distrain.strategies.deepspeed import DeepSpeedStrategy  # noqa: F401  (defaults below are its own)
+    from distrain.strategies.deepspeed_config import options_config
+
+    if not case.strategy.startswith("zero"):
+        return {}
+    bucket = case.bucket if case.bucket is not None else _strategy_default("reduce_bucket_size")
+    return options_config(
+        int(case.strategy[-1]), False, False, "cpu", "cpu", "/local_nvme", bucket, bucket, True, True, False, False
+    )
+
+
+def _strategy_default(name: str):
+    import inspect
+
+    from distrain.strategies.deepspeed import DeepSpeedStrategy
+
+    return inspect.signature(DeepSpeedStrategy).parameters[name].default
+
+
+def _strategy(case: Case, blocks: set):
+    import distrain
+
+    policy = blocks if case.ac else None
+    if case.strategy == "ddp":
+        return distrain.DDPStrategy(activation_checkpointing_policy=policy)
+    if case.strategy.startswith("fsdp:"):
+        return distrain.FSDPStrategy(sharding_strategy=case.strategy[5:], activation_checkpointing_policy=policy)
+    kwargs = {}
+    if case.bucket is not None:
+        kwargs = dict(reduce_bucket_size=case.bucket, allgather_bucket_size=case.bucket)
+    return distrain.DeepSpeedStrategy(stage=int(case.strategy[-1]), activation_checkpointing_policy=policy, **kwargs)
+
+
+def _module(case: Case, hf: dict[str, str]):
+    if case.model in HF_TINY:
+        from distrain.hf import models
+        from distrain.hf.tasks import TASK_MODULES, config_dict
+
+        config = models.load_config(hf[case.model])
+        task = models.infer_task(config)
+        return TASK_MODULES[task](model_name=hf[case.model], hf_config=config_dict(config), pretrained=False)
+    from distrain.models.lm import GPTLanguageModel
+
+    return GPTLanguageModel(case.model, block_size=case.seq_len, lr_schedule="constant")
+
+
+class _Samples(torch.utils.data.Dataset):
+    """``n`` copies of the planner's own sample batch, one sample at a time."""
+
+    def __init__(self, batch: Any, n: int):
+        self.batch, self.n = batch, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        b = self.batch
+        if isinstance(b, dict):  # a Hugging Face batch: with the all-ones attention mask real data has
+            return {**{k: v[0] for k, v in b.items()}, "attention_mask": torch.ones_like(b["input_ids"][0])}
+        return tuple(t[0] for t in b)
+
+
+def measure(case: Case, world_size: int, hf: dict[str, str], workdir: str, steps: int = 2) -> int:
+    """This rank's peak tensor bytes over a ``Trainer.fit`` of ``steps`` optimizer steps (the
+    second step is the first with optimizer state). Call in every rank, in the same order."""
+    import distrain
+    from distrain.planner.model_stats import ModelSpec  # noqa: F401
+
+    spec = spec_of(case, hf)
+    tracker = compat.peak_memory_tracker()
+    data = torch.utils.data.DataLoader(
+        _Samples(spec.make_batch(1), case.micro_batch * world_size * steps), batch_size=case.micro_batch
+    )
+
+    with tracker:
+        module = _module(case, hf)
+        trainer = distrain.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=_strategy(case, set(spec.block_classes)),
+            precision=case.precision,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            default_root_dir=workdir,
+        )
+        trainer.fit(module, data)
+        peak = tracker.peak_bytes()
+    del trainer, module, data
+    gc.collect()
+    return peak
+
+
+def measure_cases(rank: int, cases: list[Case], world_size: int, hf: dict[str, str], workdir: str) -> list[int]:
+    """Every case in this rank, one after the other (for ``tests/helpers.run_ranks``)."""
+    return [measure(c, world_size, hf, workdir) for c in cases]
+
+
+def with_bucket(case: Case, bucket: int | None) -> Case:
+    return replace(case, bucket=bucket)
+
+
+def measure_in_processes(cases: list[Case], world_size: int, hf: dict[str, str], workdir: str) -> list[list[int]]:
+    """Spawn ``world_size`` ranks (gloo, one process group for every case) and measure each case
+    in all of them; returns, per case, every rank's peak."""
+    import pickle
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    from distrain.cluster import find_free_port
+
+    with tempfile.TemporaryDirectory() as out:
+        port = find_free_port()
+        mp.start_processes(
+            _rank, args=(cases, world_size, hf, workdir, port, out), nprocs=world_size, start_method="spawn"
+        )
+        per_rank = [pickle.loads((Path(out) / f"{r}.pkl").read_bytes()) for r in range(world_size)]
+    return [list(values) for values in zip(*per_rank)]
+
+
+def _rank(rank, cases, world_size, hf, workdir, port, out):
+    import pickle
+    from pathlib import Path
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    peaks = measure_cases(rank, cases, world_size, hf, workdir)
+    # written by this rank for the parent that spawned it
+    (Path(out) / f"{rank}.pkl").write_bytes(pickle.dumps(peaks))
+    from distrain.distributed import shutdown
+
+    shutdown()

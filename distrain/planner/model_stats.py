@@ -1,0 +1,454 @@
+"""What the planner knows about a model, learned without allocating it.
+
+A ``ModelSpec`` says how to build the training module with its layers on the meta device and how
+to make a micro-batch. From it come the parameter statistics (``ParamStats``, from the meta model)
+and a traced training micro-step (``trace_step``): the module's own ``training_step``, backward and
+optimizer step run under fake tensors (shapes and dtypes, no storage) inside torch's
+``MemTracker``, which records how many bytes of activations, temporaries, gradients and optimizer
+state are alive after every operation. A 7B model traces in seconds and a few hundred MB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from distrain import compat
+from distrain.module import Module
+from distrain.strategies.layers import apply_activation_checkpointing
+
+#: bytes of one element, by dtype
+ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+@dataclass
+class ModelSpec:
+    """How to build a training module without memory, and how to make its micro-batches."""
+
+    name: str
+    build: Callable[[], Module]
+    """The ``distrain.Module`` with every layer built on the meta device (``configure_model`` done)."""
+    make_batch: Callable[[int], Any]
+    """A micro-batch of ``b`` samples, as the train loader gives it (small real CPU tensors)."""
+    seq_len: int
+    block_classes: tuple[type, ...] = ()
+    """The repeated layer (transformer block): FSDP's unit and what activation checkpointing wraps."""
+    hidden_size: int | None = None
+    with_depth: Callable[[int], ModelSpec] | None = None
+    """The same model with ``n`` blocks: deep models are traced at two small depths and extrapolated."""
+    num_blocks: int = 0
+
+    # ---- the built-in GPT, Hugging Face configs, any module -------------------------------------
+    @classmethod
+    def builtin_gpt(cls, model_name: str, seq_len: int, n_layer: int | None = None) -> ModelSpec:
+        from distrain.models.gpt import Block, gpt_config
+        from distrain.models.lm import GPTLanguageModel
+
+        cfg = gpt_config(model_name, block_size=seq_len, **({"n_layer": n_layer} if n_layer else {}))
+
+        def build() -> Module:
+            module = GPTLanguageModel(model_name, block_size=seq_len)
+            with torch.device("meta"):
+                from distrain.models.gpt import GPT
+
+                module.gpt = GPT(cfg)
+            return module
+
+        def make_batch(b: int):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randint(0, cfg.vocab_size, (b, seq_len + 1), generator=g)
+            return x[:, :-1], x[:, 1:]
+
+        return cls(
+            name=model_name,
+            build=build,
+            make_batch=make_batch,
+            seq_len=seq_len,
+            block_classes=(Block,),
+            hidden_size=cfg.n_embd,
+            with_depth=lambda n: cls.builtin_gpt(model_name, seq_len, n_layer=n),
+            num_blocks=cfg.n_layer,
+        )
+
+    @classmethod
+    def huggingface(
+        cls, name: str, seq_len: int, task: str | None = None, num_labels: int | None = None, hf_config=None
+    ) -> ModelSpec:
+        """A Hugging Face model from its config alone (a local directory with ``config.json``, or a
+        hub name): the structure is built on the meta device, no weights are read."""
+        from distrain.hf import models
+        from distrain.hf.tasks import TASK_MODULES, config_dict
+
+        config = hf_config if hf_config is not None else models.load_config(name)
+        task = models.infer_task(config, task, name)
+        if task == "sequence_classification" and num_labels:
+            config.num_labels = num_labels
+        limit = getattr(config, "max_position_embeddings", None)
+        seq_len = min(seq_len, limit) if limit else seq_len
+        skeleton = models.build_skeleton(task, config)
+        blocks = tuple(models.block_classes(skeleton))
+        depth_key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, k)), None)
+
+        def build() -> Module:
+            module = TASK_MODULES[task](model_name=name, hf_config=config_dict(config), pretrained=False)
+            module.model = models.build_skeleton(task, config)
+            return module
+
+        vocab = getattr(config, "vocab_size", 2)
+
+        def make_batch(b: int):
+            # full-length samples, no padding: the longest batch. No attention mask, which is what an
+            # all-ones mask amounts to (transformers then skips the mask and SDPA runs causal/unmasked;
+            # a fake mask's values cannot be read, so it would take the explicit-mask path instead)
+            g = torch.Generator().manual_seed(0)
+            batch = {"input_ids": torch.randint(0, vocab, (b, seq_len), generator=g)}
+            if task == "sequence_classification":
+                batch["labels"] = torch.zeros(b, dtype=torch.long)
+            return batch
+
+        def with_depth(n: int) -> ModelSpec:
+            shallow = copy.deepcopy(config)
+            setattr(shallow, depth_key, n)
+            return cls.huggingface(name, seq_len, task, num_labels, hf_config=shallow)
+
+        return cls(
+            name=name,
+            build=build,
+            make_batch=make_batch,
+            seq_len=seq_len,
+            block_classes=blocks,
+            hidden_size=getattr(config, "hidden_size", None),
+            with_depth=with_depth if depth_key else None,
+            num_blocks=getattr(config, depth_key) if depth_key else 0,
+        )
+
+    @classmethod
+    def from_module(cls, module: Module, loader, block_classes=None) -> ModelSpec:
+        """Any ``distrain.Module`` and its train loader (the ``Trainer(strategy="auto")`` path). The
+        module is copied onto the meta device (its tensors are not copied) and configured there;
+        batches are collated from the loader's first samples."""
+        from distrain.strategies.fsdp import _default_block_classes
+
+        def build() -> Module:
+            meta = _meta_copy(module)
+            if not getattr(module, "_distrain_configured", False):
+                with torch.device("meta"):
+                    meta.configure_model()
+            return meta
+
+        def make_batch(b: int):
+            dataset, collate = loader.dataset, loader.collate_fn
+            return collate([dataset[i % len(dataset)] for i in range(b)])
+
+        probe = build()
+        blocks = tuple(block_classes or _default_block_classes(probe) or ())
+        first = make_batch(1)
+        lengths = [t.shape[-1] for t in tree_flatten(first)[0] if isinstance(t, torch.Tensor) and t.dim() >= 2]
+        return cls(
+            name=type(module).__name__,
+            build=build,
+            make_batch=make_batch,
+            seq_len=max(lengths, default=1),
+            block_classes=blocks,
+            hidden_size=_hidden_size(probe),
+            num_blocks=sum(isinstance(m, blocks) for m in probe.modules()) if blocks else 0,
+        )
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy whose parameters and buffers are meta tensors: nothing is allocated, ties stay tied."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if id(t) not in memo:
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def _hidden_size(module: nn.Module) -> int | None:
+    from distrain.strategies.deepspeed import _hidden_size as hidden
+
+    return hidden(module)
+
+
+# ---- parameters ----------------------------------------------------------------------------------------
+@dataclass
+class ParamStats:
+    """Counts from the meta model: what model-state formulas need."""
+
+    numel: int
+    """Unique parameters (tied weights once)."""
+    trainable: int
+    shapes: list[tuple[int, ...]]
+    """Each unique trainable parameter's shape, in registration order."""
+    largest_param: int
+    largest_layer: int
+    """The module with the most parameters of its own (DeepSpeed's ``largest_layer_params``)."""
+    block_numel: int
+    """Parameters of one repeated block (the largest)."""
+    num_blocks: int
+    buffer_bytes: int
+
+    @classmethod
+    def of(cls, module: nn.Module, block_classes: tuple[type, ...] = ()) -> ParamStats:
+        unique = {id(p): p for p in module.parameters()}.values()
+        trainable = [p for p in unique if p.requires_grad]
+        blocks = [m for m in module.modules() if block_classes and isinstance(m, block_classes)]
+        return cls(
+            numel=sum(p.numel() for p in unique),
+            trainable=sum(p.numel() for p in trainable),
+            shapes=[tuple(p.shape) for p in trainable],
+            largest_param=max((p.numel() for p in trainable), default=0),
+            largest_layer=max(
+                (sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0
+            ),
+            block_numel=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
+            num_blocks=len(blocks),
+            buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+        )
+
+
+def param_stats(spec: ModelSpec) -> ParamStats:
+    return ParamStats.of(spec.build(), spec.block_classes)
+
+
+# ---- activation checkpointing: which blocks --------------------------------------------------------------
+def checkpoint_policy(block_classes: tuple[type, ...], blocks: int | None) -> dict | None:
+    """The policy that checkpoints the first ``blocks`` blocks (``None``: every block; 0: none).
+
+    The first ones, because their recomputation comes last in backward, when the other blocks'
+    activations are already freed: the same count saves the most peak memory there."""
+    if not block_classes or blocks == 0:
+        return None
+    policy: dict[str, Any] = {"classes": set(block_classes)}
+    if blocks is not None:
+        policy["count"] = blocks
+    return policy
+
+
+# ---- the traced micro-step -----------------------------------------------------------------------------
+@dataclass
+class StepTrace:
+    """Bytes alive during one training step of the bare (unwrapped, one-process) model."""
+
+    micro_batch: int
+    param_bytes: int
+    buffer_bytes: int
+    grad_bytes: int
+    """All gradients, as the optimizer step sees them."""
+    optimizer_bytes: int
+    """Optimizer state (Adam: two moments and a step count per parameter)."""
+    input_bytes: int
+    activations: int
+    """The most activation memory alive at once in forward and backward: saved tensors, their
+    recomputation under checkpointing, gradients of activations and each new parameter gradient
+    before it is stored (what every strategy holds on top of its model states)."""
+    activations_and_grads: int
+    """The same with the parameter gradients stored so far (one process, or any strategy that keeps
+    every full gradient as it is produced)."""
+    step_extra: int
+    """The optimizer step's (and clipping's) temporaries on the full parameter set."""
+    seconds: float = 0.0
+    checkpointed_blocks: int | None = 0
+    timeline: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    """(activation bytes, parameter-gradient bytes stored so far) after each forward/backward operation."""
+    grad_events: list[tuple[int, int, int]] = field(default_factory=list, repr=False)
+    """(timeline index, optimizer group, position in the group) as each parameter's gradient is stored."""
+    groups: list[list[int]] = field(default_factory=list, repr=False)
+    """The optimizer's parameter groups: each trainable parameter's element count, in order."""
+
+    def activations_from(self, index: int) -> int:
+        """The most activation memory alive at or after timeline ``index`` (0 past the end): what
+        coexists with a buffer a strategy allocates only at that point of backward."""
+        return max((act for act, _ in self.timeline[index:]), default=0)
+
+
+class _Phases:
+    """Running maxima of MemTracker's current snapshot after every operation."""
+
+    ACTIVATION_KINDS = ("Activation", "Temp", "Other")
+
+    def __init__(self):
+        self.phase = "forward"
+        self.act = 0
+        self.act_grad = 0
+        self.step_base: int | None = None
+        self.step_extra = 0
+        self.timeline: list[tuple[int, int]] = []
+
+    def sample(self, snapshot: dict) -> None:
+        totals: dict[str, int] = {}
+        for device, per_device in snapshot.items():
+            if device.type == "meta":  # skeletons take no memory
+                continue
+            for kind, nbytes in per_device.items():
+                name = getattr(kind, "value", kind)
+                totals[name] = totals.get(name, 0) + nbytes
+        act = sum(totals.get(k, 0) for k in self.ACTIVATION_KINDS)
+        if self.phase in ("forward", "backward"):
+            grads = totals.get("Gradient", 0)
+            self.act = max(self.act, act)
+            self.act_grad = max(self.act_grad, act + grads)
+            self.timeline.append((act, grads))
+        else:
+            total = totals.get("Total", 0)
+            if self.step_base is None:
+                self.step_base = total
+            self.step_extra = max(self.step_extra, total - self.step_base)
+
+
+def first_optimizer(conf: Any) -> torch.optim.Optimizer:
+    """The optimizer of ``configure_optimizers``' answer (any of its accepted shapes)."""
+    if isinstance(conf, torch.optim.Optimizer):
+        return conf
+    if isinstance(conf, dict):
+        return conf["optimizer"]
+    if isinstance(conf, (list, tuple)) and conf:
+        return first_optimizer(conf[0])
+    raise TypeError(f"configure_optimizers returned {type(conf).__name__}; expected an optimizer or a dict")
+
+
+def use_foreach(optimizer: torch.optim.Optimizer) -> None:
+    """Run the optimizer as torch does on a GPU (multi-tensor ``foreach`` kernels, whose
+    temporaries span a whole parameter group); a CPU run picks the per-tensor loop."""
+    for group in optimizer.param_groups:
+        if group.get("foreach", False) is None and not group.get("fused"):
+            group["foreach"] = True
+
+
+def create_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Allocate the optimizer's lazily-created state (Adam's moments) as a first step would."""
+    for p in module.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    return output["loss"] if isinstance(output, dict) else output
+
+
+def trace_step(
+    spec: ModelSpec,
+    micro_batch: int,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    autocast: torch.dtype | None = None,
+    checkpoint: int | None = 0,
+    foreach: bool = False,
+    clip: float | None = None,
+    reentrant: bool = False,
+) -> StepTrace:
+    """One training step of the bare model under fake tensors: forward (``training_step``, under
+    autocast when given), backward, gradient clipping, the module's own optimizer step.
+    ``checkpoint``: blocks whose activations are recomputed (``None``: all), with torch's
+    reentrant checkpoint if ``reentrant`` (DeepSpeed's activation checkpointing is reentrant)."""
+    start = time.perf_counter()
+    module = spec.build()
+    if param_dtype != torch.float32:
+        module.to(param_dtype)
+    apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint), reentrant)
+    with _fake_mode() as mode, compat.transformers_masks_as_in_eager():
+        to_empty_keeping_ties(module)
+        optimizer = first_optimizer(module.configure_optimizers())
+        if foreach:
+            use_foreach(optimizer)
+        create_optimizer_state(module, optimizer)
+        batch = tree_map_only(torch.Tensor, mode.from_tensor, spec.make_batch(micro_batch))
+        inputs = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+        phases = _Phases()
+        grad_events: list[tuple[int, int, int]] = []
+        groups = []
+        for g, group in enumerate(optimizer.param_groups):
+            trainable = [p for p in group["params"] if p.requires_grad]
+            groups.append([p.numel() for p in trainable])
+            for i, p in enumerate(trainable):
+                p.register_post_accumulate_grad_hook(
+                    lambda _p, g=g, i=i: grad_events.append((len(phases.timeline), g, i))
+                )
+        tracker = compat.timeline_memory_tracker(phases.sample)
+        tracker.track_external(module, optimizer, *inputs)
+        with tracker:
+            with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+                loss = loss_of(module.training_step(batch, 0))
+            phases.phase = "backward"
+            loss.backward()
+            del loss
+            phases.phase = "step"
+            params = [p for p in module.parameters() if p.grad is not None]
+            grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(params, clip, foreach=foreach or None)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        unique = {id(p): p for p in module.parameters()}.values()
+        opt_bytes = sum(
+            v.numel() * v.element_size()
+            for state in optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
+    return StepTrace(
+        micro_batch=micro_batch,
+        param_bytes=sum(p.numel() * p.element_size() for p in unique),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+        grad_bytes=grad_bytes,
+        optimizer_bytes=opt_bytes,
+        input_bytes=sum(t.numel() * t.element_size() for t in inputs),
+        activations=phases.act,
+        activations_and_grads=phases.act_grad,
+        step_extra=phases.step_extra,
+        seconds=time.perf_counter() - start,
+        checkpointed_blocks=checkpoint,
+        timeline=phases.timeline,
+        grad_events=grad_events,
+        groups=groups,
+    )
+
+
+def to_empty_keeping_ties(module: nn.Module, device: str = "cpu") -> None:
+    """Meta parameters → fake ones (inside a fake mode), keeping tied weights tied: ``to_empty``
+    swaps each occurrence of a shared parameter separately."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m, name))
+    module.to_empty(device=device)
+    for places in owners.values():
+        first_module, first_name = places[0]
+        shared = first_module._parameters[first_name]
+        for m, name in places[1:]:
+            m._parameters[name] = shared
+
+
+def _fake_mode():
+    # non-fake inputs: the meta parameters that ``to_empty`` turns into fake ones
+    return compat.fake_tensor_mode(allow_non_fake_inputs=True)
+
+
+# ---- deep models: estimate two shallow copies, extrapolate by depth ---------------------------------------
+#: models with more blocks than this are estimated at SHALLOW_DEPTHS blocks and extrapolated
+EXTRAPOLATE_ABOVE = 8
+SHALLOW_DEPTHS = (4, 8)
+
+
+def affine(values: dict[int, float], depth: int) -> int:
+    """The value at ``depth`` of the line through two (depth, value) points."""
+    (d1, v1), (d2, v2) = sorted(values.items())
+    return max(0, int(math.ceil(v1 + (v2 - v1) * (depth - d1) / (d2 - d1))))
+
+
+def is_deep(spec: ModelSpec) -> bool:
+    return spec.with_depth is not None and spec.num_blocks > EXTRAPOLATE_ABOVE

@@ -1,0 +1,352 @@
+"""The plan: every option's per-rank memory against the budget, ranked, with a recommendation.
+
+Ranking (the fastest first): no offload before offload (moving state over PCIe every step costs
+the most), then the least sharding (nothing < optimizer state < gradients < parameters within a
+node < parameters across all ranks: each level adds communication), then the least recomputation
+(none < some blocks < every block), then torch's own engines before DeepSpeed at the same level.
+``strategy="auto"`` takes the first option that fits among DDP and FSDP (torch's own engines, the
+user's optimizer unchanged); ZeRO rows are there to compare, and to pick by name.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+
+from distrain.planner.estimate import Estimator, Job, Option, Row
+from distrain.planner.units import cell, format_size, human, parse_size
+
+#: share of each budget kept free: the CUDA caching allocator's fragmentation, the CUDA context,
+#: NCCL and cuBLAS workspaces are memory that tensors cannot use
+HEADROOM = 0.10
+
+
+def host_memory() -> int:
+    """This machine's total memory (the same on every node of a uniform cluster, so every rank
+    that plans reaches the same answer)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        raise ValueError("cannot read this machine's memory: give --cpu-memory (e.g. 64GB)") from None
+
+
+def device_memory() -> int | None:
+    """Memory of this machine's first CUDA device, or None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+@dataclass
+class Budget:
+    """Memory per rank: on its device, and on the host for offloaded state."""
+
+    device: int
+    host: int
+    gpu: bool
+    source: str
+    headroom: float = HEADROOM
+
+    @property
+    def usable(self) -> int:
+        return int(self.device * (1 - self.headroom))
+
+    @property
+    def usable_host(self) -> int:
+        return int(self.host * (1 - self.headroom))
+
+    @classmethod
+    def resolve(
+        cls,
+        ranks_per_node: int,
+        gpu: bool | None = None,
+        gpu_memory: str | int | None = None,
+        cpu_memory: str | int | None = None,
+    ) -> Budget:
+        """The budget from ``--gpu-memory`` (per device) and ``--cpu-memory`` (per node), each
+        defaulting to this machine's. A GPU plan when asked, when ``gpu_memory`` is given, or when
+        this machine has a GPU; on a CPU run each rank gets its share of the node's memory."""
+        host = parse_size(cpu_memory) if cpu_memory is not None else host_memory()
+        host_source = "--cpu-memory" if cpu_memory is not None else "this machine"
+        if gpu is None:
+            gpu = gpu_memory is not None or device_memory() is not None
+        per_rank_host = host // max(1, ranks_per_node)
+        if not gpu:
+            source = f"{format_size(host)} GiB host memory ({host_source}) / {ranks_per_node} ranks"
+            return cls(per_rank_host, per_rank_host, False, source)
+        if gpu_memory is not None:
+            device, device_source = parse_size(gpu_memory), "--gpu-memory"
+        else:
+            device, device_source = device_memory(), "this machine"
+            if device is None:
+                raise ValueError("planning for GPUs on a machine without one: give --gpu-memory (e.g. 80GB)")
+        source = f"{format_size(device)} GiB per GPU ({device_source}), {format_size(host)} GiB host per node"
+        return cls(device, per_rank_host, True, source)
+
+
+# ---- options and their order ---------------------------------------------------------------------------
+AUTO_FAMILIES = ("single", "ddp", "fsdp")
+
+
+def rank_key(option: Option) -> tuple:
+    ac = 0 if option.checkpoint == 0 else 2 if option.checkpoint is None else 1
+    offload = {"none": 0, "cpu": 1, "nvme": 2}[option.offload]
+    return (offload > 0, option.level, ac, offload, option.family == "zero")
+
+
+def candidate_options(job: Job, strategy: str = "all", checkpoint: str | bool = "both") -> list[Option]:
+    """The options for a job, in ranking order. ``strategy``: ``all``, ``auto`` (DDP and FSDP
+    only) or a strategy name; ``checkpoint``: ``both`` (with and without), True, False."""
+    world, nodes = job.world_size, job.num_nodes
+    options: list[Option] = []
+    if world == 1:
+        options.append(Option("single"))
+    else:
+        options.append(Option("ddp"))
+        options += [Option("fsdp", sharding="SHARD_GRAD_OP"), Option("fsdp", sharding="FULL_SHARD")]
+        if nodes > 1 and world > nodes:
+            options.append(Option("fsdp", sharding="HYBRID_SHARD"))
+        options += [Option("zero", stage=s) for s in (1, 2, 3)]
+        if job.gpu:
+            options.append(Option("fsdp", sharding="FULL_SHARD", offload="cpu"))
+            options += [Option("zero", stage=2, offload="cpu"), Option("zero", stage=3, offload="cpu")]
+    if strategy == "auto":
+        options = [o for o in options if o.family in AUTO_FAMILIES]
+    elif strategy != "all":
+        options = [o for o in options if _matches(o, strategy)]
+    if checkpoint == "both":
+        options = [replace(o, checkpoint=c) for o in options for c in (0, None)]
+    elif checkpoint is True:
+        options = [replace(o, checkpoint=None) for o in options]
+    return sorted(options, key=rank_key)
+
+
+def _matches(option: Option, strategy: str) -> bool:
+    if strategy in ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook"):
+        return option.family == "ddp"
+    if strategy == "single":
+        return option.family == "single"
+    if strategy.startswith("fsdp"):
+        return option.family == "fsdp" and (option.offload == "cpu") == (strategy == "fsdp_cpu_offload")
+    if strategy.startswith("deepspeed"):
+        from distrain.strategies.deepspeed_config import PRESETS
+
+        preset = PRESETS.get(strategy, {"stage": 2})
+        offload = "nvme" if "nvme" in strategy else "cpu" if preset.get("offload_optimizer") else "none"
+        return option.family == "zero" and option.stage == preset["stage"] and option.offload == offload
+    return False
+
+
+def option_for_run(strategy: str, job: Job, sharding: str = "FULL_SHARD", cpu_offload: bool = False) -> Option | None:
+    """The option an explicitly named strategy runs (for the does-it-fit warning)."""
+    if strategy in ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook"):
+        return Option("ddp") if job.world_size > 1 else Option("single")
+    if strategy == "single":
+        return Option("single")
+    if strategy in ("fsdp", "fsdp_cpu_offload"):
+        offload = "cpu" if (cpu_offload or strategy == "fsdp_cpu_offload") and job.gpu else "none"
+        return Option("fsdp", sharding=sharding if sharding != "NO_SHARD" else "FULL_SHARD", offload=offload)
+    if strategy.startswith("deepspeed"):
+        from distrain.strategies.deepspeed_config import PRESETS
+
+        preset = PRESETS.get(strategy, {"stage": 2})
+        offload = "nvme" if "nvme" in strategy else "cpu" if preset.get("offload_optimizer") else "none"
+        return Option("zero", stage=preset["stage"], offload=offload if job.gpu else "none")
+    return None
+
+
+# ---- the plan ---------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    job: Job
+    budget: Budget
+    rows: list[Row]
+    recommendation: Row | None
+    reason: str
+    suggestions: list[str] = field(default_factory=list)
+
+    def header(self) -> str:
+        job, budget = self.job, self.budget
+        spec = job.spec
+        return (
+            f"{spec.name}: micro-batch {job.micro_batch} × {spec.seq_len} tokens, {job.precision}"
+            + (f", accumulation {job.accumulate}" if job.accumulate > 1 else "")
+            + f", {job.world_size} rank{'s' if job.world_size > 1 else ''}"
+            + (f" ({job.num_nodes} nodes × {job.per_node})" if job.num_nodes > 1 else "")
+            + f"; {budget.source}; {int(budget.headroom * 100)}% kept free → {human(budget.usable)} usable per rank"
+        )
+
+    def table(self) -> str:
+        cols = ("params", "grads", "optim", "activ.", "buffers", "peak", "host", "fits", "max batch")
+        width = max([len(r.option.label) for r in self.rows] + [24])
+        lines = [self.header(), ""]
+        lines.append(f"{'per rank (M: MiB, G: GiB)':<{width}} " + " ".join(f"{c:>8}" for c in cols))
+        for r in self.rows:
+            host = cell(r.host) if r.host else "-"
+            cells = [cell(v) for v in (r.params, r.grads, r.optimizer, r.activations, r.buffers, r.peak)]
+            cells += [host, "yes" if r.fits else "no", "-" if r.max_micro_batch is None else str(r.max_micro_batch)]
+            lines.append(f"{r.option.label:<{width}} " + " ".join(f"{c:>8}" for c in cells))
+        lines.append("")
+        lines.append(
+            "activ.: the most activation memory alive at once (forward/backward) at this micro-batch; "
+            "buffers: all-gather/reduce-scatter and DeepSpeed buckets; peak: the larger of forward/backward "
+            "and the optimizer step; max batch: the largest micro-batch that fits"
+        )
+        lines.append(f"recommendation: {self.reason}")
+        lines += [f"  {s}" for s in self.suggestions]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        job = self.job
+        return {
+            "model": job.spec.name,
+            "micro_batch": job.micro_batch,
+            "seq_len": job.spec.seq_len,
+            "precision": job.precision,
+            "world_size": job.world_size,
+            "num_nodes": job.num_nodes,
+            "device_budget_bytes": self.budget.device,
+            "usable_bytes": self.budget.usable,
+            "host_budget_bytes": self.budget.host,
+            "rows": [r.to_json() for r in self.rows],
+            "recommendation": self.recommendation.option.strategy if self.recommendation else None,
+            "reason": self.reason,
+            "suggestions": self.suggestions,
+        }
+
+
+class Planner:
+    """Plans one job against one budget; estimates are made only when needed, and cached."""
+
+    def __init__(self, job: Job, budget: Budget):
+        self.job = job
+        self.budget = budget
+        self.estimator = Estimator(job)
+
+    def row(self, option: Option, max_batch: bool = True) -> Row:
+        row = self.estimator.estimate(option)
+        fits = row.peak <= self.budget.usable and (row.host == 0 or row.host <= self.budget.usable_host)
+        max_b = None
+        if max_batch and option.offload == "none":
+            slope = self.estimator.activation_slope(option)
+            if slope > 0:
+                room = self.budget.usable - row.peak
+                max_b = max(0, int(self.job.micro_batch + math.floor(room / slope)))
+        return replace(row, fits=fits, max_micro_batch=max_b)
+
+    def fitting_checkpoint(self, option: Option) -> Row | None:
+        """``activation_checkpointing: auto``: the option with the fewest checkpointed blocks that
+        fits (none, some, every one), or None."""
+        blocks = self.job.spec.num_blocks
+        none = self.row(replace(option, checkpoint=0), max_batch=False)
+        if none.fits:
+            return none
+        every = self.row(replace(option, checkpoint=None), max_batch=False)
+        if not every.fits or blocks <= 1:
+            return every if every.fits else None
+        for count in range(1, blocks):  # rows for partial counts are arithmetic on cached estimates
+            row = self.row(replace(option, checkpoint=count), max_batch=False)
+            if row.fits:
+                return row
+        return every
+
+    def choose(self, strategy: str = "auto", checkpoint: bool | str = "both") -> tuple[Row | None, list[Row]]:
+        """The first option that fits, in ranking order, and the rows looked at to find it.
+        ``checkpoint="auto"``: each option with just enough checkpointed blocks."""
+        seen: list[Row] = []
+        options = candidate_options(self.job, strategy, False if checkpoint == "auto" else checkpoint)
+        for option in options:
+            if checkpoint == "auto":
+                row = self.fitting_checkpoint(option)
+                seen.append(row or self.row(replace(option, checkpoint=None), max_batch=False))
+            else:
+                row = self.row(option, max_batch=False)
+                seen.append(row)
+            if row is not None and row.fits:
+                return row, seen
+        return None, seen
+
+    def reason(self, chosen: Row | None, seen: list[Row]) -> str:
+        """``fsdp FULL_SHARD + AC: DDP needs 112 GiB/rank, FSDP 61, FSDP+AC 38 of 72``."""
+        values = [r.peak for r in seen] + [self.budget.usable]
+        unit = "GiB" if max(values) >= 2**30 else "MiB"
+        one_unit = min(values) >= (2**30 if unit == "GiB" else 2**20) / 10  # else each number with its own unit
+        size = (lambda n: format_size(n, unit)) if one_unit else human
+        parts = []
+        for i, r in enumerate(seen):
+            parts.append(f"{r.option.short} {'needs ' if i == 0 else ''}{size(r.peak)}")
+            if i == 0:
+                parts[-1] += f" {unit}/rank" if one_unit else "/rank"
+        budget = f" of {size(self.budget.usable)}"
+        if chosen is None:
+            return "nothing fits: " + ", ".join(parts) + budget
+        why = ", ".join(parts) + budget
+        if len(seen) == 1:
+            why += " (fits with nothing sharded, recomputed or offloaded)"
+        return f"{chosen.option.label}: {why}"
+
+    def plan(self, strategy: str = "all", checkpoint: bool | str = "both") -> Plan:
+        rows = [self.row(o) for o in candidate_options(self.job, strategy, checkpoint)]
+        eligible = [r for r in rows if r.option.family in AUTO_FAMILIES] if strategy == "all" else rows
+        chosen = next((r for r in eligible if r.fits), None)
+        seen = eligible[: eligible.index(chosen) + 1] if chosen else eligible
+        seen = _distinct(seen)
+        reason = self.reason(chosen, seen)
+        suggestions = [] if chosen else self.smallest_changes(rows)
+        return Plan(self.job, self.budget, rows, chosen, reason, suggestions)
+
+    def smallest_changes(self, rows: list[Row]) -> list[str]:
+        """What would make it fit: a smaller micro-batch, more devices, offload."""
+        out = []
+        smaller = [r for r in rows if r.option.offload == "none" and r.max_micro_batch]
+        if smaller:
+            best = max(smaller, key=lambda r: (r.max_micro_batch, [-x for x in rank_key(r.option)]))
+            out.append(
+                f"a micro-batch of {best.max_micro_batch} (training.batch_size_per_gpu) with {best.option.label}"
+            )
+        sharded = [r for r in rows if r.option.family == "fsdp" and r.option.sharding == "FULL_SHARD"]
+        sharded = [r for r in sharded if r.option.offload == "none"]
+        if sharded:
+            best = min(sharded, key=lambda r: r.peak)
+            devices = self._devices_needed(best)
+            if devices:
+                per_node = self.job.per_node
+                nodes = math.ceil(devices / per_node)
+                out.append(
+                    f"about {nodes * per_node} devices ({nodes} nodes × {per_node}, --num-nodes {nodes}) with "
+                    f"{best.option.label}"
+                )
+        offloaded = [r for r in rows if r.option.offload != "none" and r.fits]
+        if offloaded:
+            r = offloaded[0]
+            out.append(f"offload: {r.option.label} ({human(r.peak)} on the device)")
+        if not out:
+            out.append("no single change found: a smaller model, shorter sequences, or devices with more memory")
+        return ["it would fit with " + out[0]] + [f"or with {s}" for s in out[1:]]
+
+    def _devices_needed(self, row: Row) -> int | None:
+        """Fully sharded state shrinks as 1/N; the rest (activations, one unit's gathered
+        parameters) does not. The smallest power-of-two multiple of this world size that fits."""
+        sharded = row.sharded
+        fixed = row.peak - sharded
+        if fixed >= self.budget.usable:
+            return None
+        world = self.job.world_size
+        for factor in (2**k for k in range(1, 11)):
+            if fixed + sharded / factor <= self.budget.usable:
+                return world * factor
+        return None
+
+
+def _distinct(rows: list[Row]) -> list[Row]:
+    """One row per (strategy, checkpointing) in a reason: offload variants repeat their base."""
+    out, seen = [], set()
+    for r in rows:
+        key = (r.option.short,)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out

@@ -1,0 +1,178 @@
+"""FSDP's per-rank memory, simulated: the real FSDP2 on a fake process group of the planned world
+size, under fake tensors, measured by torch's ``FSDPMemTracker``.
+
+distrain's own ``FSDPStrategy`` shards the module (same units, mixed-precision policy, activation
+checkpointing and ``reshard_after_forward`` as a run), then one training step runs as the Trainer
+runs it: accumulation micro-steps without gradient sync, the last with it, the
+optimizer step. The tracker's peak, by kind (sharded and unsharded parameters and gradients,
+activations, all-gather and reduce-scatter buffers, optimizer state), is the prediction. This is
+torchtitan's memory estimator, applied to every sharding and to distrain's own set-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from distrain import compat
+from distrain.planner.model_stats import (
+    ModelSpec,
+    checkpoint_policy,
+    create_optimizer_state,
+    first_optimizer,
+    loss_of,
+    use_foreach,
+)
+
+
+@dataclass
+class FSDPPeak:
+    """Per-rank bytes at the peak, by what they hold."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    """All-gather outputs and reduce-scatter inputs."""
+    peak: int
+    sharded_state: int
+    """Sharded parameters, sharded gradients and optimizer state: what CPU offload moves to the host."""
+
+
+def simulate_fsdp(*args, **kwargs) -> FSDPPeak:
+    """One rank's peak during a training step under FSDP2 (``sharding``: FULL_SHARD, SHARD_GRAD_OP
+    or HYBRID_SHARD), simulated in a forked child process: a simulation leaves state behind in the
+    process that ran it (DTensors built afterwards on a real group placed their shards as the fake
+    group's rank 0 — every rank the same shard — and checkpoints failed), and the process that
+    plans is the one that trains (rank 0 of ``distrain train``)."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        raise RuntimeError("simulating FSDP needs os.fork (Linux, macOS)")
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(send, args, kwargs), daemon=True)
+    child.start()
+    send.close()
+    try:
+        ok, value = receive.recv()
+    except EOFError:
+        ok, value = False, RuntimeError(f"the FSDP simulation died (exit code {child.exitcode})")
+    child.join()
+    if not ok:
+        raise value
+    return value
+
+
+def _child(send, args, kwargs) -> None:
+    try:
+        result = (True, _simulate_fsdp(*args, **kwargs))
+    except BaseException as e:  # sent back and raised in the parent
+        result = (False, RuntimeError(f"{type(e).__name__}: {e}"))
+    send.send(result)
+    send.close()
+
+
+def _simulate_fsdp(
+    spec: ModelSpec,
+    micro_batch: int,
+    *,
+    world_size: int,
+    num_nodes: int = 1,
+    sharding: str = "FULL_SHARD",
+    precision: str = "32-true",
+    checkpoint: int | None = 0,
+    accumulate: int = 1,
+    foreach: bool = False,
+    options: dict | None = None,
+) -> FSDPPeak:
+    """The simulation itself; needs a process without a process group (it makes a fake one)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from distrain.accelerators import Accelerator
+    from distrain.cluster import detect_cluster
+    from distrain.precision import Precision
+    from distrain.strategies.fsdp import FSDPStrategy
+    from distrain.trainer import _StepRouter
+
+    with compat.fake_process_group(world_size):
+        if sharding == "HYBRID_SHARD":
+            mesh = init_device_mesh("cpu", (num_nodes, world_size // num_nodes), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
+        strategy = FSDPStrategy(
+            sharding_strategy=sharding,
+            device_mesh=mesh,
+            auto_wrap_policy=set(spec.block_classes) or None,
+            activation_checkpointing_policy=checkpoint_policy(spec.block_classes, checkpoint),
+            **(options or {}),
+        )
+        # fp16 runs as bf16 here (same bytes): a CPU simulation cannot build a 16-mixed Precision
+        sim_precision = "bf16-mixed" if precision == "16-mixed" else precision
+        strategy.connect(Accelerator(), Precision(sim_precision, "cpu"), detect_cluster(), world_size, num_nodes)
+        module = spec.build()
+        # the weights' values do not matter: skip every loader a module may run at materialization
+        object.__setattr__(module, "reset_parameters", lambda: None)
+        fake = compat.fake_tensor_mode(allow_non_fake_inputs=True)
+        with fake as mode, compat.transformers_masks_as_in_eager():
+            model = strategy.setup_module(_StepRouter(module))
+            optimizer = first_optimizer(module.configure_optimizers())
+            if foreach:
+                use_foreach(optimizer)
+            create_optimizer_state(model, optimizer)
+            batch = tree_map_only(torch.Tensor, mode.from_tensor, spec.make_batch(micro_batch))
+            tracker = compat.fsdp_memory_tracker_class()(model, optimizer)
+            tracker.track_inputs(tuple(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)))
+            autocast = Precision(sim_precision, "cpu").autocast
+            with tracker:
+                # with accumulation, the micro-steps before the last keep unsharded gradients (no
+                # reduce-scatter); one of them shows what all of them hold
+                micro_steps = min(accumulate, 2)
+                for i in range(micro_steps):
+                    if i:
+                        tracker.reset_mod_stats()  # FSDPMemTracker refuses a module's second forward otherwise
+                    sync = i == micro_steps - 1
+                    with contextlib.nullcontext() if sync else _no_sync(model):
+                        with autocast():
+                            loss = loss_of(model("training_step", batch, 0))
+                        (loss / micro_steps).backward()
+                        del loss
+                # no clip_grad_norm_: in place on the sharded gradients in a real run (measured: the same
+                # peak with and without), while DTensor's foreach multiply under fake tensors is not
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            snapshot = tracker.get_tracker_snapshot("peak")
+    return _peak_of(snapshot)
+
+
+@contextlib.contextmanager
+def _no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _peak_of(snapshot: dict) -> FSDPPeak:
+    kinds: dict[str, int] = {}
+    for device, per_device in snapshot.items():
+        if device.type == "meta":
+            continue
+        for kind, nbytes in per_device.items():
+            name = getattr(kind, "value", kind)
+            kinds[name] = kinds.get(name, 0) + nbytes
+    k = lambda *names: sum(kinds.get(n, 0) for n in names)  # noqa: E731
+    return FSDPPeak(
+        params=k("Sharded Param", "Unsharded Param", "Buffer"),
+        grads=k("Sharded Grad", "Unsharded Grad"),
+        optimizer=k("OptState"),
+        activations=k("Activation", "Temp", "Inputs"),
+        buffers=k("All Gather", "Reduce Scatter"),
+        peak=k("Total"),
+        sharded_state=k("Sharded Param", "Sharded Grad", "OptState"),
+    )

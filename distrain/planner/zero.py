@@ -1,0 +1,322 @@
+"""DeepSpeed ZeRO's per-rank memory, counted from what its optimizer allocates (deepspeed 0.19.8,
+``runtime/zero/stage_1_and_2.py`` and ``stage3.py``), with the traced activations and the
+module's own optimizer traced on a flat fp32 partition.
+
+ZeRO keeps its own buffers beside the model, and they are sized by its config, not by the model:
+the gradient buckets (``reduce_bucket_size`` elements, two of them with ``overlap_comm``) are
+allocated whole whatever the model's size — 1.5 GiB per rank at 200M-element fp32 buckets. The
+parts, per rank (N ranks, Ψ parameters, p bytes per parameter in the engine's dtype):
+
+stage 1 / 2:
+  parameters        the flat bit16 (or fp32) copy of every parameter       Ψ·p (aligned to 2N)
+  fp32 master       this rank's partition                                  4·Ψ/N
+  optimizer state   the optimizer's state on that partition (Adam: 8·Ψ/N)
+  gradients         ``grads_in_partition``: the gradients of the parameters that overlap this
+                    rank's partition, allocated at the first bucket reduction in backward
+  buckets           ``ipg`` reduction buffers                             (1|2)·bucket·p
+  step              the flattened gradient partition cast to fp32 (4·Ψ/N) and the optimizer's
+                    own temporaries on it
+stage 3:
+  parameters        each parameter's partition (ceil(n/N) each), plus the persistent ones
+                    (≤ ``stage3_param_persistence_threshold`` elements) whole, plus the gathered
+                    working set: parameters stay gathered while they are reused within
+                    ``stage3_max_reuse_distance`` elements, so a model smaller than half of it
+                    keeps all of them gathered from forward into backward
+  fp32 master, optimizer state, gradient partition (engine dtype), one bucket, and in the step
+  the fp32 copy of the gradient partition (per ``sub_group_size`` chunk) with the optimizer's
+  temporaries
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from distrain import compat
+from distrain.planner.estimate import Estimator, Option, Row
+from distrain.planner.model_stats import ELEMENT_BYTES, create_optimizer_state, first_optimizer
+
+#: DeepSpeed's own defaults for what distrain's config leaves unset (deepspeed 0.19.8 ``DeepSpeedZeroConfig``)
+DEEPSPEED_DEFAULTS = {
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "sub_group_size": 1_000_000_000,
+    "contiguous_gradients": True,
+    "overlap_comm": False,
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+}
+
+
+def zero_settings(user: dict | None, stage: int, hidden_size: int | None) -> dict:
+    """The ``zero_optimization`` values a run would use: the user's DeepSpeed config section if
+    given, else the one distrain's DeepSpeedStrategy builds; "auto" filled by the same rules."""
+    from distrain.strategies.deepspeed_config import TrainingFacts, _fill_buckets, options_config
+
+    if user is None:
+        user = options_config(stage, False, False, "cpu", "cpu", "/local_nvme", 2e8, 2e8, True, True, False, False)
+    cfg = {"zero_optimization": dict(user.get("zero_optimization", user))}
+    if hidden_size is not None:
+        _fill_buckets(cfg, TrainingFacts(hidden_size=hidden_size), "the DeepSpeed config")
+    zero = {**DEEPSPEED_DEFAULTS, **cfg["zero_optimization"]}
+    for key in DEEPSPEED_DEFAULTS:
+        if zero[key] == "auto":  # no hidden size to fill it from
+            zero[key] = DEEPSPEED_DEFAULTS[key]
+    return zero
+
+
+@dataclass
+class FlatOptimizer:
+    """The module's optimizer on one flat fp32 partition (what ZeRO's inner optimizer steps)."""
+
+    state_per_element: float
+    step_extra_per_element: float
+
+
+def flat_optimizer(est: Estimator, on_gpu_fused: bool) -> FlatOptimizer:
+    """Traced once on a fake flat tensor: state bytes and step temporaries per element. On CUDA,
+    DeepSpeed swaps torch's Adam/AdamW for its FusedAdam (in-place kernels, no temporaries)."""
+    cached = getattr(est, "_flat_optimizer", None)
+    if cached is not None:
+        return cached
+    from distrain.planner.model_stats import _Phases
+
+    numel = 1 << 16
+    module = est.job.spec.build()
+    prototype = first_optimizer(module.configure_optimizers())
+    fused = on_gpu_fused and type(prototype) in (torch.optim.Adam, torch.optim.AdamW)
+    with compat.fake_tensor_mode(allow_non_fake_inputs=True):
+        flat = torch.nn.Parameter(torch.zeros(numel))
+        group = {k: v for k, v in prototype.param_groups[0].items() if k != "params"}
+        optimizer = type(prototype)([{**group, "params": [flat]}])
+        if est.job.gpu:
+            for group in optimizer.param_groups:
+                if group.get("foreach", False) is None:
+                    group["foreach"] = True
+        holder = torch.nn.Module()
+        holder.flat = flat
+        create_optimizer_state(holder, optimizer)
+        flat.grad = torch.zeros_like(flat)
+        phases = _Phases()
+        phases.phase = "step"
+        tracker = compat.timeline_memory_tracker(phases.sample)
+        tracker.track_external(holder, optimizer, flat.grad)
+        with tracker:
+            optimizer.step()
+        state = sum(
+            v.numel() * v.element_size()
+            for s in optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim()
+        )
+    result = FlatOptimizer(state / numel, 0.0 if fused else phases.step_extra / numel)
+    est._flat_optimizer = result
+    return result
+
+
+def _owners(group: list[int], world: int, align: int) -> list[set[int]]:
+    """For each parameter of a flattened group, the ranks whose partition it overlaps."""
+    size = math.ceil(sum(group) / align) * align // world
+    owners, start = [], 0
+    for n in group:
+        first, last = start // size, (start + max(n, 1) - 1) // size
+        owners.append(set(range(first, min(last, world - 1) + 1)))
+        start += n
+    return owners
+
+
+def _first_partition_copy(trace, world: int, align: int, bucket: int) -> dict[int, int]:
+    """When, in the traced backward, each rank allocates ``grads_in_partition``: at the first
+    bucket reduction that holds one of its parameters. DeepSpeed reduces the bucket when the next
+    gradient would overflow it (``reduce_independent_p_g_buckets_and_remove_grads``); a gradient
+    larger than the bucket waits, on its own, for the next reduction; the rest goes at the end."""
+    owners = [_owners(g, world, align) for g in trace.groups]
+    first: dict[int, int] = {}
+    pending: list[tuple[int, int]] = []
+    elements = 0
+    for index, g, i in trace.grad_events:
+        n = trace.groups[g][i]
+        if elements + n > bucket:
+            for pg, pi in pending:
+                for rank in owners[pg][pi]:
+                    first.setdefault(rank, index)
+            pending, elements = [], 0
+        pending.append((g, i))
+        elements += n
+    for pg, pi in pending:  # the end-of-backward reduction
+        for rank in owners[pg][pi]:
+            first.setdefault(rank, len(trace.timeline))
+    return first
+
+
+def _partition_grad_elements(group: list[int], world: int, align: int, rank: int) -> int:
+    """Elements of ``grads_in_partition`` on ``rank``: every parameter that overlaps its slice of
+    the flat group counts whole."""
+    owners = _owners(group, world, align)
+    return sum(n for n, ranks in zip(group, owners) if rank in ranks)
+
+
+def optimizer_groups(est: Estimator) -> list[list[int]]:
+    """The optimizer's parameter groups (trainable element counts, in order), from the meta model:
+    ZeRO flattens and partitions each group on its own."""
+    if getattr(est, "_optimizer_groups", None) is None:
+        optimizer = first_optimizer(est.job.spec.build().configure_optimizers())
+        groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+        est._optimizer_groups = [g for g in groups if g]
+    return est._optimizer_groups
+
+
+@dataclass
+class ZeroStates:
+    """One rank's model states under ZeRO (bytes), before activations."""
+
+    params: int
+    """Stage 1/2: the flat copy of every parameter; stage 3: this rank's partitions and the persistent ones."""
+    master: int
+    """The fp32 master partition."""
+    optimizer: int
+    """The optimizer's state on it."""
+    grads: int
+    """Stage 1/2: ``grads_in_partition`` on the busiest rank; stage 3: the gradient-partition buffer."""
+    step_grad: int
+    """During the step: the gradient partition flattened and cast to fp32 (stage 3: one sub-group at a time)."""
+    step_extra: int
+    """During the step: the optimizer's temporaries on that fp32 partition."""
+    buckets: int
+    """The ``ipg`` reduction buffers (two with ``overlap_comm`` at stages 1/2)."""
+    gathered: int = 0
+    """Stage 3, forward and backward: parameters gathered and kept while reused."""
+    part: int = 0
+    """Elements of this rank's partition."""
+    per_rank_grads: dict[int, int] | None = None
+
+    @property
+    def resident(self) -> int:
+        """What stays allocated between steps."""
+        return self.params + self.master + self.optimizer + self.grads
+
+    @property
+    def at_step(self) -> int:
+        """Model states while the optimizer steps (no activations, no buckets)."""
+        return self.resident + self.step_grad + self.step_extra
+
+
+def zero_states(est: Estimator, option: Option) -> ZeroStates:
+    job = est.job
+    world, stats = job.world_size, est.stats
+    zero = zero_settings(job.zero or None, option.stage, job.spec.hidden_size)
+    pb = ELEMENT_BYTES[est.dtypes("zero")[0]]
+    opt = flat_optimizer(est, on_gpu_fused=job.gpu and option.offload == "none")
+    frozen = (stats.numel - stats.trainable) * pb + stats.buffer_bytes
+    bucket = int(zero["reduce_bucket_size"])
+    copies = 2 if zero["overlap_comm"] and option.stage < 3 else 1
+    buckets = copies * bucket * pb if zero["contiguous_gradients"] else 0
+    if option.stage in (1, 2):
+        align = 2 * world  # nccl_start_alignment_factor × world size
+        groups = optimizer_groups(est)
+        flat = sum(math.ceil(sum(g) / align) * align for g in groups)
+        part = flat // world
+        per_rank = {r: sum(_partition_grad_elements(g, world, align, r) for g in groups) * pb for r in range(world)}
+        return ZeroStates(
+            params=flat * pb + frozen,
+            master=4 * part,
+            optimizer=int(opt.state_per_element * part),
+            grads=max(per_rank.values()),
+            step_grad=4 * part,
+            step_extra=int(opt.step_extra_per_element * part),
+            buckets=buckets,
+            part=part,
+            per_rank_grads=per_rank,
+        )
+    numels = [math.prod(s) for s in stats.shapes]
+    part = sum(math.ceil(n / world) for n in numels)
+    threshold = int(zero["stage3_param_persistence_threshold"])
+    persistent = sum(n for n in numels if n <= threshold)
+    gatherable = sum(n for n in numels if n > threshold)
+    # kept gathered from forward into backward while reused within the reuse distance (elements of
+    # the modules in between: twice the parameters after a layer), plus the module at work and the
+    # prefetch bucket; a model under half the distance keeps every parameter gathered
+    reuse = int(zero["stage3_max_reuse_distance"])
+    working = stats.largest_layer + int(zero["stage3_prefetch_bucket_size"])
+    chunk = min(part, int(zero["sub_group_size"]))
+    return ZeroStates(
+        params=part * pb + persistent * pb + frozen,
+        master=4 * part,
+        optimizer=int(opt.state_per_element * part),
+        grads=part * pb,
+        step_grad=4 * chunk,
+        step_extra=int(opt.step_extra_per_element * chunk),
+        buckets=buckets,
+        gathered=min(gatherable, reuse // 2 + working) * pb,
+        part=part,
+    )
+
+
+def zero_row(est: Estimator, option: Option) -> Row:
+    job = est.job
+    zero = zero_settings(job.zero or None, option.stage, job.spec.hidden_size)
+    states = zero_states(est, option)
+    trace = est.trace("zero", option.checkpoint)
+    pb = ELEMENT_BYTES[est.dtypes("zero")[0]]
+    if option.stage in (1, 2):
+        return _stage_1_2(est, option, states, trace, pb, int(zero["reduce_bucket_size"]))
+    return _stage_3(est, option, states, trace, pb)
+
+
+def _stage_1_2(est, option, states: ZeroStates, trace, pb: int, bucket: int) -> Row:
+    world = est.job.world_size
+    s = states
+    # each rank's grads_in_partition appears at its first bucket reduction in backward, beside the
+    # activations still alive then; the busiest rank sets the peak
+    first_copy = _first_partition_copy(trace, world, 2 * world, bucket)
+    backward = max(
+        max(trace.activations, trace.activations_from(first_copy.get(r, len(trace.timeline))) + grads)
+        for r, grads in s.per_rank_grads.items()
+    )
+    if option.offload == "none":
+        forward_backward = s.params + s.master + s.optimizer + s.buckets + backward
+        return Row(
+            option,
+            s.params,
+            s.grads,
+            s.master + s.optimizer,
+            trace.activations,
+            s.buckets,
+            max(forward_backward, s.at_step),
+            sharded=s.master + s.optimizer + s.grads,
+        )
+    # optimizer offload: master, states, fp32 gradients and a bit16 staging copy of the partition live
+    # on the host (DeepSpeed's CPU Adam steps there); the device keeps the parameters, buckets and a
+    # gradient staging buffer of the largest parameter
+    staging = est.stats.largest_param * pb
+    device = s.params + s.buckets + staging + trace.activations
+    host = s.master + s.optimizer + 4 * s.part + pb * s.part + staging
+    return Row(option, s.params, 0, 0, trace.activations, s.buckets + staging, device, host=host)
+
+
+def _stage_3(est, option, states: ZeroStates, trace, pb: int) -> Row:
+    s = states
+    if option.offload == "none":
+        forward_backward = s.resident + s.gathered + s.buckets + trace.activations
+        step = s.at_step + s.buckets
+        return Row(
+            option,
+            s.params + s.gathered,
+            s.grads,
+            s.master + s.optimizer,
+            trace.activations,
+            s.buckets,
+            max(forward_backward, step),
+            sharded=s.part * pb + s.master + s.optimizer + s.grads,
+        )
+    # parameter + optimizer offload: partitions, masters, states and gradients live on the host; the
+    # device holds the persistent parameters, the gathered working set, the bucket and activations
+    on_device = s.params - s.part * pb + s.gathered
+    host = s.part * pb + s.master + s.optimizer + 4 * s.part
+    return Row(
+        option, on_device, 0, 0, trace.activations, s.buckets, on_device + s.buckets + trace.activations, host=host
+    )
