@@ -238,15 +238,19 @@ def rank_log(log_dir: str, rank: int) -> str:
 
 def tee_output(log_dir: str, rank: int) -> None:
     """Copy what this process prints (Python's stdout and stderr) into ``logs/rank_N.log`` too."""
-    if isinstance(sys.stdout, _Tee):
-        return
-    log = open(rank_log(log_dir, rank), "a", buffering=1)  # noqa: SIM115 (open for the process's life)
-    sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+    path = rank_log(log_dir, rank)
+    out, err = sys.stdout, sys.stderr
+    if isinstance(out, _Tee):
+        if out.path == path:
+            return
+        out, err = out.stream, getattr(err, "stream", err)  # a forked rank inherits its parent's copy
+    log = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
+    sys.stdout, sys.stderr = _Tee(out, log, path), _Tee(err, log, path)
 
 
 class _Tee:
-    def __init__(self, stream, log):
-        self.stream, self.log = stream, log
+    def __init__(self, stream, log, path: str):
+        self.stream, self.log, self.path = stream, log, path
 
     def write(self, text: str) -> int:
         self.log.write(text)
