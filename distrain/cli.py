@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(config: RunConfig, resume: str | None = None) -> int:
     from torch.utils.data import DataLoader
 
+    from distrain import launch
     from distrain.callbacks import ModelCheckpoint
     from distrain.data import byte_datasets
     from distrain.loggers import JSONLLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
@@ -407,6 +408,8 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         **strategy_options,
     )
     trainer.run_config = config.to_dict()
+    if trainer.is_global_zero and not os.environ.get("DISTRAIN_LAUNCHED_CHILD"):
+        launch.tee_output(trainer.runtime.log_dir, 0)  # the run's header belongs in rank 0's log too
 
     if hf_job is not None:
         hf_job.fit(trainer, resume)

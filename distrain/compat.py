@@ -57,13 +57,17 @@ def checkpoint_wrapper_api():
     return checkpoint_wrapper
 
 
-def optimizer_load_options(optimizer: torch.optim.Optimizer, options):
-    """``set_optimizer_state_dict`` with full state dicts asserts ("Expected device to be set", torch
-    2.13.0) when the optimizer holds no tensor state at all — plain SGD, say. There is nothing to
-    distribute then: load it as a local state dict (param groups by name)."""
+def optimizer_load_options(stored: dict, options):
+    """``set_optimizer_state_dict`` with a full state dict asserts ("Expected device to be set", torch
+    2.13.0) when the stored state holds no tensor at all — plain SGD, say. There is nothing to
+    distribute then: load it as a local state dict (param groups by name). Decided on what was stored:
+    a freshly built optimizer has no state yet, whatever it will hold."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    has_tensors = any(isinstance(v, torch.Tensor) and v.dim() > 0 for s in optimizer.state.values() for v in s.values())
+    per_param = stored.get("state", {}).values() if isinstance(stored, dict) else []
+    has_tensors = any(
+        isinstance(v, torch.Tensor) and v.dim() > 0 for s in per_param if isinstance(s, dict) for v in s.values()
+    )
     if options.full_state_dict and not has_tensors:
         return StateDictOptions(full_state_dict=False, strict=options.strict)
     return options

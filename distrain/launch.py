@@ -185,6 +185,8 @@ class MultiprocessingLauncher:
         restore: Callable[[dict], None] | None = None,
         **kwargs: Any,
     ) -> Any:
+        if self.start_method == "fork":
+            _no_group_across_fork()
         addr, port = _master(self.num_nodes)
         outdir = tempfile.mkdtemp(prefix="distrain-launch-")
         try:
@@ -205,6 +207,23 @@ class MultiprocessingLauncher:
             return result
         finally:
             shutil.rmtree(outdir, ignore_errors=True)
+
+
+def _no_group_across_fork() -> None:
+    """A process group does not survive fork: its gloo worker threads stay behind, so a forked rank that
+    inherited it would wait forever on its first collective. An earlier one-process run in this
+    session (a notebook) leaves its group of one: close it. A process that is itself a rank of a larger
+    group must not fork ranks of its own."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"strategy='ddp_fork' cannot start ranks from a process that is rank {dist.get_rank()} of a "
+            f"{dist.get_world_size()}-process group; use strategy='ddp' (or ddp_spawn) there"
+        )
+    distributed.shutdown(barrier=False)
 
 
 def _worker(local_rank, nprocs, node_rank, num_nodes, addr, port, outdir, fn, args, kwargs, collect):
@@ -238,15 +257,19 @@ def rank_log(log_dir: str, rank: int) -> str:
 
 def tee_output(log_dir: str, rank: int) -> None:
     """Copy what this process prints (Python's stdout and stderr) into ``logs/rank_N.log`` too."""
-    if isinstance(sys.stdout, _Tee):
-        return
-    log = open(rank_log(log_dir, rank), "a", buffering=1)  # noqa: SIM115 (open for the process's life)
-    sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+    path = rank_log(log_dir, rank)
+    out, err = sys.stdout, sys.stderr
+    if isinstance(out, _Tee):
+        if out.path == path:
+            return
+        out, err = out.stream, getattr(err, "stream", err)  # a forked rank inherits its parent's copy
+    log = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
+    sys.stdout, sys.stderr = _Tee(out, log, path), _Tee(err, log, path)
 
 
 class _Tee:
-    def __init__(self, stream, log):
-        self.stream, self.log = stream, log
+    def __init__(self, stream, log, path: str):
+        self.stream, self.log, self.path = stream, log, path
 
     def write(self, text: str) -> int:
         self.log.write(text)

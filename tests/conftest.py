@@ -18,3 +18,22 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("distrain matrix")
         for line in _REPORTS:
             terminalreporter.write_line(line)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A test that failed or timed out can leave ranks behind (waiting on a peer that is gone); they
+    would keep the session from ending (multiprocessing joins its children at exit). End them, and
+    say so: a leftover is a bug to look at, not to wait for."""
+    import psutil
+
+    leftovers = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(process.cmdline()):
+                process.kill()
+                leftovers.append(process)
+        except psutil.Error:  # ended meanwhile
+            continue
+    if leftovers:
+        names = ", ".join(f"{p.pid}" for p in leftovers)
+        session.config.get_terminal_writer().line(f"killed {len(leftovers)} process(es) left by the tests: {names}")

@@ -139,8 +139,16 @@ with open(os.path.join({out!r}, "result-" + who), "w") as f:
 """
 
 
-def _run_script(tmp_path, strategy, launcher=(), inline=False):
+#: a one-process run earlier in the same session (a notebook's previous cell)
+EARLIER_RUN = """distrain.Trainer(accelerator="cpu", strategy="single", devices=1, max_steps=1,
+                 enable_progress_bar=False, logger=False, default_root_dir={out!r}).fit(TinyGPT(), loader(4))
+"""
+
+
+def _run_script(tmp_path, strategy, launcher=(), inline=False, earlier_run=False):
     code = SCRIPT.format(tests=os.path.dirname(__file__), strategy=strategy, out=str(tmp_path))
+    if earlier_run:
+        code = code.replace("trainer = ", EARLIER_RUN.format(out=str(tmp_path / "earlier")) + "trainer = ", 1)
     env = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -170,6 +178,13 @@ def test_same_script_runs_unchanged_under_torchrun(tmp_path):
 def test_ddp_fork_from_an_interactive_session(tmp_path):
     # code passed with -c (no file, like a notebook cell): the parent gets the trained weights
     assert _run_script(tmp_path, "ddp_fork", inline=True) == [["parent", "2", "2", "True"]]
+
+
+@pytest.mark.slow
+def test_ddp_fork_after_a_one_process_run_in_the_same_session(tmp_path):
+    """The earlier run's group of one must not reach the forked ranks: its gloo threads do not survive
+    the fork, and the ranks' first collective waited forever."""
+    assert _run_script(tmp_path, "ddp_fork", inline=True, earlier_run=True) == [["parent", "2", "2", "True"]]
 
 
 def test_ddp_refuses_to_relaunch_without_a_script(tmp_path):

@@ -41,12 +41,12 @@ SHARED = (
     "deepspeed_stage_3_offload_nvme",
 )
 LAUNCHING = ("ddp_spawn", "ddp_fork", "ddp_notebook")  # they start their own workers
-LOOSER = (
-    "deepspeed_stage_2_offload",
-    "deepspeed_stage_3",
-    "deepspeed_stage_3_offload",
-    "deepspeed_stage_3_offload_nvme",
-)  # 1e-4: see the module docstring
+LOOSER = {
+    "deepspeed_stage_2_offload": 1e-4,
+    "deepspeed_stage_3": 1e-3,
+    "deepspeed_stage_3_offload": 1e-3,
+    "deepspeed_stage_3_offload_nvme": 1e-3,
+}  # after the first step; see the module docstring
 STEPS, BATCH = 3, 4  # per-rank batch 4 on 2 ranks = one process accumulating 2 batches of 4
 FULL = os.environ.get("DISTRAIN_FULL_MATRIX") == "1"
 

@@ -192,9 +192,17 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 def load_file(file: Path) -> Any:
     """``torch.load(weights_only=True)`` of one checkpoint file; a damaged file is a CheckpointError
     naming it (and the newest intact checkpoint beside it)."""
+    import pickle
+
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # a truncated or corrupt file, or a pickle with code in it
+    except pickle.UnpicklingError as e:  # a pickle naming code: never run
+        first = str(e).strip().splitlines()[0]
+        raise CheckpointError(
+            f"{file}: refusing to load: it holds Python objects other than tensors and plain containers, "
+            f"which could run code (torch.load with weights_only=True: {first})"
+        ) from None
+    except Exception as e:  # a truncated or corrupt file
         raise CheckpointError(damaged(file, e)) from None
 
 

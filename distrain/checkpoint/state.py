@@ -105,7 +105,7 @@ def load_into(
                 raise ValueError(f"checkpoint entry {key!r} holds {len(values)} optimizer states, expected {len(opts)}")
             for o, v in zip(opts, values):
                 if model is not None:
-                    set_optimizer_state_dict(model, o, v, options=compat.optimizer_load_options(o, options))
+                    set_optimizer_state_dict(model, o, v, options=compat.optimizer_load_options(v, options))
                 else:
                     o.load_state_dict(v)
         elif ckpt_io.is_stateful(target):
