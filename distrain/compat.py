@@ -147,6 +147,14 @@ def fake_tensor_mode(**kwargs: Any):
     return FakeTensorMode(**kwargs)
 
 
+def is_fake(tensor: torch.Tensor) -> bool:
+    """A tensor of ``FakeTensorMode`` (also inside a DTensor): no values. ``torch._subclasses.fake_tensor.is_fake``:
+    checked on torch 2.13.0."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return _is_fake(getattr(tensor, "_local_tensor", tensor))
+
+
 @contextlib.contextmanager
 def fake_process_group(world_size: int):
     """A default process group of ``world_size`` ranks in this one process that communicates

@@ -31,6 +31,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from distrain import compat
+
 # Operations that overwrite every element of their first argument: the temporary need not hold the
 # parameter's current values first (no gather).
 _OVERWRITING_INITS = {
@@ -217,6 +219,8 @@ def replay_initialization(
     (``units_of_parameters``) whole at a time. Raises if a parameter or buffer stays uninitialized.
     Returns the most bytes of temporaries held at once."""
     params = {id(p): (name, p) for name, p in module.named_parameters()}
+    if any(compat.is_fake(p) for _, p in params.values()):
+        return 0  # the memory planner's simulation: fake tensors hold no values to initialize
     buffers = {id(b): name for name, b in module.named_buffers()}
     mode = _FullTensorInit(params, buffers, unit_of, access)
     restore_rng(rng_state)
