@@ -158,3 +158,15 @@ def test_importing_torchao_through_transformers_is_quiet():
     assert proc.returncode == 0 and "Failed to load" not in proc.stderr and "Enum subclass" not in proc.stderr, (
         proc.stderr
     )
+
+
+def test_deepspeed_init_does_not_load_its_shm_op():
+    """Loading it takes a file lock that a killed rank leaves behind (later runs then wait forever)."""
+    pytest.importorskip("deepspeed")
+    import deepspeed.ops
+    from deepspeed.comm.torch import build_shm_op
+
+    before = dict(deepspeed.ops.__compatible_ops__)
+    with compat.deepspeed_without_shm_op():
+        assert build_shm_op() is None
+    assert deepspeed.ops.__compatible_ops__ == before
