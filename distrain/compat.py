@@ -207,6 +207,28 @@ def transformers_masks_as_in_eager():
 # Checked against deepspeed 0.19.8.
 
 
+@contextlib.contextmanager
+def deepspeed_without_shm_op():
+    """``deepspeed.init_distributed`` on CPU JIT-loads its shared-memory all-reduce op
+    (``deepspeed_shm_comm``), which only its inference all-reduce uses. Each load takes torch's file
+    lock in ~/.cache/torch_extensions; a rank killed inside that window leaves the lock behind, and
+    every later DeepSpeed run on the machine waits on it forever. Training never uses the op: mark it
+    incompatible for the call (``deepspeed.ops.__compatible_ops__``, read by
+    ``deepspeed.comm.torch.build_shm_op``: deepspeed 0.19.8)."""
+    import deepspeed.ops
+
+    ops = deepspeed.ops.__compatible_ops__
+    before = ops.get("deepspeed_shm_comm")
+    ops["deepspeed_shm_comm"] = False
+    try:
+        yield
+    finally:
+        if before is None:
+            ops.pop("deepspeed_shm_comm", None)
+        else:
+            ops["deepspeed_shm_comm"] = before
+
+
 def deepspeed_record_classes() -> list[type]:
     """The plain-record classes DeepSpeed pickles into its checkpoints, allowed by name for
     ``torch.load(weights_only=True)``."""

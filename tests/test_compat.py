@@ -226,3 +226,13 @@ def test_deepspeed_model_state_estimates():
     assert estimates["zero2_offload"][1] == 2 * psi
     assert estimates["zero3"][1] == 4 * layer + 18 * psi // 8
     assert estimates["zero3_offload_params"][1] == 4 * layer
+def test_deepspeed_init_does_not_load_its_shm_op():
+    """Loading it takes a file lock that a killed rank leaves behind (later runs then wait forever)."""
+    pytest.importorskip("deepspeed")
+    import deepspeed.ops
+    from deepspeed.comm.torch import build_shm_op
+
+    before = dict(deepspeed.ops.__compatible_ops__)
+    with compat.deepspeed_without_shm_op():
+        assert build_shm_op() is None
+    assert deepspeed.ops.__compatible_ops__ == before

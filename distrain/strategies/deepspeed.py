@@ -128,10 +128,10 @@ class DeepSpeedStrategy(Strategy):
         super().setup_environment()  # the torch process group (gloo on CPU) first, as DeepSpeed needs
         import deepspeed
 
-        # adopts the existing group; on CPU this also builds DeepSpeed's shm op once (cached after)
-        deepspeed.init_distributed(
-            dist_backend=self.backend, dist_init_required=False, verbose=False, timeout=self.timeout
-        )
+        with compat.deepspeed_without_shm_op():  # adopts the existing group
+            deepspeed.init_distributed(
+                dist_backend=self.backend, dist_init_required=False, verbose=False, timeout=self.timeout
+            )
 
     def module_init_context(self, empty_init: bool | None = None):
         """Under ZeRO-3, ``configure_model`` runs in ``deepspeed.zero.Init``: each layer is
