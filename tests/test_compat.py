@@ -226,6 +226,8 @@ def test_deepspeed_model_state_estimates():
     assert estimates["zero2_offload"][1] == 2 * psi
     assert estimates["zero3"][1] == 4 * layer + 18 * psi // 8
     assert estimates["zero3_offload_params"][1] == 4 * layer
+
+
 def test_deepspeed_init_does_not_load_its_shm_op():
     """Loading it takes a file lock that a killed rank leaves behind (later runs then wait forever)."""
     pytest.importorskip("deepspeed")
