@@ -16,3 +16,17 @@ target="."
 # DeepSpeed (an extra): skip compiling its C++/CUDA ops at install; it JIT-builds the few it uses.
 export DS_BUILD_OPS=${DS_BUILD_OPS:-0}
 "$PY" -m pip install -q -c "$constraints" -e "$target"
+# DeepSpeed JIT-builds its CPU ops into ~/.cache/torch_extensions on first use: CPU Adam (optimizer
+# offload) and, where libaio is installed, async I/O (NVMe offload), minutes each on a small machine.
+# The test extra builds them now rather than inside a first run (or a test's time limit).
+if [[ ",$extras," == *",test,"* ]]; then
+    "$PY" - <<'PY' || echo "install.sh: DeepSpeed's CPU ops were not built now; they build on first use"
+import os, torch
+if not torch.cuda.is_available():  # with CUDA they are built for it, on first use
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+    for builder in (CPUAdamBuilder(), AsyncIOBuilder()):
+        if builder.is_compatible(verbose=False):
+            builder.load(verbose=False)
+PY
+fi

@@ -165,6 +165,7 @@ def _table(title: str, cells: dict) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a cold ~/.cache/torch_extensions builds DeepSpeed's ops inside it
 def test_api_matrix(tiny, tmp_path):
     references = {kind: _fit("single", 1, kind, tiny, tmp_path / f"single-{kind}") for kind in KINDS}
     assert sorted(s for session in SESSIONS for s in session) == sorted(SHARED)
@@ -264,6 +265,7 @@ def _train_cli(strategy: str, kind: str, tiny: dict, out: Path) -> tuple[list, l
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a cold ~/.cache/torch_extensions builds DeepSpeed's ops inside it
 def test_cli_matrix(tiny, tmp_path):
     cells = _cli_cells()
     kinds = sorted({k for _, k in cells}, key=KINDS.index)
