@@ -4,6 +4,8 @@ its checkpoint (here on 1 rank) continues the same tracker run instead of starti
 import glob
 import json
 import os
+import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -44,16 +46,34 @@ def _wandb_logger(tmp):
     return distrain.loggers.WandbLogger(project="distrain-test", save_dir=tmp, mode="offline")
 
 
-def _wandb_records(run_file):
-    """History rows and config updates from an offline run file. W&B has no public reader for it:
-    its own datastore and record protobuf (wandb 0.26, the format `wandb sync` uploads) are read."""
-    from wandb.proto import wandb_internal_pb2 as pb
-    from wandb.sdk.internal import datastore
+def _run_file_records(path):
+    """The serialized records of a W&B offline run file (the file `wandb sync` uploads): LevelDB's log
+    format (google/leveldb doc/log_format.md: 32 KiB blocks of records with a crc32, length and type
+    header) after a 7-byte ``:W&B`` header. W&B has no public reader, and its Python one
+    (``wandb.sdk.internal.datastore``) is gone since 0.31, whose Go core writes the same format."""
+    block, header = 32768, 7
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", path
+    i, pending = header, b""
+    while i + header <= len(data):
+        if block - i % block < header:  # a block ends in zero padding
+            i += block - i % block
+            continue
+        checksum, length, kind = struct.unpack_from("<IHB", data, i)
+        chunk = data[i + header : i + header + length]
+        i += header + length
+        assert checksum == zlib.crc32(chunk, zlib.crc32(bytes([kind]))), f"{path}: corrupt record before byte {i}"
+        pending = chunk if kind in (1, 2) else pending + chunk  # FULL, FIRST start a record; MIDDLE, LAST extend it
+        if kind in (1, 4):  # FULL, LAST end it
+            yield pending
 
-    store = datastore.DataStore()
-    store.open_for_scan(run_file)
+
+def _wandb_records(run_file):
+    """History rows and config updates from an offline run file (W&B's record protobuf)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
     history, config = [], {}
-    while (data := store.scan_data()) is not None:
+    for data in _run_file_records(run_file):
         record = pb.Record()
         record.ParseFromString(data)
         kind = record.WhichOneof("record_type")
