@@ -478,6 +478,9 @@ def load_user_module(spec: str, args: dict):
             source = importlib.util.module_from_spec(loader_spec)
             sys.modules[loader_spec.name] = source  # spawned ranks unpickle the module's class by this name
             loader_spec.loader.exec_module(source)
+            folder = str(Path(where).resolve().parent)
+            if folder not in sys.path:  # spawned ranks (ddp_spawn) start with our sys.path and import it by name
+                sys.path.append(folder)
         else:
             source = importlib.import_module(where)
     except ImportError as e:
