@@ -18,6 +18,13 @@ import distrain
 from distrain.cluster import find_free_port
 
 
+def env_without_rank() -> dict[str, str]:
+    """This process's environment without the rank variables: a launcher started from a test (torchrun,
+    ``distrain train``) must not think it is a rank of the test's own group."""
+    rank_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in rank_keys}
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     """``fn(rank, *args)`` in ``world_size`` spawned processes; returns results by rank."""
     port = find_free_port()

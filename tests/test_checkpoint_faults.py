@@ -15,7 +15,7 @@ import torch
 import distrain
 from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint.state import read_model_weights
-from helpers import TinyGPT, loader, make_trainer, params_of, run_ranks
+from helpers import TinyGPT, env_without_rank, loader, make_trainer, params_of, run_ranks
 
 # ---- the commit never leaves the name without a checkpoint ------------------------------------------------
 
@@ -70,11 +70,7 @@ if trainer.global_rank == 0:
 def test_rank_killed_while_writing_resumes_from_the_previous_checkpoint(tmp_path, strategy):
     script = tmp_path / "train.py"
     script.write_text(KILLED_IN_SAVE.format(tests=os.path.dirname(__file__)))
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = env_without_rank()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     ref = subprocess.run(
         [*torchrun, str(script), str(tmp_path / "ref"), strategy, "ok"],

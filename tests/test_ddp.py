@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import distrain
-from helpers import TinyGPT, loader, make_trainer, params_of, run_ranks
+from helpers import TinyGPT, env_without_rank, loader, make_trainer, params_of, run_ranks
 
 
 def _seen_per_epoch(rank, tmp):
@@ -150,9 +150,7 @@ def _run_script(tmp_path, strategy, launcher=(), inline=False, earlier_group=Fal
     code = SCRIPT.format(tests=os.path.dirname(__file__), strategy=strategy, out=str(tmp_path))
     if earlier_group:
         code = code.replace("trainer = ", EARLIER_GROUP + "trainer = ", 1)
-    env = dict(os.environ)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = env_without_rank()
     if inline:  # like a notebook: no script file to re-run
         cmd = [sys.executable, "-c", code]
     else:
@@ -205,11 +203,7 @@ def test_ranks_started_by_srun_form_one_group(tmp_path):
     port = str(find_free_port())
     procs = []
     for rank in range(2):
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-        }
+        env = env_without_rank()
         env.update(
             SLURM_NTASKS="2",
             SLURM_PROCID=str(rank),
@@ -272,11 +266,7 @@ if trainer.global_rank == 0:
 def test_kill_9_under_torchrun_restarts_and_resumes_exactly(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(ELASTIC.format(tests=os.path.dirname(__file__)))
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = env_without_rank()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     ref = subprocess.run(
         [*torchrun, str(script), str(tmp_path / "ref"), "ok"], env=env, capture_output=True, text=True, timeout=180

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 import distrain
 from distrain.distributed.watch import _describe, _ranks
-from helpers import TinyGPT, loader, make_trainer, run_ranks
+from helpers import TinyGPT, env_without_rank, loader, make_trainer, run_ranks
 
 TIMEOUT = 3.0  # distributed.collective_timeout_seconds for these runs
 MARGIN = 6.0  # diagnosis and unwinding on a busy 2-core machine
@@ -111,11 +111,7 @@ def test_under_distrains_own_launcher_the_job_ends_with_the_diagnosis(tmp_path):
     stops the hung rank too (SIGTERM, then SIGKILL), instead of waiting for it forever."""
     script = tmp_path / "train.py"
     script.write_text(HUNG_SCRIPT.format(tests=os.path.dirname(__file__), timeout=TIMEOUT))
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = env_without_rank()
     start = time.time()
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     elapsed = time.time() - start

@@ -25,7 +25,7 @@ from conftest import report
 from torch.utils.data import DataLoader
 
 import distrain
-from helpers import LossRecorder, run_ranks
+from helpers import LossRecorder, env_without_rank, run_ranks
 
 KINDS = ("mlp", "gpt", "hf-causal", "hf-classifier")
 SHARED = (
@@ -250,11 +250,7 @@ def _train_cli(strategy: str, kind: str, tiny: dict, out: Path) -> tuple[list, l
     if strategy == "deepspeed_stage_3_offload_nvme":
         (out / "nvme").mkdir(parents=True, exist_ok=True)
         command.append(f"deepspeed.nvme_path={out / 'nvme'}")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = env_without_rank()
     proc = subprocess.run(
         command, capture_output=True, text=True, timeout=400, env=env, cwd=Path(__file__).parent.parent
     )

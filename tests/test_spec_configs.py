@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import env_without_rank
+
 SPEC = Path(__file__).parent / "data" / "spec"
 SHARED_SPEC = Path(__file__).resolve().parents[2] / "shared" / "spec"
 
@@ -41,11 +43,7 @@ def test_the_copies_are_the_spec_files():
 
 
 def _train(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = env_without_rank()
     return subprocess.run(
         [sys.executable, "-m", "distrain.cli", "train", *args],
         capture_output=True,
