@@ -7,8 +7,17 @@ from distrain.checkpoint.state import checkpoint_state_of
 from distrain.config import RunConfig, build_config
 from distrain.distributed.watch import CollectiveHangError
 from distrain.module import LossModule, Module
+from distrain.parallel.pipeline_plan import PipelinePlan
 from distrain.runtime import Runtime, seed_everything
-from distrain.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
+from distrain.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    PipelineStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
 from distrain.strategies.layers import wrap
 from distrain.trainer import NonFiniteError, Trainer
 
@@ -25,6 +34,9 @@ __all__ = [
     "DDPStrategy",
     "DeepSpeedStrategy",
     "FSDPStrategy",
+    "ModelParallelStrategy",
+    "PipelineStrategy",
+    "PipelinePlan",
     "SingleDeviceStrategy",
     "Callback",
     "ModelCheckpoint",

@@ -316,6 +316,8 @@ def train(config: RunConfig, resume: str | None = None) -> int:
     from distrain.trainer import Trainer
 
     t, d, c, lg, data = config.training, config.distributed, config.checkpointing, config.logging, config.data
+    if d.pipeline_microbatches:  # a pipeline's micro-batches are the accumulation micro-batches (validated to agree)
+        t.gradient_accumulation_steps = d.pipeline_microbatches
     hf_job = user_module = None
     if t.module is not None:  # a Module of the user's own: imported (and built) before any rank starts
         from distrain.runtime import seed_everything
@@ -410,6 +412,7 @@ def train(config: RunConfig, resume: str | None = None) -> int:
     trainer.run_config = config.to_dict()
     if trainer.is_global_zero and not os.environ.get("DISTRAIN_LAUNCHED_CHILD"):
         launch.tee_output(trainer.runtime.log_dir, 0)  # the run's header belongs in rank 0's log too
+    _check_pipeline_blocks(trainer, config, hf_job, user_module)
 
     if hf_job is not None:
         hf_job.fit(trainer, resume)
@@ -449,6 +452,26 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         )
     trainer.fit(module, loader(train_set, True), loader(val_set, False), ckpt_path=resume)
     return _finish(trainer, out)
+
+
+def _check_pipeline_blocks(trainer, config: RunConfig, hf_job, user_module) -> None:
+    """More pipeline stages than the model has blocks: refused before any rank starts (a Module of
+    your own is checked in the ranks, once it is built)."""
+    from distrain.models.gpt import GPT_SIZES
+
+    layout = getattr(trainer.strategy, "layout", None)
+    if layout is None or layout.num_stages < 2 or user_module is not None:
+        return
+    if hf_job is not None:
+        blocks = getattr(hf_job.hf_config, "num_hidden_layers", None)
+    else:
+        blocks = GPT_SIZES[config.training.model_name]["n_layer"]
+    if blocks is not None and layout.num_stages > blocks:
+        raise ConfigError(
+            f"{layout.num_stages} pipeline stages (distributed.pipeline_stages"
+            f"{' × pipeline_stages_per_rank' if layout.stages_per_rank > 1 else ''}) but "
+            f"{config.training.model_name} has {blocks} blocks: each stage needs at least one"
+        )
 
 
 def _deepspeed_asks_for_ac(config: RunConfig) -> bool:

@@ -435,3 +435,44 @@ def deepspeed_model_state_estimates(
         name = "zero3" + ("_offload_params" if offload_params else "_offload" if offload else "")
         out[name] = (host, device)
     return out
+
+
+# ---- torch.distributed.pipelining -----------------------------------------------------------------------------
+# Checked against torch 2.13.0.
+
+
+def pipeline_stage(module, stage_index: int, num_stages: int, device, group):
+    """A ``PipelineStage`` (public) whose shapes are learned from the first micro-batch at run time."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return PipelineStage(module, stage_index, num_stages, device, group=group)
+
+
+def run_pipeline_schedule(schedule, stages, arg_mbs, kwarg_mbs, target_mbs, backward: bool) -> None:
+    """One step of a pipelining schedule over micro-batches we made ourselves. The public ``step(batch)``
+    splits one whole batch into equal chunks; a Trainer's micro-batches are already made (and may be
+    dicts, or differ in length). So this is what ``step()`` does around ``_step_microbatches`` in torch
+    2.13.0 (``_PipelineSchedule.eval`` sets ``_has_backward`` the same way): set ``has_backward`` on the
+    schedule and its stages, clear each stage's per-step state, run the micro-batch lists."""
+    schedule._has_backward = backward
+    for stage in stages:
+        stage.has_backward = backward
+        stage.clear_runtime_states()
+    schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, return_outputs=False)
+
+
+# ---- transformers (pipeline stages of Llama-style models) -----------------------------------------------------------
+def hf_causal_mask(config, inputs_embeds, attention_mask, position_ids):
+    """The causal (and padding) mask a Llama-style model builds in its forward, for a pipeline stage that
+    runs some of its layers: ``transformers.masking_utils.create_causal_mask(config, inputs_embeds,
+    attention_mask, past_key_values, position_ids)`` (transformers 5.x; may return None for SDPA's
+    own causal path)."""
+    from transformers.masking_utils import create_causal_mask
+
+    return create_causal_mask(
+        config=config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        past_key_values=None,
+        position_ids=position_ids,
+    )

@@ -100,6 +100,26 @@ class DistributedConfig:
     """Memory per GPU the memory planner plans for (``80GB``); null → this machine's."""
     cpu_memory: str | int | None = None
     """Host memory per node the planner plans for (``1TB``; on a CPU run, the ranks share it); null → this machine's."""
+    # model parallelism (strategy model_parallel or pipeline): ranks = pipeline stages × data × tensor parallel
+    tensor_parallel_size: int | str = "auto"
+    """model_parallel: ranks that split each layer (DTensor; built-in plans for the GPT and Llama-style models);
+    ``auto`` → the devices of one node (pipeline: 1)."""
+    data_parallel_size: int | str = "auto"
+    """model_parallel / pipeline: replicas, FSDP2-sharded over each other; ``auto`` → the ranks that remain."""
+    sequence_parallel: bool = True
+    """Tensor parallel: also split the norms and the residual stream along the sequence (needs sequence lengths
+    divisible by tensor_parallel_size)."""
+    pipeline_stages: int | None = None
+    """pipeline: pipeline ranks (null → every rank that tensor parallelism leaves); model_parallel: null → 1."""
+    pipeline_schedule: str = "1F1B"
+    """``1F1B``, ``GPipe`` or ``Interleaved1F1B``."""
+    pipeline_microbatches: int | None = None
+    """The pipeline's micro-batches per optimizer step; they are the accumulation micro-batches, so this sets
+    training.gradient_accumulation_steps when that is left at 1 (null → gradient_accumulation_steps)."""
+    pipeline_split_points: list | None = None
+    """Block indices or names (``gpt.blocks.2``) where stages 2, 3, ... begin; null → balanced by parameter count."""
+    pipeline_stages_per_rank: int | None = None
+    """Interleaved1F1B: model pieces per pipeline rank (null → 2; other schedules: 1)."""
 
 
 @dataclass
@@ -524,8 +544,49 @@ def validate(config: RunConfig) -> None:
     for name in ("offload_optimizer_device", "offload_params_device"):
         if getattr(ds, name) not in ("cpu", "nvme"):
             raise ConfigError(f"deepspeed.{name} must be cpu or nvme, got {getattr(ds, name)!r}")
+    _validate_model_parallel(config)
     if d.comm_hook is not None and d.comm_hook not in COMM_HOOKS:
         raise ConfigError(f"distributed.comm_hook {d.comm_hook!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
+
+
+def _validate_model_parallel(config: RunConfig) -> None:
+    """Sizes and names of the model-parallel keys; with a known number of ranks, whether the layout fits."""
+    d, t = config.distributed, config.training
+    from distrain.parallel.layout import SCHEDULES, ParallelLayout
+
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        value = getattr(d, name)
+        if value != "auto" and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"distributed.{name} must be a positive integer or 'auto', got {value!r}")
+    for name in ("pipeline_stages", "pipeline_microbatches", "pipeline_stages_per_rank"):
+        value = getattr(d, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"distributed.{name} must be a positive integer or null, got {value}")
+    if d.pipeline_schedule not in SCHEDULES:
+        raise ConfigError(
+            f"distributed.pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {d.pipeline_schedule!r}"
+        )
+    if d.pipeline_microbatches is not None and t.gradient_accumulation_steps not in (1, d.pipeline_microbatches):
+        raise ConfigError(
+            f"distributed.pipeline_microbatches={d.pipeline_microbatches} but training.gradient_accumulation_steps="
+            f"{t.gradient_accumulation_steps}: the pipeline's micro-batches are the accumulation micro-batches; set one"
+        )
+    if d.strategy not in ("model_parallel", "pipeline") or not isinstance(d.devices, int):
+        return
+    pipeline = d.strategy == "pipeline"
+    world = d.devices * d.num_nodes
+    tp = d.tensor_parallel_size
+    tp = (1 if pipeline else d.devices) if tp == "auto" else tp
+    stages = d.pipeline_stages or ((world // tp if world % tp == 0 else 0) if pipeline else 1)
+    per_rank = d.pipeline_stages_per_rank or (2 if d.pipeline_schedule == "Interleaved1F1B" and stages > 1 else 1)
+    try:
+        if pipeline and stages < 2:
+            raise ValueError(
+                f"the pipeline strategy needs at least 2 stages (distributed.pipeline_stages), got {stages}"
+            )
+        ParallelLayout.resolve(world, tp, d.data_parallel_size, stages, per_rank)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def save_config(config: RunConfig, path: str | os.PathLike) -> None:

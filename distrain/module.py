@@ -59,6 +59,17 @@ class Module(nn.Module):
 
     # ---- services ------------------------------------------------------------------------
     @property
+    def device_mesh(self):
+        """Under ``ModelParallelStrategy`` / ``PipelineStrategy``: the ``DeviceMesh`` of the ranks, with dims
+        ``"pipeline_parallel"``, ``"data_parallel"`` and ``"tensor_parallel"`` (Lightning's names), for a
+        tensor-parallel plan of your own in ``configure_model``
+        (``parallelize_module(layer, self.device_mesh["tensor_parallel"], plan)``). None otherwise."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = getattr(self._trainer.strategy, "device_mesh", None) if self._trainer is not None else None
+        return mesh if isinstance(mesh, DeviceMesh) else None
+
+    @property
     def trainer(self):
         if self._trainer is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")

@@ -170,6 +170,7 @@ class Trainer:
     global_rank = property(lambda self: self.runtime.global_rank)
     local_rank = property(lambda self: self.runtime.local_rank)
     world_size = property(lambda self: self.runtime.world_size)
+    data_parallel_size = property(lambda self: self.runtime.strategy.data_parallel_size)  # ranks with distinct data
     strategy = property(lambda self: self.runtime.strategy)
     global_step = property(lambda self: self.progress.global_step)
     current_epoch = property(lambda self: self.progress.epoch)
@@ -344,7 +345,7 @@ class Trainer:
                 "samples already seen (use_distributed_sampler=False, an IterableDataset or a custom batch "
                 "sampler); resume from an epoch-end checkpoint, or let distrain shard the data"
             )
-        per_step = (getattr(loader, "batch_size", None) or 1) * self.world_size
+        per_step = (getattr(loader, "batch_size", None) or 1) * self.data_parallel_size
         self._call("on_train_epoch_start")
         self.module.on_train_epoch_start()
         return enumerate(loader, start=self.progress.samples_in_epoch // per_step)
@@ -360,13 +361,17 @@ class Trainer:
         self.module.on_train_step_start([batch for _, batch in micro_batches], window)
         step_loss = torch.zeros((), device=rt.device)
         samples = tokens = 0
+        if rt.strategy.runs_micro_batches:  # a pipeline: its schedule runs the whole window through its stages
+            micro_batches = [(batch_idx, move_to_device(batch, rt.device)) for batch_idx, batch in micro_batches]
+            step_loss, output = rt.strategy.run_micro_batches(self.model, micro_batches)
         for i, (batch_idx, batch) in enumerate(micro_batches):
-            batch = move_to_device(batch, rt.device)
-            loss, output = self.forward_backward_step(batch, batch_idx, scale=1 / window, sync=i == window - 1)
-            step_loss += loss / window
+            if not rt.strategy.runs_micro_batches:
+                batch = move_to_device(batch, rt.device)
+                loss, output = self.forward_backward_step(batch, batch_idx, scale=1 / window, sync=i == window - 1)
+                step_loss += loss / window
             samples += batch_size_of(batch)
             tokens += tokens_in_batch(batch) or 0
-            self.progress.samples_in_epoch += batch_size_of(batch) * self.world_size
+            self.progress.samples_in_epoch += batch_size_of(batch) * self.data_parallel_size
 
         rt.progress(None, "optimizer step")
         grad_norm = self._gradient_norm(optimizer)
@@ -566,7 +571,9 @@ class Trainer:
             return loader
         from distrain.data import with_distributed_sampler
 
-        return with_distributed_sampler(loader, self.world_size, self.global_rank, shuffle_seed, even=even)
+        # sharded over the ranks that see different data: a tensor-parallel group or a pipeline shares its batches
+        dp_size, dp_rank = self.runtime.strategy.data_parallel_size, self.runtime.strategy.data_parallel_rank
+        return with_distributed_sampler(loader, dp_size, dp_rank, shuffle_seed, even=even)
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:

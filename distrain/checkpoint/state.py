@@ -123,10 +123,18 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def save_sharded(
-    path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, is_global_zero: bool, gather: Callable
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    unwrap: Callable,
+    is_global_zero: bool,
+    gather: Callable,
+    adjust: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> None:
-    """Every rank writes its own shards in parallel (DCP); rank 0 commits the directory."""
+    """Every rank writes its own shards in parallel (DCP); rank 0 commits the directory. ``adjust``
+    may rewrite the collected state first (a pipeline makes its stages' optimizer groups agree)."""
     collected = state_of(state, unwrap, SHARDED)
+    if adjust is not None:
+        collected = adjust(collected)
     keys = tensor_keys(state)
 
     def write(tmp: Path) -> None:

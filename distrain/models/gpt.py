@@ -47,16 +47,19 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # [q; k; v] of the heads this rank computes: all of them, or under tensor parallelism its share
+        # (distrain.parallel.tensor_parallel hands each rank q, k and v of the same heads)
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -97,6 +100,9 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying
         self.reset_parameters()
+        # counted now: a pipeline stage later holds only some of the layers
+        numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731  (ZeRO-3 keeps only a partition)
+        self._param_counts = (sum(numel(p) for p in self.parameters()), numel(self.pos_emb.weight))
 
     def reset_parameters(self) -> None:
         for name, p in self.named_parameters():
@@ -108,9 +114,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731  (ZeRO-3 keeps only a partition)
-        n = sum(numel(p) for p in self.parameters())
-        return n - numel(self.pos_emb.weight) if non_embedding else n
+        total, positions = self._param_counts
+        return total - positions if non_embedding else total
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6N for the matmuls plus attention (PaLM appendix B)."""
@@ -118,14 +123,25 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * self.cfg.n_layer * self.cfg.n_embd * T
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        B, T = idx.shape
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.output(self.logits(x), targets)
+
+    # the forward's three parts: a pipeline runs them on its first stage, every stage and its last stage
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds the model's block_size {self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+    @staticmethod
+    def output(logits: torch.Tensor, targets: torch.Tensor | None = None):
+        """What ``forward`` returns: the logits, or with ``targets`` the mean next-token loss."""
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))

@@ -56,6 +56,12 @@ class Strategy:
     supports_fp8: bool = True
     #: fp8 weights all-gathered in float8 (FSDP2)
     float8_all_gather: bool = False
+    #: the strategy runs a whole optimizer step's micro-batches itself (a pipeline schedule):
+    #: the Trainer calls ``run_micro_batches`` instead of one forward/backward per micro-batch
+    runs_micro_batches: bool = False
+    #: values a module logs may live on other ranks than rank 0 (a pipeline's last stage): every
+    #: logged value is reduced across ranks, as ``sync_dist=True`` ones are
+    gathers_metrics: bool = False
 
     def __init__(
         self,
@@ -103,6 +109,23 @@ class Strategy:
             return torch.distributed.get_rank()
         # before our launcher ran: this process will be local rank 0 of its node
         return int(os.environ.get("RANK", int(os.environ.get("NODE_RANK", 0)) * self.nprocs_per_node))
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ranks see different data (all of them, for data parallelism; model-parallel
+        strategies: the size of the data-parallel dimension). Data is sharded over these."""
+        return self.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.global_rank
+
+    @property
+    def counts_metrics(self) -> bool:
+        """Whether this rank's logged values count in cross-rank metric reductions. Ranks that hold
+        a copy of another's samples (tensor-parallel peers, a pipeline's earlier stages) do not, so
+        a sample is counted once."""
+        return True
 
     @property
     def local_rank(self) -> int:
@@ -193,6 +216,13 @@ class Strategy:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
         self.precision.optimizer_step(optimizer)
+
+    def run_micro_batches(self, model: nn.Module, micro_batches: list[tuple[int, Any]]) -> tuple[torch.Tensor, Any]:
+        """``runs_micro_batches`` strategies: forward and backward over one optimizer step's
+        ``(batch_idx, batch)`` pairs (on the device), each loss divided by their number, gradients
+        synchronized once. Returns the step's loss (the mean over the micro-batches, the same on
+        every rank) and the last ``training_step`` output this rank saw."""
+        raise NotImplementedError(f"{type(self).__name__} does not run micro-batches itself")
 
     # ---- collectives over the ranks that hold different data (all of them, for data parallelism) ----
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:

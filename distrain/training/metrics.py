@@ -60,6 +60,8 @@ class MetricCollector:
         training = self.stage == "train"
         on_step = training if on_step is None else on_step
         on_epoch = (not training) if on_epoch is None else on_epoch
+        if hasattr(value, "full_tensor"):  # a DTensor (tensor parallelism): its whole value
+            value = value.full_tensor()
         value = value.detach().float().mean() if isinstance(value, torch.Tensor) else float(value)
         weight = batch_size or self.current_batch_size
         if on_step:
@@ -73,7 +75,7 @@ class MetricCollector:
             else:
                 acc[0] = acc[0] + value * weight
                 acc[1] += weight
-            if sync_dist or not training:
+            if sync_dist or not training or self.runtime.strategy.gathers_metrics:
                 self.epoch_sync.add(name)
         if prog_bar:
             self.prog_bar.add(name)
@@ -84,13 +86,15 @@ class MetricCollector:
         entries, self.step_entries = self.step_entries, {}
         if not reduce:
             return {n: e.value for n, e in entries.items()}
-        synced = sorted(n for n, e in entries.items() if e.sync_dist)
+        gather_all = self.runtime.strategy.gathers_metrics  # values may live on other ranks than rank 0
+        synced = sorted(n for n, e in entries.items() if e.sync_dist or gather_all)
         if self.runtime.world_size > 1:  # a rank that did not log a name this step still takes part
             synced = sorted(set().union(*self.runtime.all_gather_object(synced)))
         out = {n: e.value for n, e in entries.items() if n not in synced}
         if synced:
             # [value, 1] per name this rank logged, [0, 0] for the others: the mean over those that did
-            rows = [[entries[n].value, 1.0] if n in entries else [0.0, 0.0] for n in synced]
+            counts = self.runtime.strategy.counts_metrics  # a model-parallel peer's copy counts once
+            rows = [[entries[n].value, 1.0] if n in entries and counts else [0.0, 0.0] for n in synced]
             sums = self.runtime.all_reduce(_as_tensor(rows, self.runtime.device), op="sum").tolist()
             out.update({n: total / count for n, (total, count) in zip(synced, sums) if count})
         return {n: float(v) for n, v in out.items()}
@@ -110,7 +114,8 @@ class MetricCollector:
         local = {n: (float(s), w) for n, (s, w) in sums.items()}
         out = {n: s if n in summed else s / w for n, (s, w) in local.items() if w}
         if names:
-            rows = [sums.get(n, [0.0, 0.0]) for n in names]
+            counts = self.runtime.strategy.counts_metrics  # a model-parallel peer's copy counts once
+            rows = [sums.get(n, [0.0, 0.0]) if counts else [0.0, 0.0] for n in names]
             totals = self.runtime.all_reduce(_as_tensor(rows, self.runtime.device), op="sum").tolist()
             out.update({n: s if n in summed else s / w for n, (s, w) in zip(names, totals) if w})
         return out
@@ -126,8 +131,16 @@ def _as_tensor(rows: list[list], device: torch.device) -> torch.Tensor:
 class Throughput:
     """Samples/s, tokens/s, step-time mean/std and MFU over the window since the last report."""
 
-    def __init__(self, world_size: int, flops_per_token: float | None = None, peak_flops: float | None = None):
-        self.world_size = world_size
+    def __init__(
+        self,
+        world_size: int,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+        data_parallel_size: int | None = None,
+    ):
+        self.world_size = world_size  # devices, for MFU
+        #: ranks that see different samples: the global count is a rank's times this
+        self.data_parallel_size = data_parallel_size or world_size
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.reset()
@@ -143,8 +156,8 @@ class Throughput:
         now = time.perf_counter()
         self.step_times.append(now - self.last)
         self.last = now
-        self.samples += samples * self.world_size
-        self.tokens += (tokens or 0) * self.world_size
+        self.samples += samples * self.data_parallel_size
+        self.tokens += (tokens or 0) * self.data_parallel_size
 
     def compute(self) -> dict[str, Any]:
         self.last = time.perf_counter()  # called after a device sync: the window's true end
@@ -192,9 +205,9 @@ class MetricsLogger:
     def start_fit(self, flops_per_token: float | None, run_config: dict | None) -> None:
         rt = self.runtime
         peak = rt.accelerator.peak_flops(rt.device, rt.precision.compute_dtype)
-        self.throughput = Throughput(rt.world_size, flops_per_token, peak)
         if self.monitor is None:  # now: its CPU-utilization window starts with training
             self.monitor = SystemMonitor(rt.device, announce=rt.is_global_zero)
+        self.throughput = Throughput(rt.world_size, flops_per_token, peak, rt.strategy.data_parallel_size)
         if run_config and rt.is_global_zero:
             for lg in self.loggers:
                 lg.log_hyperparams(run_config)

@@ -1,0 +1,472 @@
+"""Model parallelism: tensor parallel (DTensor) × FSDP2 over the data-parallel dimension × pipeline
+stages, on one ``DeviceMesh`` (``distrain.parallel``).
+
+``ModelParallelStrategy(tensor_parallel_size, data_parallel_size)`` is Lightning's name and
+meaning: the mesh has ``"data_parallel"`` and ``"tensor_parallel"`` dims, ``configure_model`` may
+apply a tensor-parallel plan of its own on ``self.device_mesh["tensor_parallel"]``; otherwise the
+built-in plan of the model (distrain's GPT, Hugging Face Llama-style) is applied. FSDP2 then shards
+each block and the rest over the data-parallel dim (2-D). ``pipeline_stages`` adds a pipeline
+(3-D); ``PipelineStrategy`` (``strategy="pipeline"``) is the pipeline alone (plus FSDP over what
+ranks remain).
+
+Set-up order (torchtitan's): tensor parallel → activation checkpointing → pipeline stages → FSDP →
+memory for this rank's shards → initialization. A model built in ``configure_model`` (on the meta
+device) is initialized on the whole model's structure, drawing every random number a one-process
+build draws, each rank keeping only its shards and stages (``sharded_init``): every layout starts
+from the same weights. Data is split over the data-parallel dimension only: a tensor-parallel group
+and a pipeline see the same batches.
+
+Checkpoints are DCP shards with the one-process parameter names: a checkpoint written under TP=2
+loads under FSDP, on one process or as a pipeline, and the reverse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distrain.checkpoint import io as ckpt_io
+from distrain.checkpoint import state as ckpt_state
+from distrain.parallel.layout import DP, PP, SCHEDULES, TP, ParallelLayout
+from distrain.strategies import sharded_init
+from distrain.strategies.base import Strategy, TrainingPlan
+from distrain.strategies.fsdp import _built_on_meta, _default_block_classes, _gradient_sync_off
+from distrain.strategies.layers import apply_activation_checkpointing, is_marked_unit
+from distrain.strategies.registry import register
+
+
+class ModelParallelStrategy(Strategy):
+    """Tensor × data (FSDP2) × pipeline parallelism.
+
+    - ``tensor_parallel_size``: ranks that split each layer (``"auto"``: the devices of one node, as
+      Lightning's); ``data_parallel_size``: replicas (``"auto"``: the ranks that remain).
+    - ``pipeline_stages``: pipeline ranks (1: none); ``schedule``: ``"1F1B"``, ``"GPipe"`` or
+      ``"Interleaved1F1B"`` (``stages_per_rank`` virtual stages each, default 2); ``microbatches``: the
+      pipeline's micro-batches per step, which are the Trainer's accumulation micro-batches (None: as
+      many as ``accumulate_grad_batches``); ``split_points``: block indices or names where stages
+      begin (default: balanced by parameter count).
+    - ``sequence_parallel``: split the norms and the residual stream along the sequence too.
+    """
+
+    start_method = "popen"
+    collective_forward = True
+
+    def __init__(
+        self,
+        tensor_parallel_size: int | str = "auto",
+        data_parallel_size: int | str = "auto",
+        pipeline_stages: int = 1,
+        schedule: str = "1F1B",
+        microbatches: int | None = None,
+        split_points: list[int | str] | None = None,
+        stages_per_rank: int | None = None,
+        sequence_parallel: bool = True,
+        activation_checkpointing_policy: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float = timedelta(minutes=30),
+        collective_timeout: timedelta | float | None = timedelta(minutes=5),
+    ):
+        super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
+        if schedule not in SCHEDULES:
+            raise ValueError(
+                f"pipeline schedule (distributed.pipeline_schedule) must be one of {', '.join(SCHEDULES)}, "
+                f"got {schedule!r}"
+            )
+        if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+            raise ValueError(
+                f"microbatches (distributed.pipeline_microbatches) must be a positive integer, got {microbatches!r}"
+            )
+        if stages_per_rank is None:
+            stages_per_rank = 2 if schedule == "Interleaved1F1B" else 1
+        if schedule != "Interleaved1F1B" and stages_per_rank != 1:
+            raise ValueError(
+                f"stages_per_rank={stages_per_rank} needs schedule='Interleaved1F1B' "
+                "(GPipe and 1F1B run one stage per rank)"
+            )
+        self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_size_option = data_parallel_size
+        self.pipeline_stages = pipeline_stages
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self.split_points = list(split_points) if split_points else None
+        self.stages_per_rank = stages_per_rank
+        self.sequence_parallel = sequence_parallel
+        self.layout: ParallelLayout | None = None
+        self.device_mesh = None
+        self.runner = None  # the pipeline (pipeline_stages > 1), after set-up
+        self.tensor_plan: str | None = None  # which plan tensor parallelism applied
+        self._build_rng = None
+        self._skip_init = False
+
+    # ---- the layout, decided before any rank starts ----------------------------------------------------------
+    def connect(self, accelerator, precision, cluster, nprocs: int, num_nodes: int):
+        super().connect(accelerator, precision, cluster, nprocs, num_nodes)
+        world = nprocs * num_nodes
+        tp = self.tensor_parallel_size
+        if tp == "auto":
+            tp = max(1, nprocs // self.pipeline_stages) if self.pipeline_stages > 1 else nprocs
+        self.layout = ParallelLayout.resolve(
+            world, tp, self.data_parallel_size_option, self.pipeline_stages, self.stages_per_rank
+        )
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.data if self.layout else self.world_size
+
+    def _coords(self) -> tuple[int, int, int]:
+        """(pipeline, data, tensor) position of this rank: tensor innermost, pipeline outermost."""
+        lay, rank = self.layout, self.global_rank
+        return rank // (lay.data * lay.tensor), (rank // lay.tensor) % lay.data, rank % lay.tensor
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self._coords()[1] if self.layout else self.global_rank
+
+    @property
+    def counts_metrics(self) -> bool:
+        if self.layout is None:
+            return True
+        pp, _, tp = self._coords()
+        return tp == 0 and pp == self.layout.pipeline - 1  # one copy: the first tensor-parallel rank of the last stage
+
+    @property
+    def gathers_metrics(self) -> bool:
+        return bool(self.layout and self.layout.pipeline > 1)  # the last stage logs; rank 0 is the first
+
+    @property
+    def runs_micro_batches(self) -> bool:
+        return bool(self.layout and self.layout.pipeline > 1)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.device_mesh = self.layout.mesh(self.root_device.type)
+
+    # ---- building the model ----------------------------------------------------------------------------------------
+    def module_init_context(self, empty_init: bool | None = None):
+        """configure_model builds on the meta device; set-up gives each rank its shards and stages and
+        initializes them to a one-process build's weights (``empty_init=True`` skips that)."""
+        if empty_init is False:
+            return super().module_init_context(empty_init)
+        self._skip_init = bool(empty_init)
+        stack = contextlib.ExitStack()
+        stack.enter_context(sharded_init.recording_rng(self._record_build_rng))
+        stack.enter_context(sharded_init.deferred())
+        stack.enter_context(torch.device("meta"))
+        return stack
+
+    def _record_build_rng(self, state) -> None:
+        self._build_rng = state
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        from distrain.parallel.tensor_parallel import apply_tensor_parallel, retie, shared_parameters
+
+        lay, mesh = self.layout, self.device_mesh
+        module = self.precision.convert_module(module)
+        user = getattr(module, "module", module)  # the user's Module inside the Trainer's step router
+        on_meta = _built_on_meta(module)
+        if not on_meta:  # built in __init__: every rank starts from rank 0's weights
+            module.to(self.root_device)
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, src=0)
+        ties = shared_parameters(module)
+        if lay.tensor > 1:
+            self.tensor_plan = apply_tensor_parallel(user, mesh[TP], self.sequence_parallel)
+        apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        build = None
+        if lay.pipeline > 1:
+            from distrain.parallel.pipeline import PipelineBuild, PipelineRunner
+            from distrain.parallel.pipeline_plan import plan_for
+
+            build = PipelineBuild.create(user, plan_for(user), lay, self._coords()[0], self.split_points)
+            runner = PipelineRunner(user, build, lay, mesh, self.schedule, self.root_device, self.precision)
+            roots, units = runner.stage_modules, [b for m in runner.stage_modules for b in m.blocks]
+        else:
+            roots, units = [module], self._fsdp_units(module)
+        if lay.data > 1 and not _fsdp_applied(module):
+            self._fully_shard(roots, units)
+        retie(ties)
+        if on_meta:
+            self._materialize(roots, build.keep if build else [module])
+            retie(ties)
+            if not self._skip_init:
+                rng = self._build_rng or sharded_init.record_rng()
+                blocks = build.plan.blocks if build else units
+                unit_of = sharded_init.units_of_parameters(module, list(blocks))
+                self.init_peak_bytes = sharded_init.replay_initialization(
+                    module, rng, _StageShards(self.root_device), unit_of
+                )
+        self._build_rng, self._skip_init = None, False
+        if build is not None:
+            build.prune(user)  # after initialization: other stages' layers drew their random numbers too
+            runner.finish()
+            self.runner = runner
+        return module
+
+    def _fsdp_units(self, module: nn.Module) -> list[nn.Module]:
+        classes = _default_block_classes(module)
+        return [
+            m
+            for m in module.modules()
+            if m is not module and ((classes and isinstance(m, tuple(classes))) or is_marked_unit(m))
+        ]
+
+    def _fully_shard(self, roots: list[nn.Module], units: list[nn.Module]) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        param_dtype = self.precision.compute_dtype if self.precision.name in ("bf16-mixed", "16-mixed") else None
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+        kwargs = dict(mesh=self.device_mesh[DP], mp_policy=policy)
+        for unit in reversed(units):
+            fully_shard(unit, **kwargs)
+        for root in roots:
+            fully_shard(root, **kwargs)
+
+    def _materialize(self, roots: list[nn.Module], keep: list[nn.Module]) -> None:
+        """Memory for what this rank holds: its stages (FSDP units allocate only their shards); other
+        stages' layers stay on the meta device until they are dropped."""
+        for root in roots:
+            root.to_empty(device=self.root_device)
+        for part in keep:
+            for m in part.modules():
+                if any(t.is_meta for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]):
+                    m.to_empty(device=self.root_device, recurse=False)
+
+    def setup(self, module: nn.Module, optimizers=()):
+        if self.layout.pipeline > 1:
+            raise ValueError(
+                "the pipeline strategy runs inside the Trainer (its schedule runs each step); use Trainer.fit"
+            )
+        names = {id(p): n for n, p in module.named_parameters()}
+        module = self.setup_module(module)
+        params = dict(module.named_parameters())
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [params[names[id(p)]] if id(p) in names else p for p in group["params"]]
+        return _ParallelModel(module, self), list(optimizers)
+
+    def setup_training(self, module: nn.Module, optimizers: list, schedulers: list[dict], plan: TrainingPlan):
+        if self.runner is not None and optimizers and self.microbatches not in (None, plan.accumulate):
+            raise ValueError(
+                f"PipelineStrategy(microbatches={self.microbatches}) but accumulate_grad_batches={plan.accumulate}: "
+                "the pipeline's micro-batches are the Trainer's accumulation micro-batches (the global batch means "
+                "what it means under DDP); set accumulate_grad_batches (training.gradient_accumulation_steps) to "
+                f"{self.microbatches}, or leave microbatches unset"
+            )
+        if self.runner is not None and plan.accumulate < self.layout.pipeline and self.is_global_zero and optimizers:
+            warnings.warn(
+                f"distrain: {plan.accumulate} micro-batch(es) per step on {self.layout.pipeline} pipeline stages: "
+                "stages mostly wait for each other; accumulate_grad_batches ≥ the stages (a multiple) keeps them busy",
+                stacklevel=2,
+            )
+        return _ParallelModel(module, self), [self.setup_optimizer(o) for o in optimizers], schedulers
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.module if isinstance(module, _ParallelModel) else module
+
+    # ---- the step ------------------------------------------------------------------------------------------------
+    def _loss_parallel(self):
+        if self.layout.tensor > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()  # the logits stay split by vocabulary through the loss and its backward
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, module: nn.Module | None = None) -> None:
+        with self._loss_parallel():
+            super().backward(loss, module)
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True):
+        root = self.unwrap(module)
+        if not enabled or not hasattr(root, "set_requires_gradient_sync"):
+            return contextlib.nullcontext()
+        return _gradient_sync_off(root)
+
+    def run_micro_batches(self, model: nn.Module, micro_batches: list[tuple[int, Any]]):
+        collector = self.unwrap(model).module.trainer.metrics.collector
+        return self.runner.train(micro_batches, collector, self._loss_parallel())
+
+    def gradient_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        from distrain.parallel.gradients import match_gradient_layouts, total_norm
+
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        match_gradient_layouts(params)
+        group = self.device_mesh.get_group(PP) if self.layout.pipeline > 1 else None
+        skip = self.runner.counted_once() if self.runner is not None else set()
+        return total_norm([p for p in params if id(p) not in skip], group, self.root_device)
+
+    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        from distrain.parallel.gradients import scale_gradients
+
+        norm = self.gradient_norm(module, optimizer)
+        scale_gradients([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None], norm, max_norm)
+        return norm
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
+        from distrain.parallel.gradients import match_gradient_layouts
+
+        match_gradient_layouts(p for group in optimizer.param_groups for p in group["params"])
+        super().optimizer_step(optimizer, module)
+
+    # ---- checkpoints: DCP shards under the one-process names -------------------------------------------------
+    def save_checkpoint(self, path, state: dict[str, Any]) -> None:
+        adjust = self._agree_optimizer_groups if self.layout.pipeline > 1 else None
+        ckpt_state.save_sharded(path, state, self.unwrap, self.is_global_zero, self.all_gather_object, adjust)
+
+    def _agree_optimizer_groups(self, collected: dict[str, Any]) -> dict[str, Any]:
+        """Each stage's optimizer groups list its own parameters; DCP stores one copy of such lists, so
+        they are made the union over the pipeline (what one process's optimizer would list)."""
+        group = self.device_mesh.get_group(PP)
+        for value in collected.values():
+            states = value if isinstance(value, list) else [value]
+            if not all(isinstance(s, dict) and "param_groups" in s for s in states) or not states:
+                continue
+            everyone = [None] * self.layout.pipeline
+            dist.all_gather_object(everyone, [s["param_groups"] for s in states], group=group)
+            for i, s in enumerate(states):
+                for g, param_group in enumerate(s["param_groups"]):
+                    names = [n for stage in everyone for n in stage[i][g]["params"]]
+                    param_group["params"] = list(dict.fromkeys(names))
+        return collected
+
+    def load_checkpoint(self, path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+        if self.layout.pipeline > 1 and strict:
+            self._check_pipeline_fits(path, state)
+            strict = False  # each stage loads its own part; the whole was checked above
+        return ckpt_state.load_any(path, state, self.unwrap, ckpt_state.SHARDED, strict)
+
+    def _check_pipeline_fits(self, path, state: dict[str, Any]) -> None:
+        """A checkpoint of another model fails in one line, as on one process: the stages' names together
+        against the checkpoint's."""
+        model_keys = [k for k, v in state.items() if isinstance(v, nn.Module)]
+        path = ckpt_io.resolve_checkpoint(path)
+        for key in model_keys:
+            local = {
+                k: tuple(v.shape)
+                for k, v in ckpt_state.get_model_state_dict(self.unwrap(state[key]), options=ckpt_state.SHARDED).items()
+            }
+            everyone = [None] * self.layout.pipeline
+            dist.all_gather_object(everyone, local, group=self.device_mesh.get_group(PP))
+            expected = {k: v for stage in everyone for k, v in stage.items()}
+            found = _stored_model_shapes(path, key)
+            _compare_keys(expected, found, key, type(self.unwrap(state[key])).__name__)
+
+
+class _ParallelModel(nn.Module):
+    """What the Trainer calls: ``model(step_name, batch, i)``. Tensor parallel: the step runs under
+    ``loss_parallel`` and DTensor results come back whole; pipeline: evaluation steps run through the
+    stages (training steps go through ``run_micro_batches``)."""
+
+    def __init__(self, module: nn.Module, strategy: ModelParallelStrategy):
+        super().__init__()
+        self.module = module
+        object.__setattr__(self, "strategy", strategy)
+
+    def forward(self, step_name: str, *args: Any, **kwargs: Any) -> Any:
+        from distrain.parallel.pipeline import _plain, _plain_tree
+
+        strategy = self.strategy
+        if strategy.runner is not None:
+            batch, batch_idx = args
+            return strategy.runner.evaluate(step_name, batch, batch_idx, strategy._loss_parallel())
+        with strategy._loss_parallel():
+            out = self.module(step_name, *args, **kwargs)
+        if step_name == "training_step":  # the loss must stay differentiable
+            return {**out, "loss": _plain(out["loss"])} if isinstance(out, dict) else _plain(out)
+        return _plain_tree(out)
+
+
+class _StageShards(sharded_init.ShardAccess):
+    """Initialization on the whole model's structure: this rank's parameters (DTensor shards or plain
+    tensors) receive their values; another stage's (still on the meta device) get a temporary that is
+    drawn into and dropped, so every rank draws the same random numbers in the same order."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.dtensors = sharded_init.DTensorShards(device)
+
+    def full(self, param, overwritten):
+        if param.is_meta:
+            return torch.empty(param.shape, dtype=param.dtype, device=self.device)
+        if hasattr(param, "device_mesh"):
+            return self.dtensors.full(param, overwritten)
+        return param
+
+    def commit(self, param, full):
+        if param.is_meta or full is param:
+            return
+        if hasattr(param, "device_mesh"):
+            self.dtensors.commit(param, full)
+        else:
+            param.data.copy_(full)
+
+
+def _fsdp_applied(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def _stored_model_shapes(path, key: str) -> dict[str, tuple]:
+    if ckpt_state.is_sharded_checkpoint(path):
+        from distrain import compat
+
+        stored = compat.read_dcp_metadata(path).state_dict_metadata
+        return {k[len(key) + 1 :]: tuple(getattr(m, "size", ())) for k, m in stored.items() if k.startswith(f"{key}.")}
+    return {k: tuple(v.shape) for k, v in ckpt_io.read_state_file(path)[key].items()}
+
+
+def _compare_keys(expected: dict, found: dict, source: str, model_name: str) -> None:
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    reshaped = [
+        f"{k} {found[k]} in the checkpoint, {expected[k]} here"
+        for k in expected
+        if k in found and found[k] != expected[k]
+    ]
+    problems = [
+        f"{what}: {', '.join(names[:3])}{' …' if len(names) > 3 else ''}"
+        for what, names in (("missing", missing), ("unexpected", unexpected), ("other shapes", reshaped))
+        if names
+    ]
+    if problems:
+        raise ckpt_io.CheckpointError(
+            f"the checkpoint's {source!r} does not fit {model_name} (a checkpoint of another model?): "
+            f"{'; '.join(problems)}"
+        )
+
+
+def options_from_config(config, block_classes) -> dict:
+    """The config's ``distributed`` keys → ModelParallelStrategy / PipelineStrategy options."""
+    d = config.distributed
+    options = dict(
+        tensor_parallel_size=d.tensor_parallel_size,
+        data_parallel_size=d.data_parallel_size,
+        sequence_parallel=d.sequence_parallel,
+        schedule=d.pipeline_schedule,
+        microbatches=d.pipeline_microbatches,
+        split_points=d.pipeline_split_points,
+        stages_per_rank=d.pipeline_stages_per_rank,
+    )
+    if d.strategy == "pipeline":
+        options["stages"] = d.pipeline_stages if d.pipeline_stages is not None else "auto"
+        if d.tensor_parallel_size == "auto":
+            options["tensor_parallel_size"] = 1
+    else:
+        options["pipeline_stages"] = d.pipeline_stages or 1
+    return options
+
+
+register(
+    "model_parallel",
+    ModelParallelStrategy,
+    "tensor parallel (DTensor) × FSDP2 over the data-parallel ranks, optionally × pipeline stages",
+    options_from_config,
+    "distributed",
+)
