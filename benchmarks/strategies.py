@@ -2,10 +2,16 @@
 
     python benchmarks/strategies.py [--model gpt-small] [--steps 12]
 
-For DDP, each FSDP sharding and each DeepSpeed ZeRO stage: bytes of parameters, gradients and
-optimizer state held by one rank (measured from the tensors, just before the optimizer step; for
-ZeRO just after it, its fp32 master partitions counted as optimizer state), their sum relative to DDP,
-the rank's peak RSS (fresh processes per row), and tokens/s relative to DDP.
+For DDP, each FSDP sharding, each DeepSpeed ZeRO stage, a 2-stage pipeline (GPipe, 1F1B) and tensor
+parallelism (TP=2): bytes of parameters, gradients and optimizer state held by one rank (measured from
+the tensors, just before the optimizer step; for ZeRO just after it, its fp32 master partitions counted
+as optimizer state), their sum relative to DDP, the rank's peak RSS (fresh processes per row), and
+tokens/s relative to DDP. Every row trains the same global batch per step: the two ranks of a pipeline
+or a TP group see the same samples, so they take twice the per-rank batch (a pipeline as 2 micro-batches).
+
+Tokens/s on CPU say nothing about GPU speed, least of all for model parallelism: a pipeline's stages
+wait for each other (the bubble) and TP's per-layer collectives run over gloo on shared cores here,
+where on GPUs they overlap with compute over NVLink. The bytes are what carries over.
 """
 
 from __future__ import annotations
@@ -37,7 +43,12 @@ ROWS = [
     ("deepspeed ZeRO-2 + offload opt.", lambda: "deepspeed_stage_2_offload"),
     ("deepspeed ZeRO-3", lambda: "deepspeed_stage_3"),
     ("deepspeed ZeRO-3 + offload both", lambda: "deepspeed_stage_3_offload"),
+    ("pipeline 2 stages, GPipe", lambda: distrain.PipelineStrategy(stages=2, schedule="GPipe")),
+    ("pipeline 2 stages, 1F1B", lambda: distrain.PipelineStrategy(stages=2, schedule="1F1B")),
+    ("tensor parallel 2", lambda: distrain.ModelParallelStrategy(tensor_parallel_size=2)),
 ]
+#: rows whose two ranks hold one model replica: (per-rank batch factor, micro-batches per step)
+ONE_REPLICA = {"pipeline 2 stages, GPipe": (1, 2), "pipeline 2 stages, 1F1B": (1, 2), "tensor parallel 2": (2, 1)}
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -97,6 +108,8 @@ def rank_main(rank, row, args, port, queue):
         LOCAL_WORLD_SIZE="2",
     )
     name, make = ROWS[row]
+    factor, accumulate = ONE_REPLICA.get(name, (1, 1))
+    batch = args.batch * factor
     train_set, _ = byte_datasets("builtin:stdlib", args.seq_len, 1_000_000, 0.05)
     measure = Measure()
     trainer = distrain.Trainer(
@@ -104,6 +117,7 @@ def rank_main(rank, row, args, port, queue):
         strategy=make(),
         devices=2,
         max_steps=args.steps,
+        accumulate_grad_batches=accumulate,
         enable_progress_bar=False,
         enable_checkpointing=False,
         logger=False,
@@ -112,9 +126,10 @@ def rank_main(rank, row, args, port, queue):
     )
     torch.manual_seed(0)
     module = GPTLanguageModel(args.model, block_size=args.seq_len, lr_schedule="constant")
-    trainer.fit(module, DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True))
+    trainer.fit(module, DataLoader(train_set, batch_size=batch, shuffle=True, drop_last=True))
     steady = measure.times[WARMUP:]
-    tok_s = (len(steady) - 1) * args.batch * args.seq_len * 2 / (steady[-1] - steady[0])
+    tokens_per_step = batch * accumulate * args.seq_len * trainer.data_parallel_size  # the same for every row
+    tok_s = (len(steady) - 1) * tokens_per_step / (steady[-1] - steady[0])
     peak_rss = trainer.runtime.accelerator.memory_stats(trainer.runtime.device)["mem_peak_rss_mb"]
     if rank == 0:
         queue.put((name, *measure.model_state, peak_rss, tok_s))

@@ -427,7 +427,7 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         trainer.fit(user_module, datamodule=user_module, ckpt_path=resume)
         return _finish(trainer, out)
     train_set, val_set = byte_datasets(data.dataset, data.seq_len, data.max_bytes, data.val_fraction)
-    global_batch = t.batch_size_per_gpu * trainer.world_size * t.gradient_accumulation_steps
+    global_batch = t.batch_size_per_gpu * trainer.data_parallel_size * t.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train_set) / global_batch)
     total_steps = t.max_steps if t.max_steps > 0 else steps_per_epoch * t.num_epochs
     module = GPTLanguageModel(
@@ -446,7 +446,8 @@ def train(config: RunConfig, resume: str | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         save_config(config, out / "config.yaml")
         print(
-            f"distrain: {t.model_name} on {trainer.world_size} process(es), strategy {strategy}, "
+            f"distrain: {t.model_name} on {trainer.world_size} process(es), "
+            f"strategy {strategy}{trainer.strategy.layout_note}, "
             f"global batch {global_batch} × {data.seq_len} bytes, {total_steps} steps → {out}",
             flush=True,
         )

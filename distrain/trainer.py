@@ -244,6 +244,8 @@ class Trainer:
         return self._launch(self._predict, _as_module(module), loader, ckpt_path)
 
     def _launch(self, fn, module: Module, *args):
+        self.runtime.strategy.check_module(module)
+
         def restore(state):  # spawn/fork: the trained weights and the progress come back to this process
             self._configure(module)  # the parent never built configure_model's layers
             self.checkpoints.restore_in_parent(module, state)

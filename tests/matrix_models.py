@@ -84,8 +84,8 @@ def hf_samples(path: str, task: str, n: int = 48) -> list[dict]:
     return [{**sample(r["text"]), "labels": r["label"]} for r in tiny.reviews(n)]
 
 
-def hf_collate(path: str):
+def hf_collate(path: str, multiple_of: int = 1):
     from distrain.hf.data import PadCollator
     from distrain.hf.models import load_tokenizer
 
-    return PadCollator(load_tokenizer(path).pad_token_id)
+    return PadCollator(load_tokenizer(path).pad_token_id, multiple_of=multiple_of)

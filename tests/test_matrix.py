@@ -40,6 +40,15 @@ SHARED = (
     "deepspeed_stage_3_offload",
     "deepspeed_stage_3_offload_nvme",
 )
+#: model parallelism on 2 ranks is one model replica: it accumulates 2 micro-batches as the one process does
+#: (the pipeline's micro-batches are the accumulation micro-batches); TP splits each sequence over 2 ranks
+MODEL_PARALLEL = {
+    "model_parallel": ["distributed.tensor_parallel_size=2"],
+    "pipeline": ["distributed.pipeline_stages=2"],
+}
+#: models neither built-in plan knows (a user's own MLP, BERT): refused in one line, naming what to add
+NO_PLAN = {(s, k) for s in MODEL_PARALLEL for k in ("mlp", "hf-classifier")}
+NO_PLAN_MESSAGES = ("no built-in tensor-parallel plan", "the pipeline strategy has a built-in plan for")
 LAUNCHING = ("ddp_fork", "ddp_notebook", "ddp_spawn")  # they start their own workers (CLI route in CI:
 # spawn gets the MLP from a file, whose class its fresh workers must import by name)
 LOOSER = {
@@ -69,7 +78,7 @@ def tiny(tmp_path_factory):
     }
 
 
-def _job(kind: str, tiny: dict):
+def _job(kind: str, tiny: dict, multiple_of: int = 1):
     distrain.seed_everything(0)  # as a user's script does before building its model
     if kind == "mlp":
         module = matrix_models.MLP(batch_size=BATCH)
@@ -79,7 +88,8 @@ def _job(kind: str, tiny: dict):
     task = "causal_lm" if kind == "hf-causal" else "sequence_classification"
     module = matrix_models.hf_causal(tiny[kind]) if kind == "hf-causal" else matrix_models.hf_classifier(tiny[kind])
     samples = matrix_models.hf_samples(tiny[kind], task)
-    return module, DataLoader(samples, batch_size=BATCH, shuffle=True, collate_fn=matrix_models.hf_collate(tiny[kind]))
+    collate = matrix_models.hf_collate(tiny[kind], multiple_of)
+    return module, DataLoader(samples, batch_size=BATCH, shuffle=True, collate_fn=collate)
 
 
 def _fit(strategy: str, devices: int, kind: str, tiny: dict, tmp: Path, **options):
@@ -89,7 +99,7 @@ def _fit(strategy: str, devices: int, kind: str, tiny: dict, tmp: Path, **option
         strategy=strategy,
         devices=devices,
         max_steps=STEPS,
-        accumulate_grad_batches=2 if devices == 1 else 1,
+        accumulate_grad_batches=2 if devices == 1 or strategy in MODEL_PARALLEL else 1,
         gradient_clip_val=1.0,
         seed=7,
         log_every_n_steps=1,
@@ -100,8 +110,13 @@ def _fit(strategy: str, devices: int, kind: str, tiny: dict, tmp: Path, **option
         callbacks=[recorder],
         **options,
     )
-    module, loader = _job(kind, tiny)
-    trainer.fit(module, loader)
+    module, loader = _job(kind, tiny, multiple_of=2 if strategy == "model_parallel" else 1)
+    try:
+        trainer.fit(module, loader)
+    except ValueError as e:
+        if (strategy, kind) in NO_PLAN and any(m in str(e) for m in NO_PLAN_MESSAGES) and "\n" not in str(e):
+            return "refused"
+        raise
     if strategy in LAUNCHING:  # the workers' recorder stays in the workers: the parent gets the final step
         return [trainer.callback_metrics["loss"]], [trainer.callback_metrics["grad_norm"]]
     return recorder.losses, recorder.grad_norms
@@ -122,6 +137,7 @@ SESSIONS = (
     ("deepspeed_stage_2_offload", "deepspeed_stage_3"),
     ("deepspeed_stage_3_offload",),
     ("deepspeed_stage_3_offload_nvme",),
+    tuple(MODEL_PARALLEL),
 )
 
 
@@ -157,6 +173,20 @@ def _compare(reference, result, strategy) -> tuple[str, float]:
     return "", worst
 
 
+def _cell(strategy: str, kind: str, reference, result) -> tuple[str, str]:
+    """The table's cell and what failed ("" when nothing did). A run is (losses, gradient norms); a string
+    says why it did not run ("refused": one line naming the missing plan)."""
+    if (strategy, kind) in NO_PLAN:
+        problem = "" if result == "refused" else f"expected a one-line refusal (no plan), got {str(result)[:120]}"
+        return ("refused: no plan" if not problem else f"✗ {problem}"), problem
+    worst = 0.0
+    if isinstance(result, str) or isinstance(reference, str):
+        problem = result if isinstance(result, str) else reference
+    else:
+        problem, worst = _compare(reference, result, strategy)
+    return (f"✗ {problem}" if problem else f"✓ {worst:.0e}"), problem
+
+
 def _table(title: str, cells: dict) -> list[str]:
     strategies = sorted({s for s, _ in cells}, key=lambda s: (s != "single", s))
     lines = [title, "| strategy | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 1) + "|"]
@@ -169,7 +199,7 @@ def _table(title: str, cells: dict) -> list[str]:
 @pytest.mark.timeout(1800)  # a cold ~/.cache/torch_extensions builds DeepSpeed's ops inside it
 def test_api_matrix(tiny, tmp_path):
     references = {kind: _fit("single", 1, kind, tiny, tmp_path / f"single-{kind}") for kind in KINDS}
-    assert sorted(s for session in SESSIONS for s in session) == sorted(SHARED)
+    assert sorted(s for session in SESSIONS for s in session) == sorted((*SHARED, *MODEL_PARALLEL))
     results = {}
     for session in SESSIONS:
         results.update(run_ranks(_shared_session, 2, tiny, tmp_path, session)[0])
@@ -183,8 +213,7 @@ def test_api_matrix(tiny, tmp_path):
             results[strategy, kind] = _fit(strategy, 2, kind, tiny, tmp_path / f"{strategy}-{kind}")
     cells, failures = {("single", k): "reference" for k in KINDS}, []
     for (strategy, kind), result in results.items():
-        problem, worst = _compare(references[kind], result, strategy)
-        cells[strategy, kind] = f"✗ {problem}" if problem else f"✓ {worst:.0e}"
+        cells[strategy, kind], problem = _cell(strategy, kind, references[kind], result)
         if problem:
             failures.append(f"{strategy} × {kind}: {problem}")
     report(_table("Python API: 2 CPU ranks vs one process (losses and gradient norms, 3 steps)", cells))
@@ -192,7 +221,7 @@ def test_api_matrix(tiny, tmp_path):
 
 
 # ---- the CLI route: `distrain train` with a config's keys as overrides ------------------------------------------
-ROUTE_ALL = ("single", *SHARED, *LAUNCHING)
+ROUTE_ALL = ("single", *SHARED, *LAUNCHING, *MODEL_PARALLEL)
 
 
 def _cli_cells() -> list[tuple[str, str]]:
@@ -200,7 +229,11 @@ def _cli_cells() -> list[tuple[str, str]]:
     strategies = [s for s in ROUTE_ALL if s != "single"]
     if FULL:
         return list(itertools.product(strategies, KINDS))
-    return [(s, KINDS[i % len(KINDS)]) for i, s in enumerate(strategies)]
+    cells = [(s, KINDS[i % len(KINDS)]) for i, s in enumerate(strategies)]
+    # model parallelism: both built-in plans under TP (Llama: batches padded to a multiple of the TP size for
+    # sequence parallelism) and a model without a plan
+    extra = [("model_parallel", "hf-causal"), ("model_parallel", "mlp")]
+    return cells + [c for c in extra if c not in cells]
 
 
 def _cli_args(kind: str, tiny: dict) -> list[str]:
@@ -235,7 +268,7 @@ def _train_cli(strategy: str, kind: str, tiny: dict, out: Path) -> tuple[list, l
         "--seed",
         "7",
         "training.batch_size_per_gpu=4",
-        f"training.gradient_accumulation_steps={2 if devices == 1 else 1}",
+        f"training.gradient_accumulation_steps={2 if devices == 1 or strategy in MODEL_PARALLEL else 1}",
         "training.max_grad_norm=1.0",
         "training.lr_schedule=constant",
         "training.warmup_ratio=0",
@@ -250,11 +283,15 @@ def _train_cli(strategy: str, kind: str, tiny: dict, out: Path) -> tuple[list, l
     if strategy == "deepspeed_stage_3_offload_nvme":
         (out / "nvme").mkdir(parents=True, exist_ok=True)
         command.append(f"deepspeed.nvme_path={out / 'nvme'}")
+    command += MODEL_PARALLEL.get(strategy, [])
     env = env_without_rank()
     proc = subprocess.run(
         command, capture_output=True, text=True, timeout=400, env=env, cwd=Path(__file__).parent.parent
     )
     if proc.returncode != 0:
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("distrain") or "Error" in line]
+        if any(m in line for line in errors for m in NO_PLAN_MESSAGES):
+            return "refused"
         return f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "loss" in s and "grad_norm" in s]
@@ -270,13 +307,7 @@ def test_cli_matrix(tiny, tmp_path):
     table, failures = {("single", k): "reference" for k in kinds}, []
     for strategy, kind in cells:
         result = _train_cli(strategy, kind, tiny, tmp_path / f"{strategy}-{kind}")
-        reference = references[kind]
-        worst = 0.0
-        if isinstance(result, str) or isinstance(reference, str):
-            problem = result if isinstance(result, str) else reference
-        else:
-            problem, worst = _compare(reference, result, strategy)
-        table[strategy, kind] = f"✗ {problem}" if problem else f"✓ {worst:.0e}"
+        table[strategy, kind], problem = _cell(strategy, kind, references[kind], result)
         if problem:
             failures.append(f"{strategy} × {kind}: {problem}")
     report(_table("`distrain train` (config keys as overrides): 2 CPU ranks vs one process", table))

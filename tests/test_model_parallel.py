@@ -55,6 +55,47 @@ class SmallGPT(distrain.Module):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup_decay(opt, 2, 20), "interval": "step"}}
 
 
+class OwnPlanMLP(distrain.Module):
+    """A user's own model that brings its own tensor-parallel plan, applied in configure_model on the mesh
+    the strategy hands it (Lightning's ModelParallelStrategy way); on one process there is no mesh."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = None
+
+    def configure_model(self):
+        if self.net is not None:
+            return
+        from torch import nn
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        if self.device_mesh is not None:
+            tp = self.device_mesh["tensor_parallel"]
+            parallelize_module(self.net, tp, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def _regression(n: int, seed: int):
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).tanh())
+
+
 class Recorder(distrain.Callback):
     """Per step: loss, gradient norm and what the module logged, as rank 0's logger view has them."""
 
@@ -88,13 +129,17 @@ def _fit(tmp, strategy, devices: int, job: str, accumulate: int, batch: int, lla
     distrain.seed_everything(0)
     if job == "llama":
         module, train, val = _llama_job(llama, batch, pad_to=kw.pop("pad_to", None))
+    elif job == "own":
+        module = OwnPlanMLP()
+        train = DataLoader(_regression(48, 3), batch_size=batch, shuffle=True)
+        val = DataLoader(_regression(10, 4), batch_size=4)
     else:
         module = SmallGPT(n_layer=4 if job == "gpt" else 2)
         train = DataLoader(IndexedTokens(48), batch_size=batch, shuffle=True)
         val = DataLoader(IndexedTokens(10, seed=1), batch_size=4)
     trainer.fit(module, train, val)
     predictions = None
-    if job != "llama":
+    if job.startswith("gpt"):
         predictions = torch.cat(trainer.predict(module, val)).tolist()
     metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
     return recorder.rows, metrics, predictions, trainer
@@ -158,6 +203,18 @@ def test_impossible_layouts_are_refused_in_one_line_before_any_rank_starts(capsy
     err = capsys.readouterr().err
     assert code == 2 and "6 pipeline stages" in err and "gpt-tiny has 4 blocks" in err, err
     assert len(err.strip().splitlines()) == 1
+    # a model of the user's own that no plan covers (layers built in __init__): refused before launching
+    import matrix_models
+
+    for strategy, says in (
+        (distrain.ModelParallelStrategy(tensor_parallel_size=2), "MLP has no built-in tensor-parallel plan"),
+        (distrain.PipelineStrategy(stages=2), "MLP holds no model the pipeline strategy has a built-in plan for"),
+    ):
+        trainer = distrain.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+        module = matrix_models.MLP()
+        with pytest.raises(ValueError, match=says) as info:
+            trainer.fit(module, module.train_dataloader())
+        assert "\n" not in str(info.value)
 
 
 def test_layout_and_block_split():
@@ -188,6 +245,7 @@ TWO_RANK = {
     "tp": (lambda: distrain.ModelParallelStrategy(tensor_parallel_size=2), "gpt", 4, 1),
     "tp-llama": (lambda: distrain.ModelParallelStrategy(tensor_parallel_size=2), "llama", 4, 1),
     "pp-llama": (lambda: distrain.PipelineStrategy(stages=2), "llama", 4, 2),
+    "tp-own-plan": (lambda: distrain.ModelParallelStrategy(tensor_parallel_size=2), "own", 4, 1),
 }
 
 
@@ -309,6 +367,10 @@ def _two_rank_session(rank, tmp, llama):
         if job == "llama":  # the weights this rank trained (a pipeline stage: its layers), to check the export
             state = distrain.checkpoint_state_of(trainer.module)
             extra = {"weights": {k[len("model.") :]: v for k, v in state.items()}}
+        if name == "tp-own-plan":  # the module's own plan split its layers (distrain applied none of its own)
+            params = trainer.module.named_parameters()
+            extra = {"split": sorted(n for n, p in params if any(pl.is_shard() for pl in getattr(p, "placements", ())))}
+            extra["plan"] = trainer.strategy.tensor_plan
         if name in ("pp-gpipe", "pp-1f1b"):
             trace = callbacks[0]
             extra = {"actions": trace.actions, "sends": trace.sends}
@@ -352,10 +414,14 @@ def test_pipeline_and_tensor_parallel_on_two_ranks_match_one_process(tmp_path, l
         for rank in range(2):
             _assert_close(references[key], results[rank][name], f"{name} rank {rank}")
         val = results[0][name][1]
-        if job != "llama":
+        if job == "gpt":
             assert val["val_samples"] == 10, name  # each evaluation sample counted once (not once per rank)
-        else:
+        elif job == "llama":
             assert val["val_tokens"] == references[key][1]["val_tokens"], name
+
+    own = results[0]["tp-own-plan"][3]
+    assert own["split"] == ["net.0.bias", "net.0.weight", "net.2.weight"], own
+    assert own["plan"] == "the module's own plan (configure_model)", own
 
     # the pipeline ran what its schedule says, and sent one activation (stage 0) or one gradient (stage 1)
     # per micro-batch: nothing more

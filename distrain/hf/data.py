@@ -278,15 +278,16 @@ def _fingerprint(*parts: Any) -> str:
 
 # ---- batches ------------------------------------------------------------------------------------
 class PadCollator:
-    """Samples → a batch of tensors, right-padded to the batch's longest sample or to ``pad_to``.
+    """Samples → a batch of tensors, right-padded to the batch's longest sample (rounded up to a multiple of
+    ``multiple_of``) or to ``pad_to``.
 
     ``attention_mask`` marks the real tokens: the causal-LM loss masks the padding out with it."""
 
-    def __init__(self, pad_id: int, pad_to: int | None = None):
-        self.pad_id, self.pad_to = pad_id, pad_to
+    def __init__(self, pad_id: int, pad_to: int | None = None, multiple_of: int = 1):
+        self.pad_id, self.pad_to, self.multiple_of = pad_id, pad_to, multiple_of
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        length = self.pad_to or max(len(s["input_ids"]) for s in samples)
+        length = self.pad_to or -(-max(len(s["input_ids"]) for s in samples) // self.multiple_of) * self.multiple_of
         batch = {}
         for key, fill in (("input_ids", self.pad_id), ("attention_mask", 0), ("token_type_ids", 0)):
             if key in samples[0]:
@@ -297,7 +298,8 @@ class PadCollator:
         return batch
 
 
-def collator(data: DataConfig, tokenizer) -> PadCollator:
-    return PadCollator(
-        tokenizer.pad_token_id, (data.max_length or data.seq_len) if data.padding == "max_length" else None
-    )
+def collator(data: DataConfig, tokenizer, multiple_of: int = 1) -> PadCollator:
+    """``multiple_of``: batch lengths a multiple of it (sequence parallelism splits each sequence over the
+    tensor-parallel ranks)."""
+    pad_to = (data.max_length or data.seq_len) if data.padding == "max_length" else None
+    return PadCollator(tokenizer.pad_token_id, pad_to, multiple_of)

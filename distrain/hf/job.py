@@ -48,7 +48,7 @@ class HFJob:
         tokenizer = models.load_tokenizer(tokenizer_name)
         prepared = hf_data.prepare(data, tokenizer, self.task, seed=t.seed, runtime=trainer.runtime)
         hf_config = self._config_for(prepared, tokenizer)
-        global_batch = t.batch_size_per_gpu * trainer.world_size * t.gradient_accumulation_steps
+        global_batch = t.batch_size_per_gpu * trainer.data_parallel_size * t.gradient_accumulation_steps
         total_steps = t.max_steps if t.max_steps > 0 else math.ceil(len(prepared.train) / global_batch) * t.num_epochs
         module = TASK_MODULES[self.task](
             model_name=t.model_name,
@@ -62,7 +62,8 @@ class HFJob:
             lr_schedule=t.lr_schedule,
             seed=t.seed,
         )
-        collate = hf_data.collator(data, tokenizer)
+        layout = getattr(trainer.strategy, "layout", None)  # sequence parallelism splits sequences over TP ranks
+        collate = hf_data.collator(data, tokenizer, multiple_of=layout.tensor if layout else 1)
         train_loader = DataLoader(
             prepared.train,
             batch_size=t.batch_size_per_gpu,
@@ -84,7 +85,8 @@ class HFJob:
             save_config(c, out / "config.yaml")
             print(
                 f"distrain: {t.model_name} ({self.task}) on {trainer.world_size} process(es), strategy "
-                f"{c.distributed.strategy}, global batch {global_batch} × ≤{data.max_length or data.seq_len} tokens, "
+                f"{c.distributed.strategy}{trainer.strategy.layout_note}, "
+                f"global batch {global_batch} × ≤{data.max_length or data.seq_len} tokens, "
                 f"{len(prepared.train)} train / {len(prepared.eval)} eval samples, {total_steps} steps → {out}",
                 flush=True,
             )

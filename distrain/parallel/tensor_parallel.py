@@ -189,22 +189,39 @@ def is_parallelized(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
+def no_plan_message(module: nn.Module) -> str:
+    return (
+        f"{type(module).__name__} has no built-in tensor-parallel plan (built in: distrain's GPT and Hugging Face "
+        "Llama-style causal LMs); apply your own in configure_model: "
+        'parallelize_module(layer, self.device_mesh["tensor_parallel"], {...}) with ColwiseParallel/RowwiseParallel'
+    )
+
+
 def apply_tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool = True) -> str:
     """Apply the built-in plan to every model in ``module`` it knows; returns what was done."""
     if is_parallelized(module):
         return "the module's own plan (configure_model)"
     targets = built_in_targets(module)
     if not targets:
-        raise ValueError(
-            f"{type(module).__name__} has no built-in tensor-parallel plan (built in: distrain's GPT and Hugging Face "
-            "Llama-style causal LMs); apply your own in configure_model: "
-            'parallelize_module(layer, self.device_mesh["tensor_parallel"], {...}) with ColwiseParallel/RowwiseParallel'
-        )
+        raise ValueError(no_plan_message(module))
     ties = shared_parameters(module)
     for model, plan in targets:
         parallelize_module(model, tp_mesh, plan(model, tp_mesh.size(), sequence_parallel))
+        model.register_forward_hook(_whole_outputs_without_gradients)
     retie(ties)
     return ", ".join(type(m).__name__ for m, _ in targets)
+
+
+def _whole_outputs_without_gradients(module: nn.Module, args, output):
+    """Evaluation and predict (no gradients): the model's outputs come back as whole tensors, so a step's own
+    code (``logits.argmax(-1)``, metrics) runs on plain tensors as it does on one process (DTensor's argmax of a
+    one-sample batch fails in torch 2.13). While training, the logits stay split by vocabulary: the loss is
+    computed where they are (``loss_parallel``) and no rank holds them whole."""
+    if torch.is_grad_enabled():
+        return output
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.full_tensor() if isinstance(t, DTensor) else t, output)
 
 
 # ---- parameters that several modules share (tied embeddings) ---------------------------------------------------

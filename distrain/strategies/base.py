@@ -111,6 +111,12 @@ class Strategy:
         return int(os.environ.get("RANK", int(os.environ.get("NODE_RANK", 0)) * self.nprocs_per_node))
 
     @property
+    def layout_note(self) -> str:
+        """How the ranks are arranged, for the run's header (model-parallel strategies: `` (pipeline 2 × data 1
+        × tensor 2)``); empty when every rank is a data-parallel replica."""
+        return ""
+
+    @property
     def data_parallel_size(self) -> int:
         """How many ranks see different data (all of them, for data parallelism; model-parallel
         strategies: the size of the data-parallel dimension). Data is sharded over these."""
@@ -216,6 +222,10 @@ class Strategy:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
         self.precision.optimizer_step(optimizer)
+
+    def check_module(self, module: nn.Module) -> None:
+        """Before any rank starts: refuse, in one line, a module this strategy cannot run (its layers
+        built in ``__init__``; a module that builds them in ``configure_model`` is checked in the ranks)."""
 
     def run_micro_batches(self, model: nn.Module, micro_batches: list[tuple[int, Any]]) -> tuple[torch.Tensor, Any]:
         """``runs_micro_batches`` strategies: forward and backward over one optimizer step's

@@ -116,6 +116,10 @@ class ModelParallelStrategy(Strategy):
         )
 
     @property
+    def layout_note(self) -> str:
+        return f" ({self.layout.describe()})" if self.layout else ""
+
+    @property
     def data_parallel_size(self) -> int:
         return self.layout.data if self.layout else self.world_size
 
@@ -162,6 +166,19 @@ class ModelParallelStrategy(Strategy):
 
     def _record_build_rng(self, state) -> None:
         self._build_rng = state
+
+    def check_module(self, module: nn.Module) -> None:
+        from distrain.module import Module
+        from distrain.parallel.tensor_parallel import built_in_targets, is_parallelized, no_plan_message
+
+        if isinstance(module, Module) and type(module).configure_model is not Module.configure_model:
+            return  # its layers do not exist yet: checked in the ranks, once configure_model built them
+        if self.layout.tensor > 1 and not is_parallelized(module) and not built_in_targets(module):
+            raise ValueError(no_plan_message(module))
+        if self.layout.pipeline > 1:
+            from distrain.parallel.pipeline_plan import plan_for
+
+            plan_for(module)  # raises when the module has no plan
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         from distrain.parallel.tensor_parallel import apply_tensor_parallel, retie, shared_parameters
