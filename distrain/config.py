@@ -571,7 +571,30 @@ def _validate_model_parallel(config: RunConfig) -> None:
             f"distributed.pipeline_microbatches={d.pipeline_microbatches} but training.gradient_accumulation_steps="
             f"{t.gradient_accumulation_steps}: the pipeline's micro-batches are the accumulation micro-batches; set one"
         )
-    if d.strategy not in ("model_parallel", "pipeline") or not isinstance(d.devices, int):
+    if d.strategy not in ("model_parallel", "pipeline"):
+        # a layout asked of a strategy that has none would be ignored: the run would not be what the file says
+        defaults = DistributedConfig()
+        asked = [
+            f"distributed.{name}={getattr(d, name)}"
+            for name in (
+                "tensor_parallel_size",
+                "data_parallel_size",
+                "sequence_parallel",
+                "pipeline_stages",
+                "pipeline_schedule",
+                "pipeline_microbatches",
+                "pipeline_split_points",
+                "pipeline_stages_per_rank",
+            )
+            if getattr(d, name) != getattr(defaults, name)
+        ]
+        if asked:
+            raise ConfigError(
+                f"{', '.join(asked)} applies to strategy model_parallel or pipeline, but the strategy is "
+                f"{d.strategy}; choose one of those (--strategy model_parallel) or remove the key"
+            )
+        return
+    if not isinstance(d.devices, int):
         return
     pipeline = d.strategy == "pipeline"
     world = d.devices * d.num_nodes

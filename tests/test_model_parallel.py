@@ -193,6 +193,9 @@ def test_impossible_layouts_are_refused_in_one_line_before_any_rank_starts(capsy
         build_config(
             None, {"distributed.strategy": "pipeline", "distributed.devices": 3}, ["distributed.pipeline_stages=2"]
         )
+    # a layout asked of a strategy that has none would be ignored silently: refused, naming the key
+    with pytest.raises(ConfigError, match=r"distributed.tensor_parallel_size=2 applies to strategy model_parallel"):
+        build_config(None, {"distributed.strategy": "fsdp"}, ["distributed.tensor_parallel_size=2"])
     # more stages than the model has blocks (gpt-tiny: 4): the CLI says so before starting a rank
     from distrain import cli
 
@@ -203,6 +206,9 @@ def test_impossible_layouts_are_refused_in_one_line_before_any_rank_starts(capsy
     err = capsys.readouterr().err
     assert code == 2 and "6 pipeline stages" in err and "gpt-tiny has 4 blocks" in err, err
     assert len(err.strip().splitlines()) == 1
+    # the memory planner has no model of these layouts: it says so (not "nothing fits")
+    assert cli.main(["plan", "--strategy", "model_parallel", "--devices", "2", "--accelerator", "cpu"]) == 2
+    assert "strategy model_parallel is not planned" in capsys.readouterr().err
     # a model of the user's own that no plan covers (layers built in __init__): refused before launching
     import matrix_models
 
@@ -246,7 +252,26 @@ TWO_RANK = {
     "tp-llama": (lambda: distrain.ModelParallelStrategy(tensor_parallel_size=2), "llama", 4, 1),
     "pp-llama": (lambda: distrain.PipelineStrategy(stages=2), "llama", 4, 2),
     "tp-own-plan": (lambda: distrain.ModelParallelStrategy(tensor_parallel_size=2), "own", 4, 1),
+    # activation checkpointing of every block: the same numbers (recomputed forwards)
+    "pp-1f1b-ac": (
+        lambda: distrain.PipelineStrategy(stages=2, activation_checkpointing_policy={_block()}),
+        "gpt",
+        4,
+        4,
+    ),
+    "tp-ac": (
+        lambda: distrain.ModelParallelStrategy(tensor_parallel_size=2, activation_checkpointing_policy={_block()}),
+        "gpt",
+        4,
+        1,
+    ),
 }
+
+
+def _block():
+    from distrain.models.gpt import Block
+
+    return Block
 
 
 class PipelineTrace(distrain.Callback):
@@ -367,6 +392,8 @@ def _two_rank_session(rank, tmp, llama):
         if job == "llama":  # the weights this rank trained (a pipeline stage: its layers), to check the export
             state = distrain.checkpoint_state_of(trainer.module)
             extra = {"weights": {k[len("model.") :]: v for k, v in state.items()}}
+        if name.endswith("-ac"):  # this rank's blocks run under activation checkpointing
+            extra = {"wrapped": sum(type(m).__name__ == "CheckpointWrapper" for m in trainer.module.modules())}
         if name == "tp-own-plan":  # the module's own plan split its layers (distrain applied none of its own)
             params = trainer.module.named_parameters()
             extra = {"split": sorted(n for n, p in params if any(pl.is_shard() for pl in getattr(p, "placements", ())))}
@@ -419,6 +446,8 @@ def test_pipeline_and_tensor_parallel_on_two_ranks_match_one_process(tmp_path, l
         elif job == "llama":
             assert val["val_tokens"] == references[key][1]["val_tokens"], name
 
+    assert [results[r]["pp-1f1b-ac"][3]["wrapped"] for r in range(2)] == [2, 2]  # 4 blocks, 2 per stage
+    assert [results[r]["tp-ac"][3]["wrapped"] for r in range(2)] == [4, 4]
     own = results[0]["tp-own-plan"][3]
     assert own["split"] == ["net.0.bias", "net.0.weight", "net.2.weight"], own
     assert own["plan"] == "the module's own plan (configure_model)", own

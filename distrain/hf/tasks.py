@@ -114,6 +114,8 @@ class CausalLMModule(HFTaskModule):
         local = sum(int(self._targets(b).sum()) for b in batches)
         runtime = self.trainer.runtime
         total = float(runtime.all_reduce(torch.tensor(local, dtype=torch.float64), op="sum"))
+        # under model parallelism the ranks of a TP group or pipeline count the same batches: the total and W
+        # both grow by world / data-parallel ranks, so the ratio is the data-parallel one (parity-tested)
         self._loss_scale = runtime.world_size * window / max(total, 1.0)
 
     def _token_loss_sum(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,6 +104,13 @@ def plan_command(config: RunConfig, strategy: str, as_json: bool) -> int:
     ac = config.training.activation_checkpointing
     checkpoint = "both" if ac in (False, "auto") else True
     plan = Planner(job, budget).plan("all" if strategy in ("all", "auto") else strategy, checkpoint)
+    if not plan.rows:  # a strategy the planner has no model of (model_parallel, pipeline): say so, not "nothing fits"
+        print(
+            f"distrain plan: strategy {strategy} is not planned (the planner models DDP, FSDP and DeepSpeed ZeRO; "
+            "not tensor-parallel or pipeline layouts); `distrain plan` without --strategy plans the others",
+            file=sys.stderr,
+        )
+        return 2
     if as_json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
