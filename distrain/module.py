@@ -184,3 +184,12 @@ class LossModule(Module):
         optimizer = adamw(self.model, s["learning_rate"], s["weight_decay"])
         scheduler = warmup_decay(optimizer, s["warmup_steps"], s["total_steps"], s["lr_schedule"])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in what ``training_step`` returned: a tensor, or a dict with ``"loss"``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and "loss" in output:
+        return output["loss"]
+    raise TypeError(f"training_step must return a loss tensor or a dict with 'loss', got {type(output).__name__}")

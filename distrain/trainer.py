@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary, ProgressBar
 from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, seed_workers, tokens_in_batch
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
-from distrain.module import Module
+from distrain.module import Module, loss_of
 from distrain.runtime import Runtime
 from distrain.strategies.base import Strategy, TrainingPlan
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
@@ -444,7 +444,7 @@ class Trainer:
             self.metrics.collector.current_batch_size = batch_size_of(batch)
             with rt.autocast():
                 output = self.model("training_step", batch, batch_idx)
-            loss = _loss_of(output)
+            loss = loss_of(output)
             rt.backward(loss * scale, self.model)
         return loss.detach().float(), output
 
@@ -609,14 +609,6 @@ def _as_module(module: nn.Module) -> Module:
         f"{type(module).__name__} is a plain nn.Module; wrap it: distrain.LossModule(model, learning_rate=...) "
         "(its forward must return a loss), or subclass distrain.Module"
     )
-
-
-def _loss_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict) and "loss" in output:
-        return output["loss"]
-    raise TypeError(f"training_step must return a loss tensor or a dict with 'loss', got {type(output).__name__}")
 
 
 def _parse_optimizers(conf: Any) -> tuple[list[torch.optim.Optimizer], list[dict]]:

@@ -148,6 +148,12 @@ def save_sharded(
 def _check_fits(model: nn.Module, found: dict[str, tuple], source: str) -> None:
     """A checkpoint of another model fails in one line naming the first keys that differ."""
     expected = {k: tuple(v.shape) for k, v in get_model_state_dict(model, options=SHARDED).items()}
+    compare_model_keys(expected, found, source, type(model).__name__)
+
+
+def compare_model_keys(expected: dict[str, tuple], found: dict[str, tuple], source: str, model_name: str) -> None:
+    """Parameter names → shapes the model has against those the checkpoint holds: a one-line error naming
+    the first that differ."""
     missing = [k for k in expected if k not in found]
     unexpected = [k for k in found if k not in expected]
     reshaped = [
@@ -162,7 +168,7 @@ def _check_fits(model: nn.Module, found: dict[str, tuple], source: str) -> None:
     ]
     if problems:
         raise ckpt_io.CheckpointError(
-            f"the checkpoint's {source!r} does not fit {type(model).__name__} "
+            f"the checkpoint's {source!r} does not fit {model_name} "
             f"(a checkpoint of another model?): {'; '.join(problems)}"
         )
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from distrain import compat
 from distrain.data import batch_size_of
+from distrain.module import loss_of
 from distrain.parallel.gradients import match_gradient_layouts
 from distrain.parallel.layout import PP, ParallelLayout
 from distrain.parallel.pipeline_plan import PipelinePlan, split_blocks
@@ -199,7 +200,7 @@ class PipelineRunner:
         self._collector.current_batch_size = batch_size_of(batch)
         with self._answering(output, batch):
             step_output = self.module.training_step(batch, batch_idx)
-        loss = _plain(_loss_of(step_output))
+        loss = _plain(loss_of(step_output))
         self._losses[index] = loss.detach().float()
         self._output = step_output
         return self.precision.scale_loss(loss * self._scale)
@@ -396,11 +397,3 @@ def _plain_tree(x: Any) -> Any:
     from torch.utils._pytree import tree_map
 
     return tree_map(lambda t: _plain(t).detach() if isinstance(t, torch.Tensor) else t, x)
-
-
-def _loss_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict) and "loss" in output:
-        return output["loss"]
-    raise TypeError(f"training_step must return a loss tensor or a dict with 'loss', got {type(output).__name__}")

@@ -120,11 +120,7 @@ class FSDPStrategy(Strategy):
         if empty_init is False:
             return super().module_init_context(empty_init)
         self._skip_init = bool(empty_init)
-        stack = contextlib.ExitStack()
-        stack.enter_context(sharded_init.recording_rng(self._record_build_rng))
-        stack.enter_context(sharded_init.deferred())
-        stack.enter_context(torch.device("meta"))
-        return stack
+        return sharded_init.meta_build(self._record_build_rng)
 
     def _record_build_rng(self, state) -> None:
         self._build_rng = state

@@ -158,11 +158,7 @@ class ModelParallelStrategy(Strategy):
         if empty_init is False:
             return super().module_init_context(empty_init)
         self._skip_init = bool(empty_init)
-        stack = contextlib.ExitStack()
-        stack.enter_context(sharded_init.recording_rng(self._record_build_rng))
-        stack.enter_context(sharded_init.deferred())
-        stack.enter_context(torch.device("meta"))
-        return stack
+        return sharded_init.meta_build(self._record_build_rng)
 
     def _record_build_rng(self, state) -> None:
         self._build_rng = state
@@ -372,7 +368,7 @@ class ModelParallelStrategy(Strategy):
             dist.all_gather_object(everyone, local, group=self.device_mesh.get_group(PP))
             expected = {k: v for stage in everyone for k, v in stage.items()}
             found = _stored_model_shapes(path, key)
-            _compare_keys(expected, found, key, type(self.unwrap(state[key])).__name__)
+            ckpt_state.compare_model_keys(expected, found, key, type(self.unwrap(state[key])).__name__)
 
 
 class _ParallelModel(nn.Module):
@@ -437,26 +433,6 @@ def _stored_model_shapes(path, key: str) -> dict[str, tuple]:
         stored = compat.read_dcp_metadata(path).state_dict_metadata
         return {k[len(key) + 1 :]: tuple(getattr(m, "size", ())) for k, m in stored.items() if k.startswith(f"{key}.")}
     return {k: tuple(v.shape) for k, v in ckpt_io.read_state_file(path)[key].items()}
-
-
-def _compare_keys(expected: dict, found: dict, source: str, model_name: str) -> None:
-    missing = [k for k in expected if k not in found]
-    unexpected = [k for k in found if k not in expected]
-    reshaped = [
-        f"{k} {found[k]} in the checkpoint, {expected[k]} here"
-        for k in expected
-        if k in found and found[k] != expected[k]
-    ]
-    problems = [
-        f"{what}: {', '.join(names[:3])}{' …' if len(names) > 3 else ''}"
-        for what, names in (("missing", missing), ("unexpected", unexpected), ("other shapes", reshaped))
-        if names
-    ]
-    if problems:
-        raise ckpt_io.CheckpointError(
-            f"the checkpoint's {source!r} does not fit {model_name} (a checkpoint of another model?): "
-            f"{'; '.join(problems)}"
-        )
 
 
 def options_from_config(config, block_classes) -> dict:

@@ -296,3 +296,13 @@ def recording_rng(record: Callable[[dict[str, Any]], None]):
     """A context that hands the RNG state at its entry to ``record`` (for the replay)."""
     record(record_rng())
     yield
+
+
+def meta_build(record: Callable[[dict[str, Any]], None]) -> contextlib.ExitStack:
+    """The context ``configure_model`` runs in under a sharding strategy: layers built on the meta device,
+    their initialization deferred to the replay, the RNG state at entry handed to ``record``."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(recording_rng(record))
+    stack.enter_context(deferred())
+    stack.enter_context(torch.device("meta"))
+    return stack
