@@ -86,8 +86,7 @@ class FSDPStrategy(Strategy):
         self.device_mesh = device_mesh
         self.forward_prefetch = forward_prefetch
         self.sync_module_states = sync_module_states
-        self._build_rng = None  # the RNG state configure_model started from (sharded_init replays it)
-        self._skip_init = False
+        self._deferred = sharded_init.DeferredBuild()  # configure_model's meta build, initialized at set-up
         self._explain_fsdp1_options(backward_prefetch, use_orig_params)
 
     @staticmethod
@@ -119,11 +118,7 @@ class FSDPStrategy(Strategy):
         weights about to be loaded)."""
         if empty_init is False:
             return super().module_init_context(empty_init)
-        self._skip_init = bool(empty_init)
-        return sharded_init.meta_build(self._record_build_rng)
-
-    def _record_build_rng(self, state) -> None:
-        self._build_rng = state
+        return self._deferred.context(empty_init)
 
     def _mesh(self):
         from torch.distributed.device_mesh import init_device_mesh
@@ -209,10 +204,10 @@ class FSDPStrategy(Strategy):
         if self.forward_prefetch and len(units) > 1:
             for this, nxt in zip(units, units[1:]):
                 this.set_modules_to_forward_prefetch([nxt])
+        rng, skip_init = self._deferred.take()
         if on_meta:
             module.to_empty(device=torch.device("cpu") if self.cpu_offload else self.root_device)
-            if not self._skip_init:
-                rng = self._build_rng or sharded_init.record_rng()  # built on meta by the caller: from here
+            if not skip_init:
                 unit_of = sharded_init.units_of_parameters(module, list(reversed(units)))
                 access = sharded_init.DTensorShards(self.root_device)
                 #: the most bytes of full-size temporaries initialization held at once (one unit at most)
@@ -220,7 +215,6 @@ class FSDPStrategy(Strategy):
             for sub in module.modules():  # offloading moves parameters only: buffers live on the device
                 for name, buf in sub.named_buffers(recurse=False):
                     sub._buffers[name] = buf.to(self.root_device)
-        self._build_rng, self._skip_init = None, False
         return module
 
     def setup(self, module: nn.Module, optimizers=()):

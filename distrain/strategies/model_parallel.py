@@ -101,8 +101,7 @@ class ModelParallelStrategy(Strategy):
         self.device_mesh = None
         self.runner = None  # the pipeline (pipeline_stages > 1), after set-up
         self.tensor_plan: str | None = None  # which plan tensor parallelism applied
-        self._build_rng = None
-        self._skip_init = False
+        self._deferred = sharded_init.DeferredBuild()  # configure_model's meta build, initialized at set-up
 
     # ---- the layout, decided before any rank starts ----------------------------------------------------------
     def connect(self, accelerator, precision, cluster, nprocs: int, num_nodes: int):
@@ -157,11 +156,7 @@ class ModelParallelStrategy(Strategy):
         initializes them to a one-process build's weights (``empty_init=True`` skips that)."""
         if empty_init is False:
             return super().module_init_context(empty_init)
-        self._skip_init = bool(empty_init)
-        return sharded_init.meta_build(self._record_build_rng)
-
-    def _record_build_rng(self, state) -> None:
-        self._build_rng = state
+        return self._deferred.context(empty_init)
 
     def check_module(self, module: nn.Module) -> None:
         from distrain.module import Module
@@ -204,17 +199,16 @@ class ModelParallelStrategy(Strategy):
         if lay.data > 1 and not _fsdp_applied(module):
             self._fully_shard(roots, units)
         retie(ties)
+        rng, skip_init = self._deferred.take()
         if on_meta:
             self._materialize(roots, build.keep if build else [module])
             retie(ties)
-            if not self._skip_init:
-                rng = self._build_rng or sharded_init.record_rng()
+            if not skip_init:
                 blocks = build.plan.blocks if build else units
                 unit_of = sharded_init.units_of_parameters(module, list(blocks))
                 self.init_peak_bytes = sharded_init.replay_initialization(
                     module, rng, _StageShards(self.root_device), unit_of
                 )
-        self._build_rng, self._skip_init = None, False
         if build is not None:
             build.prune(user)  # after initialization: other stages' layers drew their random numbers too
             runner.finish()

@@ -298,11 +298,30 @@ def recording_rng(record: Callable[[dict[str, Any]], None]):
     yield
 
 
-def meta_build(record: Callable[[dict[str, Any]], None]) -> contextlib.ExitStack:
-    """The context ``configure_model`` runs in under a sharding strategy: layers built on the meta device,
-    their initialization deferred to the replay, the RNG state at entry handed to ``record``."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(recording_rng(record))
-    stack.enter_context(deferred())
-    stack.enter_context(torch.device("meta"))
-    return stack
+class DeferredBuild:
+    """What a sharding strategy's ``configure_model`` context leaves for its set-up: the RNG state the build
+    started from (the replay draws from it) and whether to skip initialization (``empty_init=True``)."""
+
+    def __init__(self):
+        self.rng: dict[str, Any] | None = None
+        self.skip = False
+
+    def context(self, empty_init: bool | None) -> contextlib.ExitStack:
+        """Layers built on the meta device, their initialization deferred to the replay, the RNG state at
+        entry recorded."""
+        self.skip = bool(empty_init)
+        stack = contextlib.ExitStack()
+        stack.enter_context(recording_rng(self._record))
+        stack.enter_context(deferred())
+        stack.enter_context(torch.device("meta"))
+        return stack
+
+    def _record(self, state: dict[str, Any]) -> None:
+        self.rng = state
+
+    def take(self) -> tuple[dict[str, Any], bool]:
+        """(the RNG state to replay from — now's, for a model the caller built on meta itself — and whether
+        to skip initialization); the next build starts afresh."""
+        rng, skip = self.rng or record_rng(), self.skip
+        self.rng, self.skip = None, False
+        return rng, skip
