@@ -270,3 +270,15 @@ class Strategy:
 
 def _as_timedelta(value: timedelta | float | None) -> timedelta | None:
     return value if value is None or isinstance(value, timedelta) else timedelta(seconds=float(value))
+
+
+def setup_with_optimizers(setup_module: Callable[[nn.Module], nn.Module], module: nn.Module, optimizers) -> nn.Module:
+    """``setup_module(module)`` for a strategy that replaces the parameters (sharded, DTensor), with the
+    optimizers made before it re-pointed at the new parameters, by name."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    module = setup_module(module)
+    params = dict(module.named_parameters())
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [params[names[id(p)]] if id(p) in names else p for p in group["params"]]
+    return module

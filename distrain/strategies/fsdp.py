@@ -21,7 +21,7 @@ from torch import nn
 
 from distrain.checkpoint import state as ckpt_state
 from distrain.strategies import sharded_init
-from distrain.strategies.base import Strategy
+from distrain.strategies.base import Strategy, setup_with_optimizers
 from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, is_marked_unit
 from distrain.strategies.registry import register
 
@@ -219,12 +219,7 @@ class FSDPStrategy(Strategy):
 
     def setup(self, module: nn.Module, optimizers=()):
         """Optimizers made before sharding point at the replaced parameters: re-point them."""
-        names = {id(p): n for n, p in module.named_parameters()}
-        module = self.setup_module(module)
-        params = dict(module.named_parameters())
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [params[names[id(p)]] if id(p) in names else p for p in group["params"]]
+        module = setup_with_optimizers(self.setup_module, module, optimizers)
         return module, list(optimizers)
 
     # ---- the step ----------------------------------------------------------------------------

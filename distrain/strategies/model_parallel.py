@@ -35,7 +35,7 @@ from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
 from distrain.parallel.layout import DP, PP, SCHEDULES, TP, ParallelLayout
 from distrain.strategies import sharded_init
-from distrain.strategies.base import Strategy, TrainingPlan
+from distrain.strategies.base import Strategy, TrainingPlan, setup_with_optimizers
 from distrain.strategies.fsdp import _built_on_meta, _default_block_classes, _gradient_sync_off
 from distrain.strategies.layers import apply_activation_checkpointing, is_marked_unit
 from distrain.strategies.registry import register
@@ -249,12 +249,7 @@ class ModelParallelStrategy(Strategy):
             raise ValueError(
                 "the pipeline strategy runs inside the Trainer (its schedule runs each step); use Trainer.fit"
             )
-        names = {id(p): n for n, p in module.named_parameters()}
-        module = self.setup_module(module)
-        params = dict(module.named_parameters())
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [params[names[id(p)]] if id(p) in names else p for p in group["params"]]
+        module = setup_with_optimizers(self.setup_module, module, optimizers)
         return _ParallelModel(module, self), list(optimizers)
 
     def setup_training(self, module: nn.Module, optimizers: list, schedulers: list[dict], plan: TrainingPlan):
