@@ -260,12 +260,15 @@ class ModelParallelStrategy(Strategy):
                 "what it means under DDP); set accumulate_grad_batches (training.gradient_accumulation_steps) to "
                 f"{self.microbatches}, or leave microbatches unset"
             )
-        if self.runner is not None and plan.accumulate < self.layout.pipeline and self.is_global_zero and optimizers:
-            warnings.warn(
-                f"distrain: {plan.accumulate} micro-batch(es) per step on {self.layout.pipeline} pipeline stages: "
-                "stages mostly wait for each other; accumulate_grad_batches ≥ the stages (a multiple) keeps them busy",
-                stacklevel=2,
-            )
+        if self.runner is not None and plan.accumulate < self.layout.pipeline and optimizers:
+            self.runner._warned_short = True  # said here once; the schedule's fallback need not say it again
+            if self.is_global_zero:
+                warnings.warn(
+                    f"distrain: {plan.accumulate} micro-batch(es) per step on {self.layout.pipeline} pipeline stages: "
+                    "stages mostly wait for each other (and 1F1B runs breadth-first); accumulate_grad_batches ≥ the "
+                    "stages (a multiple; training.gradient_accumulation_steps) keeps them busy",
+                    stacklevel=2,
+                )
         return _ParallelModel(module, self), [self.setup_optimizer(o) for o in optimizers], schedulers
 
     def unwrap(self, module: nn.Module) -> nn.Module:
