@@ -552,7 +552,7 @@ def validate(config: RunConfig) -> None:
 def _validate_model_parallel(config: RunConfig) -> None:
     """Sizes and names of the model-parallel keys; with a known number of ranks, whether the layout fits."""
     d, t = config.distributed, config.training
-    from distrain.parallel.layout import SCHEDULES, ParallelLayout
+    from distrain.parallel.layout import SCHEDULES, default_stages_per_rank, layout_for
 
     for name in ("tensor_parallel_size", "data_parallel_size"):
         value = getattr(d, name)
@@ -596,18 +596,16 @@ def _validate_model_parallel(config: RunConfig) -> None:
         return
     if not isinstance(d.devices, int):
         return
-    pipeline = d.strategy == "pipeline"
-    world = d.devices * d.num_nodes
-    tp = d.tensor_parallel_size
-    tp = (1 if pipeline else d.devices) if tp == "auto" else tp
-    stages = d.pipeline_stages or ((world // tp if world % tp == 0 else 0) if pipeline else 1)
-    per_rank = d.pipeline_stages_per_rank or (2 if d.pipeline_schedule == "Interleaved1F1B" and stages > 1 else 1)
     try:
-        if pipeline and stages < 2:
-            raise ValueError(
-                f"the pipeline strategy needs at least 2 stages (distributed.pipeline_stages), got {stages}"
-            )
-        ParallelLayout.resolve(world, tp, d.data_parallel_size, stages, per_rank)
+        layout_for(
+            d.devices * d.num_nodes,
+            d.devices,
+            d.strategy == "pipeline",
+            d.tensor_parallel_size,
+            d.data_parallel_size,
+            d.pipeline_stages,
+            d.pipeline_stages_per_rank or default_stages_per_rank(d.pipeline_schedule),
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

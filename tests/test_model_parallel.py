@@ -225,6 +225,14 @@ def test_impossible_layouts_are_refused_in_one_line_before_any_rank_starts(capsy
 
 def test_layout_and_block_split():
     assert ParallelLayout.resolve(8, tensor_parallel_size=2, pipeline_stages=2) == ParallelLayout(2, 2, 2)
+    # "auto" sizes: the config check reads them as the strategies do (one rule, layout_for): model_parallel on 4
+    # devices with 2 stages puts tensor parallelism over the 2 devices each stage has
+    from distrain.config import build_config
+    from distrain.parallel.layout import layout_for
+
+    assert layout_for(4, 4, pipeline_strategy=False, pipeline_stages=2) == ParallelLayout(pipeline=2, tensor=2)
+    options = {"distributed.strategy": "model_parallel", "distributed.devices": 4}
+    build_config(None, options, ["distributed.pipeline_stages=2"])  # refused before: it took tensor = 4
     from distrain.models.gpt import GPT, GPTConfig
     from distrain.parallel.pipeline_plan import _balanced, gpt_plan, split_blocks
 

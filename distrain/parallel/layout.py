@@ -88,3 +88,39 @@ class ParallelLayout:
         ]
         parts += [f"data {self.data}", f"tensor {self.tensor}"]
         return " × ".join(parts)
+
+
+def default_stages_per_rank(schedule: str) -> int:
+    """Model pieces per pipeline rank when none is given: Interleaved1F1B runs 2 (its virtual stages)."""
+    return 2 if schedule == "Interleaved1F1B" else 1
+
+
+def layout_for(
+    world_size: int,
+    devices_per_node: int,
+    pipeline_strategy: bool,
+    tensor_parallel_size: int | str = "auto",
+    data_parallel_size: int | str | None = "auto",
+    pipeline_stages: int | str | None = "auto",
+    stages_per_rank: int = 1,
+) -> ParallelLayout:
+    """The layout a strategy's options ask for, ``"auto"`` resolved the one way the strategies and the config
+    check share. ``strategy="pipeline"``: no tensor parallelism unless asked, every rank it leaves a stage, at
+    least 2 stages. ``strategy="model_parallel"``: no pipeline unless asked, tensor parallelism over one node's
+    devices (shared among the stages)."""
+    tp = tensor_parallel_size
+    if pipeline_strategy:
+        tp = 1 if tp == "auto" else tp
+        stages = pipeline_stages
+        if stages in (None, "auto") and isinstance(tp, int) and tp > 0:
+            stages = max(1, world_size // tp)
+        if isinstance(stages, int) and not isinstance(stages, bool) and stages < 2:
+            raise ValueError(
+                f"the pipeline strategy needs at least 2 stages (distributed.pipeline_stages), got {stages}"
+                + (" (one process: use strategy='single')" if world_size == 1 else "")
+            )
+    else:
+        stages = 1 if pipeline_stages in (None, "auto") else pipeline_stages
+        if tp == "auto":
+            tp = max(1, devices_per_node // stages) if isinstance(stages, int) and stages > 1 else devices_per_node
+    return ParallelLayout.resolve(world_size, tp, data_parallel_size, stages, stages_per_rank)

@@ -33,7 +33,7 @@ from torch import nn
 
 from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
-from distrain.parallel.layout import DP, PP, SCHEDULES, TP, ParallelLayout
+from distrain.parallel.layout import DP, PP, SCHEDULES, TP, ParallelLayout, default_stages_per_rank, layout_for
 from distrain.strategies import sharded_init
 from distrain.strategies.base import Strategy, TrainingPlan, setup_with_optimizers
 from distrain.strategies.fsdp import _built_on_meta, _default_block_classes, _gradient_sync_off
@@ -56,6 +56,8 @@ class ModelParallelStrategy(Strategy):
 
     start_method = "popen"
     collective_forward = True
+    #: "auto" sizes as ``strategy="pipeline"`` reads them (``layout_for``)
+    pipeline_strategy = False
 
     def __init__(
         self,
@@ -83,7 +85,7 @@ class ModelParallelStrategy(Strategy):
                 f"microbatches (distributed.pipeline_microbatches) must be a positive integer, got {microbatches!r}"
             )
         if stages_per_rank is None:
-            stages_per_rank = 2 if schedule == "Interleaved1F1B" else 1
+            stages_per_rank = default_stages_per_rank(schedule)
         if schedule != "Interleaved1F1B" and stages_per_rank != 1:
             raise ValueError(
                 f"stages_per_rank={stages_per_rank} needs schedule='Interleaved1F1B' "
@@ -106,12 +108,14 @@ class ModelParallelStrategy(Strategy):
     # ---- the layout, decided before any rank starts ----------------------------------------------------------
     def connect(self, accelerator, precision, cluster, nprocs: int, num_nodes: int):
         super().connect(accelerator, precision, cluster, nprocs, num_nodes)
-        world = nprocs * num_nodes
-        tp = self.tensor_parallel_size
-        if tp == "auto":
-            tp = max(1, nprocs // self.pipeline_stages) if self.pipeline_stages > 1 else nprocs
-        self.layout = ParallelLayout.resolve(
-            world, tp, self.data_parallel_size_option, self.pipeline_stages, self.stages_per_rank
+        self.layout = layout_for(
+            nprocs * num_nodes,
+            nprocs,
+            self.pipeline_strategy,
+            self.tensor_parallel_size,
+            self.data_parallel_size_option,
+            self.pipeline_stages,
+            self.stages_per_rank,
         )
 
     @property
@@ -441,8 +445,6 @@ def options_from_config(config, block_classes) -> dict:
     )
     if d.strategy == "pipeline":
         options["stages"] = d.pipeline_stages if d.pipeline_stages is not None else "auto"
-        if d.tensor_parallel_size == "auto":
-            options["tensor_parallel_size"] = 1
     else:
         options["pipeline_stages"] = d.pipeline_stages or 1
     return options

@@ -23,6 +23,8 @@ class PipelineStrategy(ModelParallelStrategy):
     ``accumulate_grad_batches``; a different number is refused); ``split_points``: block indices
     or names where stages 2, 3, ... begin (default: balanced by parameter count)."""
 
+    pipeline_strategy = True
+
     def __init__(
         self,
         stages: int | str = "auto",
@@ -41,7 +43,7 @@ class PipelineStrategy(ModelParallelStrategy):
         super().__init__(
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
-            pipeline_stages=1,  # set in connect(), once the number of ranks is known for "auto"
+            pipeline_stages=stages,  # "auto": every rank tensor parallelism leaves (connect)
             schedule=schedule,
             microbatches=microbatches,
             split_points=split_points,
@@ -52,22 +54,6 @@ class PipelineStrategy(ModelParallelStrategy):
             timeout=timeout,
             collective_timeout=collective_timeout,
         )
-        self.stages = stages
-
-    def connect(self, accelerator, precision, cluster, nprocs: int, num_nodes: int):
-        world = nprocs * num_nodes
-        tp = self.tensor_parallel_size if isinstance(self.tensor_parallel_size, int) else 1
-        stages = self.stages
-        if stages == "auto":
-            stages = max(1, world // tp)
-        if isinstance(stages, int) and not isinstance(stages, bool) and stages < 2:
-            raise ValueError(
-                f"the pipeline strategy needs at least 2 stages (distributed.pipeline_stages), got {stages}"
-                + (" (one process: use strategy='single')" if world == 1 else "")
-            )
-        self.pipeline_stages = stages
-        self.tensor_parallel_size = tp
-        super().connect(accelerator, precision, cluster, nprocs, num_nodes)
 
 
 register(
