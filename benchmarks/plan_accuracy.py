@@ -18,7 +18,7 @@ import argparse
 import tempfile
 import time
 
-from distrain.planner.measure import ACCURACY_CASES, Case, hf_dirs, measure_in_processes, predict
+from plan_measure import ACCURACY_CASES, Case, hf_dirs, measure_in_processes, predict
 
 MODELS = ("gpt-tiny", "gpt-mini", "gpt-small", "tiny-llama", "tiny-bert")
 STRATEGIES = ("ddp", "fsdp:FULL_SHARD", "fsdp:SHARD_GRAD_OP", "zero1", "zero2", "zero3")

@@ -38,11 +38,11 @@ def _rank(rank: int, port: int, marks: int, out: dict) -> None:
     rt.barrier()
     start = time.perf_counter()
     for i in range(marks):
-        rt.progress(i // len(PHASES), PHASES[i % len(PHASES)])
+        rt.mark_phase(i // len(PHASES), PHASES[i % len(PHASES)])
     new_phase = (time.perf_counter() - start) / marks
     start = time.perf_counter()
     for _ in range(marks):
-        rt.progress(None, PHASES[-1])
+        rt.mark_phase(None, PHASES[-1])
     same_phase = (time.perf_counter() - start) / marks
     rt.barrier()
     out[rank] = (new_phase, same_phase)

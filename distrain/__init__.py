@@ -7,7 +7,7 @@ from distrain.checkpoint.state import checkpoint_state_of
 from distrain.config import RunConfig, build_config
 from distrain.distributed.watch import CollectiveHangError
 from distrain.module import LossModule, Module
-from distrain.parallel.pipeline_plan import PipelinePlan
+from distrain.parallel.pipeline_split import PipelineSplit
 from distrain.runtime import Runtime, seed_everything
 from distrain.strategies import (
     DDPStrategy,
@@ -36,7 +36,7 @@ __all__ = [
     "FSDPStrategy",
     "ModelParallelStrategy",
     "PipelineStrategy",
-    "PipelinePlan",
+    "PipelineSplit",
     "SingleDeviceStrategy",
     "Callback",
     "ModelCheckpoint",

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shlex
 import sys
 from pathlib import Path
 
-from distrain.config import ConfigError, RunConfig, build_config, save_config
+from distrain.config import ConfigError, RunConfig, build_config
 
 # CLI flag → the config key it sets (one name per knob; aliases live in argparse below)
 FLAG_KEYS = {
@@ -83,6 +82,23 @@ def plan_parser() -> argparse.ArgumentParser:
     return plan
 
 
+def verify_parser() -> argparse.ArgumentParser:
+    verify = train_parser(
+        "distrain verify",
+        "a few steps of this exact run (strategy, layout, precision, accumulation, checkpointing, compile) against "
+        "one process on the same global batch: losses, gradients and weights per module, data, replicas, the "
+        "optimizer's coverage, a checkpoint round trip, the dtypes used; exit code 1 when anything diverges",
+    )
+    verify.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
+    verify.add_argument("--json", action="store_true", help="the report as JSON")
+    verify.add_argument(
+        "--shrink",
+        action="store_true",
+        help="the model's family, 2 blocks and 64 wide: verify a layout too big for here",
+    )
+    return verify
+
+
 def convert_parser() -> argparse.ArgumentParser:
     convert = argparse.ArgumentParser(
         prog="distrain convert", description="consolidate a (sharded) checkpoint into one weights file"
@@ -105,7 +121,7 @@ def launch_parser() -> argparse.ArgumentParser:
     )
     sub = launch.add_subparsers(dest="engine", required=True)
     tr = sub.add_parser("torchrun", help="print (or --run) the per-node torchrun command, c10d rendezvous")
-    tr.add_argument("--nnodes", type=int, required=True)
+    tr.add_argument("--nnodes", required=True, metavar="N|MIN:MAX", help="MIN:MAX: elastic (the global batch is kept)")
     tr.add_argument("--nproc-per-node", type=int, required=True)
     tr.add_argument("--rdzv-endpoint", required=True, metavar="HOST:PORT")
     tr.add_argument("--max-restarts", type=int, default=0)
@@ -115,11 +131,13 @@ def launch_parser() -> argparse.ArgumentParser:
     sl.add_argument("--gpus-per-node", type=int, required=True)
     sl.add_argument("--time", required=True, metavar="HH:MM:SS")
     sl.add_argument("--partition")
+    sl.add_argument("--min-nodes", type=int, help="elastic: start (and requeue) on MIN to --nodes nodes")
     sl.add_argument("--output", default="distrain.sbatch")
     k8 = sub.add_parser("k8s", help="write a Kubeflow PyTorchJob manifest")
     k8.add_argument("--nodes", type=int, required=True)
     k8.add_argument("--gpus-per-node", type=int, required=True)
     k8.add_argument("--image", required=True)
+    k8.add_argument("--min-nodes", type=int, help="elastic: the PyTorchJob runs MIN to --nodes pods (torchrun c10d)")
     k8.add_argument("--output", default="pytorchjob.yaml")
     sky = sub.add_parser("sky", help="write a SkyPilot task (AWS, GCP, Azure, Kubernetes, ...); --run launches it")
     sky.add_argument("--nodes", type=int, required=True)
@@ -159,9 +177,13 @@ def launch(argv: list[str]) -> int:
     if args.engine == "sky":
         return launch_sky(args, train_args)
     if args.engine == "slurm":
-        text = jobscripts.sbatch_script(args.nodes, args.gpus_per_node, args.time, train_args, args.partition)
+        text = jobscripts.sbatch_script(
+            args.nodes, args.gpus_per_node, args.time, train_args, args.partition, min_nodes=args.min_nodes
+        )
     else:
-        text = jobscripts.pytorchjob_manifest(args.nodes, args.gpus_per_node, args.image, train_args)
+        text = jobscripts.pytorchjob_manifest(
+            args.nodes, args.gpus_per_node, args.image, train_args, min_nodes=args.min_nodes
+        )
     Path(args.output).write_text(text)
     print(f"distrain: wrote {args.output}")
     return 0
@@ -227,6 +249,7 @@ def plot_parser() -> argparse.ArgumentParser:
 COMMANDS = {
     "train": train_parser,
     "plan": plan_parser,
+    "verify": verify_parser,
     "convert": convert_parser,
     "launch": launch_parser,
     "doctor": doctor_parser,
@@ -234,7 +257,7 @@ COMMANDS = {
     "bench": lambda: __import__("distrain.bench", fromlist=["bench_parser"]).bench_parser(),
 }
 USAGE = (
-    "usage: distrain {train,plan,convert,launch,doctor,plot,bench} [options]   "
+    "usage: distrain {train,plan,verify,convert,launch,doctor,plot,bench} [options]   "
     "(`distrain COMMAND -h` for help; no command means train)"
 )
 
@@ -267,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         flags = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
-        if command == "plan":  # `all` (every option) is the plan's own value, not a strategy to configure
+        if command == "plan" and args.strategy == "all":  # every option: the plan's own value, not a strategy
             flags.pop("distributed.strategy", None)
         config = build_config(args.config, flags, args.overrides)
     except ConfigError as e:
@@ -289,248 +312,50 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
     try:
+        if command == "verify":
+            from distrain.jobs.run import shrink, verify
+
+            if args.shrink:
+                shrink(config)
+            return verify(config, args.steps, args.json)
         return train(config, resume=args.resume)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        if not getattr(e, "distrain_reported", False):  # the launcher already named the rank and the log
+    except Exception as e:
+        if getattr(e, "distrain_reported", False):  # the launcher already named the rank and the log
+            return 1
+        if _is_distrain_message(e):  # a problem distrain names itself (a config key, a file): one line
             print(f"distrain: error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # inside a rank: one line here, the traceback in that rank's log
-        if not getattr(e, "distrain_reported", False):
-            rank = os.environ.get("RANK", "0")
-            log = Path(config.output_dir) / "logs" / f"rank_{rank}.log"
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            print(f"distrain: error on rank {rank}: {type(e).__name__}: {first} (traceback: {log})", file=sys.stderr)
+            return 2
+        # anything else (torch's, a library's, a bug): its traceback in this rank's log, one line here
+        from distrain.launch import rank_log, record_failure
+
+        rank = int(os.environ.get("RANK", "0"))
+        log_dir = str(Path(config.output_dir) / "logs")
+        if not getattr(e, "distrain_recorded", False):  # raised before the rank's log existed
+            record_failure(log_dir, rank, e)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        log = rank_log(log_dir, rank)
+        print(f"distrain: error on rank {rank}: {type(e).__name__}: {first} (traceback: {log})", file=sys.stderr)
         return 1
 
 
-def train(config: RunConfig, resume: str | None = None) -> int:
-    from torch.utils.data import DataLoader
-
-    from distrain import launch
-    from distrain.callbacks import ModelCheckpoint
-    from distrain.data import byte_datasets
-    from distrain.loggers import JSONLLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
-    from distrain.models.gpt import GPT_SIZES
-    from distrain.models.lm import GPTLanguageModel
-    from distrain.strategies import registry
-    from distrain.trainer import Trainer
-
-    t, d, c, lg, data = config.training, config.distributed, config.checkpointing, config.logging, config.data
-    if d.pipeline_microbatches:  # a pipeline's micro-batches are the accumulation micro-batches (validated to agree)
-        t.gradient_accumulation_steps = d.pipeline_microbatches
-    hf_job = user_module = None
-    if t.module is not None:  # a Module of the user's own: imported (and built) before any rank starts
-        from distrain.runtime import seed_everything
-
-        seed_everything(t.seed)  # its layers built in __init__ draw from training.seed, as a script's would
-        user_module = load_user_module(t.module, t.module_args)
-    elif t.model_name not in GPT_SIZES:  # a Hugging Face hub name or local directory
-        from distrain.hf.job import HFJob
-
-        hf_job = HFJob(config)  # reads the model's config only: a bad name fails before any rank starts
-    out = Path(config.output_dir)
-    ckpt_dir = Path(c.checkpoint_dir) if c.checkpoint_dir else out / "checkpoints"
-    # --resume auto (requeued/restarted jobs): the newest intact checkpoint if there is one, else a fresh start
-    if resume == "last" and not (ckpt_dir / "last").exists():
-        raise FileNotFoundError(f"--resume last: no checkpoint in {ckpt_dir} to resume from")
-
-    loggers = [JSONLLogger(str(out))]
-    if lg.use_tensorboard:
-        loggers.append(TensorBoardLogger(str(out)))
-    if lg.use_wandb:
-        loggers.append(WandbLogger(project=lg.wandb_project, name=out.name, save_dir=str(out), mode=lg.wandb_mode))
-    if lg.use_mlflow:
-        # no URI anywhere: a SQLite store in the run directory (MLflow 3 refuses its old ./mlruns default)
-        uri = lg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out.resolve()}/mlflow.db"
-        loggers.append(MLFlowLogger(experiment_name=lg.mlflow_experiment, tracking_uri=uri, run_name=out.name))
-    from distrain.models.gpt import Block
-
-    # the repeated layer: FSDP unit, checkpointed
-    if user_module is not None:
-        from distrain.strategies.fsdp import _default_block_classes
-
-        blocks = _default_block_classes(user_module) or set()
-    else:
-        blocks = hf_job.block_classes if hf_job else {Block}
-
-    # the memory plan: strategy auto, activation_checkpointing auto, a warning when it will not fit
-    from distrain.planner.cli import Decision, decide_for_training, print_messages
-
-    # a Module of the user's own is planned by Trainer.fit (strategy auto), from the module itself
-    decision = decide_for_training(config, hf_job) if user_module is None else Decision(strategy=d.strategy)
-    print_messages(decision)
-    if decision.stop:
-        return 2
-    strategy = decision.strategy
-    every_n = config.fsdp.activation_checkpointing.every_n_layers
-    # the spec's fsdp/top-level section is an alias; a DeepSpeed JSON that configures how activations are
-    # checkpointed (partitioned, on the CPU) asks for it too
-    use_ac = (
-        t.activation_checkpointing is True
-        or config.fsdp.activation_checkpointing.enabled
-        or _deepspeed_asks_for_ac(config)
-    )
-    strategy_options = {
-        "activation_checkpointing_policy": {"classes": blocks, "every_n": every_n} if use_ac else None,
-        **registry.options_from_config(strategy, config, blocks),
-        **decision.strategy_options(blocks),
-    }
-    trainer = Trainer(
-        accelerator=d.accelerator,
-        devices=d.devices,
-        num_nodes=d.num_nodes,
-        strategy=strategy,
-        precision=t.precision,
-        max_epochs=t.num_epochs,
-        max_steps=t.max_steps,
-        accumulate_grad_batches=t.gradient_accumulation_steps,
-        gradient_clip_val=t.max_grad_norm,
-        val_check_interval=t.val_check_interval,
-        limit_val_batches=t.limit_val_batches,
-        log_every_n_steps=lg.log_every_n_steps,
-        default_root_dir=str(out),
-        callbacks=[
-            ModelCheckpoint(
-                dirpath=str(ckpt_dir),
-                every_n_train_steps=c.save_every_n_steps,
-                save_top_k=c.keep_last_n,
-                save_last=True,
-            )
-        ],
-        logger=loggers,
-        seed=t.seed,
-        enable_progress_bar=lg.progress_bar,
-        enable_plots=lg.plot_summary,
-        histogram_every_n_steps=lg.histogram_every_n_steps,
-        compile=t.compile,
-        process_group_backend=d.backend,
-        timeout=d.timeout_seconds,
-        collective_timeout=d.collective_timeout_seconds,
-        on_nonfinite=t.on_nonfinite,
-        **strategy_options,
-    )
-    trainer.run_config = config.to_dict()
-    if trainer.is_global_zero and not os.environ.get("DISTRAIN_LAUNCHED_CHILD"):
-        launch.tee_output(trainer.runtime.log_dir, 0)  # the run's header belongs in rank 0's log too
-    _check_pipeline_blocks(trainer, config, hf_job, user_module)
-
-    if hf_job is not None:
-        hf_job.fit(trainer, resume)
-        return _finish(trainer, out)
-    if user_module is not None:
-        if trainer.is_global_zero:
-            out.mkdir(parents=True, exist_ok=True)
-            save_config(config, out / "config.yaml")
-            print(
-                f"distrain: {t.module} on {trainer.world_size} process(es), strategy {d.strategy} → {out}", flush=True
-            )
-        trainer.fit(user_module, datamodule=user_module, ckpt_path=resume)
-        return _finish(trainer, out)
-    train_set, val_set = byte_datasets(data.dataset, data.seq_len, data.max_bytes, data.val_fraction)
-    global_batch = t.batch_size_per_gpu * trainer.data_parallel_size * t.gradient_accumulation_steps
-    steps_per_epoch = math.ceil(len(train_set) / global_batch)
-    total_steps = t.max_steps if t.max_steps > 0 else steps_per_epoch * t.num_epochs
-    module = GPTLanguageModel(
-        model_name=t.model_name,
-        block_size=data.seq_len,
-        learning_rate=t.learning_rate,
-        weight_decay=t.weight_decay,
-        warmup_steps=int(t.warmup_ratio * total_steps),
-        total_steps=total_steps,
-        lr_schedule=t.lr_schedule,
-    )
-    loader = lambda ds, shuffle: DataLoader(  # noqa: E731
-        ds, batch_size=t.batch_size_per_gpu, shuffle=shuffle, num_workers=data.num_workers, drop_last=shuffle
-    )
-    if trainer.is_global_zero:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(config, out / "config.yaml")
-        print(
-            f"distrain: {t.model_name} on {trainer.world_size} process(es), "
-            f"strategy {strategy}{trainer.strategy.layout_note}, "
-            f"global batch {global_batch} × {data.seq_len} bytes, {total_steps} steps → {out}",
-            flush=True,
-        )
-    trainer.fit(module, loader(train_set, True), loader(val_set, False), ckpt_path=resume)
-    return _finish(trainer, out)
-
-
-def _check_pipeline_blocks(trainer, config: RunConfig, hf_job, user_module) -> None:
-    """More pipeline stages than the model has blocks: refused before any rank starts (a Module of
-    your own is checked in the ranks, once it is built)."""
-    from distrain.models.gpt import GPT_SIZES
-
-    layout = getattr(trainer.strategy, "layout", None)
-    if layout is None or layout.num_stages < 2 or user_module is not None:
-        return
-    if hf_job is not None:
-        blocks = getattr(hf_job.hf_config, "num_hidden_layers", None)
-    else:
-        blocks = GPT_SIZES[config.training.model_name]["n_layer"]
-    if blocks is not None and layout.num_stages > blocks:
-        raise ConfigError(
-            f"{layout.num_stages} pipeline stages (distributed.pipeline_stages"
-            f"{' × pipeline_stages_per_rank' if layout.stages_per_rank > 1 else ''}) but "
-            f"{config.training.model_name} has {blocks} blocks: each stage needs at least one"
-        )
-
-
-def _deepspeed_asks_for_ac(config: RunConfig) -> bool:
-    if config.deepspeed.config is None:
+def _is_distrain_message(error: BaseException) -> bool:
+    """distrain's own one-line errors: a ConfigError, a missing file, or a ValueError distrain itself raised
+    (argument checks). A ValueError from inside torch or another library is not one: it needs its traceback."""
+    if isinstance(error, (ConfigError, FileNotFoundError)):
+        return True
+    if not isinstance(error, ValueError):
         return False
-    from distrain.strategies.deepspeed_config import read_user_config
+    import traceback
 
-    section = (read_user_config(config.deepspeed.config)[0] or {}).get("activation_checkpointing") or {}
-    return any(section.get(k) for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"))
-
-
-def load_user_module(spec: str, args: dict):
-    """``package.module:Class`` or ``path/to/file.py:Class`` → an instance built with ``args``."""
-    import importlib
-    import importlib.util
-
-    from distrain.module import Module
-
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
-        raise ConfigError(f"training.module {spec!r}: write it as package.module:Class or path/to/file.py:Class")
-    try:
-        if where.endswith(".py"):
-            if not Path(where).is_file():
-                raise ConfigError(f"training.module {spec!r}: no such file {where}")
-            loader_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-            source = importlib.util.module_from_spec(loader_spec)
-            sys.modules[loader_spec.name] = source  # spawned ranks unpickle the module's class by this name
-            loader_spec.loader.exec_module(source)
-            folder = str(Path(where).resolve().parent)
-            if folder not in sys.path:  # spawned ranks (ddp_spawn) start with our sys.path and import it by name
-                sys.path.append(folder)
-        else:
-            source = importlib.import_module(where)
-    except ImportError as e:
-        raise ConfigError(f"training.module {spec!r}: cannot import {where} ({e})") from None
-    cls = getattr(source, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, Module)):
-        raise ConfigError(f"training.module {spec!r}: {where} has no distrain.Module subclass named {name!r}")
-    if not callable(getattr(cls, "train_dataloader", None)):
-        raise ConfigError(
-            f"training.module {spec!r}: {name} must define train_dataloader() (the CLI has no data "
-            "for a module of your own)"
-        )
-    try:
-        return cls(**args)
-    except TypeError as e:
-        raise ConfigError(f"training.module_args {args!r} do not fit {name}: {e}") from None
+    frames = traceback.extract_tb(error.__traceback__)
+    package = str(Path(__file__).parent)
+    return bool(frames) and frames[-1].filename.startswith(package)
 
 
-def _finish(trainer, out: Path) -> int:
-    marker = out / "PREEMPTED"  # tells a job script that `--resume auto` has more to do
-    if trainer.is_global_zero:
-        marker.write_text(f"{trainer.preempted}\n") if trainer.preempted else marker.unlink(missing_ok=True)
-    if trainer.is_global_zero:
-        cb = trainer.checkpoint_callback
-        print(f"distrain: done at step {trainer.global_step}; last checkpoint: {cb.last_model_path}", flush=True)
-    return 0
+def train(config: RunConfig, resume: str | None = None) -> int:
+    from distrain.jobs import run
+
+    return run(config, resume)
 
 
 def plot(runs: list[str], output: str, labels: list[str] | None, title: str | None) -> int:

@@ -8,9 +8,7 @@ by name, instead of deep inside a training run. Supported torch: see ``pyproject
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import pickle
 from datetime import timedelta
 from typing import Any
 
@@ -156,20 +154,29 @@ def is_fake(tensor: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int):
+def fake_process_group(world_size: int, forked_child: bool = False):
     """A default process group of ``world_size`` ranks in this one process that communicates
     nothing (we are rank 0): FSDP2 shards, all-gathers and reduce-scatters as on a real group.
     The "fake" backend registers itself when ``torch.testing._internal.distributed.fake_pg`` is
-    imported (checked on torch 2.13.0; torchtitan's memory estimator does the same)."""
+    imported (checked on torch 2.13.0; torchtitan's memory estimator does the same).
+
+    ``forked_child``: a child forked from a process that holds a group (planning inside a rank, or after a
+    run in a notebook) forgets that group — a fresh ``distributed_c10d._World()`` (torch 2.13.0) — and never
+    destroys anything: destroying joins the inherited group's threads, which did not survive the fork."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 
-    if dist.is_initialized():
+    c10d = dist.distributed_c10d
+    inherited = dist.is_initialized()
+    if inherited and not forked_child:
         raise RuntimeError("a process group already exists in this process; the fake one needs a process of its own")
+    if inherited:
+        c10d._world = c10d._World()
     dist.init_process_group("fake", rank=0, world_size=world_size, store=dist.HashStore())
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if not inherited:
+            dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -229,53 +236,6 @@ def deepspeed_without_shm_op():
             ops["deepspeed_shm_comm"] = before
 
 
-def deepspeed_record_classes() -> list[type]:
-    """The plain-record classes DeepSpeed pickles into its checkpoints, allowed by name for
-    ``torch.load(weights_only=True)``."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, ZeroStageEnum, fragment_address]
-
-
-@contextlib.contextmanager
-def deepspeed_safe_globals(force_weights_only: bool = False):
-    """DeepSpeed's record classes allowed for ``weights_only=True`` loads; ``force_weights_only``
-    also turns DeepSpeed's own ``torch.load(..., weights_only=False)`` calls into safe ones
-    (``zero_to_fp32`` and ``ds_to_universal`` have no switch for it), by replacing ``torch.load``
-    for the duration of the context only."""
-    original = torch.load
-    # only what is not allowed yet: torch's context removes its globals on exit, even when an
-    # enclosing context (a nested load) had added them too
-    missing = [g for g in deepspeed_record_classes() if g not in torch.serialization.get_safe_globals()]
-    with torch.serialization.safe_globals(missing):
-        if force_weights_only:
-            torch.load = functools.partial(_load_weights_only, original)
-        try:
-            yield
-        finally:
-            torch.load = original
-
-
-def _load_weights_only(load, *args, **kwargs):
-    kwargs["weights_only"] = True
-    return load(*args, **kwargs)
-
-
-def deepspeed_safe_checkpoint_loading(engine) -> None:
-    """Make the engine's checkpoint engine load with ``weights_only=True`` (its own ``load``
-    unpickles anything). ``engine.checkpoint_engine.load(path, map_location)``: deepspeed 0.19.8."""
-    if engine.checkpoint_engine is None:  # an engine without optimizer has none
-        return
-
-    def load(path: str, map_location=None):
-        with deepspeed_safe_globals():
-            return torch.load(path, map_location=map_location, weights_only=True)
-
-    engine.checkpoint_engine.load = load
-
-
 @contextlib.contextmanager
 def deepspeed_universal_loading(engine):
     """Load the next checkpoint in DeepSpeed's universal format (resharded to this world size).
@@ -283,8 +243,7 @@ def deepspeed_universal_loading(engine):
     reads it on each ``load_checkpoint``."""
     engine._config.load_universal_checkpoint = True
     try:
-        with deepspeed_safe_globals(force_weights_only=True):
-            yield
+        yield
     finally:
         engine._config.load_universal_checkpoint = False
 
@@ -305,7 +264,7 @@ def deepspeed_to_universal(input_folder: str, output_folder: str) -> None:
         strict=True,
         inject_missing_state=True,
     )  # the version record Megatron clients write
-    with deepspeed_safe_globals(force_weights_only=True), contextlib.redirect_stdout(None):
+    with contextlib.redirect_stdout(None):
         ds_to_universal.main(args)
 
 
@@ -321,69 +280,6 @@ def transformers_no_init_weights():
     except ImportError:
         from transformers.modeling_utils import no_init_weights
     return no_init_weights()
-
-
-# ---- torch.distributed.checkpoint metadata, read without unpickling code ---------------------------------------
-# Checked against torch 2.13.0: FileSystemReader.read_metadata does a plain ``pickle.load`` of
-# ``.metadata``, so a crafted file runs code on load. These classes are all a real one holds.
-_DCP_METADATA_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _DCPMetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        allowed = (module, name) in _DCP_METADATA_GLOBALS or module == "torch.distributed.checkpoint.metadata"
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            allowed = True
-        if not allowed:
-            raise pickle.UnpicklingError(
-                f"DCP .metadata refers to {module}.{name}, which a checkpoint's metadata never holds; "
-                "refusing to load it (it could run code)"
-            )
-        return super().find_class(module, name)
-
-
-def read_dcp_metadata(path):
-    """A DCP checkpoint's ``Metadata``, through the restricted unpickler."""
-    from pathlib import Path
-
-    with open(Path(path) / ".metadata", "rb") as f:
-        return _DCPMetadataUnpickler(f).load()
-
-
-def safe_dcp_reader(path):
-    """torch's ``FileSystemReader`` whose ``read_metadata`` uses the restricted unpickler (it mirrors
-    torch 2.13.0's own: the metadata path, then ``storage_meta.load_id``)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeFileSystemReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-                metadata = _DCPMetadataUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeFileSystemReader(str(path))
-
-
-def dcp_storage_extents(path) -> dict[str, int]:
-    """``file name → bytes its items need`` from a DCP checkpoint's metadata (``storage_data`` maps
-    each item to a ``_StorageInfo(relative_path, offset, length)``: torch 2.13.0)."""
-    extents: dict[str, int] = {}
-    for info in read_dcp_metadata(path).storage_data.values():
-        extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
-    return extents
 
 
 # ---- torchao (precision="fp8") ------------------------------------------------------------------------------

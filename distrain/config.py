@@ -23,6 +23,17 @@ from typing import Any, Union
 import yaml
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
+#: top-level keys of a DeepSpeed JSON (not distrain's sections): such a file given as the run's config
+DEEPSPEED_KEYS = {
+    "zero_optimization",
+    "train_micro_batch_size_per_gpu",
+    "train_batch_size",
+    "gradient_accumulation_steps",
+    "zero_allow_untested_optimizer",
+}
+#: checks of the strategies' own keys, each registered by its strategy's file (``registry.register``): config.py
+#: knows no strategy
+CHECKS: list = []
 
 
 class ConfigError(ValueError):
@@ -40,6 +51,12 @@ class TrainingConfig:
     """Hugging Face models: ``causal_lm`` or ``sequence_classification``; null → from the model's config."""
     pretrained: bool = True
     """Hugging Face models: load the model's weights (``from_pretrained``); false → fresh ones (``from_config``)."""
+    model_config: dict[str, Any] = field(default_factory=dict)
+    """Hugging Face models: fields of the model's config to override (e.g. ``{num_hidden_layers: 2}``; other
+    shapes need ``pretrained: false``). ``distrain verify --shrink`` sets them."""
+    trust_remote_code: bool = False
+    """Hugging Face models: let a model repository's own Python code run to load its config and tokenizer
+    (``trust_remote_code``). Off by default: a repository's code runs with your permissions."""
     num_labels: int | None = None
     """sequence_classification: number of classes; null → from the dataset's labels."""
     batch_size_per_gpu: int = 8
@@ -128,6 +145,10 @@ class CheckpointingConfig:
     checkpoint_dir: str | None = None
     """Defaults to ``<output_dir>/checkpoints``."""
     keep_last_n: int = 2
+    async_save: bool = False
+    """Write checkpoints in the background (DCP ``async_save``): a save stalls training only while the state is
+    copied into host memory; it is committed (atomically, as a synchronous one) at the next save or the end of the
+    run. Not with DeepSpeed, whose engine writes its own files."""
     export_hf: bool = True
     """Hugging Face models: write a ``from_pretrained`` directory to ``<output_dir>/hf`` when training ends."""
 
@@ -310,9 +331,7 @@ def build_config(
     config.mapped_keys = []  # spec-style keys and where they went, for --print-config
     if file is not None:
         tree = load_config_file(file)
-        from distrain.strategies.deepspeed_config import looks_like_deepspeed_config
-
-        if looks_like_deepspeed_config(tree):  # the spec's deepspeed_config.json, given as the run's config
+        if tree.keys() & DEEPSPEED_KEYS:  # the spec's deepspeed_config.json, given as the run's config
             tree = {"distributed": {"strategy": "deepspeed"}, "deepspeed": {"config": str(Path(file).resolve())}}
         tree = map_spec_keys(tree, config.mapped_keys)
         apply_tree(config, tree, source=str(file))
@@ -503,111 +522,8 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"distributed.accelerator must be auto, cpu or gpu, got {d.accelerator!r}")
     if d.backend not in (None, "gloo", "nccl"):
         raise ConfigError(f"distributed.backend must be gloo or nccl, got {d.backend!r}")
-    from distrain.strategies import registry
-
-    if d.strategy not in registry.names():
-        try:
-            registry.lookup(d.strategy)
-        except ValueError as e:  # unknown, or one that another library runs: the message says what replaces it
-            raise ConfigError(f"distributed.{e}") from None
-    from distrain.strategies.ddp import COMM_HOOKS
-
-    f = config.fsdp
-    from distrain.strategies.fsdp import SHARDING_STRATEGIES
-
-    if f.sharding_strategy not in SHARDING_STRATEGIES:
-        raise ConfigError(
-            f"fsdp.sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {f.sharding_strategy!r}"
-        )
-    if f.auto_wrap_policy not in (None, "transformer_based", "size_based"):
-        raise ConfigError(
-            f"fsdp.auto_wrap_policy must be transformer_based, size_based or null, got {f.auto_wrap_policy!r}"
-        )
-    if f.state_dict_type not in ("sharded", "full"):
-        raise ConfigError(f"fsdp.state_dict_type must be sharded or full, got {f.state_dict_type!r}")
-    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
-        value = getattr(f.mixed_precision, name)
-        if value not in (None, "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
-            raise ConfigError(f"fsdp.mixed_precision.{name} must be bf16, fp16 or fp32, got {value!r}")
-    ds = config.deepspeed
-    if ds.stage not in (0, 1, 2, 3):
-        raise ConfigError(f"deepspeed.stage must be 0, 1, 2 or 3, got {ds.stage}")
-    if ds.config is not None and registry.lookup(registry.resolve_auto(d.strategy, 2)).config_section != "deepspeed":
-        raise ConfigError(
-            f"deepspeed.config is set ({ds.config}) but distributed.strategy is {d.strategy!r}; "
-            "use strategy deepspeed (or a deepspeed_stage_* preset), or drop the DeepSpeed config"
-        )
-    if registry.lookup(registry.resolve_auto(d.strategy, 2)).config_section == "deepspeed":
-        for key, on in (("training.compile", t.compile), ("training.precision=fp8", t.precision == "fp8")):
-            if on:
-                raise ConfigError(f"{key} is not supported with distributed.strategy {d.strategy!r} (DeepSpeed)")
-    for name in ("offload_optimizer_device", "offload_params_device"):
-        if getattr(ds, name) not in ("cpu", "nvme"):
-            raise ConfigError(f"deepspeed.{name} must be cpu or nvme, got {getattr(ds, name)!r}")
-    _validate_model_parallel(config)
-    if d.comm_hook is not None and d.comm_hook not in COMM_HOOKS:
-        raise ConfigError(f"distributed.comm_hook {d.comm_hook!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
-
-
-def _validate_model_parallel(config: RunConfig) -> None:
-    """Sizes and names of the model-parallel keys; with a known number of ranks, whether the layout fits."""
-    d, t = config.distributed, config.training
-    from distrain.parallel.layout import SCHEDULES, default_stages_per_rank, layout_for
-
-    for name in ("tensor_parallel_size", "data_parallel_size"):
-        value = getattr(d, name)
-        if value != "auto" and (not isinstance(value, int) or value < 1):
-            raise ConfigError(f"distributed.{name} must be a positive integer or 'auto', got {value!r}")
-    for name in ("pipeline_stages", "pipeline_microbatches", "pipeline_stages_per_rank"):
-        value = getattr(d, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"distributed.{name} must be a positive integer or null, got {value}")
-    if d.pipeline_schedule not in SCHEDULES:
-        raise ConfigError(
-            f"distributed.pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {d.pipeline_schedule!r}"
-        )
-    if d.pipeline_microbatches is not None and t.gradient_accumulation_steps not in (1, d.pipeline_microbatches):
-        raise ConfigError(
-            f"distributed.pipeline_microbatches={d.pipeline_microbatches} but training.gradient_accumulation_steps="
-            f"{t.gradient_accumulation_steps}: the pipeline's micro-batches are the accumulation micro-batches; set one"
-        )
-    if d.strategy not in ("model_parallel", "pipeline"):
-        # a layout asked of a strategy that has none would be ignored: the run would not be what the file says
-        defaults = DistributedConfig()
-        asked = [
-            f"distributed.{name}={getattr(d, name)}"
-            for name in (
-                "tensor_parallel_size",
-                "data_parallel_size",
-                "sequence_parallel",
-                "pipeline_stages",
-                "pipeline_schedule",
-                "pipeline_microbatches",
-                "pipeline_split_points",
-                "pipeline_stages_per_rank",
-            )
-            if getattr(d, name) != getattr(defaults, name)
-        ]
-        if asked:
-            raise ConfigError(
-                f"{', '.join(asked)} applies to strategy model_parallel or pipeline, but the strategy is "
-                f"{d.strategy}; choose one of those (--strategy model_parallel) or remove the key"
-            )
-        return
-    if not isinstance(d.devices, int):
-        return
-    try:
-        layout_for(
-            d.devices * d.num_nodes,
-            d.devices,
-            d.strategy == "pipeline",
-            d.tensor_parallel_size,
-            d.data_parallel_size,
-            d.pipeline_stages,
-            d.pipeline_stages_per_rank or default_stages_per_rank(d.pipeline_schedule),
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    for check in CHECKS:
+        check(config)
 
 
 def save_config(config: RunConfig, path: str | os.PathLike) -> None:

@@ -72,12 +72,13 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 def with_distributed_sampler(
-    loader: DataLoader, num_replicas: int, rank: int, seed: int, even: bool = True
+    loader: DataLoader, num_replicas: int, rank: int, seed: int, even: bool = True, batch_size: int | None = None
 ) -> DataLoader:
     """The same DataLoader, re-built around a ResumableDistributedSampler.
 
     Shuffling is kept as the user asked (a RandomSampler means shuffle). Iterable datasets and
-    custom batch samplers are returned unchanged — they own their own sharding.
+    custom batch samplers are returned unchanged — they own their own sharding. ``batch_size``: another
+    micro-batch than the loader's (an elastic resume keeping the global batch).
     """
     if isinstance(loader.dataset, IterableDataset) or isinstance(loader.sampler, ResumableDistributedSampler):
         return loader
@@ -107,7 +108,7 @@ def with_distributed_sampler(
     )
     distributed = DataLoader(
         loader.dataset,
-        batch_size=loader.batch_size,
+        batch_size=batch_size or loader.batch_size,
         sampler=sampler,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,

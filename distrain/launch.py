@@ -84,19 +84,21 @@ class SubprocessLauncher:
         self.node_rank = node_rank
         self.procs: list[subprocess.Popen] = []
         self._started = False
+        self._started_at = time.time()  # failure records older than this are an earlier run's
         self._stopping = False  # set before we stop the others ourselves: their exit is not news
         #: where each rank's output and failure record go (the Trainer: ``<run dir>/logs``); None: the console
         self.log_dir: str | None = None
 
     def launch(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         if not self._started:  # also with one process per node: this process needs its rank env
+            self._started_at = time.time()
             self._start_others()
             self._started = True
         try:
             return fn(*args, **kwargs)
         except BaseException as error:
             self._kill_others()  # they would wait for rank 0 in a collective until the timeout
-            summary = failure_summary(self.log_dir)
+            summary = failure_summary(self.log_dir, since=self._started_at)
             if summary:  # the first failure may be another rank's: this one's error may be its consequence
                 print(summary, file=sys.stderr, flush=True)
                 error.distrain_reported = True
@@ -130,7 +132,7 @@ class SubprocessLauncher:
                 if code is not None and code != 0 and not self._stopping:
                     self._stopping = True
                     rank = self.node_rank * self.nprocs + local_rank
-                    summary = failure_summary(self.log_dir, wait_for=rank)
+                    summary = failure_summary(self.log_dir, wait_for=rank, since=self._started_at)
                     print(
                         summary or f"[distrain] rank {rank} exited with code {code}; stopping the other ranks",
                         file=sys.stderr,
@@ -296,27 +298,38 @@ def record_failure(log_dir: str | None, rank: int, error: BaseException) -> None
         log.write("".join(traceback.format_exception(error)))
     with open(os.path.join(log_dir, f"rank_{rank}.error.json"), "w") as f:
         json.dump(record, f)
+    error.distrain_recorded = True
 
 
-def failure_summary(log_dir: str | None, wait_for: int | None = None) -> str | None:
+def _written_since(path: str, since: float) -> bool:
+    try:
+        return os.path.getmtime(path) >= since
+    except OSError:
+        return False
+
+
+def failure_summary(log_dir: str | None, wait_for: int | None = None, since: float = 0.0) -> str | None:
     """Which rank failed first, how, and where its whole output is; the later failures (often the
-    consequence of the first: a peer that left) in one line each."""
+    consequence of the first: a peer that left) in one line each. Records an earlier run left in the same
+    directory (a resumed run's: older than ``since``, when this run started) are not this run's."""
     if log_dir is None:
         return None
     import json
 
-    record = os.path.join(log_dir, f"rank_{wait_for}.error.json") if wait_for is not None else None
+    expected = os.path.join(log_dir, f"rank_{wait_for}.error.json") if wait_for is not None else None
     deadline = time.monotonic() + 3.0  # a dying rank writes its record just before it exits
-    while record is not None and not os.path.exists(record) and time.monotonic() < deadline:
+    while expected is not None and not _written_since(expected, since) and time.monotonic() < deadline:
         time.sleep(0.1)
     records = []
     for name in os.listdir(log_dir) if os.path.isdir(log_dir) else []:
         if name.endswith(".error.json"):
             try:
                 with open(os.path.join(log_dir, name)) as f:
-                    records.append(json.load(f))
+                    record = json.load(f)
             except (OSError, ValueError):
                 continue
+            if record.get("time", 0) >= since:
+                records.append(record)
     if not records:
         return None
     records.sort(key=lambda r: r["time"])

@@ -52,6 +52,12 @@ class Module(nn.Module):
         divides each loss by ``window``) and over the ranks, of the losses ``training_step`` returns.
         Override it to normalize a loss by a whole step's count, e.g. of tokens."""
 
+    def num_blocks(self) -> int | None:
+        """How many repeated blocks ``configure_model`` will build, when known before it runs (the built-in
+        GPT and Hugging Face jobs know it from their configs): a pipeline with more stages than blocks is
+        refused before any rank starts."""
+        return None
+
     def on_fit_start(self) -> None: ...
     def on_train_epoch_start(self) -> None: ...
     def on_train_epoch_end(self) -> None: ...
@@ -184,6 +190,18 @@ class LossModule(Module):
         optimizer = adamw(self.model, s["learning_rate"], s["weight_decay"])
         scheduler = warmup_decay(optimizer, s["warmup_steps"], s["total_steps"], s["lr_schedule"])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class StepRouter(nn.Module):
+    """Makes ``model("training_step", batch, i)`` run through the strategy's wrapper (DDP's
+    forward hooks must see the call) while the user's code stays a plain ``training_step``."""
+
+    def __init__(self, module: Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, step_name: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.module, step_name)(*args, **kwargs)
 
 
 def loss_of(output: Any) -> torch.Tensor:

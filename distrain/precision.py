@@ -67,6 +67,16 @@ class Precision:
 
             precompute_float8_dynamic_scale_for_fsdp(self._float8_module)
 
+    def agree_on_overflow(self) -> None:
+        """Several ranks: each sees only some of the gradients (FSDP shards, tensor-parallel slices, a
+        pipeline's stages) or, with local SGD, its own. torch's ``ShardedGradScaler`` all-reduces the
+        overflow flag in ``unscale_``, so every rank skips an overflowed step (and lowers its scale) alike."""
+        if self.scaler is None:
+            return
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        self.scaler = ShardedGradScaler(self.device_type, init_scale=self.scaler.get_scale())
+
     def state_dict(self) -> dict:
         return self.scaler.state_dict() if self.scaler is not None else {}
 

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from distrain import launch
+from distrain import distributed, launch
 from distrain.accelerators import auto_device_count, resolve_accelerator
-from distrain.checkpoint import io as ckpt_io
+from distrain.checkpoint import state as ckpt_state
 from distrain.cluster import detect_cluster, export_cluster_env
 from distrain.data import move_to_device, with_distributed_sampler
 from distrain.distributed import watch
@@ -52,12 +52,12 @@ class Runtime:
         self.cluster = detect_cluster()
         export_cluster_env(self.cluster)
         self.accelerator = resolve_accelerator(accelerator)
+        self.nprocs, num_nodes = self._resolve_devices(devices, num_nodes)
         self.num_nodes = num_nodes
-        self.nprocs = self._resolve_devices(devices, num_nodes)
         self.precision = Precision(precision, self.accelerator.name)
         self.strategy = make_strategy(strategy, self.nprocs * num_nodes, **strategy_kwargs)
-        #: strategy="auto" stands for DDP until ``plan_strategy`` (fit) asks the memory planner
-        self._auto_kwargs = strategy_kwargs if isinstance(strategy, str) and strategy == "auto" else None
+        #: strategy="auto": it stands for DDP until the Trainer asks the memory planner (its options kept for that)
+        self.auto_options = strategy_kwargs if isinstance(strategy, str) and strategy == "auto" else None
         if self.nprocs * num_nodes > 1 and self.strategy.start_method is None:
             raise ValueError(
                 f"strategy {type(self.strategy).__name__} runs a single process, but "
@@ -71,7 +71,10 @@ class Runtime:
         self.log_dir: str | None = None
         self._environment_ready = False
 
-    def _resolve_devices(self, devices: int | str, num_nodes: int) -> int:
+    def _resolve_devices(self, devices: int | str, num_nodes: int) -> tuple[int, int]:
+        """(processes on this node, nodes). Under an outside launcher its environment decides; a run that did not
+        name its nodes (num_nodes=1) takes the launcher's count, which an elastic one (``--nnodes MIN:MAX``)
+        changes from one rendezvous to the next."""
         if self.cluster.source == "kubeflow":
             if num_nodes != self.cluster.num_nodes:
                 raise ValueError(
@@ -82,19 +85,21 @@ class Runtime:
         if self.cluster.launched_externally:
             world = self.cluster.world_size
             nprocs = self.cluster.local_world_size if devices == "auto" else int(devices)
+            if num_nodes == 1 and nprocs == self.cluster.local_world_size and world % nprocs == 0:
+                num_nodes = world // nprocs
             if nprocs * num_nodes != world:
                 raise ValueError(
                     f"num_nodes × devices = {num_nodes} × {nprocs} = {num_nodes * nprocs} (from the Trainer/CLI) "
                     f"but the {self.cluster.source} environment says WORLD_SIZE={world}; make them agree"
                 )
-            return nprocs
+            return nprocs, num_nodes
         if devices == "auto":
-            return auto_device_count(self.accelerator)
+            return auto_device_count(self.accelerator), num_nodes
         if not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices must be a positive integer or 'auto', got {devices!r}")
         if self.accelerator.name == "cuda" and devices > torch.cuda.device_count():
             raise ValueError(f"devices={devices} but this machine has {torch.cuda.device_count()} CUDA GPUs")
-        return devices
+        return devices, num_nodes
 
     # ---- where am I --------------------------------------------------------------------------
     @property
@@ -131,10 +136,12 @@ class Runtime:
         if fn is None:
             if self._launcher is not None and self.strategy.start_method != "popen":
                 raise ValueError(f"{self.strategy.start_method} launching needs a function: runtime.launch(fn)")
-            return self._launch(lambda: None)
-        return self._launch(fn, self, *args, **kwargs)
+            return self.run_in_ranks(lambda: None)
+        return self.run_in_ranks(fn, self, *args, **kwargs)
 
-    def _launch(self, fn: Callable, *args: Any, collect=None, restore=None, **kwargs: Any) -> Any:
+    def run_in_ranks(self, fn: Callable, *args: Any, collect=None, restore=None, **kwargs: Any) -> Any:
+        """``fn(*args)`` in every rank (started now when no launcher did it); rank 0's result. Spawned or forked
+        ranks: ``collect()`` runs in every rank after ``fn`` and rank 0's payload reaches ``restore`` here."""
         if self._launcher is not None and hasattr(self._launcher, "log_dir"):
             self._launcher.log_dir = self.log_dir
         in_rank = functools.partial(_run_in_rank, self, fn)  # picklable, for spawn
@@ -144,20 +151,17 @@ class Runtime:
             return self._launcher.launch(in_rank, *args, **kwargs)
         return self._launcher.launch(in_rank, *args, collect=collect, restore=restore, **kwargs)
 
-    def plan_strategy(self, module: nn.Module, train_loader: Any, accumulate: int = 1, clip: float | None = None):
-        """strategy="auto": before any rank starts, let the memory planner pick the fastest strategy
-        that fits this module and micro-batch in the device's memory (DDP, FSDP, with activation
-        checkpointing or offload), and say why. Any other strategy is left alone."""
-        if self._auto_kwargs is None or self._environment_ready:
-            return
-        from distrain.planner.auto import plan_runtime_strategy
+    @property
+    def environment_ready(self) -> bool:
+        """This rank's device and process group are set up (the strategy can no longer change)."""
+        return self._environment_ready
 
-        kwargs, self._auto_kwargs = self._auto_kwargs, None  # plan once
-        strategy = plan_runtime_strategy(self, module, train_loader, accumulate, clip, kwargs)
-        if strategy is not None:
-            strategy.connect(self.accelerator, self.precision, self.cluster, self.nprocs, self.num_nodes)
-            self.strategy = strategy
-            self._launcher = make_launcher(strategy.start_method, self.nprocs, self.cluster, self.num_nodes)
+    def use_strategy(self, strategy: Strategy) -> None:
+        """Run with ``strategy`` instead (``strategy="auto"``, once decided), before any rank starts."""
+        strategy.connect(self.accelerator, self.precision, self.cluster, self.nprocs, self.num_nodes)
+        self.strategy = strategy
+        self._launcher = make_launcher(strategy.start_method, self.nprocs, self.cluster, self.num_nodes)
+        self.auto_options = None
 
     def setup_environment(self) -> None:
         if not self._environment_ready:
@@ -165,6 +169,17 @@ class Runtime:
                 self.strategy.flight_recorder_dir = self.flight_recorder_dir
             self.strategy.setup_environment()
             self._environment_ready = True
+            self._check_ranks_agree()
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank must run the same strategy; ranks that decided apart (an inherited decision that
+        differs) would otherwise wait in each other's collectives. One small all-gather at start-up."""
+        if self.strategy.start_method is None or self.world_size == 1:
+            return
+        names = self.all_gather_object(type(self.strategy).__name__)
+        if len(set(names)) > 1:
+            each = ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(names))
+            raise RuntimeError(f"the ranks of this job run different strategies ({each}); every rank must run one")
 
     # ---- model, optimizers, data ----------------------------------------------------------------
     def init_module(self, empty_init: bool | None = None):
@@ -174,17 +189,19 @@ class Runtime:
     def setup(self, module: nn.Module, *optimizers: torch.optim.Optimizer):
         """Wrap the model for the strategy and move it; returns ``model`` or ``(model, *optimizers)``."""
         self.setup_environment()
-        model, optimizers = self.strategy.setup(module, optimizers)
+        model, optimizers, _ = self.strategy.setup(module, optimizers)
         return (model, *optimizers) if optimizers else model
 
     def setup_dataloaders(
         self, *loaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True, seed: int = 0
     ):
-        """Give each rank its disjoint share (a resumable DistributedSampler) and move batches to the device."""
+        """Give each rank its disjoint share (a resumable DistributedSampler) and move batches to the device.
+        Shares are per data-parallel rank: a tensor-parallel group or a pipeline's stages see the same batches."""
         out = []
+        dp_size, dp_rank = self.strategy.data_parallel_size, self.strategy.data_parallel_rank
         for loader in loaders:
             if use_distributed_sampler:
-                loader = with_distributed_sampler(loader, self.world_size, self.global_rank, seed)
+                loader = with_distributed_sampler(loader, dp_size, dp_rank, seed)
             out.append(_DeviceLoader(loader, self.device) if move_to_device else loader)
         return out[0] if len(out) == 1 else out
 
@@ -226,8 +243,12 @@ class Runtime:
     def barrier(self, name: str | None = None) -> None:
         self.strategy.barrier(name)
 
+    def decided_on_rank_zero(self, decide: Callable[[], Any]) -> Any:
+        """``decide()`` on rank 0, its result (or its exception) on every rank."""
+        return distributed.decided_on_rank_zero(decide)
+
     # ---- hang diagnosis ---------------------------------------------------------------------------
-    def progress(self, step: int | None, phase: str) -> None:
+    def mark_phase(self, step: int | None, phase: str) -> None:
         """Record where this rank is; if a collective later times out, the error names the ranks
         that are elsewhere and their step and phase. Cheap: one store write per new phase."""
         watch.mark(step, phase)
@@ -247,15 +268,19 @@ class Runtime:
             print(*args, **kwargs, flush=True)
 
     # ---- checkpoints ------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
-        """Objects with ``state_dict()`` (model, optimizer, ...) are saved by state; the rest as is."""
+    def save(self, path: str | os.PathLike, state: dict[str, Any], background: bool = False):
+        """Objects with ``state_dict()`` (model, optimizer, ...) are saved by state; the rest as is.
+        ``background``: staged now and written while training goes on; the returned ``Pending`` commits it
+        (``.complete()``, every rank together), until then ``path`` is not there."""
         with watch.patient("checkpoint save"):  # rank 0 may write for minutes while others wait
-            self.strategy.save_checkpoint(path, state)
+            return self.strategy.save_checkpoint(path, state, background)
 
     def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
-        """Load into ``state``'s objects in place; returns the checkpoint entries not asked for."""
+        """Load into ``state``'s objects in place; returns the checkpoint entries not asked for. Without
+        ``state``: the checkpoint's entries as plain values, of any strategy's checkpoint — the model's weights
+        whole (a sharded checkpoint's optimizer state needs the live optimizer: pass ``state``)."""
         if state is None:
-            return ckpt_io.read_state_file(path)
+            return ckpt_state.read_plain(path)
         with watch.patient("checkpoint load"):
             return self.strategy.load_checkpoint(path, state, strict=strict)
 

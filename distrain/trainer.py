@@ -25,12 +25,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary, ProgressBar
+from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, seed_workers, tokens_in_batch
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
-from distrain.module import Module, loss_of
+from distrain.module import Module, StepRouter
 from distrain.runtime import Runtime
-from distrain.strategies.base import Strategy, TrainingPlan
+from distrain.strategies.base import LoopFacts, Strategy
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
+from distrain.training.elastic import BatchLayout, keep_global_batch
 from distrain.training.evaluation import Evaluator
 from distrain.training.metrics import MetricsLogger, StepResult
 from distrain.training.preemption import StopAgreement
@@ -103,6 +105,7 @@ class Trainer:
         enable_plots: bool = True,
         histogram_every_n_steps: int | None = None,
         compile: bool | dict = False,
+        async_save: bool = False,
         **strategy_kwargs: Any,
     ):
         if gradient_clip_val is not None and gradient_clip_val < 0:
@@ -117,9 +120,14 @@ class Trainer:
         self.runtime.flight_recorder_dir = os.path.join(self.default_root_dir, "flight_recorder")  # NCCL only
         self.runtime.log_dir = os.path.join(self.default_root_dir, "logs")  # rank_N.log: every rank's output
         if compile:  # torch.compile when the strategy sets the model up (strategies/layers.py: apply_compile)
-            if not self.runtime.strategy.supports_compile:
+            if not self.runtime.strategy.traits.compiles:
                 raise ValueError(f"compile=True is not supported with {type(self.runtime.strategy).__name__}")
             self.runtime.strategy.compile = compile
+        if async_save and not self.runtime.strategy.traits.saves_in_background:
+            raise ValueError(
+                f"async_save=True (checkpointing.async_save) is not supported with "
+                f"{type(self.runtime.strategy).__name__}"
+            )
         self.seed = seed
         # what the loop does
         self.loop = LoopOptions(
@@ -153,6 +161,7 @@ class Trainer:
         )
         self.evaluator = Evaluator(self.runtime, self.metrics)
         self.checkpoints = CheckpointManager(self)
+        self.checkpoints.async_save = async_save  # checkpoints written while training goes on
         self.stop = StopAgreement(self.runtime)
         self.run_config: dict | None = None  # the resolved config, stored in checkpoints (the CLI sets it)
         # what it trains (set by fit/validate/test/predict)
@@ -164,6 +173,7 @@ class Trainer:
         self._stopping = False
         self._last_val_step = -1
         self._num_batches: int | None = None  # the train loader's length, when it has one
+        self.batch_layout: BatchLayout | None = None  # micro-batch × accumulation × data-parallel ranks, set by fit
 
     # ---- where am I, and views that callbacks read ---------------------------------------------
     is_global_zero = property(lambda self: self.runtime.is_global_zero)
@@ -212,7 +222,7 @@ class Trainer:
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Write a checkpoint directory (all ranks must call this together)."""
-        if not self.checkpoints.save(path) and self.is_global_zero:
+        if not self.checkpoints.save(path, background=False) and self.is_global_zero:
             warnings.warn(f"distrain: the checkpoint {path} holds non-finite weights", stacklevel=2)
 
     # ---- public entry points: each launches the ranks, then runs the stage in every rank -------
@@ -227,20 +237,49 @@ class Trainer:
         if ckpt_path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
             # torchrun restarted the group after a failure: continue from the newest intact checkpoint
             ckpt_path = "auto"
-        self.runtime.plan_strategy(module, train_dataloaders, self.loop.accumulate_for(0), self.loop.gradient_clip_val)
+        self._choose_auto_strategy(module, train_dataloaders)
         return self._launch(self._fit, module, train_dataloaders, val_dataloaders, ckpt_path)
 
+    def _choose_auto_strategy(self, module: Module, loader) -> None:
+        """strategy="auto": before any rank starts, the memory planner picks the fastest strategy that fits
+        this module and micro-batch in the device's memory (DDP, FSDP, with activation checkpointing or
+        offload), and says why (``planner/auto.py``). Any other strategy is left alone."""
+        rt = self.runtime
+        if rt.auto_options is None or rt.environment_ready:
+            return
+        from distrain.planner.auto import plan_runtime_strategy
+
+        options = rt.auto_options
+        rt.auto_options = None  # plan once
+        strategy = plan_runtime_strategy(
+            rt, module, loader, self.loop.accumulate_for(0), self.loop.gradient_clip_val, options
+        )
+        if strategy is not None:
+            rt.use_strategy(strategy)
+
+    def verify(self, module: nn.Module, train_dataloaders=None, datamodule=None, steps: int = 3):
+        """A few steps of this configuration against one process on the same global batch, and the checks
+        that need no reference (``distrain/verify``). Prints the report and returns it (None on ranks other
+        than the one that started the run). Uses this trainer up: make a new one to train."""
+        from distrain.verify import verify
+
+        loader = train_dataloaders if train_dataloaders is not None else datamodule.train_dataloader()
+        report = verify(self, _as_module(module), loader, steps)
+        if report is not None:
+            print(report.table(), flush=True)
+        return report
+
     def validate(self, module: nn.Module, dataloaders=None, ckpt_path=None, datamodule=None) -> list[dict]:
-        loader = dataloaders if dataloaders is not None else datamodule.val_dataloader()
+        loader = _loader_for("validate", "val_dataloader", module, dataloaders, datamodule)
         return self._launch(self._evaluate, _as_module(module), "validation_step", loader, ckpt_path)
 
     def test(self, module: nn.Module, dataloaders=None, ckpt_path=None, datamodule=None) -> list[dict]:
-        loader = dataloaders if dataloaders is not None else datamodule.test_dataloader()
+        loader = _loader_for("test", "test_dataloader", module, dataloaders, datamodule)
         return self._launch(self._evaluate, _as_module(module), "test_step", loader, ckpt_path)
 
     def predict(self, module: nn.Module, dataloaders=None, ckpt_path=None, datamodule=None) -> list:
         """Returns this rank's predictions, in its sampler order (rank 0's for spawn/fork)."""
-        loader = dataloaders if dataloaders is not None else datamodule.predict_dataloader()
+        loader = _loader_for("predict", "predict_dataloader", module, dataloaders, datamodule)
         return self._launch(self._predict, _as_module(module), loader, ckpt_path)
 
     def _launch(self, fn, module: Module, *args):
@@ -250,17 +289,24 @@ class Trainer:
             self._configure(module)  # the parent never built configure_model's layers
             self.checkpoints.restore_in_parent(module, state)
 
-        return self.runtime._launch(fn, module, *args, collect=self.checkpoints.state_for_parent, restore=restore)
+        return self.runtime.run_in_ranks(fn, module, *args, collect=self.checkpoints.state_for_parent, restore=restore)
 
     # ---- fit ------------------------------------------------------------------------------------
     def _fit(self, module: Module, train_loader, val_loader, ckpt_path):
         rt = self.runtime
-        train_loader = self._setup_loader(train_loader, shuffle_seed=self.seed)
+        checkpoint = self.checkpoints.resolve(ckpt_path) if ckpt_path is not None else None
+        micro_batch = self._keep_global_batch(checkpoint, train_loader)  # a resume on another number of ranks
+        train_loader = self._setup_loader(train_loader, shuffle_seed=self.seed, batch_size=micro_batch)
         val_loader = self._setup_loader(val_loader, even=False) if val_loader is not None else None
         self._num_batches = _length(train_loader)
+        self.batch_layout = BatchLayout(
+            getattr(train_loader, "batch_size", None) or 1, self.loop.accumulate_for(0), self.data_parallel_size
+        )
         self._attach(module, "fit", train_loader)
-        if ckpt_path is not None:
-            self.checkpoints.restore(self.checkpoints.resolve(ckpt_path))
+        if checkpoint is not None:
+            self.checkpoints.restore(checkpoint)
+            step = self.batch_layout.micro_batch * self.data_parallel_size
+            self.progress.samples_in_epoch -= self.progress.samples_in_epoch % step  # a whole step of this layout
         self.metrics.start_fit(_flops_per_token(module), self.run_config)
         self._call("on_fit_start")
         module.on_fit_start()
@@ -268,10 +314,11 @@ class Trainer:
         try:
             with self._diagnosing_hangs(on_error=self._on_fit_error):
                 self._fit_loop(train_loader, val_loader)
-                rt.progress(None, "end of training")
+                rt.mark_phase(None, "end of training")
                 if val_loader is not None and self._last_val_step != self.global_step and not self.preempted:
                     self._validate_during_fit(val_loader)  # the run always ends with a val score
                 self._call("on_train_end")
+                self.checkpoints.complete_pending()  # one written in the background: on disk before fit returns
         finally:
             self.stop.finish()  # no collective may be left in flight
             self.stop.uninstall()
@@ -284,6 +331,22 @@ class Trainer:
                 flush=True,
             )
         return self.callback_metrics
+
+    def _keep_global_batch(self, checkpoint, loader) -> int | None:
+        """A checkpoint trained on another number of data-parallel ranks: the micro-batch and accumulation that keep
+        its global batch here (``training/elastic.py``); the micro-batch to load with, or None to keep the loader's."""
+        micro = getattr(loader, "batch_size", None)
+        if checkpoint is None or not micro or not self.loop.use_distributed_sampler:
+            return None
+        saved = self.runtime.decided_on_rank_zero(lambda: read_checkpoint_meta(checkpoint).get("batch_layout"))
+        dp = self.data_parallel_size
+        if not saved or saved["data_parallel"] == dp:
+            return None
+        layout, note = keep_global_batch(BatchLayout(**saved), micro, dp)
+        if self.is_global_zero:
+            print(note, flush=True)
+        self.loop.accumulation = {0: layout.accumulate}
+        return layout.micro_batch
 
     def _on_fit_error(self, error: BaseException, hang: Exception | None) -> None:
         self._call("on_exception", hang or error)
@@ -358,46 +421,58 @@ class Trainer:
         over the step's micro-batches (each loss divided by their number, also in a shorter last
         window) and over the ranks. Returns the last ``training_step`` output."""
         rt, optimizer = self.runtime, self.optimizers[0]
-        rt.progress(self.global_step + 1, "forward/backward")  # where this rank is, if a collective hangs
-        window = len(micro_batches)
-        self.module.on_train_step_start([batch for _, batch in micro_batches], window)
-        step_loss = torch.zeros((), device=rt.device)
+        rt.mark_phase(self.global_step + 1, "forward/backward")  # where this rank is, if a collective hangs
+        batches = [batch for _, batch in micro_batches]
+        self.module.on_train_step_start(batches, len(batches))
+        self._call("on_train_step_start", batches)
+        micro_batches = [(batch_idx, move_to_device(batch, rt.device)) for batch_idx, batch in micro_batches]
+        collector = self.metrics.collector
+        step_loss, output = rt.strategy.run_step(
+            self.model,
+            micro_batches,
+            before_each=lambda batch: setattr(collector, "current_batch_size", batch_size_of(batch)),
+        )
+        self._call("on_after_backward")
         samples = tokens = 0
-        if rt.strategy.runs_micro_batches:  # a pipeline: its schedule runs the whole window through its stages
-            micro_batches = [(batch_idx, move_to_device(batch, rt.device)) for batch_idx, batch in micro_batches]
-            step_loss, output = rt.strategy.run_micro_batches(self.model, micro_batches)
-        for i, (batch_idx, batch) in enumerate(micro_batches):
-            if not rt.strategy.runs_micro_batches:
-                batch = move_to_device(batch, rt.device)
-                loss, output = self.forward_backward_step(batch, batch_idx, scale=1 / window, sync=i == window - 1)
-                step_loss += loss / window
+        for _, batch in micro_batches:
             samples += batch_size_of(batch)
             tokens += tokens_in_batch(batch) or 0
             self.progress.samples_in_epoch += batch_size_of(batch) * self.data_parallel_size
 
-        rt.progress(None, "optimizer step")
+        rt.mark_phase(None, "optimizer step")
         grad_norm = self._gradient_norm(optimizer)
-        # The norm is global (every rank computed the same one), so every rank decides alike: the
-        # check needs no collective of its own, only this host sync (on_nonfinite="ignore" skips it).
-        healthy = rt.strategy.skips_nonfinite_steps or self._finite(grad_norm, step_loss)
-        if healthy:
-            self._call("on_before_optimizer_step", optimizer)
-            rt.optimizer_step(optimizer, self.model)
-            if rt.strategy.skips_nonfinite_steps:  # the engine checked, and skipped the step if it had to
-                healthy = self._finite(grad_norm, step_loss)
-        if not healthy:
+        if not self._apply_step(optimizer, grad_norm, step_loss):
             self.progress.skipped_steps += 1
         optimizer.zero_grad(set_to_none=True)
         self._step_schedulers("step")
         self.progress.global_step += 1
 
-        rt.progress(None, "logging")
+        rt.mark_phase(None, "logging")
         lr = optimizer.param_groups[0]["lr"]
         result = StepResult(
             self.global_step, self.current_epoch, step_loss, lr, grad_norm, samples, tokens, self.progress.skipped_steps
         )
         self.metrics.step_done(result, final=self._done(), max_steps=self.loop.max_steps)
         return output
+
+    def _apply_step(self, optimizer, grad_norm: Any, step_loss: torch.Tensor) -> bool:
+        """Step the optimizer unless the step must be skipped; returns whether it was applied.
+        - fp16's GradScaler skips an overflowed step itself and lowers its scale (that is how it finds its
+          scale; the overflow flag is agreed across ranks): a non-finite norm there is not an error;
+        - an engine that checks (DeepSpeed ZeRO) skips inside its step: the check after it stops or reports;
+        - otherwise the loop checks first. The norm is global (every rank computed the same one), so every
+          rank decides alike with no collective of its own (on_nonfinite="ignore" skips the host sync)."""
+        rt = self.runtime
+        scaler = rt.precision.scaler
+        engine_checks = rt.strategy.traits.engine_skips_nonfinite
+        if scaler is None and not engine_checks and not self._finite(grad_norm, step_loss):
+            return False
+        scale = scaler.get_scale() if scaler is not None else None
+        self._call("on_before_optimizer_step", optimizer)
+        rt.optimizer_step(optimizer, self.model)
+        if scaler is not None:
+            return scaler.get_scale() >= scale
+        return not engine_checks or self._finite(grad_norm, step_loss)
 
     def _gradient_norm(self, optimizer) -> Any:
         """The global gradient norm: clipped to ``gradient_clip_val`` when set; else measured only to
@@ -435,34 +510,21 @@ class Trainer:
             )
         return False
 
-    def forward_backward_step(self, batch: Any, batch_idx: int, scale: float, sync: bool) -> tuple[torch.Tensor, Any]:
-        """``training_step`` and its backward, the loss scaled by ``scale``; gradients are
-        synchronized across ranks only when ``sync`` (the last micro-batch of a step). Returns the
-        unscaled loss (detached) and the step's output."""
-        rt = self.runtime
-        with rt.no_backward_sync(self.model, enabled=not sync):  # no gradient all-reduce on the others
-            self.metrics.collector.current_batch_size = batch_size_of(batch)
-            with rt.autocast():
-                output = self.model("training_step", batch, batch_idx)
-            loss = loss_of(output)
-            rt.backward(loss * scale, self.model)
-        return loss.detach().float(), output
-
     def _after_step(self, output: Any, last_micro_batch: tuple[int, Any], val_loader) -> None:
         rt = self.runtime
         val_every = self._val_every_steps()
         if val_loader is not None and val_every and self.global_step % val_every == 0:
             self._validate_during_fit(val_loader)  # before the callbacks, so checkpoints can monitor it
-        rt.progress(None, "callbacks after the step (checkpointing)")
+        rt.mark_phase(None, "callbacks after the step (checkpointing)")
         batch_idx, batch = last_micro_batch
         self._call("on_train_batch_end", output, batch, batch_idx)
-        rt.progress(None, "stop-signal check")
+        rt.mark_phase(None, "stop-signal check")
         # A signal, or a callback's should_stop, on any rank: every rank stops at the same step (on
         # several ranks the step after the request; on_train_end writes the checkpoint)
         self._stopping = self.stop.requested(local=self.should_stop)
 
     def _end_epoch(self, val_loader) -> None:
-        self.runtime.progress(None, "end of epoch")
+        self.runtime.mark_phase(None, "end of epoch")
         if self.progress.epoch_done:  # resumed from a checkpoint written at this epoch's end: already done
             self._next_epoch()
             return
@@ -501,7 +563,7 @@ class Trainer:
         return int(v)
 
     def _validate_during_fit(self, loader) -> None:
-        self.runtime.progress(None, "validation")
+        self.runtime.mark_phase(None, "validation")
         self._last_val_step = self.global_step
         metrics = self.evaluator.run(self.module, self.model, "validation_step", loader, self.loop.limit_val_batches)
         self.metrics.publish(metrics, self.global_step)
@@ -539,18 +601,14 @@ class Trainer:
         for cb in self.callbacks:
             cb.setup(self, module, stage)
         if stage != "fit":
-            if not rt.strategy.collective_forward:
+            if not rt.strategy.traits.collective_forward:
                 self.model = None
                 module.to(rt.device)
             elif self.model is None or rt.strategy.unwrap(self.model).module is not module:  # not the one fit() set up
-                model = rt.strategy.setup_module(_StepRouter(module))
-                self.model, _, _ = rt.strategy.setup_training(model, [], [], TrainingPlan())  # no optimizer
+                self.model = rt.strategy.setup(StepRouter(module)).model  # no optimizer
             return
-        # The model is set up first: sharding strategies replace parameters, and the optimizer
-        # must hold the ones that will be trained.
-        model = rt.strategy.setup_module(_StepRouter(module))
-        optimizers, schedulers = _parse_optimizers(module.configure_optimizers())
-        plan = TrainingPlan(
+        # The optimizers are built on the model as set up: sharding strategies replace its parameters
+        loop = LoopFacts(
             micro_batch_size=getattr(train_loader, "batch_size", None),
             accumulate=self.loop.accumulate_for(0),
             max_accumulate=max(self.loop.accumulation.values()),
@@ -558,9 +616,8 @@ class Trainer:
             total_steps=self.estimated_stepping_batches,
             run_dir=self.default_root_dir,
         )
-        self.model, self.optimizers, self.lr_schedulers = rt.strategy.setup_training(
-            model, optimizers, schedulers, plan
-        )
+        configure = lambda: _parse_optimizers(module.configure_optimizers())  # noqa: E731
+        self.model, self.optimizers, self.lr_schedulers = rt.strategy.setup(StepRouter(module), configure, loop)
 
     def _configure(self, module: Module) -> None:
         if not getattr(module, "_distrain_configured", False):
@@ -568,30 +625,28 @@ class Trainer:
                 module.configure_model()
             object.__setattr__(module, "_distrain_configured", True)
 
-    def _setup_loader(self, loader, shuffle_seed: int = 0, even: bool = True):
+    def _setup_loader(self, loader, shuffle_seed: int = 0, even: bool = True, batch_size: int | None = None):
         if not self.loop.use_distributed_sampler or not isinstance(loader, DataLoader):
             return loader
         from distrain.data import with_distributed_sampler
 
         # sharded over the ranks that see different data: a tensor-parallel group or a pipeline shares its batches
         dp_size, dp_rank = self.runtime.strategy.data_parallel_size, self.runtime.strategy.data_parallel_rank
-        return with_distributed_sampler(loader, dp_size, dp_rank, shuffle_seed, even=even)
+        return with_distributed_sampler(loader, dp_size, dp_rank, shuffle_seed, even=even, batch_size=batch_size)
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(self, self.module, *args)
 
 
-class _StepRouter(nn.Module):
-    """Makes ``model("training_step", batch, i)`` run through the strategy's wrapper (DDP's
-    forward hooks must see the call) while the user's code stays a plain ``training_step``."""
-
-    def __init__(self, module: Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, step_name: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.module, step_name)(*args, **kwargs)
+def _loader_for(stage: str, method: str, module, dataloaders, datamodule):
+    """The loader given, else the datamodule's, else the module's own ``method()`` (as in Lightning)."""
+    if dataloaders is not None:
+        return dataloaders
+    for source in (datamodule, module):
+        if source is not None and callable(getattr(source, method, None)):
+            return getattr(source, method)()
+    raise ValueError(f"{stage}() needs dataloaders, a datamodule with {method}(), or a module that defines {method}()")
 
 
 def _loggers(logger: bool | Logger | Iterable[Logger], root: str) -> list[Logger]:

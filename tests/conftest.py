@@ -1,8 +1,10 @@
 import os
 import sys
 
-# the tests' shared helpers (tests/helpers.py) import as `helpers`, in spawned ranks too
+# the tests' shared helpers (tests/helpers.py) import as `helpers`, in spawned ranks too; the planner's
+# measuring harness, shared with benchmarks/plan_accuracy.py, as `plan_measure`
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 cores: ranks must not fight over threads
 
 _REPORTS: list[str] = []

@@ -52,14 +52,16 @@ def test_deepspeed_record_classes_load_weights_only(tmp_path):
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
+    from distrain.checkpoint import safe_load
+
     torch.save({"stage": ZeroStageEnum.weights}, tmp_path / "x.pt")
     with pytest.raises(Exception, match="Unsupported global"):
         torch.load(tmp_path / "x.pt", weights_only=True)
-    with compat.deepspeed_safe_globals():
-        assert torch.load(tmp_path / "x.pt", weights_only=True)["stage"] == ZeroStageEnum.weights
-    with compat.deepspeed_safe_globals(force_weights_only=True):
+    assert safe_load.load_torch_file(tmp_path / "x.pt")["stage"] == ZeroStageEnum.weights
+    with safe_load.deepspeed_loading():
         torch.load(tmp_path / "x.pt", weights_only=False)  # forced to weights_only=True, allowed class
     assert torch.load is torch.serialization.load  # the replacement ends with the context
+    assert ZeroStageEnum not in torch.serialization.get_safe_globals()  # allowed only while loading
 
 
 # ---- checkpoints written by distrain 0.1.0 (tests/data/make_previous_checkpoints.py) ----------------
@@ -68,14 +70,14 @@ def _install(tmp: Path, previous: str) -> None:
     (tmp / "checkpoints" / "last").symlink_to("old")
 
 
-def _continue(tmp, previous: str | None, strategy: str, devices: int):
-    """Train TinyGPT to step 6 as the fixtures were made (one thread per rank); with ``previous``,
+def _continue(tmp, previous: str | None, strategy: str, devices: int, max_steps: int = 6):
+    """Train TinyGPT to ``max_steps`` as the fixtures were made (one thread per rank); with ``previous``,
     resume from that checkpoint, written at step 3 by distrain 0.1.0."""
     trainer, rec = make_trainer(
         tmp,
         strategy=strategy,
         devices=devices,
-        max_steps=6,
+        max_steps=max_steps,
         accumulate_grad_batches=2,
         gradient_clip_val=1.0,
         logger=False,
@@ -86,37 +88,67 @@ def _continue(tmp, previous: str | None, strategy: str, devices: int):
     return distrain.checkpoint_state_of(module), rec.losses
 
 
-def test_previous_single_checkpoint_resumes_bit_identically(tmp_path):
+def _loads_exactly_and_continues(continued, ref, ref_losses, stored_model) -> None:
+    """The fixtures were written on another machine, whose CPU kernels round differently (a matmul on AVX-512
+    is not bit-equal to one on AVX2), so this machine's own run to step 3 differs from the fixture in the last
+    bits. What is portable is the load, checked bit for bit; the continuation is checked against this
+    machine's uninterrupted run within fp32 rounding (exact resumes on one machine: tests/test_resume.py,
+    tests/test_checkpoint_faults.py)."""
+    loaded, losses, final = continued
+    for name, tensor in stored_model.items():
+        assert torch.equal(loaded[f"model.{name}"], tensor), name  # restored exactly as written
+    assert losses == pytest.approx(ref_losses[3:], rel=1e-5)
+    for k in ref:  # as a whole tensor: Adam turns a rounding-level gradient into an lr-sized step on a few elements
+        assert (final[k] - ref[k]).norm() <= 1e-4 * ref[k].norm(), k
+
+
+def _install_twice(tmp: Path, previous: str) -> None:
+    for run in ("load", "continue"):
+        _install(tmp / run, previous)
+
+
+def _resume_and_stop_at(tmp, previous, strategy, devices):
+    """Resume the fixture with max_steps 3 (nothing to train: the state as loaded), then train on to 6."""
+    loaded, _ = _continue(tmp / "load", previous, strategy, devices, max_steps=3)
+    final, losses = _continue(tmp / "continue", previous, strategy, devices)
+    return loaded, losses, final
+
+
+def test_previous_single_checkpoint_loads_exactly_and_continues(tmp_path):
+    from distrain.checkpoint.state import read_model_weights
+
     ref, ref_losses = _continue(tmp_path / "ref", None, "single", 1)
-    _install(tmp_path / "old", "single-step3")
-    resumed, losses = _continue(tmp_path / "old", "single-step3", "single", 1)
-    assert losses == ref_losses[3:]
-    for k in ref:
-        assert torch.equal(ref[k], resumed[k]), k
+    _install_twice(tmp_path, "single-step3")
+    continued = _resume_and_stop_at(tmp_path, "single-step3", "single", 1)
+    _loads_exactly_and_continues(continued, ref, ref_losses, read_model_weights(PREVIOUS / "single-step3"))
 
 
 def _fsdp_rank(rank, tmp, previous):
-    return _continue(tmp, previous, "fsdp", 2)
+    if previous is None:
+        return _continue(tmp, None, "fsdp", 2)
+    return _resume_and_stop_at(tmp, previous, "fsdp", 2)
 
 
 @pytest.mark.slow
-def test_previous_fsdp_checkpoint_resumes(tmp_path):
-    ref = run_ranks(_fsdp_rank, 2, tmp_path / "ref", None)[0]
-    _install(tmp_path / "old", "fsdp2-step3")
-    resumed = run_ranks(_fsdp_rank, 2, tmp_path / "old", "fsdp2-step3")[0]
-    assert resumed[1] == ref[1][3:]
-    for k in ref[0]:
-        assert torch.equal(ref[0][k], resumed[0][k]), k
+def test_previous_fsdp_checkpoint_loads_exactly_and_continues(tmp_path):
+    from distrain.checkpoint.state import read_model_weights
+
+    ref, ref_losses = run_ranks(_fsdp_rank, 2, tmp_path / "ref", None)[0]
+    _install_twice(tmp_path, "fsdp2-step3")
+    continued = run_ranks(_fsdp_rank, 2, tmp_path, "fsdp2-step3")[0]
+    _loads_exactly_and_continues(continued, ref, ref_losses, read_model_weights(PREVIOUS / "fsdp2-step3"))
 
 
 def test_dcp_metadata_reader_and_extents():
+    from distrain.checkpoint import safe_load
+
     source = PREVIOUS / "fsdp2-step3"
-    metadata = compat.read_dcp_metadata(source)
+    metadata = safe_load.read_dcp_metadata(source)
     assert any(k.startswith("model.") for k in metadata.state_dict_metadata)
-    extents = compat.dcp_storage_extents(source)
+    extents = safe_load.dcp_storage_extents(source)
     assert extents == {name: (source / name).stat().st_size for name in extents}  # each shard file, whole
     assert (
-        compat.safe_dcp_reader(source).read_metadata().state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
+        safe_load.dcp_reader(source).read_metadata().state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
     )
 
 

@@ -101,6 +101,17 @@ def test_world_size_mismatch_says_which_numbers(monkeypatch):
         distrain.Runtime(accelerator="cpu", strategy="ddp", devices=2)
 
 
+def test_an_elastic_rendezvous_decides_the_number_of_nodes(monkeypatch):
+    """torchrun --nnodes 1:4 rendezvoused 2 nodes of 2: a run that names no node count takes the launcher's."""
+    import distrain
+
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "GROUP_RANK": "1"}.items():
+        monkeypatch.setenv(k, v)
+    runtime = distrain.Runtime(accelerator="cpu", strategy="ddp")
+    assert (runtime.nprocs, runtime.num_nodes, runtime.world_size) == (2, 2, 4)
+
+
 def test_detects_mpi_and_kubeflow():
     om = detect_cluster(
         {

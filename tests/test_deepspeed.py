@@ -49,6 +49,7 @@ def _train(tmp, strategy, devices, batch, accumulate=1, steps=STEPS, **kw):
 def _variants(rank, tmp):
     out = {"ddp": _train(tmp / "ddp", "ddp", 2, 4)}
     for name, strategy, batch, acc in [
+        ("stage0", distrain.DeepSpeedStrategy(stage=0), 4, 1),  # no ZeRO: the engine steps a plain torch optimizer
         ("stage1", "deepspeed_stage_1", 4, 1),
         ("stage2", "deepspeed_stage_2", 4, 1),
         ("stage3", "deepspeed_stage_3", 4, 1),

@@ -131,8 +131,9 @@ def _fit_llama(tmp, tiny, strategy, devices, accumulate):
     blocks = None
     if strategy != "single":  # the classes the CLI derives from the model's _no_split_modules
         from distrain.hf import models
+        from distrain.strategies.layers import block_classes
 
-        blocks = models.block_classes(models.build_skeleton("causal_lm", models.load_config(tiny["llama"])))
+        blocks = block_classes(models.build_skeleton("causal_lm", models.load_config(tiny["llama"])))
         assert [c.__name__ for c in blocks] == ["LlamaDecoderLayer"]
     trainer, rec = make_trainer(
         tmp,

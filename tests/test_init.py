@@ -33,7 +33,7 @@ def _built(strategy, make_module) -> tuple[dict, torch.Tensor, int | None]:
     module = make_module()
     with rt.init_module():
         module.configure_model()
-    model = rt.strategy.setup_module(module)
+    model = rt.strategy.unwrap(rt.strategy.setup(module).model)
     gathered = contextlib.nullcontext()
     if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3 partitions: read them whole
         import deepspeed
@@ -146,7 +146,7 @@ def test_a_parameter_nothing_initializes_is_an_error():
     with rt.init_module():
         module.configure_model()
     with pytest.raises(RuntimeError, match=r"nothing initializes layer\.w.*reset_parameters"):
-        rt.strategy.setup_module(module)
+        rt.strategy.setup(module)
 
 
 def _eager_build_with_rank_dependent_rng(rank):
@@ -155,7 +155,7 @@ def _eager_build_with_rank_dependent_rng(rank):
     rt.setup_environment()
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    sharded = rt.strategy.setup_module(model)
+    sharded = rt.strategy.unwrap(rt.strategy.setup(model).model)
     return before, {k: v.clone() for k, v in get_model_state_dict(sharded, options=FULL_EVERY_RANK).items()}
 
 

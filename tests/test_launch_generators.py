@@ -103,6 +103,40 @@ def test_pytorchjob_manifest(tmp_path):
         assert subprocess.run([shell, flag, script], cwd=tmp_path, env=env).returncode == expected
 
 
+def test_elastic_job_files(tmp_path):
+    """MIN:MAX node counts for torchrun, SLURM and Kubernetes: the run then takes the count each rendezvous gives
+    (no fixed --num-nodes) and keeps its global batch."""
+    proc = distrain(
+        "launch",
+        "torchrun",
+        "--nnodes",
+        "1:4",
+        "--nproc-per-node",
+        "8",
+        "--rdzv-endpoint",
+        "h0:1",
+        "--max-restarts",
+        "3",
+        cwd=tmp_path,
+    )
+    assert "--nnodes=1:4" in proc.stdout.split() and "--max-restarts=3" in proc.stdout.split(), proc.stderr
+    args = ("--nodes", "4", "--min-nodes", "2", "--gpus-per-node", "8")
+    assert distrain("launch", "slurm", *args, "--time", "01:00:00", cwd=tmp_path).returncode == 0
+    text = (tmp_path / "distrain.sbatch").read_text()
+    assert "#SBATCH --nodes=2-4" in text
+    assert "--num-nodes" not in next(line for line in text.splitlines() if line.startswith("srun "))
+    assert distrain("launch", "k8s", *args, "--image", "reg/d:1", cwd=tmp_path).returncode == 0
+    job = yaml.safe_load((tmp_path / "pytorchjob.yaml").read_text())
+    assert job["spec"]["elasticPolicy"] == {
+        "rdzvBackend": "c10d",
+        "minReplicas": 2,
+        "maxReplicas": 4,
+        "maxRestarts": 100,
+    }
+    script = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"][2]
+    assert script.startswith("torchrun --nproc-per-node=8 -m distrain.cli train") and "--num-nodes" not in script
+
+
 def test_docker_files_have_no_secrets_or_ssh():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     dockerfile = open(os.path.join(root, "docker", "Dockerfile")).read()

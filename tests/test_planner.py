@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from plan_measure import ACCURACY_CASES, hf_dirs, measure_cases, predict
 
 from distrain.config import build_config
 from distrain.planner import Budget, Estimator, Job, ModelSpec, Option, Planner
-from distrain.planner.measure import ACCURACY_CASES, hf_dirs, measure_cases, predict
 from distrain.planner.model_stats import trace_step
 from distrain.planner.units import parse_size
 from helpers import run_ranks
@@ -342,3 +342,137 @@ def test_auto_with_a_small_budget_shards_and_trains_within_it(tmp_path):
     for *_, peak in results:
         print(f"measured {peak / MiB:.1f} MiB of {usable / MiB:.1f} MiB usable (DDP+AC would need {ddp_ac / MiB:.1f})")
         assert peak <= usable, f"{peak / MiB:.1f} MiB > {usable / MiB:.1f} MiB"
+
+
+# ---- the plan describes the run `distrain train` would start ------------------------------------------------------
+SPEC = Path(__file__).parent / "data" / "spec"
+
+
+def _option_of_live_strategy(strategy, gpu: bool) -> Option | None:
+    """What the strategy object ``distrain train`` builds will do, read off the object itself."""
+    import distrain
+
+    if isinstance(strategy, distrain.DeepSpeedStrategy):
+        zero = strategy.config.get("zero_optimization", {})
+        devices = {zero.get(k, {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
+        offload = "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
+        if strategy.stage == 0:
+            return Option("ddp")
+        return Option("zero", stage=strategy.stage, offload=offload if gpu else "none")
+    if isinstance(strategy, distrain.ModelParallelStrategy):
+        return None
+    if isinstance(strategy, distrain.FSDPStrategy):
+        offload = "cpu" if strategy.cpu_offload and gpu else "none"
+        if strategy.sharding_strategy == "NO_SHARD" and offload == "none":
+            return Option("ddp")
+        sharding = "FULL_SHARD" if strategy.sharding_strategy == "NO_SHARD" else strategy.sharding_strategy
+        return Option("fsdp", sharding=sharding, offload=offload)
+    return Option("ddp" if strategy.start_method else "single")
+
+
+def _cases():
+    from distrain.strategies import registry
+
+    names = [n for n in registry.names() if n != "auto"]
+    cases = [(name, [f"distributed.strategy={name}"]) for name in names]
+    cases += [
+        (f"fsdp {s}", ["distributed.strategy=fsdp", f"fsdp.sharding_strategy={s}"])
+        for s in ("SHARD_GRAD_OP", "NO_SHARD")
+    ]
+    cases += [("fsdp offload", ["distributed.strategy=fsdp", "fsdp.cpu_offload=true"])]
+    cases += [("deepspeed stage 0 json", ["distributed.strategy=deepspeed", "deepspeed.config={tmp}/zero0.json"])]
+    cases += [
+        (f"spec {f}", ["--config", str(SPEC / f)])
+        for f in ("ddp_config.yaml", "fsdp_config.yaml", "deepspeed_config.json")
+    ]
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu-80GB"])
+def test_the_plan_of_a_named_strategy_is_the_run_train_starts(tmp_path, gpu):
+    """For every strategy name, the FSDP section's settings, a DeepSpeed JSON (the spec's: ZeRO-3 with
+    offload, was planned as the preset's ZeRO-2) and the spec's three configs: the row the plan marks as this
+    run is the option the strategy object `distrain train` builds would run, activation checkpointing included."""
+    from distrain.config import build_config
+    from distrain.models.gpt import Block
+    from distrain.planner.cli import job_from_config, runs_activation_checkpointing
+    from distrain.planner.plan import option_for_run
+    from distrain.strategies import registry
+
+    (tmp_path / "zero0.json").write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    flags = {"distributed.devices": 2, "distributed.accelerator": "cpu"}
+    if gpu:
+        flags["distributed.gpu_memory"] = "80GB"
+    for label, args in _cases():
+        args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+        path = args[1] if args[0] == "--config" else None
+        overrides = [a for a in args if "=" in a] + [f"deepspeed.nvme_path={tmp_path}"]
+        world = 1 if label == "single" else 2
+        config = build_config(path, {**flags, "distributed.devices": world}, overrides)
+        config.training.model_name = "gpt-tiny"  # the spec's models are hub names; the option does not depend on it
+        job = job_from_config(config, gpu)
+        named = config.distributed.strategy
+        if named == "auto":  # the spec's DDP file names no strategy: train takes the plan's recommendation
+            from distrain.planner import cli as planner_cli
+
+            budget = planner_cli.budget_from_config(config, gpu, job.per_node)
+            recommended = Planner(job, budget).plan("all", "both").recommendation.option.strategy
+            assert planner_cli._decide(config, None).strategy == recommended, label
+            continue
+        planned = option_for_run(named, job, job.fsdp_sharding, job.fsdp_cpu_offload)
+        try:
+            live = registry.make_strategy(named, world, **registry.options_from_config(named, config, {Block}))
+        except ValueError as e:  # NVMe offload on a machine without libaio: train refuses it before starting
+            assert "libaio" in str(e), (label, e)
+            continue
+        assert planned == _option_of_live_strategy(live, gpu), (label, planned)
+        if label == "spec deepspeed_config.json":
+            assert planned == Option("zero", stage=3, offload="cpu" if gpu else "none")
+            assert runs_activation_checkpointing(config)  # its activation_checkpointing section asks for it
+
+
+def test_plan_marks_the_run_and_takes_the_config_of_its_strategy(tmp_path):
+    """`distrain plan --strategy deepspeed deepspeed.config=F` was refused ("strategy is 'auto'")."""
+    import contextlib
+    import io
+
+    from distrain.cli import main
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        code = main(
+            [
+                "plan",
+                "--strategy",
+                "deepspeed",
+                "--devices",
+                "2",
+                "--gpu-memory",
+                "80GB",
+                "--json",
+                f"deepspeed.config={SPEC / 'deepspeed_config.json'}",
+            ]
+        )
+    assert code == 0
+    rows = json.loads(buffer.getvalue())["rows"]
+    marked = [r for r in rows if r["this_run"]]
+    assert len(marked) == 1 and marked[0]["label"].startswith("zero-3 + AC + cpu offload"), rows
+
+
+def _fsdp_estimate_inside_a_rank(rank):
+    import distrain
+
+    distrain.Runtime(strategy="ddp", devices=2, accelerator="cpu").setup_environment()  # as under torchrun
+    if rank != 0:
+        return None
+    est = Estimator(Job(ModelSpec.builtin_gpt("gpt-tiny", 64), 2, world_size=2))
+    return est.estimate(Option("fsdp", sharding="FULL_SHARD")).peak
+
+
+def test_fsdp_is_simulated_from_a_process_that_holds_a_process_group():
+    """strategy auto under torchrun plans on rank 0 once the group is up, and a notebook may hold one from an
+    earlier run: the simulation's forked child forgets the inherited group (it said "a process group already
+    exists in this process", and auto fell back to DDP)."""
+    peak = run_ranks(_fsdp_estimate_inside_a_rank, 2)[0]
+    assert peak > 0

@@ -9,6 +9,12 @@ class Callback:
     def setup(self, trainer, module, stage: str) -> None: ...
     def on_fit_start(self, trainer, module) -> None: ...
     def on_train_epoch_start(self, trainer, module) -> None: ...
+    def on_train_step_start(self, trainer, module, batches: list) -> None:
+        """This rank's micro-batches of the coming optimizer step, as the loader gave them."""
+
+    def on_after_backward(self, trainer, module) -> None:
+        """The step's gradients are accumulated and reduced across ranks, not yet unscaled nor clipped."""
+
     def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
         """Gradients are final here (reduced, clipped)."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import string
 import warnings
 from pathlib import Path
 
@@ -43,6 +44,7 @@ class ModelCheckpoint(Callback):
         self.last_model_path: str | None = None
         self._last_saved_step = -1
         self._warned = False
+        self._warned_names = False
 
     def setup(self, trainer, module, stage: str) -> None:
         if self.dirpath is None:
@@ -84,15 +86,17 @@ class ModelCheckpoint(Callback):
         score = self._score(trainer)
         # Rank 0 names the checkpoint and every rank writes there: a name may use metrics that
         # differ per rank (step time, tokens/s), and a sharded checkpoint needs every rank's shards.
-        fields = {"epoch": trainer.current_epoch, "step": trainer.global_step, **trainer.callback_metrics}
-        name = self.filename.format(**fields) if trainer.is_global_zero else None
-        path = self.dirpath / trainer.runtime.broadcast(name)
-        finite = trainer.checkpoints.save(path)
+        # A name that cannot be made (a bad format) fails on every rank, not on rank 0 alone.
+        path = self.dirpath / trainer.runtime.decided_on_rank_zero(lambda: self.format_name(trainer))
+        trainer.checkpoints.save(path, then=lambda finite: self._committed(trainer, path, score, finite))
+
+    def _committed(self, trainer, path: Path, score: float, finite: bool) -> None:
+        """Once the checkpoint is on disk under its name: ``last`` moves to it, and only then are older ones removed."""
         if not finite:  # kept for a post-mortem, but never what a resume picks up
             if trainer.is_global_zero:
                 warnings.warn(
-                    f"distrain: the checkpoint at step {trainer.global_step} holds non-finite weights: "
-                    f"written to {path}, but `last` still points at {self.last_model_path}",
+                    f"distrain: the checkpoint at step {trainer.global_step} holds non-finite weights: written to "
+                    f"{path}, but `last` still points at {self.last_model_path}",
                     stacklevel=2,
                 )
             return
@@ -102,6 +106,26 @@ class ModelCheckpoint(Callback):
                 point_last(self.dirpath, path)
             self._keep_top_k(score, str(path))
         trainer.runtime.barrier("checkpoint")
+
+    def format_name(self, trainer) -> str:
+        """The checkpoint's name from ``filename``. A metric it uses that is not logged yet (``{val_loss}``
+        before the first validation) is 0, as in Lightning, and said once."""
+        fields = {"epoch": trainer.current_epoch, "step": trainer.global_step, **trainer.callback_metrics}
+        used = {
+            field.split(".")[0].split("[")[0] for _, field, _, _ in string.Formatter().parse(self.filename) if field
+        }
+        missing = sorted(used - fields.keys())
+        if missing and not self._warned_names:
+            warnings.warn(
+                f"ModelCheckpoint(filename={self.filename!r}): {', '.join(missing)} not logged yet at step "
+                f"{trainer.global_step}; 0 stands in for {'them' if len(missing) > 1 else 'it'} in the name",
+                stacklevel=3,
+            )
+            self._warned_names = True
+        try:
+            return self.filename.format(**fields, **dict.fromkeys(missing, 0))
+        except (ValueError, KeyError, IndexError, AttributeError, TypeError) as e:
+            raise ValueError(f"ModelCheckpoint(filename={self.filename!r}) cannot be formatted: {e}") from None
 
     def _keep_top_k(self, score: float, path: str) -> None:
         self.saved = [(s, p) for s, p in self.saved if p != path] + [(score, path)]

@@ -1,41 +1,52 @@
 """Checkpoint directories on disk: written so that a crash, a full disk or a failing rank never costs
-the previous checkpoint, and read without unpickling code.
+the previous checkpoint, and read without unpickling code (``safe_load``).
 
 Writing (``write_checkpoint``, every rank together): rank 0 makes a temporary directory beside the
-target, every rank writes its files into it and flushes them to disk, then rank 0 commits it onto
-the target name. Each of the three phases ends in an agreement (one ``all_gather_object`` of "did it
-work?"), so a rank that fails — an exception, ENOSPC — is known to every rank at once instead of
-leaving them in a barrier: the temporary directory is removed and the error names the rank and the
-cause. Committing over an existing checkpoint exchanges the two directories in one atomic
-``renameat2(RENAME_EXCHANGE)``, so the name always holds a complete checkpoint; only then is the old
-one deleted. ``last`` is a symlink, replaced atomically once the new checkpoint is committed.
+target, every rank writes its files into it and flushes the files it wrote (its own only: on a
+network file system a rank can flush nothing else), then rank 0 records every file's size in
+``manifest.json`` and commits the directory onto the target name. Each phase ends in an agreement
+(one ``all_gather_object`` of "did it work?"), so a rank that fails — an exception, ENOSPC — is known
+to every rank at once instead of leaving them in a barrier: the temporary directory is removed and
+the error names the rank and the cause.
 
-Reading: ``torch.load(weights_only=True)`` rebuilds only tensors and plain containers; DCP's
-``.metadata`` goes through a restricted unpickler (``compat.SafeFileSystemReader``). A damaged
-checkpoint (truncated, corrupt) is reported in one line naming the file, with the newest intact one.
+Committing is crash-safe on every file system:
+- a new name: one ``rename`` of the finished directory (atomic on POSIX, NFS included);
+- over an existing checkpoint: ``renameat2(RENAME_EXCHANGE)`` swaps the two in one step where the
+  file system has it (ext4, xfs, btrfs, tmpfs); elsewhere (NFS, Lustre, GPFS, overlayfs) the old one
+  is first renamed to ``.<name>.replaced``, then the new one into place. A crash between the two
+  renames leaves the old checkpoint under that name; ``recover`` (run before every resume and every
+  write) puts it back, so the name always resolves to a complete checkpoint.
+``last`` is a pointer (a symlink, replaced atomically) moved only after the commit; older
+checkpoints are removed only after that.
+
+A checkpoint is intact when every file its manifest lists is there at its recorded size
+(``find_damage``: one ``stat`` per file, nothing read) — what a crash or a full disk mid-write leaves
+behind. A bit flipped inside a file is not found there (torch.load does not check zip CRCs either).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
-import uuid
 import warnings
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import torch
+from distrain.checkpoint import CheckpointError, safe_load
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.pt"
+MANIFEST = "manifest.json"
 LAST = "last"
+REPLACED = ".replaced"  # suffix of a checkpoint being replaced (no RENAME_EXCHANGE)
+WRITING = ".tmp-all-ranks"  # suffix of a checkpoint being written
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the rank or file at fault."""
+__all__ = ["CheckpointError", "write_checkpoint", "find_damage", "recover", "point_last", "load_file"]
 
 
 def is_stateful(obj: Any) -> bool:
@@ -43,40 +54,87 @@ def is_stateful(obj: Any) -> bool:
 
 
 # ---- writing ---------------------------------------------------------------------------------------------
+Writer = Callable[[Path], Iterable[Path]]
+"""Writes this rank's files into the temporary directory; returns the files it wrote itself."""
+
+
+def then(future: Future, after: Callable[[Any], Any]) -> Future:
+    """A future of ``after(future.result())``."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(after(f.result()))
+        except BaseException as e:  # noqa: BLE001 — handed to whoever waits
+            out.set_exception(e)
+
+    future.add_done_callback(done)
+    return out
+
+
+class Pending:
+    """A checkpoint being written in the background: ``complete()`` (every rank together) waits for the
+    writes, then flushes and commits as a synchronous save does. Until then the name, ``last`` and every
+    older checkpoint are as they were: a crash meanwhile costs this checkpoint only."""
+
+    def __init__(self, complete: Callable[[], None]):
+        self._complete: Callable[[], None] | None = complete
+
+    def complete(self) -> None:
+        complete, self._complete = self._complete, None
+        if complete is not None:
+            complete()
+
+
 def write_checkpoint(
     path: str | os.PathLike,
-    write: Callable[[Path], None],
+    write: Callable[[Path], Any],
     is_global_zero: bool,
     gather: Callable[[Any], list],
-    finish: Callable[[Path], None] | None = None,
-) -> None:
+    finish: Writer | None = None,
+    background: bool = False,
+) -> Pending | None:
     """Every rank calls this together. ``write(tmp)`` writes this rank's files into the temporary
-    directory; once all ranks have, rank 0 runs ``finish(tmp)`` and commits it onto ``path``.
-    ``gather`` is ``all_gather_object`` over the ranks."""
+    directory (files written through DCP are flushed by DCP itself); once all ranks have, rank 0 runs
+    ``finish(tmp)``, writes the manifest and commits. ``gather`` is ``all_gather_object`` over the ranks.
+    ``background``: ``write`` only starts the writing (it returns a ``Future`` of its files) and the commit
+    waits for ``Pending.complete()``; training goes on meanwhile."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-all-ranks")
+    tmp = path.with_name(f".{path.name}{WRITING}")
 
     def prepare() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        recover(path.parent)  # a crash of an earlier commit here: its old checkpoint back in place
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
 
-    def write_and_flush() -> None:
-        write(tmp)
-        _fsync_tree(tmp)  # this rank's files are on disk before rank 0 commits them
+    written: list = []
+
+    def start() -> None:
+        written.append(write(tmp))
+
+    def flush() -> None:
+        files = written[0].result() if isinstance(written[0], Future) else written[0]
+        _fsync_files(files or ())  # this rank's files are on disk before rank 0 commits them
 
     def commit() -> None:
         if finish is not None:
-            finish(tmp)
-            _fsync_tree(tmp)
+            _fsync_files(finish(tmp) or ())
+        _write_manifest(tmp)
         commit_dir(tmp, path)
 
-    for what, action in (
-        ("preparing", prepare if is_global_zero else None),
-        ("writing", write_and_flush),
-        ("committing", commit if is_global_zero else None),
-    ):
-        _agree(action, what, path, tmp, is_global_zero, gather)
+    _agree(prepare if is_global_zero else None, "preparing", path, tmp, is_global_zero, gather)
+    _agree(start, "writing", path, tmp, is_global_zero, gather)
+
+    def complete() -> None:
+        _agree(flush, "writing", path, tmp, is_global_zero, gather)
+        _agree(commit if is_global_zero else None, "committing", path, tmp, is_global_zero, gather)
+
+    pending = Pending(complete)
+    if background:
+        return pending
+    pending.complete()
+    return None
 
 
 def _agree(action, what: str, path: Path, tmp: Path, is_global_zero: bool, gather) -> None:
@@ -120,20 +178,57 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def _write_manifest(tmp: Path) -> None:
+    """Every file of the finished checkpoint and its size: what ``find_damage`` checks."""
+    files = {
+        str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != MANIFEST
+    }
+    manifest = tmp / MANIFEST
+    manifest.write_text(json.dumps({"files": files}, indent=0))
+    _fsync_files([manifest])
+    _fsync_dir(tmp)
+
+
 def commit_dir(tmp: Path, path: Path) -> None:
-    """Move a finished temporary directory onto ``path``. An existing checkpoint there is exchanged
-    with it atomically (the name never goes missing), then deleted."""
-    if path.exists() or path.is_symlink():
-        if _exchange(tmp, path):
-            shutil.rmtree(tmp, ignore_errors=True)  # now the old checkpoint
-        else:  # a file system without RENAME_EXCHANGE: a moment without ``path`` (``recover`` repairs it)
-            trash = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-            os.replace(path, trash)
-            os.replace(tmp, path)
-            shutil.rmtree(trash, ignore_errors=True)
-    else:
+    """Move a finished temporary directory onto ``path``; see the module's docstring for why each step
+    is safe to crash in."""
+    if not (path.exists() or path.is_symlink()):
         os.replace(tmp, path)
+    elif _exchange(tmp, path):
+        shutil.rmtree(tmp, ignore_errors=True)  # now the old checkpoint
+    else:  # a file system without RENAME_EXCHANGE
+        replaced = path.with_name(f".{path.name}{REPLACED}")
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(path, replaced)
+        _fsync_dir(path.parent)  # a crash from here on: `recover` puts the old one back
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.replace(replaced, path)
+            raise
+        _fsync_dir(path.parent)
+        shutil.rmtree(replaced, ignore_errors=True)
     _fsync_dir(path.parent)
+
+
+def recover(directory: Path) -> None:
+    """Undo what a crash in the middle of a commit left in ``directory``: a checkpoint renamed away to be
+    replaced goes back to its name when nothing took its place (else it is removed); a half-written
+    temporary directory is removed. Call it where no rank is writing (rank 0, before a resume or a write)."""
+    if not directory.is_dir():
+        return
+    for entry in directory.iterdir():
+        if not entry.name.startswith("."):
+            continue
+        if entry.name.endswith(REPLACED):
+            original = entry.with_name(entry.name[1 : -len(REPLACED)])
+            if original.exists():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                os.replace(entry, original)
+                _fsync_dir(directory)
+        elif entry.name.endswith(WRITING):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -147,15 +242,17 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def _fsync_tree(root: Path) -> None:
-    for directory, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(directory))
+def _fsync_files(files: Iterable[Path]) -> None:
+    directories = set()
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        directories.add(Path(file).parent)
+    for directory in directories:
+        _fsync_dir(directory)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -170,7 +267,8 @@ def point_last(dirpath: str | os.PathLike, target: str | os.PathLike) -> None:
     """Make ``dirpath/last`` a symlink to ``target``, replaced atomically."""
     dirpath = Path(dirpath)
     link = dirpath / LAST
-    tmp = dirpath / f".{LAST}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = dirpath / f".{LAST}.tmp-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
     os.symlink(os.path.relpath(target, dirpath), tmp)
     os.replace(tmp, link)
     _fsync_dir(dirpath)
@@ -190,20 +288,14 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def load_file(file: Path) -> Any:
-    """``torch.load(weights_only=True)`` of one checkpoint file; a damaged file is a CheckpointError
-    naming it (and the newest intact checkpoint beside it)."""
-    import pickle
-
+    """One checkpoint file, weights-only (``safe_load``); a damaged file is a CheckpointError naming it
+    (and the newest intact checkpoint beside it)."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # a pickle naming code: never run
-        first = str(e).strip().splitlines()[0]
-        raise CheckpointError(
-            f"{file}: refusing to load: it holds Python objects other than tensors and plain containers, "
-            f"which could run code (torch.load with weights_only=True: {first})"
-        ) from None
+        return safe_load.load_torch_file(file)
+    except safe_load.UnsafeCheckpointError:
+        raise
     except Exception as e:  # a truncated or corrupt file
-        raise CheckpointError(damaged(file, e)) from None
+        raise CheckpointError(describe_damage(file, e)) from None
 
 
 def read_state_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -214,7 +306,7 @@ def read_state_file(path: str | os.PathLike) -> dict[str, Any]:
     return load_file(file)
 
 
-def damaged(file: Path, error: BaseException) -> str:
+def describe_damage(file: Path, error: BaseException) -> str:
     """One line: which file is damaged, why, and the newest intact checkpoint next to it."""
     checkpoint = _checkpoint_of(Path(file))
     cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -248,24 +340,28 @@ def checkpoints_newest_first(dirpath: Path, exclude: Path | None = None) -> list
 
 
 def newest_intact(dirpath: Path, exclude: Path | None = None) -> Path | None:
-    return next((p for p in checkpoints_newest_first(dirpath, exclude) if verify(p) is None), None)
+    return next((p for p in checkpoints_newest_first(dirpath, exclude) if find_damage(p) is None), None)
 
 
-def verify(path: Path) -> str | None:
-    """None if the checkpoint's files are whole, else what is wrong. Checks structure, not every
-    byte: each zip (``torch.save``) file's directory and CRCs, and that DCP's shard files are as long
-    as ``.metadata`` says — what a crash or a full disk mid-write leaves behind."""
+def find_damage(path: Path) -> str | None:
+    """What is damaged or missing in a checkpoint directory, or None when it is whole. With a manifest
+    (every checkpoint distrain writes): each file there at its recorded size — a ``stat`` per file,
+    nothing read. Without one (older checkpoints): each torch file's zip directory opens, and DCP's
+    shard files are as long as ``.metadata`` says."""
     try:
-        for file in sorted(path.rglob("*")):
-            if file.is_file() and file.suffix == ".pt":
-                with zipfile.ZipFile(file) as archive:
-                    bad = archive.testzip()
-                    if bad is not None:
-                        return f"{file}: corrupt record {bad}"
+        manifest = path / MANIFEST
+        if manifest.is_file():
+            for name, size in json.loads(manifest.read_text())["files"].items():
+                file = path / name
+                if not file.is_file():
+                    return f"{file} is missing"
+                if file.stat().st_size != size:
+                    return f"{file}: {file.stat().st_size} bytes, {size} when it was written"
+            return None
+        for file in sorted(path.rglob("*.pt")):
+            zipfile.ZipFile(file).close()  # reads the central directory at the end: a truncated file has none
         if (path / ".metadata").is_file():
-            from distrain import compat
-
-            for name, needed in compat.dcp_storage_extents(path).items():
+            for name, needed in safe_load.dcp_storage_extents(path).items():
                 if not (path / name).is_file() or (path / name).stat().st_size < needed:
                     return f"{path / name}: shorter than its .metadata says ({needed} bytes)"
     except Exception as e:  # noqa: BLE001 — any failure to read it means it is not intact

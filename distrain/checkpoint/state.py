@@ -12,6 +12,8 @@ progress, RNG, schedulers, config). Both load with ``weights_only=True``.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from distrain import compat
 from distrain.checkpoint import io as ckpt_io
+from distrain.checkpoint import safe_load
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_EVERY_RANK = StateDictOptions(full_state_dict=True)
@@ -129,20 +132,63 @@ def save_sharded(
     is_global_zero: bool,
     gather: Callable,
     adjust: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-) -> None:
+    background: bool = False,
+):
     """Every rank writes its own shards in parallel (DCP); rank 0 commits the directory. ``adjust``
-    may rewrite the collected state first (a pipeline makes its stages' optimizer groups agree)."""
+    may rewrite the collected state first (a pipeline makes its stages' optimizer groups agree).
+    ``background``: DCP's ``async_save`` stages the shards into host memory (pinned on CUDA) and writes them
+    from a thread, over a process group of its own; returns the ``Pending`` commit."""
     collected = state_of(state, unwrap, SHARDED)
     if adjust is not None:
         collected = adjust(collected)
     keys = tensor_keys(state)
 
-    def write(tmp: Path) -> None:
-        dcp.save({k: collected[k] for k in keys}, checkpoint_id=str(tmp))
+    def write(tmp: Path):
+        tensors = {k: collected[k] for k in keys}
+        meta = [tmp / META_FILE] if is_global_zero else []
         if is_global_zero:
             torch.save({k: v for k, v in collected.items() if k not in keys}, tmp / META_FILE)
+        if not background:
+            dcp.save(tensors, checkpoint_id=str(tmp))  # DCP flushes the shards it writes
+            return meta
+        saving = dcp.async_save(
+            tensors, checkpoint_id=str(tmp), process_group=_checkpoint_group(), async_stager=_stager()
+        )
+        return ckpt_io.then(saving, lambda _: meta)
 
-    ckpt_io.write_checkpoint(path, write, is_global_zero, gather)
+    return ckpt_io.write_checkpoint(path, write, is_global_zero, gather, background=background)
+
+
+_CHECKPOINT_GROUP: dict = {}
+
+
+def _checkpoint_group():
+    """A gloo group of every rank for background DCP writes: their collectives run in DCP's thread, which must not
+    share the training's group (torchtitan does the same). Made by every rank together, at the first background
+    save of each process group (a second ``fit`` in one process brings a new one)."""
+    if not dist.is_initialized():
+        return None
+    world = dist.distributed_c10d._get_default_group()
+    if _CHECKPOINT_GROUP.get("world") is not world:
+        _CHECKPOINT_GROUP.update(world=world, group=dist.new_group(backend="gloo"))
+    return _CHECKPOINT_GROUP["group"]
+
+
+_STAGER: list = []
+
+
+def _stager():
+    """Copies the shards into host memory before ``async_save`` returns (the run goes on changing the live tensors),
+    into pinned buffers on CUDA, kept from one save to the next (torchtitan's choice). One for the process."""
+    if not _STAGER:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = torch.cuda.is_available()
+        options = StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+        )
+        _STAGER.append(DefaultStager(options))
+    return _STAGER[0]
 
 
 def _check_fits(model: nn.Module, found: dict[str, tuple], source: str) -> None:
@@ -186,7 +232,7 @@ def load_any(
     every_rank = FULL_EVERY_RANK if options.full_state_dict else options  # FULL offloads to rank 0 only
     target = state_of({k: state[k] for k in keys}, unwrap, every_rank)
     if strict:  # DCP's own error for a key it lacks is long; say it in one line first
-        stored = compat.read_dcp_metadata(path).state_dict_metadata
+        stored = safe_load.read_dcp_metadata(path).state_dict_metadata
         for key in keys:
             model = state[key]
             if isinstance(model, nn.Module):
@@ -196,7 +242,7 @@ def load_any(
                     if k.startswith(f"{key}.")
                 }
                 _check_fits(unwrap(model), found, key)
-    dcp.load(target, storage_reader=compat.safe_dcp_reader(path), no_dist=not dist.is_initialized())
+    safe_load.dcp_load(target, path, no_dist=not dist.is_initialized())
     meta = ckpt_io.load_file(path / META_FILE) if (path / META_FILE).exists() else {}
     return load_into(state, {**meta, **target}, unwrap, options, strict)
 
@@ -223,14 +269,14 @@ def read_model_weights(path: str | os.PathLike, key: str = "model") -> dict[str,
     # only the model's tensors: empty full-size ones from the metadata, filled by DCP (no process group)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    stored = compat.read_dcp_metadata(path).state_dict_metadata
+    stored = safe_load.read_dcp_metadata(path).state_dict_metadata
     prefix = f"{key}."
     weights = {
         name[len(prefix) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
         for name, meta in stored.items()
         if name.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
-    dcp.load({key: weights}, storage_reader=compat.safe_dcp_reader(path), no_dist=True)
+    safe_load.dcp_load({key: weights}, path, no_dist=True)
     return weights
 
 
@@ -240,9 +286,18 @@ def _deepspeed_fp32_weights(path: Path) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     prefix = read_checkpoint_meta(path).get(DEEPSPEED_META, {}).get("module_prefix", "")
-    with compat.deepspeed_safe_globals(force_weights_only=True):
+    with safe_load.deepspeed_loading(), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
         weights = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG)
     return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+def read_plain(path: str | os.PathLike, key: str = "model") -> dict[str, Any]:
+    """Any distrain checkpoint as plain values, without a process group: a full ``state.pt`` as it is;
+    a sharded (DCP) or DeepSpeed one as its ``meta.pt`` entries plus the whole model weights."""
+    path = ckpt_io.resolve_checkpoint(path)
+    if not (path / META_FILE).is_file():
+        return ckpt_io.read_state_file(path)
+    return {**ckpt_io.load_file(path / META_FILE), key: read_model_weights(path, key)}
 
 
 def checkpoint_state_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:

@@ -9,12 +9,14 @@ from distrain.distributed.collectives import (
     all_reduce_async,
     barrier,
     broadcast,
+    decided_on_rank_zero,
 )
-from distrain.distributed.process_group import init_process_group, shutdown
+from distrain.distributed.process_group import decide_before_strategy, init_process_group, shutdown
 from distrain.distributed.watch import CollectiveHangError
 
 __all__ = [
     "init_process_group",
+    "decide_before_strategy",
     "shutdown",
     "all_reduce",
     "all_reduce_async",
@@ -22,5 +24,6 @@ __all__ = [
     "all_gather_object",
     "broadcast",
     "barrier",
+    "decided_on_rank_zero",
     "CollectiveHangError",
 ]

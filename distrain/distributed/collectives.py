@@ -84,6 +84,35 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def decided_on_rank_zero(decide: Callable[[], Any]) -> Any:
+    """``decide()`` run on rank 0 alone, its result handed to every rank. When it raises, every rank
+    raises it (rank 0 the original, the others a copy that says it came from rank 0): a decision that
+    fails must never leave the other ranks waiting for it. Call it on every rank together."""
+    if not _active():
+        return decide()
+    outcome = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = ("ok", decide())
+        except Exception as error:  # noqa: BLE001 — shared below, then raised on every rank
+            outcome = ("error", (type(error), str(error)))
+            failure = error
+    kind, value = broadcast(outcome)
+    if kind == "ok":
+        return value
+    if dist.get_rank() == 0:
+        raise failure
+    raise _copy_of(*value)
+
+
+def _copy_of(cls: type, message: str) -> Exception:
+    text = f"{message} (raised on rank 0)"
+    try:
+        return cls(text)
+    except Exception:  # noqa: BLE001 — an exception class that takes other arguments
+        return RuntimeError(f"{cls.__name__}: {text}")
+
+
 def barrier() -> None:
     if _active():
         dist.barrier()

@@ -11,7 +11,9 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,30 @@ def init_process_group(
         atexit.register(shutdown, barrier=False)
     if watch.active() is not None:  # a group distrain started (now, or for an earlier strategy)
         watch.active().set_collective_timeout(collective_timeout or timeout)
+
+
+def decide_before_strategy(decide: Callable[[], Any], accelerator: str, backend: str | None, timeout: timedelta) -> Any:
+    """``decide()`` once for all the ranks an outside launcher started (torchrun, srun, mpirun), before the
+    strategy exists — what ``strategy: auto`` becomes is such a decision. Every rank deciding on its own
+    costs each the whole plan and lets them disagree (one rank's planner fails, it falls back alone); so
+    the default group starts now, rank 0 decides, and every rank takes its decision or its error. The
+    strategy keeps this group. On GPUs it carries gloo beside NCCL: whichever strategy is chosen finds
+    what it needs (FSDP's CPU offload reduces on the host). Elsewhere (one process, or distrain's own
+    launcher, whose ranks inherit the decision) ``decide()`` just runs."""
+    from distrain.accelerators import resolve_accelerator
+    from distrain.cluster import detect_cluster, export_cluster_env
+    from distrain.distributed.collectives import decided_on_rank_zero
+
+    cluster = detect_cluster()
+    if cluster.source in ("local", "distrain", "kubeflow") or cluster.world_size == 1:
+        return decide()
+    export_cluster_env(cluster)
+    device_kind = resolve_accelerator(accelerator)
+    device = device_kind.device(cluster.local_rank)
+    device_kind.setup_device(device)
+    backend = backend or ("cpu:gloo,cuda:nccl" if device_kind.name == "cuda" else device_kind.backend)
+    init_process_group(backend, timeout, None, device=device)
+    return decided_on_rank_zero(decide)
 
 
 def shutdown(barrier: bool = True) -> None:

@@ -134,7 +134,10 @@ def prepare(
             label2id,
             None if (task == "causal_lm" and data.packing) else max_length,
         )
+        raw_size = len(train)
         (train, from_cache), (evaluation, _) = (_tokenize(ds, tokenize, tokenizer, task) for ds in (train, evaluation))
+        if len(train) == 0:
+            raise ConfigError(_nothing_left(data, tokenizer, raw_size, task))
         if task == "causal_lm" and data.packing:
             pack = _Pack(max_length, tokenizer.eos_token_id)
             train, evaluation = (
@@ -144,6 +147,21 @@ def prepare(
             if len(train) == 0:
                 raise ConfigError(f"data.max_length={max_length}: the training text is shorter than one packed block")
     return Prepared(train, evaluation, num_labels, label_names, from_cache)
+
+
+def _nothing_left(data: DataConfig, tokenizer, raw_size: int, task: str) -> str:
+    """Why an empty training set is empty: the dataset, the tokenizer, what was dropped and why."""
+    why = (
+        "a causal LM sample needs at least 2 tokens (one next-token target), and each was empty or tokenized to "
+        "fewer; a tokenizer that does not match the data (or a wrong data.text_column) does this"
+        if task == "causal_lm"
+        else "every sample was dropped while tokenizing"
+    )
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    return (
+        f"data.dataset {data.dataset!r}: no training sample is left: all {raw_size} were dropped after tokenizing "
+        f"{data.text_column!r} with the tokenizer {name!r}; {why}"
+    )
 
 
 def _require_column(ds, column: str, key: str) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from distrain import compat
+from distrain.checkpoint import safe_load
 from distrain.config import ConfigError
 
 TASKS = ("causal_lm", "sequence_classification")
@@ -54,8 +55,10 @@ def _hub_errors() -> tuple[type[BaseException], ...]:
     return (OSError, HFValidationError)
 
 
-def load_config(name: str, key: str = "training.model_name", **overrides: Any):
-    """``AutoConfig`` of a hub name or local directory; ``overrides`` set config fields (num_labels, ...)."""
+def load_config(name: str, key: str = "training.model_name", trust_remote_code: bool = False, **overrides: Any):
+    """``AutoConfig`` of a hub name or local directory; ``overrides`` set config fields (num_labels, ...).
+    A repository's own Python code runs only with ``trust_remote_code`` (the user's
+    ``training.trust_remote_code``)."""
     try:
         from transformers import AutoConfig
     except ImportError:
@@ -73,9 +76,20 @@ def load_config(name: str, key: str = "training.model_name", **overrides: Any):
             f"(with a config.json) is there"
         )
     try:
-        return AutoConfig.from_pretrained(path, **overrides)
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **overrides)
     except _hub_errors() as e:
         raise not_loadable(key, name, e) from None
+    except ValueError as e:
+        raise _remote_code_refused(key, name, e) from None
+
+
+def _remote_code_refused(key: str, name: str, error: ValueError) -> Exception:
+    if "trust_remote_code" not in str(error):
+        return error
+    return ConfigError(
+        f"{key}: {name} holds its own Python code, which must run to load it; distrain runs a model "
+        "repository's code only when you set training.trust_remote_code=true (read that code first)"
+    )
 
 
 def config_from_dict(values: dict):
@@ -206,7 +220,7 @@ def checkpoint_tensors(directory: Path):
     bin_file = directory / "pytorch_model.bin"
     if not bin_file.is_file():
         raise ConfigError(f"training.model_name: {directory} holds no model.safetensors or pytorch_model.bin")
-    for key, tensor in torch.load(bin_file, map_location="cpu", weights_only=True, mmap=True).items():
+    for key, tensor in safe_load.load_torch_file(bin_file, mmap=True).items():
         yield key, (lambda tensor=tensor: tensor)
 
 
@@ -230,22 +244,16 @@ def build_skeleton(task: str, config) -> nn.Module:
         return auto_class(task).from_config(config)
 
 
-def block_classes(model: nn.Module) -> set[type]:
-    """The model's repeated layers (``_no_split_modules``: LlamaDecoderLayer, BertLayer, ...): the FSDP
-    units and the activation-checkpointed layers — the spec's ``auto_wrap_policy: transformer_based``."""
-    from distrain.strategies.fsdp import _default_block_classes
-
-    return _default_block_classes(model) or set()
-
-
-def load_tokenizer(name: str, key: str = "data.tokenizer"):
+def load_tokenizer(name: str, key: str = "data.tokenizer", trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     path = os.path.expanduser(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except _hub_errors() as e:
         raise not_loadable(key, name, e, what="tokenizer") from None
+    except ValueError as e:
+        raise _remote_code_refused(key, name, e) from None
     if tokenizer.pad_token_id is None:
         # causal LMs often have none; padding is masked out by the attention mask anyway
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token

@@ -48,6 +48,9 @@ class HFTaskModule(Module):
         self.hparams["task"] = self.task
         self.model = None
 
+    def num_blocks(self) -> int | None:
+        return self.hparams["hf_config"].get("num_hidden_layers")
+
     def hf_config(self):
         return models.config_from_dict(self.hparams["hf_config"])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from distrain.models.gpt import GPT, Block, gpt_config
+from distrain.models.gpt import GPT, GPT_SIZES, Block, gpt_config
 from distrain.module import Module
 from distrain.optim import adamw, warmup_decay
 
@@ -31,6 +31,9 @@ class GPTLanguageModel(Module):
         if self.gpt is None:
             h = self.hparams
             self.gpt = GPT(gpt_config(h["model_name"], block_size=h["block_size"], dropout=h["dropout"]))
+
+    def num_blocks(self) -> int:
+        return GPT_SIZES[self.hparams["model_name"]]["n_layer"]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.gpt(idx)

@@ -9,14 +9,14 @@ its gradients summed across them after each step, so both copies stay equal.
 A step (``PipelineRunner.train``): the Trainer's micro-batches of one optimizer step are the
 schedule's micro-batches (GPipe, 1F1B, Interleaved1F1B), so the global batch means what it means
 under DDP. The last stage runs the user's ``training_step`` on each micro-batch with the model's
-call answered from the pipeline's output (``PipelinePlan.answer``): the loss is the step's own,
+call answered from the pipeline's output (``PipelineSplit.answer``): the loss is the step's own,
 divided by the number of micro-batches as the Trainer does. The step's loss reaches every stage by
 one broadcast. Evaluation runs each batch through the pipeline forward only; the last stage runs
 ``validation_step``/``test_step``/``predict_step`` (predictions are broadcast to every stage).
 
 torch's stages learn the shapes of what they send from the first micro-batch (one extra forward
 and backward per new shape; our loss function recognizes that run and calls no user code), so a
-step's micro-batches must share one shape (``PipelinePlan.pad_window`` pads token batches).
+step's micro-batches must share one shape (``PipelineSplit.pad_window`` pads token batches).
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ import torch.distributed as dist
 from torch import nn
 
 from distrain import compat
-from distrain.data import batch_size_of
 from distrain.module import loss_of
 from distrain.parallel.gradients import match_gradient_layouts
 from distrain.parallel.layout import PP, ParallelLayout
-from distrain.parallel.pipeline_plan import PipelinePlan, split_blocks
+from distrain.parallel.pipeline_split import PipelineSplit, split_blocks
 from distrain.parallel.tensor_parallel import shared_parameters
 
 
@@ -43,7 +42,7 @@ class StageModule(nn.Module):
     """One pipeline stage: ``embed`` (first stage), a run of blocks, ``head`` (last stage). Its
     children are the user's own layers, so a stage holds no copy of anything."""
 
-    def __init__(self, plan: PipelinePlan, index: int, num_stages: int, blocks: range, runner: PipelineRunner):
+    def __init__(self, plan: PipelineSplit, index: int, num_stages: int, blocks: range, runner: PipelineRunner):
         super().__init__()
         self.index, self.is_first, self.is_last = index, index == 0, index == num_stages - 1
         self.first_layers = nn.ModuleList(plan.first if self.is_first else [])
@@ -66,14 +65,14 @@ class StageModule(nn.Module):
 class PipelineBuild:
     """Which blocks each stage holds, which stages this rank runs, what it keeps of the model."""
 
-    plan: PipelinePlan
+    plan: PipelineSplit
     ranges: list[range]
     local: list[int]  # this rank's stage indices (several for interleaved schedules)
     keep: list[nn.Module]  # the plan's layers this rank holds (its stages', and holders of tied weights)
     ties: list[tuple[str, list[int]]]  # tied parameters held by several stages: (name, the stages holding it)
 
     @classmethod
-    def create(cls, module: nn.Module, plan: PipelinePlan, layout: ParallelLayout, pp_rank: int, split_points=None):
+    def create(cls, module: nn.Module, plan: PipelineSplit, layout: ParallelLayout, pp_rank: int, split_points=None):
         num_stages = layout.num_stages
         ranges = split_blocks(plan, num_stages, split_points, root=module)
         local = [s for s in range(num_stages) if s % layout.pipeline == pp_rank]  # torch's loop-style placement
@@ -113,7 +112,7 @@ class PipelineBuild:
         return dropped
 
 
-def _stage_layers(plan: PipelinePlan, ranges: list[range], stage: int) -> list[nn.Module]:
+def _stage_layers(plan: PipelineSplit, ranges: list[range], stage: int) -> list[nn.Module]:
     layers = [plan.blocks[i] for i in ranges[stage]] + list(plan.every_stage)
     if stage == 0:
         layers += list(plan.first)
@@ -126,7 +125,7 @@ def _inside(module: nn.Module, roots: list[nn.Module]) -> bool:
     return any(module is m for root in roots for m in root.modules())
 
 
-def _check_plan_covers(module: nn.Module, plan: PipelinePlan) -> None:
+def _check_plan_covers(module: nn.Module, plan: PipelineSplit) -> None:
     """Every parameter must belong to some stage, or it would never be trained."""
     parts = [*plan.first, *plan.last, *plan.every_stage, *plan.blocks]
     covered = {id(p) for part in parts for p in part.parameters()}
@@ -170,7 +169,7 @@ class PipelineRunner:
         return self._window[index][1]
 
     # ---- training ------------------------------------------------------------------------------------------------
-    def train(self, micro_batches: list[tuple[int, Any]], collector, loss_parallel) -> tuple[torch.Tensor, Any]:
+    def train(self, micro_batches: list[tuple[int, Any]], before_each, loss_parallel) -> tuple[torch.Tensor, Any]:
         """One optimizer step's forward and backward; returns (the step's mean loss on every stage, the
         last ``training_step`` output on the last stage, else that loss)."""
         window = self._prepare(micro_batches)
@@ -178,7 +177,7 @@ class PipelineRunner:
         self._losses: list[torch.Tensor | None] = [None] * n
         self._output = None
         self._scale = 1.0 / n
-        self._collector = collector
+        self._before_each = before_each  # the loop's own bookkeeping, before each training_step
         schedule = self._schedule_for(n, training=True)
         with loss_parallel, self.precision.autocast():
             compat.run_pipeline_schedule(schedule, self.stages, *self._micro_batch_args(n), backward=True)
@@ -197,7 +196,8 @@ class PipelineRunner:
         if index is None:  # torch's shape inference on a copy of the first micro-batch: no user code runs
             return _surrogate_loss(output)
         batch_idx, batch = self._window[index]
-        self._collector.current_batch_size = batch_size_of(batch)
+        if self._before_each is not None:
+            self._before_each(batch)
         with self._answering(output, batch):
             step_output = self.module.training_step(batch, batch_idx)
         loss = _plain(loss_of(step_output))

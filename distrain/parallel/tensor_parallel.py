@@ -111,7 +111,7 @@ def gpt_plan(gpt: nn.Module, tp: int, sequence_parallel: bool) -> dict[str, Para
     return plan
 
 
-def llama_plan(lm: nn.Module, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def llama_split(lm: nn.Module, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """A Hugging Face Llama-style causal LM (``XForCausalLM`` with ``model.layers``); names relative to it."""
     config = lm.config
     _divides(
@@ -180,7 +180,7 @@ def built_in_targets(module: nn.Module) -> list[tuple[nn.Module, Callable]]:
         if isinstance(m, GPT):
             found.append((m, gpt_plan))
         elif is_llama_style(m):
-            found.append((m, llama_plan))
+            found.append((m, llama_split))
     return found
 
 

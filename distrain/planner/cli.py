@@ -47,16 +47,14 @@ def ranks_per_node(config: RunConfig, gpu: bool) -> int:
     return auto_device_count(Accelerator())
 
 
-def spec_from_config(config: RunConfig, hf_job=None) -> ModelSpec:
+def spec_from_config(config: RunConfig, job=None) -> ModelSpec:
     from distrain.models.gpt import GPT_SIZES
 
     t, data = config.training, config.data
     if t.model_name in GPT_SIZES:
         return ModelSpec.builtin_gpt(t.model_name, data.seq_len)
-    if hf_job is not None:
-        return ModelSpec.huggingface(
-            t.model_name, hf_job.data.max_length, hf_job.task, t.num_labels, hf_config=hf_job.hf_config
-        )
+    if hasattr(job, "hf_config"):  # the Hugging Face job has read the model's config and sized its data
+        return ModelSpec.huggingface(t.model_name, job.data.max_length, job.task, t.num_labels, hf_config=job.hf_config)
     return ModelSpec.huggingface(t.model_name, data.max_length or data.seq_len, t.task, t.num_labels)
 
 
@@ -70,11 +68,11 @@ def zero_config(config: RunConfig) -> dict | None:
     return read_user_config(path)[0]
 
 
-def job_from_config(config: RunConfig, gpu: bool, hf_job=None) -> Job:
+def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
     t, d = config.training, config.distributed
     per_node = ranks_per_node(config, gpu)
     return Job(
-        spec=spec_from_config(config, hf_job),
+        spec=spec_from_config(config, job),
         micro_batch=t.batch_size_per_gpu,
         precision=t.precision,
         world_size=per_node * d.num_nodes,
@@ -88,7 +86,19 @@ def job_from_config(config: RunConfig, gpu: bool, hf_job=None) -> Job:
             "forward_prefetch": config.fsdp.forward_prefetch,
             "mixed_precision": {k: v for k, v in vars(config.fsdp.mixed_precision).items() if v} or None,
         },
+        fsdp_sharding=config.fsdp.sharding_strategy,
+        fsdp_cpu_offload=config.fsdp.cpu_offload,
     )
+
+
+def runs_activation_checkpointing(config: RunConfig) -> bool:
+    """Whether ``distrain train`` checkpoints every block: ``training.activation_checkpointing: true``, the
+    spec's ``activation_checkpointing.enabled``, or a DeepSpeed JSON that says how activations are
+    checkpointed (partitioned, on the CPU)."""
+    if config.training.activation_checkpointing is True or config.fsdp.activation_checkpointing.enabled:
+        return True
+    section = (zero_config(config) or {}).get("activation_checkpointing") or {}
+    return any(section.get(k) for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"))
 
 
 def budget_from_config(config: RunConfig, gpu: bool, per_node: int) -> Budget:
@@ -98,12 +108,17 @@ def budget_from_config(config: RunConfig, gpu: bool, per_node: int) -> Budget:
 
 # ---- distrain plan -----------------------------------------------------------------------------------------
 def plan_command(config: RunConfig, strategy: str, as_json: bool) -> int:
+    """``--strategy all`` (the default): every option, the run's own marked when the config names one;
+    ``--strategy X``: the option X runs as ``distrain train`` with the same arguments would start it (the
+    config's FSDP sharding, the DeepSpeed JSON's stage and offload), with and without activation checkpointing."""
     gpu = plans_for_gpu(config)
     job = job_from_config(config, gpu)
     budget = budget_from_config(config, gpu, job.per_node)
     ac = config.training.activation_checkpointing
-    checkpoint = "both" if ac in (False, "auto") else True
-    plan = Planner(job, budget).plan("all" if strategy in ("all", "auto") else strategy, checkpoint)
+    runs_ac = runs_activation_checkpointing(config)
+    checkpoint = True if runs_ac and strategy == "all" else "both"
+    named = config.distributed.strategy
+    plan = Planner(job, budget).plan("all" if strategy in ("all", "auto") else named, checkpoint)
     if not plan.rows:  # a strategy the planner has no model of (model_parallel, pipeline): say so, not "nothing fits"
         print(
             f"distrain plan: strategy {strategy} is not planned (the planner models DDP, FSDP and DeepSpeed ZeRO; "
@@ -111,6 +126,9 @@ def plan_command(config: RunConfig, strategy: str, as_json: bool) -> int:
             file=sys.stderr,
         )
         return 2
+    run = option_for_run(named, job, job.fsdp_sharding, job.fsdp_cpu_offload) if named != "auto" else None
+    if run is not None and ac != "auto":
+        plan.mark_run(_with_checkpoint(run, None if runs_ac else 0))
     if as_json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
@@ -168,18 +186,37 @@ def _fingerprint(config: RunConfig) -> str:
     return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def decide_for_training(config: RunConfig, hf_job=None) -> Decision:
+def decide_for_training(config: RunConfig, job=None) -> Decision:
     """Before any rank starts: resolve ``strategy: auto`` and ``activation_checkpointing: auto``
     with the memory plan, warn when an explicit strategy will not fit, stop when nothing fits. A
-    planner failure never stops a run: it falls back to what the config says, with a note."""
+    planner failure never stops a run: it falls back to what the config says, with a note. Under an
+    outside launcher every rank runs this: rank 0 plans, and the others take its decision
+    (``decide_before_strategy``) or, when there is nothing to decide, skip the plan (rank 0 warns)."""
+    from datetime import timedelta
+
+    from distrain import distributed
+    from distrain.cluster import detect_cluster
+
     inherited = os.environ.get(PLANNED_ENV)
     if inherited and os.environ.get("DISTRAIN_LAUNCHED"):  # a rank our launcher started: the parent decided
         decision = Decision.from_env(inherited, config)
         if decision is not None:
             return decision
+    d = config.distributed
+    if d.strategy != "auto" and config.training.activation_checkpointing != "auto":
+        if detect_cluster().rank != 0:  # only a warning to compute, and rank 0 prints it
+            return Decision(strategy=d.strategy)
+        return _planned(config, job)
+    timeout = timedelta(seconds=d.timeout_seconds)
+    decision = distributed.decide_before_strategy(lambda: _planned(config, job), d.accelerator, d.backend, timeout)
+    os.environ[PLANNED_ENV] = decision.to_env(config)  # on every rank: what a later look-up here finds
+    return decision
+
+
+def _planned(config: RunConfig, job) -> Decision:
     fallback = Decision(strategy=_without_plan(config))
     try:
-        decision = _decide(config, hf_job)
+        decision = _decide(config, job)
     except Exception as e:  # the plan is advice; training must not depend on it
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         fallback.messages.append(f"distrain: the memory planner could not plan this run ({type(e).__name__}: {first})")
@@ -199,10 +236,10 @@ def _without_plan(config: RunConfig) -> str:
         return "auto"
 
 
-def _decide(config: RunConfig, hf_job) -> Decision:
+def _decide(config: RunConfig, job) -> Decision:
     d, t = config.distributed, config.training
     gpu = plans_for_gpu(config)
-    job = job_from_config(config, gpu, hf_job)
+    job = job_from_config(config, gpu, job)
     budget = budget_from_config(config, gpu, job.per_node)
     planner = Planner(job, budget)
     ac = t.activation_checkpointing

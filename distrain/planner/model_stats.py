@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from distrain import compat
 from distrain.module import Module
+from distrain.strategies import layers
 from distrain.strategies.layers import apply_activation_checkpointing
 
 #: bytes of one element, by dtype
@@ -96,7 +97,7 @@ class ModelSpec:
         limit = getattr(config, "max_position_embeddings", None)
         seq_len = min(seq_len, limit) if limit else seq_len
         skeleton = models.build_skeleton(task, config)
-        blocks = tuple(models.block_classes(skeleton))
+        blocks = tuple(layers.block_classes(skeleton))
         depth_key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, k)), None)
 
         def build() -> Module:
@@ -137,7 +138,6 @@ class ModelSpec:
         """Any ``distrain.Module`` and its train loader (the ``Trainer(strategy="auto")`` path). The
         module is copied onto the meta device (its tensors are not copied) and configured there;
         batches are collated from the loader's first samples."""
-        from distrain.strategies.fsdp import _default_block_classes
 
         def build() -> Module:
             meta = _meta_copy(module)
@@ -151,7 +151,7 @@ class ModelSpec:
             return collate([dataset[i % len(dataset)] for i in range(b)])
 
         probe = build()
-        blocks = tuple(block_classes or _default_block_classes(probe) or ())
+        blocks = tuple(block_classes or layers.block_classes(probe))
         first = make_batch(1)
         lengths = [t.shape[-1] for t in tree_flatten(first)[0] if isinstance(t, torch.Tensor) and t.dim() >= 2]
         return cls(

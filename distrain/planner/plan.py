@@ -115,8 +115,9 @@ def candidate_options(job: Job, strategy: str = "all", checkpoint: str | bool = 
             options += [Option("zero", stage=2, offload="cpu"), Option("zero", stage=3, offload="cpu")]
     if strategy == "auto":
         options = [o for o in options if o.family in AUTO_FAMILIES]
-    elif strategy != "all":
-        options = [o for o in options if _matches(o, strategy)]
+    elif strategy != "all":  # the option that strategy runs, as the run would start it
+        run = option_for_run(strategy, job, job.fsdp_sharding, job.fsdp_cpu_offload)
+        options = [run] if run is not None else []
     if checkpoint == "both":
         options = [replace(o, checkpoint=c) for o in options for c in (0, None)]
     elif checkpoint is True:
@@ -124,38 +125,37 @@ def candidate_options(job: Job, strategy: str = "all", checkpoint: str | bool = 
     return sorted(options, key=rank_key)
 
 
-def _matches(option: Option, strategy: str) -> bool:
-    if strategy in ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook"):
-        return option.family == "ddp"
-    if strategy == "single":
-        return option.family == "single"
-    if strategy.startswith("fsdp"):
-        return option.family == "fsdp" and (option.offload == "cpu") == (strategy == "fsdp_cpu_offload")
-    if strategy.startswith("deepspeed"):
-        from distrain.strategies.deepspeed_config import PRESETS
-
-        preset = PRESETS.get(strategy, {"stage": 2})
-        offload = "nvme" if "nvme" in strategy else "cpu" if preset.get("offload_optimizer") else "none"
-        return option.family == "zero" and option.stage == preset["stage"] and option.offload == offload
-    return False
-
-
 def option_for_run(strategy: str, job: Job, sharding: str = "FULL_SHARD", cpu_offload: bool = False) -> Option | None:
-    """The option an explicitly named strategy runs (for the does-it-fit warning)."""
+    """The option an explicitly named strategy runs, as ``distrain train`` would start it: the FSDP sharding
+    and offload of the config, the ZeRO stage and offload of the user's DeepSpeed JSON (``job.zero``) when
+    there is one, else the preset's. None for what the planner does not model (tensor parallel, pipeline)."""
     if strategy in ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook"):
         return Option("ddp") if job.world_size > 1 else Option("single")
     if strategy == "single":
         return Option("single")
     if strategy in ("fsdp", "fsdp_cpu_offload"):
         offload = "cpu" if (cpu_offload or strategy == "fsdp_cpu_offload") and job.gpu else "none"
-        return Option("fsdp", sharding=sharding if sharding != "NO_SHARD" else "FULL_SHARD", offload=offload)
+        if sharding == "NO_SHARD" and offload == "none":  # replicated on every rank: DDP's memory
+            return Option("ddp") if job.world_size > 1 else Option("single")
+        return Option("fsdp", sharding="FULL_SHARD" if sharding == "NO_SHARD" else sharding, offload=offload)
     if strategy.startswith("deepspeed"):
-        from distrain.strategies.deepspeed_config import PRESETS
-
-        preset = PRESETS.get(strategy, {"stage": 2})
-        offload = "nvme" if "nvme" in strategy else "cpu" if preset.get("offload_optimizer") else "none"
-        return Option("zero", stage=preset["stage"], offload=offload if job.gpu else "none")
+        stage, offload = _zero_of(strategy, job.zero)
+        if stage == 0:  # no ZeRO: every rank holds everything, as under DDP
+            return Option("ddp") if job.world_size > 1 else Option("single")
+        return Option("zero", stage=stage, offload=offload if job.gpu else "none")
     return None
+
+
+def _zero_of(strategy: str, user: dict | None) -> tuple[int, str]:
+    """(stage, where its state is offloaded) of a DeepSpeed run: the user's config, else the preset."""
+    from distrain.strategies.deepspeed_config import PRESETS, zero_stage
+
+    if user:
+        zero = user.get("zero_optimization", {})
+        devices = {zero.get(k, {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
+        return zero_stage(user), "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
+    preset = PRESETS.get(strategy, {"stage": 2})
+    return preset["stage"], "nvme" if "nvme" in strategy else "cpu" if preset.get("offload_optimizer") else "none"
 
 
 # ---- the plan ---------------------------------------------------------------------------------------------
@@ -167,6 +167,11 @@ class Plan:
     recommendation: Row | None
     reason: str
     suggestions: list[str] = field(default_factory=list)
+    run: Option | None = None
+    """The option ``distrain train`` with the same arguments runs (marked in the table and the JSON)."""
+
+    def mark_run(self, option: Option) -> None:
+        self.run = option if any(r.option == option for r in self.rows) else None
 
     def header(self) -> str:
         job, budget = self.job, self.budget
@@ -188,7 +193,8 @@ class Plan:
             host = cell(r.host) if r.host else "-"
             cells = [cell(v) for v in (r.params, r.grads, r.optimizer, r.activations, r.buffers, r.peak)]
             cells += [host, "yes" if r.fits else "no", "-" if r.max_micro_batch is None else str(r.max_micro_batch)]
-            lines.append(f"{r.option.label:<{width}} " + " ".join(f"{c:>8}" for c in cells))
+            mark = "  ← this run" if r.option == self.run else ""
+            lines.append(f"{r.option.label:<{width}} " + " ".join(f"{c:>8}" for c in cells) + mark)
         lines.append("")
         lines.append(
             "activ.: the most activation memory alive at once (forward/backward) at this micro-batch; "
@@ -211,7 +217,7 @@ class Plan:
             "device_budget_bytes": self.budget.device,
             "usable_bytes": self.budget.usable,
             "host_budget_bytes": self.budget.host,
-            "rows": [r.to_json() for r in self.rows],
+            "rows": [{**r.to_json(), "this_run": r.option == self.run} for r in self.rows],
             "recommendation": self.recommendation.option.strategy if self.recommendation else None,
             "reason": self.reason,
             "suggestions": self.suggestions,

@@ -90,16 +90,16 @@ def _simulate_fsdp(
     foreach: bool = False,
     options: dict | None = None,
 ) -> FSDPPeak:
-    """The simulation itself; needs a process without a process group (it makes a fake one)."""
+    """The simulation itself, in a forked child (it makes a fake process group; an inherited one is forgotten)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from distrain.accelerators import Accelerator
     from distrain.cluster import detect_cluster
+    from distrain.module import StepRouter
     from distrain.precision import Precision
     from distrain.strategies.fsdp import FSDPStrategy
-    from distrain.trainer import _StepRouter
 
-    with compat.fake_process_group(world_size):
+    with compat.fake_process_group(world_size, forked_child=True):
         if sharding == "HYBRID_SHARD":
             mesh = init_device_mesh("cpu", (num_nodes, world_size // num_nodes), mesh_dim_names=("replicate", "shard"))
         else:
@@ -119,7 +119,7 @@ def _simulate_fsdp(
         object.__setattr__(module, "reset_parameters", lambda: None)
         fake = compat.fake_tensor_mode(allow_non_fake_inputs=True)
         with fake as mode, compat.transformers_masks_as_in_eager():
-            model = strategy.setup_module(_StepRouter(module))
+            model = strategy.setup(StepRouter(module)).model
             optimizer = first_optimizer(module.configure_optimizers())
             if foreach:
                 use_foreach(optimizer)

@@ -31,12 +31,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from distrain import compat
-from distrain.planner.estimate import Estimator, Option, Row
 from distrain.planner.model_stats import ELEMENT_BYTES, create_optimizer_state, first_optimizer
+from distrain.planner.options import Option, Row
+
+if TYPE_CHECKING:
+    from distrain.planner.estimate import Estimator
 
 #: DeepSpeed's own defaults for what distrain's config leaves unset (deepspeed 0.19.8 ``DeepSpeedZeroConfig``)
 DEEPSPEED_DEFAULTS = {

@@ -1,17 +1,24 @@
-"""Parallel strategies, one file each; importing this package registers their names."""
+"""Parallel strategies, one file each. Importing this package imports every file in it, and each file
+registers its names (``registry.register``): a new strategy is one new file."""
 
-from distrain.strategies.base import Strategy, TrainingPlan
-from distrain.strategies.ddp import DDPStrategy
-from distrain.strategies.deepspeed import DeepSpeedStrategy
-from distrain.strategies.fsdp import FSDPStrategy
-from distrain.strategies.model_parallel import ModelParallelStrategy
-from distrain.strategies.pipeline import PipelineStrategy
-from distrain.strategies.registry import make_strategy
-from distrain.strategies.single import SingleDeviceStrategy
+import importlib
+import pkgutil
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+from distrain.strategies.base import LoopFacts, Strategy  # noqa: E402
+from distrain.strategies.ddp import DDPStrategy  # noqa: E402
+from distrain.strategies.deepspeed import DeepSpeedStrategy  # noqa: E402
+from distrain.strategies.fsdp import FSDPStrategy  # noqa: E402
+from distrain.strategies.model_parallel import ModelParallelStrategy  # noqa: E402
+from distrain.strategies.pipeline import PipelineStrategy  # noqa: E402
+from distrain.strategies.registry import make_strategy  # noqa: E402
+from distrain.strategies.single import SingleDeviceStrategy  # noqa: E402
 
 __all__ = [
     "Strategy",
-    "TrainingPlan",
+    "LoopFacts",
     "DDPStrategy",
     "DeepSpeedStrategy",
     "FSDPStrategy",

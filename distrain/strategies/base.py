@@ -1,10 +1,12 @@
 """The one interface every parallel strategy implements.
 
-A strategy decides how the model and optimizer are wrapped, how backward and the optimizer step
-run, how gradient sync is skipped on accumulation micro-steps, how gradients are clipped, and how
-a checkpoint is written and read. It starts the process group through ``distrain.distributed``
-and knows nothing about the Trainer. Each strategy is one file that registers its names
-(``registry.register``).
+A strategy decides how the model and optimizers are set up (``setup``: one entry point; it wraps,
+shards, compiles and checkpoints the model, then builds the optimizers on what it made), how one
+optimizer step's micro-batches run (``run_step``: forward and backward each, gradients synchronized
+once), how gradients are clipped and applied, and how a checkpoint is written and read. It starts the
+process group through ``distrain.distributed`` and knows nothing about the Trainer: what it needs from
+the loop comes in as arguments. What the rest of distrain must know about it is one record
+(``Traits``). Each strategy is one file that registers its names (``registry.register``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -24,12 +26,13 @@ from distrain.accelerators import Accelerator
 from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
 from distrain.cluster import ClusterEnv
+from distrain.module import loss_of
 from distrain.precision import Precision
 from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, device_init_context
 
 
 @dataclass
-class TrainingPlan:
+class LoopFacts:
     """What the training loop will do, for strategies that configure an engine up front
     (DeepSpeed's batch, accumulation and clipping live in its config)."""
 
@@ -41,27 +44,49 @@ class TrainingPlan:
     run_dir: str | None = None
 
 
+@dataclass(frozen=True)
+class Traits:
+    """What the rest of distrain needs to know about a strategy, in one place."""
+
+    collective_forward: bool = False
+    """Forward passes communicate (sharded parameters): every rank runs every forward, also in evaluation."""
+    engine_skips_nonfinite: bool = False
+    """The optimizer step itself skips a step whose gradients are not finite (DeepSpeed's engine)."""
+    compiles: bool = True
+    """``torch.compile`` can be applied to the model it sets up."""
+    converts_fp8: bool = True
+    """It converts the model for precision="fp8" (torchao's float8 layers)."""
+    float8_all_gather: bool = False
+    """fp8 weights are all-gathered in float8 (FSDP2)."""
+    metrics_elsewhere: bool = False
+    """Logged values may live on other ranks than rank 0 (a pipeline's last stage): each is reduced across ranks."""
+    saves_in_background: bool = True
+    """Checkpoints can be written while training goes on (``async_save``)."""
+    counts_metrics: bool = True
+    """This rank's logged values count in cross-rank reductions; a rank holding a copy of another's samples (a
+    tensor-parallel peer, a pipeline's earlier stage) does not, so a sample counts once."""
+
+
+class SetUp(NamedTuple):
+    model: nn.Module
+    """What to call: the wrapped model (``model(step_name, batch, i)`` under the Trainer)."""
+    optimizers: list
+    schedulers: list
+
+
+#: builds the optimizers on the model as set up (sharded, partitioned): ``() -> (optimizers, scheduler configs)``
+OptimizerFactory = Callable[[], tuple[list, list]]
+
+
 class Strategy:
     #: how extra ranks are started when no launcher did it: "popen", "spawn", "fork" or None (one process)
     start_method: str | None = None
-    #: forward passes run collectives (sharded parameters): every rank must run the same steps
-    collective_forward: bool = False
-    #: the optimizer step itself skips a step whose gradients are not finite (DeepSpeed's engine)
-    skips_nonfinite_steps: bool = False
-    #: ``torch.compile`` in ``setup_module`` (``Trainer(compile=...)`` sets it): False, True or compile kwargs
+    #: ``torch.compile`` when the model is set up (``Trainer(compile=...)`` sets it): False, True or compile kwargs
     compile: bool | dict = False
-    #: whether this strategy can compile the model it sets up
-    supports_compile: bool = True
-    #: whether this strategy converts the model for precision="fp8" (Precision.convert_module)
-    supports_fp8: bool = True
-    #: fp8 weights all-gathered in float8 (FSDP2)
-    float8_all_gather: bool = False
-    #: the strategy runs a whole optimizer step's micro-batches itself (a pipeline schedule):
-    #: the Trainer calls ``run_micro_batches`` instead of one forward/backward per micro-batch
-    runs_micro_batches: bool = False
-    #: values a module logs may live on other ranks than rank 0 (a pipeline's last stage): every
-    #: logged value is reduced across ranks, as ``sync_dist=True`` ones are
-    gathers_metrics: bool = False
+
+    @property
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(
         self,
@@ -87,9 +112,9 @@ class Strategy:
     # ---- wiring, done once by the Runtime ------------------------------------------------------
     def connect(self, accelerator: Accelerator, precision: Precision, cluster: ClusterEnv, nprocs: int, num_nodes: int):
         self.accelerator, self.precision, self.cluster = accelerator, precision, cluster
-        if precision.name == "fp8" and not self.supports_fp8:
+        if precision.name == "fp8" and not self.traits.converts_fp8:
             raise ValueError(f"precision='fp8' is not supported with {type(self).__name__}")
-        precision.float8_all_gather = self.float8_all_gather
+        precision.float8_all_gather = self.traits.float8_all_gather
         self.nprocs_per_node, self.num_nodes = nprocs, num_nodes
         if self.start_method is not None and "nccl" in self.backend and accelerator.name != "cuda":
             raise ValueError(
@@ -127,13 +152,6 @@ class Strategy:
         return self.global_rank
 
     @property
-    def counts_metrics(self) -> bool:
-        """Whether this rank's logged values count in cross-rank metric reductions. Ranks that hold
-        a copy of another's samples (tensor-parallel peers, a pipeline's earlier stages) do not, so
-        a sample is counted once."""
-        return True
-
-    @property
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", 0))
 
@@ -162,6 +180,8 @@ class Strategy:
                 device=self.root_device,
                 flight_recorder_dir=self.flight_recorder_dir,
             )
+            if self.world_size > 1:
+                self.precision.agree_on_overflow()
 
     def _set_cpu_threads(self) -> None:
         # N ranks on one CPU each using every core oversubscribes it (the classic CPU slowdown).
@@ -180,22 +200,38 @@ class Strategy:
         ``empty_init=True`` skips the initializers: for weights about to be loaded anyway."""
         return device_init_context(self.root_device, self.precision.name == "bf16-true", empty_init)
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup(
+        self,
+        module: nn.Module,
+        optimizers: Iterable[torch.optim.Optimizer] | OptimizerFactory = (),
+        loop: LoopFacts | None = None,
+    ) -> SetUp:
+        """The one set-up entry point. The model first (sharding strategies replace its parameters), then the
+        optimizers: ``optimizers`` built by a factory on the model as set up (the Trainer:
+        ``configure_optimizers``), or built before and re-pointed at the new parameters by name (a loop of your
+        own). ``loop``: what the Trainer will do (None: a loop of your own, or evaluation)."""
+        names = {id(p): n for n, p in module.named_parameters()}
+        model = self._setup_module(module)
+        if callable(optimizers):
+            optimizers, schedulers = optimizers()
+        else:
+            optimizers, schedulers = list(optimizers), []
+            params = dict(self.unwrap(model).named_parameters())
+            for optimizer in optimizers:
+                for group in optimizer.param_groups:
+                    group["params"] = [params.get(names.get(id(p)), p) for p in group["params"]]
+        return self._setup_training(model, list(optimizers), list(schedulers), loop or LoopFacts())
+
+    def _setup_module(self, module: nn.Module) -> nn.Module:
+        """The model: precision, device, compilation, activation checkpointing (sharding strategies shard here)."""
         module = self.precision.convert_module(module).to(self.root_device)
         apply_compile(module, self.compile, per_block=False)  # the whole model; before AC: AC stays outside
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         return module
 
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return optimizer
-
-    def setup(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()):
-        return self.setup_module(module), [self.setup_optimizer(o) for o in optimizers]
-
-    def setup_training(self, module: nn.Module, optimizers: list, schedulers: list[dict], plan: TrainingPlan):
-        """After ``setup_module`` and ``configure_optimizers``: returns the model to call, the
-        optimizers to step and the LR scheduler configs the loop steps."""
-        return module, [self.setup_optimizer(o) for o in optimizers], schedulers
+    def _setup_training(self, model: nn.Module, optimizers: list, schedulers: list, loop: LoopFacts) -> SetUp:
+        """What to call and step (DDP's wrapper, DeepSpeed's engine)."""
+        return SetUp(model, optimizers, schedulers)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module
@@ -227,12 +263,26 @@ class Strategy:
         """Before any rank starts: refuse, in one line, a module this strategy cannot run (its layers
         built in ``__init__``; a module that builds them in ``configure_model`` is checked in the ranks)."""
 
-    def run_micro_batches(self, model: nn.Module, micro_batches: list[tuple[int, Any]]) -> tuple[torch.Tensor, Any]:
-        """``runs_micro_batches`` strategies: forward and backward over one optimizer step's
-        ``(batch_idx, batch)`` pairs (on the device), each loss divided by their number, gradients
-        synchronized once. Returns the step's loss (the mean over the micro-batches, the same on
-        every rank) and the last ``training_step`` output this rank saw."""
-        raise NotImplementedError(f"{type(self).__name__} does not run micro-batches itself")
+    def run_step(
+        self, model: nn.Module, micro_batches: list[tuple[int, Any]], before_each: Callable[[Any], None] | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        """Forward and backward over one optimizer step's ``(batch_idx, batch)`` pairs (on the device): each
+        loss divided by their number (the gradient is their mean, also in a shorter last window), gradients
+        synchronized across ranks on the last one only. ``before_each(batch)`` runs before each
+        ``training_step``. Returns the step's loss (the mean over the micro-batches) and the last output."""
+        window = len(micro_batches)
+        step_loss = torch.zeros((), device=self.root_device)
+        output = None
+        for i, (batch_idx, batch) in enumerate(micro_batches):
+            if before_each is not None:
+                before_each(batch)
+            with self.no_backward_sync(model, enabled=i < window - 1):  # no gradient all-reduce before the last
+                with self.precision.autocast():
+                    output = model("training_step", batch, batch_idx)
+                loss = loss_of(output)
+                self.backward(loss * (1 / window), model)
+            step_loss += loss.detach().float() / window
+        return step_loss, output
 
     # ---- collectives over the ranks that hold different data (all of them, for data parallelism) ----
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -254,14 +304,21 @@ class Strategy:
         distributed.barrier()
 
     # ---- checkpoints: one full-state file written by rank 0 (sharded strategies override) -------
-    def save_checkpoint(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
+    def save_checkpoint(self, path: str | os.PathLike, state: dict[str, Any], background: bool = False):
+        """``background``: written as DCP shards by ``async_save`` (which ``load_checkpoint`` reads as well) while
+        training goes on; returns the ``Pending`` commit."""
+        if background:
+            gather = self.all_gather_object
+            return ckpt_state.save_sharded(path, state, self.unwrap, self.is_global_zero, gather, background=True)
         plain = ckpt_state.state_of(state, self.unwrap, ckpt_state.FULL)
 
-        def write(tmp) -> None:
-            if self.is_global_zero:
-                torch.save(plain, tmp / ckpt_io.STATE_FILE)
+        def write(tmp) -> list:
+            if not self.is_global_zero:
+                return []
+            torch.save(plain, tmp / ckpt_io.STATE_FILE)
+            return [tmp / ckpt_io.STATE_FILE]
 
-        ckpt_io.write_checkpoint(path, write, self.is_global_zero, self.all_gather_object)
+        return ckpt_io.write_checkpoint(path, write, self.is_global_zero, self.all_gather_object)
 
     def load_checkpoint(self, path: str | os.PathLike, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         """Reads both formats: a full ``state.pt`` and a DCP-sharded directory (resharded to us)."""
@@ -270,15 +327,3 @@ class Strategy:
 
 def _as_timedelta(value: timedelta | float | None) -> timedelta | None:
     return value if value is None or isinstance(value, timedelta) else timedelta(seconds=float(value))
-
-
-def setup_with_optimizers(setup_module: Callable[[nn.Module], nn.Module], module: nn.Module, optimizers) -> nn.Module:
-    """``setup_module(module)`` for a strategy that replaces the parameters (sharded, DTensor), with the
-    optimizers made before it re-pointed at the new parameters, by name."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    module = setup_module(module)
-    params = dict(module.named_parameters())
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            group["params"] = [params[names[id(p)]] if id(p) in names else p for p in group["params"]]
-    return module

@@ -14,8 +14,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distrain import compat
-from distrain.strategies.base import Strategy, TrainingPlan
+from distrain import compat, distributed
+from distrain.config import ConfigError
+from distrain.strategies.base import LoopFacts, SetUp, Strategy
 from distrain.strategies.registry import register
 
 COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd", "post_localsgd")
@@ -58,15 +59,10 @@ class DDPStrategy(Strategy):
         self.model_averaging_period = model_averaging_period
         self._model_averager = None
 
-    # DDP wraps once it knows whether the loop accumulates (setup_training), or at once for a loop of
-    # your own (setup): a static graph cannot skip gradient sync on accumulation micro-steps.
-    def setup(self, module: nn.Module, optimizers=()):
-        module, optimizers = super().setup(module, optimizers)
-        return self._wrap(module, accumulating=False), optimizers
-
-    def setup_training(self, module: nn.Module, optimizers: list, schedulers: list[dict], plan: TrainingPlan):
-        module = self._wrap(module, accumulating=plan.max_accumulate > 1)
-        return super().setup_training(module, optimizers, schedulers, plan)
+    # DDP wraps once it knows whether the loop accumulates: a static graph cannot skip gradient sync on
+    # accumulation micro-steps.
+    def _setup_training(self, model: nn.Module, optimizers: list, schedulers: list, loop: LoopFacts) -> SetUp:
+        return SetUp(self._wrap(model, accumulating=loop.max_accumulate > 1), optimizers, schedulers)
 
     def _wrap(self, module: nn.Module, accumulating: bool) -> DistributedDataParallel:
         kwargs = dict(self.ddp_kwargs)
@@ -141,6 +137,21 @@ class DDPStrategy(Strategy):
             return module.no_sync()
         return contextlib.nullcontext()
 
+    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        return self._agreed(super().clip_gradients(module, optimizer, max_norm))
+
+    def gradient_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        return self._agreed(super().gradient_norm(module, optimizer))
+
+    def _agreed(self, norm: torch.Tensor) -> torch.Tensor:
+        """post_localsgd: once local SGD starts, gradients are averaged within subgroups only and the ranks'
+        norms differ. A norm that is not finite on any rank is not finite on every rank (one all-reduce), so
+        the Trainer's check skips or stops the step on every rank alike."""
+        if self._model_averager is None:  # gradients are all-reduced over every rank: one norm everywhere
+            return norm
+        bad = distributed.all_reduce(torch.tensor(0.0 if bool(torch.isfinite(norm)) else 1.0), "sum")
+        return norm if float(bad) == 0 else torch.full_like(norm, float("nan"))
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
         super().optimizer_step(optimizer, module)
         if self._model_averager is not None:
@@ -162,10 +173,19 @@ def options_from_config(config, block_classes) -> dict:
     )
 
 
+def check(config) -> None:
+    """The DDP keys of a config (``distributed.*``)."""
+    hook = config.distributed.comm_hook
+    if hook is not None and hook not in COMM_HOOKS:
+        raise ConfigError(f"distributed.comm_hook {hook!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
+
+
 for _name, _method, _about in (
     ("ddp", "popen", "DistributedDataParallel; re-runs your script once per rank (works under torchrun/srun)"),
     ("ddp_spawn", "spawn", "DDP in spawned workers; the trained weights come back to the parent"),
     ("ddp_fork", "fork", "DDP in forked workers (notebooks)"),
     ("ddp_notebook", "fork", "the same as ddp_fork"),
 ):
-    register(_name, functools.partial(DDPStrategy, start_method=_method), _about, options_from_config, "distributed")
+    register(
+        _name, functools.partial(DDPStrategy, start_method=_method), _about, options_from_config, "distributed", check
+    )

@@ -29,11 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distrain import compat
+from distrain import compat, distributed
 from distrain.checkpoint import io as ckpt_io
+from distrain.checkpoint import safe_load
 from distrain.checkpoint import state as ckpt_state
+from distrain.config import ConfigError
 from distrain.strategies import sharded_init
-from distrain.strategies.base import Strategy, TrainingPlan
+from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits
 from distrain.strategies.deepspeed_config import (
     PRESETS,
     TrainingFacts,
@@ -48,8 +50,6 @@ from distrain.strategies.registry import register
 
 class DeepSpeedStrategy(Strategy):
     start_method = "popen"
-    supports_compile = False  # ZeRO-3's gather hooks sit on every layer; DeepSpeed's own engine.compile is not wired in
-    supports_fp8 = False  # the engine owns the model's dtypes; torchao's float8 layers are not wired in
 
     def __init__(
         self,
@@ -114,8 +114,16 @@ class DeepSpeedStrategy(Strategy):
         self._rng_before_init: dict | None = None
 
     @property
-    def collective_forward(self) -> bool:
-        return self.stage == 3  # partitioned parameters are all-gathered in every forward
+    def traits(self) -> Traits:
+        return Traits(
+            collective_forward=self.stage == 3,  # partitioned parameters are all-gathered in every forward
+            # ZeRO's optimizers (and DeepSpeed's fp16/bf16 wrappers) skip a step whose gradient norm is not finite;
+            # stage 0 in fp32 steps a plain torch optimizer: no norm, no check (known once the engine exists)
+            engine_skips_nonfinite=getattr(self, "_engine_checks_steps", self.stage > 0),
+            compiles=False,  # ZeRO-3's gather hooks sit on every layer; DeepSpeed's own engine.compile is not wired in
+            converts_fp8=False,  # the engine owns the model's dtypes; torchao's float8 layers are not wired in
+            saves_in_background=False,  # the engine writes its own checkpoint files, synchronously
+        )
 
     @property
     def _offload_optimizer(self) -> bool:
@@ -165,10 +173,14 @@ class DeepSpeedStrategy(Strategy):
             "bf16": {"enabled": bf16},
         }
         remote = self.remote_device or (offload["device"] if offloaded else None)
+        # zero.Init replaces torch.Tensor.__new__; an import inside it that defines tensor subclasses fails
+        # ("Signature mismatch ... tensor_pynew"): transformers imports torch._dynamo lazily, on a model's first build
+        import torch._dynamo  # noqa: F401
+
         with deepspeed.zero.Init(config_dict_or_path=init_config, remote_device=remote), sharded_init.deferred():
             yield
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def _setup_module(self, module: nn.Module) -> nn.Module:
         partitioned = [hasattr(p, "ds_id") for p in module.parameters()]
         if any(partitioned) and not all(partitioned):
             raise ValueError(
@@ -213,14 +225,9 @@ class DeepSpeedStrategy(Strategy):
         for layer in layers:
             layer.forward = _deepspeed_checkpointed(layer.forward)
 
-    def setup(self, module: nn.Module, optimizers=()):
-        """The Runtime path (your own loop): you call backward/step yourself, so the micro-batch
-        size in the config is bookkeeping only."""
-        module = self.setup_module(module)
-        engine, optimizers, _ = self.setup_training(module, list(optimizers), [], TrainingPlan())
-        return engine, optimizers
-
-    def setup_training(self, module: nn.Module, optimizers: list, schedulers: list[dict], plan: TrainingPlan):
+    def _setup_training(self, module: nn.Module, optimizers: list, schedulers: list, plan: LoopFacts) -> SetUp:
+        """The engine over the model and the optimizer. A loop of your own calls backward and step itself:
+        the micro-batch size in the config is bookkeeping only there."""
         facts = TrainingFacts(
             micro_batch_size=plan.micro_batch_size,
             accumulate=plan.accumulate,
@@ -252,11 +259,12 @@ class DeepSpeedStrategy(Strategy):
                 config=copy.deepcopy(cfg),
                 dist_init_required=False,
             )
-        compat.deepspeed_safe_checkpoint_loading(self.engine)  # DeepSpeed's own load unpickles anything
+        safe_load.deepspeed_checkpoint_engine_loads_safely(self.engine)  # DeepSpeed's own load unpickles anything
+        self._engine_checks_steps = hasattr(self.engine.optimizer, "_global_grad_norm")
         if plan.run_dir is not None and self.is_global_zero:
             Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(plan.run_dir) / "deepspeed_config.json").write_text(json.dumps(self.filled_config, indent=2) + "\n")
-        return self.engine, [ds_optimizer] if ds_optimizer is not None else [], schedulers
+        return SetUp(self.engine, [ds_optimizer] if ds_optimizer is not None else [], schedulers)
 
     def _choose_optimizer(self, optimizers: list, schedulers: list[dict]):
         """One optimizer: the config's, or the client's (swapped for DeepSpeed's CPU Adam under
@@ -344,12 +352,15 @@ class DeepSpeedStrategy(Strategy):
                 f"clip to {max_norm}: under DeepSpeed the engine clips, to gradient_clipping={clipping} "
                 "from its config; set that value instead"
             )
+        if (
+            not self._engine_checks_steps
+        ):  # a plain optimizer's whole gradients: torch's clip (the engine's is a no-op after)
+            return super().clip_gradients(module, optimizer, max_norm)
         return _NormAfterStep(self.engine)  # clipped inside engine.step(), across the partitions
 
-    #: the engine skips a step whose gradient norm is not finite (ZeRO 1-3, fp32 and bf16)
-    skips_nonfinite_steps = True
-
     def gradient_norm(self, module: nn.Module, optimizer):
+        if not self._engine_checks_steps:
+            return super().gradient_norm(module, optimizer)
         return _NormAfterStep(self.engine)  # the engine computes it inside step(), across the partitions
 
     def optimizer_step(self, optimizer, module: nn.Module | None = None) -> None:
@@ -372,7 +383,9 @@ class DeepSpeedStrategy(Strategy):
 
         return [k for k, v in state.items() if is_engine_owned(v)]
 
-    def save_checkpoint(self, path, state: dict[str, Any]) -> None:
+    def save_checkpoint(self, path, state: dict[str, Any], background: bool = False):
+        if background:
+            raise ValueError("asynchronous checkpoints are not supported with DeepSpeed (traits.saves_in_background)")
         keys = self._engine_keys(state)
         rest = ckpt_state.state_of({k: v for k, v in state.items() if k not in keys}, self.unwrap, ckpt_state.FULL)
         model = next((state[k] for k in keys if isinstance(state[k], nn.Module)), None)
@@ -382,11 +395,14 @@ class DeepSpeedStrategy(Strategy):
             "module_prefix": _prefix_of(self.unwrap(model) if model is not None else None, self.engine.module),
         }
 
-        def write(tmp: Path) -> None:
-            with _without_torch_deprecations():
+        def write(tmp: Path) -> list[Path]:
+            with _without_torch_deprecations(), _recording_saves(self.engine.checkpoint_engine) as written:
                 self.engine.save_checkpoint(str(tmp), tag=ckpt_state.DEEPSPEED_TAG, client_state={}, save_latest=False)
             if self.is_global_zero:
                 torch.save(rest, tmp / ckpt_state.META_FILE)
+                # and what the engine copies beside its files (zero_to_fp32.py)
+                written += [tmp / ckpt_state.META_FILE, *(tmp / ckpt_state.DEEPSPEED_TAG).glob("*.py")]
+            return written
 
         ckpt_io.write_checkpoint(
             path,
@@ -411,6 +427,7 @@ class DeepSpeedStrategy(Strategy):
         reshard = wants_optimizer and saved.get("world_size") != self.world_size
         with contextlib.ExitStack() as stack:
             stack.enter_context(_without_torch_deprecations())
+            stack.enter_context(safe_load.deepspeed_loading())
             load_dir = stack.enter_context(self._universal(path, saved.get("world_size"))) if reshard else path
             loaded, _ = self.engine.load_checkpoint(
                 str(load_dir),
@@ -435,15 +452,24 @@ class DeepSpeedStrategy(Strategy):
         import shutil
 
         tmp = path.with_name(f".{path.name}.universal")
-        if self.is_global_zero:
+
+        def convert() -> None:  # rank 0 alone; a failure reaches every rank at once (no barrier left waiting)
             shutil.rmtree(tmp, ignore_errors=True)
             print(
                 f"distrain: {path.name} was written on {saved_world_size} ranks; converting it to DeepSpeed's "
                 f"universal format to resume on {self.world_size}",
                 flush=True,
             )
-            compat.deepspeed_to_universal(str(path / ckpt_state.DEEPSPEED_TAG), str(tmp / ckpt_state.DEEPSPEED_TAG))
-        self.barrier("universal checkpoint converted")
+            try:
+                with safe_load.deepspeed_loading():
+                    compat.deepspeed_to_universal(
+                        str(path / ckpt_state.DEEPSPEED_TAG), str(tmp / ckpt_state.DEEPSPEED_TAG)
+                    )
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+
+        distributed.decided_on_rank_zero(convert)
         try:
             with compat.deepspeed_universal_loading(self.engine):
                 yield tmp
@@ -534,12 +560,30 @@ def load_full_weights(module: nn.Module, weights: dict[str, torch.Tensor], stric
             module.load_state_dict(weights, strict=strict)
 
 
-def _write_full_weights(checkpoint_dir: Path) -> None:
+@contextlib.contextmanager
+def _recording_saves(checkpoint_engine):
+    """The files this rank's engine writes (``checkpoint_engine.save(state_dict, path)``: deepspeed 0.19.8)."""
+    written: list[Path] = []
+    save = checkpoint_engine.save
+
+    def recorded(state_dict, path, *args, **kwargs):
+        written.append(Path(path))
+        return save(state_dict, path, *args, **kwargs)
+
+    checkpoint_engine.save = recorded
+    try:
+        yield written
+    finally:
+        del checkpoint_engine.save  # the class's own method again
+
+
+def _write_full_weights(checkpoint_dir: Path) -> list[Path]:
     """``save_full_weights``: one consolidated fp32 file beside the shards, for use elsewhere."""
     from safetensors.torch import save_file
 
     weights = ckpt_state.read_model_weights(checkpoint_dir)
     save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(checkpoint_dir / "model.safetensors"))
+    return [checkpoint_dir / "model.safetensors"]
 
 
 class _GatheredPartitions(sharded_init.ShardAccess):
@@ -644,6 +688,32 @@ def options_from_config(config, block_classes) -> dict:
     return options
 
 
+def check(config) -> None:
+    """The ``deepspeed:`` section of a config, and what a DeepSpeed run cannot do."""
+    from distrain.strategies.registry import section_of
+
+    ds, t, strategy = config.deepspeed, config.training, config.distributed.strategy
+    if ds.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"deepspeed.stage must be 0, 1, 2 or 3, got {ds.stage}")
+    for name in ("offload_optimizer_device", "offload_params_device"):
+        if getattr(ds, name) not in ("cpu", "nvme"):
+            raise ConfigError(f"deepspeed.{name} must be cpu or nvme, got {getattr(ds, name)!r}")
+    deepspeed_run = section_of(strategy) == "deepspeed"
+    if ds.config is not None and not deepspeed_run:
+        raise ConfigError(
+            f"deepspeed.config is set ({ds.config}) but distributed.strategy is {strategy!r}; "
+            "use strategy deepspeed (or a deepspeed_stage_* preset), or drop the DeepSpeed config"
+        )
+    checks = (
+        ("training.compile", t.compile),
+        ("training.precision=fp8", t.precision == "fp8"),
+        ("checkpointing.async_save", config.checkpointing.async_save),
+    )
+    for key, on in checks:
+        if deepspeed_run and on:
+            raise ConfigError(f"{key} is not supported with distributed.strategy {strategy!r} (DeepSpeed)")
+
+
 def _preset(preset: dict, **options: Any) -> DeepSpeedStrategy:
     return DeepSpeedStrategy(**{**preset, **options})
 
@@ -655,4 +725,5 @@ for _name, _preset_options in PRESETS.items():
         f"DeepSpeed ZeRO {_preset_options}",
         options_from_config,
         "deepspeed",
+        check,
     )

@@ -77,20 +77,6 @@ def read_user_config(config: dict | str | os.PathLike | None) -> tuple[dict | No
     return data, str(path)
 
 
-def looks_like_deepspeed_config(data: dict) -> bool:
-    """A JSON with DeepSpeed's own top-level keys (not distrain's sections)."""
-    return bool(
-        data.keys()
-        & {
-            "zero_optimization",
-            "train_micro_batch_size_per_gpu",
-            "train_batch_size",
-            "gradient_accumulation_steps",
-            "zero_allow_untested_optimizer",
-        }
-    )
-
-
 def options_config(
     stage: int,
     offload_optimizer: bool,

@@ -20,9 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from distrain.checkpoint import state as ckpt_state
+from distrain.config import ConfigError
 from distrain.strategies import sharded_init
-from distrain.strategies.base import Strategy, setup_with_optimizers
-from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, is_marked_unit
+from distrain.strategies.base import Strategy, Traits
+from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, block_classes, is_marked_unit
 from distrain.strategies.registry import register
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -49,8 +50,8 @@ class FSDPStrategy(Strategy):
     """
 
     start_method = "popen"
-    collective_forward = True
-    float8_all_gather = True  # precision="fp8": weights travel in float8 (torchao)
+    #: forwards all-gather the sharded parameters; precision="fp8": weights travel in float8 (torchao)
+    traits = Traits(collective_forward=True, float8_all_gather=True)
 
     def __init__(
         self,
@@ -162,7 +163,7 @@ class FSDPStrategy(Strategy):
     def _wrap_selector(self, module: nn.Module) -> Callable[[nn.Module], bool]:
         policy = self.auto_wrap_policy
         if policy is None:
-            policy = _default_block_classes(module)
+            policy = block_classes(module) or None
         if policy is None:
             return lambda m: False
         if isinstance(policy, int):
@@ -176,7 +177,7 @@ class FSDPStrategy(Strategy):
         classes = tuple(policy) if isinstance(policy, (set, list, tuple, frozenset)) else (policy,)
         return lambda m: isinstance(m, classes)
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def _setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         module = self.precision.convert_module(module)
@@ -217,11 +218,6 @@ class FSDPStrategy(Strategy):
                     sub._buffers[name] = buf.to(self.root_device)
         return module
 
-    def setup(self, module: nn.Module, optimizers=()):
-        """Optimizers made before sharding point at the replaced parameters: re-point them."""
-        module = setup_with_optimizers(self.setup_module, module, optimizers)
-        return module, list(optimizers)
-
     # ---- the step ----------------------------------------------------------------------------
     def no_backward_sync(self, module: nn.Module, enabled: bool = True):
         """Accumulate unsharded-free local gradients: no reduce-scatter until the last micro-step."""
@@ -235,11 +231,12 @@ class FSDPStrategy(Strategy):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def save_checkpoint(self, path, state: dict[str, Any]) -> None:
+    def save_checkpoint(self, path, state: dict[str, Any], background: bool = False):
         if self.state_dict_type == "sharded":
-            ckpt_state.save_sharded(path, state, self.unwrap, self.is_global_zero, self.all_gather_object)
-        else:  # full: gathered into CPU memory on rank 0 only (cpu_offload), never onto one GPU
-            super().save_checkpoint(path, state)
+            return ckpt_state.save_sharded(
+                path, state, self.unwrap, self.is_global_zero, self.all_gather_object, background=background
+            )
+        return super().save_checkpoint(path, state, background)  # full: gathered into CPU memory on rank 0 only
 
     def load_checkpoint(self, path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         return ckpt_state.load_any(path, state, self.unwrap, ckpt_state.SHARDED, strict)
@@ -254,20 +251,6 @@ def _gradient_sync_off(module: nn.Module):
         module.set_requires_gradient_sync(True)
 
 
-def _default_block_classes(module: nn.Module) -> set[type] | None:
-    """The model's repeated layer: distrain's ``block_class`` or transformers' ``_no_split_modules``."""
-    for m in module.modules():
-        cls = getattr(m, "block_class", None)
-        if isinstance(cls, type):
-            return {cls}
-    names = set()
-    for m in module.modules():
-        names.update(getattr(m, "_no_split_modules", None) or [])
-    if names:
-        return {type(m) for m in module.modules() if type(m).__name__ in names} or None
-    return None
-
-
 def _built_on_meta(module: nn.Module) -> bool:
     """Whether configure_model built the model on the meta device; a mix of meta and real tensors
     cannot be sharded faithfully (re-allocating the meta ones would wipe the real ones)."""
@@ -279,6 +262,25 @@ def _built_on_meta(module: nn.Module) -> bool:
             "device); under FSDP build all of them in configure_model (or all in __init__)"
         )
     return any(meta)
+
+
+def check(config) -> None:
+    """The ``fsdp:`` section of a config."""
+    f = config.fsdp
+    if f.sharding_strategy not in SHARDING_STRATEGIES:
+        raise ConfigError(
+            f"fsdp.sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {f.sharding_strategy!r}"
+        )
+    if f.auto_wrap_policy not in (None, "transformer_based", "size_based"):
+        raise ConfigError(
+            f"fsdp.auto_wrap_policy must be transformer_based, size_based or null, got {f.auto_wrap_policy!r}"
+        )
+    if f.state_dict_type not in ("sharded", "full"):
+        raise ConfigError(f"fsdp.state_dict_type must be sharded or full, got {f.state_dict_type!r}")
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        value = getattr(f.mixed_precision, name)
+        if value not in (None, *_DTYPES):
+            raise ConfigError(f"fsdp.mixed_precision.{name} must be bf16, fp16 or fp32, got {value!r}")
 
 
 def options_from_config(config, block_classes) -> dict:
@@ -310,6 +312,7 @@ register(
     "FSDP2: parameters, gradients and optimizer state sharded across ranks",
     options_from_config,
     "fsdp",
+    check,
 )
 register(
     "fsdp_cpu_offload",
@@ -317,4 +320,5 @@ register(
     "FSDP2 with parameters, gradients and optimizer state offloaded to CPU memory",
     options_from_config,
     "fsdp",
+    check,
 )

@@ -24,6 +24,20 @@ def is_marked_unit(module: nn.Module) -> bool:
     return getattr(module, "_distrain_wrap", False)
 
 
+def block_classes(module: nn.Module) -> set[type]:
+    """The model's repeated layer — what sharding strategies make their units, what activation checkpointing
+    and per-block compilation select: distrain's ``block_class`` attribute, or transformers'
+    ``_no_split_modules``. Empty when the model names none."""
+    for m in module.modules():
+        cls = getattr(m, "block_class", None)
+        if isinstance(cls, type):
+            return {cls}
+    names = set()
+    for m in module.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    return {type(m) for m in module.modules() if type(m).__name__ in names}
+
+
 def selected_layers(module: nn.Module, policy: Any) -> list[nn.Module]:
     """The layers a ``policy`` selects: a set of layer classes, a callable ``(module) -> bool``, or
     ``{"classes": {...}, "every_n": k}`` for every k-th matching layer (``"count": n``: only the
@@ -78,10 +92,8 @@ def apply_compile(module: nn.Module, options: bool | dict | None, per_block: boo
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:
-    from distrain.strategies.fsdp import _default_block_classes  # the FSDP unit: block_class / _no_split_modules
-
-    classes = _default_block_classes(module)
-    return [m for m in module.modules() if classes and isinstance(m, tuple(classes))]
+    classes = tuple(block_classes(module))
+    return [m for m in module.modules() if classes and isinstance(m, classes)]
 
 
 def _networks(module: nn.Module) -> list[nn.Module]:

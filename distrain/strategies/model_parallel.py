@@ -32,12 +32,15 @@ import torch.distributed as dist
 from torch import nn
 
 from distrain.checkpoint import io as ckpt_io
+from distrain.checkpoint import safe_load
 from distrain.checkpoint import state as ckpt_state
+from distrain.config import ConfigError, DistributedConfig
+from distrain.module import StepRouter
 from distrain.parallel.layout import DP, PP, SCHEDULES, TP, ParallelLayout, default_stages_per_rank, layout_for
 from distrain.strategies import sharded_init
-from distrain.strategies.base import Strategy, TrainingPlan, setup_with_optimizers
-from distrain.strategies.fsdp import _built_on_meta, _default_block_classes, _gradient_sync_off
-from distrain.strategies.layers import apply_activation_checkpointing, is_marked_unit
+from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits
+from distrain.strategies.fsdp import _built_on_meta, _gradient_sync_off
+from distrain.strategies.layers import apply_activation_checkpointing, block_classes, is_marked_unit
 from distrain.strategies.registry import register
 
 
@@ -55,7 +58,6 @@ class ModelParallelStrategy(Strategy):
     """
 
     start_method = "popen"
-    collective_forward = True
     #: "auto" sizes as ``strategy="pipeline"`` reads them (``layout_for``)
     pipeline_strategy = False
 
@@ -136,19 +138,15 @@ class ModelParallelStrategy(Strategy):
         return self._coords()[1] if self.layout else self.global_rank
 
     @property
-    def counts_metrics(self) -> bool:
-        if self.layout is None:
-            return True
-        pp, _, tp = self._coords()
-        return tp == 0 and pp == self.layout.pipeline - 1  # one copy: the first tensor-parallel rank of the last stage
-
-    @property
-    def gathers_metrics(self) -> bool:
-        return bool(self.layout and self.layout.pipeline > 1)  # the last stage logs; rank 0 is the first
-
-    @property
-    def runs_micro_batches(self) -> bool:
-        return bool(self.layout and self.layout.pipeline > 1)
+    def traits(self) -> Traits:
+        pipelined = bool(self.layout and self.layout.pipeline > 1)
+        pp, _, tp = self._coords() if self.layout else (0, 0, 0)
+        last = self.layout.pipeline - 1 if self.layout else 0
+        return Traits(
+            collective_forward=True,
+            metrics_elsewhere=pipelined,  # the last stage logs; rank 0 is the first
+            counts_metrics=tp == 0 and pp == last,  # one copy: the first tensor-parallel rank of the last stage
+        )
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -167,18 +165,30 @@ class ModelParallelStrategy(Strategy):
         from distrain.parallel.tensor_parallel import built_in_targets, is_parallelized, no_plan_message
 
         if isinstance(module, Module) and type(module).configure_model is not Module.configure_model:
-            return  # its layers do not exist yet: checked in the ranks, once configure_model built them
+            blocks = module.num_blocks()  # its layers do not exist yet: checked in the ranks once built; the depth now
+            if blocks is not None and self.layout.num_stages > blocks:
+                name = module.hparams.get("model_name", type(module).__name__)
+                raise ValueError(
+                    f"{self.layout.num_stages} pipeline stages (distributed.pipeline_stages"
+                    f"{' × pipeline_stages_per_rank' if self.layout.stages_per_rank > 1 else ''}) but "
+                    f"{name} has {blocks} blocks: each stage needs at least one"
+                )
+            return
         if self.layout.tensor > 1 and not is_parallelized(module) and not built_in_targets(module):
             raise ValueError(no_plan_message(module))
         if self.layout.pipeline > 1:
-            from distrain.parallel.pipeline_plan import plan_for
+            from distrain.parallel.pipeline_split import split_for
 
-            plan_for(module)  # raises when the module has no plan
+            split_for(module)  # raises when the module has no plan
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def _setup_module(self, module: nn.Module) -> nn.Module:
         from distrain.parallel.tensor_parallel import apply_tensor_parallel, retie, shared_parameters
 
         lay, mesh = self.layout, self.device_mesh
+        if lay.pipeline > 1 and not isinstance(module, StepRouter):  # a loop of your own calls the model itself
+            raise ValueError(
+                "the pipeline strategy runs inside the Trainer (its schedule runs each step); use Trainer.fit"
+            )
         module = self.precision.convert_module(module)
         user = getattr(module, "module", module)  # the user's Module inside the Trainer's step router
         on_meta = _built_on_meta(module)
@@ -193,9 +203,9 @@ class ModelParallelStrategy(Strategy):
         build = None
         if lay.pipeline > 1:
             from distrain.parallel.pipeline import PipelineBuild, PipelineRunner
-            from distrain.parallel.pipeline_plan import plan_for
+            from distrain.parallel.pipeline_split import split_for
 
-            build = PipelineBuild.create(user, plan_for(user), lay, self._coords()[0], self.split_points)
+            build = PipelineBuild.create(user, split_for(user), lay, self._coords()[0], self.split_points)
             runner = PipelineRunner(user, build, lay, mesh, self.schedule, self.root_device, self.precision)
             roots, units = runner.stage_modules, [b for m in runner.stage_modules for b in m.blocks]
         else:
@@ -220,12 +230,8 @@ class ModelParallelStrategy(Strategy):
         return module
 
     def _fsdp_units(self, module: nn.Module) -> list[nn.Module]:
-        classes = _default_block_classes(module)
-        return [
-            m
-            for m in module.modules()
-            if m is not module and ((classes and isinstance(m, tuple(classes))) or is_marked_unit(m))
-        ]
+        classes = tuple(block_classes(module))
+        return [m for m in module.modules() if m is not module and (isinstance(m, classes) or is_marked_unit(m))]
 
     def _fully_shard(self, roots: list[nn.Module], units: list[nn.Module]) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -248,15 +254,7 @@ class ModelParallelStrategy(Strategy):
                 if any(t.is_meta for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]):
                     m.to_empty(device=self.root_device, recurse=False)
 
-    def setup(self, module: nn.Module, optimizers=()):
-        if self.layout.pipeline > 1:
-            raise ValueError(
-                "the pipeline strategy runs inside the Trainer (its schedule runs each step); use Trainer.fit"
-            )
-        module = setup_with_optimizers(self.setup_module, module, optimizers)
-        return _ParallelModel(module, self), list(optimizers)
-
-    def setup_training(self, module: nn.Module, optimizers: list, schedulers: list[dict], plan: TrainingPlan):
+    def _setup_training(self, module: nn.Module, optimizers: list, schedulers: list, plan: LoopFacts) -> SetUp:
         if self.runner is not None and optimizers and self.microbatches not in (None, plan.accumulate):
             raise ValueError(
                 f"PipelineStrategy(microbatches={self.microbatches}) but accumulate_grad_batches={plan.accumulate}: "
@@ -273,7 +271,7 @@ class ModelParallelStrategy(Strategy):
                     "stages (a multiple; training.gradient_accumulation_steps) keeps them busy",
                     stacklevel=2,
                 )
-        return _ParallelModel(module, self), [self.setup_optimizer(o) for o in optimizers], schedulers
+        return SetUp(_ParallelModel(module, self), optimizers, schedulers)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, _ParallelModel) else module
@@ -296,9 +294,11 @@ class ModelParallelStrategy(Strategy):
             return contextlib.nullcontext()
         return _gradient_sync_off(root)
 
-    def run_micro_batches(self, model: nn.Module, micro_batches: list[tuple[int, Any]]):
-        collector = self.unwrap(model).module.trainer.metrics.collector
-        return self.runner.train(micro_batches, collector, self._loss_parallel())
+    def run_step(self, model: nn.Module, micro_batches: list[tuple[int, Any]], before_each=None):
+        """A pipeline: its schedule runs the whole window through its stages."""
+        if self.runner is None:
+            return super().run_step(model, micro_batches, before_each)
+        return self.runner.train(micro_batches, before_each, self._loss_parallel())
 
     def gradient_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         from distrain.parallel.gradients import match_gradient_layouts, total_norm
@@ -324,9 +324,11 @@ class ModelParallelStrategy(Strategy):
         super().optimizer_step(optimizer, module)
 
     # ---- checkpoints: DCP shards under the one-process names -------------------------------------------------
-    def save_checkpoint(self, path, state: dict[str, Any]) -> None:
+    def save_checkpoint(self, path, state: dict[str, Any], background: bool = False):
         adjust = self._agree_optimizer_groups if self.layout.pipeline > 1 else None
-        ckpt_state.save_sharded(path, state, self.unwrap, self.is_global_zero, self.all_gather_object, adjust)
+        return ckpt_state.save_sharded(
+            path, state, self.unwrap, self.is_global_zero, self.all_gather_object, adjust, background
+        )
 
     def _agree_optimizer_groups(self, collected: dict[str, Any]) -> dict[str, Any]:
         """Each stage's optimizer groups list its own parameters; DCP stores one copy of such lists, so
@@ -370,24 +372,29 @@ class ModelParallelStrategy(Strategy):
 class _ParallelModel(nn.Module):
     """What the Trainer calls: ``model(step_name, batch, i)``. Tensor parallel: the step runs under
     ``loss_parallel`` and DTensor results come back whole; pipeline: evaluation steps run through the
-    stages (training steps go through ``run_micro_batches``)."""
+    stages (training steps go through ``run_step``)."""
 
     def __init__(self, module: nn.Module, strategy: ModelParallelStrategy):
         super().__init__()
         self.module = module
         object.__setattr__(self, "strategy", strategy)
 
-    def forward(self, step_name: str, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils._pytree import tree_map
+
         from distrain.parallel.pipeline import _plain, _plain_tree
 
         strategy = self.strategy
+        step_name = args[0] if args and isinstance(args[0], str) else None  # None: a loop of your own calls it
         if strategy.runner is not None:
-            batch, batch_idx = args
+            batch, batch_idx = args[1:]
             return strategy.runner.evaluate(step_name, batch, batch_idx, strategy._loss_parallel())
         with strategy._loss_parallel():
-            out = self.module(step_name, *args, **kwargs)
+            out = self.module(*args, **kwargs)
         if step_name == "training_step":  # the loss must stay differentiable
             return {**out, "loss": _plain(out["loss"])} if isinstance(out, dict) else _plain(out)
+        if step_name is None and torch.is_grad_enabled():  # your loss, to call backward on: whole, differentiable
+            return tree_map(_plain, out)
         return _plain_tree(out)
 
 
@@ -424,9 +431,7 @@ def _fsdp_applied(module: nn.Module) -> bool:
 
 def _stored_model_shapes(path, key: str) -> dict[str, tuple]:
     if ckpt_state.is_sharded_checkpoint(path):
-        from distrain import compat
-
-        stored = compat.read_dcp_metadata(path).state_dict_metadata
+        stored = safe_load.read_dcp_metadata(path).state_dict_metadata
         return {k[len(key) + 1 :]: tuple(getattr(m, "size", ())) for k, m in stored.items() if k.startswith(f"{key}.")}
     return {k: tuple(v.shape) for k, v in ckpt_io.read_state_file(path)[key].items()}
 
@@ -450,10 +455,71 @@ def options_from_config(config, block_classes) -> dict:
     return options
 
 
+def check(config) -> None:
+    """Sizes and names of the model-parallel keys; with a known number of ranks, whether the layout fits."""
+    d, t = config.distributed, config.training
+
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        value = getattr(d, name)
+        if value != "auto" and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"distributed.{name} must be a positive integer or 'auto', got {value!r}")
+    for name in ("pipeline_stages", "pipeline_microbatches", "pipeline_stages_per_rank"):
+        value = getattr(d, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"distributed.{name} must be a positive integer or null, got {value}")
+    if d.pipeline_schedule not in SCHEDULES:
+        raise ConfigError(
+            f"distributed.pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {d.pipeline_schedule!r}"
+        )
+    if d.pipeline_microbatches is not None and t.gradient_accumulation_steps not in (1, d.pipeline_microbatches):
+        raise ConfigError(
+            f"distributed.pipeline_microbatches={d.pipeline_microbatches} but training.gradient_accumulation_steps="
+            f"{t.gradient_accumulation_steps}: the pipeline's micro-batches are the accumulation micro-batches; set one"
+        )
+    if d.strategy not in ("model_parallel", "pipeline"):
+        # a layout asked of a strategy that has none would be ignored: the run would not be what the file says
+        defaults = DistributedConfig()
+        asked = [
+            f"distributed.{name}={getattr(d, name)}"
+            for name in (
+                "tensor_parallel_size",
+                "data_parallel_size",
+                "sequence_parallel",
+                "pipeline_stages",
+                "pipeline_schedule",
+                "pipeline_microbatches",
+                "pipeline_split_points",
+                "pipeline_stages_per_rank",
+            )
+            if getattr(d, name) != getattr(defaults, name)
+        ]
+        if asked:
+            raise ConfigError(
+                f"{', '.join(asked)} applies to strategy model_parallel or pipeline, but the strategy is "
+                f"{d.strategy}; choose one of those (--strategy model_parallel) or remove the key"
+            )
+        return
+    if not isinstance(d.devices, int):
+        return
+    try:
+        layout_for(
+            d.devices * d.num_nodes,
+            d.devices,
+            d.strategy == "pipeline",
+            d.tensor_parallel_size,
+            d.data_parallel_size,
+            d.pipeline_stages,
+            d.pipeline_stages_per_rank or default_stages_per_rank(d.pipeline_schedule),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 register(
     "model_parallel",
     ModelParallelStrategy,
     "tensor parallel (DTensor) × FSDP2 over the data-parallel ranks, optionally × pipeline stages",
     options_from_config,
     "distributed",
+    check,
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from distrain.strategies.model_parallel import ModelParallelStrategy, options_from_config
+from distrain.strategies.model_parallel import ModelParallelStrategy, check, options_from_config
 from distrain.strategies.registry import register
 
 
@@ -62,4 +62,5 @@ register(
     "pipeline stages (torch.distributed.pipelining: 1F1B, GPipe, Interleaved1F1B), FSDP2 over replicas",
     options_from_config,
     "distributed",
+    check,
 )

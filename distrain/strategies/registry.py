@@ -1,12 +1,18 @@
 """Strategy names → strategies. Each strategy's file registers its own names (``register``), with
-a one-line description and how the config file's settings become its options, so a new strategy
-is one new file: nothing here or in the CLI changes."""
+a one-line description, how the config file's settings become its options and how they are checked,
+so a new strategy is one new file: nothing here, in config.py or in the CLI changes. The files in this
+package register on import (``distrain/strategies/__init__.py`` imports each); a package of your own
+registers through the ``distrain.strategies`` entry point group (``pyproject.toml``:
+``[project.entry-points."distrain.strategies"] name = "your_package.module"``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from distrain import config as run_config
+from distrain.config import ConfigError
 
 #: options every strategy takes (``Trainer(**kwargs)`` and the CLI pass them through)
 GENERIC_OPTIONS = ("process_group_backend", "timeout", "collective_timeout", "activation_checkpointing_policy")
@@ -22,6 +28,8 @@ class StrategyEntry:
     """``(RunConfig, the model's block classes) → options``: what the config file says for this strategy."""
     config_section: str | None = None
     """The config file's section those options come from (``fsdp``, ``deepspeed``, ``distributed``)."""
+    check: Callable[[Any], None] | None = None
+    """``(RunConfig) → None``: the file's checks of its keys, run on every config (raise ConfigError)."""
 
 
 _ENTRIES: dict[str, StrategyEntry] = {}
@@ -55,16 +63,54 @@ def register(
     description: str,
     options_from_config: Callable[[Any, set], dict] | None = None,
     config_section: str | None = None,
+    check: Callable[[Any], None] | None = None,
 ) -> None:
     if name in _ENTRIES:
         raise ValueError(f"strategy name {name!r} is registered twice")
-    _ENTRIES[name] = StrategyEntry(name, build, description, options_from_config, config_section)
+    _ENTRIES[name] = StrategyEntry(name, build, description, options_from_config, config_section, check)
 
 
 def entries() -> dict[str, StrategyEntry]:
-    import distrain.strategies  # noqa: F401  (its modules register themselves on import)
-
+    """Every registered strategy: this package's (importing this module imported ``distrain.strategies``
+    first, whose modules register themselves) and those of installed plugins."""
+    _load_plugins()
     return dict(_ENTRIES)
+
+
+_plugins_loaded = False
+
+
+def _load_plugins() -> None:
+    """Import the modules installed packages name under the ``distrain.strategies`` entry point group;
+    each registers its strategies as this package's files do."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group="distrain.strategies"):
+        point.load()
+
+
+def validate_config(config: Any) -> None:
+    """The config's strategy is one distrain runs, and every strategy file's checks of its keys pass."""
+    strategy = config.distributed.strategy
+    if strategy not in names():
+        try:
+            lookup(strategy)
+        except ValueError as e:  # unknown, or one that another library runs: the message says what replaces it
+            raise ConfigError(f"distributed.{e}") from None
+    for check in dict.fromkeys(e.check for e in entries().values() if e.check):  # one per file, in order
+        check(config)
+
+
+def section_of(strategy: str) -> str | None:
+    """The config section a strategy name takes its options from (``auto`` as what it resolves to)."""
+    return lookup(resolve_auto(strategy, 2)).config_section
+
+
+run_config.CHECKS.append(validate_config)
 
 
 def names() -> list[str]:

@@ -10,6 +10,7 @@ strategy decides how that is written (one file, DCP shards, DeepSpeed's engine f
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 
 from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
+from distrain.distributed import watch
 from distrain.runtime import rng_state, set_rng_state
 
 CHECKPOINT_FORMAT = "distrain/1"
@@ -58,6 +60,9 @@ class CheckpointManager:
         self.trainer = trainer
         #: in the parent of spawned/forked ranks after fit: the checkpoint rank 0 sent back
         self.parent_checkpoint: dict[str, Any] | None = None
+        #: write checkpoints in the background (``Trainer(async_save=True)``): training goes on meanwhile
+        self.async_save = False
+        self._pending: tuple | None = None
 
     # ---- where ------------------------------------------------------------------------------------
     def last_path(self) -> Path:
@@ -71,8 +76,7 @@ class CheckpointManager:
         not ``last``), or None when there is none yet; else the path itself, checked. Rank 0 decides
         and every rank follows, so all load the same checkpoint."""
         t = self.trainer
-        decision = self._decide(ckpt_path) if t.is_global_zero else None
-        kind, value = t.runtime.broadcast(decision)
+        kind, value = t.runtime.decided_on_rank_zero(lambda: self._decide(ckpt_path))
         if kind == "missing":
             raise FileNotFoundError(value)
         if kind == "damaged":
@@ -82,6 +86,7 @@ class CheckpointManager:
     def _decide(self, ckpt_path: str | os.PathLike) -> tuple[str, str | None]:
         if ckpt_path in ("last", "auto"):
             last = self.last_path()
+            ckpt_io.recover(last.parent)  # a commit a crash interrupted: its checkpoint back under its name
             if last.exists():
                 target = last.resolve()
             elif ckpt_path == "auto":  # e.g. a crash between a commit and `last`: the newest intact one
@@ -91,10 +96,11 @@ class CheckpointManager:
                 return "missing", f"ckpt_path='last': no checkpoint found at {last} (nothing to resume)"
         else:
             target = Path(ckpt_path)
+            ckpt_io.recover(target.parent)
             if not target.exists():
                 return "missing", f"checkpoint not found: {target}"
             target = target.resolve()
-        problem = ckpt_io.verify(target)
+        problem = ckpt_io.find_damage(target)
         if problem is None:
             return "ok", str(target)
         intact = ckpt_io.newest_intact(target.parent, exclude=target)
@@ -142,6 +148,7 @@ class CheckpointManager:
             "hyper_parameters": dict(t.module.hparams) if t.module is not None else {},
             "config": t.run_config or {},
             "world_size": t.world_size,
+            "batch_layout": vars(t.batch_layout) if getattr(t, "batch_layout", None) else None,
             "strategy": type(t.strategy).__name__,
         }
 
@@ -156,19 +163,45 @@ class CheckpointManager:
                 lg.load_state_dict(states[lg.state_key])
 
     # ---- save and restore -------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike) -> bool:
-        """Write a checkpoint directory (all ranks call this together). Returns whether every weight
-        is finite (agreed across ranks): a checkpoint that is not must never become ``last``."""
+    def save(self, path: str | os.PathLike, then: Callable[[bool], None] | None = None, background: bool | None = None):
+        """Write a checkpoint directory (all ranks call this together). ``then(finite)`` runs once it is committed:
+        now, or — written in the background (``async_save``) — when the next save or the end of fit completes it;
+        ``finite``: every weight is finite (agreed across ranks): a checkpoint that is not must never become
+        ``last``. Returns that."""
+        self.complete_pending()
+        if background is None:  # strategy="auto" may have chosen DeepSpeed, whose engine writes synchronously
+            background = self.async_save and self.trainer.strategy.traits.saves_in_background
         if self.trainer.module is None:
             raise RuntimeError("save_checkpoint() needs a module attached by fit/validate/test first")
         if self.parent_checkpoint is not None:  # the parent of spawned/forked ranks: what rank 0 sent back
             plain = self.parent_checkpoint
-            ckpt_io.write_checkpoint(
-                path, lambda tmp: torch.save(plain, tmp / ckpt_io.STATE_FILE), True, lambda outcome: [outcome]
-            )
-            return all(bool(torch.isfinite(v).all()) for v in plain["model"].values())
-        self.trainer.runtime.save(path, self.state())
-        return self.weights_finite()
+
+            def write(tmp: Path) -> list[Path]:
+                torch.save(plain, tmp / ckpt_io.STATE_FILE)
+                return [tmp / ckpt_io.STATE_FILE]
+
+            ckpt_io.write_checkpoint(path, write, True, lambda outcome: [outcome])
+            finite = all(bool(torch.isfinite(v).all()) for v in plain["model"].values())
+            if then is not None:
+                then(finite)
+            return finite
+        finite = self.weights_finite()  # of the weights being saved: now, before the run changes them
+        self._pending = (self.trainer.runtime.save(path, self.state(), background), then, finite)
+        if not background:
+            self.complete_pending()
+        return finite
+
+    def complete_pending(self) -> None:
+        """Wait for a checkpoint written in the background and commit it (every rank together)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        write, then, finite = pending
+        if write is not None:
+            with watch.patient("checkpoint commit"):
+                write.complete()
+        if then is not None:
+            then(finite)
 
     def weights_finite(self) -> bool:
         t = self.trainer

@@ -65,7 +65,7 @@ class Evaluator:
     def _step_function(self, module, model, step_name: str):
         """Through the strategy's wrapper where forwards communicate (every rank must run them),
         else the module's own step."""
-        if self.runtime.strategy.collective_forward and model is not None:
+        if self.runtime.strategy.traits.collective_forward and model is not None:
             return (lambda batch, i: model(step_name, batch, i)), True
         return getattr(module, step_name), False
 

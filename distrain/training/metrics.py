@@ -75,7 +75,7 @@ class MetricCollector:
             else:
                 acc[0] = acc[0] + value * weight
                 acc[1] += weight
-            if sync_dist or not training or self.runtime.strategy.gathers_metrics:
+            if sync_dist or not training or self.runtime.strategy.traits.metrics_elsewhere:
                 self.epoch_sync.add(name)
         if prog_bar:
             self.prog_bar.add(name)
@@ -86,14 +86,14 @@ class MetricCollector:
         entries, self.step_entries = self.step_entries, {}
         if not reduce:
             return {n: e.value for n, e in entries.items()}
-        gather_all = self.runtime.strategy.gathers_metrics  # values may live on other ranks than rank 0
+        gather_all = self.runtime.strategy.traits.metrics_elsewhere  # values may live on other ranks than rank 0
         synced = sorted(n for n, e in entries.items() if e.sync_dist or gather_all)
         if self.runtime.world_size > 1:  # a rank that did not log a name this step still takes part
             synced = sorted(set().union(*self.runtime.all_gather_object(synced)))
         out = {n: e.value for n, e in entries.items() if n not in synced}
         if synced:
             # [value, 1] per name this rank logged, [0, 0] for the others: the mean over those that did
-            counts = self.runtime.strategy.counts_metrics  # a model-parallel peer's copy counts once
+            counts = self.runtime.strategy.traits.counts_metrics  # a model-parallel peer's copy counts once
             rows = [[entries[n].value, 1.0] if n in entries and counts else [0.0, 0.0] for n in synced]
             sums = self.runtime.all_reduce(_as_tensor(rows, self.runtime.device), op="sum").tolist()
             out.update({n: total / count for n, (total, count) in zip(synced, sums) if count})
@@ -114,7 +114,7 @@ class MetricCollector:
         local = {n: (float(s), w) for n, (s, w) in sums.items()}
         out = {n: s if n in summed else s / w for n, (s, w) in local.items() if w}
         if names:
-            counts = self.runtime.strategy.counts_metrics  # a model-parallel peer's copy counts once
+            counts = self.runtime.strategy.traits.counts_metrics  # a model-parallel peer's copy counts once
             rows = [sums.get(n, [0.0, 0.0]) if counts else [0.0, 0.0] for n in names]
             totals = self.runtime.all_reduce(_as_tensor(rows, self.runtime.device), op="sum").tolist()
             out.update({n: s if n in summed else s / w for n, (s, w) in zip(names, totals) if w})

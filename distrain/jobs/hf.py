@@ -12,17 +12,22 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader
 
-from distrain.config import ConfigError, RunConfig, save_config
+from distrain.config import ConfigError, RunConfig
 from distrain.hf import data as hf_data
 from distrain.hf import models
 from distrain.hf.tasks import TASK_MODULES, config_dict
+from distrain.jobs.common import announce
+from distrain.strategies.layers import block_classes
 
 
 class HFJob:
+    plannable = True
+
     def __init__(self, config: RunConfig):
         """Reads the model's config only (no weights, no data): a wrong name fails before any rank starts."""
         t = config.training
         self.config = config
+        self.strategy = config.distributed.strategy
         from distrain.models.gpt import GPT_SIZES
 
         close = difflib.get_close_matches(t.model_name, GPT_SIZES, n=1, cutoff=0.8)
@@ -30,14 +35,29 @@ class HFJob:
             raise ConfigError(
                 f"training.model_name {t.model_name!r} is not a built-in GPT size (did you mean {close[0]!r}?)"
             )
-        self.hf_config = models.load_config(t.model_name)
+        self.hf_config = models.load_config(t.model_name, trust_remote_code=t.trust_remote_code, **t.model_config)
         self.task = models.infer_task(self.hf_config, t.task, t.model_name)
+        skeleton = models.build_skeleton(self.task, self.hf_config)
         # FSDP units and activation checkpointing: the model's own _no_split_modules layers
-        self.block_classes = models.block_classes(models.build_skeleton(self.task, self.hf_config))
+        self.block_classes = block_classes(skeleton)
+        self.parameter_count = sum(p.numel() for p in skeleton.parameters())
         self.data = self._data_config()
 
     def fit(self, trainer, resume: str | None) -> None:
         """Runs in every rank: data (tokenized once), the task module, fit, export."""
+        c = self.config
+        module, train_loader, val_loader = self.prepare(trainer)
+        trainer.fit(module, train_loader, val_loader, ckpt_path=resume)
+        out = Path(c.output_dir)
+        if c.checkpointing.export_hf and not trainer.preempted and trainer.is_global_zero:
+            ckpt_dir = Path(c.checkpointing.checkpoint_dir) if c.checkpointing.checkpoint_dir else out / "checkpoints"
+            if (ckpt_dir / "last").exists():
+                from distrain.hf.export import export_checkpoint
+
+                print(f"distrain: Hugging Face model → {export_checkpoint(ckpt_dir / 'last', out / 'hf')}", flush=True)
+
+    def prepare(self, trainer):
+        """The task module and its train and validation loaders (the data tokenized once, on rank 0 first)."""
         c = self.config
         t, data = c.training, self.data
         if trainer.strategy.start_method in (None, "popen"):
@@ -45,7 +65,7 @@ class HFJob:
             # of every rank tokenizing (spawn/fork strategies prepare the data once, in this process)
             trainer.runtime.launch()
         tokenizer_name = data.tokenizer or t.model_name
-        tokenizer = models.load_tokenizer(tokenizer_name)
+        tokenizer = models.load_tokenizer(tokenizer_name, trust_remote_code=t.trust_remote_code)
         prepared = hf_data.prepare(data, tokenizer, self.task, seed=t.seed, runtime=trainer.runtime)
         hf_config = self._config_for(prepared, tokenizer)
         global_batch = t.batch_size_per_gpu * trainer.data_parallel_size * t.gradient_accumulation_steps
@@ -79,24 +99,12 @@ class HFJob:
             collate_fn=collate,
             num_workers=data.num_workers,
         )
-        out = Path(c.output_dir)
-        if trainer.is_global_zero:
-            out.mkdir(parents=True, exist_ok=True)
-            save_config(c, out / "config.yaml")
-            print(
-                f"distrain: {t.model_name} ({self.task}) on {trainer.world_size} process(es), strategy "
-                f"{c.distributed.strategy}{trainer.strategy.layout_note}, "
-                f"global batch {global_batch} × ≤{data.max_length or data.seq_len} tokens, "
-                f"{len(prepared.train)} train / {len(prepared.eval)} eval samples, {total_steps} steps → {out}",
-                flush=True,
-            )
-        trainer.fit(module, train_loader, val_loader, ckpt_path=resume)
-        if c.checkpointing.export_hf and not trainer.preempted and trainer.is_global_zero:
-            ckpt_dir = Path(c.checkpointing.checkpoint_dir) if c.checkpointing.checkpoint_dir else out / "checkpoints"
-            if (ckpt_dir / "last").exists():
-                from distrain.hf.export import export_checkpoint
-
-                print(f"distrain: Hugging Face model → {export_checkpoint(ckpt_dir / 'last', out / 'hf')}", flush=True)
+        details = (
+            f", global batch {global_batch} × ≤{data.max_length or data.seq_len} tokens, "
+            f"{len(prepared.train)} train / {len(prepared.eval)} eval samples, {total_steps} steps"
+        )
+        announce(trainer, c, self.strategy, f"{t.model_name} ({self.task})", details)
+        return module, train_loader, val_loader
 
     def _data_config(self):
         """``data`` with ``max_length`` resolved: never beyond the model's position embeddings."""

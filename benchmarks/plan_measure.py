@@ -3,7 +3,8 @@
 the model to the last optimizer step) beside the planner's prediction for the same run.
 
 ``measure`` runs inside a rank whose process group already exists, so one pair of processes can
-measure many configurations in a row (the accuracy test and ``benchmarks/plan_accuracy.py``)."""
+measure many configurations in a row (the accuracy test, ``tests/test_planner.py``, and
+``benchmarks/plan_accuracy.py``): a harness for checking the planner, not part of it."""
 
 from __future__ import annotations
 

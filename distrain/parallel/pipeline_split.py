@@ -1,4 +1,4 @@
-"""How a model splits into pipeline stages: a ``PipelinePlan``.
+"""How a model splits into pipeline stages: a ``PipelineSplit``.
 
 A pipeline runs a model as a chain of stages on different ranks: the first stage embeds the
 micro-batch, each stage runs a contiguous run of the model's blocks and hands its activations to
@@ -16,7 +16,7 @@ the next, the last stage runs the head. What a plan says:
 
 Built in: distrain's GPT (batches ``(x, y, ...)``) and Hugging Face Llama-style causal LMs (batches
 with ``input_ids`` and ``attention_mask``). A Module of your own returns a plan from
-``pipeline_plan()``.
+``pipeline_split()``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import nn
 
 
 @dataclass
-class PipelinePlan:
+class PipelineSplit:
     model: nn.Module
     """The module your steps call (``self.gpt(x, y)``); on the last stage that call is answered."""
     blocks: nn.ModuleList
@@ -59,11 +59,11 @@ class PipelinePlan:
 
 
 # ---- built-in plans ---------------------------------------------------------------------------------------------
-def gpt_plan(gpt: nn.Module) -> PipelinePlan:
+def gpt_split(gpt: nn.Module) -> PipelineSplit:
     """distrain's GPT; micro-batches are ``(x, y, ...)`` (the built-in job's and the tests')."""
     from distrain.models.gpt import GPT
 
-    return PipelinePlan(
+    return PipelineSplit(
         model=gpt,
         blocks=gpt.blocks,
         embed=lambda batch: gpt.embed(_first_tensor(batch)),
@@ -76,7 +76,7 @@ def gpt_plan(gpt: nn.Module) -> PipelinePlan:
     )
 
 
-def llama_plan(lm: nn.Module) -> PipelinePlan:
+def llama_split(lm: nn.Module) -> PipelineSplit:
     """A Hugging Face Llama-style causal LM (``model.embed_tokens``, ``model.layers``, ``model.norm``,
     ``model.rotary_emb``, ``lm_head``); micro-batches are dicts with ``input_ids`` (and ``attention_mask``)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -112,7 +112,7 @@ def llama_plan(lm: nn.Module) -> PipelinePlan:
     def call_inputs(*args, **kwargs):
         return kwargs["input_ids"] if "input_ids" in kwargs else args[0]
 
-    return PipelinePlan(
+    return PipelineSplit(
         model=lm,
         blocks=inner.layers,
         embed=lambda batch: inner.embed_tokens(batch["input_ids"]),
@@ -128,24 +128,24 @@ def llama_plan(lm: nn.Module) -> PipelinePlan:
     )
 
 
-def plan_for(module: nn.Module) -> PipelinePlan:
-    """The module's own ``pipeline_plan()``, or the built-in plan of the one model it holds."""
-    own = getattr(module, "pipeline_plan", None)
+def split_for(module: nn.Module) -> PipelineSplit:
+    """The module's own ``pipeline_split()``, or the built-in plan of the one model it holds."""
+    own = getattr(module, "pipeline_split", None)
     if callable(own):
         plan = own()
-        if not isinstance(plan, PipelinePlan):
-            raise TypeError(f"{type(module).__name__}.pipeline_plan() must return a distrain.PipelinePlan")
+        if not isinstance(plan, PipelineSplit):
+            raise TypeError(f"{type(module).__name__}.pipeline_split() must return a distrain.PipelineSplit")
         return plan
     from distrain.models.gpt import GPT
     from distrain.parallel.tensor_parallel import is_llama_style
 
-    found = [(m, gpt_plan) for m in module.modules() if isinstance(m, GPT)]
-    found += [(m, llama_plan) for m in module.modules() if is_llama_style(m)]
+    found = [(m, gpt_split) for m in module.modules() if isinstance(m, GPT)]
+    found += [(m, llama_split) for m in module.modules() if is_llama_style(m)]
     if len(found) != 1:
         what = "no model" if not found else f"{len(found)} models"
         raise ValueError(
             f"{type(module).__name__} holds {what} the pipeline strategy has a built-in plan for (distrain's GPT, "
-            "Hugging Face Llama-style causal LMs); give it a pipeline_plan() method returning a distrain.PipelinePlan"
+            "Hugging Face Llama-style causal LMs); give it a pipeline_split() method returning a distrain.PipelineSplit"
         )
     model, make = found[0]
     return make(model)
@@ -153,7 +153,7 @@ def plan_for(module: nn.Module) -> PipelinePlan:
 
 # ---- splitting the blocks -------------------------------------------------------------------------------------------
 def split_blocks(
-    plan: PipelinePlan, num_stages: int, split_points: Sequence[int | str] | None = None, root: nn.Module | None = None
+    plan: PipelineSplit, num_stages: int, split_points: Sequence[int | str] | None = None, root: nn.Module | None = None
 ) -> list[range]:
     """The blocks of each stage: at ``split_points`` (block indices or block names such as
     ``"gpt.blocks.2"``, where a new stage begins), else balanced by parameter count (the first stage
@@ -207,7 +207,7 @@ def _balanced(sizes: list[int], k: int, extra_first: int, extra_last: int) -> li
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def _block_index(point: int | str, plan: PipelinePlan, root: nn.Module | None) -> int:
+def _block_index(point: int | str, plan: PipelineSplit, root: nn.Module | None) -> int:
     if isinstance(point, int) and not isinstance(point, bool):
         if 0 <= point < len(plan.blocks):
             return point
@@ -227,7 +227,7 @@ def _block_index(point: int | str, plan: PipelinePlan, root: nn.Module | None) -
     raise ValueError(f"split point {point!r} names no block of the model (blocks are e.g. {_block_names(plan, root)})")
 
 
-def _block_names(plan: PipelinePlan, root: nn.Module | None) -> str:
+def _block_names(plan: PipelineSplit, root: nn.Module | None) -> str:
     names = {id(m): n for n, m in (root or plan.model).named_modules()}
     return ", ".join(names.get(id(b), "?") for b in list(plan.blocks)[:3])
 

@@ -1,0 +1,262 @@
+"""Reading bytes that someone else wrote — checkpoints, DeepSpeed's files, a model directory —
+without ever running code from them.
+
+A checkpoint is a file anyone could have handed you, and a pickle can name any function and call
+it. Every path that deserializes such bytes goes through this module, and each one resolves only
+the names its format really holds:
+
+- ``torch.save`` files (``state.pt``, ``meta.pt``, DeepSpeed's ``*.pt``, ``pytorch_model.bin``):
+  ``torch.load(weights_only=True)`` — tensors, plain containers, and DeepSpeed's three record
+  classes allowed by name (``deepspeed_records``).
+- DCP's ``.metadata``: torch reads it with a plain ``pickle.load``; here an unpickler resolves
+  exactly the (module, name) pairs a real one holds, never a dotted name (from pickle protocol 4
+  on, ``"os.system"`` under an allowed module would reach anything that module imports).
+- DCP's byte entries (non-tensor values such as learning rates): torch's ``DefaultLoadPlanner``
+  unpickles them with ``weights_only=False``; ``SafeLoadPlanner`` uses ``weights_only=True``.
+- DeepSpeed's loaders call ``torch.load(weights_only=False)`` themselves (same world size,
+  universal conversion, ``zero_to_fp32``): they run inside ``deepspeed_loading()``, which turns
+  every such call into a weights-only one.
+- Hugging Face directories: weights from safetensors (or ``pytorch_model.bin`` weights-only);
+  configs and tokenizers never run a repository's own code unless the user sets
+  ``training.trust_remote_code`` (``distrain/hf/models.py`` passes it).
+
+A refusal is one line naming the file: ``UnsafeCheckpointError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distrain.checkpoint import CheckpointError
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A file names Python objects its format never holds (it could run code): refused, not loaded."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def refused(file: str | Path, error: BaseException) -> UnsafeCheckpointError:
+    # torch's message opens with advice to retry with weights_only=False; the line that names the global is the news
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    cause = next((line for line in lines if "Unsupported global" in line), _first_line(error))
+    return UnsafeCheckpointError(
+        f"{file}: refusing to load: it holds Python objects other than tensors and plain containers, "
+        f"which could run code (weights_only=True: {cause[:300]})"
+    )
+
+
+# ---- torch.save files ----------------------------------------------------------------------------------------
+def load_torch_file(file: str | Path | io.BytesIO, name: str | Path | None = None, **kwargs: Any) -> Any:
+    """``torch.load(file, weights_only=True)`` on CPU; a pickle that names code is an
+    ``UnsafeCheckpointError`` naming the file. Other errors (a truncated file) propagate."""
+    kwargs.setdefault("map_location", "cpu")
+    try:
+        with _deepspeed_records_allowed():
+            return torch.load(file, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        raise refused(name or file, e) from None
+
+
+# ---- torch.distributed.checkpoint ----------------------------------------------------------------------------
+_DCP = "torch.distributed.checkpoint.metadata"
+#: Everything a DCP ``.metadata`` holds (torch 2.6–2.14): its record classes, tensor shapes, dtypes and
+#: layouts, the storage index of each item, and the checkpoint's path.
+_DCP_METADATA_GLOBALS = frozenset(
+    {
+        (_DCP, "Metadata"),
+        (_DCP, "MetadataIndex"),
+        (_DCP, "StorageMeta"),
+        (_DCP, "TensorStorageMetadata"),
+        (_DCP, "BytesStorageMetadata"),
+        (_DCP, "ChunkStorageMetadata"),
+        (_DCP, "TensorProperties"),
+        (_DCP, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name ("torch.strided")
+        ("collections", "OrderedDict"),
+        ("pathlib", "Path"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+    | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, source: Path):
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in _DCP_METADATA_GLOBALS:  # a dotted name is never in the set
+            raise UnsafeCheckpointError(
+                f"{self.source}: refusing to load: it names {module}.{name}, which a checkpoint's metadata "
+                "never holds (it could run code)"
+            )
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(path: str | Path):
+    """A DCP checkpoint's ``Metadata`` (``path/.metadata``), through the restricted unpickler."""
+    file = Path(path) / ".metadata"
+    with open(file, "rb") as f:
+        return _unpickle_metadata(f, file)
+
+
+def _unpickle_metadata(stream, file: Path):
+    try:
+        return _MetadataUnpickler(stream, file).load()
+    except UnsafeCheckpointError:
+        raise
+    except pickle.UnpicklingError as e:  # e.g. a persistent id, which metadata never holds
+        raise refused(file, e) from None
+
+
+def dcp_storage_extents(path: str | Path) -> dict[str, int]:
+    """``file name → bytes its items need``, from the metadata (``storage_data`` maps each item to a
+    ``_StorageInfo(relative_path, offset, length)``: torch 2.13.0)."""
+    extents: dict[str, int] = {}
+    for info in read_dcp_metadata(path).storage_data.values():
+        extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
+    return extents
+
+
+def dcp_reader(path: str | Path):
+    """torch's ``FileSystemReader`` whose ``read_metadata`` uses the restricted unpickler (as torch
+    2.13.0's own does: the metadata path, then ``storage_meta.load_id``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata_path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(metadata_path, "rb") as f:
+                metadata = _unpickle_metadata(f, Path(metadata_path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(str(path))
+
+
+def safe_load_planner(checkpoint: str | Path):
+    """torch's ``DefaultLoadPlanner``, but non-tensor entries are read weights-only (torch 2.13.0's
+    ``load_bytes`` unpickles them with ``weights_only=False``)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import (
+        set_element,  # private (torch 2.13.0), as the default planner uses
+    )
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata else None
+            file = Path(checkpoint) / info.relative_path if info is not None else Path(checkpoint)
+            loaded = load_torch_file(value, name=f"{file} (entry {read_item.dest_index.fqn})")
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return SafeLoadPlanner()
+
+
+def dcp_load(state: dict[str, Any], path: str | Path, no_dist: bool) -> None:
+    """``dcp.load`` of ``path`` into ``state`` through the safe reader and planner. A refused file is
+    one ``UnsafeCheckpointError`` (DCP wraps each rank's error in a ``CheckpointException``)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, storage_reader=dcp_reader(path), planner=safe_load_planner(path), no_dist=no_dist)
+    except BaseException as e:
+        unsafe = _find_unsafe(e)
+        if unsafe is not None:
+            raise unsafe from None
+        raise
+
+
+def _find_unsafe(error: BaseException) -> UnsafeCheckpointError | None:
+    if isinstance(error, UnsafeCheckpointError):
+        return error
+    for wrapped in (getattr(error, "failures", None) or {}).values():
+        found = _find_unsafe(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+        if found is not None:
+            return found
+    return None
+
+
+# ---- DeepSpeed (checked against deepspeed 0.19.8) ------------------------------------------------------------
+def deepspeed_records() -> list[type]:
+    """The plain-record classes DeepSpeed pickles into its checkpoints, allowed by name for
+    ``weights_only=True`` loads (none without DeepSpeed)."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:
+        return []
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def _deepspeed_records_allowed():
+    # only what is not allowed yet: torch's context removes its globals on exit, even when an
+    # enclosing context (a nested load) had added them too
+    import sys
+
+    if "deepspeed" not in sys.modules:  # a file DeepSpeed wrote can only be read where DeepSpeed is loaded
+        yield
+        return
+    missing = [g for g in deepspeed_records() if g not in torch.serialization.get_safe_globals()]
+    with torch.serialization.safe_globals(missing):
+        yield
+
+
+@contextlib.contextmanager
+def deepspeed_loading():
+    """While DeepSpeed reads its own files (``engine.load_checkpoint``, ``ds_to_universal``,
+    ``zero_to_fp32``: each calls ``torch.load(..., weights_only=False)`` and has no switch for it),
+    every ``torch.load`` is a weights-only one with DeepSpeed's record classes allowed; a file that
+    names anything else is an ``UnsafeCheckpointError`` naming it. ``torch.load`` is replaced for the
+    duration of the context only."""
+    original = torch.load
+    torch.load = functools.partial(_weights_only_load, original)
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
+def _weights_only_load(load, file, *args, **kwargs):
+    kwargs["weights_only"] = True
+    try:
+        with _deepspeed_records_allowed():
+            return load(file, *args, **kwargs)
+    except pickle.UnpicklingError as e:
+        raise refused(file, e) from None
+
+
+def deepspeed_checkpoint_engine_loads_safely(engine) -> None:
+    """Make the engine's checkpoint engine load weights-only (its own ``load`` unpickles anything).
+    ``engine.checkpoint_engine.load(path, map_location)``: deepspeed 0.19.8."""
+    if engine.checkpoint_engine is None:  # an engine without optimizer has none
+        return
+
+    def load(path: str, map_location=None):
+        return load_torch_file(path, map_location=map_location)
+
+    engine.checkpoint_engine.load = load

@@ -1,0 +1,56 @@
+"""The built-in job: distrain's GPT trained next-byte on a corpus that needs no download (Python's own
+standard-library source by default)."""
+
+from __future__ import annotations
+
+import math
+
+from torch.utils.data import DataLoader
+
+from distrain.config import RunConfig
+from distrain.jobs.common import announce
+from distrain.models.gpt import Block
+
+
+class GPTJob:
+    plannable = True
+    block_classes = {Block}
+
+    def __init__(self, config: RunConfig):
+        from distrain.models.gpt import GPT_SIZES
+
+        self.config = config
+        self.strategy = config.distributed.strategy
+        size = GPT_SIZES[config.training.model_name]
+        d, layers, vocab = size["n_embd"], size["n_layer"], 256  # bytes
+        self.parameter_count = layers * 12 * d * d + (vocab + config.data.seq_len) * d
+
+    def fit(self, trainer, resume: str | None) -> None:
+        module, train_loader, val_loader = self.prepare(trainer)
+        trainer.fit(module, train_loader, val_loader, ckpt_path=resume)
+
+    def prepare(self, trainer):
+        """The built-in GPT and its byte-corpus train and validation loaders."""
+        from distrain.data import byte_datasets
+        from distrain.models.lm import GPTLanguageModel
+
+        config = self.config
+        t, data = config.training, config.data
+        train_set, val_set = byte_datasets(data.dataset, data.seq_len, data.max_bytes, data.val_fraction)
+        global_batch = t.batch_size_per_gpu * trainer.data_parallel_size * t.gradient_accumulation_steps
+        total_steps = t.max_steps if t.max_steps > 0 else math.ceil(len(train_set) / global_batch) * t.num_epochs
+        module = GPTLanguageModel(
+            model_name=t.model_name,
+            block_size=data.seq_len,
+            learning_rate=t.learning_rate,
+            weight_decay=t.weight_decay,
+            warmup_steps=int(t.warmup_ratio * total_steps),
+            total_steps=total_steps,
+            lr_schedule=t.lr_schedule,
+        )
+        loader = lambda ds, shuffle: DataLoader(  # noqa: E731
+            ds, batch_size=t.batch_size_per_gpu, shuffle=shuffle, num_workers=data.num_workers, drop_last=shuffle
+        )
+        details = f", global batch {global_batch} × {data.seq_len} bytes, {total_steps} steps"
+        announce(trainer, config, self.strategy, t.model_name, details)
+        return module, loader(train_set, True), loader(val_set, False)

@@ -1,0 +1,143 @@
+"""``distrain train`` as a whole: the job, the memory plan's decisions, the Trainer, fit."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from distrain.config import RunConfig
+from distrain.jobs.common import Job, build_trainer
+
+
+def job_for(config: RunConfig) -> Job:
+    from distrain.models.gpt import GPT_SIZES
+
+    t = config.training
+    if t.module is not None:
+        from distrain.jobs.user import UserModuleJob
+
+        return UserModuleJob(config)
+    if t.model_name not in GPT_SIZES:  # a Hugging Face hub name or local directory
+        from distrain.jobs.hf import HFJob
+
+        return HFJob(config)
+    from distrain.jobs.gpt import GPTJob
+
+    return GPTJob(config)
+
+
+def run(config: RunConfig, resume: str | None = None) -> int:
+    started = _start(config, resume)
+    if isinstance(started, int):
+        return started
+    job, trainer = started
+    job.fit(trainer, resume)
+    out = Path(config.output_dir)
+    marker = out / "PREEMPTED"  # tells a job script that `--resume auto` has more to do
+    if trainer.is_global_zero:
+        marker.write_text(f"{trainer.preempted}\n") if trainer.preempted else marker.unlink(missing_ok=True)
+        cb = trainer.checkpoint_callback
+        print(f"distrain: done at step {trainer.global_step}; last checkpoint: {cb.last_model_path}", flush=True)
+    return 0
+
+
+def verify(config: RunConfig, steps: int, as_json: bool) -> int:
+    """``distrain verify``: the run ``distrain train`` would start, for ``steps`` steps, against one process."""
+    import json
+
+    from distrain.verify import verify as verify_run
+
+    job = job_for(config)
+    _check_fits_for_verify(job, config, steps)  # before the plan: nothing to wait for when it cannot run here
+    started = _start(config, None, job)
+    if isinstance(started, int):
+        return started
+    job, trainer = started
+    module, train_loader, _ = job.prepare(trainer)
+    report = verify_run(trainer, module, train_loader, steps, label=f"{job.strategy}{trainer.strategy.layout_note}")
+    if report is None:  # a rank other than the one that reports
+        return 0
+    print(json.dumps(report.to_json(), indent=2) if as_json else report.table(), flush=True)
+    return 0 if report.ok else 1
+
+
+def _start(config: RunConfig, resume: str | None, job: Job | None = None):
+    """The job and its Trainer, as ``distrain train`` makes them (or an exit code when the plan says stop)."""
+    from distrain import launch
+    from distrain.planner.cli import Decision, decide_for_training, print_messages, runs_activation_checkpointing
+    from distrain.strategies import registry
+
+    t, d, c = config.training, config.distributed, config.checkpointing
+    if d.pipeline_microbatches:  # a pipeline's micro-batches are the accumulation micro-batches (validated to agree)
+        t.gradient_accumulation_steps = d.pipeline_microbatches
+    job = job or job_for(config)
+    out = Path(config.output_dir)
+    ckpt_dir = Path(c.checkpoint_dir) if c.checkpoint_dir else out / "checkpoints"
+    # --resume auto (requeued/restarted jobs): the newest intact checkpoint if there is one, else a fresh start
+    if resume == "last" and not (ckpt_dir / "last").exists():
+        raise FileNotFoundError(f"--resume last: no checkpoint in {ckpt_dir} to resume from")
+    # the memory plan: strategy auto, activation_checkpointing auto, a warning when it will not fit
+    decision = decide_for_training(config, job) if job.plannable else Decision(d.strategy)
+    print_messages(decision)
+    if decision.stop:
+        return 2
+    ac = runs_activation_checkpointing(config)
+    every_n = config.fsdp.activation_checkpointing.every_n_layers
+    options = {
+        "activation_checkpointing_policy": {"classes": job.block_classes, "every_n": every_n} if ac else None,
+        **registry.options_from_config(decision.strategy, config, job.block_classes),
+        **decision.strategy_options(job.block_classes),
+    }
+    trainer = build_trainer(config, decision.strategy, ckpt_dir, options)
+    job.strategy = decision.strategy
+    if trainer.is_global_zero and not os.environ.get("DISTRAIN_LAUNCHED_CHILD"):
+        launch.tee_output(trainer.runtime.log_dir, 0)  # the run's header belongs in rank 0's log too
+    return job, trainer
+
+
+#: what shrinking a model for ``distrain verify --shrink`` sets in its config: 2 blocks, width 64
+SHRUNK = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
+
+
+def shrink(config: RunConfig) -> None:
+    """``--shrink``: the same layout and precision on the model's own family, 2 blocks deep and 64 wide (fresh
+    weights: a checkpoint's shapes no longer fit). The built-in GPT becomes gpt-tiny."""
+    from distrain.config import ConfigError
+    from distrain.models.gpt import GPT_SIZES
+
+    t = config.training
+    if t.module is not None:
+        raise ConfigError(
+            "--shrink: a Module of your own (training.module) has no config to shrink; pass smaller module_args"
+        )
+    if t.model_name in GPT_SIZES:
+        t.model_name = "gpt-tiny"
+        return
+    t.model_config = {**SHRUNK, **t.model_config}
+    t.pretrained = False
+
+
+def _check_fits_for_verify(job, config: RunConfig, steps: int) -> None:
+    """Verifying keeps whole copies of the weights and gradients of every step, twice, on this host."""
+    import psutil
+
+    from distrain.config import ConfigError
+
+    params = getattr(job, "parameter_count", None)
+    if not params:
+        return
+    needed = params * 4 * (4 * steps + 8)
+    available = psutil.virtual_memory().available
+    if needed > available // 2:
+        raise ConfigError(
+            f"distrain verify: {config.training.model_name} has {params / 1e6:.0f}M parameters; verifying {steps} "
+            f"steps keeps about {needed / 2**30:.1f} GiB of copies on this host ({available / 2**30:.1f} GiB free): "
+            "--shrink "
+            "verifies the same layout on the model's family with 2 blocks, 64 wide"
+        )

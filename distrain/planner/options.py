@@ -1,0 +1,116 @@
+"""What a plan is made of: the ways to train (``Option``) and what each holds per rank (``Row``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Row fields that are bytes (extrapolated and interpolated)
+_BYTE_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "peak", "host", "sharded")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to train: a strategy with its sharding, activation checkpointing and offload."""
+
+    family: str
+    """``single``, ``ddp``, ``fsdp`` or ``zero``."""
+    sharding: str | None = None
+    """FSDP: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD."""
+    stage: int | None = None
+    """ZeRO stage."""
+    checkpoint: int | None = 0
+    """Blocks whose activations are recomputed: 0 none, ``None`` every block."""
+    offload: str = "none"
+    """``none``, ``cpu`` or ``nvme``: where sharded state (ZeRO: optimizer, and parameters at stage 3) lives."""
+
+    @property
+    def strategy(self) -> str:
+        """The strategy name a run takes (``--strategy``)."""
+        if self.family == "fsdp":
+            return "fsdp_cpu_offload" if self.offload == "cpu" else "fsdp"
+        if self.family == "zero":
+            suffix = {"none": "", "cpu": "_offload", "nvme": "_offload_nvme"}[self.offload]
+            return f"deepspeed_stage_{self.stage}{suffix}"
+        return self.family
+
+    @property
+    def level(self) -> int:
+        """What is sharded (the ranking's first key): 0 nothing, 1 optimizer state, 2 and gradients,
+        3 and parameters within a node (hybrid), 4 and parameters across every rank."""
+        if self.family == "zero":
+            return {1: 1, 2: 2, 3: 4}[self.stage]
+        if self.family == "fsdp":
+            return {"SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "FULL_SHARD": 4}[self.sharding]
+        return 0
+
+    @property
+    def label(self) -> str:
+        base = {
+            "single": "single process",
+            "ddp": "ddp",
+            "fsdp": f"fsdp {self.sharding}",
+            "zero": f"zero-{self.stage}",
+        }[self.family]
+        parts = [base]
+        if self.checkpoint is None:
+            parts.append("AC")
+        elif self.checkpoint:
+            parts.append(f"AC {self.checkpoint} blocks")
+        if self.offload != "none":
+            what = "opt+params" if self.family == "zero" and self.stage == 3 else "opt"
+            if self.family == "fsdp":
+                what = "params+grads+opt"
+            parts.append(f"{self.offload} offload ({what})")
+        return " + ".join(parts)
+
+    @property
+    def short(self) -> str:
+        """The name in one-line reasons: ``DDP``, ``FSDP+AC``, ``ZeRO-3``."""
+        base = {"single": "1 process", "ddp": "DDP", "fsdp": "FSDP", "zero": f"ZeRO-{self.stage}"}[self.family]
+        if self.family == "fsdp" and self.sharding != "FULL_SHARD":
+            base += {"SHARD_GRAD_OP": " grad-op", "HYBRID_SHARD": " hybrid"}[self.sharding]
+        if self.checkpoint != 0:
+            base += "+AC" if self.checkpoint is None else f"+AC{self.checkpoint}"
+        if self.offload != "none":
+            base += "+offload"
+        return base
+
+
+@dataclass
+class Row:
+    """An option's per-rank bytes (the table's row)."""
+
+    option: Option
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    peak: int
+    host: int = 0
+    """Host memory per rank for offloaded state."""
+    sharded: int = 0
+    """The part of ``peak`` divided among the ranks (shrinks as 1/N with more of them)."""
+    fits: bool | None = None
+    max_micro_batch: int | None = None
+    note: str = ""
+
+    def to_json(self) -> dict:
+        o = self.option
+        return {
+            "strategy": o.strategy,
+            "label": o.label,
+            "sharding": o.sharding or (f"zero-{o.stage}" if o.stage else None),
+            "activation_checkpointing": "all" if o.checkpoint is None else o.checkpoint,
+            "offload": o.offload,
+            "params_bytes": self.params,
+            "grads_bytes": self.grads,
+            "optimizer_bytes": self.optimizer,
+            "activations_bytes": self.activations,
+            "buffers_bytes": self.buffers,
+            "peak_bytes": self.peak,
+            "host_bytes": self.host,
+            "fits": self.fits,
+            "max_micro_batch": self.max_micro_batch,
+            "note": self.note,
+        }
