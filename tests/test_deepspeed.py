@@ -281,3 +281,51 @@ def test_conflict_and_fp16_on_cpu_through_the_cli(tmp_path):
         "train", "--config", str(fp16), "--max-steps", "2", "--output-dir", str(tmp_path / "b"), *COMMON, timeout=300
     )
     assert proc.returncode != 0 and "fp16, which needs a CUDA GPU" in proc.stderr, proc.stderr[-3000:]
+
+
+def _nvme_run(rank, tmp, resume):
+    (tmp / "nvme").mkdir(parents=True, exist_ok=True)
+    strategy = distrain.DeepSpeedStrategy(
+        stage=3,
+        offload_optimizer=True,
+        offload_parameters=True,
+        offload_optimizer_device="nvme",
+        offload_params_device="nvme",
+        nvme_path=str(tmp / "nvme"),
+    )
+    trainer, _ = make_trainer(tmp, strategy=strategy, devices=2, max_steps=4 if resume else 2, logger=False)
+    distrain.seed_everything(0)
+    module = TinyGPT(schedule=False)
+    if resume:
+        try:
+            trainer.fit(module, loader(4, n=64), ckpt_path="last")
+        except distrain.CheckpointError as e:
+            return str(e)
+        return None
+    trainer.fit(module, loader(4, n=64))
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        return params_of(module)
+
+
+@pytest.mark.slow
+def test_nvme_offload_checkpoint_holds_the_weights_and_an_inexact_resume_is_refused(tmp_path):
+    """DeepSpeed writes the NVMe-swapped master weights and moments into its checkpoint as empty tensors and
+    purges them on load: a resume trained on from other weights and moments, silently (the losses after it
+    differed from the uninterrupted run's from the first resumed step). The checkpoint now holds the weights
+    (read back exactly), and a resume is refused on every rank, in one line that says why and what to do."""
+    from test_matrix import UNAVAILABLE
+
+    from distrain.checkpoint.state import read_model_weights
+
+    if "deepspeed_stage_3_offload_nvme" in UNAVAILABLE:
+        pytest.skip(UNAVAILABLE["deepspeed_stage_3_offload_nvme"])
+    trained = run_ranks(_nvme_run, 2, tmp_path, False)[0]
+    weights = read_model_weights(tmp_path / "checkpoints" / "last")
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, trained[name]), name
+    assert weights.keys() == trained.keys()
+    errors = run_ranks(_nvme_run, 2, tmp_path, True)
+    for error in errors:
+        assert error is not None and "NVMe" in error and "would not be exact" in error and "\n" not in error

@@ -41,6 +41,8 @@ SHARDED = StateDictOptions(full_state_dict=False)
 META_FILE = ckpt_io.META_FILE
 DEEPSPEED_TAG = "deepspeed"  # the engine's shard folder inside a distrain checkpoint directory
 DEEPSPEED_META = "deepspeed"  # meta.pt entry: world size, stage, where the model sits in the engine
+#: DeepSpeed's NVMe-swapped optimizer state (master weights, moments) by parameter name: its own files hold it empty
+SWAPPED_FILE = "swapped_optimizer_state.pt"
 
 
 def _optimizers(value: Any) -> list[torch.optim.Optimizer] | None:
@@ -286,6 +288,9 @@ def _deepspeed_fp32_weights(path: Path) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     prefix = read_checkpoint_meta(path).get(DEEPSPEED_META, {}).get("module_prefix", "")
+    if (path / SWAPPED_FILE).is_file():  # NVMe optimizer offload: the engine's files hold no master weights
+        swapped = safe_load.load_torch_file(path / SWAPPED_FILE)
+        return {k[len(prefix) :]: v["fp32"] for k, v in swapped.items() if k.startswith(prefix)}
     with safe_load.deepspeed_loading(), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
         weights = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG)
     return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}

@@ -393,12 +393,17 @@ class DeepSpeedStrategy(Strategy):
             "world_size": self.world_size,
             "stage": self.stage,
             "module_prefix": _prefix_of(self.unwrap(model) if model is not None else None, self.engine.module),
+            "optimizer_swapped": self._swaps_optimizer(),
         }
 
         def write(tmp: Path) -> list[Path]:
             with _without_torch_deprecations(), _recording_saves(self.engine.checkpoint_engine) as written:
                 self.engine.save_checkpoint(str(tmp), tag=ckpt_state.DEEPSPEED_TAG, client_state={}, save_latest=False)
+            swapped = self._swapped_optimizer_state()  # every rank: DeepSpeed's gathers are collectives
             if self.is_global_zero:
+                if swapped is not None:
+                    torch.save(swapped, tmp / ckpt_state.SWAPPED_FILE)
+                    written.append(tmp / ckpt_state.SWAPPED_FILE)
                 torch.save(rest, tmp / ckpt_state.META_FILE)
                 # and what the engine copies beside its files (zero_to_fp32.py)
                 written += [tmp / ckpt_state.META_FILE, *(tmp / ckpt_state.DEEPSPEED_TAG).glob("*.py")]
@@ -424,6 +429,15 @@ class DeepSpeedStrategy(Strategy):
             if wants_optimizer:
                 raise RuntimeError("resuming a DeepSpeed checkpoint needs the engine: call setup (or fit) first")
             return self._load_foreign(path, state, keys, strict)
+        if wants_optimizer and (self._swaps_optimizer() or saved.get("optimizer_swapped")):
+            import deepspeed
+
+            raise ckpt_io.CheckpointError(
+                f"{path}: a resume with the optimizer offloaded to NVMe would not be exact: DeepSpeed "
+                f"{deepspeed.__version__} keeps the optimizer's fp32 state in swap files its checkpoints do not hold, "
+                "and drops it on load (deepspeed#2082, #4416); start a new run from the checkpoint's weights "
+                "(distrain convert, or Module.load_from_checkpoint) or resume without NVMe optimizer offload"
+            )
         reshard = wants_optimizer and saved.get("world_size") != self.world_size
         with contextlib.ExitStack() as stack:
             stack.enter_context(_without_torch_deprecations())
@@ -442,6 +456,34 @@ class DeepSpeedStrategy(Strategy):
         rest = {k: v for k, v in state.items() if k not in keys}
         out = ckpt_state.load_into(rest, meta, self.unwrap, ckpt_state.FULL, strict)
         state.update(rest)
+        return out
+
+    def _swaps_optimizer(self) -> bool:
+        return bool(getattr(self.engine.optimizer, "swap_optimizer", False))
+
+    def _swapped_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """Under NVMe optimizer offload DeepSpeed (0.19) writes its fp32 master weights and optimizer state
+        into its checkpoint as empty tensors: they live in the swap files under ``nvme_path`` (deepspeed#2082,
+        #4416). Gathered whole here through DeepSpeed's own API (``safe_get_full_*``, which swaps them in), by
+        parameter name; rank 0 keeps them, so the checkpoint's weights are there to read (``distrain convert``,
+        ``verify``). Restoring them into a swapping optimizer needs DeepSpeed's internals (its load purges the
+        swapped state), so such a resume is refused in ``load_checkpoint`` rather than run from other weights."""
+        if not self._swaps_optimizer():
+            return None
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        keys = _optimizer_state_keys(self.engine.optimizer.optimizer)
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        gathered: dict[int, dict[str, torch.Tensor]] = {}  # a tied parameter once, under each of its names
+        for name, param in self.engine.module.named_parameters(remove_duplicate=False):
+            if not param.requires_grad:
+                continue
+            if id(param) not in gathered:
+                entry = {"fp32": safe_get_full_fp32_param(param)}
+                entry.update({key: safe_get_full_optimizer_state(param, key) for key in keys})
+                gathered[id(param)] = {k: v.detach().cpu().clone() for k, v in entry.items()}
+            if self.is_global_zero:
+                out[name] = gathered[id(param)]
         return out
 
     @contextlib.contextmanager
@@ -575,6 +617,11 @@ def _recording_saves(checkpoint_engine):
         yield written
     finally:
         del checkpoint_engine.save  # the class's own method again
+
+
+def _optimizer_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The per-element state an optimizer keeps (Adam: exp_avg, exp_avg_sq), not its step counts."""
+    return sorted({k for state in optimizer.state.values() for k, v in state.items() if torch.is_tensor(v) and v.dim()})
 
 
 def _write_full_weights(checkpoint_dir: Path) -> list[Path]:

@@ -103,7 +103,8 @@ def compare(run: dict, reference: dict, checkpoint_weights: dict | None, label: 
     dp = run["data_parallel_size"]
     header = (
         f"distrain verify: {label} on {run['world_size']} ranks ({dp} with their own data) against one process on the "
-        f"same global batch; {len(run['steps'])} steps, {precision}: tolerance {_tolerances(tol, after)} (relative, per tensor)"
+        f"same global batch; {len(run['steps'])} steps, {precision}: "
+        f"tolerance {_tolerances(tol, after)} (relative, per tensor)"
     )
     report = Report(header, tol, after)
     report.checks.append(_initial(run, reference, tol))
@@ -190,10 +191,8 @@ def _steps(run: dict, reference: dict, first_tol: float, after: float, report: R
     )
     if len(run["steps"]) != len(reference["steps"]):
         first = first or f"the run took {len(run['steps'])} steps, the reference {len(reference['steps'])}"
-    steps = len(run["steps"])
-    return Check(
-        "losses, gradients, weights", first is None, first or f"within {_tolerances(first_tol, after)} at every one of {steps} steps"
-    )
+    within = f"within {_tolerances(first_tol, after)} at every one of {len(run['steps'])} steps"
+    return Check("losses, gradients, weights", first is None, first or within)
 
 
 def _data(run: dict, reference: dict) -> Check:
