@@ -124,10 +124,10 @@ SHORT = 1.5  # the collective timeout of the next test; its slow parts take twic
 
 
 class SlowSave(distrain.DDPStrategy):
-    def save_checkpoint(self, path, state):
+    def save_checkpoint(self, path, state, background=False):
         if self.is_global_zero:
             time.sleep(2 * SHORT)  # a big checkpoint on slow storage; the other ranks wait in a barrier
-        super().save_checkpoint(path, state)
+        return super().save_checkpoint(path, state, background)
 
 
 def _slow_start_and_slow_save(rank, out):
