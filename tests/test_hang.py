@@ -54,6 +54,11 @@ def _train_with_a_stalled_rank(rank, out, how):
         trainer.fit(TinyGPT(), loader(4))
     finally:
         Path(out, f"failed-{rank}").write_text(str(time.time()))
+        # The first rank to raise makes the launcher SIGTERM the others: wait (bounded) until the
+        # other healthy rank has recorded when it failed too, so the test sees both
+        deadline = time.time() + 30
+        while time.time() < deadline and not all(Path(out, f"failed-{r}").exists() for r in (0, 2)):
+            time.sleep(0.05)
 
 
 def _fail_with(tmp_path, how) -> tuple[str, dict[int, float]]:
