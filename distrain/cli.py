@@ -32,6 +32,18 @@ def _devices(value: str):
     return value if value == "auto" else int(value)
 
 
+def _counts(one):
+    """One value, or a comma-separated list of them (``distrain plan``'s what-if shapes)."""
+
+    def parse(value: str):
+        items = [one(v) for v in value.split(",") if v.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a number or a list like 1,2,4: {value!r}")
+        return items[0] if len(items) == 1 else items
+
+    return parse
+
+
 def train_parser(
     prog: str = "distrain train", description: str = "train the built-in GPT job (or your config's)"
 ) -> argparse.ArgumentParser:
@@ -79,6 +91,17 @@ def plan_parser() -> argparse.ArgumentParser:
     )
     plan.set_defaults(strategy="all")
     plan.add_argument("--json", action="store_true", help="the rows as JSON")
+    for action in plan._actions:  # what-if: a list of node counts or of devices per node, one plan per shape
+        if action.dest == "num_nodes":
+            action.type, action.help = _counts(int), "nodes; a list (1,2,4,8) plans each shape (what-if)"
+        elif action.dest == "devices":
+            action.type, action.help = _counts(_devices), "devices per node; a list (2,4,8) plans each (what-if)"
+    plan.add_argument("--tokens", type=float, help="what-if: the token budget to time and price (1e9)")
+    plan.add_argument("--gpu-hour-price", type=float, help="what-if: price of one GPU-hour (cost column)")
+    plan.add_argument("--gpu-type", help="the GPU to time for (H100, A100, ...); default: this machine's, else H100")
+    plan.add_argument("--bandwidth", type=float, metavar="GB/s", help="all-reduce bus bandwidth within a node")
+    plan.add_argument("--inter-node-bandwidth", type=float, metavar="GB/s", help="bus bandwidth between nodes")
+    plan.add_argument("--no-time", action="store_true", help="memory only: no step time (measures nothing)")
     return plan
 
 
@@ -288,6 +311,15 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, RuntimeError) as e:
             print(f"distrain: error: {e}", file=sys.stderr)
             return 2
+    shapes = None
+    if command == "plan":  # a list of node or device counts: one plan per cluster shape (what-if)
+        lists = [flag for flag in ("num_nodes", "devices") if isinstance(getattr(args, flag), list)]
+        if len(lists) > 1:
+            print("distrain: error: give a list to --num-nodes or to --devices, not both", file=sys.stderr)
+            return 2
+        if lists:
+            shapes = [(lists[0], v) for v in getattr(args, lists[0])]
+            setattr(args, lists[0], None)
     try:
         flags = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
         if command == "plan" and args.strategy == "all":  # every option: the plan's own value, not a strategy
@@ -297,10 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distrain: error: {e}", file=sys.stderr)
         return 2
     if command == "plan":
-        from distrain.planner.cli import plan_command
+        from distrain.planner.cli import TimingArgs, plan_command, what_if_command
 
         try:
-            return plan_command(config, args.strategy, args.json)
+            timing = TimingArgs.from_args(args)
+            if shapes:
+                return what_if_command(config, shapes, timing, args.json)
+            return plan_command(config, args.strategy, args.json, timing)
         except (ConfigError, FileNotFoundError, ValueError) as e:
             print(f"distrain: error: {e}", file=sys.stderr)
             return 2

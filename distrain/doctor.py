@@ -199,4 +199,11 @@ def run(devices, num_nodes: int, timeout_s: float) -> int:
             label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
             print(f"{label:>8} | {us:>8.0f}us | {algbw:>10.3f} | {busbw:>10.3f} | {p90:>8.0f}us")
         print("(time/op: the median of single all-reduces; p90: 1 in 10 took longer)")
+        if result["ok"] and result["world"] > 1:  # `distrain plan` times collectives with these links
+            from distrain.planner.timing import save_measured_links
+
+            largest, smallest = result["rows"][-1], result["rows"][0]
+            saved = save_measured_links(runtime.strategy.backend, result["world"], largest[3] * 1e9, smallest[1] / 1e6)
+            if saved:
+                print(f"(kept for `distrain plan`'s step times: {saved})")
     return 0 if result["ok"] else 1

@@ -29,10 +29,10 @@ from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, seed_workers, tokens_in_batch
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 from distrain.module import Module, StepRouter
+from distrain.planner.batch import BatchLayout, keep_global_batch
 from distrain.runtime import Runtime
 from distrain.strategies.base import LoopFacts, Strategy
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
-from distrain.training.elastic import BatchLayout, keep_global_batch
 from distrain.training.evaluation import Evaluator
 from distrain.training.metrics import MetricsLogger, StepResult
 from distrain.training.preemption import StopAgreement
@@ -334,7 +334,7 @@ class Trainer:
 
     def _keep_global_batch(self, checkpoint, loader) -> int | None:
         """A checkpoint trained on another number of data-parallel ranks: the micro-batch and accumulation that keep
-        its global batch here (``training/elastic.py``); the micro-batch to load with, or None to keep the loader's."""
+        its global batch here (``planner/batch.py``); the micro-batch to load with, or None to keep the loader's."""
         micro = getattr(loader, "batch_size", None)
         if checkpoint is None or not micro or not self.loop.use_distributed_sampler:
             return None

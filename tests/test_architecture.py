@@ -130,3 +130,16 @@ def test_the_checker_sees_a_cycle():
     """It must be able to fail: a lazy import inside a function closes a cycle just as a top-level one."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_every_package_is_found_by_the_install():
+    """pyproject's ``packages.find`` takes only folders with an ``__init__.py``: a folder of modules without
+    one imports from a checkout (a namespace package) but is left out of a wheel (``pip install .``)."""
+    from setuptools import find_packages
+
+    with_code = {
+        ".".join(d.relative_to(PACKAGE.parent).parts)
+        for d in [PACKAGE, *PACKAGE.rglob("*")]
+        if d.is_dir() and any(d.glob("*.py"))
+    }
+    assert with_code - set(find_packages(str(PACKAGE.parent), include=["distrain*"])) == set()

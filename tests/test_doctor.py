@@ -1,5 +1,6 @@
 """`distrain doctor`: a passing rank check with bandwidth figures, and an explained failure."""
 
+import json
 import os
 import re
 import socket
@@ -22,14 +23,30 @@ def test_report_without_ranks():
 
 
 @pytest.mark.slow
-def test_doctor_devices_2_all_reduce_and_bandwidth():
+def test_doctor_devices_2_all_reduce_and_bandwidth(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
     proc = doctor("--devices", "2", env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "all-reduce across 2 ranks (gloo): OK" in proc.stdout
-    rows = re.findall(r"(\d+ [KM]iB) \|\s+\d+us \|\s+([\d.]+) \|", proc.stdout)
-    assert [size for size, _ in rows] == ["1 KiB", "64 KiB", "1 MiB", "16 MiB"]
-    assert float(rows[-1][1]) > 0
+    rows = re.findall(r"(\d+ [KM]iB) \|\s+(\d+)us \|\s+[\d.]+ \|\s+([\d.]+) \|", proc.stdout)
+    assert [size for size, _, _ in rows] == ["1 KiB", "64 KiB", "1 MiB", "16 MiB"]
+    assert float(rows[-1][2]) > 0
+    # kept for the planner's step times: the largest message's bus bandwidth, the smallest one's time
+    links = json.loads((tmp_path / "distrain" / "links.json").read_text())
+    assert links["backend"] == "gloo" and links["world"] == 2
+    assert links["bus_bandwidth"] == pytest.approx(float(rows[-1][2]) * 1e9, rel=0.01)
+    assert links["latency"] == pytest.approx(int(rows[0][1]) / 1e6, abs=1e-6)
+    plan = subprocess.run(
+        [sys.executable, "-m", "distrain.cli", "plan", "--devices", "2", "--accelerator", "cpu", "--json"]
+        + ["--model-name", "gpt-tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert "links: distrain doctor" in json.loads(plan.stdout)["rates"]
 
 
 @pytest.mark.slow

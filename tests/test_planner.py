@@ -17,6 +17,7 @@ from plan_measure import ACCURACY_CASES, hf_dirs, measure_cases, predict
 from distrain.config import build_config
 from distrain.planner import Budget, Estimator, Job, ModelSpec, Option, Planner
 from distrain.planner.model_stats import trace_step
+from distrain.planner.timing import Hardware
 from distrain.planner.units import parse_size
 from helpers import run_ranks
 
@@ -78,8 +79,12 @@ def test_deep_models_extrapolated_from_two_shallow_depths_match_the_full_depth(m
     monkeypatch.setattr(estimate, "is_deep", lambda spec: False)
     monkeypatch.setattr(model_stats, "is_deep", lambda spec: False)
     exact = Estimator(job)
+    # the time per step too (given rates: this machine's measurement would differ between the two)
+    hw = Hardware(1e10, 1e10, 1e-6, intra_bandwidth=1e9, inter_bandwidth=1e9, collective_seconds=1e-4)
     for option in options:
         assert extrapolated.estimate(option).peak == pytest.approx(exact.estimate(option).peak, rel=0.03), option
+        predicted, traced = extrapolated.step_time(option, hw), exact.step_time(option, hw)
+        assert predicted.seconds == pytest.approx(traced.seconds, rel=0.03), option
 
 
 def test_zero_model_states_against_deepspeed_and_published_figures():

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from distrain import distributed
-from distrain.planner.cli import PLANNED_ENV
+from distrain.planner.cli import PLANNED_ENV, rates_or_none
 from distrain.strategies.registry import GENERIC_OPTIONS
 
 
@@ -66,7 +66,7 @@ def _choose(runtime, module, loader, accumulate: int, clip: float | None, kwargs
         gpu = runtime.accelerator.name == "cuda"
         job = Job(spec, loader.batch_size, runtime.precision.name, world, runtime.num_nodes, accumulate, clip, gpu)
         budget = Budget.resolve(runtime.nprocs, gpu=gpu)
-        planner = Planner(job, budget)
+        planner = Planner(job, budget, rates_or_none(job))
         row, seen = planner.choose("auto", True if policy else "both")
     except Exception as e:  # the plan is advice: training goes on without it
         say(f"distrain: strategy auto → ddp (the memory planner could not trace {type(module).__name__}: {e})")

@@ -7,14 +7,16 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from distrain.config import RunConfig
+from distrain.planner.batch import BatchLayout, keep_global_batch
 from distrain.planner.estimate import Job, Option, Row
 from distrain.planner.model_stats import ModelSpec
 from distrain.planner.plan import Budget, Planner, option_for_run
-from distrain.planner.units import human
+from distrain.planner.timing import Hardware, resolve_hardware
+from distrain.planner.units import format_rate, format_seconds, human
 
 #: the decision of the process that planned, for the ranks its launcher starts (they re-run the command)
 PLANNED_ENV = "DISTRAIN_PLANNED"
@@ -106,8 +108,40 @@ def budget_from_config(config: RunConfig, gpu: bool, per_node: int) -> Budget:
     return Budget.resolve(per_node, gpu=gpu, gpu_memory=d.gpu_memory, cpu_memory=d.cpu_memory)
 
 
+# ---- the rates a plan is timed with ---------------------------------------------------------------------------
+@dataclass
+class TimingArgs:
+    """``distrain plan``'s timing flags."""
+
+    enabled: bool = True
+    gpu_type: str | None = None
+    bandwidth: float | None = None
+    """GB/s."""
+    inter_node_bandwidth: float | None = None
+    tokens: float | None = None
+    gpu_hour_price: float | None = None
+
+    @classmethod
+    def from_args(cls, args) -> TimingArgs:
+        for flag in ("bandwidth", "inter_node_bandwidth", "tokens", "gpu_hour_price"):
+            value = getattr(args, flag)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be positive, not {value}")
+        return cls(
+            not args.no_time, args.gpu_type, args.bandwidth, args.inter_node_bandwidth, args.tokens, args.gpu_hour_price
+        )
+
+    def hardware(self, job: Job) -> Hardware | None:
+        if not self.enabled:
+            return None
+        gb = lambda v: None if v is None else v * 1e9  # noqa: E731
+        return resolve_hardware(
+            job.gpu, job.precision, job.per_node, self.gpu_type, gb(self.bandwidth), gb(self.inter_node_bandwidth)
+        )
+
+
 # ---- distrain plan -----------------------------------------------------------------------------------------
-def plan_command(config: RunConfig, strategy: str, as_json: bool) -> int:
+def plan_command(config: RunConfig, strategy: str, as_json: bool, timing: TimingArgs | None = None) -> int:
     """``--strategy all`` (the default): every option, the run's own marked when the config names one;
     ``--strategy X``: the option X runs as ``distrain train`` with the same arguments would start it (the
     config's FSDP sharding, the DeepSpeed JSON's stage and offload), with and without activation checkpointing."""
@@ -118,7 +152,8 @@ def plan_command(config: RunConfig, strategy: str, as_json: bool) -> int:
     runs_ac = runs_activation_checkpointing(config)
     checkpoint = True if runs_ac and strategy == "all" else "both"
     named = config.distributed.strategy
-    plan = Planner(job, budget).plan("all" if strategy in ("all", "auto") else named, checkpoint)
+    hardware = (timing or TimingArgs()).hardware(job)
+    plan = Planner(job, budget, hardware).plan("all" if strategy in ("all", "auto") else named, checkpoint)
     if not plan.rows:  # a strategy the planner has no model of (model_parallel, pipeline): say so, not "nothing fits"
         print(
             f"distrain plan: strategy {strategy} is not planned (the planner models DDP, FSDP and DeepSpeed ZeRO; "
@@ -134,6 +169,89 @@ def plan_command(config: RunConfig, strategy: str, as_json: bool) -> int:
     else:
         print(plan.table())
     return 0
+
+
+def what_if_command(config: RunConfig, shapes: list[tuple[str, int]], timing: TimingArgs, as_json: bool) -> int:
+    """``distrain plan --num-nodes 1,2,4,8`` (or ``--devices 2,4,8``): per cluster shape, the fastest option that
+    fits, its tokens/s, the time and cost of ``--tokens``, and the micro-batch × accumulation that keeps the
+    configured global batch on that many ranks (what an elastic resume takes)."""
+    from copy import deepcopy
+
+    if not timing.enabled:
+        raise ValueError("a what-if plan compares step times: drop --no-time")
+    gpu = plans_for_gpu(config)
+    base = job_from_config(config, gpu)
+    saved = BatchLayout(base.micro_batch, base.accumulate, base.world_size)
+    rows = []
+    for flag, value in shapes:
+        shaped = deepcopy(config)
+        setattr(shaped.distributed, flag, value)
+        job = job_from_config(shaped, gpu)
+        layout, _ = keep_global_batch(saved, base.micro_batch, job.world_size)
+        job = replace(job, micro_batch=layout.micro_batch, accumulate=layout.accumulate)
+        budget = budget_from_config(shaped, gpu, job.per_node)
+        planner = Planner(job, budget, timing.hardware(job))
+        row, _ = planner.choose("all", "auto")
+        rows.append(_shape_row(job, layout, row, timing))
+    if as_json:
+        print(json.dumps({"model": base.spec.name, "global_batch": saved.global_batch, "shapes": rows}, indent=2))
+        return 0
+    hw = timing.hardware(base)
+    print(
+        f"{base.spec.name}: global batch {saved.global_batch} × {base.spec.seq_len} tokens, {base.precision}; "
+        f"rates: {hw.source}"
+    )
+    cols = ["nodes", "devices", "option", "micro×accum", "step", "tokens/s"]
+    if timing.tokens:
+        cols.append(f"time for {timing.tokens:.3g} tokens")
+    if timing.tokens and timing.gpu_hour_price:
+        cols.append("cost")
+    table = [cols]
+    for r in rows:
+        if r["option"] is None:
+            table.append([str(r["num_nodes"]), str(r["world_size"]), "nothing fits"] + [""] * (len(cols) - 3))
+            continue
+        cells = [str(r["num_nodes"]), str(r["world_size"]), r["option"], f"{r['micro_batch']}×{r['accumulate']}"]
+        cells += [format_seconds(r["step_seconds"]), format_rate(r["tokens_per_second"])]
+        if timing.tokens:
+            cells.append(_duration(r["seconds_for_tokens"]))
+        if timing.tokens and timing.gpu_hour_price:
+            cells.append(f"{r['cost']:,.0f}")
+        table.append(cells)
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    for row in table:
+        print("  ".join(c.ljust(w) if i == 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    print("micro×accum: keeps the global batch on that many ranks (as an elastic resume would)")
+    return 0
+
+
+def _shape_row(job: Job, layout, row: Row | None, timing: TimingArgs) -> dict:
+    out = {
+        "num_nodes": job.num_nodes,
+        "world_size": job.world_size,
+        "micro_batch": layout.micro_batch,
+        "accumulate": layout.accumulate,
+        "global_batch": layout.global_batch,
+        "option": None,
+    }
+    if row is None or row.step is None:
+        return out
+    tokens_per_second = job.tokens_per_step / row.step.seconds
+    out.update(option=row.option.label, strategy=row.option.strategy, step_seconds=row.step.seconds)
+    out["tokens_per_second"] = tokens_per_second
+    if timing.tokens:
+        out["seconds_for_tokens"] = timing.tokens / tokens_per_second
+        if timing.gpu_hour_price:
+            out["cost"] = out["seconds_for_tokens"] / 3600 * job.world_size * timing.gpu_hour_price
+    return out
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
 
 
 # ---- distrain train ------------------------------------------------------------------------------------------
@@ -225,6 +343,14 @@ def _planned(config: RunConfig, job) -> Decision:
     return decision
 
 
+def rates_or_none(job: Job) -> Hardware | None:
+    """The rates to time options with, or None (then the ranking order decides) when they cannot be had."""
+    try:
+        return resolve_hardware(job.gpu, job.precision, job.per_node)
+    except Exception:  # noqa: BLE001 — timing refines the choice; a plan without it is still a plan
+        return None
+
+
 def _without_plan(config: RunConfig) -> str:
     """``auto`` as it was before the planner: one process → single, several → ddp."""
     d = config.distributed
@@ -241,8 +367,9 @@ def _decide(config: RunConfig, job) -> Decision:
     gpu = plans_for_gpu(config)
     job = job_from_config(config, gpu, job)
     budget = budget_from_config(config, gpu, job.per_node)
-    planner = Planner(job, budget)
     ac = t.activation_checkpointing
+    # auto takes the fastest predicted option that fits: this machine's rates (a second to measure on a CPU)
+    planner = Planner(job, budget, rates_or_none(job) if d.strategy == "auto" else None)
     if d.strategy == "auto":
         checkpoint = "auto" if ac == "auto" else (True if ac else "both")
         row, seen = planner.choose("auto", checkpoint)

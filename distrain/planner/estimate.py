@@ -31,6 +31,7 @@ from distrain.planner.model_stats import (
     trace_step,
 )
 from distrain.planner.options import _BYTE_FIELDS, Option, Row
+from distrain.planner.timing import Hardware, StepTime, step_time
 
 
 @dataclass
@@ -58,6 +59,11 @@ class Job:
     @property
     def per_node(self) -> int:
         return self.world_size // self.num_nodes
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens (samples × sequence length) one optimizer step of the whole job consumes."""
+        return self.micro_batch * self.accumulate * self.world_size * self.spec.seq_len
 
 
 class Estimator:
@@ -177,6 +183,22 @@ class Estimator:
         single = self.trace(family, option.checkpoint).activations
         double = self.trace(family, option.checkpoint, 2 * b).activations
         return max(0.0, (double - single) / b)
+
+    def step_time(self, option: Option, hw: Hardware) -> StepTime:
+        """Predicted seconds per optimizer step (``timing.py``). Like the bytes, the time is affine in
+        the number of checkpointed blocks and in depth: deep models are timed at two shallow depths."""
+        blocks = self.num_blocks
+        if option.checkpoint not in (0, 1, None) and blocks > 1:
+            none = self.step_time(_replace(option, checkpoint=0), hw)
+            every = self.step_time(_replace(option, checkpoint=None), hw)
+            share = min(option.checkpoint, blocks) / blocks
+            return none.scaled(1 - share) + every.scaled(share)
+        if self._shallow is not None:
+            times = {d: est.step_time(option, hw).astuple() for d, est in self._shallow.items()}
+            (d1, t1), (d2, t2) = sorted(times.items())
+            return StepTime(*(a + (b - a) * (blocks - d1) / (d2 - d1) for a, b in zip(t1, t2)))
+        family = "ddp" if option.family in ("single", "ddp") else option.family
+        return step_time(option, self.job, self.trace(family, option.checkpoint), blocks + 1, hw)
 
     def _replicated(self, option: Option) -> Row:
         """One process, or DDP: every rank holds everything."""

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from distrain import compat
 from distrain.module import Module
+from distrain.planner.work import StepWork, WorkCounter
 from distrain.strategies import layers
 from distrain.strategies.layers import apply_activation_checkpointing
 
@@ -266,6 +267,8 @@ class StepTrace:
     """(timeline index, optimizer group, position in the group) as each parameter's gradient is stored."""
     groups: list[list[int]] = field(default_factory=list, repr=False)
     """The optimizer's parameter groups: each trainable parameter's element count, in order."""
+    work: StepWork = field(default_factory=StepWork, repr=False)
+    """FLOPs, bytes moved and operations of forward, backward and the optimizer step (for time)."""
 
     def activations_from(self, index: int) -> int:
         """The most activation memory alive at or after timeline ``index`` (0 past the end): what
@@ -379,13 +382,14 @@ def trace_step(
                 )
         tracker = compat.timeline_memory_tracker(phases.sample)
         tracker.track_external(module, optimizer, *inputs)
-        with tracker:
+        counter = WorkCounter()
+        with tracker, counter:
             with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
                 loss = loss_of(module.training_step(batch, 0))
-            phases.phase = "backward"
+            phases.phase = counter.phase = "backward"
             loss.backward()
             del loss
-            phases.phase = "step"
+            phases.phase = counter.phase = "step"
             params = [p for p in module.parameters() if p.grad is not None]
             grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params)
             if clip:
@@ -414,6 +418,7 @@ def trace_step(
         timeline=phases.timeline,
         grad_events=grad_events,
         groups=groups,
+        work=counter.work,
     )
 
 

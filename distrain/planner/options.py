@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distrain.planner.timing import StepTime
+
 #: Row fields that are bytes (extrapolated and interpolated)
 _BYTE_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "peak", "host", "sharded")
 
@@ -94,6 +96,8 @@ class Row:
     fits: bool | None = None
     max_micro_batch: int | None = None
     note: str = ""
+    step: StepTime | None = None
+    """Predicted seconds per optimizer step, by part (a plan made with the device's rates)."""
 
     def to_json(self) -> dict:
         o = self.option
@@ -113,4 +117,14 @@ class Row:
             "fits": self.fits,
             "max_micro_batch": self.max_micro_batch,
             "note": self.note,
+            "step_seconds": self.step.seconds if self.step else None,
+            "step_parts_seconds": (
+                {
+                    "compute": self.step.compute,
+                    "optimizer": self.step.optimizer,
+                    "communication": self.step.communication,
+                }
+                if self.step
+                else None
+            ),
         }

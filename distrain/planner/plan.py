@@ -15,11 +15,14 @@ import os
 from dataclasses import dataclass, field, replace
 
 from distrain.planner.estimate import Estimator, Job, Option, Row
-from distrain.planner.units import cell, format_size, human, parse_size
+from distrain.planner.timing import Hardware, StepTime
+from distrain.planner.units import cell, format_rate, format_seconds, format_size, human, parse_size
 
 #: share of each budget kept free: the CUDA caching allocator's fragmentation, the CUDA context,
 #: NCCL and cuBLAS workspaces are memory that tensors cannot use
 HEADROOM = 0.10
+#: predicted step times within this share of each other count as a tie (the ranking order decides)
+TIE = 0.03
 
 
 def host_memory() -> int:
@@ -169,6 +172,7 @@ class Plan:
     suggestions: list[str] = field(default_factory=list)
     run: Option | None = None
     """The option ``distrain train`` with the same arguments runs (marked in the table and the JSON)."""
+    hardware_source: str = ""
 
     def mark_run(self, option: Option) -> None:
         self.run = option if any(r.option == option for r in self.rows) else None
@@ -185,7 +189,10 @@ class Plan:
         )
 
     def table(self) -> str:
+        timed = any(r.step for r in self.rows)
         cols = ("params", "grads", "optim", "activ.", "buffers", "peak", "host", "fits", "max batch")
+        if timed:
+            cols += ("step", "tokens/s")
         width = max([len(r.option.label) for r in self.rows] + [24])
         lines = [self.header(), ""]
         lines.append(f"{'per rank (M: MiB, G: GiB)':<{width}} " + " ".join(f"{c:>8}" for c in cols))
@@ -193,6 +200,8 @@ class Plan:
             host = cell(r.host) if r.host else "-"
             cells = [cell(v) for v in (r.params, r.grads, r.optimizer, r.activations, r.buffers, r.peak)]
             cells += [host, "yes" if r.fits else "no", "-" if r.max_micro_batch is None else str(r.max_micro_batch)]
+            if timed:
+                cells += [format_seconds(r.step.seconds), format_rate(self.job.tokens_per_step / r.step.seconds)]
             mark = "  ← this run" if r.option == self.run else ""
             lines.append(f"{r.option.label:<{width}} " + " ".join(f"{c:>8}" for c in cells) + mark)
         lines.append("")
@@ -201,6 +210,11 @@ class Plan:
             "buffers: all-gather/reduce-scatter and DeepSpeed buckets; peak: the larger of forward/backward "
             "and the optimizer step; max batch: the largest micro-batch that fits"
         )
+        if timed:
+            lines.append(
+                f"step: predicted time per optimizer step; tokens/s: the whole job's ({self.job.world_size} ranks); "
+                f"rates: {self.hardware_source}"
+            )
         lines.append(f"recommendation: {self.reason}")
         lines += [f"  {s}" for s in self.suggestions]
         return "\n".join(lines)
@@ -217,7 +231,15 @@ class Plan:
             "device_budget_bytes": self.budget.device,
             "usable_bytes": self.budget.usable,
             "host_budget_bytes": self.budget.host,
-            "rows": [{**r.to_json(), "this_run": r.option == self.run} for r in self.rows],
+            "rows": [
+                {
+                    **r.to_json(),
+                    "tokens_per_second": job.tokens_per_step / r.step.seconds if r.step else None,
+                    "this_run": r.option == self.run,
+                }
+                for r in self.rows
+            ],
+            "rates": self.hardware_source or None,
             "recommendation": self.recommendation.option.strategy if self.recommendation else None,
             "reason": self.reason,
             "suggestions": self.suggestions,
@@ -227,9 +249,12 @@ class Plan:
 class Planner:
     """Plans one job against one budget; estimates are made only when needed, and cached."""
 
-    def __init__(self, job: Job, budget: Budget):
+    def __init__(self, job: Job, budget: Budget, hardware: Hardware | None = None):
         self.job = job
         self.budget = budget
+        self.hardware = hardware
+        """The device's and links' rates: with them every row has a predicted step time, and the
+        choice is the fastest option that fits; without, the first that fits in ranking order."""
         self.estimator = Estimator(job)
 
     def row(self, option: Option, max_batch: bool = True) -> Row:
@@ -241,7 +266,17 @@ class Planner:
             if slope > 0:
                 room = self.budget.usable - row.peak
                 max_b = max(0, int(self.job.micro_batch + math.floor(room / slope)))
-        return replace(row, fits=fits, max_micro_batch=max_b)
+        return replace(row, fits=fits, max_micro_batch=max_b, step=self.step_time(option))
+
+    def step_time(self, option: Option) -> StepTime | None:
+        return self.estimator.step_time(option, self.hardware) if self.hardware else None
+
+    def speed_key(self, option: Option) -> tuple:
+        """Fastest predicted first; options within 3% of each other count as equally fast and keep the
+        ranking order (less sharding, recomputation and offload first)."""
+        step = self.step_time(option)
+        bucket = round(math.log(step.seconds) / math.log(1 + TIE)) if step and step.seconds > 0 else 0
+        return (bucket, rank_key(option))
 
     def fitting_checkpoint(self, option: Option) -> Row | None:
         """``activation_checkpointing: auto``: the option with the fewest checkpointed blocks that
@@ -260,18 +295,31 @@ class Planner:
         return every
 
     def choose(self, strategy: str = "auto", checkpoint: bool | str = "both") -> tuple[Row | None, list[Row]]:
-        """The first option that fits, in ranking order, and the rows looked at to find it.
-        ``checkpoint="auto"``: each option with just enough checkpointed blocks."""
+        """The option to run and the rows looked at to find it: with the hardware's rates, the fastest
+        predicted that fits (options tried fastest first); without, the first that fits in ranking
+        order. ``checkpoint="auto"``: each option with just enough checkpointed blocks, which decides
+        its time, so every such option is looked at."""
         seen: list[Row] = []
         options = candidate_options(self.job, strategy, False if checkpoint == "auto" else checkpoint)
-        for option in options:
-            if checkpoint == "auto":
+        if checkpoint == "auto":
+            fitting = []
+            for option in options:
                 row = self.fitting_checkpoint(option)
                 seen.append(row or self.row(replace(option, checkpoint=None), max_batch=False))
-            else:
-                row = self.row(option, max_batch=False)
-                seen.append(row)
-            if row is not None and row.fits:
+                if row is not None:
+                    fitting.append(row)
+                    if self.hardware is None:
+                        return row, seen
+            if not fitting:
+                return None, seen
+            best = min(fitting, key=lambda r: self.speed_key(r.option))
+            return best, [r for r in seen if r is best or self.speed_key(r.option) < self.speed_key(best.option)]
+        if self.hardware is not None:
+            options = sorted(options, key=self.speed_key)
+        for option in options:
+            row = self.row(option, max_batch=False)
+            seen.append(row)
+            if row.fits:
                 return row, seen
         return None, seen
 
@@ -290,19 +338,27 @@ class Planner:
         if chosen is None:
             return "nothing fits: " + ", ".join(parts) + budget
         why = ", ".join(parts) + budget
-        if len(seen) == 1:
+        if len(seen) == 1 and chosen.option.level == 0 and chosen.option.checkpoint == 0:
             why += " (fits with nothing sharded, recomputed or offloaded)"
+        if chosen.step is not None:
+            tokens = self.job.tokens_per_step / chosen.step.seconds
+            why += (
+                f"; predicted {format_seconds(chosen.step.seconds)}/step, {tokens:,.0f} tokens/s: the fastest that fits"
+            )
         return f"{chosen.option.label}: {why}"
 
     def plan(self, strategy: str = "all", checkpoint: bool | str = "both") -> Plan:
         rows = [self.row(o) for o in candidate_options(self.job, strategy, checkpoint)]
         eligible = [r for r in rows if r.option.family in AUTO_FAMILIES] if strategy == "all" else rows
+        if self.hardware is not None:
+            eligible = sorted(eligible, key=lambda r: self.speed_key(r.option))
         chosen = next((r for r in eligible if r.fits), None)
         seen = eligible[: eligible.index(chosen) + 1] if chosen else eligible
         seen = _distinct(seen)
         reason = self.reason(chosen, seen)
         suggestions = [] if chosen else self.smallest_changes(rows)
-        return Plan(self.job, self.budget, rows, chosen, reason, suggestions)
+        source = self.hardware.source if self.hardware else ""
+        return Plan(self.job, self.budget, rows, chosen, reason, suggestions, hardware_source=source)
 
     def smallest_changes(self, rows: list[Row]) -> list[str]:
         """What would make it fit: a smaller micro-batch, more devices, offload."""

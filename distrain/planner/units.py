@@ -1,4 +1,4 @@
-"""Memory sizes: parsing ``80GB`` and printing bytes."""
+"""Units: parsing ``80GB``; printing bytes, seconds and rates."""
 
 from __future__ import annotations
 
@@ -35,3 +35,17 @@ def cell(n: float) -> str:
         return "0"
     unit = "GiB" if n >= 2**30 else "MiB"
     return format_size(n, unit) + unit[0]
+
+
+def format_seconds(s: float) -> str:
+    """``850 ms``, ``2.6 s``, ``41 s``."""
+    if s < 1:
+        return f"{s * 1000:.0f} ms" if s >= 0.01 else f"{s * 1000:.1f} ms"
+    return f"{s:.1f} s" if s < 100 else f"{s:.0f} s"
+
+
+def format_rate(n: float) -> str:
+    """``850``, ``12.3k``, ``4.5M``."""
+    if n >= 1e6:
+        return f"{n / 1e6:.1f}M"
+    return f"{n / 1e3:.1f}k" if n >= 1e4 else f"{n:.0f}"

@@ -1,0 +1,78 @@
+"""The planner's predicted step time against the measured one, per strategy, on this machine.
+
+Each measured row is a ``distrain bench`` row (a fresh process group through the real Trainer, the
+median optimizer step after a warm-up); the prediction is ``distrain plan``'s for the same job, with
+this machine's rates measured just before (``timing.cpu_hardware``). Ratios are taken in one run.
+
+    python benchmarks/plan_time.py [--sizes gpt-mini gpt-small] [--devices 2] [--batch-size 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from distrain.bench import _run_row, bench_parser
+from distrain.planner.estimate import Estimator, Job
+from distrain.planner.model_stats import ModelSpec
+from distrain.planner.plan import option_for_run
+from distrain.planner.timing import cpu_hardware, gpu_hardware
+
+STRATEGIES = ("single", "ddp", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", nargs="+", default=["gpt-mini", "gpt-small"])
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    a = p.parse_args()
+    gpu = torch.cuda.is_available()
+    precision = "bf16-mixed" if gpu else "32-true"
+    bench_args = bench_parser().parse_args(
+        ["--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--steps", str(a.steps)]
+        + ["--warmup", str(a.warmup)]
+    )
+    rates = {}
+    for ranks in sorted({1 if s == "single" else a.devices for s in a.strategies}):  # threads per rank differ
+        hw = gpu_hardware(torch.cuda.get_device_name(), precision) if gpu else cpu_hardware(ranks)
+        rates[ranks] = hw
+        print(f"rates with {ranks} rank(s): {hw.source}: matmul {hw.matmul_flops / 1e9:.1f} GFLOP/s, "
+              f"memory {hw.memory_bandwidth / 1e9:.1f} GB/s, {hw.op_seconds * 1e6:.1f} us/op, "
+              f"link {hw.intra_bandwidth / 1e9:.2f} GB/s + {hw.collective_seconds * 1e6:.0f} us/call")  # fmt: skip
+    header = (
+        f"{'model':<10} {'strategy':<18} {'ranks':>5} {'predicted ms':>12} {'(compute+opt+comm)':>22}"
+        f" {'measured ms':>11} {'pred/meas':>9}"
+    )
+    print(header + "\n" + "-" * len(header), flush=True)
+    worst = 0.0
+    for size in a.sizes:
+        for strategy in a.strategies:
+            ranks = 1 if strategy == "single" else a.devices
+            job = Job(ModelSpec.builtin_gpt(size, a.seq_len), a.batch_size, precision, ranks, gpu=gpu)
+            option = option_for_run(strategy, job)
+            predicted = Estimator(job).step_time(option, rates[ranks])
+            row = _run_row(bench_args, size, strategy, precision, ranks)
+            parts = f"{predicted.compute * 1e3:.0f}+{predicted.optimizer * 1e3:.0f}+{predicted.communication * 1e3:.0f}"
+            if "error" in row:
+                first = f"{size:<10} {strategy:<18} {ranks:>5} {predicted.seconds * 1e3:>12.0f} {parts:>22}"
+                print(f"{first}  failed: {row['error']}")
+                continue
+            ratio = predicted.seconds / row["step_time"]
+            worst = max(worst, abs(ratio - 1))
+            print(f"{size:<10} {strategy:<18} {ranks:>5} {predicted.seconds * 1e3:>12.0f} {parts:>22} "
+                  f"{row['step_time'] * 1e3:>11.0f} {ratio:>9.2f}", flush=True)  # fmt: skip
+    print(f"largest error: {100 * worst:.0f}% (goal: within 25%)")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""Time per optimizer step of each option: the traced work on the device's rates, plus the bytes the
+option communicates over the links between ranks.
+
+- Compute: each traced operation of forward, backward (activation checkpointing's recomputation
+  included) and the optimizer step costs its FLOPs at the matmul rate, or its bytes at the memory
+  bandwidth, plus a fixed cost per operation (``work.py``). Sharded optimizer state steps 1/N of
+  the bytes.
+- Communication (ring algorithms, per rank, as nccl-tests reports bus bandwidth): an all-reduce of S
+  bytes moves 2(N-1)/N·S, an all-gather or reduce-scatter (N-1)/N·S. What each option sends per
+  step is in ``collectives``; each collective also pays a fixed latency.
+- On a GPU, NCCL runs beside compute: the step takes the longer of the two, plus the collectives
+  that cannot overlap (the first all-gather, the last reduction). On a CPU, gloo's copies take the
+  same cores as compute: the two add up.
+
+The rates come from this machine (measured here in about a second: one large matmul, one large add,
+a tiny op, and gloo all-reduces between threads), from ``distrain doctor``'s measurement, or, for a
+GPU plan, from the table below (listed peaks × the efficiencies stated in the README).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+#: what a GPU achieves of its listed rates in a training step (stated in the README; to be checked
+#: against benchmarks/gpu_bench.py whenever a GPU is lent)
+MATMUL_EFFICIENCY = 0.55
+MEMORY_EFFICIENCY = 0.7
+#: a GPU's dense bf16 tensor-core peak (FLOP/s), memory bandwidth (B/s), and the NCCL all-reduce bus
+#: bandwidth between the GPUs of one node (B/s, measured by nccl-tests on NVLink/PCIe systems)
+GPU_TABLE = {
+    "H200": (989e12, 4.8e12, 360e9),
+    "H100": (989e12, 3.35e12, 360e9),
+    "A100": (312e12, 2.0e12, 230e9),
+    "L40S": (362e12, 0.86e12, 20e9),
+    "A10G": (125e12, 0.6e12, 20e9),
+    "L4": (121e12, 0.3e12, 20e9),
+    "V100": (125e12, 0.9e12, 130e9),
+    "T4": (65e12, 0.32e12, 10e9),
+}
+DEFAULT_GPU = "H100"
+#: between nodes (B/s per GPU): 400 Gb/s InfiniBand or RoCE per GPU, at 80%
+DEFAULT_INTER_NODE = 40e9
+#: device ↔ host (offload): PCIe gen4/5 x16 as achieved
+HOST_LINK = 20e9
+#: bytes/s a rank's optimizer step moves in host memory when its state is offloaded (DeepSpeed's CPU Adam)
+HOST_OPTIMIZER_BANDWIDTH = 10e9
+GPU_COLLECTIVE_LATENCY = 20e-6
+GPU_OP_SECONDS = 4e-6  # a kernel launch: what a step of many tiny kernels is bound by
+#: where ``distrain doctor`` keeps its measurement of this machine's links
+MEASURED_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "distrain" / "links.json"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Rates of one rank and of the links between ranks."""
+
+    matmul_flops: float
+    memory_bandwidth: float
+    op_seconds: float
+    intra_bandwidth: float
+    """All-reduce bus bandwidth between the ranks of one node (B/s)."""
+    inter_bandwidth: float
+    """Between nodes."""
+    collective_seconds: float
+    host_bandwidth: float = HOST_LINK
+    overlap: bool = False
+    """Communication runs beside compute (GPU) instead of taking its cores (CPU)."""
+    source: str = ""
+
+
+# ---- the rates ----------------------------------------------------------------------------------------
+def gpu_hardware(name: str | None, precision: str) -> Hardware:
+    """A GPU's listed rates × the stated efficiencies. fp32 matmuls run as TF32 at half the bf16 rate."""
+    key = next((k for k in GPU_TABLE if name and k.lower() in name.lower()), None)
+    if name and key is None:
+        raise ValueError(f"--gpu-type {name!r} is not in the planner's table; choose from {', '.join(GPU_TABLE)}")
+    flops, memory, nvlink = GPU_TABLE[key or DEFAULT_GPU]
+    if precision in ("32-true", "32", "64-true"):
+        flops /= 2
+    return Hardware(
+        matmul_flops=flops * MATMUL_EFFICIENCY,
+        memory_bandwidth=memory * MEMORY_EFFICIENCY,
+        op_seconds=GPU_OP_SECONDS,
+        intra_bandwidth=nvlink,
+        inter_bandwidth=DEFAULT_INTER_NODE,
+        collective_seconds=GPU_COLLECTIVE_LATENCY,
+        overlap=True,
+        source=f"{key or DEFAULT_GPU} (listed peaks × {MATMUL_EFFICIENCY} matmul, {MEMORY_EFFICIENCY} memory)",
+    )
+
+
+def cpu_hardware(ranks_per_node: int) -> Hardware:
+    """This CPU's rates with the threads each rank gets, all ranks busy at once (as in training);
+    the link: gloo all-reduces between ``ranks_per_node`` threads of this process."""
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // max(1, ranks_per_node))
+    # the ranks of a node run at once and share the cores' caches and memory bandwidth: each measurement
+    # runs as that many copies side by side (threads of this process: torch releases the GIL in its
+    # kernels), and ranks beyond the cores share them in time
+    copies, share = min(ranks_per_node, cores), min(1.0, cores / max(1, ranks_per_node))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        flops = 2 * 1024**3 / _side_by_side(lambda _: a @ b, copies) * share
+        n = 1 << 23
+        x, y, outs = torch.randn(n), torch.randn(n), [torch.empty(n) for _ in range(copies)]
+        memory = 3 * 4 * n / _side_by_side(lambda out: torch.add(x, y, out=out), copies, outs) * share
+        # a tiny op's cost is the interpreter's and the dispatcher's: alone (side by side, threads would wait
+        # for each other's GIL, which separate rank processes do not)
+        tiny = torch.ones(4)
+        op = _best(lambda: [tiny.add(1) for _ in range(200)]) / 200 / share
+    finally:
+        torch.set_num_threads(previous)
+    bandwidth, latency = gloo_allreduce(min(max(2, ranks_per_node), 4))
+    return Hardware(
+        matmul_flops=flops,
+        memory_bandwidth=memory,
+        op_seconds=op,
+        intra_bandwidth=bandwidth,
+        inter_bandwidth=bandwidth,
+        collective_seconds=latency,
+        source=f"this CPU, measured ({threads} thread{'s' if threads > 1 else ''} per rank; gloo all-reduce)",
+    )
+
+
+def _best(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _side_by_side(fn, copies: int, args: list | None = None) -> float:
+    """Seconds of one ``fn(args[i])`` while ``copies`` threads run it at once (the slowest thread's best)."""
+    args = args or [None] * copies
+    if copies <= 1:
+        return _best(lambda: fn(args[0]))
+    results: list[float] = []
+    threads = [threading.Thread(target=lambda a=a: results.append(_best(lambda: fn(a)))) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return max(results)
+
+
+def gloo_allreduce(ranks: int, size: int = 16 << 20) -> tuple[float, float]:
+    """(bus bandwidth B/s, latency s) of gloo all-reduces among ``ranks`` threads of this process:
+    the real gloo transport over loopback, without starting processes."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    groups: dict[int, object] = {}
+    results: dict[int, tuple[float, float]] = {}
+
+    def rank(r: int) -> None:
+        pg = dist.ProcessGroupGloo(store, r, ranks, timedelta(seconds=60))
+        big, small = torch.ones(size // 4), torch.ones(1)
+        for t in (big, small, big):  # connections and first-use costs
+            pg.allreduce([t]).wait()
+        results[r] = (_best(lambda: pg.allreduce([big]).wait(), 3), _best(lambda: pg.allreduce([small]).wait(), 10))
+        groups[r] = pg
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    big = max(v[0] for v in results.values())
+    small = max(v[1] for v in results.values())
+    return size / big * 2 * (ranks - 1) / ranks, small
+
+
+def measured_links() -> dict | None:
+    """``distrain doctor``'s last measurement on this machine, or None."""
+    try:
+        return json.loads(MEASURED_FILE.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save_measured_links(backend: str, world: int, bus_bandwidth: float, latency: float) -> Path | None:
+    try:
+        MEASURED_FILE.parent.mkdir(parents=True, exist_ok=True)
+        data = {"backend": backend, "world": world, "bus_bandwidth": bus_bandwidth, "latency": latency}
+        MEASURED_FILE.write_text(json.dumps(data))
+        return MEASURED_FILE
+    except OSError:  # a read-only home: the plan measures or assumes instead
+        return None
+
+
+def resolve_hardware(
+    gpu: bool,
+    precision: str,
+    ranks_per_node: int,
+    gpu_type: str | None = None,
+    bandwidth: float | None = None,
+    inter_node_bandwidth: float | None = None,
+) -> Hardware:
+    """The rates a plan uses: a GPU's from the table (``gpu_type``, else this machine's GPU, else the
+    H100), a CPU's measured here; links as given, else as ``distrain doctor`` measured them."""
+    if gpu:
+        if gpu_type is None and torch.cuda.is_available():
+            gpu_type = next((k for k in GPU_TABLE if k.lower() in torch.cuda.get_device_name().lower()), None)
+        hw = gpu_hardware(gpu_type, precision)
+        backend = "nccl"
+    else:
+        hw = cpu_hardware(ranks_per_node)
+        backend = "gloo"
+    measured = measured_links()
+    if bandwidth is None and measured and measured.get("backend") == backend:
+        hw = replace(
+            hw,
+            intra_bandwidth=measured["bus_bandwidth"],
+            collective_seconds=measured["latency"],
+            source=hw.source + "; links: distrain doctor",
+        )
+    if bandwidth is not None:
+        hw = replace(hw, intra_bandwidth=bandwidth, source=hw.source + "; links: --bandwidth")
+    if inter_node_bandwidth is not None:
+        hw = replace(hw, inter_bandwidth=inter_node_bandwidth)
+    return hw
+
+
+def hardware_json(hw: Hardware) -> dict:
+    return asdict(hw)
+
+
+# ---- the step -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    """``all_reduce``, ``all_gather`` or ``reduce_scatter``."""
+    size: float
+    """Bytes of the whole (unsharded) tensor set."""
+    ranks: int
+    calls: int
+    inter_node: bool = False
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step on every rank, by part."""
+
+    compute: float
+    optimizer: float
+    communication: float
+    seconds: float
+
+    def __add__(self, other: StepTime) -> StepTime:
+        return StepTime(*(a + b for a, b in zip(self.astuple(), other.astuple())))
+
+    def scaled(self, factor: float) -> StepTime:
+        return StepTime(*(max(0.0, a * factor) for a in self.astuple()))
+
+    def astuple(self) -> tuple[float, float, float, float]:
+        return (self.compute, self.optimizer, self.communication, self.seconds)
+
+
+def collectives(option, job, trace, units: int) -> list[Collective]:
+    """What ``option`` communicates in one optimizer step of ``job`` (``accumulate`` micro-batches):
+    ``trace`` is the bare step in the option's dtypes, ``units`` the FSDP/ZeRO-3 gather units."""
+    n, a = job.world_size, job.accumulate
+    if n == 1 or option.family == "single":
+        return []
+    elements = sum(sum(group) for group in trace.groups)
+    params = trace.param_bytes  # gathered in the compute dtype
+    grads = trace.grad_bytes
+    if option.family == "ddp":  # one all-reduce per step (no_sync while accumulating), 25 MiB buckets
+        return [Collective("all_reduce", grads, n, _buckets(grads, 25 << 20), job.num_nodes > 1)]
+    if option.family == "fsdp":
+        reduce = elements * 4  # reduce_dtype fp32 (FSDPStrategy's policy)
+        gathers = 1 if option.sharding == "SHARD_GRAD_OP" else 2  # forward, and again in backward when resharded
+        if option.sharding == "HYBRID_SHARD" and job.num_nodes > 1:
+            per_node = job.per_node
+            return [
+                Collective("all_gather", params, per_node, gathers * a * units),
+                Collective("reduce_scatter", reduce, per_node, units),
+                Collective("all_reduce", reduce / per_node, job.num_nodes, units, True),
+            ]
+        inter = job.num_nodes > 1
+        return [
+            Collective("all_gather", params, n, gathers * a * units, inter),
+            Collective("reduce_scatter", reduce, n, units, inter),
+        ]
+    # DeepSpeed ZeRO: gradients in the model's dtype, in reduce buckets; updated parameters all-gathered
+    bucket = _zero_bucket_bytes(job, trace)
+    inter = job.num_nodes > 1
+    if option.stage == 3:
+        return [
+            Collective("all_gather", params, n, 2 * a * units, inter),
+            Collective("reduce_scatter", grads, n, a * _buckets(grads, bucket), inter),
+        ]
+    reductions = a if option.stage == 2 else 1  # stage 2 reduces in every micro-batch's backward
+    return [
+        Collective("reduce_scatter", grads, n, reductions * _buckets(grads, bucket), inter),
+        Collective("all_gather", params, n, _buckets(params, bucket), inter),
+    ]
+
+
+def _buckets(size: float, bucket: float) -> int:
+    return max(1, -(-int(size) // max(1, int(bucket))))
+
+
+def _zero_bucket_bytes(job, trace) -> float:
+    zero = job.zero.get("zero_optimization", job.zero) if job.zero else {}
+    size = zero.get("reduce_bucket_size", 200_000_000)
+    elements = float(size) if isinstance(size, (int, float)) else 200_000_000.0
+    bytes_per = trace.grad_bytes / max(1, sum(sum(g) for g in trace.groups))
+    return elements * bytes_per
+
+
+def collective_seconds(c: Collective, hw: Hardware) -> float:
+    if c.ranks <= 1:
+        return 0.0
+    share = (c.ranks - 1) / c.ranks * (2 if c.kind == "all_reduce" else 1)
+    bandwidth = hw.inter_bandwidth if c.inter_node else hw.intra_bandwidth
+    return c.size * share / bandwidth + c.calls * hw.collective_seconds
+
+
+def work_seconds(work, hw: Hardware, memory_share: float = 1.0) -> float:
+    """A phase's operations on this hardware; ``memory_share``: the part of its bytes this rank moves."""
+    return work.flops / hw.matmul_flops + work.bytes * memory_share / hw.memory_bandwidth + work.ops * hw.op_seconds
+
+
+def step_time(option, job, trace, units: int, hw: Hardware) -> StepTime:
+    """One optimizer step of ``option``: ``accumulate`` forward/backward passes of the traced micro-step,
+    the optimizer step (on 1/N of the state when it is sharded), and the option's collectives."""
+    compute = job.accumulate * work_seconds(trace.work.forward_backward, hw)
+    shard = 1 / job.world_size if option.family in ("zero", "fsdp") else 1.0
+    if option.offload == "none":
+        optimizer = work_seconds(trace.work.step, hw, shard)
+    else:  # the optimizer steps on the host; gradients go there and parameters come back over PCIe
+        moved = (trace.grad_bytes + trace.param_bytes) * shard
+        if option.family == "fsdp" or option.stage == 3:  # parameters live on the host: copied in at each gather
+            moved += trace.param_bytes * shard * job.accumulate * (1 if option.sharding == "SHARD_GRAD_OP" else 2)
+        optimizer = moved / hw.host_bandwidth + trace.work.step.bytes * shard / HOST_OPTIMIZER_BANDWIDTH
+    comm_parts = [collective_seconds(c, hw) for c in collectives(option, job, trace, units)]
+    comm = sum(comm_parts)
+    if hw.overlap:  # NCCL beside compute: the first gather and the last reduction stay exposed
+        exposed = sum(p / max(1, c.calls) for p, c in zip(comm_parts, collectives(option, job, trace, units)))
+        seconds = max(compute, comm) + exposed + optimizer
+    else:
+        seconds = compute + comm + optimizer
+    return StepTime(compute, optimizer, comm, seconds)

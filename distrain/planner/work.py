@@ -1,0 +1,99 @@
+"""The work of a traced step: each operation's FLOPs (matmuls, convolutions, attention) and the bytes
+the others move, by phase. ``timing.py`` turns it into seconds on a device.
+
+Counted under fake tensors inside ``trace_step``, so it is the module's own step as it runs, with
+its autocast casts, activation checkpointing's recomputation (in backward) and the optimizer's
+per-tensor or multi-tensor kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+PHASES = ("forward", "backward", "step")
+
+#: operations that allocate without touching memory, or only change metadata
+_NO_TRAFFIC = {
+    torch.ops.aten.empty,
+    torch.ops.aten.empty_like,
+    torch.ops.aten.empty_strided,
+    torch.ops.aten.new_empty,
+    torch.ops.aten.new_empty_strided,
+    torch.ops.aten.detach,
+    torch.ops.aten.lift_fresh,
+    torch.ops.aten._local_scalar_dense,
+    torch.ops.aten.set_,
+}
+
+
+@dataclass
+class PhaseWork:
+    """One phase's work: FLOPs of the compute-bound operations, bytes read and written by the
+    memory-bound ones, and how many operations ran (each has a fixed cost on a CPU)."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    ops: int = 0
+
+    def scaled(self, factor: float) -> PhaseWork:
+        return PhaseWork(self.flops * factor, self.bytes * factor, self.ops)
+
+
+@dataclass
+class StepWork:
+    phases: dict[str, PhaseWork] = field(default_factory=lambda: {p: PhaseWork() for p in PHASES})
+
+    @property
+    def forward_backward(self) -> PhaseWork:
+        f, b = self.phases["forward"], self.phases["backward"]
+        return PhaseWork(f.flops + b.flops, f.bytes + b.bytes, f.ops + b.ops)
+
+    @property
+    def step(self) -> PhaseWork:
+        return self.phases["step"]
+
+
+def _cpu_attention_flops(query, key, value, *args, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_attention_backward_flops(grad_out, query, key, value, *args, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+#: torch's FLOP counter knows the CUDA attention kernels, not the CPU one SDPA takes here; counted the same
+#: way (the full T×S scores, as torch and MFU figures count them, causal or not)
+_FLOPS = {
+    **flop_registry,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+}
+
+
+def _tensor_bytes(values) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor))
+
+
+class WorkCounter(TorchDispatchMode):
+    """Counts every operation of the current ``phase`` (the caller moves it along)."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "forward"
+        self.work = StepWork()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        phase = self.work.phases[self.phase]
+        packet = func._overloadpacket
+        phase.ops += 1
+        if packet in _FLOPS:
+            phase.flops += _FLOPS[packet](*args, **kwargs, out_val=out)
+        elif not func.is_view and packet not in _NO_TRAFFIC:
+            phase.bytes += _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
+        return out

@@ -1,0 +1,2 @@
+"""The training loop's parts that trainer.py composes: checkpointing, evaluation, metrics, monitoring,
+preemption."""

@@ -1,0 +1,183 @@
+"""The planner's time per step: the traced work against the model's arithmetic, the bytes each option
+communicates, the step's arithmetic on given rates, "auto" choosing as its prediction says, and the
+what-if table over cluster shapes. (Predicted against measured step times: benchmarks/plan_time.py.)"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from distrain import cli
+from distrain.planner import Budget, Job, ModelSpec, Option, Planner
+from distrain.planner.model_stats import trace_step
+from distrain.planner.timing import (
+    Collective,
+    Hardware,
+    collective_seconds,
+    collectives,
+    cpu_hardware,
+    gloo_allreduce,
+    step_time,
+)
+
+B, T, D, L, V = 4, 64, 128, 4, 256  # gpt-tiny: 4 blocks of width 128, a byte vocabulary, at 4 × 64 tokens
+LINEAR = 2 * B * T * (12 * D * D * L + D * V)  # qkv, proj, fc, fc proj per block; the (tied) head
+ATTENTION = 4 * B * T * T * D * L  # q·kᵀ and scores·v over the full T×T, as torch counts it
+LAST_MATMUL = 2 * B * T * 4 * D * D  # each block's mlp.proj
+
+
+@pytest.fixture(scope="module")
+def traces():
+    spec = ModelSpec.builtin_gpt("gpt-tiny", T)
+    return {ac: trace_step(spec, B, checkpoint=ac) for ac in (0, None)}
+
+
+def test_traced_flops_are_the_models_arithmetic(traces):
+    work = traces[0].work.phases
+    assert work["forward"].flops == LINEAR + ATTENTION
+    # backward: the input and the weight gradient of every matmul; attention's backward is 2.5× its forward
+    assert work["backward"].flops == 2 * LINEAR + 2.5 * ATTENTION
+    assert work["step"].flops == 0 and work["step"].bytes > 0  # AdamW is memory-bound
+    # bytes: at least each parameter, gradient and both moments read and written once by the step
+    assert work["step"].bytes >= 2 * 4 * traces[0].param_bytes
+
+
+def test_activation_checkpointing_recomputes_each_blocks_forward_in_backward(traces):
+    """Recomputation stops once the saved tensors are back (torch's non-reentrant checkpoint): each
+    block's forward again, but for its last matmul, whose output backward never needs."""
+    plain, every = traces[0].work.phases, traces[None].work.phases
+    assert every["forward"].flops == plain["forward"].flops
+    head = 2 * B * T * D * V
+    assert every["backward"].flops - plain["backward"].flops == LINEAR + ATTENTION - head - L * LAST_MATMUL
+
+
+def _job(world: int, accumulate: int = 1, nodes: int = 1) -> Job:
+    return Job(ModelSpec.builtin_gpt("gpt-tiny", T), B, world_size=world, accumulate=accumulate, num_nodes=nodes)
+
+
+def test_bytes_each_option_communicates(traces):
+    trace, units = traces[0], L + 1
+    grads, params = trace.grad_bytes, trace.param_bytes
+    job = _job(4, accumulate=3)
+    (ddp,) = collectives(Option("ddp"), job, trace, units)
+    assert (ddp.kind, ddp.size, ddp.calls) == ("all_reduce", grads, 1)  # no_sync while accumulating
+    gather, reduce = collectives(Option("fsdp", "FULL_SHARD"), job, trace, units)
+    assert (gather.kind, gather.size, gather.calls) == ("all_gather", params, 2 * 3 * units)  # forward + backward
+    assert (reduce.kind, reduce.size, reduce.calls) == ("reduce_scatter", grads, units)  # fp32, at the last backward
+    gather_once, _ = collectives(Option("fsdp", "SHARD_GRAD_OP"), job, trace, units)
+    assert gather_once.calls == 3 * units
+    stage1 = collectives(Option("zero", stage=1), job, trace, units)
+    stage2 = collectives(Option("zero", stage=2), job, trace, units)
+    assert stage2[0].calls == 3 * stage1[0].calls  # stage 2 reduces in every micro-batch's backward
+    assert [c.kind for c in stage1] == ["reduce_scatter", "all_gather"]
+    hybrid = collectives(Option("fsdp", "HYBRID_SHARD"), _job(8, nodes=2), trace, units)
+    assert [(c.kind, c.ranks, c.inter_node) for c in hybrid] == [
+        ("all_gather", 4, False),
+        ("reduce_scatter", 4, False),
+        ("all_reduce", 2, True),
+    ]
+    assert collectives(Option("ddp"), _job(1), trace, units) == []
+
+
+def test_collective_seconds_follow_the_ring_algorithms():
+    hw = Hardware(1e12, 1e11, 0.0, intra_bandwidth=1e9, inter_bandwidth=1e8, collective_seconds=1e-3)
+    assert collective_seconds(Collective("all_reduce", 4e9, 4, 2), hw) == pytest.approx(2 * 3 / 4 * 4 + 2e-3)
+    assert collective_seconds(Collective("all_gather", 4e9, 4, 1), hw) == pytest.approx(3 / 4 * 4 + 1e-3)
+    assert collective_seconds(Collective("all_reduce", 4e9, 2, 1, True), hw) == pytest.approx(4e9 / 1e8 + 1e-3)
+    assert collective_seconds(Collective("all_reduce", 4e9, 1, 1), hw) == 0
+
+
+def test_step_time_on_given_rates(traces):
+    trace, job = traces[0], _job(2, accumulate=2)
+    slow = Hardware(1e9, 1e9, 1e-6, intra_bandwidth=1e8, inter_bandwidth=1e8, collective_seconds=0.0)
+    fast_link = replace(slow, intra_bandwidth=2e8)
+    ddp_slow = step_time(Option("ddp"), job, trace, L + 1, slow)
+    ddp_fast = step_time(Option("ddp"), job, trace, L + 1, fast_link)
+    assert ddp_fast.communication == pytest.approx(ddp_slow.communication / 2)
+    assert ddp_fast.compute == ddp_slow.compute
+    fb = trace.work.forward_backward
+    assert ddp_slow.compute == pytest.approx(2 * (fb.flops / 1e9 + fb.bytes / 1e9 + fb.ops * 1e-6))
+    # the sharded optimizer steps on half the state
+    fsdp = step_time(Option("fsdp", "FULL_SHARD"), job, trace, L + 1, slow)
+    assert fsdp.optimizer == pytest.approx(ddp_slow.optimizer - trace.work.step.bytes / 2 / 1e9, rel=1e-6)
+    # on a CPU communication takes the cores (adds up); on a GPU it runs beside compute
+    assert ddp_slow.seconds == pytest.approx(ddp_slow.compute + ddp_slow.communication + ddp_slow.optimizer)
+    gpu = replace(slow, overlap=True)
+    overlapped = step_time(Option("fsdp", "FULL_SHARD"), job, trace, L + 1, gpu)
+    parts = collectives(Option("fsdp", "FULL_SHARD"), job, trace, L + 1)
+    exposed = sum(collective_seconds(c, gpu) / c.calls for c in parts)  # the first gather, the last reduction
+    expected = max(overlapped.compute, overlapped.communication) + exposed + overlapped.optimizer
+    assert overlapped.seconds == pytest.approx(expected)
+    assert overlapped.seconds < fsdp.seconds
+
+
+def _planner(hw: Hardware) -> Planner:
+    job = Job(ModelSpec.builtin_gpt("gpt-mini", 128), 8, world_size=2)
+    return Planner(job, Budget(8 << 30, 8 << 30, False, "test"), hw)
+
+
+def test_auto_takes_the_fastest_predicted_option_that_fits():
+    """With a free link and slow memory the optimizer step decides: sharding it is faster than DDP; with a
+    slow link DDP's single all-reduce is. Either way the choice is the fastest row of the plan."""
+    optimizer_bound = Hardware(1e15, 1e8, 0.0, intra_bandwidth=1e15, inter_bandwidth=1e15, collective_seconds=0.0)
+    link_bound = Hardware(1e15, 1e15, 0.0, intra_bandwidth=1e7, inter_bandwidth=1e7, collective_seconds=0.0)
+    for hw, expect_ddp in ((optimizer_bound, False), (link_bound, True)):
+        planner = _planner(hw)
+        chosen, _ = planner.choose("auto", "auto")
+        plan = planner.plan("all")
+        eligible = [r for r in plan.rows if r.fits and r.option.family in ("ddp", "fsdp")]
+        fastest = min(eligible, key=lambda r: r.step.seconds)
+        assert chosen.step.seconds <= fastest.step.seconds * 1.03
+        assert (chosen.option.family == "ddp") == expect_ddp, chosen.option
+        assert plan.recommendation.step.seconds <= fastest.step.seconds * 1.03
+        assert "the fastest that fits" in plan.reason
+    # without rates: the ranking order (less sharding first)
+    assert Planner(_planner(link_bound).job, _planner(link_bound).budget).choose("auto")[0].option.family == "ddp"
+
+
+def test_this_cpus_rates_are_measured():
+    bandwidth, latency = gloo_allreduce(2, size=1 << 20)
+    assert bandwidth > 1e6 and 0 < latency < 0.1
+    hw = cpu_hardware(2)
+    assert hw.matmul_flops > 1e8 and hw.memory_bandwidth > 1e8 and 0 < hw.op_seconds < 1e-3
+    assert hw.matmul_flops * 4 > hw.memory_bandwidth  # a matmul does more per byte than an add
+    assert not hw.overlap and "measured" in hw.source
+
+
+def test_what_if_over_cluster_shapes_keeps_the_global_batch_and_prices_the_tokens(capsys):
+    args = ["plan", "--num-nodes", "1,2,4", "--devices", "8", "--gpu-memory", "80GB", "--model-name", "gpt-mini"]
+    args += ["--batch-size", "8", "--tokens", "1e9", "--gpu-hour-price", "2"]
+    assert cli.main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    shapes = out["shapes"]
+    assert [s["world_size"] for s in shapes] == [8, 16, 32] and out["global_batch"] == 64
+    for s in shapes:
+        assert s["micro_batch"] * s["accumulate"] * s["world_size"] == 64
+        assert s["tokens_per_second"] == pytest.approx(64 * 128 / s["step_seconds"])
+        assert s["seconds_for_tokens"] == pytest.approx(1e9 / s["tokens_per_second"])
+        assert s["cost"] == pytest.approx(s["seconds_for_tokens"] / 3600 * s["world_size"] * 2)
+    # the same global batch on more GPUs: each does less, so the step is shorter
+    assert shapes[0]["step_seconds"] > shapes[2]["step_seconds"]
+    assert cli.main(args) == 0
+    table = capsys.readouterr().out
+    assert "time for 1e+09 tokens" in table and "cost" in table and "H100" in table
+
+
+def test_plan_flags_and_their_errors(capsys):
+    base = ["plan", "--devices", "2", "--accelerator", "cpu", "--model-name", "gpt-tiny"]
+    assert cli.main([*base, "--no-time"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" not in out and "fastest" not in out
+    assert cli.main([*base, "--bandwidth", "5", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert "--bandwidth" in rows["rates"] and all(r["step_seconds"] > 0 for r in rows["rows"])
+    for flags, message in [
+        (["--bandwidth", "0"], "--bandwidth must be positive"),
+        (["--gpu-type", "Z80", "--gpu-memory", "80GB", "--accelerator", "gpu"], "--gpu-type 'Z80' is not in"),
+        (["--num-nodes", "1,2", "--devices", "2,4"], "not both"),
+        (["--num-nodes", "1,2", "--no-time"], "drop --no-time"),
+    ]:
+        assert cli.main([*base, *flags]) == 2, flags
+        assert message in capsys.readouterr().err, flags
