@@ -21,8 +21,10 @@ from distrain.planner.units import cell, format_rate, format_seconds, format_siz
 #: share of each budget kept free: the CUDA caching allocator's fragmentation, the CUDA context,
 #: NCCL and cuBLAS workspaces are memory that tensors cannot use
 HEADROOM = 0.10
-#: predicted step times within this share of each other count as a tie (the ranking order decides)
-TIE = 0.03
+#: predicted step times within this share of each other count as a tie (the ranking order decides): the
+#: prediction is within ±25% (benchmarks/plan_time.py) and one machine's measured steps spread by ±10%, so a
+#: smaller difference is no reason to shard more, recompute or switch engines
+TIE = 0.10
 
 
 def host_memory() -> int:
@@ -271,12 +273,17 @@ class Planner:
     def step_time(self, option: Option) -> StepTime | None:
         return self.estimator.step_time(option, self.hardware) if self.hardware else None
 
-    def speed_key(self, option: Option) -> tuple:
-        """Fastest predicted first; options within 3% of each other count as equally fast and keep the
-        ranking order (less sharding, recomputation and offload first)."""
+    def seconds(self, option: Option) -> float:
         step = self.step_time(option)
-        bucket = round(math.log(step.seconds) / math.log(1 + TIE)) if step and step.seconds > 0 else 0
-        return (bucket, rank_key(option))
+        return step.seconds if step else 0.0
+
+    @staticmethod
+    def prefer(fitting: list[Row]) -> Row:
+        """Among options that fit: the fastest predicted; those within ``TIE`` of it count as equally fast,
+        and the ranking order decides among them (less sharding, recomputation and offload first)."""
+        fastest = min(r.step.seconds for r in fitting)
+        near = [r for r in fitting if r.step.seconds <= fastest * (1 + TIE)]
+        return min(near, key=lambda r: rank_key(r.option))
 
     def fitting_checkpoint(self, option: Option) -> Row | None:
         """``activation_checkpointing: auto``: the option with the fewest checkpointed blocks that
@@ -296,9 +303,10 @@ class Planner:
 
     def choose(self, strategy: str = "auto", checkpoint: bool | str = "both") -> tuple[Row | None, list[Row]]:
         """The option to run and the rows looked at to find it: with the hardware's rates, the fastest
-        predicted that fits (options tried fastest first); without, the first that fits in ranking
-        order. ``checkpoint="auto"``: each option with just enough checkpointed blocks, which decides
-        its time, so every such option is looked at."""
+        predicted that fits (``prefer``; options tried fastest first, until they are slower than the
+        fastest that fits by more than the tie); without, the first that fits in ranking order.
+        ``checkpoint="auto"``: each option with just enough checkpointed blocks, which decides its
+        time, so every such option is looked at."""
         seen: list[Row] = []
         options = candidate_options(self.job, strategy, False if checkpoint == "auto" else checkpoint)
         if checkpoint == "auto":
@@ -312,16 +320,24 @@ class Planner:
                         return row, seen
             if not fitting:
                 return None, seen
-            best = min(fitting, key=lambda r: self.speed_key(r.option))
-            return best, [r for r in seen if r is best or self.speed_key(r.option) < self.speed_key(best.option)]
-        if self.hardware is not None:
-            options = sorted(options, key=self.speed_key)
-        for option in options:
+            best = self.prefer(fitting)
+            return best, [r for r in seen if r is best or r.step.seconds < best.step.seconds]
+        if self.hardware is None:
+            for option in options:
+                row = self.row(option, max_batch=False)
+                seen.append(row)
+                if row.fits:
+                    return row, seen
+            return None, seen
+        fitting: list[Row] = []
+        for option in sorted(options, key=self.seconds):
+            if fitting and self.seconds(option) > fitting[0].step.seconds * (1 + TIE):
+                break
             row = self.row(option, max_batch=False)
             seen.append(row)
             if row.fits:
-                return row, seen
-        return None, seen
+                fitting.append(row)
+        return (self.prefer(fitting) if fitting else None), seen
 
     def reason(self, chosen: Row | None, seen: list[Row]) -> str:
         """``fsdp FULL_SHARD + AC: DDP needs 112 GiB/rank, FSDP 61, FSDP+AC 38 of 72``."""
@@ -342,17 +358,27 @@ class Planner:
             why += " (fits with nothing sharded, recomputed or offloaded)"
         if chosen.step is not None:
             tokens = self.job.tokens_per_step / chosen.step.seconds
-            why += (
-                f"; predicted {format_seconds(chosen.step.seconds)}/step, {tokens:,.0f} tokens/s: the fastest that fits"
-            )
+            why += f"; predicted {format_seconds(chosen.step.seconds)}/step, {tokens:,.0f} tokens/s: "
+            faster = [r for r in seen if r.fits and r.step and r.step.seconds < chosen.step.seconds]
+            if faster:
+                best = min(faster, key=lambda r: r.step.seconds)
+                why += (
+                    f"within {TIE:.0%} of the fastest that fits ({best.option.short} "
+                    f"{format_seconds(best.step.seconds)}), and simpler"
+                )
+            else:
+                why += "the fastest that fits"
         return f"{chosen.option.label}: {why}"
 
     def plan(self, strategy: str = "all", checkpoint: bool | str = "both") -> Plan:
         rows = [self.row(o) for o in candidate_options(self.job, strategy, checkpoint)]
         eligible = [r for r in rows if r.option.family in AUTO_FAMILIES] if strategy == "all" else rows
         if self.hardware is not None:
-            eligible = sorted(eligible, key=lambda r: self.speed_key(r.option))
-        chosen = next((r for r in eligible if r.fits), None)
+            eligible = sorted(eligible, key=lambda r: r.step.seconds)
+            fitting = [r for r in eligible if r.fits]
+            chosen = self.prefer(fitting) if fitting else None
+        else:
+            chosen = next((r for r in eligible if r.fits), None)
         seen = eligible[: eligible.index(chosen) + 1] if chosen else eligible
         seen = _distinct(seen)
         reason = self.reason(chosen, seen)

@@ -7,7 +7,8 @@ option communicates over the links between ranks.
   the bytes.
 - Communication (ring algorithms, per rank, as nccl-tests reports bus bandwidth): an all-reduce of S
   bytes moves 2(N-1)/N·S, an all-gather or reduce-scatter (N-1)/N·S. What each option sends per
-  step is in ``collectives``; each collective also pays a fixed latency.
+  step is in ``collectives``; each collective also pays a fixed latency, and FSDP and DeepSpeed copy
+  their tensors into and out of flat buffers on the way (memory traffic, counted with compute).
 - On a GPU, NCCL runs beside compute: the step takes the longer of the two, plus the collectives
   that cannot overlap (the first all-gather, the last reduction). On a CPU, gloo's copies take the
   same cores as compute: the two add up.
@@ -246,8 +247,17 @@ class Collective:
     size: float
     """Bytes of the whole (unsharded) tensor set."""
     ranks: int
-    calls: int
+    passes: int
+    """Times the whole set goes over the link in one optimizer step (FSDP gathers it in each forward and backward)."""
+    calls_per_pass: int
+    """Collectives per pass: one per FSDP unit or per bucket."""
     inter_node: bool = False
+    copied: bool = False
+    """Copied into or out of a flat buffer (FSDP, DeepSpeed) on the way: memory traffic beside the link's."""
+
+    @property
+    def calls(self) -> int:
+        return self.passes * self.calls_per_pass
 
 
 @dataclass(frozen=True)
@@ -278,35 +288,35 @@ def collectives(option, job, trace, units: int) -> list[Collective]:
     elements = sum(sum(group) for group in trace.groups)
     params = trace.param_bytes  # gathered in the compute dtype
     grads = trace.grad_bytes
+    inter = job.num_nodes > 1
     if option.family == "ddp":  # one all-reduce per step (no_sync while accumulating), 25 MiB buckets
-        return [Collective("all_reduce", grads, n, _buckets(grads, 25 << 20), job.num_nodes > 1)]
+        copied = not job.gradient_as_bucket_view
+        return [Collective("all_reduce", grads, n, 1, _buckets(grads, 25 << 20), inter, copied)]
     if option.family == "fsdp":
         reduce = elements * 4  # reduce_dtype fp32 (FSDPStrategy's policy)
         gathers = 1 if option.sharding == "SHARD_GRAD_OP" else 2  # forward, and again in backward when resharded
         if option.sharding == "HYBRID_SHARD" and job.num_nodes > 1:
             per_node = job.per_node
             return [
-                Collective("all_gather", params, per_node, gathers * a * units),
-                Collective("reduce_scatter", reduce, per_node, units),
-                Collective("all_reduce", reduce / per_node, job.num_nodes, units, True),
+                Collective("all_gather", params, per_node, gathers * a, units, copied=True),
+                Collective("reduce_scatter", reduce, per_node, 1, units, copied=True),
+                Collective("all_reduce", reduce / per_node, job.num_nodes, 1, units, True),
             ]
-        inter = job.num_nodes > 1
         return [
-            Collective("all_gather", params, n, gathers * a * units, inter),
-            Collective("reduce_scatter", reduce, n, units, inter),
+            Collective("all_gather", params, n, gathers * a, units, inter, True),
+            Collective("reduce_scatter", reduce, n, 1, units, inter, True),
         ]
     # DeepSpeed ZeRO: gradients in the model's dtype, in reduce buckets; updated parameters all-gathered
     bucket = _zero_bucket_bytes(job, trace)
-    inter = job.num_nodes > 1
     if option.stage == 3:
         return [
-            Collective("all_gather", params, n, 2 * a * units, inter),
-            Collective("reduce_scatter", grads, n, a * _buckets(grads, bucket), inter),
+            Collective("all_gather", params, n, 2 * a, units, inter, True),
+            Collective("reduce_scatter", grads, n, a, _buckets(grads, bucket), inter, True),
         ]
     reductions = a if option.stage == 2 else 1  # stage 2 reduces in every micro-batch's backward
     return [
-        Collective("reduce_scatter", grads, n, reductions * _buckets(grads, bucket), inter),
-        Collective("all_gather", params, n, _buckets(params, bucket), inter),
+        Collective("reduce_scatter", grads, n, reductions, _buckets(grads, bucket), inter, True),
+        Collective("all_gather", params, n, 1, _buckets(params, bucket), inter, True),
     ]
 
 
@@ -327,7 +337,12 @@ def collective_seconds(c: Collective, hw: Hardware) -> float:
         return 0.0
     share = (c.ranks - 1) / c.ranks * (2 if c.kind == "all_reduce" else 1)
     bandwidth = hw.inter_bandwidth if c.inter_node else hw.intra_bandwidth
-    return c.size * share / bandwidth + c.calls * hw.collective_seconds
+    return c.passes * c.size * share / bandwidth + c.calls * hw.collective_seconds
+
+
+def copy_seconds(c: Collective, hw: Hardware) -> float:
+    """The copies into and out of the flat buffers a collective uses: each pass reads and writes the set."""
+    return c.passes * 2 * c.size / hw.memory_bandwidth if c.copied else 0.0
 
 
 def work_seconds(work, hw: Hardware, memory_share: float = 1.0) -> float:
@@ -347,10 +362,12 @@ def step_time(option, job, trace, units: int, hw: Hardware) -> StepTime:
         if option.family == "fsdp" or option.stage == 3:  # parameters live on the host: copied in at each gather
             moved += trace.param_bytes * shard * job.accumulate * (1 if option.sharding == "SHARD_GRAD_OP" else 2)
         optimizer = moved / hw.host_bandwidth + trace.work.step.bytes * shard / HOST_OPTIMIZER_BANDWIDTH
-    comm_parts = [collective_seconds(c, hw) for c in collectives(option, job, trace, units)]
+    sent = collectives(option, job, trace, units)
+    compute += sum(copy_seconds(c, hw) for c in sent)
+    comm_parts = [collective_seconds(c, hw) for c in sent]
     comm = sum(comm_parts)
     if hw.overlap:  # NCCL beside compute: the first gather and the last reduction stay exposed
-        exposed = sum(p / max(1, c.calls) for p, c in zip(comm_parts, collectives(option, job, trace, units)))
+        exposed = sum(p / max(1, c.calls) for p, c in zip(comm_parts, sent))
         seconds = max(compute, comm) + exposed + optimizer
     else:
         seconds = compute + comm + optimizer

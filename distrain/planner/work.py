@@ -27,6 +27,8 @@ _NO_TRAFFIC = {
     torch.ops.aten.lift_fresh,
     torch.ops.aten._local_scalar_dense,
     torch.ops.aten.set_,
+    torch.ops.aten._unsafe_view,
+    torch.ops.aten.alias,
 }
 
 
@@ -74,6 +76,27 @@ _FLOPS = {
 }
 
 
+def _moves_data(func, out) -> bool:
+    """Whether an operation reads and writes its tensors: not a view, not metadata (``prim.device``, a
+    size), not an allocation; it returns a tensor, or writes one in place."""
+    if func.is_view or func._overloadpacket in _NO_TRAFFIC or func.namespace == "prim":
+        return False
+    return any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]) or func._schema.is_mutable
+
+
+def _written_in_place(func, args, kwargs) -> int:
+    """Bytes an in-place operation writes back to arguments it returns nothing for (``_fused_adamw_``
+    updates parameters and moments and returns None): they are read, then written."""
+    if func._schema.returns:
+        return 0
+    written = [
+        kwargs.get(a.name, args[i] if i < len(args) else None)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+    return _tensor_bytes(written)
+
+
 def _tensor_bytes(values) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor))
 
@@ -91,9 +114,10 @@ class WorkCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         phase = self.work.phases[self.phase]
         packet = func._overloadpacket
-        phase.ops += 1
+        if func.namespace != "prim":  # a device or size query: no kernel
+            phase.ops += 1
         if packet in _FLOPS:
             phase.flops += _FLOPS[packet](*args, **kwargs, out_val=out)
-        elif not func.is_view and packet not in _NO_TRAFFIC:
-            phase.bytes += _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
+        elif _moves_data(func, out):
+            phase.bytes += _tensor_bytes((args, kwargs)) + _tensor_bytes(out) + _written_in_place(func, args, kwargs)
         return out
