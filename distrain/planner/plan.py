@@ -346,7 +346,8 @@ class Planner:
         one_unit = min(values) >= (2**30 if unit == "GiB" else 2**20) / 10  # else each number with its own unit
         size = (lambda n: format_size(n, unit)) if one_unit else human
         parts = []
-        for i, r in enumerate(seen):
+        # the memory story reads in ranking order (DDP, then more sharding), whatever order time put them in
+        for i, r in enumerate(sorted(seen, key=lambda r: rank_key(r.option))):
             parts.append(f"{r.option.short} {'needs ' if i == 0 else ''}{size(r.peak)}")
             if i == 0:
                 parts[-1] += f" {unit}/rank" if one_unit else "/rank"
