@@ -27,7 +27,9 @@ class Case:
 
     model: str
     strategy: str
-    """``ddp``, ``fsdp:FULL_SHARD``, ``fsdp:SHARD_GRAD_OP``, ``zero1``, ``zero2``, ``zero3``."""
+    """``ddp``, ``fsdp:FULL_SHARD``, ``fsdp:SHARD_GRAD_OP``, ``zero1``, ``zero2``, ``zero3``; tensor parallel
+    over every rank, with sequence parallelism (``tp``) or without (``tp:nosp``); ``tp×fsdp``: tensor
+    parallel in pairs of ranks, FSDP across the pairs."""
     ac: bool
     micro_batch: int
     seq_len: int = 128
@@ -49,7 +51,8 @@ class Case:
 
 
 #: the cases tests/test_planner.py asserts (within 10%): every strategy × activation checkpointing ×
-#: model kind (GPT, Llama, BERT) at least once, at two micro-batch sizes
+#: model kind (GPT, Llama, BERT) at least once, at two micro-batch sizes; tensor parallel (a model with a
+#: built-in plan) with and without sequence parallelism
 ACCURACY_CASES = [
     Case("gpt-tiny", "ddp", False, 8),
     Case("gpt-mini", "ddp", True, 4),
@@ -58,6 +61,9 @@ ACCURACY_CASES = [
     Case("tiny-llama", "fsdp:FULL_SHARD", False, 16),
     Case("gpt-mini", "fsdp:SHARD_GRAD_OP", False, 4),
     Case("tiny-bert", "fsdp:SHARD_GRAD_OP", True, 8),
+    Case("gpt-mini", "tp", False, 8),
+    Case("gpt-tiny", "tp:nosp", False, 16),
+    Case("tiny-llama", "tp:nosp", True, 16),
     Case("gpt-tiny", "zero1", False, 16, bucket=128 * 128),
     Case("tiny-llama", "zero1", True, 8, bucket=32 * 32),
     Case("gpt-tiny", "zero2", True, 8, bucket=128 * 128),
@@ -96,10 +102,10 @@ def predict(case: Case, world_size: int, hf: dict[str, str]):
     from distrain.planner.estimate import Estimator, Job
 
     job = Job(spec_of(case, hf), case.micro_batch, case.precision, world_size, zero=_zero_config(case))
-    return Estimator(job).estimate(_option(case))
+    return Estimator(job).estimate(_option(case, world_size))
 
 
-def _option(case: Case):
+def _option(case: Case, world_size: int):
     from distrain.planner.estimate import Option
 
     checkpoint = None if case.ac else 0
@@ -107,6 +113,10 @@ def _option(case: Case):
         return Option("ddp", checkpoint=checkpoint)
     if case.strategy.startswith("fsdp:"):
         return Option("fsdp", sharding=case.strategy[5:], checkpoint=checkpoint)
+    if case.strategy.startswith("tp"):
+        layout = _tensor_layout(case.strategy, world_size)
+        sharding = "FULL_SHARD" if layout["tensor"] < world_size else None
+        return Option("tp", sharding=sharding, checkpoint=checkpoint, **layout)
     return Option("zero", stage=int(case.strategy[-1]), checkpoint=checkpoint)
 
 
@@ -130,10 +140,23 @@ def _strategy_default(name: str):
     return inspect.signature(DeepSpeedStrategy).parameters[name].default
 
 
-def _strategy(case: Case, blocks: set):
+def _tensor_layout(strategy: str, world_size: int) -> dict:
+    """The tensor-parallel size and sequence parallelism of a ``tp`` case."""
+    return dict(tensor=2 if strategy == "tp×fsdp" else world_size, sequence_parallel=strategy != "tp:nosp")
+
+
+def _strategy(case: Case, blocks: set, world_size: int):
     import distrain
 
     policy = blocks if case.ac else None
+    if case.strategy.startswith("tp"):
+        layout = _tensor_layout(case.strategy, world_size)
+        return distrain.ModelParallelStrategy(
+            tensor_parallel_size=layout["tensor"],
+            data_parallel_size=world_size // layout["tensor"],
+            sequence_parallel=layout["sequence_parallel"],
+            activation_checkpointing_policy=policy,
+        )
     if case.strategy == "ddp":
         return distrain.DDPStrategy(activation_checkpointing_policy=policy)
     if case.strategy.startswith("fsdp:"):
@@ -190,7 +213,7 @@ def measure(case: Case, world_size: int, hf: dict[str, str], workdir: str, steps
         trainer = distrain.Trainer(
             accelerator="cpu",
             devices=world_size,
-            strategy=_strategy(case, set(spec.block_classes)),
+            strategy=_strategy(case, set(spec.block_classes), world_size),
             precision=case.precision,
             max_steps=steps,
             logger=False,

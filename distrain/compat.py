@@ -180,6 +180,28 @@ def fake_process_group(world_size: int, forked_child: bool = False):
 
 
 @contextlib.contextmanager
+def device_meshes_outside_fake_mode():
+    """FSDP2 over a tensor-parallel mesh builds a 2-D ``DeviceMesh`` while it shards; a mesh computes
+    this rank's coordinates from its rank tensor (``nonzero``), which fake tensors cannot answer. While
+    a simulation runs, meshes are built with fake mode off (their rank tensors are small and real).
+    ``DeviceMesh.__init__`` and ``unset_fake_temporarily``: checked on torch 2.13.0."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    def init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original
+
+
+@contextlib.contextmanager
 def transformers_masks_as_in_eager():
     """Under fake tensors, transformers' causal-mask code cannot read the values it reads in eager
     mode (are the positions one packed sequence? ``find_packed_sequence_indices``; is the offset a

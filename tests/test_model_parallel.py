@@ -206,9 +206,9 @@ def test_impossible_layouts_are_refused_in_one_line_before_any_rank_starts(capsy
     err = capsys.readouterr().err
     assert code == 2 and "6 pipeline stages" in err and "gpt-tiny has 4 blocks" in err, err
     assert len(err.strip().splitlines()) == 1
-    # the memory planner has no model of these layouts: it says so (not "nothing fits")
-    assert cli.main(["plan", "--strategy", "model_parallel", "--devices", "2", "--accelerator", "cpu"]) == 2
-    assert "strategy model_parallel is not planned" in capsys.readouterr().err
+    # the memory planner has no model of pipelines: it says so (not "nothing fits")
+    assert cli.main(["plan", "--strategy", "pipeline", "--devices", "2", "--accelerator", "cpu"]) == 2
+    assert "strategy pipeline is not planned" in capsys.readouterr().err
     # a model of the user's own that no plan covers (layers built in __init__): refused before launching
     import matrix_models
 

@@ -353,7 +353,7 @@ def test_auto_with_a_small_budget_shards_and_trains_within_it(tmp_path):
 SPEC = Path(__file__).parent / "data" / "spec"
 
 
-def _option_of_live_strategy(strategy, gpu: bool) -> Option | None:
+def _option_of_live_strategy(strategy, gpu: bool, world: int) -> Option | None:
     """What the strategy object ``distrain train`` builds will do, read off the object itself."""
     import distrain
 
@@ -364,8 +364,17 @@ def _option_of_live_strategy(strategy, gpu: bool) -> Option | None:
         if strategy.stage == 0:
             return Option("ddp")
         return Option("zero", stage=strategy.stage, offload=offload if gpu else "none")
-    if isinstance(strategy, distrain.ModelParallelStrategy):
-        return None
+    if isinstance(strategy, distrain.ModelParallelStrategy):  # its layout on this many ranks; a pipeline: not planned
+        from distrain.parallel.layout import layout_for
+
+        s = strategy
+        layout = layout_for(
+            world, world, s.pipeline_strategy, s.tensor_parallel_size, s.data_parallel_size_option, s.pipeline_stages
+        )
+        if layout.pipeline > 1:
+            return None
+        sharding = "FULL_SHARD" if layout.data > 1 else None
+        return Option("tp", sharding=sharding, tensor=layout.tensor, sequence_parallel=s.sequence_parallel)
     if isinstance(strategy, distrain.FSDPStrategy):
         offload = "cpu" if strategy.cpu_offload and gpu else "none"
         if strategy.sharding_strategy == "NO_SHARD" and offload == "none":
@@ -431,7 +440,7 @@ def test_the_plan_of_a_named_strategy_is_the_run_train_starts(tmp_path, gpu):
         except ValueError as e:  # NVMe offload on a machine without libaio: train refuses it before starting
             assert "libaio" in str(e), (label, e)
             continue
-        assert planned == _option_of_live_strategy(live, gpu), (label, planned)
+        assert planned == _option_of_live_strategy(live, gpu, world), (label, planned)
         if label == "spec deepspeed_config.json":
             assert planned == Option("zero", stage=3, offload="cpu" if gpu else "none")
             assert runs_activation_checkpointing(config)  # its activation_checkpointing section asks for it

@@ -90,6 +90,9 @@ def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
         },
         fsdp_sharding=config.fsdp.sharding_strategy,
         fsdp_cpu_offload=config.fsdp.cpu_offload,
+        tensor_parallel=d.tensor_parallel_size,
+        sequence_parallel=d.sequence_parallel,
+        pipeline_stages=d.pipeline_stages,
     )
 
 
@@ -156,8 +159,9 @@ def plan_command(config: RunConfig, strategy: str, as_json: bool, timing: Timing
     plan = Planner(job, budget, hardware).plan("all" if strategy in ("all", "auto") else named, checkpoint)
     if not plan.rows:  # a strategy the planner has no model of (model_parallel, pipeline): say so, not "nothing fits"
         print(
-            f"distrain plan: strategy {strategy} is not planned (the planner models DDP, FSDP and DeepSpeed ZeRO; "
-            "not tensor-parallel or pipeline layouts); `distrain plan` without --strategy plans the others",
+            f"distrain plan: strategy {strategy} is not planned (the planner models DDP, FSDP, DeepSpeed ZeRO and "
+            "tensor parallelism over the built-in GPT and Llama-style models, with FSDP; not pipelines); "
+            "`distrain plan` without --strategy plans the others",
             file=sys.stderr,
         )
         return 2
@@ -236,7 +240,7 @@ def _shape_row(job: Job, layout, row: Row | None, timing: TimingArgs) -> dict:
     }
     if row is None or row.step is None:
         return out
-    tokens_per_second = job.tokens_per_step / row.step.seconds
+    tokens_per_second = job.tokens_per_step_of(row.option) / row.step.seconds
     out.update(option=row.option.label, strategy=row.option.strategy, step_seconds=row.step.seconds)
     out["tokens_per_second"] = tokens_per_second
     if timing.tokens:

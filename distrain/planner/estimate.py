@@ -11,6 +11,8 @@ counted from the model's parameters by how the strategy stores them:
   ``FSDPMemTracker``.
 - DeepSpeed ZeRO: ``zero.py``, DeepSpeed's buffers counted from its source, with the same traced
   activations and optimizer temporaries.
+- Tensor parallel (alone or with FSDP over the data-parallel ranks): simulated (``simulate.py``),
+  distrain's ``ModelParallelStrategy`` on a fake process group.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class Job:
     fsdp_sharding: str = "FULL_SHARD"
     fsdp_cpu_offload: bool = False
     """What a run named ``fsdp`` shards and offloads (the config's ``fsdp`` section)."""
+    tensor_parallel: int | str = "auto"
+    sequence_parallel: bool = True
+    pipeline_stages: int | str | None = None
+    """What a run named ``model_parallel`` splits (``distributed.tensor_parallel_size``, ``sequence_parallel``)."""
 
     @property
     def per_node(self) -> int:
@@ -64,6 +70,11 @@ class Job:
     def tokens_per_step(self) -> int:
         """Tokens (samples × sequence length) one optimizer step of the whole job consumes."""
         return self.micro_batch * self.accumulate * self.world_size * self.spec.seq_len
+
+    def tokens_per_step_of(self, option: Option) -> int:
+        """The same under ``option``: tensor-parallel ranks share their samples (the micro-batch is
+        per data-parallel rank)."""
+        return self.tokens_per_step // max(1, option.tensor)
 
 
 class Estimator:
@@ -163,6 +174,8 @@ class Estimator:
             return self._replicated(option)
         if option.family == "fsdp":
             return self._fsdp_row(option)
+        if option.family == "tp":
+            return self._tensor_row(option)
         from distrain.planner.zero import zero_row
 
         return zero_row(self, option)
@@ -180,6 +193,9 @@ class Estimator:
             slopes = {d: est.activation_slope(option) for d, est in self._shallow.items()}
             return float(affine(slopes, blocks))
         family = "ddp" if option.family in ("single", "ddp") else option.family
+        if family == "tp":  # each rank computes its part of every layer: activations split by the tensor size
+            family = "fsdp" if option.sharding else "ddp"
+            return self.activation_slope(_replace(option, family=family, tensor=1)) / option.tensor
         single = self.trace(family, option.checkpoint).activations
         double = self.trace(family, option.checkpoint, 2 * b).activations
         return max(0.0, (double - single) / b)
@@ -197,6 +213,11 @@ class Estimator:
             times = {d: est.step_time(option, hw).astuple() for d, est in self._shallow.items()}
             (d1, t1), (d2, t2) = sorted(times.items())
             return StepTime(*(a + (b - a) * (blocks - d1) / (d2 - d1) for a, b in zip(t1, t2)))
+        if option.family == "tp":
+            from distrain.planner.timing import tensor_parallel_step_time
+
+            trace = self.trace("fsdp" if option.sharding else "ddp", option.checkpoint)
+            return tensor_parallel_step_time(option, self.job, trace, self._simulated_tensor(option), hw)
         family = "ddp" if option.family in ("single", "ddp") else option.family
         return step_time(option, self.job, self.trace(family, option.checkpoint), blocks + 1, hw)
 
@@ -254,3 +275,28 @@ class Estimator:
             host=p.sharded_state,
             note="device peak: the simulated one less the sharded state moved to the host",
         )
+
+    def _simulated_tensor(self, option: Option):
+        from distrain.planner.simulate import simulate_tensor_parallel
+
+        job = self.job
+        key = ("tp", option.tensor, option.sequence_parallel, option.checkpoint, job.micro_batch)
+        if key not in self._fsdp:
+            self._fsdp[key] = simulate_tensor_parallel(
+                job.spec,
+                job.micro_batch,
+                world_size=job.world_size,
+                tensor=option.tensor,
+                sequence_parallel=option.sequence_parallel,
+                precision=job.precision,
+                checkpoint=option.checkpoint,
+                accumulate=job.accumulate,
+                foreach=job.gpu,
+            )
+        return self._fsdp[key]
+
+    def _tensor_row(self, option: Option) -> Row:
+        """Tensor parallel, with FSDP over the other ranks when there are any: simulated."""
+        p = self._simulated_tensor(option)
+        sharded = p.params + p.grads + p.optimizer if option.sharding else 0
+        return Row(option, p.params, p.grads, p.optimizer, p.activations, 0, p.peak, sharded=sharded)

@@ -15,15 +15,20 @@ class Option:
     """One way to train: a strategy with its sharding, activation checkpointing and offload."""
 
     family: str
-    """``single``, ``ddp``, ``fsdp`` or ``zero``."""
+    """``single``, ``ddp``, ``fsdp``, ``zero`` or ``tp`` (tensor parallel; FSDP over the remaining ranks)."""
     sharding: str | None = None
-    """FSDP: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD."""
+    """FSDP: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD; ``tp``: FULL_SHARD when FSDP shards over the
+    data-parallel ranks (the ranks beyond ``tensor``), else None."""
     stage: int | None = None
     """ZeRO stage."""
     checkpoint: int | None = 0
     """Blocks whose activations are recomputed: 0 none, ``None`` every block."""
     offload: str = "none"
     """``none``, ``cpu`` or ``nvme``: where sharded state (ZeRO: optimizer, and parameters at stage 3) lives."""
+    tensor: int = 1
+    """Ranks that split each layer (``tp``)."""
+    sequence_parallel: bool = False
+    """``tp``: the norms and the residual stream split along the sequence too."""
 
     @property
     def strategy(self) -> str:
@@ -33,17 +38,20 @@ class Option:
         if self.family == "zero":
             suffix = {"none": "", "cpu": "_offload", "nvme": "_offload_nvme"}[self.offload]
             return f"deepspeed_stage_{self.stage}{suffix}"
+        if self.family == "tp":
+            return "model_parallel"
         return self.family
 
     @property
     def level(self) -> int:
         """What is sharded (the ranking's first key): 0 nothing, 1 optimizer state, 2 and gradients,
-        3 and parameters within a node (hybrid), 4 and parameters across every rank."""
+        3 and parameters within a node (hybrid), 4 and parameters across every rank, 5 each layer split
+        (tensor parallel: its activations too, and a collective in every layer)."""
         if self.family == "zero":
             return {1: 1, 2: 2, 3: 4}[self.stage]
         if self.family == "fsdp":
             return {"SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "FULL_SHARD": 4}[self.sharding]
-        return 0
+        return 5 if self.family == "tp" else 0
 
     @property
     def label(self) -> str:
@@ -52,6 +60,9 @@ class Option:
             "ddp": "ddp",
             "fsdp": f"fsdp {self.sharding}",
             "zero": f"zero-{self.stage}",
+            "tp": f"tensor parallel {self.tensor}"
+            + (" + SP" if self.sequence_parallel else "")
+            + (" × fsdp" if self.sharding else ""),
         }[self.family]
         parts = [base]
         if self.checkpoint is None:
@@ -68,7 +79,13 @@ class Option:
     @property
     def short(self) -> str:
         """The name in one-line reasons: ``DDP``, ``FSDP+AC``, ``ZeRO-3``."""
-        base = {"single": "1 process", "ddp": "DDP", "fsdp": "FSDP", "zero": f"ZeRO-{self.stage}"}[self.family]
+        base = {
+            "single": "1 process",
+            "ddp": "DDP",
+            "fsdp": "FSDP",
+            "zero": f"ZeRO-{self.stage}",
+            "tp": f"TP{self.tensor}" + ("+SP" if self.sequence_parallel else "") + ("×FSDP" if self.sharding else ""),
+        }[self.family]
         if self.family == "fsdp" and self.sharding != "FULL_SHARD":
             base += {"SHARD_GRAD_OP": " grad-op", "HYBRID_SHARD": " hybrid"}[self.sharding]
         if self.checkpoint != 0:
@@ -105,6 +122,8 @@ class Row:
             "strategy": o.strategy,
             "label": o.label,
             "sharding": o.sharding or (f"zero-{o.stage}" if o.stage else None),
+            "tensor_parallel_size": o.tensor,
+            "sequence_parallel": o.sequence_parallel,
             "activation_checkpointing": "all" if o.checkpoint is None else o.checkpoint,
             "offload": o.offload,
             "params_bytes": self.params,

@@ -102,9 +102,13 @@ def rank_key(option: Option) -> tuple:
     return (offload > 0, option.level, ac, offload, option.family == "zero")
 
 
-def candidate_options(job: Job, strategy: str = "all", checkpoint: str | bool = "both") -> list[Option]:
+def candidate_options(
+    job: Job, strategy: str = "all", checkpoint: str | bool = "both", tensor_parallel: bool = False
+) -> list[Option]:
     """The options for a job, in ranking order. ``strategy``: ``all``, ``auto`` (DDP and FSDP
-    only) or a strategy name; ``checkpoint``: ``both`` (with and without), True, False."""
+    only) or a strategy name; ``checkpoint``: ``both`` (with and without), True, False;
+    ``tensor_parallel``: ``all`` lists the tensor-parallel layout too (a table to compare; its micro-batch
+    is per data-parallel rank, so what keeps a global batch — auto, what-if — leaves it out)."""
     world, nodes = job.world_size, job.num_nodes
     options: list[Option] = []
     if world == 1:
@@ -118,6 +122,8 @@ def candidate_options(job: Job, strategy: str = "all", checkpoint: str | bool = 
         if job.gpu:
             options.append(Option("fsdp", sharding="FULL_SHARD", offload="cpu"))
             options += [Option("zero", stage=2, offload="cpu"), Option("zero", stage=3, offload="cpu")]
+        if strategy == "all" and tensor_parallel:
+            options += [o for o in [tensor_parallel_option(job)] if o is not None]
     if strategy == "auto":
         options = [o for o in options if o.family in AUTO_FAMILIES]
     elif strategy != "all":  # the option that strategy runs, as the run would start it
@@ -148,7 +154,34 @@ def option_for_run(strategy: str, job: Job, sharding: str = "FULL_SHARD", cpu_of
         if stage == 0:  # no ZeRO: every rank holds everything, as under DDP
             return Option("ddp") if job.world_size > 1 else Option("single")
         return Option("zero", stage=stage, offload=offload if job.gpu else "none")
+    if strategy == "model_parallel":
+        return tensor_parallel_option(job, strict=True)
     return None
+
+
+def tensor_parallel_option(job: Job, strict: bool = False) -> Option | None:
+    """The layout ``strategy: model_parallel`` runs with the job's sizes (tensor parallel over one node's
+    devices unless set; FSDP over the ranks that remain), or None when there is nothing to split, the
+    model has no built-in plan, or a pipeline is asked for (not modelled). A size the run would refuse
+    (one that does not divide the heads) raises when ``strict`` (the strategy was named), else is left out."""
+    from distrain.parallel.layout import layout_for
+    from distrain.parallel.tensor_parallel import built_in_targets
+
+    if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1):
+        return None
+    try:
+        layout = layout_for(job.world_size, job.per_node, False, job.tensor_parallel, "auto", None)
+        targets = built_in_targets(job.spec.build())
+        for model, plan in targets:
+            plan(model, layout.tensor, job.sequence_parallel)  # checks that the size divides the model's
+        if layout.tensor < 2 or not targets:
+            return None
+    except ValueError:
+        if strict:
+            raise
+        return None
+    sharding = "FULL_SHARD" if layout.data > 1 else None
+    return Option("tp", sharding=sharding, tensor=layout.tensor, sequence_parallel=job.sequence_parallel)
 
 
 def _zero_of(strategy: str, user: dict | None) -> tuple[int, str]:
@@ -203,7 +236,10 @@ class Plan:
             cells = [cell(v) for v in (r.params, r.grads, r.optimizer, r.activations, r.buffers, r.peak)]
             cells += [host, "yes" if r.fits else "no", "-" if r.max_micro_batch is None else str(r.max_micro_batch)]
             if timed:
-                cells += [format_seconds(r.step.seconds), format_rate(self.job.tokens_per_step / r.step.seconds)]
+                cells += [
+                    format_seconds(r.step.seconds),
+                    format_rate(self.job.tokens_per_step_of(r.option) / r.step.seconds),
+                ]
             mark = "  ← this run" if r.option == self.run else ""
             lines.append(f"{r.option.label:<{width}} " + " ".join(f"{c:>8}" for c in cells) + mark)
         lines.append("")
@@ -236,7 +272,7 @@ class Plan:
             "rows": [
                 {
                     **r.to_json(),
-                    "tokens_per_second": job.tokens_per_step / r.step.seconds if r.step else None,
+                    "tokens_per_second": job.tokens_per_step_of(r.option) / r.step.seconds if r.step else None,
                     "this_run": r.option == self.run,
                 }
                 for r in self.rows
@@ -358,7 +394,7 @@ class Planner:
         if len(seen) == 1 and chosen.option.level == 0 and chosen.option.checkpoint == 0:
             why += " (fits with nothing sharded, recomputed or offloaded)"
         if chosen.step is not None:
-            tokens = self.job.tokens_per_step / chosen.step.seconds
+            tokens = self.job.tokens_per_step_of(chosen.option) / chosen.step.seconds
             why += f"; predicted {format_seconds(chosen.step.seconds)}/step, {tokens:,.0f} tokens/s: "
             faster = [r for r in seen if r.fits and r.step and r.step.seconds < chosen.step.seconds]
             if faster:
@@ -372,7 +408,7 @@ class Planner:
         return f"{chosen.option.label}: {why}"
 
     def plan(self, strategy: str = "all", checkpoint: bool | str = "both") -> Plan:
-        rows = [self.row(o) for o in candidate_options(self.job, strategy, checkpoint)]
+        rows = [self.row(o) for o in candidate_options(self.job, strategy, checkpoint, tensor_parallel=True)]
         eligible = [r for r in rows if r.option.family in AUTO_FAMILIES] if strategy == "all" else rows
         if self.hardware is not None:
             eligible = sorted(eligible, key=lambda r: r.step.seconds)

@@ -15,6 +15,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from distrain import compat
@@ -49,28 +50,38 @@ def simulate_fsdp(*args, **kwargs) -> FSDPPeak:
     process that ran it (DTensors built afterwards on a real group placed their shards as the fake
     group's rank 0 — every rank the same shard — and checkpoints failed), and the process that
     plans is the one that trains (rank 0 of ``distrain train``)."""
+    return _in_forked_child(_simulate_fsdp, args, kwargs)
+
+
+def simulate_tensor_parallel(*args, **kwargs) -> TensorParallelStep:
+    """One rank's memory and communication in a training step under tensor parallelism (alone, or
+    in 2-D with FSDP over the data-parallel ranks), simulated in a forked child as FSDP's is."""
+    return _in_forked_child(_simulate_tensor_parallel, args, kwargs)
+
+
+def _in_forked_child(simulation, args, kwargs):
     import multiprocessing
 
     if "fork" not in multiprocessing.get_all_start_methods():
-        raise RuntimeError("simulating FSDP needs os.fork (Linux, macOS)")
+        raise RuntimeError("simulating a sharded layout needs os.fork (Linux, macOS)")
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(send, args, kwargs), daemon=True)
+    child = context.Process(target=_child, args=(send, simulation, args, kwargs), daemon=True)
     child.start()
     send.close()
     try:
         ok, value = receive.recv()
     except EOFError:
-        ok, value = False, RuntimeError(f"the FSDP simulation died (exit code {child.exitcode})")
+        ok, value = False, RuntimeError(f"the simulation died (exit code {child.exitcode})")
     child.join()
     if not ok:
         raise value
     return value
 
 
-def _child(send, args, kwargs) -> None:
+def _child(send, simulation, args, kwargs) -> None:
     try:
-        result = (True, _simulate_fsdp(*args, **kwargs))
+        result = (True, simulation(*args, **kwargs))
     except BaseException as e:  # sent back and raised in the parent
         result = (False, RuntimeError(f"{type(e).__name__}: {e}"))
     send.send(result)
@@ -175,4 +186,140 @@ def _peak_of(snapshot: dict) -> FSDPPeak:
         buffers=k("All Gather", "Reduce Scatter"),
         peak=k("Total"),
         sharded_state=k("Sharded Param", "Sharded Grad", "OptState"),
+    )
+
+
+# ---- tensor parallelism ----------------------------------------------------------------------------------
+@dataclass
+class TensorParallelStep:
+    """One rank's bytes in a tensor-parallel step, and the collectives one micro-batch's forward and
+    backward sends (``(kind, bytes of the whole tensor, ranks, FSDP's over the data-parallel ranks)``;
+    the step's own, such as the gradient norm's, in ``step_collectives``)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    """Alive at the forward/backward peak besides parameters and optimizer state (gradients included)."""
+    peak: int
+    collectives: list[tuple[str, float, int, bool]]
+    step_collectives: list[tuple[str, float, int, bool]]
+
+
+class _CollectiveLog(TorchDispatchMode):
+    """Records the collectives a step issues (functional collectives: DTensor's redistributes and the
+    loss's; c10d's: FSDP's) under the current ``phase``; runs each as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "forward_backward"
+        self.seen: dict[str, list] = {"forward_backward": [], "step": []}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        entry = _collective_entry(func, args)
+        if entry is not None:
+            self.seen[self.phase].append(entry)
+        return out
+
+
+def _collective_entry(func, args) -> tuple[str, float, int, bool] | None:
+    import torch.distributed as dist
+
+    name = func._overloadpacket.__name__
+    kind = next(
+        (k for k in ("all_reduce", "all_gather", "reduce_scatter") if k.replace("_", "") in name.replace("_", "")), None
+    )
+    if func.namespace not in ("_c10d_functional", "c10d") or kind is None:
+        return None
+    tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+    boxed = [a for a in args if isinstance(a, torch.ScriptObject)]
+    if boxed:  # c10d's ops take the group itself, boxed (FSDP's gathers and reductions: output, input)
+        ranks = dist.ProcessGroup.unbox(boxed[0]).size()
+        size = max(t.numel() * t.element_size() for t in tensors)
+    else:  # functional collectives name their group, after the reduce op
+        name = next(a for a in reversed(args) if isinstance(a, str))
+        ranks = dist.distributed_c10d._resolve_process_group(name).size()
+        size = tensors[0].numel() * tensors[0].element_size()
+        if kind == "all_gather":
+            size *= ranks  # the input is one rank's part
+    return kind, float(size), ranks, bool(boxed)
+
+
+def _simulate_tensor_parallel(
+    spec: ModelSpec,
+    micro_batch: int,
+    *,
+    world_size: int,
+    tensor: int,
+    sequence_parallel: bool = True,
+    precision: str = "32-true",
+    checkpoint: int | None = 0,
+    accumulate: int = 1,
+    foreach: bool = False,
+) -> TensorParallelStep:
+    """distrain's ``ModelParallelStrategy`` on a fake process group, under fake tensors, one training
+    step as the Trainer runs it. The peak is taken over forward and backward; the optimizer step's is
+    counted (its state, parameters and gradients): fake DTensors' fused optimizer kernels allocate
+    outputs that a real run updates in place."""
+    from distrain.accelerators import Accelerator
+    from distrain.cluster import detect_cluster
+    from distrain.module import StepRouter
+    from distrain.precision import Precision
+    from distrain.strategies.model_parallel import ModelParallelStrategy
+
+    with compat.fake_process_group(world_size, forked_child=True):
+        strategy = ModelParallelStrategy(
+            tensor_parallel_size=tensor,
+            data_parallel_size=world_size // tensor,
+            sequence_parallel=sequence_parallel,
+            activation_checkpointing_policy=checkpoint_policy(spec.block_classes, checkpoint),
+        )
+        sim_precision = "bf16-mixed" if precision == "16-mixed" else precision
+        strategy.connect(Accelerator(), Precision(sim_precision, "cpu"), detect_cluster(), world_size, 1)
+        strategy.device_mesh = strategy.layout.mesh("cpu")
+        module = spec.build()
+        object.__setattr__(module, "reset_parameters", lambda: None)
+        fake = compat.fake_tensor_mode(allow_non_fake_inputs=True)
+        with fake as mode, compat.transformers_masks_as_in_eager(), compat.device_meshes_outside_fake_mode():
+            model = strategy.setup(StepRouter(module)).model
+            optimizer = first_optimizer(module.configure_optimizers())
+            if foreach:
+                use_foreach(optimizer)
+            create_optimizer_state(model, optimizer)
+            batch = tree_map_only(torch.Tensor, mode.from_tensor, spec.make_batch(micro_batch))
+            tracker = compat.peak_memory_tracker()
+            tracker.track_external(model, optimizer)
+            log = _CollectiveLog()
+            autocast = Precision(sim_precision, "cpu").autocast
+            micro_steps = min(accumulate, 2)
+            with tracker, log:
+                for i in range(micro_steps):
+                    if i == 1:  # one micro-batch's collectives; the second shows what accumulation holds
+                        collectives, log.seen["forward_backward"] = log.seen["forward_backward"], []
+                    sync = i == micro_steps - 1
+                    with contextlib.nullcontext() if sync else strategy.no_backward_sync(model):
+                        with autocast():
+                            loss = loss_of(model("training_step", batch, 0))
+                        strategy.backward(loss / micro_steps, model)
+                        del loss
+                peak = tracker.peak_bytes()
+                log.phase = "step"
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if micro_steps == 1:
+                collectives = log.seen["forward_backward"]
+            local = lambda t: getattr(t, "_local_tensor", t)  # noqa: E731
+            nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
+            params = nbytes({id(p): p for p in model.parameters()}.values())
+            grads = nbytes(p for p in model.parameters() if p.requires_grad)
+            opt = nbytes(v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return TensorParallelStep(
+        params=params,
+        grads=grads,
+        optimizer=opt,
+        activations=max(0, peak - params - opt),
+        peak=max(peak, params + grads + opt),
+        collectives=collectives,
+        step_collectives=log.seen["step"],
     )

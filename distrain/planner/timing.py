@@ -372,3 +372,30 @@ def step_time(option, job, trace, units: int, hw: Hardware) -> StepTime:
     else:
         seconds = compute + comm + optimizer
     return StepTime(compute, optimizer, comm, seconds)
+
+
+def tensor_parallel_step_time(option, job, trace, simulated, hw: Hardware) -> StepTime:
+    """One optimizer step under tensor parallelism (``simulated``: ``simulate.TensorParallelStep``).
+    Each rank computes 1/T of every layer's FLOPs and bytes, yet runs every operation; the
+    collectives are the ones the simulated step issued (each layer's, per micro-batch; FSDP's over
+    the data-parallel ranks in 2-D). A layer's collective sits between two computations that need
+    it, so none is counted as hidden behind compute, on a GPU either."""
+    t = option.tensor
+    fb = trace.work.forward_backward
+    compute = job.accumulate * work_seconds(type(fb)(fb.flops / t, fb.bytes / t, fb.ops), hw)
+    optimizer = work_seconds(trace.work.step, hw, 1 / job.world_size)  # the state is split over every rank
+    grouped: dict[tuple[str, int, bool], list[float]] = {}
+    for kind, size, ranks, fsdp in simulated.collectives:
+        grouped.setdefault((kind, ranks, fsdp), []).append(size)
+    # tensor-parallel groups stay within a node; FSDP's data-parallel ones cross nodes, through flat buffers
+    sent = [
+        Collective(kind, sum(sizes), ranks, job.accumulate, len(sizes), fsdp and job.num_nodes > 1, fsdp)
+        for (kind, ranks, fsdp), sizes in grouped.items()
+    ]
+    sent += [
+        Collective(kind, size, ranks, 1, 1, fsdp and job.num_nodes > 1, fsdp)
+        for kind, size, ranks, fsdp in simulated.step_collectives
+    ]
+    compute += sum(copy_seconds(c, hw) for c in sent)
+    comm = sum(collective_seconds(c, hw) for c in sent)
+    return StepTime(compute, optimizer, comm, compute + optimizer + comm)
