@@ -91,7 +91,7 @@ class Estimator:
         self.job = job
         self._traces: dict[tuple, StepTrace] = {}
         self._stats: ParamStats | None = None
-        self._fsdp: dict[tuple, object] = {}
+        self._simulated: dict[tuple, object] = {}  # FSDP's and tensor parallelism's simulated steps
         self._rows: dict[Option, Row] = {}
         self._shallow: dict[int, Estimator] | None = None
         if is_deep(job.spec):
@@ -242,9 +242,9 @@ class Estimator:
         from distrain.planner.simulate import simulate_fsdp
 
         job = self.job
-        key = (option.sharding, option.checkpoint, job.micro_batch)
-        if key not in self._fsdp:
-            self._fsdp[key] = simulate_fsdp(
+        key = ("fsdp", option.sharding, option.checkpoint, job.micro_batch)
+        if key not in self._simulated:
+            self._simulated[key] = simulate_fsdp(
                 job.spec,
                 job.micro_batch,
                 world_size=job.world_size,
@@ -256,7 +256,7 @@ class Estimator:
                 foreach=job.gpu,
                 options=job.fsdp_options,
             )
-        p = self._fsdp[key]
+        p = self._simulated[key]
         # the activations column means the same for every row: the traced peak at this micro-batch (the
         # simulation's own kinds at its peak moment mix in the optimizer step's temporaries)
         activations = self.trace("fsdp", option.checkpoint).activations
@@ -281,8 +281,8 @@ class Estimator:
 
         job = self.job
         key = ("tp", option.tensor, option.sequence_parallel, option.checkpoint, job.micro_batch)
-        if key not in self._fsdp:
-            self._fsdp[key] = simulate_tensor_parallel(
+        if key not in self._simulated:
+            self._simulated[key] = simulate_tensor_parallel(
                 job.spec,
                 job.micro_batch,
                 world_size=job.world_size,
@@ -293,7 +293,7 @@ class Estimator:
                 accumulate=job.accumulate,
                 foreach=job.gpu,
             )
-        return self._fsdp[key]
+        return self._simulated[key]
 
     def _tensor_row(self, option: Option) -> Row:
         """Tensor parallel, with FSDP over the other ranks when there are any: simulated."""

@@ -104,10 +104,6 @@ def _simulate_fsdp(
     """The simulation itself, in a forked child (it makes a fake process group; an inherited one is forgotten)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from distrain.accelerators import Accelerator
-    from distrain.cluster import detect_cluster
-    from distrain.module import StepRouter
-    from distrain.precision import Precision
     from distrain.strategies.fsdp import FSDPStrategy
 
     with compat.fake_process_group(world_size, forked_child=True):
@@ -122,23 +118,10 @@ def _simulate_fsdp(
             activation_checkpointing_policy=checkpoint_policy(spec.block_classes, checkpoint),
             **(options or {}),
         )
-        # fp16 runs as bf16 here (same bytes): a CPU simulation cannot build a 16-mixed Precision
-        sim_precision = "bf16-mixed" if precision == "16-mixed" else precision
-        strategy.connect(Accelerator(), Precision(sim_precision, "cpu"), detect_cluster(), world_size, num_nodes)
-        module = spec.build()
-        # the weights' values do not matter: skip every loader a module may run at materialization
-        object.__setattr__(module, "reset_parameters", lambda: None)
-        fake = compat.fake_tensor_mode(allow_non_fake_inputs=True)
-        with fake as mode, compat.transformers_masks_as_in_eager():
-            model = strategy.setup(StepRouter(module)).model
-            optimizer = first_optimizer(module.configure_optimizers())
-            if foreach:
-                use_foreach(optimizer)
-            create_optimizer_state(model, optimizer)
-            batch = tree_map_only(torch.Tensor, mode.from_tensor, spec.make_batch(micro_batch))
+        _connect(strategy, precision, world_size, num_nodes)
+        with _set_up(strategy, spec, micro_batch, foreach) as (model, optimizer, batch):
             tracker = compat.fsdp_memory_tracker_class()(model, optimizer)
             tracker.track_inputs(tuple(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)))
-            autocast = Precision(sim_precision, "cpu").autocast
             with tracker:
                 # with accumulation, the micro-steps before the last keep unsharded gradients (no
                 # reduce-scatter); one of them shows what all of them hold
@@ -147,8 +130,8 @@ def _simulate_fsdp(
                     if i:
                         tracker.reset_mod_stats()  # FSDPMemTracker refuses a module's second forward otherwise
                     sync = i == micro_steps - 1
-                    with contextlib.nullcontext() if sync else _no_sync(model):
-                        with autocast():
+                    with contextlib.nullcontext() if sync else strategy.no_backward_sync(model):
+                        with strategy.precision.autocast():
                             loss = loss_of(model("training_step", batch, 0))
                         (loss / micro_steps).backward()
                         del loss
@@ -160,13 +143,34 @@ def _simulate_fsdp(
     return _peak_of(snapshot)
 
 
+def _connect(strategy, precision: str, world_size: int, num_nodes: int) -> None:
+    """The strategy told its devices, precision and ranks, as the launcher tells a run's."""
+    from distrain.accelerators import Accelerator
+    from distrain.cluster import detect_cluster
+    from distrain.precision import Precision
+
+    # fp16 runs as bf16 here (same bytes): a CPU simulation cannot build a 16-mixed Precision
+    sim_precision = "bf16-mixed" if precision == "16-mixed" else precision
+    strategy.connect(Accelerator(), Precision(sim_precision, "cpu"), detect_cluster(), world_size, num_nodes)
+
+
 @contextlib.contextmanager
-def _no_sync(model):
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+def _set_up(strategy, spec: ModelSpec, micro_batch: int, foreach: bool):
+    """A connected ``strategy`` set up as a run sets it up, on the model built on the meta device, under fake
+    tensors: yields the model, its optimizer with its state, and a batch."""
+    from distrain.module import StepRouter
+
+    module = spec.build()
+    # the weights' values do not matter: skip every loader a module may run at materialization
+    object.__setattr__(module, "reset_parameters", lambda: None)
+    fake = compat.fake_tensor_mode(allow_non_fake_inputs=True)
+    with fake as mode, compat.transformers_masks_as_in_eager(), compat.device_meshes_outside_fake_mode():
+        model = strategy.setup(StepRouter(module)).model
+        optimizer = first_optimizer(module.configure_optimizers())
+        if foreach:
+            use_foreach(optimizer)
+        create_optimizer_state(model, optimizer)
+        yield model, optimizer, tree_map_only(torch.Tensor, mode.from_tensor, spec.make_batch(micro_batch))
 
 
 def _peak_of(snapshot: dict) -> FSDPPeak:
@@ -262,10 +266,6 @@ def _simulate_tensor_parallel(
     step as the Trainer runs it. The peak is taken over forward and backward; the optimizer step's is
     counted (its state, parameters and gradients): fake DTensors' fused optimizer kernels allocate
     outputs that a real run updates in place."""
-    from distrain.accelerators import Accelerator
-    from distrain.cluster import detect_cluster
-    from distrain.module import StepRouter
-    from distrain.precision import Precision
     from distrain.strategies.model_parallel import ModelParallelStrategy
 
     with compat.fake_process_group(world_size, forked_child=True):
@@ -275,40 +275,27 @@ def _simulate_tensor_parallel(
             sequence_parallel=sequence_parallel,
             activation_checkpointing_policy=checkpoint_policy(spec.block_classes, checkpoint),
         )
-        sim_precision = "bf16-mixed" if precision == "16-mixed" else precision
-        strategy.connect(Accelerator(), Precision(sim_precision, "cpu"), detect_cluster(), world_size, 1)
-        strategy.device_mesh = strategy.layout.mesh("cpu")
-        module = spec.build()
-        object.__setattr__(module, "reset_parameters", lambda: None)
-        fake = compat.fake_tensor_mode(allow_non_fake_inputs=True)
-        with fake as mode, compat.transformers_masks_as_in_eager(), compat.device_meshes_outside_fake_mode():
-            model = strategy.setup(StepRouter(module)).model
-            optimizer = first_optimizer(module.configure_optimizers())
-            if foreach:
-                use_foreach(optimizer)
-            create_optimizer_state(model, optimizer)
-            batch = tree_map_only(torch.Tensor, mode.from_tensor, spec.make_batch(micro_batch))
+        _connect(strategy, precision, world_size, 1)
+        strategy.device_mesh = strategy.layout.mesh("cpu")  # as a rank's setup_environment builds it
+        with _set_up(strategy, spec, micro_batch, foreach) as (model, optimizer, batch):
             tracker = compat.peak_memory_tracker()
             tracker.track_external(model, optimizer)
             log = _CollectiveLog()
-            autocast = Precision(sim_precision, "cpu").autocast
-            micro_steps = min(accumulate, 2)
+            micro_steps = min(accumulate, 2)  # the second shows what accumulation holds
             with tracker, log:
                 for i in range(micro_steps):
-                    if i == 1:  # one micro-batch's collectives; the second shows what accumulation holds
-                        collectives, log.seen["forward_backward"] = log.seen["forward_backward"], []
                     sync = i == micro_steps - 1
                     with contextlib.nullcontext() if sync else strategy.no_backward_sync(model):
-                        with autocast():
+                        with strategy.precision.autocast():
                             loss = loss_of(model("training_step", batch, 0))
                         strategy.backward(loss / micro_steps, model)
                         del loss
+                    if i == 0:
+                        per_micro_batch = list(log.seen["forward_backward"])
                 peak = tracker.peak_bytes()
                 log.phase = "step"
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            if micro_steps == 1:
-                collectives = log.seen["forward_backward"]
             local = lambda t: getattr(t, "_local_tensor", t)  # noqa: E731
             nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
             params = nbytes({id(p): p for p in model.parameters()}.values())
@@ -320,6 +307,6 @@ def _simulate_tensor_parallel(
         optimizer=opt,
         activations=max(0, peak - params - opt),
         peak=max(peak, params + grads + opt),
-        collectives=collectives,
+        collectives=per_micro_batch,
         step_collectives=log.seen["step"],
     )

@@ -381,8 +381,7 @@ def tensor_parallel_step_time(option, job, trace, simulated, hw: Hardware) -> St
     the data-parallel ranks in 2-D). A layer's collective sits between two computations that need
     it, so none is counted as hidden behind compute, on a GPU either."""
     t = option.tensor
-    fb = trace.work.forward_backward
-    compute = job.accumulate * work_seconds(type(fb)(fb.flops / t, fb.bytes / t, fb.ops), hw)
+    compute = job.accumulate * work_seconds(trace.work.forward_backward.scaled(1 / t), hw)
     optimizer = work_seconds(trace.work.step, hw, 1 / job.world_size)  # the state is split over every rank
     grouped: dict[tuple[str, int, bool], list[float]] = {}
     for kind, size, ranks, fsdp in simulated.collectives:
