@@ -50,10 +50,11 @@ def test_each_rank_holds_half_the_model_and_sends_each_layers_activations(gpt_mi
     assert all(ranks == 2 and not fsdp for _, _, ranks, fsdp in sim[0].collectives + split)
 
 
-def test_the_plan_has_a_row_for_the_layout_model_parallel_runs(capsys):
+def test_the_plan_has_a_row_for_the_layout_model_parallel_runs(capsys, tmp_path):
     """``distrain plan --strategy model_parallel`` plans the layout the run would take (tensor parallel
     over the node's devices; sequence parallelism as configured), with its time; the whole plan lists it
-    beside the others, while ``strategy: auto`` keeps to DDP and FSDP; a pipeline is not planned."""
+    beside the others, while ``strategy: auto`` keeps to DDP and FSDP; a pipeline is not planned; a model
+    without a plan, or a size that does not divide its heads, gets the run's own one line."""
     args = ["plan", "--devices", "2", "--accelerator", "cpu", "--json"]
     assert cli.main([*args, "--strategy", "model_parallel", "distributed.sequence_parallel=false"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -67,6 +68,16 @@ def test_the_plan_has_a_row_for_the_layout_model_parallel_runs(capsys):
     assert out["recommendation"] in ("ddp", "fsdp")
     assert cli.main([*args, "--strategy", "model_parallel", "distributed.pipeline_stages=2"]) == 2
     assert "is not planned" in capsys.readouterr().err
+    from distrain.hf.tiny import make_tiny_bert
+
+    bert = ["--model-name", make_tiny_bert(str(tmp_path / "bert"))]
+    assert cli.main([*args, *bert, "--strategy", "model_parallel"]) == 2
+    assert "has no built-in tensor-parallel plan" in capsys.readouterr().err
+    assert cli.main([*args, *bert]) == 0  # the whole plan leaves the layout out
+    assert "model_parallel" not in [r["strategy"] for r in json.loads(capsys.readouterr().out)["rows"]]
+    four = ["plan", "--devices", "4", "--accelerator", "cpu", "--model-name", "gpt-mini"]
+    assert cli.main([*four, "--strategy", "model_parallel", "distributed.tensor_parallel_size=4"]) == 2
+    assert "tensor_parallel_size=4 must divide the model's n_head=6" in capsys.readouterr().err
 
 
 def test_fsdp_over_the_data_parallel_ranks_crosses_nodes_and_tensor_parallel_does_not():

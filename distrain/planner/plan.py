@@ -165,16 +165,19 @@ def tensor_parallel_option(job: Job, strict: bool = False) -> Option | None:
     model has no built-in plan, or a pipeline is asked for (not modelled). A size the run would refuse
     (one that does not divide the heads) raises when ``strict`` (the strategy was named), else is left out."""
     from distrain.parallel.layout import layout_for
-    from distrain.parallel.tensor_parallel import built_in_targets
+    from distrain.parallel.tensor_parallel import built_in_targets, no_plan_message
 
     if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1):
         return None
     try:
         layout = layout_for(job.world_size, job.per_node, False, job.tensor_parallel, "auto", None)
-        targets = built_in_targets(job.spec.build())
+        module = job.spec.build()
+        targets = built_in_targets(module)
+        if not targets:
+            raise ValueError(no_plan_message(module))  # what the run would say
         for model, plan in targets:
             plan(model, layout.tensor, job.sequence_parallel)  # checks that the size divides the model's
-        if layout.tensor < 2 or not targets:
+        if layout.tensor < 2:
             return None
     except ValueError:
         if strict:
