@@ -73,6 +73,9 @@ def test_the_plan_has_a_row_for_the_layout_model_parallel_runs(capsys, tmp_path)
     bert = ["--model-name", make_tiny_bert(str(tmp_path / "bert"))]
     assert cli.main([*args, *bert, "--strategy", "model_parallel"]) == 2
     assert "has no built-in tensor-parallel plan" in capsys.readouterr().err
+    # tensor_parallel_size=1: nothing split (FSDP over both ranks runs any model), so no plan is needed
+    assert cli.main([*args, *bert, "--strategy", "model_parallel", "distributed.tensor_parallel_size=1"]) == 2
+    assert "is not planned" in capsys.readouterr().err
     assert cli.main([*args, *bert]) == 0  # the whole plan leaves the layout out
     assert "model_parallel" not in [r["strategy"] for r in json.loads(capsys.readouterr().out)["rows"]]
     four = ["plan", "--devices", "4", "--accelerator", "cpu", "--model-name", "gpt-mini"]

@@ -171,14 +171,14 @@ def tensor_parallel_option(job: Job, strict: bool = False) -> Option | None:
         return None
     try:
         layout = layout_for(job.world_size, job.per_node, False, job.tensor_parallel, "auto", None)
+        if layout.tensor < 2:  # nothing split: FSDP alone, which any model runs
+            return None
         module = job.spec.build()
         targets = built_in_targets(module)
         if not targets:
             raise ValueError(no_plan_message(module))  # what the run would say
         for model, plan in targets:
             plan(model, layout.tensor, job.sequence_parallel)  # checks that the size divides the model's
-        if layout.tensor < 2:
-            return None
     except ValueError:
         if strict:
             raise

@@ -230,11 +230,11 @@ class _CollectiveLog(TorchDispatchMode):
 def _collective_entry(func, args) -> tuple[str, float, int, bool] | None:
     import torch.distributed as dist
 
-    name = func._overloadpacket.__name__
-    kind = next(
-        (k for k in ("all_reduce", "all_gather", "reduce_scatter") if k.replace("_", "") in name.replace("_", "")), None
-    )
-    if func.namespace not in ("_c10d_functional", "c10d") or kind is None:
+    if func.namespace not in ("_c10d_functional", "c10d"):  # every other operation of the step: nothing to log
+        return None
+    name = func._overloadpacket.__name__.replace("_", "")  # all_reduce, allreduce_, _allgather_base_, ...
+    kind = next((k for k in ("all_reduce", "all_gather", "reduce_scatter") if k.replace("_", "") in name), None)
+    if kind is None:
         return None
     tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
     boxed = [a for a in args if isinstance(a, torch.ScriptObject)]
@@ -298,7 +298,7 @@ def _simulate_tensor_parallel(
                 optimizer.zero_grad(set_to_none=True)
             local = lambda t: getattr(t, "_local_tensor", t)  # noqa: E731
             nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
-            params = nbytes({id(p): p for p in model.parameters()}.values())
+            params = nbytes(model.parameters())  # each tied parameter once, as parameters() yields it
             grads = nbytes(p for p in model.parameters() if p.requires_grad)
             opt = nbytes(v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
     return TensorParallelStep(
