@@ -164,3 +164,45 @@ def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---- replica groups (fault tolerance with torchft) --------------------------------------------------------
+#: torchft's own names: which replica group this process belongs to, how many there are, where the lighthouse is
+REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, LIGHTHOUSE = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """This process's replica group: ``ddp_torchft`` runs several groups, each a job of its own (its own ranks,
+    process group and restarts), that average gradients with each other and go on when one is lost."""
+
+    id: int
+    count: int
+    lighthouse: str
+
+
+def replica_group(env: dict | None = None) -> ReplicaGroup | None:
+    """The replica group the environment names (distrain's launcher sets it for each group it starts; one torchrun
+    per group sets it by hand), or None when none is named."""
+    env = dict(os.environ if env is None else env)
+    if REPLICA_GROUP_ID not in env:
+        return None
+    missing = [k for k in (NUM_REPLICA_GROUPS, LIGHTHOUSE) if not env.get(k)]
+    if missing:
+        raise ValueError(
+            f"{REPLICA_GROUP_ID}={env[REPLICA_GROUP_ID]} is set but {', '.join(missing)} is not: a replica group "
+            f"needs all three ({REPLICA_GROUP_ID}, {NUM_REPLICA_GROUPS}, {LIGHTHOUSE}=http://host:port)"
+        )
+    group, count = _int(env, REPLICA_GROUP_ID), _int(env, NUM_REPLICA_GROUPS)
+    if not 0 <= group < count:
+        raise ValueError(f"{REPLICA_GROUP_ID}={group} is outside 0..{count - 1} ({NUM_REPLICA_GROUPS}={count})")
+    return ReplicaGroup(group, count, env[LIGHTHOUSE])
+
+
+def replica_run_dir(path: str) -> str:
+    """Each replica group writes its own run directory (metrics, logs, checkpoints): ``<path>/replica_<id>``.
+    Unchanged outside a replica group, and for a path already inside that group's."""
+    group = replica_group()
+    if group is None or f"replica_{group.id}" in os.path.normpath(path).split(os.sep):
+        return path
+    return os.path.join(path, f"replica_{group.id}")

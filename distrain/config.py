@@ -137,6 +137,16 @@ class DistributedConfig:
     """Block indices or names (``gpt.blocks.2``) where stages 2, 3, ... begin; null → balanced by parameter count."""
     pipeline_stages_per_rank: int | None = None
     """Interleaved1F1B: model pieces per pipeline rank (null → 2; other schedules: 1)."""
+    # per-step fault tolerance (strategy ddp_torchft): replica groups of ``devices`` ranks each
+    replica_groups: int = 2
+    """ddp_torchft: replica groups distrain starts on this machine (each a torchrun of ``devices`` ranks)."""
+    min_replicas: int = 1
+    """ddp_torchft: the fewest replica groups a step commits with (the lighthouse's quorum floor too)."""
+    lighthouse: str | None = None
+    """ddp_torchft: the address of a running ``torchft_lighthouse`` (``http://host:29510``); null → distrain starts
+    one."""
+    max_restarts: int = 3
+    """ddp_torchft: how often torchrun restarts one replica group whose rank died."""
 
 
 @dataclass

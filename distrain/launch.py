@@ -239,16 +239,95 @@ def _worker(local_rank, nprocs, node_rank, num_nodes, addr, port, outdir, fn, ar
     distributed.shutdown()
 
 
-def make_launcher(start_method: str | None, nprocs: int, cluster: ClusterEnv, num_nodes: int):
+def make_launcher(strategy, nprocs: int, cluster: ClusterEnv, num_nodes: int):
     """None when a launcher already started every rank, or when there is one process."""
+    start_method = strategy.start_method
     if cluster.launched_externally or start_method is None:
         return None
+    if start_method == "replica_groups":  # ddp_torchft: every group is a torchrun of its own, also of one rank
+        if num_nodes > 1:
+            raise ValueError(
+                "ddp_torchft on several nodes: start one torchrun per replica group yourself (REPLICA_GROUP_ID, "
+                "NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE set; torchft_lighthouse on one host); distrain starts the "
+                "groups of one machine"
+            )
+        return ReplicaGroupLauncher(
+            nprocs, strategy.replica_groups, strategy.min_replicas, strategy.lighthouse, strategy.max_restarts
+        )
     if nprocs * num_nodes == 1:
         return None
     node_rank = int(os.environ.get("NODE_RANK", 0))
     if start_method == "popen":
         return SubprocessLauncher(nprocs, num_nodes, node_rank)
     return MultiprocessingLauncher(nprocs, start_method, num_nodes, node_rank)
+
+
+class ReplicaGroupLauncher:
+    """``ddp_torchft``: this process supervises and trains nothing. It starts torchft's lighthouse (unless one is
+    given), then one torchrun per replica group running this same command; torchrun restarts a group whose rank died
+    (``max_restarts``), and the restarted group rejoins the others. SIGTERM/SIGINT reach every group (each stops at a
+    step and checkpoints). When every group has ended this process exits with the worst status, so code after
+    ``fit`` runs only in the groups."""
+
+    #: the lighthouse forms a quorum without a group that heartbeats but has not asked to join after this long
+    JOIN_TIMEOUT_MS = 10_000
+    #: a group whose manager sent no heartbeat for this long is lost: the others go on without it (torchft: 5 s)
+    HEARTBEAT_TIMEOUT_MS = 2_000
+
+    def __init__(self, nprocs: int, replica_groups: int, min_replicas: int, lighthouse: str | None, max_restarts: int):
+        self.nprocs, self.replica_groups, self.min_replicas = nprocs, replica_groups, min_replicas
+        self.lighthouse, self.max_restarts = lighthouse, max_restarts
+        self.log_dir: str | None = None
+
+    def launch(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        from distrain.cluster import LIGHTHOUSE, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID
+
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at INFO
+        server, address = None, self.lighthouse
+        if address is None:
+            from torchft.coordination import LighthouseServer
+
+            server = LighthouseServer(
+                bind="[::]:0",
+                min_replicas=self.min_replicas,
+                join_timeout_ms=self.JOIN_TIMEOUT_MS,
+                heartbeat_timeout_ms=self.HEARTBEAT_TIMEOUT_MS,
+            )
+            address = server.address()
+        python, *command = _command_of_this_process()
+        torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nprocs}"]
+        torchrun.append(f"--max-restarts={self.max_restarts}")
+        print(
+            f"distrain: {self.replica_groups} replica groups of {self.nprocs} rank(s), torchft lighthouse at {address}",
+            flush=True,
+        )
+        groups = []
+        for group in range(self.replica_groups):
+            env = {**os.environ, REPLICA_GROUP_ID: str(group), NUM_REPLICA_GROUPS: str(self.replica_groups)}
+            env[LIGHTHOUSE] = address
+            # the groups share this machine's cores (torchrun sets no thread count for one rank per group)
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (self.replica_groups * self.nprocs))))
+            for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                env.pop(key, None)  # torchrun sets the group's own
+            groups.append(subprocess.Popen([*torchrun, *command], env=env))
+
+        def forward(signum, frame):
+            for proc in groups:
+                if proc.poll() is None:
+                    proc.send_signal(signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            codes = [proc.wait() for proc in groups]
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if server is not None:
+                server.shutdown()
+        failed = [f"group {g}: exit code {c}" for g, c in enumerate(codes) if c != 0]
+        if failed:
+            print(f"[distrain] replica groups that failed (after their restarts): {'; '.join(failed)}", file=sys.stderr)
+        raise SystemExit(max((c for c in codes if c > 0), default=1 if failed else 0))
 
 
 # ---- each rank's output and failure, kept in <run dir>/logs ------------------------------------------------

@@ -64,7 +64,7 @@ class Runtime:
                 f"{self.nprocs * num_nodes} processes were requested (devices={devices}, num_nodes={num_nodes})"
             )
         self.strategy.connect(self.accelerator, self.precision, self.cluster, self.nprocs, num_nodes)
-        self._launcher = make_launcher(self.strategy.start_method, self.nprocs, self.cluster, num_nodes)
+        self._launcher = make_launcher(self.strategy, self.nprocs, self.cluster, num_nodes)
         #: NCCL flight-recorder dumps on a collective timeout go here (the Trainer: its run dir)
         self.flight_recorder_dir: str | None = None
         #: each rank's output (``rank_N.log``) and failure record go here (the Trainer: its run dir's logs/)
@@ -160,7 +160,7 @@ class Runtime:
         """Run with ``strategy`` instead (``strategy="auto"``, once decided), before any rank starts."""
         strategy.connect(self.accelerator, self.precision, self.cluster, self.nprocs, self.num_nodes)
         self.strategy = strategy
-        self._launcher = make_launcher(strategy.start_method, self.nprocs, self.cluster, self.num_nodes)
+        self._launcher = make_launcher(strategy, self.nprocs, self.cluster, self.num_nodes)
         self.auto_options = None
 
     def setup_environment(self) -> None:

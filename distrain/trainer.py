@@ -18,6 +18,7 @@ import os
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary, ProgressBar
 from distrain.checkpoint.state import read_checkpoint_meta
+from distrain.cluster import replica_run_dir
 from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, seed_workers, tokens_in_batch
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 from distrain.module import Module, StepRouter
@@ -40,6 +42,8 @@ from distrain.training.preemption import StopAgreement
 __all__ = ["Trainer", "CHECKPOINT_FORMAT", "NonFiniteError"]
 
 NONFINITE_POLICIES = ("stop", "skip", "ignore")
+#: what ``train_step`` returns for a step the strategy did not commit (``Strategy.commit_step``)
+DROPPED = object()
 
 
 class NonFiniteError(RuntimeError):
@@ -116,7 +120,8 @@ class Trainer:
             raise ValueError(f"log_every_n_steps must be a positive integer, got {log_every_n_steps!r}")
         # where and how the ranks run
         self.runtime = Runtime(accelerator, strategy, devices, num_nodes, precision, **strategy_kwargs)
-        self.default_root_dir = str(default_root_dir or os.path.join(os.getcwd(), "distrain_runs"))
+        # each replica group of a fault-tolerant run keeps its own run directory (replica_<id>/)
+        self.default_root_dir = replica_run_dir(str(default_root_dir or os.path.join(os.getcwd(), "distrain_runs")))
         self.runtime.flight_recorder_dir = os.path.join(self.default_root_dir, "flight_recorder")  # NCCL only
         self.runtime.log_dir = os.path.join(self.default_root_dir, "logs")  # rank_N.log: every rank's output
         if compile:  # torch.compile when the strategy sets the model up (strategies/layers.py: apply_compile)
@@ -145,6 +150,9 @@ class Trainer:
         self.callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
         if enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
             self.callbacks.append(ModelCheckpoint())
+        for cb in self.callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
+                cb.dirpath = Path(replica_run_dir(str(cb.dirpath)))
         if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.append(ProgressBar())
         if enable_plots and not any(isinstance(c, PlotSummary) for c in self.callbacks):
@@ -371,11 +379,16 @@ class Trainer:
         while not self._done() and (self.loop.max_epochs is None or self.current_epoch < self.loop.max_epochs):
             accumulate = self.loop.accumulate_for(self.current_epoch)
             for micro_batches in self._optimizer_steps(self._epoch_batches(loader), accumulate, loader):
+                if self.runtime.strategy.start_step(self.global_step):
+                    break  # this rank took over a peer's state (a replica group rejoining): read on from its position
                 output = self.train_step(micro_batches)
+                if output is DROPPED:
+                    continue
                 self._after_step(output, micro_batches[-1], val_loader)
                 if self._done():
                     return
-            self._end_epoch(val_loader)
+            else:
+                self._end_epoch(val_loader)
 
     def _optimizer_steps(self, batches: Iterable, accumulate: int, loader) -> Iterator[list]:
         """The epoch's ``(batch_idx, batch)`` pairs in windows of ``accumulate``, one per optimizer
@@ -419,7 +432,8 @@ class Trainer:
         """One optimizer step over this rank's micro-batches: forward/backward each (gradients
         synchronized on the last one only), then check, clip, step and log. The gradient is the mean
         over the step's micro-batches (each loss divided by their number, also in a shorter last
-        window) and over the ranks. Returns the last ``training_step`` output."""
+        window) and over the ranks. Returns the last ``training_step`` output, or ``DROPPED`` when the strategy did not
+        commit the step (nothing applied, the step not counted)."""
         rt, optimizer = self.runtime, self.optimizers[0]
         rt.mark_phase(self.global_step + 1, "forward/backward")  # where this rank is, if a collective hangs
         batches = [batch for _, batch in micro_batches]
@@ -438,6 +452,16 @@ class Trainer:
             samples += batch_size_of(batch)
             tokens += tokens_in_batch(batch) or 0
             self.progress.samples_in_epoch += batch_size_of(batch) * self.data_parallel_size
+        if not rt.strategy.commit_step():  # a replica group was lost during this step: no rank of this group applies it
+            optimizer.zero_grad(set_to_none=True)
+            self.progress.dropped_steps += 1
+            if self.is_global_zero:
+                print(
+                    f"distrain: step {self.global_step + 1} dropped (a replica group was lost during it); "
+                    "training goes on with the groups that remain",
+                    flush=True,
+                )
+            return DROPPED
 
         rt.mark_phase(None, "optimizer step")
         grad_norm = self._gradient_norm(optimizer)
@@ -615,6 +639,7 @@ class Trainer:
             gradient_clip_val=self.loop.gradient_clip_val,
             total_steps=self.estimated_stepping_batches,
             run_dir=self.default_root_dir,
+            live_state=(self.checkpoints.live_state, self.checkpoints.load_live_state),
         )
         configure = lambda: _parse_optimizers(module.configure_optimizers())  # noqa: E731
         self.model, self.optimizers, self.lr_schedulers = rt.strategy.setup(StepRouter(module), configure, loop)

@@ -260,3 +260,32 @@ def deepspeed_checkpoint_engine_loads_safely(engine) -> None:
         return load_torch_file(path, map_location=map_location)
 
     engine.checkpoint_engine.load = load
+
+
+# ---- a peer's live state (ddp_torchft: a replica group that rejoins takes over a running one's state) --------
+def peer_state_transport(timeout):
+    """torchft's HTTP checkpoint transport, reading weights-only. Its own receiving side unpickles a peer's answer
+    with ``weights_only=False``: whatever answers on the address the quorum names could run code in this process.
+    The state distrain sends (``CheckpointManager.live_state``) is tensors and plain containers, as a checkpoint."""
+    import urllib.request
+    import warnings
+
+    from torchft.checkpointing import HTTPTransport
+    from torchft.checkpointing._serialization import _streaming_load
+
+    class WeightsOnlyHTTPTransport(HTTPTransport):
+        def __init__(self, timeout, num_chunks: int) -> None:
+            super().__init__(timeout, num_chunks)
+            self._server.RequestHandlerClass.log_message = lambda *args: None  # one stderr line per request
+
+        @classmethod
+        def _load_from_address(cls, address: str, timeout) -> object:  # torchft 0.2's one read of a peer's bytes
+            seconds = timeout.total_seconds()
+            with urllib.request.urlopen(address, timeout=seconds) as response, warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")  # copied on load
+                try:
+                    return _streaming_load(response, weights_only=True)
+                except pickle.UnpicklingError as e:
+                    raise refused(f"the peer state at {address}", e) from None
+
+    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)

@@ -64,6 +64,7 @@ def verify(config: RunConfig, steps: int, as_json: bool) -> int:
 def _start(config: RunConfig, resume: str | None, job: Job | None = None):
     """The job and its Trainer, as ``distrain train`` makes them (or an exit code when the plan says stop)."""
     from distrain import launch
+    from distrain.cluster import replica_run_dir
     from distrain.planner.cli import Decision, decide_for_training, print_messages, runs_activation_checkpointing
     from distrain.strategies import registry
 
@@ -71,6 +72,10 @@ def _start(config: RunConfig, resume: str | None, job: Job | None = None):
     if d.pipeline_microbatches:  # a pipeline's micro-batches are the accumulation micro-batches (validated to agree)
         t.gradient_accumulation_steps = d.pipeline_microbatches
     job = job or job_for(config)
+    # each replica group of a fault-tolerant run writes its own run directory (replica_<id>/)
+    config.output_dir = replica_run_dir(config.output_dir)
+    if c.checkpoint_dir:
+        c.checkpoint_dir = replica_run_dir(c.checkpoint_dir)
     out = Path(config.output_dir)
     ckpt_dir = Path(c.checkpoint_dir) if c.checkpoint_dir else out / "checkpoints"
     # --resume auto (requeued/restarted jobs): the newest intact checkpoint if there is one, else a fresh start

@@ -140,7 +140,7 @@ def option_for_run(strategy: str, job: Job, sharding: str = "FULL_SHARD", cpu_of
     """The option an explicitly named strategy runs, as ``distrain train`` would start it: the FSDP sharding
     and offload of the config, the ZeRO stage and offload of the user's DeepSpeed JSON (``job.zero``) when
     there is one, else the preset's. None for what the planner does not model (tensor parallel, pipeline)."""
-    if strategy in ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook"):
+    if strategy in ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_torchft"):  # every rank holds everything
         return Option("ddp") if job.world_size > 1 else Option("single")
     if strategy == "single":
         return Option("single")

@@ -42,6 +42,9 @@ class LoopFacts:
     gradient_clip_val: float | None = None
     total_steps: int | None = None
     run_dir: str | None = None
+    live_state: tuple[Callable[[], dict], Callable[[dict], None]] | None = None
+    """``(state, load_state)``: the run's live state (weights, optimizer, progress, data position), for a strategy that
+    hands it to a peer or takes a peer's (fault tolerance)."""
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,17 @@ class Strategy:
     def check_module(self, module: nn.Module) -> None:
         """Before any rank starts: refuse, in one line, a module this strategy cannot run (its layers
         built in ``__init__``; a module that builds them in ``configure_model`` is checked in the ranks)."""
+
+    def start_step(self, step: int) -> bool:
+        """Before a step's batches are read (``step``: the steps done so far). True when this rank's state was just
+        replaced by a peer's (a replica group that rejoins, ``ddp_torchft``): the loop then re-reads its data
+        position."""
+        return False
+
+    def commit_step(self) -> bool:
+        """After the backward: whether this step's gradients may be applied. False (a replica group was lost during
+        the step, ``ddp_torchft``): the loop drops the step, and it does not count."""
+        return True
 
     def run_step(
         self, model: nn.Module, micro_batches: list[tuple[int, Any]], before_each: Callable[[Any], None] | None = None

@@ -37,6 +37,9 @@ class TrainProgress:
     """Saved at the end of ``epoch``: a resume starts the next one."""
     skipped_steps: int = 0
     """Optimizer steps dropped because their gradients were not finite (``on_nonfinite="skip"``)."""
+    dropped_steps: int = 0
+    """Steps whose gradients were not applied because a replica group was lost during them (``ddp_torchft``); unlike
+    skipped steps they do not count in ``global_step``."""
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -45,6 +48,7 @@ class TrainProgress:
             "samples_in_epoch": self.samples_in_epoch,
             "epoch_done": self.epoch_done,
             "skipped_steps": self.skipped_steps,
+            "dropped_steps": self.dropped_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -53,6 +57,7 @@ class TrainProgress:
         self.samples_in_epoch = state["samples_in_epoch"]
         self.epoch_done = state.get("epoch_done", False)
         self.skipped_steps = state.get("skipped_steps", 0)
+        self.dropped_steps = state.get("dropped_steps", 0)
 
 
 class CheckpointManager:
@@ -135,6 +140,26 @@ class CheckpointManager:
         t = self.trainer
         t.progress.load_state_dict(state)
         t.metrics.callback_metrics = dict(state.get("callback_metrics", {}))
+
+    def live_state(self) -> dict[str, Any]:
+        """What a peer takes over to go on from where this run stands (``ddp_torchft``: a replica group that rejoins):
+        the weights, optimizer and scheduler states, the precision's scaler and the loop's progress, data position
+        included. Tensors and plain containers only, as in a checkpoint: the peer reads them weights-only.
+
+        The model goes apart from the optimizers: beside a model, DCP's optimizer helpers first initialize an optimizer
+        that has not stepped yet by stepping it (AdamW would count one step more than DDP from then on). A replica
+        holds its optimizer whole, so the optimizer's own ``state_dict`` is the whole state. Every rank of a group
+        sends its own (a checkpoint's full state lives on rank 0 only)."""
+        objects, unwrap, every_rank = self._live_objects(), self.trainer.strategy.unwrap, ckpt_state.FULL_EVERY_RANK
+        model = ckpt_state.state_of({"model": objects.pop("model")}, unwrap, every_rank)
+        return {**model, **ckpt_state.state_of({**objects, "progress": self.progress_state()}, unwrap, every_rank)}
+
+    def load_live_state(self, loaded: dict[str, Any]) -> None:
+        objects, unwrap = self._live_objects(), self.trainer.strategy.unwrap
+        ckpt_state.load_into({"model": objects.pop("model")}, loaded, unwrap, ckpt_state.FULL)
+        state = {**objects, "progress": None}
+        ckpt_state.load_into(state, loaded, unwrap, ckpt_state.FULL)
+        self.load_progress_state(state["progress"])
 
     def state(self) -> dict[str, Any]:
         t = self.trainer

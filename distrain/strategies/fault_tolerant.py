@@ -1,0 +1,279 @@
+"""DDP over replica groups that go on when one is lost, and take a restarted one back (torchft).
+
+Each replica group is a job of its own: its ranks, its process group, its restarts (one torchrun each). The
+groups average their gradients through torchft's ``Manager``, and torchft's lighthouse (a small server) forms, at
+every step, a quorum of the groups that are alive. A group that dies mid-step makes that step's cross-group
+all-reduce fail: every surviving group drops the step (``commit_step`` is False: nothing applied, the step does not
+count) and goes on without it, each step then averaging fewer groups' gradients (a smaller global batch). torchrun
+restarts the dead group; it joins the next quorum, takes the live state of a group that kept running — weights,
+optimizer, LR schedulers, the loop's progress and data position — over HTTP (read weights-only), and trains on from
+there. No job restart, no checkpoint read.
+
+Why the quorum is synchronous (``use_async_quorum=False``): a group that rejoins must take the peer's state before
+it reads its step's batches, so the loop asks for the quorum first (``start_step``) and re-reads its data position
+when the state was replaced. Why no DDP wrapper: the bucket layout must be the same in every group, also in one that
+just restarted (DDP rebuilds its buckets after the first step), so the gradients are averaged after the backward
+in fixed buckets: first within the group, then across groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from distrain import distributed
+from distrain.checkpoint import safe_load
+from distrain.cluster import ReplicaGroup, replica_group
+from distrain.config import ConfigError
+from distrain.strategies.base import LoopFacts, SetUp, Strategy
+from distrain.strategies.registry import register
+
+#: gradients are averaged in buckets of about this many bytes (one all-reduce each, within and across groups)
+BUCKET_BYTES = 25 * 2**20
+
+
+class TorchFTStrategy(Strategy):
+    """``replica_groups`` groups of ``devices`` ranks each. ``min_replicas``: the fewest groups a step may commit
+    with. ``lighthouse``: the address of a running ``torchft_lighthouse`` (None: distrain's launcher starts one).
+    ``max_restarts``: how often torchrun restarts one group. ``ft_timeout``: how long a cross-group all-reduce, a
+    quorum or a state transfer may take before the step is dropped."""
+
+    start_method = "replica_groups"
+
+    def __init__(
+        self,
+        replica_groups: int = 2,
+        min_replicas: int = 1,
+        lighthouse: str | None = None,
+        max_restarts: int = 3,
+        ft_timeout: timedelta | float = timedelta(seconds=60),
+        process_group_backend: str | None = None,
+        timeout: timedelta | float = timedelta(minutes=30),
+        activation_checkpointing_policy: Any = None,
+        collective_timeout: timedelta | float | None = timedelta(minutes=5),
+    ):
+        super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
+        _check_options(replica_groups, min_replicas, lighthouse, max_restarts, "")
+        self.replica_groups, self.min_replicas, self.max_restarts = replica_groups, min_replicas, max_restarts
+        self.lighthouse = lighthouse
+        self.ft_timeout = ft_timeout if isinstance(ft_timeout, timedelta) else timedelta(seconds=float(ft_timeout))
+        self.manager = None  # torchft's Manager, made in setup_environment
+        self.group: ReplicaGroup | None = None
+        self._rejoined = False  # the last quorum replaced this group's state with a peer's
+        self._groups_in_quorum = 0  # how many groups the last quorum had (a change is announced)
+
+    # ---- which data this rank reads: its group's share, then its own within the group --------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        group = self.group or replica_group()
+        return (group.count if group else self.replica_groups) * self.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        group = self.group or replica_group()
+        return (group.id if group else 0) * self.world_size + self.global_rank
+
+    @property
+    def layout_note(self) -> str:
+        group = self.group or replica_group()
+        return f" (replica group {group.id} of {group.count})" if group else ""
+
+    # ---- set-up -------------------------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        self.group = replica_group()
+        if self.group is None:
+            raise RuntimeError(
+                "strategy ddp_torchft runs in replica groups: let distrain start them (no outside launcher), or start "
+                "one torchrun per group with REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and TORCHFT_LIGHTHOUSE set"
+            )
+        super().setup_environment()  # this group's own process group
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at INFO
+        torchft = _torchft()
+        logging.getLogger("torchft").setLevel(logging.ERROR)  # its warnings are about NCCL's flight recorder
+        _check_lighthouse(self.group.lighthouse, self.ft_timeout)
+        pg_class = torchft.ProcessGroupNCCL if "nccl" in self.backend else torchft.ProcessGroupGloo
+        self.manager = torchft.Manager(
+            pg=pg_class(timeout=self.ft_timeout),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=self.min_replicas,
+            use_async_quorum=False,
+            timeout=self.ft_timeout,
+            quorum_timeout=self.ft_timeout,
+            connect_timeout=self.ft_timeout,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            store_addr=os.environ["MASTER_ADDR"],
+            store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=self.group.lighthouse,
+            replica_id=f"distrain_replica_{self.group.id}",
+            checkpoint_transport=safe_load.peer_state_transport(self.ft_timeout),
+            init_sync=True,  # step 0: every group starts from the first group's weights, whatever built them
+        )
+
+    def _setup_training(self, model: nn.Module, optimizers: list, schedulers: list, loop: LoopFacts) -> SetUp:
+        if loop.live_state is not None and "distrain" not in self.manager._user_state_dicts:
+            save, load = loop.live_state
+
+            def take_over(state: dict) -> None:  # a peer's state, received in the quorum (before this step's data)
+                load(state)
+                self._rejoined = True
+                if self.is_global_zero:
+                    print(
+                        f"distrain: replica group {self.group.id} took over the live state of a running group at step "
+                        f"{state['progress']['global_step']}",
+                        flush=True,
+                    )
+
+            self.manager.register_state_dict_fn("distrain", take_over, save)
+        return SetUp(model, optimizers, schedulers)
+
+    def teardown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+        super().teardown()
+
+    # ---- the step -----------------------------------------------------------------------------------------------
+    def start_step(self, step: int) -> bool:
+        manager = self.manager
+        if self._rejoined:  # the loop re-read its position after taking a peer's state: this step's quorum is done
+            self._rejoined = False
+            return False
+        if manager.current_step() != step:  # resumed from a checkpoint: the quorum compares the groups' steps
+            manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
+        manager.start_quorum()  # synchronous: a group that fell behind has taken a peer's state when it returns
+        if step == 0:
+            self._wait_for_every_group()
+        groups = manager.num_participants()
+        if groups != self._groups_in_quorum and self.is_global_zero:
+            print(
+                f"distrain: replica group {self.group.id} at step {manager.current_step() + 1}: {groups} of "
+                f"{self.group.count} replica groups in the quorum",
+                flush=True,
+            )
+        self._groups_in_quorum = groups
+        return self._rejoined
+
+    def _wait_for_every_group(self) -> None:
+        """The first step waits (up to ``ft_timeout``) until every group is in the quorum: groups start at different
+        speeds, and a step without one is a smaller batch than the run asked for. Every group in a quorum sees the
+        same count, so they ask again together; a run without failures is then the same as DDP on all the ranks."""
+        manager, deadline = self.manager, time.monotonic() + self.ft_timeout.total_seconds()
+        while manager.num_participants() < self.group.count and time.monotonic() < deadline:
+            time.sleep(0.1)
+            manager.start_quorum()
+        if manager.num_participants() < self.group.count and self.is_global_zero:
+            print(
+                f"distrain: {manager.num_participants()} of {self.group.count} replica groups joined within "
+                f"{self.ft_timeout.total_seconds():.0f} s; training starts without the others (they join as they come)",
+                flush=True,
+            )
+
+    def run_step(self, model: nn.Module, micro_batches: list, before_each=None) -> tuple[torch.Tensor, Any]:
+        loss, output = super().run_step(model, micro_batches, before_each)  # no wrapper: gradients stay local
+        self._average_gradients(model)
+        return loss, output
+
+    def _average_gradients(self, model: nn.Module) -> None:
+        """The mean over this group's ranks, then over the groups in the quorum. A parameter without a gradient
+        contributes zeros, so every group (also one that just restarted) all-reduces the same buckets."""
+        if self.manager._quorum_future is None:  # torchft would assert in its all-reduce
+            raise RuntimeError(
+                "ddp_torchft: no quorum for this step; a loop of your own calls strategy.start_step(step) before "
+                "reading a step's batches and strategy.commit_step() before the optimizer step (the Trainer does)"
+            )
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for bucket in _buckets([p.grad for p in params]):
+            flat = _flatten_dense_tensors(bucket)
+            if self.world_size > 1:
+                flat = distributed.all_reduce(flat, "mean")
+            self.manager.allreduce(flat).wait()  # a failure is recorded: commit_step is then False
+            for grad, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(averaged)
+
+    def commit_step(self) -> bool:
+        return self.manager.should_commit()
+
+
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if not buckets or size + nbytes > BUCKET_BYTES or buckets[-1][0].dtype != g.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += nbytes
+    return buckets
+
+
+def _torchft():
+    try:
+        import torchft
+    except ImportError:
+        raise RuntimeError(
+            "strategy ddp_torchft needs torchft: ./install.sh ft (pip install 'torchft>=0.2,<0.3')"
+        ) from None
+    return torchft
+
+
+def _check_lighthouse(address: str, timeout: timedelta) -> None:
+    """One line naming the address when no lighthouse answers there (torchft's own error comes after a minute)."""
+    from torchft.coordination import LighthouseClient
+
+    try:
+        LighthouseClient(address, connect_timeout=min(timeout, timedelta(seconds=10)))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"ddp_torchft: no torchft lighthouse answers at {address} (TORCHFT_LIGHTHOUSE / distributed.lighthouse): "
+            f"{str(e).splitlines()[0][:200]}"
+        ) from None
+
+
+def _check_options(replica_groups, min_replicas, lighthouse, max_restarts, prefix: str) -> None:
+    error = ConfigError if prefix else ValueError
+    if not isinstance(replica_groups, int) or replica_groups < 1:
+        raise error(f"{prefix}replica_groups must be a positive integer, got {replica_groups!r}")
+    if not isinstance(min_replicas, int) or not 1 <= min_replicas <= replica_groups:
+        raise error(f"{prefix}min_replicas must be in 1..replica_groups ({replica_groups}), got {min_replicas!r}")
+    if lighthouse is not None and not (isinstance(lighthouse, str) and lighthouse.startswith(("http://", "https://"))):
+        raise error(f"{prefix}lighthouse must be an address like http://host:29510, got {lighthouse!r}")
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise error(f"{prefix}max_restarts must be a non-negative integer, got {max_restarts!r}")
+
+
+def options_from_config(config, block_classes) -> dict:
+    d = config.distributed
+    return dict(
+        replica_groups=d.replica_groups,
+        min_replicas=d.min_replicas,
+        lighthouse=d.lighthouse,
+        max_restarts=d.max_restarts,
+    )
+
+
+def check(config) -> None:
+    d = config.distributed
+    _check_options(d.replica_groups, d.min_replicas, d.lighthouse, d.max_restarts, "distributed.")
+
+
+register(
+    "ddp_torchft",
+    TorchFTStrategy,
+    "DDP over replica groups that go on when one dies and take it back when torchrun restarts it (torchft)",
+    options_from_config,
+    "distributed",
+    check,
+)
