@@ -277,7 +277,6 @@ class ReplicaGroupLauncher:
     def __init__(self, nprocs: int, replica_groups: int, min_replicas: int, lighthouse: str | None, max_restarts: int):
         self.nprocs, self.replica_groups, self.min_replicas = nprocs, replica_groups, min_replicas
         self.lighthouse, self.max_restarts = lighthouse, max_restarts
-        self.log_dir: str | None = None
 
     def launch(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         from distrain.cluster import LIGHTHOUSE, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID

@@ -68,6 +68,8 @@ class TorchFTStrategy(Strategy):
         self.group: ReplicaGroup | None = None
         self._rejoined = False  # the last quorum replaced this group's state with a peer's
         self._groups_in_quorum = 0  # how many groups the last quorum had (a change is announced)
+        self._hands_over_state = False  # the loop's live state is registered with the manager (once: fit may rerun)
+        self._in_step = False  # a quorum was formed for the step under way
 
     # ---- which data this rank reads: its group's share, then its own within the group --------------------------
     @property
@@ -119,7 +121,7 @@ class TorchFTStrategy(Strategy):
         )
 
     def _setup_training(self, model: nn.Module, optimizers: list, schedulers: list, loop: LoopFacts) -> SetUp:
-        if loop.live_state is not None and "distrain" not in self.manager._user_state_dicts:
+        if loop.live_state is not None and not self._hands_over_state:
             save, load = loop.live_state
 
             def take_over(state: dict) -> None:  # a peer's state, received in the quorum (before this step's data)
@@ -133,6 +135,7 @@ class TorchFTStrategy(Strategy):
                     )
 
             self.manager.register_state_dict_fn("distrain", take_over, save)
+            self._hands_over_state = True
         return SetUp(model, optimizers, schedulers)
 
     def teardown(self) -> None:
@@ -150,7 +153,8 @@ class TorchFTStrategy(Strategy):
         if manager.current_step() != step:  # resumed from a checkpoint: the quorum compares the groups' steps
             manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
         manager.start_quorum()  # synchronous: a group that fell behind has taken a peer's state when it returns
-        if step == 0:
+        self._in_step = True
+        if manager.current_step() == 0:  # every group in the quorum is starting (a later one took a peer's step)
             self._wait_for_every_group()
         groups = manager.num_participants()
         if groups != self._groups_in_quorum and self.is_global_zero:
@@ -185,7 +189,7 @@ class TorchFTStrategy(Strategy):
     def _average_gradients(self, model: nn.Module) -> None:
         """The mean over this group's ranks, then over the groups in the quorum. A parameter without a gradient
         contributes zeros, so every group (also one that just restarted) all-reduces the same buckets."""
-        if self.manager._quorum_future is None:  # torchft would assert in its all-reduce
+        if not self._in_step:  # torchft would fail an assertion in its all-reduce
             raise RuntimeError(
                 "ddp_torchft: no quorum for this step; a loop of your own calls strategy.start_step(step) before "
                 "reading a step's batches and strategy.commit_step() before the optimizer step (the Trainer does)"
@@ -203,6 +207,7 @@ class TorchFTStrategy(Strategy):
                 grad.copy_(averaged)
 
     def commit_step(self) -> bool:
+        self._in_step = False
         return self.manager.should_commit()
 
 
