@@ -191,6 +191,36 @@ def test_nan_loss_stops_at_that_step_naming_the_rank(tmp_path, strategy, devices
     assert all(torch.isfinite(v).all() for v in read_model_weights(last).values())
 
 
+class PoisonWeight(distrain.Callback):
+    """Writes ``value`` into one weight on ``rank`` after step ``step``, before that step's checkpoint."""
+
+    def __init__(self, step: int, rank: int, value: float):
+        self.step, self.rank, self.value = step, rank, value
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            with torch.no_grad():
+                list(module.parameters())[-1].view(-1)[3] = self.value
+
+
+def _poisoned_run(rank, tmp, poison_rank, value):
+    poison = PoisonWeight(4, poison_rank, value)
+    ckpt = distrain.ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)
+    trainer, _ = make_trainer(
+        tmp, strategy="ddp", devices=2, max_steps=4, logger=False, on_nonfinite="ignore", callbacks=[poison, ckpt]
+    )
+    trainer.fit(TinyGPT(), loader(4))
+    return trainer.checkpoints.last_path().resolve().name
+
+
+@pytest.mark.parametrize("poison_rank,value", [(1, float("nan")), (0, float("inf")), (1, float("-inf"))])
+def test_a_checkpoint_with_non_finite_weights_never_becomes_last(tmp_path, poison_rank, value):
+    """One weight of one rank NaN or ±inf at step 4 (on_nonfinite='ignore' lets it through): the step-4 checkpoints
+    (the step's and the end's) are written but ``last`` stays at step 2, on every rank alike."""
+    names = run_ranks(_poisoned_run, 2, tmp_path, poison_rank, value)
+    assert names == ["epoch=0-step=2", "epoch=0-step=2"], names
+
+
 @pytest.mark.parametrize("strategy,devices", [("single", 1), ("ddp", 2), ("fsdp", 2)])
 def test_nan_step_is_skipped_on_every_rank(tmp_path, strategy, devices):
     results = (
