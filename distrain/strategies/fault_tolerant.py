@@ -270,8 +270,7 @@ def options_from_config(config, block_classes) -> dict:
 
 
 def check(config) -> None:
-    d = config.distributed
-    _check_options(d.replica_groups, d.min_replicas, d.lighthouse, d.max_restarts, "distributed.")
+    _check_options(**options_from_config(config, set()), prefix="distributed.")
 
 
 register(
