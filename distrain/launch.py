@@ -12,6 +12,7 @@ When a launcher (torchrun, srun, our own popen) already started the ranks, nothi
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
 import shutil
@@ -265,9 +266,9 @@ def make_launcher(strategy, nprocs: int, cluster: ClusterEnv, num_nodes: int):
 class ReplicaGroupLauncher:
     """``ddp_torchft``: this process supervises and trains nothing. It starts torchft's lighthouse (unless one is
     given), then one torchrun per replica group running this same command; torchrun restarts a group whose rank died
-    (``max_restarts``), and the restarted group rejoins the others. SIGTERM/SIGINT reach every group (each stops at a
-    step and checkpoints). When every group has ended this process exits with the worst status, so code after
-    ``fit`` runs only in the groups."""
+    (``max_restarts``), and the restarted group rejoins the others. SIGTERM or SIGINT here becomes SIGTERM to every
+    rank: each group stops at a step, checkpoints and ends with success (``--resume auto`` goes on). When every
+    group has ended this process exits with the worst status, so code after ``fit`` runs only in the groups."""
 
     #: the lighthouse forms a quorum without a group that heartbeats but has not asked to join after this long
     JOIN_TIMEOUT_MS = 10_000
@@ -308,12 +309,22 @@ class ReplicaGroupLauncher:
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (self.replica_groups * self.nprocs))))
             for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
                 env.pop(key, None)  # torchrun sets the group's own
-            groups.append(subprocess.Popen([*torchrun, *command], env=env))
+            # a session of its own: a Ctrl-C in the terminal reaches this process only, which tells the groups
+            groups.append(subprocess.Popen([*torchrun, *command], env=env, start_new_session=True))
 
         def forward(signum, frame):
+            # SIGTERM to the ranks, not to torchrun: each rank stops at the next step, checkpoints and exits 0, so
+            # torchrun ends with success (torchrun itself would end its ranks and exit 1, and a SIGINT would crash them)
+            import psutil
+
             for proc in groups:
-                if proc.poll() is None:
-                    proc.send_signal(signum)
+                try:
+                    ranks = psutil.Process(proc.pid).children()
+                except psutil.NoSuchProcess:
+                    continue
+                for rank in ranks:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        rank.send_signal(signal.SIGTERM)
 
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:

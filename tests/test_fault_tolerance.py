@@ -205,6 +205,37 @@ def test_a_replica_group_killed_mid_run_rejoins_with_the_live_state(uninterrupte
     assert abs(val - val_reference) <= 0.05 * val_reference, (val, val_reference)
 
 
+def _wait_for_step(run_dir: Path, step: int, timeout: float = 180) -> None:
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        if max((json.loads(line).get("step", 0) for line in lines), default=0) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{run_dir} did not reach step {step}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_launcher_stops_every_group_at_a_step_and_resume_goes_on(tmp_path, sig):
+    """SIGTERM (a preemption) or SIGINT (Ctrl-C) to ``distrain train``: every rank of every group stops at the same
+    step with a checkpoint and the job exits 0 (torchrun is not signalled: it would end its ranks and exit 1, and a
+    SIGINT would crash them into a restart); ``--resume auto`` then trains both groups to the end."""
+    out = tmp_path / "run"
+    launcher = _train(out)
+    _wait_for_step(out / "replica_0", 3)
+    launcher.send_signal(sig)
+    output = _finish(launcher, timeout=120)
+    stopped = re.findall(r"stopped by signal 15 at step (\d+)", output)
+    assert len(stopped) == 2 and stopped[0] == stopped[1] and int(stopped[0]) < FT_STEPS, output[-3000:]
+    a, b = _last_state(out / "replica_0"), _last_state(out / "replica_1")
+    assert a["progress"]["global_step"] == b["progress"]["global_step"] == int(stopped[0])
+    for name, value in a["model"].items():
+        assert torch.equal(value, b["model"][name]), name
+    resumed = _finish(_train(out, "ddp_torchft", 1, "--resume", "auto"))
+    assert resumed.count(f"done at step {FT_STEPS}") == 2, resumed[-3000:]
+
+
 def test_an_unreachable_lighthouse_is_one_line_naming_its_address(tmp_path):
     unreachable = "distributed.lighthouse=http://127.0.0.1:9"  # the discard port: nothing listens
     proc = _train(tmp_path / "run", "ddp_torchft", 1, unreachable, "distributed.max_restarts=0")
