@@ -32,7 +32,7 @@ from distrain import distributed
 from distrain.checkpoint import safe_load
 from distrain.cluster import ReplicaGroup, replica_group
 from distrain.config import ConfigError
-from distrain.strategies.base import LoopFacts, SetUp, Strategy
+from distrain.strategies.base import LoopFacts, SetUp, Strategy, _as_timedelta
 from distrain.strategies.registry import register
 
 #: gradients are averaged in buckets of about this many bytes (one all-reduce each, within and across groups)
@@ -63,28 +63,33 @@ class TorchFTStrategy(Strategy):
         _check_options(replica_groups, min_replicas, lighthouse, max_restarts, "")
         self.replica_groups, self.min_replicas, self.max_restarts = replica_groups, min_replicas, max_restarts
         self.lighthouse = lighthouse
-        self.ft_timeout = ft_timeout if isinstance(ft_timeout, timedelta) else timedelta(seconds=float(ft_timeout))
+        self.ft_timeout = _as_timedelta(ft_timeout)
         self.manager = None  # torchft's Manager, made in setup_environment
         self.group: ReplicaGroup | None = None
         self._rejoined = False  # the last quorum replaced this group's state with a peer's
         self._groups_in_quorum = 0  # how many groups the last quorum had (a change is announced)
-        self._hands_over_state = False  # the loop's live state is registered with the manager (once: fit may rerun)
+        self._hands_over_state = False  # the loop's live state is registered with this manager (fit may run again)
         self._in_step = False  # a quorum was formed for the step under way
 
     # ---- which data this rank reads: its group's share, then its own within the group --------------------------
     @property
+    def _replica_group(self) -> ReplicaGroup | None:
+        """This process's group (None in the launching process, which starts the groups and trains nothing)."""
+        return self.group or replica_group()
+
+    @property
     def data_parallel_size(self) -> int:
-        group = self.group or replica_group()
+        group = self._replica_group
         return (group.count if group else self.replica_groups) * self.world_size
 
     @property
     def data_parallel_rank(self) -> int:
-        group = self.group or replica_group()
+        group = self._replica_group
         return (group.id if group else 0) * self.world_size + self.global_rank
 
     @property
     def layout_note(self) -> str:
-        group = self.group or replica_group()
+        group = self._replica_group
         return f" (replica group {group.id} of {group.count})" if group else ""
 
     # ---- set-up -------------------------------------------------------------------------------------------------
@@ -119,6 +124,7 @@ class TorchFTStrategy(Strategy):
             checkpoint_transport=safe_load.peer_state_transport(self.ft_timeout),
             init_sync=True,  # step 0: every group starts from the first group's weights, whatever built them
         )
+        self._hands_over_state = False  # a new manager (after a teardown) knows no state yet
 
     def _setup_training(self, model: nn.Module, optimizers: list, schedulers: list, loop: LoopFacts) -> SetUp:
         if loop.live_state is not None and not self._hands_over_state:
