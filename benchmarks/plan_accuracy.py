@@ -2,6 +2,7 @@
 
     python benchmarks/plan_accuracy.py                 # the full grid (about an hour on 2 cores)
     python benchmarks/plan_accuracy.py --grid ci       # the cases the test suite asserts
+    python benchmarks/plan_accuracy.py --grid pipeline [--world 4]   # pipeline schedules, per stage
     python benchmarks/plan_accuracy.py --models gpt-tiny tiny-llama --strategies ddp zero3
 
 Measured: torch's MemTracker in real mode around ``Trainer.fit`` (2 optimizer steps), the largest
@@ -18,7 +19,7 @@ import argparse
 import tempfile
 import time
 
-from plan_measure import ACCURACY_CASES, Case, hf_dirs, measure_in_processes, predict
+from plan_measure import ACCURACY_CASES, PIPELINE_CASES, Case, hf_dirs, measure_in_processes, predict
 
 MODELS = ("gpt-tiny", "gpt-mini", "gpt-small", "tiny-llama", "tiny-bert")
 STRATEGIES = ("ddp", "fsdp:FULL_SHARD", "fsdp:SHARD_GRAD_OP", "zero1", "zero2", "zero3")
@@ -48,7 +49,7 @@ def full_grid(models, strategies, default_buckets: bool) -> list[Case]:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--grid", choices=("full", "ci"), default="full")
+    parser.add_argument("--grid", choices=("full", "ci", "pipeline"), default="full")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
     parser.add_argument("--default-buckets", action="store_true")
@@ -59,7 +60,9 @@ def main():
         help="reuse the measured column of an earlier run's printed table (predictions are made anew)",
     )
     args = parser.parse_args()
-    cases = ACCURACY_CASES if args.grid == "ci" else full_grid(args.models, args.strategies, args.default_buckets)
+    cases = {"ci": ACCURACY_CASES, "pipeline": PIPELINE_CASES.get(args.world, [])}.get(args.grid)
+    if cases is None:
+        cases = full_grid(args.models, args.strategies, args.default_buckets)
     mb = 2**20
     print(f"\n{args.world} CPU ranks (gloo), seq 128 tokens, fp32, 2 optimizer steps; per-rank peak of tensor memory\n")
     header = f"{'configuration':<46} | {'predicted MiB':>13} | {'measured MiB':>12} | {'error':>7}"

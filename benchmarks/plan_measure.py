@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from distrain import compat
 
@@ -29,13 +32,16 @@ class Case:
     strategy: str
     """``ddp``, ``fsdp:FULL_SHARD``, ``fsdp:SHARD_GRAD_OP``, ``zero1``, ``zero2``, ``zero3``; tensor parallel
     over every rank, with sequence parallelism (``tp``) or without (``tp:nosp``); ``tp×fsdp``: tensor
-    parallel in pairs of ranks, FSDP across the pairs."""
+    parallel in pairs of ranks, FSDP across the pairs; ``pp`` (1F1B), ``pp:GPipe``, ``pp:Interleaved1F1B``: a
+    pipeline stage per rank; ``pp×fsdp``: two stages (1F1B), FSDP across the rest."""
     ac: bool
     micro_batch: int
     seq_len: int = 128
     precision: str = "32-true"
     bucket: int | None = None
     """ZeRO: reduce/all-gather bucket elements (None: DeepSpeedStrategy's default, 2e8)."""
+    accumulate: int = 1
+    """Micro-batches per optimizer step (a pipeline's micro-batches)."""
 
     @property
     def label(self) -> str:
@@ -47,6 +53,8 @@ class Case:
             parts.append(self.precision)
         if self.bucket is not None:
             parts.append(f"bucket {self.bucket:,}")
+        if self.accumulate > 1:
+            parts.append(f"×{self.accumulate}")
         return " ".join(parts)
 
 
@@ -71,6 +79,24 @@ ACCURACY_CASES = [
     Case("gpt-mini", "zero3", False, 4, bucket=384 * 384),
     Case("tiny-llama", "zero3", True, 16, bucket=32 * 32),
 ]
+
+
+#: pipeline cases (tests/test_plan_pipeline.py, within 10%), by world size: each schedule, with and without
+#: activation checkpointing, under autocast, FSDP over replicated stages; accumulation = the pipeline's micro-batches
+PIPELINE_CASES = {
+    2: [
+        Case("gpt-mini", "pp", False, 8, accumulate=4),
+        Case("gpt-mini", "pp:GPipe", True, 8, precision="bf16-mixed", accumulate=4),
+        Case("gpt-mini", "pp:Interleaved1F1B", False, 8, accumulate=4),
+        Case("gpt-tiny", "pp", True, 8, accumulate=2),
+        Case("tiny-llama", "pp:GPipe", True, 16, accumulate=2),
+    ],
+    4: [
+        Case("gpt-tiny", "pp:GPipe", False, 8, accumulate=4),
+        Case("gpt-tiny", "pp×fsdp", True, 8, accumulate=2),
+        Case("tiny-llama", "pp×fsdp", False, 16, accumulate=4),
+    ],
+}
 
 
 def hf_dirs(root: str) -> dict[str, str]:
@@ -99,16 +125,32 @@ def zero_section(case: Case) -> dict:
 
 def predict(case: Case, world_size: int, hf: dict[str, str]):
     """The planner's per-rank row for ``case`` (CPU, as measured)."""
-    from distrain.planner.estimate import Estimator, Job
+    from distrain.planner.estimate import Estimator
+
+    return Estimator(job_of(case, world_size, hf)).estimate(option_of(case, world_size))
+
+
+def job_of(case: Case, world_size: int, hf: dict[str, str]):
+    from distrain.planner.estimate import Job
 
     job = Job(spec_of(case, hf), case.micro_batch, case.precision, world_size, zero=_zero_config(case))
-    return Estimator(job).estimate(_option(case, world_size))
+    return replace(job, accumulate=case.accumulate)
 
 
-def _option(case: Case, world_size: int):
+def option_of(case: Case, world_size: int):
     from distrain.planner.estimate import Option
 
     checkpoint = None if case.ac else 0
+    if case.strategy.startswith("pp"):
+        stages, schedule = _pipeline_layout(case.strategy, world_size)
+        return Option(
+            "pp",
+            sharding="FULL_SHARD" if stages < world_size else None,
+            checkpoint=checkpoint,
+            pipeline=stages,
+            schedule=schedule,
+            stages_per_rank=2 if schedule == "Interleaved1F1B" else 1,
+        )
     if case.strategy == "ddp":
         return Option("ddp", checkpoint=checkpoint)
     if case.strategy.startswith("fsdp:"):
@@ -140,6 +182,11 @@ def _strategy_default(name: str):
     return inspect.signature(DeepSpeedStrategy).parameters[name].default
 
 
+def _pipeline_layout(strategy: str, world_size: int) -> tuple[int, str]:
+    """The stages and schedule of a ``pp`` case."""
+    return (2 if strategy == "pp×fsdp" else world_size), (strategy[3:] if strategy.startswith("pp:") else "1F1B")
+
+
 def _tensor_layout(strategy: str, world_size: int) -> dict:
     """The tensor-parallel size and sequence parallelism of a ``tp`` case."""
     return dict(tensor=2 if strategy == "tp×fsdp" else world_size, sequence_parallel=strategy != "tp:nosp")
@@ -149,6 +196,9 @@ def _strategy(case: Case, blocks: set, world_size: int):
     import distrain
 
     policy = blocks if case.ac else None
+    if case.strategy.startswith("pp"):
+        stages, schedule = _pipeline_layout(case.strategy, world_size)
+        return distrain.PipelineStrategy(stages=stages, schedule=schedule, activation_checkpointing_policy=policy)
     if case.strategy.startswith("tp"):
         layout = _tensor_layout(case.strategy, world_size)
         return distrain.ModelParallelStrategy(
@@ -203,9 +253,12 @@ def measure(case: Case, world_size: int, hf: dict[str, str], workdir: str, steps
     from distrain.planner.model_stats import ModelSpec  # noqa: F401
 
     spec = spec_of(case, hf)
-    tracker = compat.peak_memory_tracker()
+    # MemTracker's backward hooks break torch.distributed.pipelining's autograd.grad: a pipeline's peak is
+    # counted by storage instead
+    tracker = StoragePeak() if case.strategy.startswith("pp") else compat.peak_memory_tracker()
     data = torch.utils.data.DataLoader(
-        _Samples(spec.make_batch(1), case.micro_batch * world_size * steps), batch_size=case.micro_batch
+        _Samples(spec.make_batch(1), case.micro_batch * world_size * steps * case.accumulate),
+        batch_size=case.micro_batch,
     )
 
     with tracker:
@@ -216,6 +269,7 @@ def measure(case: Case, world_size: int, hf: dict[str, str], workdir: str, steps
             strategy=_strategy(case, set(spec.block_classes), world_size),
             precision=case.precision,
             max_steps=steps,
+            accumulate_grad_batches=case.accumulate,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -226,6 +280,36 @@ def measure(case: Case, world_size: int, hf: dict[str, str], workdir: str, steps
     del trainer, module, data
     gc.collect()
     return peak
+
+
+class StoragePeak(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once, over every operation run inside it: each new storage
+    an operation returns is counted until it is freed. (No module hooks, unlike MemTracker.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.live += storage.nbytes()
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def peak_bytes(self) -> int:
+        return self.peak
 
 
 def measure_cases(rank: int, cases: list[Case], world_size: int, hf: dict[str, str], workdir: str) -> list[int]:

@@ -21,7 +21,9 @@ from distrain.planner.model_stats import ModelSpec
 from distrain.planner.plan import option_for_run
 from distrain.planner.timing import cpu_hardware, gpu_hardware
 
-STRATEGIES = ("single", "ddp", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
+STRATEGIES = (
+    "single", "ddp", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "model_parallel", "pipeline"
+)  # fmt: skip
 
 
 def main() -> int:
@@ -31,6 +33,7 @@ def main() -> int:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (a pipeline's)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     a = p.parse_args()
@@ -38,7 +41,7 @@ def main() -> int:
     precision = "bf16-mixed" if gpu else "32-true"
     bench_args = bench_parser().parse_args(
         ["--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--steps", str(a.steps)]
-        + ["--warmup", str(a.warmup)]
+        + ["--warmup", str(a.warmup), "--accumulate", str(a.accumulate)]
     )
     rates = {}
     for ranks in sorted({1 if s == "single" else a.devices for s in a.strategies}):  # threads per rank differ
@@ -56,7 +59,8 @@ def main() -> int:
     for size in a.sizes:
         for strategy in a.strategies:
             ranks = 1 if strategy == "single" else a.devices
-            job = Job(ModelSpec.builtin_gpt(size, a.seq_len), a.batch_size, precision, ranks, gpu=gpu)
+            spec = ModelSpec.builtin_gpt(size, a.seq_len)
+            job = Job(spec, a.batch_size, precision, ranks, accumulate=a.accumulate, gpu=gpu)
             option = option_for_run(strategy, job)
             predicted = Estimator(job).step_time(option, rates[ranks])
             row = _run_row(bench_args, size, strategy, precision, ranks)

@@ -34,6 +34,7 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="ranks for multi-process strategies (default: every local device)")
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch per rank")
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step (a pipeline's)")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (allocation, compilation)")
     p.add_argument("--precision", help="default: bf16-mixed on a GPU, 32-true on a CPU")
@@ -93,6 +94,7 @@ def _run_row(args, size: str, strategy: str, precision: str, ranks: int) -> dict
             sys.executable, "-m", "distrain.cli", "bench", "--one", size, strategy, "--result", str(result),
             "--devices", str(ranks), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--precision", precision,
+            "--accumulate", str(args.accumulate),
         ]  # fmt: skip
         if args.compile:
             cmd.append("--compile")
@@ -151,6 +153,7 @@ def run_one(args) -> int:
         strategy=strategy,
         precision=args.precision,
         max_steps=total,
+        accumulate_grad_batches=args.accumulate,
         log_every_n_steps=total,
         default_root_dir=os.environ.get("DISTRAIN_BENCH_DIR", tempfile.gettempdir()),
         callbacks=[timer],
@@ -161,13 +164,14 @@ def run_one(args) -> int:
         compile=args.compile,
     )
     module = GPTLanguageModel(model_name=size, block_size=args.seq_len, total_steps=total, lr_schedule="constant")
-    n = args.batch_size * trainer.world_size * (total + 1)
+    n = args.batch_size * trainer.world_size * args.accumulate * (total + 1)
     trainer.fit(module, DataLoader(RandomTokens(n), batch_size=args.batch_size, shuffle=True, drop_last=True))
     if not trainer.is_global_zero:
         return 0
     steps = np_diff(timer.timer.times)[args.warmup :]
     step_time = statistics.median(steps)
-    tokens_per_sec = args.batch_size * args.seq_len * trainer.world_size / step_time
+    # tensor-parallel ranks and pipeline stages share their samples: only data-parallel ranks add tokens
+    tokens_per_sec = args.batch_size * args.accumulate * args.seq_len * trainer.data_parallel_size / step_time
     rt = trainer.runtime
     peak = rt.accelerator.peak_flops(rt.device, rt.precision.compute_dtype)
     measured = peak is None and rt.device.type == "cpu"

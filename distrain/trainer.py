@@ -259,11 +259,14 @@ class Trainer:
 
         options = rt.auto_options
         rt.auto_options = None  # plan once
-        strategy = plan_runtime_strategy(
+        strategy, accumulate = plan_runtime_strategy(
             rt, module, loader, self.loop.accumulate_for(0), self.loop.gradient_clip_val, options
         )
         if strategy is not None:
             rt.use_strategy(strategy)
+        if accumulate:  # a layout whose ranks share samples: as many more micro-batches, the same global batch
+            factor = accumulate // self.loop.accumulate_for(0)
+            self.loop.accumulation = {epoch: n * factor for epoch, n in self.loop.accumulation.items()}
 
     def verify(self, module: nn.Module, train_dataloaders=None, datamodule=None, steps: int = 3):
         """A few steps of this configuration against one process on the same global batch, and the checks

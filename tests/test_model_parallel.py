@@ -206,8 +206,14 @@ def test_impossible_layouts_are_refused_in_one_line_before_any_rank_starts(capsy
     err = capsys.readouterr().err
     assert code == 2 and "6 pipeline stages" in err and "gpt-tiny has 4 blocks" in err, err
     assert len(err.strip().splitlines()) == 1
-    # the memory planner has no model of pipelines: it says so (not "nothing fits")
-    assert cli.main(["plan", "--strategy", "pipeline", "--devices", "2", "--accelerator", "cpu"]) == 2
+    # the planner refuses the same layout with the same line; a pipeline of tensor-parallel stages (3-D) it has no
+    # model of: it says so (not "nothing fits")
+    plan = ["plan", "--strategy", "pipeline", "--accelerator", "cpu"]
+    interleaved = ["distributed.pipeline_schedule=Interleaved1F1B", "distributed.pipeline_stages_per_rank=3"]
+    assert cli.main([*plan, "--devices", "2", *interleaved]) == 2
+    assert "6 pipeline stages but the model has 4 blocks" in capsys.readouterr().err
+    three_d = ["distributed.pipeline_stages=2", "distributed.tensor_parallel_size=2"]
+    assert cli.main([*plan, "--devices", "4", *three_d]) == 2
     assert "strategy pipeline is not planned" in capsys.readouterr().err
     # a model of the user's own that no plan covers (layers built in __init__): refused before launching
     import matrix_models

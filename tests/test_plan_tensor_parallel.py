@@ -53,8 +53,8 @@ def test_each_rank_holds_half_the_model_and_sends_each_layers_activations(gpt_mi
 def test_the_plan_has_a_row_for_the_layout_model_parallel_runs(capsys, tmp_path):
     """``distrain plan --strategy model_parallel`` plans the layout the run would take (tensor parallel
     over the node's devices; sequence parallelism as configured), with its time; the whole plan lists it
-    beside the others, while ``strategy: auto`` keeps to DDP and FSDP; a pipeline is not planned; a model
-    without a plan, or a size that does not divide its heads, gets the run's own one line."""
+    beside the others (at the accumulation that keeps the global batch); a model without a plan, or a size
+    that does not divide its heads, gets the run's own one line."""
     args = ["plan", "--devices", "2", "--accelerator", "cpu", "--json"]
     assert cli.main([*args, "--strategy", "model_parallel", "distributed.sequence_parallel=false"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -66,7 +66,11 @@ def test_the_plan_has_a_row_for_the_layout_model_parallel_runs(capsys, tmp_path)
     out = json.loads(capsys.readouterr().out)
     assert "model_parallel" in [r["strategy"] for r in out["rows"]]
     assert out["recommendation"] in ("ddp", "fsdp")
-    assert cli.main([*args, "--strategy", "model_parallel", "distributed.pipeline_stages=2"]) == 2
+    # a pipeline is planned (tests/test_plan_pipeline.py); tensor parallelism inside pipeline stages (3-D) is not
+    assert cli.main([*args, "--strategy", "model_parallel", "distributed.pipeline_stages=2"]) == 0
+    assert {r["pipeline_stages"] for r in json.loads(capsys.readouterr().out)["rows"]} == {2}
+    three_d = ["distributed.pipeline_stages=2", "distributed.tensor_parallel_size=2"]
+    assert cli.main(["plan", "--devices", "4", "--accelerator", "cpu", "--strategy", "model_parallel", *three_d]) == 2
     assert "is not planned" in capsys.readouterr().err
     from distrain.hf.tiny import make_tiny_bert
 

@@ -364,16 +364,19 @@ def _option_of_live_strategy(strategy, gpu: bool, world: int) -> Option | None:
         if strategy.stage == 0:
             return Option("ddp")
         return Option("zero", stage=strategy.stage, offload=offload if gpu else "none")
-    if isinstance(strategy, distrain.ModelParallelStrategy):  # its layout on this many ranks; a pipeline: not planned
+    if isinstance(strategy, distrain.ModelParallelStrategy):  # its layout on this many ranks; 3-D: not planned
         from distrain.parallel.layout import layout_for
 
         s = strategy
         layout = layout_for(
             world, world, s.pipeline_strategy, s.tensor_parallel_size, s.data_parallel_size_option, s.pipeline_stages
         )
-        if layout.pipeline > 1:
-            return None
         sharding = "FULL_SHARD" if layout.data > 1 else None
+        if layout.pipeline > 1:
+            if layout.tensor > 1:
+                return None
+            per_rank = s.stages_per_rank
+            return Option("pp", sharding, pipeline=layout.pipeline, schedule=s.schedule, stages_per_rank=per_rank)
         return Option("tp", sharding=sharding, tensor=layout.tensor, sequence_parallel=s.sequence_parallel)
     if isinstance(strategy, distrain.FSDPStrategy):
         offload = "cpu" if strategy.cpu_offload and gpu else "none"

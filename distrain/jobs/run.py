@@ -86,6 +86,8 @@ def _start(config: RunConfig, resume: str | None, job: Job | None = None):
     print_messages(decision)
     if decision.stop:
         return 2
+    if decision.accumulate:  # auto chose a layout whose ranks share samples: the same global batch
+        t.gradient_accumulation_steps = decision.accumulate
     ac = runs_activation_checkpointing(config)
     every_n = config.fsdp.activation_checkpointing.every_n_layers
     options = {

@@ -42,7 +42,7 @@ class StageModule(nn.Module):
     """One pipeline stage: ``embed`` (first stage), a run of blocks, ``head`` (last stage). Its
     children are the user's own layers, so a stage holds no copy of anything."""
 
-    def __init__(self, plan: PipelineSplit, index: int, num_stages: int, blocks: range, runner: PipelineRunner):
+    def __init__(self, plan: PipelineSplit, index: int, num_stages: int, blocks: range, runner: PipelineRunner | None):
         super().__init__()
         self.index, self.is_first, self.is_last = index, index == 0, index == num_stages - 1
         self.first_layers = nn.ModuleList(plan.first if self.is_first else [])
@@ -53,7 +53,10 @@ class StageModule(nn.Module):
         object.__setattr__(self, "runner", runner)
 
     def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
-        batch = self.runner.batch(int(mb.reshape(-1)[0]))
+        return self.run(self.runner.batch(int(mb.reshape(-1)[0])), *received)
+
+    def run(self, batch: Any, *received: torch.Tensor) -> torch.Tensor:
+        """This stage on a micro-batch (the planner traces stages through this too)."""
         x = self.plan.embed(batch) if self.is_first else received[0]
         context = self.plan.context(batch, x)
         for block in self.blocks:
@@ -92,7 +95,7 @@ class PipelineBuild:
                 keep.extend(h for h in holders if h not in keep)
         return cls(plan, ranges, local, keep, ties)
 
-    def stage_modules(self, runner: PipelineRunner) -> list[StageModule]:
+    def stage_modules(self, runner: PipelineRunner | None) -> list[StageModule]:
         n = len(self.ranges)
         return [StageModule(self.plan, s, n, self.ranges[s], runner) for s in self.local]
 

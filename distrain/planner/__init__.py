@@ -1,4 +1,4 @@
-"""The memory planner: every strategy's per-rank memory, predicted without allocating the model.
+"""The planner: every layout's per-rank memory and step time, predicted without allocating the model.
 
     from distrain.planner import Budget, Job, ModelSpec, Planner
 
@@ -7,10 +7,12 @@
     print(plan.table())
 
 Layout: ``model_stats`` (the model on the meta device, its parameters, the traced step under fake
-tensors), ``simulate`` (FSDP2 on a fake process group), ``estimate`` (the options and each one's
-parts; DDP), ``zero`` (DeepSpeed ZeRO), ``plan`` (budget, ranking, table, recommendation),
-``cli`` (``distrain plan`` and the decisions ``distrain train`` takes), ``auto``
-(``Trainer(strategy="auto")``), ``measure`` (measured peaks, for the accuracy test and benchmark).
+tensors), ``work`` (its FLOPs and bytes), ``simulate`` (FSDP2 and tensor parallelism on a fake process
+group), ``pipeline`` (each stage traced alone, the schedule's micro-batches in flight), ``estimate`` (the
+options and each one's parts; DDP), ``zero`` (DeepSpeed ZeRO), ``timing`` (seconds per step), ``plan``
+(budget, ranking, table, recommendation), ``cli`` (``distrain plan`` and the decisions ``distrain train``
+takes), ``auto`` (``Trainer(strategy="auto")``). Measured peaks, for the accuracy tests and benchmark:
+``benchmarks/plan_measure.py``.
 """
 
 from distrain.planner.estimate import Estimator, Job, Option, Row

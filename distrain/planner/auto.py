@@ -12,15 +12,15 @@ from distrain.strategies.registry import GENERIC_OPTIONS
 
 
 def plan_runtime_strategy(runtime, module, loader, accumulate: int, clip: float | None, kwargs: dict[str, Any]):
-    """The strategy to train ``module`` with, or None to keep DDP. Prints the choice and why. Ranks
-    our launcher starts re-run the script; they take the decision of the process that started them.
-    Ranks an outside launcher started take rank 0's."""
+    """(the strategy to train ``module`` with, or None to keep DDP; the micro-batches per step when the choice
+    changes them, else None). Prints the choice and why. Ranks our launcher starts re-run the script; they
+    take the decision of the process that started them. Ranks an outside launcher started take rank 0's."""
     from distrain.planner.model_stats import ModelSpec, checkpoint_policy
     from distrain.strategies.registry import make_strategy
 
     world = runtime.nprocs * runtime.num_nodes
     if world == 1:
-        return None
+        return None, None
     fingerprint = f"{type(module).__qualname__}/{getattr(loader, 'batch_size', None)}/{world}/{accumulate}"
     inherited = os.environ.get(PLANNED_ENV)
     choice = None
@@ -35,7 +35,7 @@ def plan_runtime_strategy(runtime, module, loader, accumulate: int, clip: float 
             choose, runtime.accelerator.name, strategy.process_group_backend, strategy.timeout
         )
         if choice is None:
-            return None
+            return None, None
         os.environ[PLANNED_ENV] = json.dumps(choice)
     options = {k: v for k, v in kwargs.items() if k in GENERIC_OPTIONS}
     if choice["sharding"]:
@@ -43,7 +43,7 @@ def plan_runtime_strategy(runtime, module, loader, accumulate: int, clip: float 
     if choice["planned_checkpoint"]:
         blocks = tuple(ModelSpec.from_module(module, loader).block_classes)
         options["activation_checkpointing_policy"] = checkpoint_policy(blocks, choice["checkpoint"])
-    return make_strategy(choice["strategy"], world, **options)
+    return make_strategy(choice["strategy"], world, **options), choice.get("accumulate")
 
 
 def _choose(runtime, module, loader, accumulate: int, clip: float | None, kwargs: dict[str, Any], fingerprint: str):
@@ -82,9 +82,10 @@ def _choose(runtime, module, loader, accumulate: int, clip: float | None, kwargs
     return {
         "config": fingerprint,
         "strategy": option.strategy,
-        "sharding": option.sharding,
+        "sharding": option.sharding if option.family == "fsdp" else None,
         "checkpoint": option.checkpoint,
         "planned_checkpoint": not policy and option.checkpoint != 0,
+        "accumulate": row.accumulate if row.accumulate != accumulate else None,
     }
 
 

@@ -93,6 +93,9 @@ def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
         tensor_parallel=d.tensor_parallel_size,
         sequence_parallel=d.sequence_parallel,
         pipeline_stages=d.pipeline_stages,
+        pipeline_schedule=d.pipeline_schedule,
+        stages_per_rank=d.pipeline_stages_per_rank,
+        split_points=d.pipeline_split_points,
     )
 
 
@@ -157,10 +160,10 @@ def plan_command(config: RunConfig, strategy: str, as_json: bool, timing: Timing
     named = config.distributed.strategy
     hardware = (timing or TimingArgs()).hardware(job)
     plan = Planner(job, budget, hardware).plan("all" if strategy in ("all", "auto") else named, checkpoint)
-    if not plan.rows:  # a strategy the planner has no model of (model_parallel, pipeline): say so, not "nothing fits"
+    if not plan.rows:  # a layout the planner has no model of (3-D): say so, not "nothing fits"
         print(
-            f"distrain plan: strategy {strategy} is not planned (the planner models DDP, FSDP, DeepSpeed ZeRO and "
-            "tensor parallelism over the built-in GPT and Llama-style models, with FSDP; not pipelines); "
+            f"distrain plan: strategy {strategy} is not planned (the planner models DDP, FSDP, DeepSpeed ZeRO, and "
+            "tensor parallelism or pipelines of the built-in GPT and Llama-style models, with FSDP; not both at once); "
             "`distrain plan` without --strategy plans the others",
             file=sys.stderr,
         )
@@ -236,12 +239,16 @@ def _shape_row(job: Job, layout, row: Row | None, timing: TimingArgs) -> dict:
         "micro_batch": layout.micro_batch,
         "accumulate": layout.accumulate,
         "global_batch": layout.global_batch,
+        "data_parallel_size": job.world_size,
         "option": None,
     }
     if row is None or row.step is None:
         return out
-    tokens_per_second = job.tokens_per_step_of(row.option) / row.step.seconds
+    tokens_per_second = row.tokens_per_step / row.step.seconds
     out.update(option=row.option.label, strategy=row.option.strategy, step_seconds=row.step.seconds)
+    # a tensor-parallel or pipeline layout: its ranks share samples, so more micro-batches keep the global batch
+    shared = row.option.tensor * row.option.pipeline
+    out.update(accumulate=row.accumulate, data_parallel_size=job.world_size // shared)
     out["tokens_per_second"] = tokens_per_second
     if timing.tokens:
         out["seconds_for_tokens"] = timing.tokens / tokens_per_second
@@ -269,6 +276,9 @@ class Decision:
     """Blocks to checkpoint: 0 none, ``None`` every one (the planner's; the config's when not planned)."""
     planned_checkpoint: bool = False
     """The planner chose ``checkpoint`` (else the config's activation checkpointing applies)."""
+    accumulate: int | None = None
+    """Micro-batches per optimizer step, when the plan changes them: a tensor-parallel or pipeline layout that
+    ``auto`` chose keeps the config's global batch with more micro-batches per data-parallel rank."""
     messages: list[str] = field(default_factory=list)
     stop: bool = False
 
@@ -290,6 +300,7 @@ class Decision:
                 "sharding": self.sharding,
                 "checkpoint": self.checkpoint,
                 "planned_checkpoint": self.planned_checkpoint,
+                "accumulate": self.accumulate,
             }
         )
 
@@ -392,9 +403,10 @@ def _decide(config: RunConfig, job) -> Decision:
         planned_ac = ac == "auto" or (ac is False and option.checkpoint != 0)
         return Decision(
             strategy=option.strategy,
-            sharding=option.sharding,
+            sharding=option.sharding if option.family == "fsdp" else None,
             checkpoint=option.checkpoint,
             planned_checkpoint=planned_ac,
+            accumulate=row.accumulate if row.accumulate != job.accumulate else None,
             messages=[f"distrain: strategy auto → {planner.reason(row, seen)}"],
         )
     option = option_for_run(d.strategy, job, config.fsdp.sharding_strategy, config.fsdp.cpu_offload)

@@ -60,7 +60,11 @@ class Job:
     tensor_parallel: int | str = "auto"
     sequence_parallel: bool = True
     pipeline_stages: int | str | None = None
-    """What a run named ``model_parallel`` splits (``distributed.tensor_parallel_size``, ``sequence_parallel``)."""
+    """What a run named ``model_parallel`` or ``pipeline`` splits (``distributed.tensor_parallel_size``,
+    ``sequence_parallel``, ``pipeline_stages``)."""
+    pipeline_schedule: str = "1F1B"
+    stages_per_rank: int | None = None
+    split_points: list | None = None
 
     @property
     def per_node(self) -> int:
@@ -72,9 +76,9 @@ class Job:
         return self.micro_batch * self.accumulate * self.world_size * self.spec.seq_len
 
     def tokens_per_step_of(self, option: Option) -> int:
-        """The same under ``option``: tensor-parallel ranks share their samples (the micro-batch is
-        per data-parallel rank)."""
-        return self.tokens_per_step // max(1, option.tensor)
+        """The same under ``option``: tensor-parallel ranks and pipeline stages share their samples (the
+        micro-batch is per data-parallel rank)."""
+        return self.tokens_per_step // max(1, option.tensor * option.pipeline)
 
 
 class Estimator:
@@ -165,6 +169,8 @@ class Estimator:
                 for f in _BYTE_FIELDS
             }
             return _replace(one, option=option, **values)
+        if option.family == "pp":  # traced stage by stage at full depth (a stage per block, at most)
+            return self._pipeline_row(option)
         if self._shallow is not None:
             rows = {d: est.estimate(option) for d, est in self._shallow.items()}
             values = {f: affine({d: getattr(r, f) for d, r in rows.items()}, blocks) for f in _BYTE_FIELDS}
@@ -189,6 +195,8 @@ class Estimator:
             one = self.activation_slope(_replace(option, checkpoint=1))
             every = self.activation_slope(_replace(option, checkpoint=None))
             return max(none + min(option.checkpoint, blocks) * (one - none), every)
+        if option.family == "pp":
+            return max(0.0, (self._pipeline_row(option, 2 * b).peak - self._pipeline_row(option).peak) / b)
         if self._shallow is not None:
             slopes = {d: est.activation_slope(option) for d, est in self._shallow.items()}
             return float(affine(slopes, blocks))
@@ -209,6 +217,11 @@ class Estimator:
             every = self.step_time(_replace(option, checkpoint=None), hw)
             share = min(option.checkpoint, blocks) / blocks
             return none.scaled(1 - share) + every.scaled(share)
+        if option.family == "pp":
+            from distrain.planner.pipeline import pipeline_step_time
+
+            full = self._whole_step(option)
+            return pipeline_step_time(option, self.job, self._pipeline_trace(option), full, hw)
         if self._shallow is not None:
             times = {d: est.step_time(option, hw).astuple() for d, est in self._shallow.items()}
             (d1, t1), (d2, t2) = sorted(times.items())
@@ -294,6 +307,45 @@ class Estimator:
                 foreach=job.gpu,
             )
         return self._simulated[key]
+
+    def _pipeline_trace(self, option: Option, micro_batch: int | None = None):
+        from distrain.planner.pipeline import trace_pipeline
+
+        b = micro_batch or self.job.micro_batch
+        family = "fsdp" if option.sharding else "ddp"
+        stages = option.pipeline * option.stages_per_rank
+        key = ("pp", stages, option.checkpoint, b, family)
+        if key not in self._simulated:
+            param_dtype, autocast = self.dtypes(family)
+            self._simulated[key] = trace_pipeline(
+                self.job.spec,
+                b,
+                stages,
+                param_dtype=param_dtype,
+                autocast=autocast,
+                checkpoint=option.checkpoint,
+                split_points=self.job.split_points,
+            )
+        return self._simulated[key]
+
+    def pipeline_ranks(self, option: Option, micro_batch: int | None = None) -> list:
+        """What each pipeline rank holds (``pipeline.RankLoad``): each stage traced alone, the schedule's
+        micro-batches in flight counted, FSDP over the data-parallel replicas when there are any."""
+        from distrain.planner.pipeline import rank_loads
+
+        full = self._whole_step(option, micro_batch)
+        return rank_loads(option, self.job, self._pipeline_trace(option, micro_batch), full)
+
+    def _pipeline_row(self, option: Option, micro_batch: int | None = None) -> Row:
+        from distrain.planner.pipeline import pipeline_row
+
+        return pipeline_row(option, self.pipeline_ranks(option, micro_batch))
+
+    def _whole_step(self, option: Option, micro_batch: int | None = None) -> StepTrace:
+        """A traced whole-model step in the option's dtypes, for bytes and work per parameter element: a
+        deep model's at its deeper shallow depth."""
+        estimator = self._shallow[max(self._shallow)] if self._shallow else self
+        return estimator.trace("fsdp" if option.sharding else "ddp", option.checkpoint, micro_batch)
 
     def _tensor_row(self, option: Option) -> Row:
         """Tensor parallel, with FSDP over the other ranks when there are any: simulated."""

@@ -195,8 +195,6 @@ class ParamStats:
     largest_param: int
     largest_layer: int
     """The module with the most parameters of its own (DeepSpeed's ``largest_layer_params``)."""
-    block_numel: int
-    """Parameters of one repeated block (the largest)."""
     num_blocks: int
     buffer_bytes: int
 
@@ -213,7 +211,6 @@ class ParamStats:
             largest_layer=max(
                 (sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0
             ),
-            block_numel=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
             num_blocks=len(blocks),
             buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
         )
@@ -260,7 +257,6 @@ class StepTrace:
     step_extra: int
     """The optimizer step's (and clipping's) temporaries on the full parameter set."""
     seconds: float = 0.0
-    checkpointed_blocks: int | None = 0
     timeline: list[tuple[int, int]] = field(default_factory=list, repr=False)
     """(activation bytes, parameter-gradient bytes stored so far) after each forward/backward operation."""
     grad_events: list[tuple[int, int, int]] = field(default_factory=list, repr=False)
@@ -414,7 +410,6 @@ def trace_step(
         activations_and_grads=phases.act_grad,
         step_extra=phases.step_extra,
         seconds=time.perf_counter() - start,
-        checkpointed_blocks=checkpoint,
         timeline=phases.timeline,
         grad_events=grad_events,
         groups=groups,

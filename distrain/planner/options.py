@@ -15,7 +15,8 @@ class Option:
     """One way to train: a strategy with its sharding, activation checkpointing and offload."""
 
     family: str
-    """``single``, ``ddp``, ``fsdp``, ``zero`` or ``tp`` (tensor parallel; FSDP over the remaining ranks)."""
+    """``single``, ``ddp``, ``fsdp``, ``zero``, ``tp`` (tensor parallel; FSDP over the remaining ranks) or ``pp``
+    (pipeline stages; FSDP over the remaining ranks)."""
     sharding: str | None = None
     """FSDP: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD; ``tp``: FULL_SHARD when FSDP shards over the
     data-parallel ranks (the ranks beyond ``tensor``), else None."""
@@ -29,6 +30,12 @@ class Option:
     """Ranks that split each layer (``tp``)."""
     sequence_parallel: bool = False
     """``tp``: the norms and the residual stream split along the sequence too."""
+    pipeline: int = 1
+    """Pipeline ranks (``pp``)."""
+    schedule: str | None = None
+    """``pp``: 1F1B, GPipe or Interleaved1F1B."""
+    stages_per_rank: int = 1
+    """``pp``: stages each pipeline rank runs (Interleaved1F1B's virtual stages)."""
 
     @property
     def strategy(self) -> str:
@@ -40,18 +47,21 @@ class Option:
             return f"deepspeed_stage_{self.stage}{suffix}"
         if self.family == "tp":
             return "model_parallel"
+        if self.family == "pp":
+            return "pipeline"
         return self.family
 
     @property
     def level(self) -> int:
         """What is sharded (the ranking's first key): 0 nothing, 1 optimizer state, 2 and gradients,
-        3 and parameters within a node (hybrid), 4 and parameters across every rank, 5 each layer split
-        (tensor parallel: its activations too, and a collective in every layer)."""
+        3 and parameters within a node (hybrid), 4 and parameters across every rank, 5 the model split
+        (tensor parallel: each layer and its activations, a collective in every layer; pipeline: the blocks
+        into stages, which wait for each other)."""
         if self.family == "zero":
             return {1: 1, 2: 2, 3: 4}[self.stage]
         if self.family == "fsdp":
             return {"SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "FULL_SHARD": 4}[self.sharding]
-        return 5 if self.family == "tp" else 0
+        return 5 if self.family in ("tp", "pp") else 0
 
     @property
     def label(self) -> str:
@@ -62,6 +72,9 @@ class Option:
             "zero": f"zero-{self.stage}",
             "tp": f"tensor parallel {self.tensor}"
             + (" + SP" if self.sequence_parallel else "")
+            + (" × fsdp" if self.sharding else ""),
+            "pp": f"pipeline {self.pipeline} {self.schedule}"
+            + (f" ({self.stages_per_rank} stages/rank)" if self.stages_per_rank > 1 else "")
             + (" × fsdp" if self.sharding else ""),
         }[self.family]
         parts = [base]
@@ -85,6 +98,7 @@ class Option:
             "fsdp": "FSDP",
             "zero": f"ZeRO-{self.stage}",
             "tp": f"TP{self.tensor}" + ("+SP" if self.sequence_parallel else "") + ("×FSDP" if self.sharding else ""),
+            "pp": f"PP{self.pipeline}" + ("×FSDP" if self.sharding else ""),
         }[self.family]
         if self.family == "fsdp" and self.sharding != "FULL_SHARD":
             base += {"SHARD_GRAD_OP": " grad-op", "HYBRID_SHARD": " hybrid"}[self.sharding]
@@ -115,6 +129,11 @@ class Row:
     note: str = ""
     step: StepTime | None = None
     """Predicted seconds per optimizer step, by part (a plan made with the device's rates)."""
+    accumulate: int = 1
+    """Micro-batches per optimizer step it was planned with (``auto``'s tensor-parallel and pipeline layouts take
+    more than the job's, to keep its global batch)."""
+    tokens_per_step: int = 0
+    """Tokens one optimizer step of the whole job consumes under this option."""
 
     def to_json(self) -> dict:
         o = self.option
@@ -124,6 +143,8 @@ class Row:
             "sharding": o.sharding or (f"zero-{o.stage}" if o.stage else None),
             "tensor_parallel_size": o.tensor,
             "sequence_parallel": o.sequence_parallel,
+            "pipeline_stages": o.pipeline,
+            "pipeline_schedule": o.schedule,
             "activation_checkpointing": "all" if o.checkpoint is None else o.checkpoint,
             "offload": o.offload,
             "params_bytes": self.params,
@@ -136,6 +157,7 @@ class Row:
             "fits": self.fits,
             "max_micro_batch": self.max_micro_batch,
             "note": self.note,
+            "accumulate": self.accumulate,
             "step_seconds": self.step.seconds if self.step else None,
             "step_parts_seconds": (
                 {

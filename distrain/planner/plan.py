@@ -93,7 +93,8 @@ class Budget:
 
 
 # ---- options and their order ---------------------------------------------------------------------------
-AUTO_FAMILIES = ("single", "ddp", "fsdp")
+#: what ``auto`` runs: torch's own engines (the user's optimizer unchanged); ZeRO rows are there to compare
+AUTO_FAMILIES = ("single", "ddp", "fsdp", "tp", "pp")
 
 
 def rank_key(option: Option) -> tuple:
@@ -102,13 +103,10 @@ def rank_key(option: Option) -> tuple:
     return (offload > 0, option.level, ac, offload, option.family == "zero")
 
 
-def candidate_options(
-    job: Job, strategy: str = "all", checkpoint: str | bool = "both", tensor_parallel: bool = False
-) -> list[Option]:
-    """The options for a job, in ranking order. ``strategy``: ``all``, ``auto`` (DDP and FSDP
-    only) or a strategy name; ``checkpoint``: ``both`` (with and without), True, False;
-    ``tensor_parallel``: ``all`` lists the tensor-parallel layout too (a table to compare; its micro-batch
-    is per data-parallel rank, so what keeps a global batch — auto, what-if — leaves it out)."""
+def candidate_options(job: Job, strategy: str = "all", checkpoint: str | bool = "both") -> list[Option]:
+    """The data-parallel options for a job, in ranking order (tensor-parallel and pipeline layouts run more
+    micro-batches: ``Planner.model_parallel_planners``). ``strategy``: ``all``, ``auto`` (DDP and FSDP
+    only) or a strategy name; ``checkpoint``: ``both`` (with and without), True, False."""
     world, nodes = job.world_size, job.num_nodes
     options: list[Option] = []
     if world == 1:
@@ -122,24 +120,25 @@ def candidate_options(
         if job.gpu:
             options.append(Option("fsdp", sharding="FULL_SHARD", offload="cpu"))
             options += [Option("zero", stage=2, offload="cpu"), Option("zero", stage=3, offload="cpu")]
-        if strategy == "all" and tensor_parallel:
-            options += [o for o in [tensor_parallel_option(job)] if o is not None]
     if strategy == "auto":
         options = [o for o in options if o.family in AUTO_FAMILIES]
     elif strategy != "all":  # the option that strategy runs, as the run would start it
         run = option_for_run(strategy, job, job.fsdp_sharding, job.fsdp_cpu_offload)
         options = [run] if run is not None else []
-    if checkpoint == "both":
-        options = [replace(o, checkpoint=c) for o in options for c in (0, None)]
-    elif checkpoint is True:
-        options = [replace(o, checkpoint=None) for o in options]
+    options = [replace(o, checkpoint=c) for o in options for c in _checkpoint_variants(checkpoint)]
     return sorted(options, key=rank_key)
+
+
+def _checkpoint_variants(checkpoint: str | bool) -> list[int | None]:
+    """``both``: without and with every block checkpointed; True: with; False: without."""
+    return [0, None] if checkpoint == "both" else [None] if checkpoint is True else [0]
 
 
 def option_for_run(strategy: str, job: Job, sharding: str = "FULL_SHARD", cpu_offload: bool = False) -> Option | None:
     """The option an explicitly named strategy runs, as ``distrain train`` would start it: the FSDP sharding
     and offload of the config, the ZeRO stage and offload of the user's DeepSpeed JSON (``job.zero``) when
-    there is one, else the preset's. None for what the planner does not model (tensor parallel, pipeline)."""
+    there is one, else the preset's. None for what the planner does not model (a pipeline of tensor-parallel
+    stages)."""
     if strategy in ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_torchft"):  # every rank holds everything
         return Option("ddp") if job.world_size > 1 else Option("single")
     if strategy == "single":
@@ -154,6 +153,8 @@ def option_for_run(strategy: str, job: Job, sharding: str = "FULL_SHARD", cpu_of
         if stage == 0:  # no ZeRO: every rank holds everything, as under DDP
             return Option("ddp") if job.world_size > 1 else Option("single")
         return Option("zero", stage=stage, offload=offload if job.gpu else "none")
+    if strategy == "pipeline" or (strategy == "model_parallel" and job.pipeline_stages not in (None, "auto", 1)):
+        return pipeline_option(job, strict=True, strategy=strategy)
     if strategy == "model_parallel":
         return tensor_parallel_option(job, strict=True)
     return None
@@ -187,6 +188,34 @@ def tensor_parallel_option(job: Job, strict: bool = False) -> Option | None:
     return Option("tp", sharding=sharding, tensor=layout.tensor, sequence_parallel=job.sequence_parallel)
 
 
+def pipeline_option(job: Job, strict: bool = False, strategy: str = "pipeline") -> Option | None:
+    """The layout ``strategy: pipeline`` runs with the job's sizes (a stage per rank unless set; FSDP over
+    the ranks that remain), or None when a stage would also split its layers (not planned), or the model
+    cannot be split into that many stages: that raises the run's own error when ``strict``."""
+    from distrain.parallel.layout import default_stages_per_rank, layout_for
+    from distrain.parallel.pipeline_split import split_blocks, split_for
+
+    if job.world_size < 2:
+        return None
+    per_rank = job.stages_per_rank or default_stages_per_rank(job.pipeline_schedule)
+    try:
+        # model_parallel: tensor parallel over what the stages leave of a node, as the strategy resolves it
+        sizes = (job.tensor_parallel, "auto", job.pipeline_stages, per_rank)
+        layout = layout_for(job.world_size, job.per_node, strategy == "pipeline", *sizes)
+        if layout.tensor > 1:
+            return None
+        module = job.spec.build()
+        split_blocks(split_for(module), layout.num_stages, job.split_points, root=module)
+    except (ValueError, TypeError):
+        if strict:
+            raise
+        return None
+    sharding = "FULL_SHARD" if layout.data > 1 else None
+    return Option(
+        "pp", sharding=sharding, pipeline=layout.pipeline, schedule=job.pipeline_schedule, stages_per_rank=per_rank
+    )
+
+
 def _zero_of(strategy: str, user: dict | None) -> tuple[int, str]:
     """(stage, where its state is offloaded) of a DeepSpeed run: the user's config, else the preset."""
     from distrain.strategies.deepspeed_config import PRESETS, zero_stage
@@ -213,7 +242,9 @@ class Plan:
     hardware_source: str = ""
 
     def mark_run(self, option: Option) -> None:
-        self.run = option if any(r.option == option for r in self.rows) else None
+        """Mark the row of the option a run takes as configured (not one planned at another accumulation)."""
+        same = [r for r in self.rows if r.option == option and r.accumulate == self.job.accumulate]
+        self.run = option if same else None
 
     def header(self) -> str:
         job, budget = self.job, self.budget
@@ -231,26 +262,32 @@ class Plan:
         cols = ("params", "grads", "optim", "activ.", "buffers", "peak", "host", "fits", "max batch")
         if timed:
             cols += ("step", "tokens/s")
-        width = max([len(r.option.label) for r in self.rows] + [24])
+        labels = [self._label(r) for r in self.rows]
+        width = max([len(label) for label in labels] + [24])
         lines = [self.header(), ""]
         lines.append(f"{'per rank (M: MiB, G: GiB)':<{width}} " + " ".join(f"{c:>8}" for c in cols))
-        for r in self.rows:
+        for r, label in zip(self.rows, labels):
             host = cell(r.host) if r.host else "-"
             cells = [cell(v) for v in (r.params, r.grads, r.optimizer, r.activations, r.buffers, r.peak)]
             cells += [host, "yes" if r.fits else "no", "-" if r.max_micro_batch is None else str(r.max_micro_batch)]
             if timed:
                 cells += [
                     format_seconds(r.step.seconds),
-                    format_rate(self.job.tokens_per_step_of(r.option) / r.step.seconds),
+                    format_rate(r.tokens_per_step / r.step.seconds),
                 ]
-            mark = "  ← this run" if r.option == self.run else ""
-            lines.append(f"{r.option.label:<{width}} " + " ".join(f"{c:>8}" for c in cells) + mark)
+            mark = "  ← this run" if r.option == self.run and r.accumulate == self.job.accumulate else ""
+            lines.append(f"{label:<{width}} " + " ".join(f"{c:>8}" for c in cells) + mark)
         lines.append("")
         lines.append(
             "activ.: the most activation memory alive at once (forward/backward) at this micro-batch; "
             "buffers: all-gather/reduce-scatter and DeepSpeed buckets; peak: the larger of forward/backward "
             "and the optimizer step; max batch: the largest micro-batch that fits"
         )
+        if any(r.accumulate != self.job.accumulate for r in self.rows):
+            lines.append(
+                "accum N: tensor-parallel ranks and pipeline stages share their samples, so N micro-batches per step "
+                "keep the job's global batch"
+            )
         if timed:
             lines.append(
                 f"step: predicted time per optimizer step; tokens/s: the whole job's ({self.job.world_size} ranks); "
@@ -259,6 +296,9 @@ class Plan:
         lines.append(f"recommendation: {self.reason}")
         lines += [f"  {s}" for s in self.suggestions]
         return "\n".join(lines)
+
+    def _label(self, row: Row) -> str:
+        return row.option.label + (f" (accum {row.accumulate})" if row.accumulate != self.job.accumulate else "")
 
     def to_json(self) -> dict:
         job = self.job
@@ -275,8 +315,8 @@ class Plan:
             "rows": [
                 {
                     **r.to_json(),
-                    "tokens_per_second": job.tokens_per_step_of(r.option) / r.step.seconds if r.step else None,
-                    "this_run": r.option == self.run,
+                    "tokens_per_second": r.tokens_per_step / r.step.seconds if r.step else None,
+                    "this_run": r.option == self.run and r.accumulate == job.accumulate,
                 }
                 for r in self.rows
             ],
@@ -307,7 +347,14 @@ class Planner:
             if slope > 0:
                 room = self.budget.usable - row.peak
                 max_b = max(0, int(self.job.micro_batch + math.floor(room / slope)))
-        return replace(row, fits=fits, max_micro_batch=max_b, step=self.step_time(option))
+        return replace(
+            row,
+            fits=fits,
+            max_micro_batch=max_b,
+            step=self.step_time(option),
+            accumulate=self.job.accumulate,
+            tokens_per_step=self.job.tokens_per_step_of(option),
+        )
 
     def step_time(self, option: Option) -> StepTime | None:
         return self.estimator.step_time(option, self.hardware) if self.hardware else None
@@ -345,14 +392,20 @@ class Planner:
         predicted that fits (``prefer``; options tried fastest first, until they are slower than the
         fastest that fits by more than the tie); without, the first that fits in ranking order.
         ``checkpoint="auto"``: each option with just enough checkpointed blocks, which decides its
-        time, so every such option is looked at."""
+        time, so every such option is looked at. ``auto`` and ``all`` look at tensor-parallel and pipeline
+        layouts too, each with the accumulation that keeps the global batch (``model_parallel_planners``)."""
         seen: list[Row] = []
         options = candidate_options(self.job, strategy, False if checkpoint == "auto" else checkpoint)
+        candidates = [(self, o) for o in options]
+        if strategy in ("auto", "all"):
+            variants = _checkpoint_variants(checkpoint)  # "auto": without; fitting_checkpoint adds blocks
+            candidates += [(p, replace(o, checkpoint=c)) for p, o in self.model_parallel_planners() for c in variants]
+            candidates.sort(key=lambda pair: rank_key(pair[1]))
         if checkpoint == "auto":
             fitting = []
-            for option in options:
-                row = self.fitting_checkpoint(option)
-                seen.append(row or self.row(replace(option, checkpoint=None), max_batch=False))
+            for planner, option in candidates:
+                row = planner.fitting_checkpoint(option)
+                seen.append(row or planner.row(replace(option, checkpoint=None), max_batch=False))
                 if row is not None:
                     fitting.append(row)
                     if self.hardware is None:
@@ -362,21 +415,34 @@ class Planner:
             best = self.prefer(fitting)
             return best, [r for r in seen if r is best or r.step.seconds < best.step.seconds]
         if self.hardware is None:
-            for option in options:
-                row = self.row(option, max_batch=False)
+            for planner, option in candidates:
+                row = planner.row(option, max_batch=False)
                 seen.append(row)
                 if row.fits:
                     return row, seen
             return None, seen
         fitting: list[Row] = []
-        for option in sorted(options, key=self.seconds):
-            if fitting and self.seconds(option) > fitting[0].step.seconds * (1 + TIE):
+        for planner, option in sorted(candidates, key=lambda pair: pair[0].seconds(pair[1])):
+            if fitting and planner.seconds(option) > fitting[0].step.seconds * (1 + TIE):
                 break
-            row = self.row(option, max_batch=False)
+            row = planner.row(option, max_batch=False)
             seen.append(row)
             if row.fits:
                 fitting.append(row)
         return (self.prefer(fitting) if fitting else None), seen
+
+    def model_parallel_planners(self) -> list[tuple[Planner, Option]]:
+        """The tensor-parallel and pipeline layouts a run of this job could take, each with the planner of the
+        same job at the accumulation that keeps its global batch: their ranks share samples (a micro-batch is
+        per data-parallel rank), so each step runs ``tensor × pipeline`` times the micro-batches."""
+        out = []
+        for option in (tensor_parallel_option(self.job), pipeline_option(self.job)):
+            if option is None:
+                continue
+            factor = option.tensor * option.pipeline
+            job = replace(self.job, accumulate=self.job.accumulate * factor)
+            out.append((Planner(job, self.budget, self.hardware), option))
+        return out
 
     def reason(self, chosen: Row | None, seen: list[Row]) -> str:
         """``fsdp FULL_SHARD + AC: DDP needs 112 GiB/rank, FSDP 61, FSDP+AC 38 of 72``."""
@@ -397,7 +463,7 @@ class Planner:
         if len(seen) == 1 and chosen.option.level == 0 and chosen.option.checkpoint == 0:
             why += " (fits with nothing sharded, recomputed or offloaded)"
         if chosen.step is not None:
-            tokens = self.job.tokens_per_step_of(chosen.option) / chosen.step.seconds
+            tokens = chosen.tokens_per_step / chosen.step.seconds
             why += f"; predicted {format_seconds(chosen.step.seconds)}/step, {tokens:,.0f} tokens/s: "
             faster = [r for r in seen if r.fits and r.step and r.step.seconds < chosen.step.seconds]
             if faster:
@@ -408,10 +474,21 @@ class Planner:
                 )
             else:
                 why += "the fastest that fits"
+        if chosen.accumulate != self.job.accumulate:
+            why += (
+                f" (accumulation {chosen.accumulate} instead of {self.job.accumulate}: its ranks share samples, so "
+                "the global batch stays the same)"
+            )
         return f"{chosen.option.label}: {why}"
 
     def plan(self, strategy: str = "all", checkpoint: bool | str = "both") -> Plan:
-        rows = [self.row(o) for o in candidate_options(self.job, strategy, checkpoint, tensor_parallel=True)]
+        """``strategy="all"``: every option for the job's global batch (tensor-parallel and pipeline layouts
+        with the accumulation that keeps it), the recommendation as ``auto`` would choose."""
+        rows = [self.row(o) for o in candidate_options(self.job, strategy, checkpoint)]
+        if strategy == "all":
+            variants = _checkpoint_variants(checkpoint)
+            mp = [(p, replace(o, checkpoint=c)) for p, o in self.model_parallel_planners() for c in variants]
+            rows = sorted(rows + [p.row(o) for p, o in mp], key=lambda r: rank_key(r.option))
         eligible = [r for r in rows if r.option.family in AUTO_FAMILIES] if strategy == "all" else rows
         if self.hardware is not None:
             eligible = sorted(eligible, key=lambda r: r.step.seconds)

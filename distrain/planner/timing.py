@@ -24,7 +24,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -72,6 +72,11 @@ class Hardware:
     """Between nodes."""
     collective_seconds: float
     host_bandwidth: float = HOST_LINK
+    blocking_collective_seconds: float | None = None
+    blocking_bandwidth: float | None = None
+    """Latency and bus bandwidth of a collective that the next computation waits for (tensor parallelism's),
+    measured with the ranks computing in between: on a CPU gloo's threads then wait for cores that compute
+    holds (milliseconds per call, against a tenth of one between idle ranks). None: the idle figures."""
     overlap: bool = False
     """Communication runs beside compute (GPU) instead of taking its cores (CPU)."""
     source: str = ""
@@ -119,9 +124,9 @@ def cpu_hardware(ranks_per_node: int) -> Hardware:
         # for each other's GIL, which separate rank processes do not)
         tiny = torch.ones(4)
         op = _best(lambda: [tiny.add(1) for _ in range(200)]) / 200 / share
+        bandwidth, latency, blocking, blocking_bandwidth = gloo_allreduce(min(max(2, ranks_per_node), 4))
     finally:
         torch.set_num_threads(previous)
-    bandwidth, latency = gloo_allreduce(min(max(2, ranks_per_node), 4))
     return Hardware(
         matmul_flops=flops,
         memory_bandwidth=memory,
@@ -129,6 +134,8 @@ def cpu_hardware(ranks_per_node: int) -> Hardware:
         intra_bandwidth=bandwidth,
         inter_bandwidth=bandwidth,
         collective_seconds=latency,
+        blocking_collective_seconds=blocking,
+        blocking_bandwidth=blocking_bandwidth,
         source=f"this CPU, measured ({threads} thread{'s' if threads > 1 else ''} per rank; gloo all-reduce)",
     )
 
@@ -157,14 +164,17 @@ def _side_by_side(fn, copies: int, args: list | None = None) -> float:
     return max(results)
 
 
-def gloo_allreduce(ranks: int, size: int = 16 << 20) -> tuple[float, float]:
-    """(bus bandwidth B/s, latency s) of gloo all-reduces among ``ranks`` threads of this process:
-    the real gloo transport over loopback, without starting processes."""
+def gloo_allreduce(ranks: int, size: int = 16 << 20) -> tuple[float, float, float, float]:
+    """(bus bandwidth B/s, latency s) of gloo all-reduces among ``ranks`` threads of this process (the real
+    gloo transport over loopback, without starting processes), and the same between computations: from what
+    a small and a 1 MiB all-reduce add to a loop of matmuls that every rank runs (tensor parallelism's
+    pattern)."""
     import torch.distributed as dist
 
     store = dist.HashStore()
     groups: dict[int, object] = {}
     results: dict[int, tuple[float, float]] = {}
+    blocking: dict[int, tuple[float, float]] = {}
 
     def rank(r: int) -> None:
         pg = dist.ProcessGroupGloo(store, r, ranks, timedelta(seconds=60))
@@ -172,6 +182,19 @@ def gloo_allreduce(ranks: int, size: int = 16 << 20) -> tuple[float, float]:
         for t in (big, small, big):  # connections and first-use costs
             pg.allreduce([t]).wait()
         results[r] = (_best(lambda: pg.allreduce([big]).wait(), 3), _best(lambda: pg.allreduce([small]).wait(), 10))
+        a, medium = torch.randn(512, 512), torch.ones(1 << 18)
+
+        def computing(tensor: torch.Tensor | None) -> float:
+            start = time.perf_counter()
+            for _ in range(20):
+                a @ a
+                if tensor is not None:
+                    pg.allreduce([tensor]).wait()
+            return time.perf_counter() - start
+
+        # alternated, so each sees the same load; the mean of rounds (contention is measured, not the best case)
+        rounds = [(computing(small), computing(medium), computing(None)) for _ in range(3)]
+        blocking[r] = tuple(sum(run[i] - run[2] for run in rounds) / len(rounds) / 20 for i in (0, 1))
         groups[r] = pg
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
@@ -181,7 +204,11 @@ def gloo_allreduce(ranks: int, size: int = 16 << 20) -> tuple[float, float]:
         t.join()
     big = max(v[0] for v in results.values())
     small = max(v[1] for v in results.values())
-    return size / big * 2 * (ranks - 1) / ranks, small
+    share = 2 * (ranks - 1) / ranks
+    busy_small = max(small, max(v[0] for v in blocking.values()))
+    busy_medium = max(v[1] for v in blocking.values())
+    busy_bandwidth = min(size / big * share, share * 4 * (1 << 18) / max(1e-6, busy_medium - busy_small))
+    return size / big * share, small, busy_small, busy_bandwidth
 
 
 def measured_links() -> dict | None:
@@ -233,10 +260,6 @@ def resolve_hardware(
     if inter_node_bandwidth is not None:
         hw = replace(hw, inter_bandwidth=inter_node_bandwidth)
     return hw
-
-
-def hardware_json(hw: Hardware) -> dict:
-    return asdict(hw)
 
 
 # ---- the step -----------------------------------------------------------------------------------------
@@ -332,12 +355,17 @@ def _zero_bucket_bytes(job, trace) -> float:
     return elements * bytes_per
 
 
-def collective_seconds(c: Collective, hw: Hardware) -> float:
+def collective_seconds(c: Collective, hw: Hardware, blocking: bool = False) -> float:
+    """``blocking``: the next computation waits for it (see ``Hardware.blocking_collective_seconds``)."""
     if c.ranks <= 1:
         return 0.0
     share = (c.ranks - 1) / c.ranks * (2 if c.kind == "all_reduce" else 1)
     bandwidth = hw.inter_bandwidth if c.inter_node else hw.intra_bandwidth
-    return c.passes * c.size * share / bandwidth + c.calls * hw.collective_seconds
+    latency = hw.collective_seconds
+    if blocking and hw.blocking_collective_seconds:
+        latency = hw.blocking_collective_seconds
+        bandwidth = hw.inter_bandwidth if c.inter_node else min(bandwidth, hw.blocking_bandwidth or bandwidth)
+    return c.passes * c.size * share / bandwidth + c.calls * latency
 
 
 def copy_seconds(c: Collective, hw: Hardware) -> float:
@@ -396,5 +424,5 @@ def tensor_parallel_step_time(option, job, trace, simulated, hw: Hardware) -> St
         for kind, size, ranks, fsdp in simulated.step_collectives
     ]
     compute += sum(copy_seconds(c, hw) for c in sent)
-    comm = sum(collective_seconds(c, hw) for c in sent)
+    comm = sum(collective_seconds(c, hw, blocking=not c.copied) for c in sent)  # FSDP's (copied) are prefetched
     return StepTime(compute, optimizer, comm, compute + optimizer + comm)

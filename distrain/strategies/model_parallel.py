@@ -436,8 +436,8 @@ def _stored_model_shapes(path, key: str) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in ckpt_io.read_state_file(path)[key].items()}
 
 
-def options_from_config(config, block_classes) -> dict:
-    """The config's ``distributed`` keys → ModelParallelStrategy / PipelineStrategy options."""
+def options_from_config(config, block_classes, pipeline: bool = False) -> dict:
+    """The config's ``distributed`` keys → ModelParallelStrategy options (``pipeline``: PipelineStrategy's)."""
     d = config.distributed
     options = dict(
         tensor_parallel_size=d.tensor_parallel_size,
@@ -448,7 +448,7 @@ def options_from_config(config, block_classes) -> dict:
         split_points=d.pipeline_split_points,
         stages_per_rank=d.pipeline_stages_per_rank,
     )
-    if d.strategy == "pipeline":
+    if pipeline:
         options["stages"] = d.pipeline_stages if d.pipeline_stages is not None else "auto"
     else:
         options["pipeline_stages"] = d.pipeline_stages or 1

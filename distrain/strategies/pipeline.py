@@ -9,6 +9,7 @@ It is ``ModelParallelStrategy`` with a pipeline and no tensor parallelism by def
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Any
 
@@ -60,7 +61,7 @@ register(
     "pipeline",
     PipelineStrategy,
     "pipeline stages (torch.distributed.pipelining: 1F1B, GPipe, Interleaved1F1B), FSDP2 over replicas",
-    options_from_config,
+    functools.partial(options_from_config, pipeline=True),
     "distributed",
     check,
 )

@@ -1,0 +1,351 @@
+"""Pipeline layouts in the plan (``strategy: pipeline``): each rank's memory and the step's time, from a
+trace of each stage alone and the schedule's arithmetic.
+
+A fake process group cannot run ``torch.distributed.pipelining`` (stages exchange shape metadata as
+objects before the first step), so the planner does not run the pipeline. It traces each stage the way a
+rank runs it: the model's own ``PipelineSplit`` cut by the run's own ``split_blocks``, each stage's
+``StageModule`` (the user's layers) through one micro-batch's forward and backward under fake tensors,
+the last stage with the user's ``training_step``. The schedule then says how many micro-batches a rank
+holds at once and how long stages wait:
+
+- **memory of a rank**: the parameters, gradients and optimizer state of the layers it keeps (tied
+  copies included), the receive buffers torch allocates for every micro-batch of a step, and the
+  activations of the micro-batches in flight, walked through the rank's forwards and backwards in the
+  order torch's schedule runs them: GPipe runs every forward first (all A); 1F1B warms up with
+  min(A, P − s) forwards on stage s; Interleaved1F1B with torch's own warm-up count of chunks.
+- **time**: the first micro-batch crosses every stage forward and back, the other A − 1 follow at the
+  pace of the slowest stage (the bubble: (P − 1) stage-times, or (P − 1)/V with V chunks per rank);
+  each stage-time includes its point-to-point sends and receives. Then the optimizer step of the
+  slowest rank, the all-reduce of gradients of parameters two stages share, and FSDP's collectives
+  when stages are replicated over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from distrain import compat
+from distrain.planner.model_stats import (
+    ModelSpec,
+    _fake_mode,
+    _Phases,
+    apply_activation_checkpointing,
+    checkpoint_policy,
+    loss_of,
+    to_empty_keeping_ties,
+)
+from distrain.planner.work import PhaseWork, WorkCounter
+
+
+@dataclass(frozen=True)
+class StageTrace:
+    """One stage through one micro-batch (forward and backward), and what it holds."""
+
+    index: int
+    param_bytes: int
+    param_elements: int
+    """Trainable elements of the layers this stage holds (a tied parameter counted by each holder)."""
+    tensors: int
+    """Trainable parameter tensors it holds (the optimizer's per-tensor operations)."""
+    saved: int
+    """Activation bytes alive at the end of its forward: what a micro-batch in flight keeps until its backward."""
+    peak: int
+    """The most activation bytes alive during one micro-batch's forward and backward (``cached`` included)."""
+    cached: int
+    """Bytes that stay once for every micro-batch of a step: autocast's low-precision copies of the weights."""
+    received: int
+    """Bytes of the activation this stage receives (0 on the first)."""
+    blocks: int
+    largest_unit: int
+    """Bytes of its largest block's parameters (what FSDP gathers at once over data-parallel ranks)."""
+    work: PhaseWork
+    """Forward and backward of one micro-batch."""
+
+
+@dataclass(frozen=True)
+class PipelineTrace:
+    stages: list[StageTrace]
+    ties: list[tuple[int, int]]
+    """Parameters held by several stages: (bytes, how many stages hold it)."""
+
+
+def trace_pipeline(
+    spec: ModelSpec,
+    micro_batch: int,
+    num_stages: int,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    autocast: torch.dtype | None = None,
+    checkpoint: int | None = 0,
+    split_points=None,
+) -> PipelineTrace:
+    """Each of ``num_stages`` stages through one micro-batch, in order (a stage's input is what the one before
+    sent). Stages with the same blocks count and position (neither first nor last) are traced once: their
+    layers are the same."""
+    from distrain.parallel.layout import ParallelLayout
+    from distrain.parallel.pipeline import PipelineBuild
+    from distrain.parallel.pipeline_split import split_for
+
+    module = spec.build()
+    if param_dtype != torch.float32:
+        module.to(param_dtype)
+    apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint))
+    with _fake_mode() as mode, compat.transformers_masks_as_in_eager():
+        to_empty_keeping_ties(module)
+        plan = split_for(module)
+        build = PipelineBuild.create(module, plan, ParallelLayout(pipeline=num_stages), 0, split_points)
+        batch = tree_map_only(torch.Tensor, mode.from_tensor, spec.make_batch(micro_batch))
+        build.local = list(range(num_stages))
+        stage_modules = build.stage_modules(None)
+        stages: list[StageTrace] = []
+        cache: dict[tuple, StageTrace] = {}
+        received = None
+        for s, stage in enumerate(stage_modules):
+            middle = 0 < s < num_stages - 1
+            key = ("middle", len(build.ranges[s])) if middle else None
+            if key in cache:
+                stages.append(replace(cache[key], index=s))
+                continue  # its output is the same shape as its input: the next stage receives the same
+            trace, received_next = _trace_stage(module, plan, stage, s, batch, received, autocast)
+            if key is not None:
+                cache[key] = trace
+            stages.append(trace)
+            received = received_next
+        ties = []
+        params = dict(module.named_parameters())
+        for name, holders in build.ties:
+            p = params[name]
+            ties.append((p.numel() * p.element_size(), len(holders)))
+    return PipelineTrace(stages, ties)
+
+
+def _trace_stage(module, plan, stage, index: int, batch, received, autocast):
+    """Forward and backward of one micro-batch through ``stage``; returns its trace and what it sends on."""
+    held = {id(p): p for p in stage.parameters() if p.requires_grad}
+    held_params = list(held.values())
+    inputs = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    args = () if received is None else (received.detach().requires_grad_(True),)
+    phases, counter = _Phases(), WorkCounter()
+    tracker = compat.timeline_memory_tracker(phases.sample)
+    tracker.track_external(module, *inputs, *args)
+    with tracker, counter:
+        # the schedule runs inside one autocast region: its cache of low-precision weight copies, made in the
+        # first forward, stays for every micro-batch; what a micro-batch keeps is the rest
+        with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+            out = stage.run(batch, *args)
+            if stage.is_last:
+                out = _loss(module, plan, out, batch)
+            saved = phases.timeline[-1][0] if phases.timeline else 0
+            phases.phase = counter.phase = "backward"
+            if stage.is_last:
+                out.backward()
+                sent = None
+            else:
+                sent = out.detach()
+                out.backward(torch.zeros_like(out))
+            del out
+            for t in args:  # the gradient sent back to the stage before: gone once sent
+                t.grad = None
+            torch.zeros(())  # one more operation: the tracker's sample of what remains (the autocast cache)
+            cached = phases.timeline[-1][0]
+    for p in held_params:
+        p.grad = None
+    trace = StageTrace(
+        index=index,
+        param_bytes=sum(p.numel() * p.element_size() for p in held_params),
+        param_elements=sum(p.numel() for p in held_params),
+        tensors=len(held_params),
+        saved=max(0, saved - cached),
+        peak=phases.act,
+        cached=cached,
+        received=0 if received is None else received.numel() * received.element_size(),
+        blocks=len(stage.blocks),
+        largest_unit=max((sum(p.numel() * p.element_size() for p in b.parameters()) for b in stage.blocks), default=0),
+        work=counter.work.forward_backward,
+    )
+    return trace, sent
+
+
+def _loss(module, plan, head_output, batch) -> torch.Tensor:
+    """The user's ``training_step`` on the last stage, its model call answered by the head's output (as
+    ``PipelineRunner`` does)."""
+    plan.model.forward = lambda *args, **kwargs: plan.answer(head_output, *args, **kwargs)
+    try:
+        return loss_of(module.training_step(batch, 0))
+    finally:
+        del plan.model.forward
+
+
+# ---- the schedule's arithmetic ------------------------------------------------------------------------------------
+def rank_order(schedule: str, rank: int, pipeline: int, stages_per_rank: int, micro_batches: int) -> list:
+    """(forward?, stage) of each forward and backward a pipeline rank runs in one step, in order:
+    torch's schedules (``Schedule1F1B``, ``ScheduleGPipe``, ``ScheduleInterleaved1F1B``'s ``_get_1f1b_rank_ops``),
+    and ``PipelineRunner``'s fall-back to GPipe when 1F1B has fewer micro-batches than stages."""
+    a, p, v = micro_batches, pipeline, stages_per_rank
+    if v == 1:
+        warmup = a if schedule == "GPipe" or a < p else min(a, p - rank)
+        return [(True, rank)] * warmup + [(False, rank), (True, rank)] * (a - warmup) + [(False, rank)] * warmup
+    per_round = a // max(1, a // p)
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - rank), a * v)
+
+    def forward_stage(op: int) -> int:
+        return (op // per_round) % v * p + rank
+
+    def backward_stage(op: int) -> int:
+        return (v - 1 - ((op - warmup) // per_round) % v) * p + rank
+
+    order = [(True, forward_stage(op)) for op in range(warmup)]
+    for op in range(warmup, a * v):
+        order += [(True, forward_stage(op)), (False, backward_stage(op))]
+    return order + [(False, backward_stage(op)) for op in range(a * v, a * v + warmup)]
+
+
+def activations_in_flight(order: list[tuple[bool, int]], stages: list[StageTrace]) -> tuple[int, int]:
+    """(the most activation bytes alive before any gradient exists, the most after): a forward keeps its
+    stage's saved activations until that micro-batch's backward, which peaks at the stage's own peak; the
+    autocast cache of each of the rank's stages stays from its first forward on. The first backward of a step
+    runs before gradients exist (the Trainer sets them to None after each step)."""
+    held, before, after, grads = 0, 0, 0, False
+    cached: dict[int, int] = {}
+    for forward, s in order:
+        if forward:
+            held += stages[s].saved
+            cached[s] = stages[s].cached
+            at = held + sum(cached.values())
+        else:
+            at = held - stages[s].saved + stages[s].peak + sum(cached.values()) - stages[s].cached
+            held -= stages[s].saved
+        before, after = (before, max(after, at)) if grads else (max(before, at), after)
+        grads = grads or not forward
+    return before, after
+
+
+def rank_stages(rank: int, pipeline: int, stages_per_rank: int) -> list[int]:
+    """The stages a pipeline rank runs (torch's loop-style placement, as ``PipelineBuild``)."""
+    return [s for s in range(pipeline * stages_per_rank) if s % pipeline == rank]
+
+
+# ---- a plan's row and time -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankLoad:
+    """What one pipeline rank holds and does."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    step_extra: int
+    tensors: int
+    share: float
+    """Its trainable elements over those of the traced whole-model step (the optimizer's state and work scale
+    with it; above 1 when that step was traced at a shallower depth)."""
+
+    activations_with_grads: int
+    """The most activation bytes alive at a backward that runs once gradients exist (the first backward of a
+    step runs before: gradients are set to None after each optimizer step)."""
+
+    @property
+    def peak(self) -> int:
+        states = self.params + self.optimizer + self.buffers
+        backward = max(self.activations, self.grads + self.activations_with_grads)
+        return states + max(backward, self.grads + self.step_extra)
+
+
+def rank_loads(option, job, trace: PipelineTrace, full) -> list[RankLoad]:
+    """Each pipeline rank's bytes (``full``: a traced whole-model step, for the optimizer's and gradients'
+    bytes per element)."""
+    p, v, a = option.pipeline, option.stages_per_rank, job.accumulate
+    data = max(1, job.world_size // (p * option.tensor))
+    stages = trace.stages
+    loads = []
+    for r in range(p):
+        mine = [stages[s] for s in rank_stages(r, p, v)]
+        share = sum(s.param_elements for s in mine) / max(1, sum(map(sum, full.groups)))
+        activations, with_grads = activations_in_flight(rank_order(option.schedule, r, p, v, a), stages)
+        # torch allocates a receive buffer per micro-batch: activations from the stage before, gradients from
+        # the stage after
+        after = [stages[s.index + 1].received if s.index + 1 < len(stages) else 0 for s in mine]
+        buffers = a * (sum(s.received for s in mine) + sum(after))
+        params = sum(s.param_bytes for s in mine)
+        grads, optimizer = int(full.grad_bytes * share), int(full.optimizer_bytes * share)
+        if data > 1:
+            # torch's pipeline stages keep an FSDP module's parameters and gradients unsharded through a step's
+            # micro-batches (no resharding after backward, gradient sync at the last one): beside the sharded
+            # state, the unsharded parameters and gradients, the reduce-scatter's copy of those gradients, and
+            # two blocks gathered at once in forward
+            params += params // data
+            grads = 2 * grads + grads // data
+            optimizer //= data
+            buffers += 2 * max(s.largest_unit for s in mine)
+        extra, tensors = int(full.step_extra * share), sum(s.tensors for s in mine)
+        loads.append(RankLoad(r, params, grads, optimizer, activations, buffers, extra, tensors, share, with_grads))
+    return loads
+
+
+def pipeline_row(option, loads: list[RankLoad]):
+    """The plan's row: the pipeline rank with the highest peak (the others hold less)."""
+    from distrain.planner.options import Row
+
+    worst = max(loads, key=lambda load: load.peak)
+    others = ", ".join(f"{load.peak / 2**20:.0f}" for load in loads)
+    return Row(
+        option,
+        worst.params,
+        worst.grads,
+        worst.optimizer,
+        worst.activations,
+        worst.buffers,
+        worst.peak,
+        note=f"the fullest pipeline rank: {worst.rank} (MiB per rank: {others})",
+    )
+
+
+def pipeline_step_time(option, job, trace: PipelineTrace, full, hw):
+    """Seconds of one optimizer step through the pipeline (see the module's docstring)."""
+    from distrain.planner.timing import Collective, StepTime, collective_seconds, work_seconds
+
+    p, v, a = option.pipeline, option.stages_per_rank, job.accumulate
+    data = max(1, job.world_size // (p * option.tensor))
+    stages = trace.stages
+
+    def transfer(nbytes: int) -> float:  # one point-to-point send, forward or backward: the sender and receiver wait
+        return nbytes / hw.intra_bandwidth + hw.collective_seconds if nbytes else 0.0
+
+    compute, with_links = [], []
+    for s in stages:
+        sent = stages[s.index + 1].received if s.index + 1 < len(stages) else 0
+        links = 2 * transfer(s.received) + 2 * transfer(sent)
+        if data > 1:  # FSDP gathers each block's parameters (and the rest's) in forward and again in backward
+            gather = Collective("all_gather", s.param_bytes, data, 2, s.blocks + 1, inter_node=job.num_nodes > 1)
+            links += collective_seconds(gather, hw)
+        compute.append(work_seconds(s.work, hw))
+        with_links.append(compute[-1] + links)
+
+    def through_pipeline(times: list[float]) -> float:
+        if v == 1:  # the first micro-batch crosses every stage; the rest follow at the slowest stage's pace
+            return sum(times) + (a - 1) * max(times)
+        per_rank = [sum(times[s] for s in rank_stages(r, p, v)) for r in range(p)]
+        return (a + (p - 1) / v) * max(per_rank)
+
+    loads = rank_loads(option, job, trace, full)
+    step = full.work.step
+    optimizer = max(
+        step.flops * load.share / data / hw.matmul_flops
+        + step.bytes * load.share / data / hw.memory_bandwidth
+        + step.ops * load.tensors / max(1, sum(map(len, full.groups))) * hw.op_seconds
+        for load in loads
+    )
+    after = [Collective("all_reduce", size, holders, 1, 1, inter_node=False) for size, holders in trace.ties]
+    if data > 1:  # each rank's gradients reduce-scattered over its replicas once per step (fp32)
+        grads = max(load.share for load in loads) * full.grad_bytes
+        after.append(Collective("reduce_scatter", grads, data, 1, 1, inter_node=job.num_nodes > 1))
+    tail = sum(collective_seconds(c, hw) for c in after) + hw.collective_seconds  # + the loss's broadcast
+    busy = through_pipeline(compute)
+    seconds = through_pipeline(with_links) + optimizer + tail
+    return StepTime(busy, optimizer, seconds - busy - optimizer, seconds)

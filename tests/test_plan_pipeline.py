@@ -1,0 +1,149 @@
+"""The planner's pipeline layouts (``strategy: pipeline``): each stage traced alone, the schedule's micro-batches
+in flight, against the peaks real ranks measure per stage; the schedules' order against torch's own; the plan's
+rows; and ``strategy: auto`` choosing a pipeline when its prediction says so, at the accumulation that keeps the
+global batch, training the same losses as DDP. (Predicted against measured step times: benchmarks/plan_time.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from plan_measure import PIPELINE_CASES, hf_dirs, job_of, measure_cases, option_of
+
+from distrain import cli
+from distrain.planner import Estimator, Job, ModelSpec, Option
+from distrain.planner.pipeline import activations_in_flight, rank_order, trace_pipeline
+from helpers import make_trainer, run_ranks
+
+MiB = 2**20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_pipeline_rank_peaks_within_ten_percent_of_measured(tmp_path, world):
+    """1F1B, GPipe and Interleaved1F1B, with and without activation checkpointing, FSDP over replicated stages:
+    the plan's row (its fullest rank) within 10% of the highest measured peak, and every pipeline rank's own
+    prediction within 15% of what the ranks running that stage measured (the stages differ by 3× here)."""
+    cases = PIPELINE_CASES[world]
+    hf = hf_dirs(str(tmp_path))
+    measured = run_ranks(measure_cases, world, cases, world, hf, str(tmp_path))
+    failures = []
+    for i, case in enumerate(cases):
+        option = option_of(case, world)
+        estimator = Estimator(job_of(case, world, hf))
+        loads = estimator.pipeline_ranks(option)
+        per_stage = world // option.pipeline  # ranks are numbered pipeline outermost
+        peaks = [max(rank[i] for rank in measured[p * per_stage : (p + 1) * per_stage]) for p in range(option.pipeline)]
+        row = estimator.estimate(option).peak
+        error = (row - max(peaks)) / max(peaks)
+        print(
+            f"{case.label:<40} predicted {row / MiB:7.1f} MiB, measured {max(peaks) / MiB:7.1f} ({error:+.1%}); per "
+            f"rank {[round(load.peak / MiB, 1) for load in loads]} against {[round(p / MiB, 1) for p in peaks]}"
+        )
+        if abs(error) > 0.10:
+            failures.append(f"{case.label}: {error:+.1%}")
+        failures += [
+            f"{case.label} pipeline rank {p}: {load.peak / MiB:.1f} against {peak / MiB:.1f} MiB"
+            for p, (load, peak) in enumerate(zip(loads, peaks))
+            if abs(load.peak - peak) / peak > 0.15
+        ]
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("pipeline,per_rank,micro", [(2, 2, 4), (4, 2, 8), (2, 3, 2), (4, 2, 4)])
+def test_the_interleaved_order_is_torchs(pipeline, per_rank, micro):
+    """Each rank's forwards and backwards in torch's ScheduleInterleaved1F1B (its own order-making method,
+    called on the numbers it reads), and the fall-back: 1F1B with fewer micro-batches than stages runs GPipe."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    torchs = object.__new__(ScheduleInterleaved1F1B)
+    rounds = max(1, micro // pipeline)
+    torchs.__dict__.update(
+        n_local_stages=per_rank,
+        pp_group_size=pipeline,
+        _n_microbatches=micro,
+        number_of_rounds=rounds,
+        microbatches_per_round=micro // rounds,
+    )
+    for rank in range(pipeline):
+        actions = [a for a in torchs._calculate_single_rank_operations(rank) if a is not None]
+        expected = [(a.computation_type.name == "FORWARD", a.stage_index) for a in actions]
+        assert rank_order("Interleaved1F1B", rank, pipeline, per_rank, micro) == expected
+    assert rank_order("1F1B", 0, 4, 1, 2) == rank_order("GPipe", 0, 4, 1, 2) == [(True, 0)] * 2 + [(False, 0)] * 2
+    assert (
+        rank_order("1F1B", 0, 2, 1, 4)
+        == [(True, 0), (True, 0), (False, 0), (True, 0), (False, 0), (True, 0)] + [(False, 0)] * 2
+    )
+
+
+def test_the_schedules_hold_what_they_keep_in_flight():
+    """On 2 stages with 4 micro-batches: GPipe's first stage holds all four forwards at its first backward,
+    1F1B's two; the last stage under 1F1B only the one it runs. Gradients exist from the second backward on."""
+    spec = ModelSpec.builtin_gpt("gpt-tiny", 64)
+    trace = trace_pipeline(spec, 4, 2)
+    first, last = trace.stages
+    assert first.received == 0 and last.received > 0 and first.saved > 0 and first.peak >= first.saved
+    gpipe = activations_in_flight(rank_order("GPipe", 0, 2, 1, 4), trace.stages)
+    one_f_one_b = activations_in_flight(rank_order("1F1B", 0, 2, 1, 4), trace.stages)
+    assert gpipe == (3 * first.saved + first.peak, 2 * first.saved + first.peak)
+    assert one_f_one_b == (first.saved + first.peak, first.saved + first.peak)
+    assert activations_in_flight(rank_order("1F1B", 1, 2, 1, 4), trace.stages) == (last.peak, last.peak)
+    # both stages hold what the whole model holds, once: parameters split, the tied head counted by both holders
+    whole = Estimator(Job(spec, 4)).estimate(Option("single"))
+    tied = sum(size for size, _ in trace.ties)
+    assert first.param_bytes + last.param_bytes - tied == whole.params
+
+
+def test_plan_pipeline_rows_and_what_is_not_planned(capsys, tmp_path):
+    """``distrain plan --strategy pipeline`` plans the layout the run takes (a stage per rank, the configured
+    schedule), with and without activation checkpointing and a time; the whole plan lists it at the
+    accumulation that keeps the global batch; a model without a split gets the run's own one line."""
+    args = ["plan", "--devices", "2", "--accelerator", "cpu", "--json", "--model-name", "gpt-tiny"]
+    pipeline = ["--strategy", "pipeline", "distributed.pipeline_schedule=GPipe"]
+    pipeline += ["training.gradient_accumulation_steps=4"]
+    assert cli.main([*args, *pipeline]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["activation_checkpointing"] for r in out["rows"]] == [0, "all"]
+    for row in out["rows"]:
+        assert (row["strategy"], row["pipeline_stages"], row["pipeline_schedule"]) == ("pipeline", 2, "GPipe")
+        assert row["accumulate"] == 4 and row["fits"] and row["step_seconds"] > 0
+    assert [r["this_run"] for r in out["rows"]] == [True, False]  # the run checkpoints no blocks
+    assert cli.main(args) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out)["rows"] if r["strategy"] == "pipeline"]
+    assert rows and all(r["accumulate"] == 2 and not r["this_run"] for r in rows)
+    from distrain.hf.tiny import make_tiny_bert
+
+    bert = ["--model-name", make_tiny_bert(str(tmp_path / "bert"))]
+    assert cli.main([*args[:-2], *bert, "--strategy", "pipeline"]) == 2
+    assert "holds no model the pipeline strategy has a built-in plan for" in capsys.readouterr().err
+
+
+def _auto_against_ddp(rank, tmp, strategy):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from distrain.models.lm import GPTLanguageModel
+
+    tokens = torch.randint(0, 256, (48, 17), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4, shuffle=True)
+    trainer, recorder = make_trainer(tmp / strategy, strategy=strategy, devices=2, max_steps=3, logger=False)
+    trainer.fit(GPTLanguageModel("gpt-tiny", block_size=16, lr_schedule="constant"), loader)
+    return type(trainer.strategy).__name__, trainer.loop.accumulate_for(0), recorder.losses
+
+
+@pytest.mark.slow
+def test_auto_takes_a_pipeline_over_a_slow_link_and_trains_as_ddp_would(tmp_path, monkeypatch):
+    """With a link of 1 MB/s (as `distrain doctor` would have measured it), DDP's all-reduce of every gradient
+    costs seconds; a pipeline sends activations only: ``strategy="auto"`` takes it, with twice the micro-batches
+    (the two stages share each one), and the losses are DDP's on the same global batch."""
+    cache = tmp_path / "cache"
+    (cache / "distrain").mkdir(parents=True)
+    links = {"backend": "gloo", "world": 2, "bus_bandwidth": 1e6, "latency": 1e-4}
+    (cache / "distrain" / "links.json").write_text(json.dumps(links))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))  # the spawned ranks read it when they import distrain
+    auto = run_ranks(_auto_against_ddp, 2, tmp_path, "auto")
+    ddp = run_ranks(_auto_against_ddp, 2, tmp_path, "ddp")
+    assert [r[:2] for r in auto] == [("PipelineStrategy", 2)] * 2
+    assert [r[:2] for r in ddp] == [("DDPStrategy", 1)] * 2
+    assert len(auto[0][2]) == 3
+    assert auto[0][2] == pytest.approx(ddp[0][2], rel=1e-5)
