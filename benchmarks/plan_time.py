@@ -47,9 +47,14 @@ def main() -> int:
     for ranks in sorted({1 if s == "single" else a.devices for s in a.strategies}):  # threads per rank differ
         hw = gpu_hardware(torch.cuda.get_device_name(), precision) if gpu else cpu_hardware(ranks)
         rates[ranks] = hw
+        busy = ""
+        if hw.blocking_collective_seconds:  # what a collective costs between computations (tensor parallel's)
+            busy = f"; between computations {hw.blocking_bandwidth / 1e9:.2f} GB/s + "
+            busy += f"{hw.blocking_collective_seconds * 1e6:.0f} us/call"
         print(f"rates with {ranks} rank(s): {hw.source}: matmul {hw.matmul_flops / 1e9:.1f} GFLOP/s, "
               f"memory {hw.memory_bandwidth / 1e9:.1f} GB/s, {hw.op_seconds * 1e6:.1f} us/op, "
-              f"link {hw.intra_bandwidth / 1e9:.2f} GB/s + {hw.collective_seconds * 1e6:.0f} us/call")  # fmt: skip
+              f"link {hw.intra_bandwidth / 1e9:.2f} GB/s + {hw.collective_seconds * 1e6:.0f} us/call"
+              + busy)  # fmt: skip
     header = (
         f"{'model':<10} {'strategy':<18} {'ranks':>5} {'predicted ms':>12} {'(compute+opt+comm)':>22}"
         f" {'measured ms':>11} {'pred/meas':>9}"

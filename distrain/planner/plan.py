@@ -180,6 +180,8 @@ def tensor_parallel_option(job: Job, strict: bool = False) -> Option | None:
             raise ValueError(no_plan_message(module))  # what the run would say
         for model, plan in targets:
             plan(model, layout.tensor, job.sequence_parallel)  # checks that the size divides the model's
+        if not strict and job.sequence_parallel and job.spec.seq_len % layout.tensor:
+            return None  # sequences split over the ranks: auto takes no layout a batch of this length cannot run
     except ValueError:
         if strict:
             raise
