@@ -147,3 +147,36 @@ def test_auto_takes_a_pipeline_over_a_slow_link_and_trains_as_ddp_would(tmp_path
     assert [r[:2] for r in ddp] == [("DDPStrategy", 1)] * 2
     assert len(auto[0][2]) == 3
     assert auto[0][2] == pytest.approx(ddp[0][2], rel=1e-5)
+
+
+def test_distrain_train_auto_runs_the_pipeline_it_chose_with_the_accumulation_that_keeps_the_batch(
+    tmp_path, monkeypatch
+):
+    """``distrain train`` (strategy auto) over the same slow link: the decision names the pipeline and the
+    accumulation, and the Trainer it builds runs exactly that: 2 stages, 4 micro-batches of 4 per step where
+    DDP would take 2 on each of 2 ranks (the global batch the config asks for, 16)."""
+    import os
+
+    from distrain import launch
+    from distrain.config import build_config
+    from distrain.jobs.run import _start
+    from distrain.planner import timing
+    from distrain.planner.cli import decide_for_training
+
+    links = tmp_path / "links.json"
+    links.write_text(json.dumps({"backend": "gloo", "world": 2, "bus_bandwidth": 1e6, "latency": 1e-4}))
+    monkeypatch.setattr(timing, "MEASURED_FILE", links)
+    monkeypatch.setattr(launch, "tee_output", lambda *args: None)  # this test process's output stays its own
+    for name in ("DISTRAIN_PLANNED", "DISTRAIN_LAUNCHED"):  # absent again after the test, whatever it sets
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    items = ["training.model_name=gpt-tiny", "distributed.accelerator=cpu", "distributed.devices=2"]
+    items += ["training.batch_size_per_gpu=4", "data.seq_len=16", "training.gradient_accumulation_steps=2"]
+    items += [f"output_dir={tmp_path}"]
+    decision = decide_for_training(build_config(None, {}, items))
+    assert (decision.strategy, decision.accumulate) == ("pipeline", 4), decision
+    assert "accumulation 4 instead of 2" in decision.messages[0]
+    os.environ.pop("DISTRAIN_PLANNED", None)
+    _, trainer = _start(build_config(None, {}, items), None)
+    assert type(trainer.strategy).__name__ == "PipelineStrategy" and trainer.loop.accumulate_for(0) == 4
+    assert trainer.data_parallel_size == 1  # 4 × 4 × 1 = 16 = 4 × 2 × 2, DDP's

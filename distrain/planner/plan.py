@@ -244,9 +244,13 @@ class Plan:
     hardware_source: str = ""
 
     def mark_run(self, option: Option) -> None:
-        """Mark the row of the option a run takes as configured (not one planned at another accumulation)."""
-        same = [r for r in self.rows if r.option == option and r.accumulate == self.job.accumulate]
-        self.run = option if same else None
+        self.run = option
+        if not any(self.is_run(r) for r in self.rows):
+            self.run = None
+
+    def is_run(self, row: Row) -> bool:
+        """The row of the option the run takes as configured (not the same layout at another accumulation)."""
+        return row.option == self.run and row.accumulate == self.job.accumulate
 
     def header(self) -> str:
         job, budget = self.job, self.budget
@@ -277,7 +281,7 @@ class Plan:
                     format_seconds(r.step.seconds),
                     format_rate(r.tokens_per_step / r.step.seconds),
                 ]
-            mark = "  ← this run" if r.option == self.run and r.accumulate == self.job.accumulate else ""
+            mark = "  ← this run" if self.is_run(r) else ""
             lines.append(f"{label:<{width}} " + " ".join(f"{c:>8}" for c in cells) + mark)
         lines.append("")
         lines.append(
@@ -318,7 +322,7 @@ class Plan:
                 {
                     **r.to_json(),
                     "tokens_per_second": r.tokens_per_step / r.step.seconds if r.step else None,
-                    "this_run": r.option == self.run and r.accumulate == job.accumulate,
+                    "this_run": self.is_run(r),
                 }
                 for r in self.rows
             ],
