@@ -13,9 +13,11 @@ option communicates over the links between ranks.
   that cannot overlap (the first all-gather, the last reduction). On a CPU, gloo's copies take the
   same cores as compute: the two add up.
 
-The rates come from this machine (measured here in about a second: one large matmul, one large add,
-a tiny op, and gloo all-reduces between threads), from ``distrain doctor``'s measurement, or, for a
-GPU plan, from the table below (listed peaks × the efficiencies stated in the README).
+The rates come from this machine (measured here in two to three seconds: one large matmul, one large add,
+a tiny op, and gloo all-reduces between threads, idle and between matmuls), from ``distrain doctor``'s
+measurement, or, for a GPU plan, from the table below (listed peaks × the efficiencies stated in the README).
+Tensor parallelism's collectives, which the next computation waits for, take the figures measured between
+matmuls: on a CPU gloo's threads then wait for cores the ranks' compute holds.
 """
 
 from __future__ import annotations
