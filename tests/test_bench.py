@@ -13,20 +13,20 @@ def test_bench_rows_on_cpu(tmp_path):
     """tokens/s is the step's tokens over its time, counting only ranks that read their own samples: a
     pipeline's two stages share theirs, DDP's two ranks do not (4 × 64 tokens, 2 micro-batches a step)."""
     out = subprocess.run(
-        [sys.executable, "-m", "distrain.cli", "bench", "--sizes", "gpt-tiny", "--strategies", "single", "ddp",
-         "pipeline", "--devices", "2", "--accumulate", "2", "--steps", "2", "--warmup", "1", "--batch-size", "4",
+        [sys.executable, "-m", "distrain.cli", "bench", "--sizes", "gpt-tiny", "--strategies", "ddp", "pipeline",
+         "--devices", "2", "--accumulate", "2", "--steps", "2", "--warmup", "1", "--batch-size", "4",
          "--seq-len", "64", "--json", str(tmp_path / "r.json")],
         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     rows = {row["strategy"]: row for row in json.loads((tmp_path / "r.json").read_text())}
-    assert [rows[s]["ranks"] for s in ("single", "ddp", "pipeline")] == [1, 2, 2]
-    for strategy, data_ranks in (("single", 1), ("ddp", 2), ("pipeline", 1)):
+    assert [rows[s]["ranks"] for s in ("ddp", "pipeline")] == [2, 2]
+    for strategy, data_ranks in (("ddp", 2), ("pipeline", 1)):
         row = rows[strategy]
         tokens = 4 * 64 * 2 * data_ranks
         assert abs(row["tokens_per_sec"] * row["step_time"] - tokens) < 1e-6 * tokens, strategy
         assert row["precision"] == "32-true" and row["peak_measured"] and 0 < row["mfu"] < 2
-    assert "gpt-tiny   single" in out.stdout and "MFU against this CPU's measured fp32 matmul rate" in out.stdout
+    assert "gpt-tiny   pipeline" in out.stdout and "MFU against this CPU's measured fp32 matmul rate" in out.stdout
 
 
 def test_bench_unknown_size_is_one_line():
