@@ -343,6 +343,7 @@ class Planner:
         """The device's and links' rates: with them every row has a predicted step time, and the
         choice is the fastest option that fits; without, the first that fits in ranking order."""
         self.estimator = Estimator(job)
+        self._model_parallel: list[tuple[Planner, Option]] | None = None
 
     def row(self, option: Option, max_batch: bool = True) -> Row:
         row = self.estimator.estimate(option)
@@ -440,15 +441,16 @@ class Planner:
     def model_parallel_planners(self) -> list[tuple[Planner, Option]]:
         """The tensor-parallel and pipeline layouts a run of this job could take, each with the planner of the
         same job at the accumulation that keeps its global batch: their ranks share samples (a micro-batch is
-        per data-parallel rank), so each step runs ``tensor × pipeline`` times the micro-batches."""
-        out = []
-        for option in (tensor_parallel_option(self.job), pipeline_option(self.job)):
-            if option is None:
-                continue
-            factor = option.tensor * option.pipeline
-            job = replace(self.job, accumulate=self.job.accumulate * factor)
-            out.append((Planner(job, self.budget, self.hardware), option))
-        return out
+        per data-parallel rank), so each step runs ``tensor × pipeline`` times the micro-batches. Made once:
+        their planners keep their traces and simulations for ``choose`` and ``plan`` alike."""
+        if self._model_parallel is None:
+            self._model_parallel = []
+            for option in (tensor_parallel_option(self.job), pipeline_option(self.job)):
+                if option is None:
+                    continue
+                job = replace(self.job, accumulate=self.job.accumulate * option.tensor * option.pipeline)
+                self._model_parallel.append((Planner(job, self.budget, self.hardware), option))
+        return self._model_parallel
 
     def reason(self, chosen: Row | None, seen: list[Row]) -> str:
         """``fsdp FULL_SHARD + AC: DDP needs 112 GiB/rank, FSDP 61, FSDP+AC 38 of 72``."""
