@@ -147,14 +147,15 @@ def _flat(state) -> list:
     return state.numpy().tobytes() if isinstance(state, torch.Tensor) else state
 
 
-def _worker_of_group(launcher: subprocess.Popen, group: str) -> psutil.Process | None:
+def _worker_of_group(launcher: subprocess.Popen, group: str, local_rank: str | None = None) -> psutil.Process | None:
     for proc in psutil.Process(launcher.pid).children(recursive=True):
         try:
             env, command = proc.environ(), " ".join(proc.cmdline())
         except psutil.Error:
             continue
         if env.get("REPLICA_GROUP_ID") == group and "LOCAL_RANK" in env and "torch.distributed.run" not in command:
-            return proc
+            if local_rank is None or env["LOCAL_RANK"] == local_rank:
+                return proc
     return None
 
 
@@ -203,6 +204,31 @@ def test_a_replica_group_killed_mid_run_rejoins_with_the_live_state(uninterrupte
     val = sum(_final_val_loss(out / f"replica_{g}") for g in (0, 1)) / 2
     val_reference = sum(_final_val_loss(uninterrupted / "ft" / f"replica_{g}") for g in (0, 1)) / 2
     assert abs(val - val_reference) <= 0.05 * val_reference, (val, val_reference)
+
+
+@pytest.mark.slow
+def test_a_restarted_group_of_two_ranks_rejoins(tmp_path):
+    """Groups of 2 ranks: kill -9 of group 1's second rank. torchrun restarts both of the group's ranks, and the
+    second one must find the group's new manager server, not the killed one's (torchrun's store keeps the old
+    address across the restart: it waited on it until ft_timeout, then failed every restart alike). The group takes
+    the live state back and both groups end in lockstep."""
+    steps, kill_at = 30, 4
+    out = tmp_path / "run"
+    launcher = _train(out, "ddp_torchft", 2, f"training.max_steps={steps}", "distributed.max_restarts=1")
+    try:
+        _wait_for_step(out / "replica_1", kill_at)
+        worker = _worker_of_group(launcher, "1", local_rank="1")
+        assert worker is not None, "no second rank of replica group 1 found"
+        worker.send_signal(signal.SIGKILL)
+        output = _finish(launcher, timeout=300)
+    finally:
+        launcher.kill()
+    took_over = re.findall(r"replica group 1 took over the live state of a running group at step (\d+)", output)
+    assert took_over and int(took_over[-1]) >= kill_at, (took_over, output[-3000:])
+    a, b = _last_state(out / "replica_0"), _last_state(out / "replica_1")
+    assert a["progress"]["global_step"] == b["progress"]["global_step"] == steps
+    for name, value in a["model"].items():
+        assert torch.equal(value, b["model"][name]), name
 
 
 def _wait_for_step(run_dir: Path, step: int, timeout: float = 180) -> None:

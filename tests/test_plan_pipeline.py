@@ -98,7 +98,8 @@ def test_the_schedules_hold_what_they_keep_in_flight():
 def test_plan_pipeline_rows_and_what_is_not_planned(capsys, tmp_path):
     """``distrain plan --strategy pipeline`` plans the layout the run takes (a stage per rank, the configured
     schedule), with and without activation checkpointing and a time; the whole plan lists it at the
-    accumulation that keeps the global batch; a model without a split gets the run's own one line."""
+    accumulation that keeps the global batch; a row names the schedule that runs; a model without a split gets
+    the run's own one line."""
     args = ["plan", "--devices", "2", "--accelerator", "cpu", "--json", "--model-name", "gpt-tiny"]
     pipeline = ["--strategy", "pipeline", "distributed.pipeline_schedule=GPipe"]
     pipeline += ["training.gradient_accumulation_steps=4"]
@@ -112,6 +113,11 @@ def test_plan_pipeline_rows_and_what_is_not_planned(capsys, tmp_path):
     assert cli.main(args) == 0
     rows = [r for r in json.loads(capsys.readouterr().out)["rows"] if r["strategy"] == "pipeline"]
     assert rows and all(r["accumulate"] == 2 and not r["this_run"] for r in rows)
+    assert all(r["label"].startswith("pipeline 2 1F1B") for r in rows)
+    # 1F1B with fewer micro-batches than stages runs GPipe (PipelineRunner): the row is planned, and named, so
+    assert cli.main([*args, "--strategy", "pipeline", "training.gradient_accumulation_steps=1"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows and all(r["label"].startswith("pipeline 2 GPipe") for r in rows), [r["label"] for r in rows]
     from distrain.hf.tiny import make_tiny_bert
 
     bert = ["--model-name", make_tiny_bert(str(tmp_path / "bert"))]

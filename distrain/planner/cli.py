@@ -245,7 +245,7 @@ def _shape_row(job: Job, layout, row: Row | None, timing: TimingArgs) -> dict:
     if row is None or row.step is None:
         return out
     tokens_per_second = row.tokens_per_step / row.step.seconds
-    out.update(option=row.option.label, strategy=row.option.strategy, step_seconds=row.step.seconds)
+    out.update(option=row.label, strategy=row.option.strategy, step_seconds=row.step.seconds)
     # a tensor-parallel or pipeline layout: its ranks share samples, so more micro-batches keep the global batch
     shared = row.option.tensor * row.option.pipeline
     out.update(accumulate=row.accumulate, data_parallel_size=job.world_size // shared)
@@ -446,7 +446,7 @@ def _with_checkpoint(option: Option, checkpoint: int | None) -> Option:
 
 def _does_not_fit(row: Row, budget: Budget) -> str:
     return (
-        f"distrain: warning: the memory plan says {row.option.label} needs {human(row.peak)} per rank, more than "
+        f"distrain: warning: the memory plan says {row.label} needs {human(row.peak)} per rank, more than "
         f"the {human(budget.usable)} usable ({budget.source}): it will not fit. `distrain plan` with the same "
         "arguments shows what would"
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from distrain.planner.timing import StepTime
 
@@ -135,11 +135,20 @@ class Row:
     tokens_per_step: int = 0
     """Tokens one optimizer step of the whole job consumes under this option."""
 
+    @property
+    def label(self) -> str:
+        """The option's label as it runs at this accumulation: 1F1B with fewer micro-batches than stages runs
+        GPipe (``PipelineRunner``), and the row is planned so."""
+        o = self.option
+        if o.family == "pp" and o.schedule == "1F1B" and self.accumulate < o.pipeline:
+            return replace(o, schedule="GPipe").label
+        return o.label
+
     def to_json(self) -> dict:
         o = self.option
         return {
             "strategy": o.strategy,
-            "label": o.label,
+            "label": self.label,
             "sharding": o.sharding or (f"zero-{o.stage}" if o.stage else None),
             "tensor_parallel_size": o.tensor,
             "sequence_parallel": o.sequence_parallel,

@@ -304,7 +304,7 @@ class Plan:
         return "\n".join(lines)
 
     def _label(self, row: Row) -> str:
-        return row.option.label + (f" (accum {row.accumulate})" if row.accumulate != self.job.accumulate else "")
+        return row.label + (f" (accum {row.accumulate})" if row.accumulate != self.job.accumulate else "")
 
     def to_json(self) -> dict:
         job = self.job
@@ -487,7 +487,7 @@ class Planner:
                 f" (accumulation {chosen.accumulate} instead of {self.job.accumulate}: its ranks share samples, so "
                 "the global batch stays the same)"
             )
-        return f"{chosen.option.label}: {why}"
+        return f"{chosen.label}: {why}"
 
     def plan(self, strategy: str = "all", checkpoint: bool | str = "both") -> Plan:
         """``strategy="all"``: every option for the job's global batch (tensor-parallel and pipeline layouts
@@ -517,9 +517,7 @@ class Planner:
         smaller = [r for r in rows if r.option.offload == "none" and r.max_micro_batch]
         if smaller:
             best = max(smaller, key=lambda r: (r.max_micro_batch, [-x for x in rank_key(r.option)]))
-            out.append(
-                f"a micro-batch of {best.max_micro_batch} (training.batch_size_per_gpu) with {best.option.label}"
-            )
+            out.append(f"a micro-batch of {best.max_micro_batch} (training.batch_size_per_gpu) with {best.label}")
         sharded = [r for r in rows if r.option.family == "fsdp" and r.option.sharding == "FULL_SHARD"]
         sharded = [r for r in sharded if r.option.offload == "none"]
         if sharded:
@@ -530,12 +528,12 @@ class Planner:
                 nodes = math.ceil(devices / per_node)
                 out.append(
                     f"about {nodes * per_node} devices ({nodes} nodes × {per_node}, --num-nodes {nodes}) with "
-                    f"{best.option.label}"
+                    f"{best.label}"
                 )
         offloaded = [r for r in rows if r.option.offload != "none" and r.fits]
         if offloaded:
             r = offloaded[0]
-            out.append(f"offload: {r.option.label} ({human(r.peak)} on the device)")
+            out.append(f"offload: {r.label} ({human(r.peak)} on the device)")
         if not out:
             out.append("no single change found: a smaller model, shorter sequences, or devices with more memory")
         return ["it would fit with " + out[0]] + [f"or with {s}" for s in out[1:]]

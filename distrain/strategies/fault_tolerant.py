@@ -106,6 +106,7 @@ class TorchFTStrategy(Strategy):
         logging.getLogger("torchft").setLevel(logging.ERROR)  # its warnings are about NCCL's flight recorder
         _check_lighthouse(self.group.lighthouse, self.ft_timeout)
         pg_class = torchft.ProcessGroupNCCL if "nccl" in self.backend else torchft.ProcessGroupGloo
+        self._forget_previous_manager()
         self.manager = torchft.Manager(
             pg=pg_class(timeout=self.ft_timeout),
             load_state_dict=None,
@@ -125,6 +126,22 @@ class TorchFTStrategy(Strategy):
             init_sync=True,  # step 0: every group starts from the first group's weights, whatever built them
         )
         self._hands_over_state = False  # a new manager (after a teardown) knows no state yet
+
+    def _forget_previous_manager(self) -> None:
+        """torchft's Manager finds its group's manager server through keys in torchrun's store (rank 0 of the group
+        writes them, the others wait for them). That store outlives a restart of the group, so after one, a rank
+        other than 0 would read the dead server's address and wait on it until ft_timeout, then fail again, each
+        restart alike. Rank 0 deletes them first, and the group passes a barrier before any rank reads them."""
+        if self.world_size == 1:
+            return
+        if self.global_rank == 0:
+            from torch.distributed import TCPStore
+            from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+            store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+            for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+                store.delete_key(key)
+        self.barrier("torchft manager keys cleared")
 
     def _setup_training(self, model: nn.Module, optimizers: list, schedulers: list, loop: LoopFacts) -> SetUp:
         if loop.live_state is not None and not self._hands_over_state:
