@@ -187,6 +187,11 @@ def launch(argv: list[str]) -> int:
 
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = launch_parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    try:
+        _check_job(args, train_args)
+    except (ConfigError, ValueError) as e:
+        print(f"distrain: error: {e}; no job file written", file=sys.stderr)
+        return 2
     if args.engine == "torchrun":
         cmd = jobscripts.torchrun_command(
             args.nnodes, args.nproc_per_node, args.rdzv_endpoint, train_args, max_restarts=args.max_restarts
@@ -210,6 +215,35 @@ def launch(argv: list[str]) -> int:
     Path(args.output).write_text(text)
     print(f"distrain: wrote {args.output}")
     return 0
+
+
+def _check_job(args, train_args: list[str]) -> None:
+    """The run a job file will start, resolved and checked here as ``distrain train`` will resolve it on the
+    cluster (the launcher's node and device counts included): a wrong key, value or layout is one line now, not
+    a failed job after the allocation was granted."""
+    from distrain.jobscripts import parse_gpus
+    from distrain.strategies import registry
+
+    train = train_parser().parse_intermixed_args(train_args)
+    if train.config is not None and not Path(train.config).is_file():
+        print(f"distrain: warning: {train.config} is not on this machine; the job's config is not checked here")
+        return
+    flags = {key: getattr(train, flag) for flag, key in FLAG_KEYS.items() if getattr(train, flag) is not None}
+    if args.engine == "torchrun":
+        nodes, devices = int(str(args.nnodes).split(":")[-1]), args.nproc_per_node
+    else:
+        nodes, devices = args.nodes, parse_gpus(args.gpus)[1] if args.engine == "sky" else args.gpus_per_node
+    flags.update({"distributed.num_nodes": nodes, "distributed.devices": devices})
+    config = build_config(train.config, flags, train.overrides)
+    # srun, or torchrun, starts every rank of these jobs; a PyTorchJob's pod runs distrain, which starts its own
+    starter = "torchrun" if args.engine in ("torchrun", "sky") or getattr(args, "min_nodes", None) else None
+    starter = "srun" if args.engine == "slurm" else starter
+    strategy = config.distributed.strategy
+    if starter and registry.start_method_of(strategy) == "replica_groups":
+        raise ConfigError(
+            f"strategy {strategy} starts its replica groups itself (distrain train on one machine, or one torchrun "
+            f"per replica group that you start), and the ranks of this job are started by {starter}"
+        )
 
 
 def launch_sky(args, train_args: list[str]) -> int:

@@ -144,3 +144,62 @@ def test_docker_files_have_no_secrets_or_ssh():
     assert "openssh" not in dockerfile.lower() and "passwd" not in dockerfile.lower()
     assert "USER trainer" in dockerfile
     assert set(compose["services"]) == {"node0", "node1"}
+
+
+SLURM = ("launch", "slurm", "--nodes", "2", "--gpus-per-node", "4", "--time", "01:00:00", "--")
+K8S = ("launch", "k8s", "--image", "img", "--gpus-per-node", "2", "--nodes")
+
+
+def test_a_job_that_cannot_run_is_refused_before_its_file_is_written(tmp_path):
+    """The run a job file starts is resolved and checked as `distrain train` will on the cluster, with the
+    launcher's node and device counts: a wrong key, a layout the nodes cannot hold, or a strategy the job's
+    starter cannot start is one line naming it, and no file."""
+    cases = [
+        ((*SLURM, "training.lerning_rate=1e-4"), "training.lerning_rate"),
+        ((*SLURM, "--strategy", "model_parallel", "distributed.tensor_parallel_size=3"), "tensor_parallel_size"),
+        (
+            (
+                "launch",
+                "slurm",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "4",
+                "--time",
+                "1:00:00",
+                "--",
+                "--strategy",
+                "ddp_torchft",
+            ),
+            "started by srun",
+        ),  # fmt: skip
+        (
+            (
+                "launch",
+                "torchrun",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-endpoint",
+                "h:1",
+                "--",
+                "--strategy",
+                "ddp_torchft",
+            ),
+            "started by torchrun",
+        ),  # fmt: skip
+        ((*K8S, "2", "--", "--strategy", "ddp_torchft"), "distributed.num_nodes=2"),
+        (("launch", "sky", "--nodes", "1", "--gpus", "H100:8", "--", "--strategy", "ddp_torchft"), "by torchrun"),
+    ]
+    for args, named in cases:
+        proc = distrain(*args, cwd=tmp_path)
+        assert proc.returncode == 2 and named in proc.stderr, (args, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert not any(tmp_path.iterdir()), (args, list(tmp_path.iterdir()))
+    # a PyTorchJob pod on one node runs distrain, which starts the replica groups itself
+    proc = distrain(*K8S, "1", "--", "--strategy", "ddp_torchft", cwd=tmp_path)
+    assert proc.returncode == 0 and (tmp_path / "pytorchjob.yaml").exists(), proc.stderr
+    # and `distrain train` itself refuses ddp_torchft over nodes in the same words, before starting anything
+    proc = distrain("train", "--strategy", "ddp_torchft", "--num-nodes", "2", cwd=tmp_path)
+    assert proc.returncode == 2 and "distributed.num_nodes=2 with strategy ddp_torchft" in proc.stderr, proc.stderr

@@ -294,6 +294,13 @@ def options_from_config(config, block_classes) -> dict:
 
 def check(config) -> None:
     _check_options(**options_from_config(config, set()), prefix="distributed.")
+    d = config.distributed
+    if d.strategy == "ddp_torchft" and d.num_nodes > 1 and replica_group() is None:
+        raise ConfigError(
+            f"distributed.num_nodes={d.num_nodes} with strategy ddp_torchft: distrain starts the replica groups of "
+            "one machine; on several nodes start one torchrun per replica group yourself (REPLICA_GROUP_ID, "
+            "NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE set; torchft_lighthouse on one host)"
+        )
 
 
 register(

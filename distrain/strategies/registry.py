@@ -133,6 +133,13 @@ def resolve_auto(name: str, world_size: int) -> str:
     return "single" if world_size == 1 else "ddp"
 
 
+def start_method_of(strategy: str) -> str | None:
+    """How a strategy's ranks start (its class's ``start_method``: ``replica_groups`` ones only by distrain's own
+    launcher), read without building one; None where the entry does not say."""
+    build = lookup(resolve_auto(strategy, 2)).build
+    return getattr(getattr(build, "func", build), "start_method", None)
+
+
 def make_strategy(name: Any, world_size: int, **kwargs: Any):
     from distrain.strategies.base import Strategy
 
