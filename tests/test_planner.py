@@ -477,6 +477,23 @@ def test_plan_marks_the_run_and_takes_the_config_of_its_strategy(tmp_path):
     assert len(marked) == 1 and marked[0]["label"].startswith("zero-3 + AC + cpu offload"), rows
 
 
+def test_a_torchft_plan_counts_every_replica_groups_ranks(capsys):
+    """ddp_torchft with 2 devices and 2 replica groups runs 4 ranks on this machine: its plan is DDP's on 4 (the
+    job's tokens/s, each rank's share of host memory), not on 2."""
+    from distrain.cli import main
+
+    common = ["plan", "--accelerator", "cpu", "--model-name", "gpt-tiny", "--no-time", "--json"]
+    assert main([*common, "--strategy", "ddp_torchft", "--devices", "2", "distributed.replica_groups=2"]) == 0
+    torchft = json.loads(capsys.readouterr().out)
+    assert main([*common, "--strategy", "ddp", "--devices", "4"]) == 0
+    ddp = json.loads(capsys.readouterr().out)
+    assert torchft["world_size"] == ddp["world_size"] == 4
+    assert torchft["host_budget_bytes"] == ddp["host_budget_bytes"]
+    assert [(r["label"], r["peak_bytes"]) for r in torchft["rows"]] == [
+        (r["label"], r["peak_bytes"]) for r in ddp["rows"]
+    ]
+
+
 def _fsdp_estimate_inside_a_rank(rank):
     import distrain
 

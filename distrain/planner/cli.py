@@ -72,7 +72,8 @@ def zero_config(config: RunConfig) -> dict | None:
 
 def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
     t, d = config.training, config.distributed
-    per_node = ranks_per_node(config, gpu)
+    # ddp_torchft: replica_groups groups of `devices` ranks each, all on this machine; DDP over all of them
+    per_node = ranks_per_node(config, gpu) * (d.replica_groups if d.strategy == "ddp_torchft" else 1)
     return Job(
         spec=spec_from_config(config, job),
         micro_batch=t.batch_size_per_gpu,
