@@ -234,3 +234,19 @@ def test_distrain_verify_reports_json_and_exits_by_the_verdict(tmp_path):
     # too big for this host: one line naming the option that shrinks it
     huge = verify("--strategy", "ddp", "--model-name", "gpt-70b")
     assert huge.returncode == 2 and "--shrink" in huge.stderr and len(huge.stderr.strip().splitlines()) == 1
+
+
+def test_distrain_verify_of_replica_groups_gathers_every_group(tmp_path):
+    """ddp_torchft: 2 replica groups of 1 rank. Each group logs its own mean loss and holds its own samples; the
+    report is the job's (the loss the groups' mean, the samples of both, every group's copy of the weights), written
+    once, and it passes: each group alone failed the loss and data checks against the one-process global batch."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "distrain.cli", "verify", "--strategy", "ddp_torchft", "--devices", "1",
+         "--output-dir", str(tmp_path / "v"), "data.max_bytes=20000", "data.seq_len=16",
+         "training.batch_size_per_gpu=4", "--steps", "2"],
+        capture_output=True, text=True, cwd=tmp_path, env=env_without_rank(), timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert proc.stdout.count("result: PASS") == 1 and "result: FAIL" not in proc.stdout, proc.stdout[-3000:]
+    assert "on 2 ranks (2 with their own data)" in proc.stdout
+    assert "2 ranks × 2 steps: disjoint, together the global batch" in proc.stdout

@@ -47,6 +47,7 @@ def verify(config: RunConfig, steps: int, as_json: bool) -> int:
 
     from distrain.verify import verify as verify_run
 
+    config.distributed.max_restarts = 0  # ddp_torchft: a failed check is the finding, not a reason to restart
     job = job_for(config)
     _check_fits_for_verify(job, config, steps)  # before the plan: nothing to wait for when it cannot run here
     started = _start(config, None, job)

@@ -311,6 +311,11 @@ class Strategy:
     def all_gather_object(self, obj: Any) -> list:
         return distributed.all_gather_object(obj)
 
+    def all_gather_job_object(self, obj: Any) -> list:
+        """Every rank's ``obj`` over the whole job, in order: the process group's ranks here; a strategy whose job
+        spans several process groups (torchft's replica groups) gathers across them too."""
+        return self.all_gather_object(obj)
+
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return distributed.broadcast(obj, src)
 

@@ -18,6 +18,7 @@ in fixed buckets: first within the group, then across groups.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed import ReduceOp
 
 from distrain import distributed
 from distrain.checkpoint import safe_load
@@ -91,6 +93,24 @@ class TorchFTStrategy(Strategy):
     def layout_note(self) -> str:
         group = self._replica_group
         return f" (replica group {group.id} of {group.count})" if group else ""
+
+    def all_gather_job_object(self, obj: Any) -> list:
+        """This group's objects, then every group's through torchft's cross-group all-reduce: each group writes its
+        JSON (not a pickle: peers' bytes are read here) into its own row of a zeroed buffer, and the sum is every
+        row. A group outside the quorum leaves its row empty, and is missing from the list."""
+        mine = self.all_gather_object(obj)
+        if self.manager is None or self.group is None:
+            return mine
+        payload = json.dumps(mine).encode()
+        sizes = torch.zeros(self.group.count, dtype=torch.int64)
+        sizes[self.group.id] = len(payload)
+        self.manager.allreduce(sizes, reduce_op=ReduceOp.SUM).wait()
+        rows = torch.zeros(self.group.count, int(sizes.max()), dtype=torch.uint8)
+        rows[self.group.id, : len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        self.manager.allreduce(rows, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored():
+            return mine
+        return [item for g, size in enumerate(sizes.tolist()) if size for item in json.loads(bytes(rows[g, :size]))]
 
     # ---- set-up -------------------------------------------------------------------------------------------------
     def setup_environment(self) -> None:

@@ -45,7 +45,7 @@ def verify(trainer, module, train_loader, steps: int = 3, label: str | None = No
     trainer.metrics.log_every_n_steps = 1
     trainer.fit(module, train_loader)
     distributed.shutdown()  # the reference runs alone, in this process
-    if not trainer.is_global_zero:
+    if not trainer.is_global_zero or trainer.strategy.data_parallel_rank != 0:  # one report for the job
         return None
     run = safe_load.load_torch_file(work / "run.pt")
     reference = _reference(trainer, reference_module, train_loader, run["data_parallel_size"], steps, work)

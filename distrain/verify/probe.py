@@ -91,13 +91,17 @@ class Probe(Callback):
         if self.checkpoint is not None:
             trainer.save_checkpoint(self.checkpoint)
         strategy = trainer.strategy
-        ranks = trainer.runtime.all_gather_object(
+        ranks = strategy.all_gather_job_object(
             {
                 "samples": self.samples,
                 "replicas": self.replicas,
                 "data_parallel_rank": strategy.data_parallel_rank,
+                "losses": [step["loss"] for step in self.steps],
             }
         )
+        if len(ranks) > trainer.world_size:  # replica groups: each logged its own group's mean; the job's is theirs
+            for i, step in enumerate(self.steps):
+                step["loss"] = sum(r["losses"][i] for r in ranks) / len(ranks)
         if trainer.is_global_zero:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             record = {
@@ -106,7 +110,7 @@ class Probe(Callback):
                 "ranks": ranks,
                 "dtypes": {k: sorted(v) for k, v in self.dtypes.items()},
                 "strategy": type(strategy).__name__,
-                "world_size": trainer.world_size,
+                "world_size": len(ranks),
                 "data_parallel_size": strategy.data_parallel_size,
                 "precision": trainer.runtime.precision.name,
                 "missing_from_optimizer": _missing_from_optimizer(module, trainer.optimizers),
