@@ -145,6 +145,9 @@ def run_one(args) -> int:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             self.timer.mark()
 
+        def on_train_end(self, trainer, module):  # the job's ranks: ddp_torchft's replica groups all count
+            self.ranks = len(trainer.strategy.all_gather_job_object(trainer.global_rank))
+
     timer = Timer()
     total = args.warmup + args.steps
     trainer = distrain.Trainer(
@@ -166,7 +169,7 @@ def run_one(args) -> int:
     module = GPTLanguageModel(model_name=size, block_size=args.seq_len, total_steps=total, lr_schedule="constant")
     n = args.batch_size * trainer.world_size * args.accumulate * (total + 1)
     trainer.fit(module, DataLoader(RandomTokens(n), batch_size=args.batch_size, shuffle=True, drop_last=True))
-    if not trainer.is_global_zero:
+    if not trainer.is_global_zero or trainer.strategy.data_parallel_rank != 0:  # one row for the job
         return 0
     steps = np_diff(timer.timer.times)[args.warmup :]
     step_time = statistics.median(steps)
@@ -181,12 +184,12 @@ def run_one(args) -> int:
     row = {
         "size": size,
         "strategy": strategy,
-        "ranks": trainer.world_size,
+        "ranks": timer.ranks,
         "precision": args.precision,
         "compile": args.compile,
         "tokens_per_sec": tokens_per_sec,
         "step_time": step_time,
-        "mfu": tokens_per_sec * flops / (peak * trainer.world_size) if peak else None,
+        "mfu": tokens_per_sec * flops / (peak * timer.ranks) if peak else None,
         "peak_flops_per_rank": peak,
         "peak_measured": measured,
         "device": torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu",

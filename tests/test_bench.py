@@ -29,6 +29,29 @@ def test_bench_rows_on_cpu(tmp_path):
     assert "gpt-tiny   pipeline" in out.stdout and "MFU against this CPU's measured fp32 matmul rate" in out.stdout
 
 
+def test_bench_counts_every_replica_group(tmp_path):
+    """ddp_torchft with 1 device: 2 replica groups of 1 rank. The row is the job's: 2 ranks, both groups' tokens,
+    MFU over both ranks' peak (it was 1 rank and twice the MFU)."""
+    from distrain.models.lm import GPTLanguageModel
+
+    out = subprocess.run(
+        [sys.executable, "-m", "distrain.cli", "bench", "--sizes", "gpt-tiny", "--strategies", "ddp_torchft",
+         "--devices", "1", "--accumulate", "2", "--steps", "2", "--warmup", "1", "--batch-size", "4",
+         "--seq-len", "64", "--json", str(tmp_path / "r.json")],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "r.json").read_text())
+    tokens = 4 * 64 * 2 * 2
+    assert row["ranks"] == 2 and abs(row["tokens_per_sec"] * row["step_time"] - tokens) < 1e-6 * tokens
+    model = GPTLanguageModel("gpt-tiny", block_size=64)
+    model.configure_model()
+    flops = model.flops_per_token()
+    expected = row["tokens_per_sec"] * flops / (row["peak_flops_per_rank"] * 2)
+    assert abs(row["mfu"] - expected) < 1e-9 * expected
+    assert out.stdout.count("gpt-tiny   ddp_torchft") == 1
+
+
 def test_bench_unknown_size_is_one_line():
     out = subprocess.run(
         [sys.executable, "-m", "distrain.cli", "bench", "--sizes", "gpt-huge"],
