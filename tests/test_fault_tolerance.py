@@ -136,6 +136,10 @@ def test_replica_groups_without_failures_train_exactly_as_ddp(uninterrupted):
         assert torch.equal(value, b["model"][name]), name
         assert (value - reference["model"][name]).norm() <= 1e-4 * reference["model"][name].norm(), name
     assert _flat(a["optimizers"]) == _flat(b["optimizers"])
+    # each group validates its share of the set, as DDP's ranks do: the mean of the groups' is DDP's
+    val = sum(_final_val_loss(uninterrupted / "ft" / f"replica_{g}") for g in (0, 1)) / 2
+    ddp_val = _final_val_loss(uninterrupted / "ddp")
+    assert abs(val - ddp_val) <= 1e-4 * abs(ddp_val), (val, ddp_val)
 
 
 def _flat(state) -> list:
