@@ -101,7 +101,8 @@ class Probe(Callback):
         )
         if len(ranks) > trainer.world_size:  # replica groups: each logged its own group's mean; the job's is theirs
             for i, step in enumerate(self.steps):
-                step["loss"] = sum(r["losses"][i] for r in ranks) / len(ranks)
+                losses = [r["losses"][i] for r in ranks if i < len(r["losses"])]
+                step["loss"] = sum(losses) / len(losses)
         if trainer.is_global_zero:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             record = {
