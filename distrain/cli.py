@@ -28,6 +28,11 @@ FLAG_KEYS = {
 }
 
 
+def _flag_values(args: argparse.Namespace) -> dict:
+    """The config keys the command line's flags set (``FLAG_KEYS``), for those given."""
+    return {key: getattr(args, flag) for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
+
+
 def _devices(value: str):
     return value if value == "auto" else int(value)
 
@@ -228,7 +233,7 @@ def _check_job(args, train_args: list[str]) -> None:
     if train.config is not None and not Path(train.config).is_file():
         print(f"distrain: warning: {train.config} is not on this machine; the job's config is not checked here")
         return
-    flags = {key: getattr(train, flag) for flag, key in FLAG_KEYS.items() if getattr(train, flag) is not None}
+    flags = _flag_values(train)
     if args.engine == "torchrun":
         nodes, devices = int(str(args.nnodes).split(":")[-1]), args.nproc_per_node
     else:
@@ -355,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             shapes = [(lists[0], v) for v in getattr(args, lists[0])]
             setattr(args, lists[0], None)
     try:
-        flags = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
+        flags = _flag_values(args)
         if command == "plan" and args.strategy == "all":  # every option: the plan's own value, not a strategy
             flags.pop("distributed.strategy", None)
         config = build_config(args.config, flags, args.overrides)
