@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from distrain.config import ConfigError, RunConfig, build_config
+from distrain.config import ConfigError, RunConfig, build_config, redacted
 
 # CLI flag → the config key it sets (one name per knob; aliases live in argparse below)
 FLAG_KEYS = {
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for note in config.mapped_keys:  # keys written the spec's way, and where they went
             print(f"# {note}")
-        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        print(yaml.safe_dump(redacted(config.to_dict()), sort_keys=False), end="")
         return 0
     try:
         if command == "verify":

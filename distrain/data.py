@@ -182,23 +182,41 @@ def tokens_in_batch(batch: Any) -> int | None:
 
 
 def load_corpus(source: str = "builtin:stdlib", max_bytes: int = 4_000_000) -> torch.Tensor:
-    """A 1-D uint8 tensor of text bytes, identical on every rank of the same Python."""
+    """A 1-D uint8 tensor of the first ``max_bytes`` bytes of text, identical on every rank of the same Python.
+    Only those bytes are read: a corpus of any size costs ``max_bytes`` of memory."""
+    if max_bytes < 0:
+        raise ValueError(f"data.max_bytes must be >= 0, got {max_bytes}")
     if source == "builtin:stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
-        chunks, total = [], 0
-        for file in sorted(root.glob("*.py")):  # top-level modules only: stable and plenty
-            data = file.read_bytes()
-            chunks.append(data)
-            total += len(data)
-            if total >= max_bytes:
+        data = bytearray()  # the modules joined by newlines, cut at max_bytes
+        for i, file in enumerate(sorted(root.glob("*.py"))):  # top-level modules only: stable and plenty
+            if i:
+                data += b"\n"
+            data += _read_head(file, max_bytes - len(data))
+            if len(data) >= max_bytes:
                 break
-        data = b"\n".join(chunks)[:max_bytes]
+        data = data[:max_bytes]
     else:
         path = Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"data.dataset: {source!r} is neither 'builtin:stdlib' nor an existing text file")
-        data = path.read_bytes()[:max_bytes]
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        data = bytearray(_read_head(path, max_bytes))
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _read_head(path: Path, n: int) -> bytes:
+    """The first ``n`` bytes of a file (fewer if it is shorter), reading no more than that."""
+    if n <= 0:
+        return b""
+    with open(path, "rb") as f:
+        chunks, left = [], n
+        while left:  # read() may return less than asked (a pipe, a network file system) before the end
+            chunk = f.read(left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    return b"".join(chunks)
 
 
 class ByteBlocks(Dataset):

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary, ProgressBar
 from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.cluster import replica_run_dir
+from distrain.config import redacted
 from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, seed_workers, tokens_in_batch
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 from distrain.module import Module, StepRouter
@@ -196,6 +197,8 @@ class Trainer:
     preempted = property(lambda self: self.stop.preempted)  # the signal that stopped the run, if one did
     max_steps = property(lambda self: self.loop.max_steps)
     max_epochs = property(lambda self: self.loop.max_epochs)
+    # the config that checkpoints store and loggers get as hyperparameters: kept redacted (no credentials)
+    run_config = property(lambda self: self._run_config, lambda self, v: setattr(self, "_run_config", redacted(v)))
 
     @property
     def callback_metrics(self) -> dict[str, float]:

@@ -13,6 +13,7 @@ from numbers import Number
 from pathlib import Path
 from typing import Any
 
+from distrain.config import redacted
 from distrain.loggers.base import Logger
 
 
@@ -81,7 +82,7 @@ class WandbLogger(Logger):
         self.run.log(_numeric(metrics), step=step)
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
-        self.run.config.update(params, allow_val_change=True)
+        self.run.config.update(redacted(params), allow_val_change=True)
 
     def log_histogram(self, name: str, values: Any, step: int) -> None:
         import wandb
@@ -157,7 +158,7 @@ class MLFlowLogger(Logger):
         from mlflow.entities import Param
 
         client = self.client
-        flat = {k: str(v)[:6000] for k, v in _flatten(params).items()}
+        flat = {k: str(v)[:6000] for k, v in _flatten(redacted(params)).items()}
         # parameters are immutable in MLflow: a resumed run logs only those it does not have yet
         existing = client.get_run(self.run_id).data.params
         changed = sorted(k for k, v in flat.items() if k in existing and existing[k] != v)

@@ -6,6 +6,7 @@ from numbers import Number
 from pathlib import Path
 from typing import Any
 
+from distrain.config import redacted
 from distrain.loggers.base import Logger
 
 
@@ -33,7 +34,7 @@ class TensorBoardLogger(Logger):
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         import yaml
 
-        self.writer.add_text("config", "```\n" + yaml.safe_dump(params, sort_keys=False) + "\n```")
+        self.writer.add_text("config", "```\n" + yaml.safe_dump(redacted(params), sort_keys=False) + "\n```")
 
     def finalize(self) -> None:
         if self._writer is not None:
