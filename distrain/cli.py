@@ -139,6 +139,10 @@ def convert_parser() -> argparse.ArgumentParser:
         default="safetensors",
         help="hf: a from_pretrained directory (config, safetensors, tokenizer) of a Hugging Face model",
     )
+    convert.add_argument(
+        "--tokenizer",
+        help="--to hf: the tokenizer to include (a Hub id or a directory); default: the checkpoint's, if a Hub id",
+    )
     return convert
 
 
@@ -346,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench.main(args)
     if command == "convert":
         try:
-            return convert(args.checkpoint, args.output, args.to)
+            return convert(args.checkpoint, args.output, args.to, args.tokenizer)
         except (FileNotFoundError, RuntimeError) as e:
             print(f"distrain: error: {e}", file=sys.stderr)
             return 2
@@ -447,14 +451,15 @@ def plot(runs: list[str], output: str, labels: list[str] | None, title: str | No
     return 0
 
 
-def convert(checkpoint: str, output: str, to: str) -> int:
+def convert(checkpoint: str, output: str, to: str, tokenizer: str | None = None) -> int:
     """Full model weights from any distrain checkpoint (DDP's or FSDP's shards), no process group."""
     from distrain.checkpoint.state import read_model_weights
 
     if to == "hf":  # a directory: config + safetensors + tokenizer, from the checkpoint's own hyperparameters
         from distrain.hf.export import export_checkpoint
 
-        print(f"distrain: wrote the Hugging Face model directory {export_checkpoint(checkpoint, output)}")
+        directory = export_checkpoint(checkpoint, output, tokenizer=tokenizer)
+        print(f"distrain: wrote the Hugging Face model directory {directory}")
         return 0
     # clone: tied weights share storage, which safetensors refuses; contiguous for both formats
     weights = {k: v.detach().contiguous().clone() for k, v in read_model_weights(checkpoint).items()}

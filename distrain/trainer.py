@@ -354,9 +354,12 @@ class Trainer:
             return None
         saved = self.runtime.decided_on_rank_zero(lambda: read_checkpoint_meta(checkpoint).get("batch_layout"))
         dp = self.data_parallel_size
-        if not saved or saved["data_parallel"] == dp:
+        if not saved:
             return None
-        layout, note = keep_global_batch(BatchLayout(**saved), micro, dp)
+        saved = BatchLayout.from_checkpoint(saved, checkpoint)
+        if saved.data_parallel == dp:
+            return None
+        layout, note = keep_global_batch(saved, micro, dp)
         if self.is_global_zero:
             print(note, flush=True)
         self.loop.accumulation = {0: layout.accumulate}

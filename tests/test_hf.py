@@ -202,8 +202,12 @@ def test_llama_fsdp_activation_checkpointing_matches_one_process_and_exports(tin
     from distrain.checkpoint.state import is_sharded_checkpoint
 
     assert is_sharded_checkpoint(Path(fsdp["ckpt"]))
+    # the checkpoint names a local tokenizer directory: a path from a checkpoint is not followed unless the user says so
+    with pytest.warns(UserWarning, match="names the local tokenizer"):
+        assert cli.main(["convert", fsdp["ckpt"], str(tmp_path / "bare"), "--to", "hf"]) == 0
+    assert "tokenizer.json" not in os.listdir(tmp_path / "bare")
     out = tmp_path / "hf"
-    assert cli.main(["convert", fsdp["ckpt"], str(out), "--to", "hf"]) == 0
+    assert cli.main(["convert", fsdp["ckpt"], str(out), "--to", "hf", "--tokenizer", str(tiny["llama"])]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     probe = fsdp["probe"]

@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 
 from distrain.callbacks.base import Callback
-from distrain.checkpoint.io import LAST, point_last, remove_checkpoint
+from distrain.checkpoint.io import LAST, is_checkpoint_dir, is_checkpoint_name, point_last, remove_checkpoint
 
 
 class ModelCheckpoint(Callback):
@@ -101,16 +101,23 @@ class ModelCheckpoint(Callback):
                 )
             return
         self.last_model_path = str(path)
-        if trainer.is_global_zero:
+
+        def after_commit() -> str | None:
             if self.save_last:
                 point_last(self.dirpath, path)
             self._keep_top_k(score, str(path))
-        trainer.runtime.barrier("checkpoint")
+            return self.best_model_path
+
+        # rank 0 alone moves `last` and removes stale checkpoints; a failure there (a full disk, a `last` that a
+        # sync made a directory) reaches every rank at once instead of leaving them in a barrier until the timeout
+        self.best_model_path = trainer.runtime.decided_on_rank_zero(after_commit)
 
     def format_name(self, trainer) -> str:
         """The checkpoint's name from ``filename``. A metric it uses that is not logged yet (``{val_loss}``
         before the first validation) is 0, as in Lightning, and said once."""
-        fields = {"epoch": trainer.current_epoch, "step": trainer.global_step, **trainer.callback_metrics}
+        # the loop's own epoch and step win over logged metrics of those names (a resumed run's restored metrics
+        # would name the checkpoint `epoch=0.0-step=5`; a user metric called `step` would rename every one)
+        fields = {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step}
         used = {
             field.split(".")[0].split("[")[0] for _, field, _, _ in string.Formatter().parse(self.filename) if field
         }
@@ -123,9 +130,15 @@ class ModelCheckpoint(Callback):
             )
             self._warned_names = True
         try:
-            return self.filename.format(**fields, **dict.fromkeys(missing, 0))
+            name = self.filename.format(**fields, **dict.fromkeys(missing, 0))
         except (ValueError, KeyError, IndexError, AttributeError, TypeError) as e:
             raise ValueError(f"ModelCheckpoint(filename={self.filename!r}) cannot be formatted: {e}") from None
+        if not is_checkpoint_name(name):
+            raise ValueError(
+                f"ModelCheckpoint(filename={self.filename!r}) gives {name!r}, which is not one directory name inside "
+                f"{self.dirpath} (no '/', not empty, not starting with '.', not {LAST!r})"
+            )
+        return name
 
     def _keep_top_k(self, score: float, path: str) -> None:
         self.saved = [(s, p) for s, p in self.saved if p != path] + [(score, path)]
@@ -133,18 +146,46 @@ class ModelCheckpoint(Callback):
         if self.save_top_k >= 0:
             for _, stale in self.saved[self.save_top_k :]:
                 if stale != self.last_model_path:  # never delete what `last` points to
-                    remove_checkpoint(stale)
+                    remove_checkpoint(stale, within=self.dirpath)
             self.saved = [sp for sp in self.saved[: self.save_top_k]] + [
                 sp for sp in self.saved[self.save_top_k :] if sp[1] == self.last_model_path
             ]
         self.best_model_path = self.saved[0][1] if self.saved else None
 
     def state_dict(self) -> dict:
-        return {"saved": [[s, p] for s, p in self.saved], "best_model_path": self.best_model_path}
+        # names, not paths: the list means something only inside this run's own checkpoint directory
+        return {
+            "saved": [[s, Path(p).name] for s, p in self.saved],
+            "best_model_path": Path(self.best_model_path).name if self.best_model_path else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.saved = [(s, p) for s, p in state.get("saved", []) if Path(p).exists()]
-        self.best_model_path = state.get("best_model_path")
+        """The checkpoints this callback goes on ranking — and later deletes — are only checkpoint directories inside
+        its own ``dirpath``. A checkpoint is someone else's file: an entry naming another run's checkpoint (a run
+        started with ``--resume`` from another output directory) or any other directory is dropped, never deleted."""
+        entries = state.get("saved", []) if isinstance(state, dict) else []
+        saved = []
+        for entry in entries if isinstance(entries, list) else []:
+            if isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], (int, float)):
+                path = self._own_checkpoint(entry[1])
+                if path is not None and not math.isnan(entry[0]):
+                    saved.append((float(entry[0]), path))
+        self.saved = saved
+        best = self._own_checkpoint(state.get("best_model_path")) if isinstance(state, dict) else None
+        self.best_model_path = best if best is not None else (self.saved[0][1] if self.saved else None)
+
+    def _own_checkpoint(self, entry) -> str | None:
+        """``dirpath/<name>`` for a name (or a path whose directory is ``dirpath``) of a checkpoint directory that
+        is there now; None for anything else."""
+        if not isinstance(entry, str) or self.dirpath is None or "\0" in entry:
+            return None
+        name = Path(entry).name
+        if entry != name and Path(entry).parent.resolve() != self.dirpath.resolve():
+            return None
+        candidate = self.dirpath / name
+        if not is_checkpoint_name(name) or not is_checkpoint_dir(candidate):
+            return None
+        return str(candidate)
 
 
 __all__ = ["ModelCheckpoint", "LAST"]

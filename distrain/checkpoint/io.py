@@ -264,17 +264,64 @@ def _fsync_dir(path: Path) -> None:
 
 
 def point_last(dirpath: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Make ``dirpath/last`` a symlink to ``target``, replaced atomically."""
+    """Make ``dirpath/last`` a symlink to ``target``, replaced atomically. A real directory there — what ``aws s3
+    sync``, ``gsutil cp -r`` or ``rsync -L`` make of the link in a copied run — is a checkpoint of its own: it is kept,
+    renamed ``last.copy`` (``last.copy-2``, … when taken), and said once."""
     dirpath = Path(dirpath)
     link = dirpath / LAST
     tmp = dirpath / f".{LAST}.tmp-{os.getpid()}"
     tmp.unlink(missing_ok=True)
     os.symlink(os.path.relpath(target, dirpath), tmp)
+    if link.is_dir() and not link.is_symlink():
+        kept = next(
+            dirpath / name
+            for n in range(1, 1 << 16)
+            if not (dirpath / (name := f"{LAST}.copy" + (f"-{n}" if n > 1 else ""))).exists()
+        )
+        os.replace(link, kept)
+        warnings.warn(
+            f"distrain: {link} was a directory, not a link (a synced or copied run?): kept as {kept}; "
+            f"`last` now links to {target}",
+            stacklevel=2,
+        )
     os.replace(tmp, link)
     _fsync_dir(dirpath)
 
 
-def remove_checkpoint(path: str | os.PathLike) -> None:
+def is_checkpoint_name(name: str) -> bool:
+    """A name a checkpoint directory may have inside its run's checkpoint directory: one path component, not
+    hidden (the names ``write_checkpoint`` and ``recover`` use start with a dot), not ``last``."""
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and name == Path(name).name
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+        and not name.startswith(".")
+        and name != LAST
+    )
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """A real directory (not a link) holding what distrain writes into every checkpoint."""
+    return (
+        path.is_dir()
+        and not path.is_symlink()
+        and any((path / marker).is_file() for marker in (MANIFEST, STATE_FILE, META_FILE))
+    )
+
+
+def remove_checkpoint(path: str | os.PathLike, within: str | os.PathLike) -> None:
+    """Delete a checkpoint directory that sits directly inside ``within``; anything else (a path elsewhere, a link,
+    a directory that is no checkpoint) is refused: a deletion must never reach outside the run's own checkpoints."""
+    path = Path(path)
+    if not (path.exists() or path.is_symlink()):  # removed by hand meanwhile
+        return
+    if path.parent.resolve() != Path(within).resolve() or not is_checkpoint_name(path.name):
+        raise CheckpointError(f"refusing to delete {path}: it is not a checkpoint inside {within}")
+    if not is_checkpoint_dir(path):
+        raise CheckpointError(f"refusing to delete {path}: it is not a checkpoint directory")
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -353,6 +400,8 @@ def find_damage(path: Path) -> str | None:
         if manifest.is_file():
             for name, size in json.loads(manifest.read_text())["files"].items():
                 file = path / name
+                if Path(name).is_absolute() or ".." in Path(name).parts or type(size) is not int:
+                    return f"{manifest} lists {name!r}, which is not a file of the checkpoint"
                 if not file.is_file():
                     return f"{file} is missing"
                 if file.stat().st_size != size:
@@ -361,9 +410,7 @@ def find_damage(path: Path) -> str | None:
         for file in sorted(path.rglob("*.pt")):
             zipfile.ZipFile(file).close()  # reads the central directory at the end: a truncated file has none
         if (path / ".metadata").is_file():
-            for name, needed in safe_load.dcp_storage_extents(path).items():
-                if not (path / name).is_file() or (path / name).stat().st_size < needed:
-                    return f"{path / name}: shorter than its .metadata says ({needed} bytes)"
+            safe_load.read_dcp_metadata(path)  # checks each storage entry against its file's size
     except Exception as e:  # noqa: BLE001 — any failure to read it means it is not intact
         return f"{type(e).__name__}: {e}"
     return None

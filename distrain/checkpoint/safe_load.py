@@ -25,9 +25,13 @@ A refusal is one line naming the file: ``UnsafeCheckpointError``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import functools
+import importlib
 import io
+import math
 import pickle
 from pathlib import Path
 from typing import Any
@@ -96,10 +100,35 @@ _DCP_METADATA_GLOBALS = frozenset(
 )
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+#: the classes whose instances a ``.metadata`` builds field by field (NEWOBJ, then BUILD): DCP's records
+_DCP_RECORDS = frozenset(
+    {
+        (_DCP, "Metadata"),
+        (_DCP, "MetadataIndex"),
+        (_DCP, "StorageMeta"),
+        (_DCP, "TensorStorageMetadata"),
+        (_DCP, "BytesStorageMetadata"),
+        (_DCP, "ChunkStorageMetadata"),
+        (_DCP, "TensorProperties"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    }
+)
+#: the largest ``.metadata`` read (a 70B model's with its optimizer state is tens of MB)
+MAX_METADATA_BYTES = 1 << 30
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python one: its opcodes can be checked one by one
+    """Resolves only the names a real ``.metadata`` holds, and — since an allowed name is still a live class or
+    function of this process — lets no opcode change one: BUILD only on a record this load made itself, REDUCE and
+    NEWOBJ only on the allowed classes (and ``_get_layout``), SETITEM(S)/APPEND(S)/ADDITEMS only on a dict, list or
+    set, and never INST/OBJ, NEWOBJ_EX, extension codes or persistent ids (``refused`` names the opcode)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def __init__(self, file, source: Path):
         super().__init__(file)
         self.source = source
+        self._made: dict[int, object] = {}  # records made by this load (kept alive, so their ids stay theirs)
 
     def find_class(self, module: str, name: str):
         if (module, name) not in _DCP_METADATA_GLOBALS:  # a dotted name is never in the set
@@ -109,30 +138,168 @@ class _MetadataUnpickler(pickle.Unpickler):
             )
         return super().find_class(module, name)
 
+    def _refuse(self, what: str):
+        raise UnsafeCheckpointError(
+            f"{self.source}: refusing to load: {what}, which a checkpoint's metadata never does (it could change "
+            "this process's classes or run code)"
+        )
+
+    def _callable(self, obj) -> bool:
+        return any(obj is allowed for allowed in _allowed_callables())
+
+    def load_reduce(self):
+        func, args = self.stack[-2], self.stack[-1]
+        if not self._callable(func) or type(args) is not tuple:
+            self._refuse(f"it calls {func!r} (REDUCE)")
+        super().load_reduce()
+
+    def load_newobj(self):
+        cls, args = self.stack[-2], self.stack[-1]
+        if not (isinstance(cls, type) and self._callable(cls)) or type(args) is not tuple:
+            self._refuse(f"it makes an object of {cls!r} (NEWOBJ)")
+        super().load_newobj()
+        made = self.stack[-1]
+        if _is_record(type(made)):
+            self._made[id(made)] = made
+
+    def load_build(self):
+        state, inst = self.stack[-1], self.stack[-2]
+        if self._made.get(id(inst)) is not inst:  # a class, a function, a dtype, an enum member, ...
+            self._refuse(f"it sets the state of {inst!r} (BUILD)")
+        if "__setstate__" not in type(inst).__dict__:  # the record's own fields only
+            fields = {f.name for f in dataclasses.fields(inst)} if dataclasses.is_dataclass(inst) else set()
+            parts = state if type(state) is tuple and len(state) == 2 else (state, None)
+            for part in parts:
+                if part is not None and (type(part) is not dict or not set(part) <= fields):
+                    self._refuse(f"it sets {type(inst).__name__} attributes it does not have (BUILD)")
+        super().load_build()
+
+    def _into(self, target, kinds: tuple[type, ...], opcode: str):
+        if type(target) not in kinds:
+            self._refuse(f"it adds items to {target!r} ({opcode})")
+
+    # the target of SETITEM/APPEND sits under its key and value (or item); of SETITEMS/APPENDS/ADDITEMS, under the mark
+    def load_setitem(self):
+        self._into(self.stack[-3], (dict, collections.OrderedDict), "SETITEM")
+        super().load_setitem()
+
+    def load_setitems(self):
+        self._into(self.metastack[-1][-1], (dict, collections.OrderedDict), "SETITEMS")
+        super().load_setitems()
+
+    def load_append(self):
+        self._into(self.stack[-2], (list,), "APPEND")
+        super().load_append()
+
+    def load_appends(self):
+        self._into(self.metastack[-1][-1], (list,), "APPENDS")
+        super().load_appends()
+
+    def load_additems(self):
+        self._into(self.metastack[-1][-1], (set,), "ADDITEMS")
+        super().load_additems()
+
+    def _never(opcode: str):  # noqa: N805 — builds a method
+        def refuse(self):
+            self._refuse(f"it uses pickle's {opcode} opcode")
+
+        return refuse
+
+    for _name, _opcode, _method in (
+        ("REDUCE", pickle.REDUCE, load_reduce),
+        ("NEWOBJ", pickle.NEWOBJ, load_newobj),
+        ("BUILD", pickle.BUILD, load_build),
+        ("SETITEM", pickle.SETITEM, load_setitem),
+        ("SETITEMS", pickle.SETITEMS, load_setitems),
+        ("APPEND", pickle.APPEND, load_append),
+        ("APPENDS", pickle.APPENDS, load_appends),
+        ("ADDITEMS", pickle.ADDITEMS, load_additems),
+    ):
+        dispatch[_opcode[0]] = _method
+    for _name in ("INST", "OBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"):
+        dispatch[getattr(pickle, _name)[0]] = _never(_name)
+    del _name, _opcode, _method, _never
+
+
+@functools.cache
+def _allowed_callables() -> tuple:
+    """The allowed names that can be called: the record classes, ``torch.Size``, the path classes, the enum,
+    ``OrderedDict`` and ``_get_layout`` (not the dtypes)."""
+    found = (getattr(importlib.import_module(module), name) for module, name in _DCP_METADATA_GLOBALS)
+    return tuple(obj for obj in found if callable(obj))
+
+
+def _is_record(cls: type) -> bool:
+    return (cls.__module__, cls.__qualname__) in _DCP_RECORDS
+
 
 def read_dcp_metadata(path: str | Path):
-    """A DCP checkpoint's ``Metadata`` (``path/.metadata``), through the restricted unpickler."""
+    """A DCP checkpoint's ``Metadata`` (``path/.metadata``), through the restricted unpickler, checked against the
+    files beside it (``check_storage``)."""
     file = Path(path) / ".metadata"
     with open(file, "rb") as f:
         return _unpickle_metadata(f, file)
 
 
 def _unpickle_metadata(stream, file: Path):
+    data = stream.read(MAX_METADATA_BYTES + 1)  # bounded, and pickle's lengths then read from memory only
+    if len(data) > MAX_METADATA_BYTES:
+        raise UnsafeCheckpointError(f"{file}: refusing to load: larger than {MAX_METADATA_BYTES} bytes")
     try:
-        return _MetadataUnpickler(stream, file).load()
+        metadata = _MetadataUnpickler(io.BytesIO(data), file).load()
     except UnsafeCheckpointError:
         raise
-    except pickle.UnpicklingError as e:  # e.g. a persistent id, which metadata never holds
-        raise refused(file, e) from None
+    except Exception as e:  # noqa: BLE001 — whatever an allowed constructor raises on bytes that are not metadata
+        raise CheckpointError(f"{file} is damaged or not DCP metadata ({type(e).__name__}: {_first_line(e)})") from None
+    check_storage(metadata, file)
+    return metadata
 
 
-def dcp_storage_extents(path: str | Path) -> dict[str, int]:
-    """``file name → bytes its items need``, from the metadata (``storage_data`` maps each item to a
-    ``_StorageInfo(relative_path, offset, length)``: torch 2.13.0)."""
-    extents: dict[str, int] = {}
-    for info in read_dcp_metadata(path).storage_data.values():
-        extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
-    return extents
+def check_storage(metadata, file: Path) -> None:
+    """Every storage entry a ``.metadata`` lists stays inside its checkpoint and within its files, before anything is
+    read: a file name in the checkpoint's own directory (never absolute, never ``..``, never a link), no stream
+    transforms (distrain writes none; a decompressor's output has no bound), an offset and length inside that file,
+    and tensors that together declare no more bytes than the files hold (``read_model_weights`` allocates them up
+    front)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    def bad(what: str):
+        raise UnsafeCheckpointError(f"{file}: refusing to load: {what}")
+
+    if type(metadata) is not Metadata or not isinstance(metadata.storage_data, dict):
+        bad("it is not DCP metadata with a storage index")
+    directory, sizes = file.parent, {}
+    for index, info in metadata.storage_data.items():
+        if type(info) is not _StorageInfo or type(info.relative_path) is not str:
+            bad(f"the storage entry of {getattr(index, 'fqn', index)!r} is not a file, offset and length")
+        name, offset, length = info.relative_path, info.offset, info.length
+        if name in ("", ".", "..", ".metadata") or name != Path(name).name or "\\" in name or "\0" in name:
+            bad(f"the entry of {index.fqn!r} names the file {name!r}, outside the checkpoint's own files")
+        if getattr(info, "transform_descriptors", None):
+            bad(f"the entry of {index.fqn!r} asks for stream transforms {info.transform_descriptors!r}")
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            bad(f"the entry of {index.fqn!r} has offset {offset!r} and length {length!r}")
+        if name not in sizes:
+            if (directory / name).is_symlink():  # its bytes would come from wherever the link points
+                bad(f"the entry of {index.fqn!r} names {name!r}, a link")
+            sizes[name] = (directory / name).stat().st_size if (directory / name).is_file() else None
+        if sizes[name] is None or offset + length > sizes[name]:
+            raise CheckpointError(
+                f"{directory / name}: shorter than its .metadata says ({offset + length} bytes needed for "
+                f"{index.fqn!r}, {sizes[name] or 0} there): the checkpoint is damaged or incomplete"
+            )
+    declared = 0
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            if type(meta.size) is not torch.Size or any(type(d) is not int or d < 0 for d in meta.size):
+                bad(f"the tensor {fqn!r} has the shape {meta.size!r}")
+            if not isinstance(meta.properties.dtype, torch.dtype):
+                bad(f"the tensor {fqn!r} has the dtype {meta.properties.dtype!r}")
+            declared += math.prod(meta.size) * meta.properties.dtype.itemsize
+    held = sum(size or 0 for size in sizes.values())
+    if declared > held:
+        bad(f"its tensors declare {declared} bytes, but its files hold {held}")
 
 
 def dcp_reader(path: str | Path):

@@ -22,10 +22,17 @@ _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def export_checkpoint(
-    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: str | int = "5GB"
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    max_shard_size: str | int = "5GB",
+    tokenizer: str | None = None,
 ) -> Path:
     """Write ``config.json``, ``model.safetensors`` (sharded with an index above ``max_shard_size``)
-    and the tokenizer files of the model in ``checkpoint`` to ``out_dir``."""
+    and the tokenizer files of the model in ``checkpoint`` to ``out_dir``.
+
+    ``tokenizer``: where its tokenizer is (a Hub id or a local directory). None: the one the checkpoint names, but only
+    a Hub id: a local path inside a checkpoint is someone else's word for a directory on this machine, and its files
+    would be copied into ``out_dir`` — such a path is named in a warning, to pass here."""
     from distrain.checkpoint.state import read_checkpoint_meta, read_model_weights
 
     hparams = read_checkpoint_meta(checkpoint).get("hyper_parameters") or {}
@@ -34,7 +41,16 @@ def export_checkpoint(
             f"{checkpoint}: not a checkpoint of a Hugging Face model (distrain.hf task); "
             "`--to torch` or `--to safetensors` export its weights"
         )
-    return export_weights(read_model_weights(checkpoint), hparams, out_dir, max_shard_size)
+    if tokenizer is None:
+        named = hparams.get("tokenizer") or hparams.get("model_name")
+        tokenizer = named if isinstance(named, str) and not models.looks_local(named) else None
+        if isinstance(named, str) and tokenizer is None:
+            warnings.warn(
+                f"{checkpoint} names the local tokenizer {named!r}: not copied from a path a checkpoint names; "
+                "pass it yourself (`distrain convert --tokenizer PATH`) to include its files",
+                stacklevel=2,
+            )
+    return export_weights(read_model_weights(checkpoint), {**hparams, "tokenizer": tokenizer}, out_dir, max_shard_size)
 
 
 def export_weights(
@@ -55,7 +71,7 @@ def export_weights(
         )
     model.tie_weights()
     model.save_pretrained(out, max_shard_size=max_shard_size)
-    _save_tokenizer(hparams.get("tokenizer") or hparams.get("model_name"), out)
+    _save_tokenizer(hparams.get("tokenizer") if "tokenizer" in hparams else hparams.get("model_name"), out)
     return out
 
 

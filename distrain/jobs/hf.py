@@ -54,7 +54,10 @@ class HFJob:
             if (ckpt_dir / "last").exists():
                 from distrain.hf.export import export_checkpoint
 
-                print(f"distrain: Hugging Face model → {export_checkpoint(ckpt_dir / 'last', out / 'hf')}", flush=True)
+                # this run's own tokenizer, as its config names it (not as read back from the checkpoint)
+                tokenizer = c.data.tokenizer or c.training.model_name
+                exported = export_checkpoint(ckpt_dir / "last", out / "hf", tokenizer=tokenizer)
+                print(f"distrain: Hugging Face model → {exported}", flush=True)
 
     def prepare(self, trainer):
         """The task module and its train and validation loaders (the data tokenized once, on rank 0 first)."""

@@ -15,6 +15,15 @@ class BatchLayout:
     accumulate: int
     data_parallel: int
 
+    @classmethod
+    def from_checkpoint(cls, saved, source) -> BatchLayout:
+        """The layout a checkpoint recorded (``batch_layout``), or a one-line error naming ``source``: it is read from
+        a file someone else may have written, and its numbers become this run's accumulation."""
+        fields = ("micro_batch", "accumulate", "data_parallel")
+        if not isinstance(saved, dict) or set(saved) != set(fields) or not all(_count(saved[f]) for f in fields):
+            raise ValueError(f"{source}: its batch_layout {saved!r} is not {', '.join(fields)} as positive integers")
+        return cls(**saved)
+
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.accumulate * self.data_parallel
@@ -24,6 +33,10 @@ class BatchLayout:
             f"{self.data_parallel} rank{'s' * (self.data_parallel > 1)} × micro-batch {self.micro_batch} × "
             f"accumulation {self.accumulate} = {self.global_batch}"
         )
+
+
+def _count(value) -> bool:
+    return type(value) is int and value > 0
 
 
 def keep_global_batch(saved: BatchLayout, micro_batch: int, data_parallel: int) -> tuple[BatchLayout, str]:

@@ -52,12 +52,16 @@ class TrainProgress:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.global_step = state["global_step"]
-        self.epoch = state["epoch"]
-        self.samples_in_epoch = state["samples_in_epoch"]
+        """A checkpoint's (or a peer's) progress: counts only — they become this run's step, epoch and data position."""
+        counts = {"global_step": None, "epoch": None, "samples_in_epoch": None, "skipped_steps": 0, "dropped_steps": 0}
+        for name, default in counts.items():
+            value = state.get(name, default) if default is not None else state.get(name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"its progress {name} is {value!r}, not a count")
+            setattr(self, name, value)
         self.epoch_done = state.get("epoch_done", False)
-        self.skipped_steps = state.get("skipped_steps", 0)
-        self.dropped_steps = state.get("dropped_steps", 0)
+        if type(self.epoch_done) is not bool:
+            raise ValueError(f"its progress epoch_done is {self.epoch_done!r}, not true or false")
 
 
 class CheckpointManager:
@@ -136,10 +140,19 @@ class CheckpointManager:
         metrics = {k: float(v) for k, v in t.metrics.callback_metrics.items()}
         return {**t.progress.state_dict(), "callback_metrics": metrics}
 
-    def load_progress_state(self, state: dict[str, Any]) -> None:
+    def load_progress_state(self, state: dict[str, Any], source: str | os.PathLike = "the restored state") -> None:
         t = self.trainer
-        t.progress.load_state_dict(state)
-        t.metrics.callback_metrics = dict(state.get("callback_metrics", {}))
+        try:
+            t.progress.load_state_dict(state)
+        except (ValueError, AttributeError) as e:
+            raise ckpt_io.CheckpointError(f"{source}: {e}") from None
+        metrics = state.get("callback_metrics", {})
+        # numbers by name, as progress_state saved them; anything else is not a metric of this run
+        t.metrics.callback_metrics = {
+            k: float(v)
+            for k, v in (metrics.items() if isinstance(metrics, dict) else ())
+            if type(k) is str and type(v) in (int, float)
+        }
 
     def live_state(self) -> dict[str, Any]:
         """What a peer takes over to go on from where this run stands (``ddp_torchft``: a replica group that rejoins):
@@ -251,7 +264,7 @@ class CheckpointManager:
             raise RuntimeError(
                 f"{path} has checkpoint format {extra['format']!r}; this distrain reads {CHECKPOINT_FORMAT!r}"
             )
-        self.load_progress_state(state["progress"])
+        self.load_progress_state(state["progress"], source=path)
         for cb in t.callbacks:
             if cb.state_key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][cb.state_key])
