@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary, ProgressBar
 from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.cluster import replica_run_dir
-from distrain.config import redacted
+from distrain.config import Bounds, redacted
 from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, seed_workers, tokens_in_batch
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 from distrain.module import Module, StepRouter
@@ -43,6 +43,18 @@ from distrain.training.preemption import StopAgreement
 __all__ = ["Trainer", "CHECKPOINT_FORMAT", "NonFiniteError"]
 
 NONFINITE_POLICIES = ("stop", "skip", "ignore")
+#: what each numeric argument of ``Trainer`` accepts (None is always "not set"), as the config's keys declare theirs
+TRAINER_NUMBERS = {
+    "num_nodes": Bounds(gt=0),
+    "max_epochs": Bounds(gt=0),
+    "max_steps": Bounds(gt=0, means={-1: "no limit: max_epochs decides"}),
+    "gradient_clip_val": Bounds(ge=0, means={0: "no clipping"}),
+    "val_check_interval": Bounds(gt=0),
+    "log_every_n_steps": Bounds(gt=0),
+    "seed": Bounds(ge=0),
+    "limit_val_batches": Bounds(ge=0, means={0: "no validation"}),
+    "histogram_every_n_steps": Bounds(gt=0),
+}
 #: what ``train_step`` returns for a step the strategy did not commit (``Strategy.commit_step``)
 DROPPED = object()
 
@@ -113,8 +125,9 @@ class Trainer:
         async_save: bool = False,
         **strategy_kwargs: Any,
     ):
-        if gradient_clip_val is not None and gradient_clip_val < 0:
-            raise ValueError(f"gradient_clip_val must be >= 0 (None or 0 disables clipping), got {gradient_clip_val}")
+        arguments = locals()
+        for name, bounds in TRAINER_NUMBERS.items():  # NaN, ±inf and numbers that mean nothing: one line each
+            bounds.check(f"Trainer's {name}", arguments[name])
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
         if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:

@@ -179,3 +179,29 @@ def test_builtin_corpus_is_the_start_of_the_stdlib_modules():
     first = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[0].read_bytes()
     data = bytes(load_corpus("builtin:stdlib", max_bytes=100).numpy())
     assert data == (first + b"\n")[:100]
+
+
+# ---- the same promise through the Python API: Trainer(...) and the strategies' timeouts ----------------------------
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1, 0])
+def test_every_numeric_trainer_argument_refuses_what_it_cannot_mean(tmp_path, value):
+    import distrain
+    from distrain.trainer import TRAINER_NUMBERS
+
+    for name, bounds in TRAINER_NUMBERS.items():
+        make = lambda: distrain.Trainer(  # noqa: E731
+            accelerator="cpu", strategy="single", devices=1, default_root_dir=str(tmp_path), **{name: value}
+        )
+        if value in bounds.means or bounds.in_range(value):
+            make()
+        else:
+            with pytest.raises(ValueError, match=f"{name} must be"):
+                make()
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 0, -5])
+@pytest.mark.parametrize("key", ["timeout", "collective_timeout"])
+def test_a_strategy_timeout_is_a_positive_finite_time(tmp_path, key, value):
+    import distrain
+
+    with pytest.raises(ValueError, match="positive, finite number of seconds"):
+        distrain.Trainer(accelerator="cpu", strategy="ddp", devices=2, default_root_dir=str(tmp_path), **{key: value})

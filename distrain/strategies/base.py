@@ -12,6 +12,7 @@ the loop comes in as arguments. What the rest of distrain must know about it is 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -345,4 +346,12 @@ class Strategy:
 
 
 def _as_timedelta(value: timedelta | float | None) -> timedelta | None:
-    return value if value is None or isinstance(value, timedelta) else timedelta(seconds=float(value))
+    """Seconds (or a timedelta) as a timedelta: a positive, finite time (NaN or inf crashed later, inside a
+    collective's set-up)."""
+    if value is None or isinstance(value, timedelta):
+        seconds = value.total_seconds() if value is not None else None
+    else:
+        seconds = float(value)
+    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"a timeout must be a positive, finite number of seconds, got {value!r}")
+    return value if value is None or isinstance(value, timedelta) else timedelta(seconds=seconds)
