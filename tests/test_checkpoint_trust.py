@@ -478,3 +478,49 @@ def test_a_batch_layout_that_is_not_counts_is_refused(tmp_path, layout):
     with pytest.raises(ValueError, match="batch_layout") as error:
         _fit(tmp_path, 3, ckpt_path=str(checkpoint))
     assert str(checkpoint) in str(error.value)
+
+
+# ---- tracker runs: continued only from this run's own checkpoints, and only by a run id ---------------------------
+class RunIdLogger(distrain.loggers.Logger):
+    """Stands in for a tracker: its run id travels in checkpoints, as W&B's and MLflow's do."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+
+    def log_metrics(self, metrics, step) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"run_id": self.run_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.run_id = state["run_id"]
+
+
+def test_another_runs_checkpoint_does_not_continue_its_tracker_run(tmp_path):
+    def fit(root: Path, run_id: str, steps: int, ckpt_path=None) -> RunIdLogger:
+        tracker = RunIdLogger(run_id)
+        trainer, _ = make_trainer(root, strategy="single", devices=1, max_steps=steps, logger=tracker)
+        trainer.fit(TinyGPT(), loader(4), ckpt_path=ckpt_path)
+        return tracker
+
+    fit(tmp_path / "a", "run-a", 2)
+    assert fit(tmp_path / "a", "fresh", 3, ckpt_path="last").run_id == "run-a"  # its own: the same tracker run
+    last_of_a = str(tmp_path / "a" / "checkpoints" / "last")
+    assert fit(tmp_path / "b", "run-b", 4, ckpt_path=last_of_a).run_id == "run-b"  # another run's: its own run
+
+
+@pytest.mark.parametrize("hostile", ["../../etc", "a/b", "https://host/x", "x" * 500, 12, ["id"]])
+def test_a_tracker_run_id_that_is_not_one_starts_a_new_run(tmp_path, hostile):
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    wandb_logger = distrain.loggers.WandbLogger(save_dir=str(tmp_path), mode="offline")
+    mlflow_logger = distrain.loggers.MLFlowLogger(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    own_id, own_run = wandb_logger.id, mlflow_logger.run_id
+    with pytest.warns(UserWarning, match="is not a run id"):
+        wandb_logger.load_state_dict({"id": hostile})
+    with pytest.warns(UserWarning, match="is not a run id"):
+        mlflow_logger.load_state_dict({"run_id": hostile})
+    assert wandb_logger.id == own_id and mlflow_logger.run_id == own_run
+    wandb_logger.load_state_dict({"id": "abc123xy"})  # a real one is taken
+    assert wandb_logger.id == "abc123xy"

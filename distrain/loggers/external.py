@@ -7,6 +7,7 @@ tracker run instead of starting a new one. Only rank 0 logs.
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from numbers import Number
@@ -15,6 +16,19 @@ from typing import Any
 
 from distrain.config import redacted
 from distrain.loggers.base import Logger
+
+#: a tracker's run id as the trackers make them (W&B: 8 characters; MLflow: 32 hex digits); read back from a
+#: checkpoint, anything else — a path (W&B names its local run directory after the id), a URL — is not taken
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def _run_id(value: Any, tracker: str) -> str | None:
+    if value is None or (isinstance(value, str) and _RUN_ID.fullmatch(value)):
+        return value
+    warnings.warn(
+        f"distrain: the checkpoint's {tracker} run id {value!r} is not a run id; starting a new run", stacklevel=3
+    )
+    return None
 
 
 def _require(package: str, extra: str) -> None:
@@ -98,7 +112,7 @@ class WandbLogger(Logger):
         return {"id": self.id}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("id")
+        saved = _run_id(state.get("id"), "W&B")
         if not saved or saved == self.id:
             return
         if self._run is not None:  # already logging to another run: keep it
@@ -181,7 +195,7 @@ class MLFlowLogger(Logger):
         return {"run_id": self.run_id} if self.run_id else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("run_id")
+        saved = _run_id(state.get("run_id"), "MLflow")
         if not saved or saved == self.run_id:
             return
         if self._client is not None:

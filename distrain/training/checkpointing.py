@@ -268,7 +268,10 @@ class CheckpointManager:
         for cb in t.callbacks:
             if cb.state_key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][cb.state_key])
-        self.load_logger_states(extra.get("loggers", {}))  # absent in older checkpoints
+        if self.last_path().parent.resolve() == Path(path).resolve().parent:  # this run's own checkpoint
+            self.load_logger_states(extra.get("loggers", {}))  # absent in older checkpoints
+        elif extra.get("loggers") and t.is_global_zero:  # another run's: its tracker runs stay its own
+            print(f"distrain: {path} is another run's checkpoint: its tracker runs are not continued here", flush=True)
         rngs = extra.get("rng", [])
         if t.global_rank < len(rngs):
             set_rng_state(rngs[t.global_rank])
