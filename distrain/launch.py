@@ -87,6 +87,7 @@ class SubprocessLauncher:
         self._started = False
         self._started_at = time.time()  # failure records older than this are an earlier run's
         self._stopping = False  # set before we stop the others ourselves: their exit is not news
+        self._report_lock, self._reported = threading.Lock(), False
         #: where each rank's output and failure record go (the Trainer: ``<run dir>/logs``); None: the console
         self.log_dir: str | None = None
 
@@ -98,10 +99,13 @@ class SubprocessLauncher:
         try:
             return fn(*args, **kwargs)
         except BaseException as error:
+            # a rank that left makes rank 0's collective fail at once: give its exit a moment to show, so the
+            # summary names it (and its exit code) rather than rank 0, which only lost its peer
+            self._record_exits(wait=2.0 if getattr(error, "peer_left", False) else 0.0)
             self._kill_others()  # they would wait for rank 0 in a collective until the timeout
             summary = failure_summary(self.log_dir, since=self._started_at)
             if summary:  # the first failure may be another rank's: this one's error may be its consequence
-                print(summary, file=sys.stderr, flush=True)
+                self._report(summary)
                 error.distrain_reported = True
             raise
 
@@ -134,16 +138,33 @@ class SubprocessLauncher:
                     self._stopping = True
                     rank = self.node_rank * self.nprocs + local_rank
                     summary = failure_summary(self.log_dir, wait_for=rank, since=self._started_at)
-                    print(
-                        summary or f"[distrain] rank {rank} exited with code {code}; stopping the other ranks",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    if record_exit(self.log_dir, rank, code, since=self._started_at):  # it died without a word
+                        summary = failure_summary(self.log_dir, since=self._started_at)
+                    self._report(summary or f"[distrain] rank {rank} {describe_exit(code)}; stopping the other ranks")
                     self._kill_others()
                     os._exit(code if code > 0 else 1)
             if all(p.poll() is not None for p in self.procs):
                 return
             time.sleep(0.5)
+
+    def _report(self, summary: str) -> None:
+        """The job's failure, once: the watching thread and rank 0's own error may both get here."""
+        with self._report_lock:
+            if not self._reported:
+                self._reported = True
+                print(summary, file=sys.stderr, flush=True)
+
+    def _record_exits(self, wait: float) -> None:
+        """A failure record for each other rank that already exited with an error and wrote none (killed, or
+        ``os._exit``), waiting up to ``wait`` s for one to exit."""
+        deadline = time.monotonic() + wait
+        while True:
+            exited = [(i, p.poll()) for i, p in enumerate(self.procs, start=1) if p.poll() not in (None, 0)]
+            if exited or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        for local_rank, code in exited:
+            record_exit(self.log_dir, self.node_rank * self.nprocs + local_rank, code, since=self._started_at)
 
     def _kill_others(self, grace: float = 10.0) -> None:
         """SIGTERM, then SIGKILL whatever still runs after ``grace`` s: a rank that hangs outside
@@ -375,19 +396,61 @@ class _Tee:
 
 
 def record_failure(log_dir: str | None, rank: int, error: BaseException) -> None:
-    """Write this rank's failure (when, what, the traceback) for the launcher's summary."""
+    """Write this rank's failure (when, what, the traceback) for the launcher's summary. A collective that failed
+    because of other ranks (``CollectiveHangError``) records them as the culprits, and its diagnosis."""
     if log_dir is None:
         return
-    import json
     import traceback
 
-    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    record = {"time": time.time(), "rank": rank, "type": type(error).__name__, "message": message[:500]}
+    lines = str(error).strip().splitlines()
+    record = {"time": time.time(), "rank": rank, "type": type(error).__name__, "message": (lines or [""])[0][:500]}
+    culprits = getattr(error, "culprits", None)
+    if culprits is not None:  # this rank only waited
+        record["culprits"] = {str(r): where for r, where in culprits.items()}
+        record["detail"] = [line[:300] for line in lines[1:40]]
     with open(rank_log(log_dir, rank), "a") as log:
         log.write("".join(traceback.format_exception(error)))
+    _write_record(log_dir, rank, record)
+    error.distrain_recorded = True
+
+
+def _write_record(log_dir: str, rank: int, record: dict) -> None:
+    import json
+
     with open(os.path.join(log_dir, f"rank_{rank}.error.json"), "w") as f:
         json.dump(record, f)
-    error.distrain_recorded = True
+
+
+#: what an exit code says, as a shell shows a signal's death (128 + N) or Python's Popen (-N)
+_SIGNAL_HINTS = {
+    signal.SIGKILL: "killed by SIGKILL (out of memory? the kernel's OOM killer sends it)",
+    signal.SIGSEGV: "crashed with SIGSEGV (a segmentation fault in native code)",
+    signal.SIGABRT: "aborted (SIGABRT: a native library gave up, e.g. NCCL's watchdog)",
+    signal.SIGBUS: "crashed with SIGBUS (shared memory full? /dev/shm)",
+    signal.SIGTERM: "terminated (SIGTERM) from outside",
+}
+
+
+def describe_exit(code: int) -> str:
+    """``137`` → ``exited with code 137: killed by SIGKILL (out of memory? ...)``."""
+    number = -code if code < 0 else code - 128 if 128 < code < 160 else None
+    try:
+        sig = signal.Signals(number) if number else None
+    except ValueError:
+        sig = None
+    if sig is None:
+        return f"exited with code {code}"
+    return f"exited with code {code}: {_SIGNAL_HINTS.get(sig, f'killed by {sig.name}')}"
+
+
+def record_exit(log_dir: str | None, rank: int, code: int, since: float) -> bool:
+    """A record for a rank that exited with ``code`` and wrote none of its own since ``since`` (killed, or
+    ``os._exit``); False when it had written one, or there is nowhere to write."""
+    if log_dir is None or _written_since(os.path.join(log_dir, f"rank_{rank}.error.json"), since):
+        return False
+    os.makedirs(log_dir, exist_ok=True)
+    _write_record(log_dir, rank, {"time": time.time(), "rank": rank, "type": "exit", "message": describe_exit(code)})
+    return True
 
 
 def _written_since(path: str, since: float) -> bool:
@@ -422,10 +485,28 @@ def failure_summary(log_dir: str | None, wait_for: int | None = None, since: flo
     if not records:
         return None
     records.sort(key=lambda r: r["time"])
-    first = records[0]
-    lines = [
-        f"[distrain] rank {first['rank']} failed first: {first['type']}: {first['message']}",
-        f"[distrain]   its whole output and traceback: {rank_log(log_dir, first['rank'])}",
-    ]
-    lines += [f"[distrain]   then rank {r['rank']}: {r['type']}: {r['message'][:160]}" for r in records[1:]]
+    # the culprit: the first rank that failed on its own (an exception, a death); a rank whose collective failed
+    # because of others only waited — when every record is such, the ranks they name are the culprits
+    own = [r for r in records if "culprits" not in r]
+    waited = [r for r in records if "culprits" in r]
+    culprits = {int(k): w for r in waited for k, w in r["culprits"].items()}
+    if own:
+        first = own[0]
+        where = f" at {culprits[first['rank']]}" if first["rank"] in culprits else ""
+        lines = [
+            f"[distrain] rank {first['rank']} failed first{where}: "
+            + (first["message"] if first["type"] == "exit" else f"{first['type']}: {first['message']}"),
+            f"[distrain]   its whole output and traceback: {rank_log(log_dir, first['rank'])}",
+        ]
+        others = [r for r in records if r is not first]
+    else:
+        first = waited[0]
+        stuck = ", ".join(f"rank {r} at {w}" for r, w in sorted(culprits.items())) or "no rank"
+        lines = [f"[distrain] {stuck}: did not arrive in a collective that rank {first['rank']} waited in"]
+        lines += [f"[distrain] {line.rstrip()}" for line in first.get("detail", []) if not line.strip().startswith("(")]
+        lines += [f"[distrain]   output: {', '.join(rank_log(log_dir, r) for r in sorted(culprits))}"]
+        others = waited
+    for r in others:
+        consequence = " (it waited for the ranks above)" if "culprits" in r else ""
+        lines.append(f"[distrain]   then rank {r['rank']}: {r['type']}: {r['message'][:160]}{consequence}")
     return "\n".join(lines)

@@ -31,6 +31,13 @@ step, on our 2-core CPU machine (``python benchmarks/progress_marks.py``).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import os
+import re
+import signal
+import socket
+import tempfile
+import threading
 import time
 from datetime import timedelta
 
@@ -68,6 +75,8 @@ def start(rank: int, world_size: int, init_timeout: timedelta) -> CollectiveWatc
 
 def stop() -> None:
     global _active
+    if _active is not None:
+        _active.stacks.close()
     _active = None
 
 
@@ -96,7 +105,11 @@ class CollectiveWatch:
         self.step, self.phase = 0, "set-up"
         self._count = 0  # phases entered so far: the same sequence on every rank
         self._patient = 0
+        self.stacks = StackDumps()
         self._publish()
+        if self.store is not None:
+            with contextlib.suppress(Exception):  # where a rank that fails can ask for this one's stack
+                self.store.set(f"rank{rank}/stack", self.stacks.address)
 
     # ---- recording (the hot path: an equality check, and one store write per new phase) ------------
     def mark(self, step: int | None, phase: str) -> None:
@@ -169,14 +182,35 @@ class CollectiveWatch:
             time.sleep(1.0)  # peers in this same collective time out within moments of us
             reports, unreadable = self._read_reports()
         lines = _describe(self._count, reports, how, self.world_size)
+        culprits = _culprits(self._count, reports, self.world_size)
         if unreadable:
             lines.append(
                 f"(could not read the other ranks' progress from the store: {unreadable}; "
                 "rank 0 hosts it unless a launcher such as torchrun does — did it die?)"
             )
+        for rank in list(culprits)[:4]:  # a stuck rank's own stack: where it is, not only that it is late
+            lines += self._stack_of(rank)
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         lines.append(f"({type(error).__name__} on rank {self.rank}: {first_line[:300]})")
-        return CollectiveHangError("distrain: a collective did not complete on every rank.\n  " + "\n  ".join(lines))
+        headline = _headline(culprits, timed_out)
+        return CollectiveHangError(
+            f"distrain: a collective did not complete on every rank: {headline}\n  " + "\n  ".join(lines),
+            culprits=culprits,
+            peer_left=not timed_out,
+        )
+
+    def _stack_of(self, rank: int) -> list[str]:
+        """The lines that show where ``rank`` is (its main thread, innermost call first), when it runs on this
+        machine and is alive; nothing otherwise (a rank that exited has no stack: its exit shows elsewhere)."""
+        if self.store is None:
+            return []
+        try:
+            if not self.store.check([f"rank{rank}/stack"]):
+                return []
+            address = self.store.get(f"rank{rank}/stack").decode()
+        except Exception:  # noqa: BLE001 — a diagnosis must never hide the real error
+            return []
+        return StackDumps.request(rank, address)
 
     def _read_reports(self) -> tuple[dict[int, tuple[int, int, str, str]], str | None]:
         reports = {self.rank: (self._count, self.step, "failed", self.phase)}
@@ -195,7 +229,41 @@ class CollectiveWatch:
 
 
 class CollectiveHangError(RuntimeError):
-    """A collective timed out or lost a peer; the message names the ranks that were elsewhere."""
+    """A collective timed out or lost a peer; the message names the ranks that were elsewhere. ``culprits``: the
+    ranks that did not arrive (behind, stuck inside the phase, silent, or gone ahead), each with where it was — never
+    a rank that only waited."""
+
+    def __init__(self, message: str, culprits: dict[int, str] | None = None, peer_left: bool = False):
+        super().__init__(message)
+        self.culprits = dict(culprits or {})
+        self.peer_left = peer_left  # a peer's connection closed (it exited), rather than a timeout
+
+
+def _culprits(my_count: int, reports: dict, world_size: int) -> dict[int, str]:
+    """rank -> where it was, for every rank that did not reach the collective the others waited in: behind them,
+    at the same phase but not in the collective, silent; or, when none is, the ranks that went on without it."""
+    late = {
+        r: f"step {step} (in {phase})"
+        for r, (count, step, state, phase) in sorted(reports.items())
+        if count < my_count or (count == my_count and state != "failed")
+    }
+    late.update({r: "no progress reported" for r in range(world_size) if r not in reports})
+    if late:
+        return dict(sorted(late.items()))
+    return {
+        r: f"step {step} (in {phase})" for r, (count, step, _s, phase) in sorted(reports.items()) if count > my_count
+    }
+
+
+def _headline(culprits: dict[int, str], timed_out: bool) -> str:
+    """One line that names the rank(s) at fault, for the console: the others only waited for them."""
+    if not culprits:
+        return "every rank reached it and waited (different collectives on different ranks, or the network failed)"
+    where = "; ".join(f"rank {r} at {w}" for r, w in list(culprits.items())[:4])
+    more = f" and {len(culprits) - 4} more" if len(culprits) > 4 else ""
+    if timed_out:
+        return f"{_ranks(list(culprits))} never arrived ({where}{more})"
+    return f"{_ranks(list(culprits))} left or crashed ({where}{more})"
 
 
 def _describe(my_count: int, reports: dict, how: str, world_size: int) -> list[str]:
@@ -232,6 +300,91 @@ def _describe(my_count: int, reports: dict, how: str, world_size: int) -> list[s
             "collectives inside it, or the network failed."
         )
     return lines
+
+
+class StackDumps:
+    """Lets another rank of this machine ask this process for its Python stack, even when it is stuck in C code
+    holding the GIL: ``faulthandler`` writes every thread's stack from its signal handler (SIGUSR2), into a file
+    of this process's own. Costs nothing per step: nothing runs until a rank that failed asks.
+
+    ``address`` (published in the store) is ``host|pid|main thread id|file``; ``request`` signals the process and
+    reads what it wrote."""
+
+    SIGNAL = getattr(signal, "SIGUSR2", None)
+
+    def __init__(self):
+        self.file = None
+        if self.SIGNAL is None:  # not on this platform
+            self.address = ""
+            return
+        fd, path = tempfile.mkstemp(prefix=f"distrain-stack-{os.getpid()}-", suffix=".txt")
+        self.file = os.fdopen(fd, "a")  # appended to: a reader takes what came after its request
+        # a handler the program set for the signal still runs after the dump; the default one would end the process
+        previous = signal.getsignal(self.SIGNAL)
+        chain = callable(previous)
+        faulthandler.register(self.SIGNAL, file=self.file, all_threads=True, chain=chain)
+        self.address = f"{socket.gethostname()}|{os.getpid()}|{threading.main_thread().ident}|{path}"
+
+    def close(self) -> None:
+        if self.file is not None:
+            with contextlib.suppress(Exception):
+                faulthandler.unregister(self.SIGNAL)
+                self.file.close()
+                os.unlink(self.file.name)
+            self.file = None
+
+    @classmethod
+    def request(cls, rank: int, address: str, wait: float = 2.0) -> list[str]:
+        try:
+            host, pid, main_thread, path = address.split("|", 3)
+            if host != socket.gethostname() or cls.SIGNAL is None:
+                return []
+            before = os.path.getsize(path)
+            os.kill(int(pid), cls.SIGNAL)
+        except (ValueError, OSError):  # gone, or not ours to signal
+            return []
+        deadline, text = time.monotonic() + wait, ""
+        while time.monotonic() < deadline:  # the handler writes at once; done when the file stops growing
+            time.sleep(0.1)
+            with open(path) as f:
+                f.seek(before)
+                now = f.read()
+            if now and now == text:
+                break
+            text = now
+        frames = _main_thread_frames(text, int(main_thread))
+        if not frames:
+            return []
+        # where it is (the innermost frame, a library's too), then the user's own frames around it
+        shown = frames[:1] + [f for f in frames[1:] if not _library_frame(f)][:4]
+        return [f"rank {rank} is here (its main thread, innermost call first; all threads: {path}):"] + [
+            f"  {frame}" for frame in shown
+        ]
+
+
+_LIBRARIES = tuple(
+    {os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, os.path.dirname(os.__file__) + os.sep}
+)
+
+
+def _library_frame(frame: str) -> bool:
+    """A frame in distrain, the standard library or an installed package: not where a user looks first."""
+    path = frame.split('"')[1] if frame.count('"') >= 2 else ""
+    return path.startswith(_LIBRARIES) or "site-packages" in path or "dist-packages" in path
+
+
+def _main_thread_frames(dump: str, main_thread: int) -> list[str]:
+    """The frames ``faulthandler`` wrote for the main thread: ``File "x.py", line 3 in f`` lines."""
+    frames: list[str] = []
+    current = None
+    for line in dump.splitlines():
+        head = re.match(r"(?:Current thread|Thread) (0x[0-9a-f]+)", line.strip())
+        if head:
+            current = int(head.group(1), 16)
+            continue
+        if current == main_thread and line.strip().startswith("File "):
+            frames.append(line.strip())
+    return frames
 
 
 def _ranks(ranks: list[int]) -> str:
