@@ -169,6 +169,9 @@ def find_free_port() -> int:
 # ---- replica groups (fault tolerance with torchft) --------------------------------------------------------
 #: torchft's own names: which replica group this process belongs to, how many there are, where the lighthouse is
 REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, LIGHTHOUSE = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
+#: distrain's: the job's secret, which a group's peer-state server asks of every request (the launcher makes one
+#: per job; never printed, logged or written to the run directory)
+JOB_SECRET = "DISTRAIN_JOB_SECRET"
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,34 @@ def replica_group(env: dict | None = None) -> ReplicaGroup | None:
     if not 0 <= group < count:
         raise ValueError(f"{REPLICA_GROUP_ID}={group} is outside 0..{count - 1} ({NUM_REPLICA_GROUPS}={count})")
     return ReplicaGroup(group, count, env[LIGHTHOUSE])
+
+
+def job_secret(env: dict | None = None) -> str:
+    """The job's secret (``DISTRAIN_JOB_SECRET``): every replica group of a job holds the same one."""
+    env = os.environ if env is None else env
+    secret = env.get(JOB_SECRET, "")
+    if not secret:
+        raise ValueError(
+            f"{JOB_SECRET} is not set: a replica group serves its live state only to the job's other groups, which "
+            "prove it with this secret. distrain's launcher sets it for the groups it starts; for groups started by "
+            "hand, set the same random value in each (python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    return secret
+
+
+def is_loopback_address(address: str) -> bool:
+    """Whether the host of ``address`` (``http://host:port``) is this machine's loopback: a service there can be
+    reached from this machine only, so every group that reaches it runs here."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = urlsplit(address).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def replica_run_dir(path: str) -> str:

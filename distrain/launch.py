@@ -289,7 +289,12 @@ class ReplicaGroupLauncher:
     given), then one torchrun per replica group running this same command; torchrun restarts a group whose rank died
     (``max_restarts``), and the restarted group rejoins the others. SIGTERM or SIGINT here becomes SIGTERM to every
     rank: each group stops at a step, checkpoints and ends with success (``--resume auto`` goes on). When every
-    group has ended this process exits with the worst status, so code after ``fit`` runs only in the groups."""
+    group has ended this process exits with the worst status, so code after ``fit`` runs only in the groups.
+
+    The groups are on this machine: the lighthouse distrain starts listens on 127.0.0.1 only (it has no
+    authentication), and so, with a lighthouse on loopback, do the groups' own servers and gloo's sockets. Each job
+    has a secret of its own (``DISTRAIN_JOB_SECRET``), which a group asks of every request for its live state; it is
+    passed in the groups' environment only (torchrun's restarts inherit it), never printed or written."""
 
     #: the lighthouse forms a quorum without a group that heartbeats but has not asked to join after this long
     JOIN_TIMEOUT_MS = 10_000
@@ -301,20 +306,25 @@ class ReplicaGroupLauncher:
         self.lighthouse, self.max_restarts = lighthouse, max_restarts
 
     def launch(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        from distrain.cluster import LIGHTHOUSE, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID
+        import secrets
+
+        from distrain.cluster import JOB_SECRET, LIGHTHOUSE, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID, is_loopback_address
 
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at INFO
         server, address = None, self.lighthouse
         if address is None:
             from torchft.coordination import LighthouseServer
 
+            # for this machine's groups only: whoever reaches a lighthouse can join the quorum or stop a group
             server = LighthouseServer(
-                bind="[::]:0",
+                bind="127.0.0.1:0",
                 min_replicas=self.min_replicas,
                 join_timeout_ms=self.JOIN_TIMEOUT_MS,
                 heartbeat_timeout_ms=self.HEARTBEAT_TIMEOUT_MS,
             )
-            address = server.address()
+            address = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"  # address() names the hostname
+        secret = secrets.token_urlsafe(32)  # this job's; a group serves its live state only to requests that carry it
+        loopback = self._loopback_interface() if is_loopback_address(address) else None
         python, *command = _command_of_this_process()
         torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nprocs}"]
         torchrun.append(f"--max-restarts={self.max_restarts}")
@@ -326,6 +336,9 @@ class ReplicaGroupLauncher:
         for group in range(self.replica_groups):
             env = {**os.environ, REPLICA_GROUP_ID: str(group), NUM_REPLICA_GROUPS: str(self.replica_groups)}
             env[LIGHTHOUSE] = address
+            env[JOB_SECRET] = secret  # the environment only: not argv (any user's ps shows it), not the run dir
+            if loopback is not None:  # gloo listens where the host name resolves (maybe every peer's network)
+                env.setdefault("GLOO_SOCKET_IFNAME", loopback)
             # the groups share this machine's cores (torchrun sets no thread count for one rank per group)
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (self.replica_groups * self.nprocs))))
             for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -359,6 +372,16 @@ class ReplicaGroupLauncher:
         if failed:
             print(f"[distrain] replica groups that failed (after their restarts): {'; '.join(failed)}", file=sys.stderr)
         raise SystemExit(max((c for c in codes if c > 0), default=1 if failed else 0))
+
+    @staticmethod
+    def _loopback_interface() -> str | None:
+        """The name of the interface that holds 127.0.0.1 (gloo is given an interface, not an address)."""
+        import psutil
+
+        for name, addresses in psutil.net_if_addrs().items():
+            if any(a.address == "127.0.0.1" for a in addresses):
+                return name
+        return None
 
 
 # ---- each rank's output and failure, kept in <run dir>/logs ------------------------------------------------

@@ -14,10 +14,18 @@ it reads its step's batches, so the loop asks for the quorum first (``start_step
 when the state was replaced. Why no DDP wrapper: the bucket layout must be the same in every group, also in one that
 just restarted (DDP rebuilds its buckets after the first step), so the gradients are averaged after the backward
 in fixed buckets: first within the group, then across groups.
+
+What a group opens to others: torchft's manager server (gRPC, on the group's rank 0), the HTTP server a running
+group hands its live state from, and gloo's sockets; distrain's launcher adds torchft's lighthouse. torchft's
+lighthouse and manager have no authentication (anyone who reaches them can join the quorum, or stop a group), so
+when the lighthouse is on this machine's loopback — the job runs on this machine, as distrain's launcher starts it —
+all of them listen on 127.0.0.1 only. The live state is served only to a request that carries the job's secret
+(``DISTRAIN_JOB_SECRET``, made by the launcher; see ``safe_load.peer_state_transport``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +40,7 @@ from torch.distributed import ReduceOp
 
 from distrain import distributed
 from distrain.checkpoint import safe_load
-from distrain.cluster import ReplicaGroup, replica_group
+from distrain.cluster import JOB_SECRET, ReplicaGroup, is_loopback_address, job_secret, replica_group
 from distrain.config import ConfigError
 from distrain.strategies.base import LoopFacts, SetUp, Strategy, _as_timedelta
 from distrain.strategies.registry import register
@@ -118,8 +126,13 @@ class TorchFTStrategy(Strategy):
         if self.group is None:
             raise RuntimeError(
                 "strategy ddp_torchft runs in replica groups: let distrain start them (no outside launcher), or start "
-                "one torchrun per group with REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and TORCHFT_LIGHTHOUSE set"
+                "one torchrun per group with REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE and "
+                f"{JOB_SECRET} set"
             )
+        try:
+            secret = job_secret()
+        except ValueError as e:
+            raise RuntimeError(f"strategy ddp_torchft, replica group {self.group.id}: {e}") from None
         super().setup_environment()  # this group's own process group
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at INFO
         torchft = _torchft()
@@ -127,24 +140,29 @@ class TorchFTStrategy(Strategy):
         _check_lighthouse(self.group.lighthouse, self.ft_timeout)
         pg_class = torchft.ProcessGroupNCCL if "nccl" in self.backend else torchft.ProcessGroupGloo
         self._forget_previous_manager()
-        self.manager = torchft.Manager(
-            pg=pg_class(timeout=self.ft_timeout),
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=self.min_replicas,
-            use_async_quorum=False,
-            timeout=self.ft_timeout,
-            quorum_timeout=self.ft_timeout,
-            connect_timeout=self.ft_timeout,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            store_addr=os.environ["MASTER_ADDR"],
-            store_port=int(os.environ["MASTER_PORT"]),
-            lighthouse_addr=self.group.lighthouse,
-            replica_id=f"distrain_replica_{self.group.id}",
-            checkpoint_transport=safe_load.peer_state_transport(self.ft_timeout),
-            init_sync=True,  # step 0: every group starts from the first group's weights, whatever built them
-        )
+        # a lighthouse on loopback is reachable from this machine only: every group is here, and so is every peer
+        local = is_loopback_address(self.group.lighthouse)
+        advertised = {"hostname": "127.0.0.1"} if local else {}  # the address the manager gives the lighthouse
+        with _manager_server_on_loopback() if local else contextlib.nullcontext():
+            self.manager = torchft.Manager(
+                pg=pg_class(timeout=self.ft_timeout),
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=self.min_replicas,
+                use_async_quorum=False,
+                timeout=self.ft_timeout,
+                quorum_timeout=self.ft_timeout,
+                connect_timeout=self.ft_timeout,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                store_addr=os.environ["MASTER_ADDR"],
+                store_port=int(os.environ["MASTER_PORT"]),
+                lighthouse_addr=self.group.lighthouse,
+                replica_id=f"distrain_replica_{self.group.id}",
+                checkpoint_transport=safe_load.peer_state_transport(self.ft_timeout, secret, loopback=local),
+                init_sync=True,  # step 0: every group starts from the first group's weights, whatever built them
+                **advertised,
+            )
         self._hands_over_state = False  # a new manager (after a teardown) knows no state yet
 
     def _forget_previous_manager(self) -> None:
@@ -267,6 +285,25 @@ def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return buckets
 
 
+@contextlib.contextmanager
+def _manager_server_on_loopback():
+    """torchft 0.2's Manager starts its gRPC server (rank 0 of a group) with ``bind=f"[::]:{port}"``, every interface,
+    and has no argument for it (``hostname`` is only the address it advertises). While a Manager is made here, the
+    ``ManagerServer`` it calls binds to 127.0.0.1 instead, same port; torchft's module is restored right after."""
+    from torchft import manager as module
+
+    original = module.ManagerServer
+
+    def on_loopback(*args, bind: str, **kwargs):
+        return original(*args, bind=f"127.0.0.1:{bind.rsplit(':', 1)[1]}", **kwargs)
+
+    module.ManagerServer = on_loopback
+    try:
+        yield
+    finally:
+        module.ManagerServer = original
+
+
 def _torchft():
     try:
         import torchft
@@ -319,7 +356,7 @@ def check(config) -> None:
         raise ConfigError(
             f"distributed.num_nodes={d.num_nodes} with strategy ddp_torchft: distrain starts the replica groups of "
             "one machine; on several nodes start one torchrun per replica group yourself (REPLICA_GROUP_ID, "
-            "NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE set; torchft_lighthouse on one host)"
+            f"NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE and the same {JOB_SECRET} set; torchft_lighthouse on one host)"
         )
 
 
