@@ -5,6 +5,7 @@ from distrain.callbacks import Callback, ModelCheckpoint, ProgressBar
 from distrain.checkpoint.io import CheckpointError
 from distrain.checkpoint.state import checkpoint_state_of
 from distrain.config import RunConfig, build_config
+from distrain.datamodule import DataModule
 from distrain.distributed.watch import CollectiveHangError
 from distrain.module import LossModule, Module
 from distrain.parallel.pipeline_split import PipelineSplit
@@ -29,6 +30,7 @@ __all__ = [
     "Trainer",
     "Module",
     "LossModule",
+    "DataModule",
     "Runtime",
     "Strategy",
     "DDPStrategy",

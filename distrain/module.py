@@ -10,18 +10,80 @@ from torch import nn
 
 from distrain.checkpoint.state import read_checkpoint_meta, read_model_weights
 
+#: Lightning hooks and overrides distrain never calls, and what to do instead. A module that defines one is refused
+#: when fit/validate/test/predict starts (``unsupported_hooks``), rather than silently running without it.
+UNSUPPORTED_HOOKS = {
+    "on_before_batch_transfer": "change the batch in the DataLoader's collate_fn",
+    "transfer_batch_to_device": "distrain moves tensors (and dicts/lists/tuples of them) itself; use collate_fn",
+    "on_after_batch_transfer": "change the batch at the top of training_step",
+    "configure_gradient_clipping": "use Trainer(gradient_clip_val=...), or self.clip_gradients in manual optimization",
+    "optimizer_step": "use manual optimization (automatic_optimization = False) to step by hand",
+    "optimizer_zero_grad": "use manual optimization (automatic_optimization = False) to zero by hand",
+    "lr_scheduler_step": "return the scheduler from configure_optimizers, or step it by hand in manual optimization",
+    "backward": "use on_before_backward/on_after_backward, or manual optimization with self.manual_backward",
+    "configure_callbacks": "pass the callbacks to Trainer(callbacks=[...])",
+    "configure_sharded_model": "rename it configure_model",
+    "on_validation_model_eval": "distrain calls module.eval() itself; use on_validation_start",
+    "on_validation_model_train": "distrain calls module.train() itself; use on_validation_end",
+    "on_test_model_eval": "distrain calls module.eval() itself; use on_test_start",
+    "on_test_model_train": "distrain calls module.train() itself; use on_test_end",
+    "on_predict_model_eval": "distrain calls module.eval() itself; use on_predict_start",
+}
+
+
+def unsupported_hooks(module: nn.Module) -> list[str]:
+    """One line per Lightning hook ``module``'s class defines that distrain does not call."""
+    return [
+        f"{type(module).__name__}.{name}: distrain does not call this Lightning hook; {instead}"
+        for name, instead in UNSUPPORTED_HOOKS.items()
+        if callable(getattr(type(module), name, None)) and getattr(Module, name, None) is None
+    ]
+
+
+class AttributeDict(dict):
+    """``hparams``: a dict whose keys read as attributes too (``self.hparams.lr`` and ``self.hparams["lr"]``),
+    as Lightning's is; saved in checkpoints as a plain dict."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            held = ", ".join(map(str, self)) or "nothing"
+            raise AttributeError(f"hparams has no {key!r} (it holds: {held})") from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+    def __delattr__(self, key: str) -> None:
+        del self[key]
+
 
 class Module(nn.Module):
     """Subclass and implement ``training_step`` and ``configure_optimizers``.
 
     Build layers in ``__init__`` or — for large models — in ``configure_model``, which runs
     under the strategy's init context (on the device, or sharded for sharded strategies).
+
+    Written to Lightning's ``LightningModule`` API: its hooks (called in Lightning's order, ``hook_order`` in
+    README.md), its properties (``device``, ``current_epoch``, ``global_step``, ``global_rank``, ...) and manual
+    optimization (``automatic_optimization = False``, ``self.optimizers()``, ``self.manual_backward``).
     """
+
+    #: False: ``training_step`` steps the optimizers itself (``self.optimizers()``, ``self.manual_backward``)
+    automatic_optimization: bool = True
 
     def __init__(self) -> None:
         super().__init__()
         object.__setattr__(self, "_trainer", None)  # not a submodule, not in state_dict
-        self.hparams: dict[str, Any] = {}
+        self.hparams = AttributeDict()
+
+    @property
+    def hparams(self) -> AttributeDict:
+        return self._hparams
+
+    @hparams.setter
+    def hparams(self, value: Any) -> None:  # ``self.hparams = {...}`` keeps attribute access
+        object.__setattr__(self, "_hparams", AttributeDict(value if isinstance(value, dict) else vars(value)))
 
     # ---- what users implement -------------------------------------------------------------
     def configure_model(self) -> None:
@@ -58,10 +120,53 @@ class Module(nn.Module):
         refused before any rank starts."""
         return None
 
+    # Lightning's hooks, called in Lightning's order (README.md, "Coming from Lightning"). Two differ on purpose:
+    # with accumulate_grad_batches > 1, on_after_backward and on_train_batch_end run once per optimizer step (after
+    # its last micro-batch), and distrain zeroes gradients right after each step, so they are already None in
+    # on_before_zero_grad.
+    def prepare_data(self) -> None:
+        """Download or write data: runs on local rank 0 of each node, before the other ranks go on."""
+
+    def setup(self, stage: str) -> None:
+        """In every rank, before ``configure_model``; ``stage`` is "fit", "validate", "test" or "predict"."""
+
+    def teardown(self, stage: str) -> None: ...
     def on_fit_start(self) -> None: ...
+    def on_fit_end(self) -> None: ...
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
     def on_train_epoch_start(self) -> None: ...
     def on_train_epoch_end(self) -> None: ...
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None: ...
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_before_backward(self, loss: torch.Tensor) -> None: ...
+    def on_after_backward(self) -> None: ...
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_validation_start(self) -> None: ...
+    def on_validation_end(self) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
     def on_validation_epoch_end(self) -> None: ...
+    def on_validation_batch_start(self, batch: Any, batch_idx: int) -> None: ...
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_test_start(self) -> None: ...
+    def on_test_end(self) -> None: ...
+    def on_test_epoch_start(self) -> None: ...
+    def on_test_epoch_end(self) -> None: ...
+    def on_test_batch_start(self, batch: Any, batch_idx: int) -> None: ...
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_predict_start(self) -> None: ...
+    def on_predict_end(self) -> None: ...
+    def on_predict_epoch_start(self) -> None: ...
+    def on_predict_epoch_end(self) -> None: ...
+    def on_predict_batch_start(self, batch: Any, batch_idx: int) -> None: ...
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add keys of your own to ``checkpoint`` (plain values: numbers, strings, tensors, lists, dicts)."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """On resume (and in ``load_from_checkpoint``): ``checkpoint`` holds the keys ``on_save_checkpoint`` added."""
 
     # ---- services ------------------------------------------------------------------------
     @property
@@ -81,20 +186,101 @@ class Module(nn.Module):
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
         return self._trainer
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters live (the Trainer's device once attached)."""
+        if self._trainer is not None:
+            return self._trainer.runtime.device
+        param = next(self.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    # where the loop is, as Lightning names it (0 before a Trainer is attached)
+    current_epoch = property(lambda self: self._trainer.current_epoch if self._trainer is not None else 0)
+    global_step = property(lambda self: self._trainer.global_step if self._trainer is not None else 0)
+    global_rank = property(lambda self: self._trainer.global_rank if self._trainer is not None else 0)
+    local_rank = property(lambda self: self._trainer.local_rank if self._trainer is not None else 0)
+    loggers = property(lambda self: list(self._trainer.loggers) if self._trainer is not None else [])
+    logger = property(lambda self: next(iter(self.loggers), None))
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only."""
+        if self.global_rank == 0:
+            print(*args, **kwargs)
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every rank's tensor (or dict/list/tuple of tensors) stacked along a new first dimension of size
+        world_size. ``group`` and ``sync_grads`` are not supported."""
+        if group is not None or sync_grads:
+            raise ValueError("all_gather: group= and sync_grads=True are not supported (distrain gathers all ranks)")
+        if isinstance(data, dict):
+            return {k: self.all_gather(v) for k, v in data.items()}
+        if isinstance(data, (list, tuple)):
+            return type(data)(self.all_gather(v) for v in data)
+        tensor = torch.as_tensor(data, device=self.device)
+        return self.trainer.runtime.all_gather(tensor)
+
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The optimizer ``configure_optimizers`` returned (a list when it returned several). Under manual
+        optimization, wrapped: ``step()`` averages the gradients over the ranks first (distrain's manual
+        optimization syncs gradients at the step, so accumulating by hand communicates once)."""
+        opts = self.trainer._manual_optimizers if use_pl_optimizer else self.trainer.optimizers
+        opts = opts or self.trainer.optimizers
+        return opts[0] if len(opts) == 1 else list(opts)
+
+    def lr_schedulers(self) -> Any:
+        """The scheduler(s) ``configure_optimizers`` returned: one, a list, or None."""
+        schedulers = [c["scheduler"] for c in self.trainer.lr_schedulers]
+        if not schedulers:
+            return None
+        return schedulers[0] if len(schedulers) == 1 else schedulers
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward()`` under manual optimization, through the precision plugin (loss scaling)."""
+        if self.automatic_optimization:
+            raise RuntimeError("manual_backward is for manual optimization: set automatic_optimization = False")
+        self.on_before_backward(loss)
+        self.trainer.runtime.strategy.backward(loss, self.trainer.model)
+        self.on_after_backward()
+
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> Any:
+        """Clip ``optimizer``'s gradients (over all ranks) to ``gradient_clip_val``: by global norm ("norm", the
+        default) or by value ("value"). Under manual optimization call it between manual_backward and step."""
+        if gradient_clip_val is None:
+            return None
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        trainer = self.trainer
+        if trainer._manual_optimizers:
+            trainer._sync_gradients(optimizer)
+        if gradient_clip_algorithm in (None, "norm"):
+            return trainer.runtime.clip_gradients(trainer.model, optimizer, gradient_clip_val)
+        if gradient_clip_algorithm == "value":
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            return torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+        raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}")
+
     def log(
         self,
         name: str,
         value: Any,
+        prog_bar: bool = False,
+        logger: bool = True,
         on_step: bool | None = None,
         on_epoch: bool | None = None,
-        sync_dist: bool = False,
-        prog_bar: bool = False,
-        batch_size: int | None = None,
         reduce_fx: str = "mean",
+        sync_dist: bool = False,
+        batch_size: int | None = None,
+        rank_zero_only: bool = False,
     ) -> None:
         """Record a metric. Training defaults to per-step, evaluation to per-epoch (a
         sample-weighted mean that is always reduced across ranks). ``reduce_fx="sum"``: the epoch
-        value is the total over all calls (and, reduced, all ranks), e.g. a count of samples."""
+        value is the total over all calls (and, reduced, all ranks), e.g. a count of samples.
+        Lightning's positional order; ``logger`` and ``rank_zero_only`` are accepted and change nothing (every
+        value goes to the loggers, from rank 0)."""
         if reduce_fx not in ("mean", "sum"):
             raise ValueError(f"log({name!r}): reduce_fx must be 'mean' or 'sum', got {reduce_fx!r}")
         if self._trainer is not None:
@@ -113,14 +299,21 @@ class Module(nn.Module):
         for name, value in metrics.items():
             self.log(name, value, **kwargs)
 
-    def save_hyperparameters(self, *names: str) -> None:
-        """Store the calling ``__init__``'s arguments so ``load_from_checkpoint`` can rebuild us."""
-        frame = inspect.currentframe().f_back
-        init_args = inspect.getargvalues(frame)
-        values = {k: init_args.locals[k] for k in init_args.args if k != "self"}
-        if init_args.keywords:
-            values.update(init_args.locals[init_args.keywords])
-        self.hparams = {k: v for k, v in values.items() if not names or k in names}
+    def save_hyperparameters(self, *args: Any, ignore: str | list[str] | None = None, logger: bool = True) -> None:
+        """Store the calling ``__init__``'s arguments (all, those named in ``args``, or a dict/Namespace given
+        instead) in ``self.hparams`` so ``load_from_checkpoint`` can rebuild us; ``ignore`` leaves names out."""
+        if len(args) == 1 and not isinstance(args[0], str):  # save_hyperparameters(dict or Namespace)
+            values = dict(args[0]) if isinstance(args[0], dict) else dict(vars(args[0]))
+            names: tuple = ()
+        else:
+            frame = inspect.currentframe().f_back
+            init_args = inspect.getargvalues(frame)
+            values = {k: init_args.locals[k] for k in init_args.args if k != "self"}
+            if init_args.keywords:
+                values.update(init_args.locals[init_args.keywords])
+            names = args
+        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
+        self.hparams = {k: v for k, v in values.items() if (not names or k in names) and k not in ignored}
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str, strict: bool = True, **kwargs: Any) -> Module:
@@ -130,6 +323,7 @@ class Module(nn.Module):
         module.configure_model()
         object.__setattr__(module, "_distrain_configured", True)  # a later trainer must not rebuild it
         module.load_state_dict(read_model_weights(checkpoint_path), strict=strict)
+        module.on_load_checkpoint(meta)
         return module.eval()
 
     def __getstate__(self):  # the trainer never travels with the module (spawn pickles it)
@@ -201,7 +395,11 @@ class StepRouter(nn.Module):
         self.module = module
 
     def forward(self, step_name: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.module, step_name)(*args, **kwargs)
+        output = getattr(self.module, step_name)(*args, **kwargs)
+        trainer = self.module._trainer
+        if step_name == "training_step" and trainer is not None and self.module.automatic_optimization:
+            trainer._before_backward(output)  # Lightning's on_before_zero_grad, on_before_backward: here, in order
+        return output
 
 
 def loss_of(output: Any) -> torch.Tensor:

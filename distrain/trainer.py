@@ -30,8 +30,9 @@ from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.cluster import replica_run_dir
 from distrain.config import Bounds, redacted
 from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, seed_workers, tokens_in_batch
+from distrain.datamodule import STAGE_LOADERS, is_datamodule, mark_prepared, optional_loader, stage_loader
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
-from distrain.module import Module, StepRouter
+from distrain.module import Module, StepRouter, loss_of, unsupported_hooks
 from distrain.planner.batch import BatchLayout, keep_global_batch
 from distrain.runtime import Runtime
 from distrain.strategies.base import LoopFacts, Strategy
@@ -191,6 +192,8 @@ class Trainer:
         self.model = None
         self.optimizers = []
         self.lr_schedulers = []
+        self._manual_optimizers: list = []  # under manual optimization: what module.optimizers() hands out
+        self._first_micro_batch = False  # on_before_zero_grad: once per optimizer step
         self.should_stop = False  # a callback may set it: the run ends (on every rank) at a step boundary
         self._stopping = False
         self._last_val_step = -1
@@ -251,18 +254,66 @@ class Trainer:
 
     # ---- public entry points: each launches the ranks, then runs the stage in every rank -------
     def fit(self, module: nn.Module, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
+        """Train ``module`` on the loaders given, else ``datamodule``'s (also passed in ``train_dataloaders``'
+        place, as Lightning allows), else the module's own ``train_dataloader()``/``val_dataloader()``. A datamodule
+        or module's loaders are made in every rank, after ``prepare_data`` and ``setup("fit")``."""
         module = _as_module(module)
-        if datamodule is not None:
-            train_dataloaders = train_dataloaders or datamodule.train_dataloader()
-            if val_dataloaders is None and hasattr(datamodule, "val_dataloader"):
-                val_dataloaders = datamodule.val_dataloader()
-        if train_dataloaders is None:
-            raise ValueError("fit() needs train_dataloaders or a datamodule with train_dataloader()")
+        if datamodule is None and is_datamodule(train_dataloaders):
+            train_dataloaders, datamodule = None, train_dataloaders
+        source = datamodule if datamodule is not None else module
+        if train_dataloaders is None and not callable(getattr(source, "train_dataloader", None)):
+            raise ValueError(
+                "fit() needs train_dataloaders, a datamodule with train_dataloader(), or a module that defines "
+                "train_dataloader()"
+            )
+        self._check_lightning_module(module)
         if ckpt_path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
             # torchrun restarted the group after a failure: continue from the newest intact checkpoint
             ckpt_path = "auto"
-        self._choose_auto_strategy(module, train_dataloaders)
-        return self._launch(self._fit, module, train_dataloaders, val_dataloaders, ckpt_path)
+        if self.runtime.auto_options is not None and not self.runtime.environment_ready:
+            planned = train_dataloaders
+            if planned is None:  # the planner reads a batch: this process makes the loader once to plan with
+                for obj in (datamodule, module):
+                    if obj is not None and callable(getattr(obj, "prepare_data", None)) and self.local_rank == 0:
+                        mark_prepared(obj)
+                if datamodule is not None:
+                    datamodule.setup("fit")
+                module.setup("fit")
+                planned = source.train_dataloader()
+            self._choose_auto_strategy(module, planned)
+        self._check_manual_optimization(module)
+        data = (train_dataloaders, val_dataloaders, datamodule)
+        return self._launch(self._fit, module, data, ckpt_path)
+
+    def _check_lightning_module(self, module: Module) -> None:
+        """Before any rank starts: a Lightning hook distrain does not call is refused in one line, naming it and
+        what to do instead (``module.UNSUPPORTED_HOOKS``), rather than training without it."""
+        problems = unsupported_hooks(module)
+        if problems:
+            raise NotImplementedError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+    def _check_manual_optimization(self, module: Module) -> None:
+        """Manual optimization (``automatic_optimization = False``): what the loop would otherwise do for you is
+        refused in one line, as Lightning refuses it; so is a strategy it does not run under."""
+        if module.automatic_optimization:
+            return
+        if max(self.loop.accumulation.values()) > 1:
+            raise ValueError(
+                "accumulate_grad_batches > 1 with automatic_optimization=False: accumulate by hand in training_step "
+                "(step the optimizer every N batches)"
+            )
+        if self.loop.gradient_clip_val:
+            raise ValueError(
+                "gradient_clip_val with automatic_optimization=False: call self.clip_gradients(opt, "
+                "gradient_clip_val=...) in training_step"
+            )
+        strategy = self.runtime.strategy
+        plain = type(strategy).backward is Strategy.backward and type(strategy).run_step is Strategy.run_step
+        if strategy.traits.collective_forward or strategy.traits.metrics_elsewhere or not plain:
+            raise NotImplementedError(
+                f"automatic_optimization=False is not supported with {type(strategy).__name__}: use DDP or one "
+                "process, or automatic optimization (return the loss from training_step)"
+            )
 
     def _choose_auto_strategy(self, module: Module, loader) -> None:
         """strategy="auto": before any rank starts, the memory planner picks the fastest strategy that fits
@@ -297,17 +348,32 @@ class Trainer:
         return report
 
     def validate(self, module: nn.Module, dataloaders=None, ckpt_path=None, datamodule=None) -> list[dict]:
-        loader = _loader_for("validate", "val_dataloader", module, dataloaders, datamodule)
-        return self._launch(self._evaluate, _as_module(module), "validation_step", loader, ckpt_path)
+        return self._evaluate_stage("validate", module, dataloaders, ckpt_path, datamodule)
 
     def test(self, module: nn.Module, dataloaders=None, ckpt_path=None, datamodule=None) -> list[dict]:
-        loader = _loader_for("test", "test_dataloader", module, dataloaders, datamodule)
-        return self._launch(self._evaluate, _as_module(module), "test_step", loader, ckpt_path)
+        return self._evaluate_stage("test", module, dataloaders, ckpt_path, datamodule)
 
     def predict(self, module: nn.Module, dataloaders=None, ckpt_path=None, datamodule=None) -> list:
         """Returns this rank's predictions, in its sampler order (rank 0's for spawn/fork)."""
-        loader = _loader_for("predict", "predict_dataloader", module, dataloaders, datamodule)
-        return self._launch(self._predict, _as_module(module), loader, ckpt_path)
+        return self._evaluate_stage("predict", module, dataloaders, ckpt_path, datamodule)
+
+    def _evaluate_stage(self, stage: str, module, dataloaders, ckpt_path, datamodule):
+        """The loaders given, else the datamodule's (also in ``dataloaders``' place), else the module's own: made in
+        every rank after ``prepare_data`` and ``setup(stage)``."""
+        module = _as_module(module)
+        if datamodule is None and is_datamodule(dataloaders):
+            dataloaders, datamodule = None, dataloaders
+        method = STAGE_LOADERS[stage]
+        source = datamodule if datamodule is not None else module
+        if dataloaders is None and not callable(getattr(source, method, None)):
+            raise ValueError(
+                f"{stage}() needs dataloaders, a datamodule with {method}(), or a module that defines {method}()"
+            )
+        self._check_lightning_module(module)
+        if stage == "predict":
+            return self._launch(self._predict, module, (dataloaders, datamodule), ckpt_path)
+        step_name = "validation_step" if stage == "validate" else "test_step"
+        return self._launch(self._evaluate, module, step_name, (dataloaders, datamodule), ckpt_path)
 
     def _launch(self, fn, module: Module, *args):
         self.runtime.strategy.check_module(module)
@@ -319,8 +385,13 @@ class Trainer:
         return self.runtime.run_in_ranks(fn, module, *args, collect=self.checkpoints.state_for_parent, restore=restore)
 
     # ---- fit ------------------------------------------------------------------------------------
-    def _fit(self, module: Module, train_loader, val_loader, ckpt_path):
+    def _fit(self, module: Module, data: tuple, ckpt_path):
         rt = self.runtime
+        train_loader, val_loader, datamodule = data
+        rt.seed_everything(self.seed)  # setup(stage) may build layers: alike on every rank
+        train_loader = stage_loader("fit", self, module, train_loader, datamodule)
+        if val_loader is None:
+            val_loader = optional_loader(datamodule if datamodule is not None else module, "val_dataloader")
         checkpoint = self.checkpoints.resolve(ckpt_path) if ckpt_path is not None else None
         micro_batch = self._keep_global_batch(checkpoint, train_loader)  # a resume on another number of ranks
         train_loader = self._setup_loader(train_loader, shuffle_seed=self.seed, batch_size=micro_batch)
@@ -337,6 +408,7 @@ class Trainer:
         self.metrics.start_fit(_flops_per_token(module), self.run_config)
         self._call("on_fit_start")
         module.on_fit_start()
+        module.on_train_start()
         self.stop.install()
         try:
             with self._diagnosing_hangs(on_error=self._on_fit_error):
@@ -345,12 +417,17 @@ class Trainer:
                 if val_loader is not None and self._last_val_step != self.global_step and not self.preempted:
                     self._validate_during_fit(val_loader)  # the run always ends with a val score
                 self._call("on_train_end")
+                module.on_train_end()
                 self.checkpoints.complete_pending()  # one written in the background: on disk before fit returns
+                module.on_fit_end()
         finally:
             self.stop.finish()  # no collective may be left in flight
             self.stop.uninstall()
             self.metrics.finalize()
             self._call("teardown", "fit")
+            module.teardown("fit")
+            if datamodule is not None:
+                datamodule.teardown("fit")
         if self.preempted and self.is_global_zero:
             print(
                 f"distrain: stopped by signal {self.preempted} at step {self.global_step}; "
@@ -456,6 +533,8 @@ class Trainer:
         over the step's micro-batches (each loss divided by their number, also in a shorter last
         window) and over the ranks. Returns the last ``training_step`` output, or ``DROPPED`` when the strategy did not
         commit the step (nothing applied, the step not counted)."""
+        if not self.module.automatic_optimization:
+            return self._manual_step(micro_batches)
         rt, optimizer = self.runtime, self.optimizers[0]
         rt.mark_phase(self.global_step + 1, "forward/backward")  # where this rank is, if a collective hangs
         batches = [batch for _, batch in micro_batches]
@@ -463,12 +542,16 @@ class Trainer:
         self._call("on_train_step_start", batches)
         micro_batches = [(batch_idx, move_to_device(batch, rt.device)) for batch_idx, batch in micro_batches]
         collector = self.metrics.collector
-        step_loss, output = rt.strategy.run_step(
-            self.model,
-            micro_batches,
-            before_each=lambda batch: setattr(collector, "current_batch_size", batch_size_of(batch)),
-        )
+        indices = iter([batch_idx for batch_idx, _ in micro_batches])
+        self._first_micro_batch = True
+
+        def before_each(batch):
+            collector.current_batch_size = batch_size_of(batch)
+            self.module.on_train_batch_start(batch, next(indices))
+
+        step_loss, output = rt.strategy.run_step(self.model, micro_batches, before_each=before_each)
         self._call("on_after_backward")
+        self.module.on_after_backward()
         samples = tokens = 0
         for _, batch in micro_batches:
             samples += batch_size_of(batch)
@@ -515,6 +598,7 @@ class Trainer:
             return False
         scale = scaler.get_scale() if scaler is not None else None
         self._call("on_before_optimizer_step", optimizer)
+        self.module.on_before_optimizer_step(optimizer)
         rt.optimizer_step(optimizer, self.model)
         if scaler is not None:
             return scaler.get_scale() >= scale
@@ -564,6 +648,7 @@ class Trainer:
         rt.mark_phase(None, "callbacks after the step (checkpointing)")
         batch_idx, batch = last_micro_batch
         self._call("on_train_batch_end", output, batch, batch_idx)
+        self.module.on_train_batch_end(output, batch, batch_idx)
         rt.mark_phase(None, "stop-signal check")
         # A signal, or a callback's should_stop, on any rank: every rank stops at the same step (on
         # several ranks the step after the request; on_train_end writes the checkpoint)
@@ -574,12 +659,12 @@ class Trainer:
         if self.progress.epoch_done:  # resumed from a checkpoint written at this epoch's end: already done
             self._next_epoch()
             return
-        self._step_schedulers("epoch")
         epoch_metrics = self.metrics.collector.pop_epoch_metrics()
         self.metrics.publish(epoch_metrics, self.global_step, to_loggers=bool(epoch_metrics))
         if val_loader is not None and not self._val_every_steps():
             self._validate_during_fit(val_loader)
         self.module.on_train_epoch_end()
+        self._step_schedulers("epoch")  # after validation: a scheduler may monitor its metric (ReduceLROnPlateau)
         self.progress.epoch_done = True  # a checkpoint saved in the hooks below resumes at the next epoch
         self._call("on_train_epoch_end")
         self._next_epoch()
@@ -593,10 +678,27 @@ class Trainer:
         return self._stopping or (self.loop.max_steps != -1 and self.global_step >= self.loop.max_steps)
 
     def _step_schedulers(self, interval: str) -> None:
+        """Step the schedulers of this ``interval`` that are due (``frequency``); one that monitors a metric
+        (``"monitor"``, e.g. ReduceLROnPlateau) steps with its latest value, and names it when it was never logged."""
+        if not self.module.automatic_optimization:
+            return  # manual optimization: the module steps its schedulers itself (self.lr_schedulers())
         count = self.global_step + 1 if interval == "step" else self.current_epoch + 1
         for config in self.lr_schedulers:
-            if config["interval"] == interval and count % config["frequency"] == 0:
+            if config["interval"] != interval or count % config["frequency"]:
+                continue
+            monitor = config.get("monitor")
+            if monitor is None and isinstance(config["scheduler"], torch.optim.lr_scheduler.ReduceLROnPlateau):
+                raise ValueError(
+                    "configure_optimizers: a ReduceLROnPlateau scheduler needs a metric to monitor: return "
+                    '{"optimizer": opt, "lr_scheduler": {"scheduler": s, "monitor": "val_loss"}}'
+                )
+            if monitor is None:
                 config["scheduler"].step()
+            elif monitor not in self.callback_metrics:
+                known = ", ".join(sorted(self.callback_metrics)) or "none yet"
+                raise KeyError(f"lr_scheduler monitors {monitor!r}, which was never logged (logged: {known})")
+            else:
+                config["scheduler"].step(self.callback_metrics[monitor])
 
     def _val_every_steps(self) -> int | None:
         v = self.loop.val_check_interval
@@ -613,12 +715,15 @@ class Trainer:
         self._last_val_step = self.global_step
         metrics = self.evaluator.run(self.module, self.model, "validation_step", loader, self.loop.limit_val_batches)
         self.metrics.publish(metrics, self.global_step)
-        self.module.on_validation_epoch_end()
         self._call("on_validation_end")
 
     # ---- validate / test / predict -----------------------------------------------------------------
-    def _evaluate(self, module: Module, step_name: str, loader, ckpt_path) -> list[dict]:
-        self._attach(module, "validate" if step_name == "validation_step" else "test")
+    def _evaluate(self, module: Module, step_name: str, data: tuple, ckpt_path) -> list[dict]:
+        stage = "validate" if step_name == "validation_step" else "test"
+        dataloaders, datamodule = data
+        self.runtime.seed_everything(self.seed)
+        loader = stage_loader(stage, self, module, dataloaders, datamodule)
+        self._attach(module, stage)
         loader = self._setup_loader(loader, even=False)
         if ckpt_path is not None:
             self.checkpoints.restore(self.checkpoints.resolve(ckpt_path), weights_only=True)
@@ -626,15 +731,25 @@ class Trainer:
             metrics = self.evaluator.run(module, self.model, step_name, loader, None)
         self.metrics.publish(metrics, self.global_step)
         self.metrics.finalize()
+        module.teardown(stage)
+        if datamodule is not None:
+            datamodule.teardown(stage)
         return [metrics]
 
-    def _predict(self, module: Module, loader, ckpt_path) -> list:
+    def _predict(self, module: Module, data: tuple, ckpt_path) -> list:
+        dataloaders, datamodule = data
+        self.runtime.seed_everything(self.seed)
+        loader = stage_loader("predict", self, module, dataloaders, datamodule)
         self._attach(module, "predict")
         loader = self._setup_loader(loader, even=False)
         if ckpt_path is not None:
             self.checkpoints.restore(self.checkpoints.resolve(ckpt_path), weights_only=True)
         with self._diagnosing_hangs():
-            return self.evaluator.predict(module, self.model, loader)
+            predictions = self.evaluator.predict(module, self.model, loader)
+        module.teardown("predict")
+        if datamodule is not None:
+            datamodule.teardown("predict")
+        return predictions
 
     # ---- set-up -----------------------------------------------------------------------------------
     def _attach(self, module: Module, stage: str, train_loader=None) -> None:
@@ -663,8 +778,55 @@ class Trainer:
             run_dir=self.default_root_dir,
             live_state=(self.checkpoints.live_state, self.checkpoints.load_live_state),
         )
-        configure = lambda: _parse_optimizers(module.configure_optimizers())  # noqa: E731
+        manual = not module.automatic_optimization
+        configure = lambda: _parse_optimizers(module.configure_optimizers(), manual)  # noqa: E731
         self.model, self.optimizers, self.lr_schedulers = rt.strategy.setup(StepRouter(module), configure, loop)
+        self._manual_optimizers = [ManualOptimizer(self, o) for o in self.optimizers] if manual else []
+
+    # ---- Lightning's per-micro-batch hooks and manual optimization -------------------------------------
+    def _before_backward(self, output: Any) -> None:
+        """Between ``training_step`` and its backward (``StepRouter`` calls it): Lightning's
+        ``on_before_zero_grad`` (once per optimizer step) then ``on_before_backward(loss)``."""
+        if self._first_micro_batch:
+            self._first_micro_batch = False
+            self.module.on_before_zero_grad(self.optimizers[0])
+        self.module.on_before_backward(loss_of(output))
+
+    def _manual_step(self, micro_batches: list[tuple[int, Any]]) -> Any:
+        """One batch under manual optimization: ``training_step`` steps the optimizers itself (each ``step()``
+        counts in ``global_step``, as in Lightning). It is called on the module, not through the strategy's
+        wrapper: the gradients stay local through any number of ``manual_backward`` calls and are averaged over
+        the ranks once, when an optimizer steps (``ManualOptimizer``)."""
+        rt = self.runtime
+        (batch_idx, batch), = micro_batches  # accumulate_grad_batches is 1 (checked when fit starts)
+        rt.mark_phase(self.global_step + 1, "manual training_step")
+        batch = move_to_device(batch, rt.device)
+        self.metrics.collector.current_batch_size = batch_size_of(batch)
+        self.module.on_train_batch_start(batch, batch_idx)
+        before = self.global_step
+        with rt.autocast():
+            output = self.module.training_step(batch, batch_idx)
+        samples = batch_size_of(batch)
+        self.progress.samples_in_epoch += samples * self.data_parallel_size
+        if self.global_step == before:  # no optimizer stepped in this batch: still a logged step of the loop
+            return output
+        loss = loss_of(output).detach().float() if output is not None else None
+        lr = self.optimizers[0].param_groups[0]["lr"]
+        result = StepResult(self.global_step, self.current_epoch, loss, lr, None, samples, tokens_in_batch(batch) or 0)
+        self.metrics.step_done(result, final=self._done(), max_steps=self.loop.max_steps)
+        return output
+
+    def _sync_gradients(self, optimizer) -> None:
+        """Average ``optimizer``'s gradients over the data-parallel ranks, once per step (manual optimization)."""
+        if self.data_parallel_size == 1 or getattr(optimizer, "_distrain_synced", False):
+            return
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = self.runtime.all_reduce(flat, op="mean")
+            for g, synced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+                g.copy_(synced.view_as(g))
+        optimizer._distrain_synced = True
 
     def _configure(self, module: Module) -> None:
         if not getattr(module, "_distrain_configured", False):
@@ -686,14 +848,37 @@ class Trainer:
             getattr(cb, hook)(self, self.module, *args)
 
 
-def _loader_for(stage: str, method: str, module, dataloaders, datamodule):
-    """The loader given, else the datamodule's, else the module's own ``method()`` (as in Lightning)."""
-    if dataloaders is not None:
-        return dataloaders
-    for source in (datamodule, module):
-        if source is not None and callable(getattr(source, method, None)):
-            return getattr(source, method)()
-    raise ValueError(f"{stage}() needs dataloaders, a datamodule with {method}(), or a module that defines {method}()")
+class ManualOptimizer:
+    """What ``self.optimizers()`` hands out under manual optimization, as Lightning's ``LightningOptimizer``:
+    ``step()`` averages the gradients over the ranks (once, however many ``manual_backward`` calls made them),
+    steps through the precision plugin and counts the step in ``global_step``; the rest is the optimizer's."""
+
+    def __init__(self, trainer: Trainer, optimizer: torch.optim.Optimizer):
+        self._trainer = trainer
+        self.optimizer = optimizer
+
+    def step(self, closure=None) -> Any:
+        trainer = self._trainer
+        result = closure() if closure is not None else None
+        trainer._sync_gradients(self.optimizer)
+        trainer.module.on_before_optimizer_step(self.optimizer)
+        trainer.runtime.optimizer_step(self.optimizer, trainer.model)
+        self.optimizer._distrain_synced = False
+        trainer.progress.global_step += 1
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._trainer.module.on_before_zero_grad(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.optimizer._distrain_synced = False
+
+    @contextlib.contextmanager
+    def toggle_model(self, sync_grad: bool = True):
+        """Lightning's accumulation helper: here gradients are synced at ``step()`` only, so nothing to do."""
+        yield
+
+    def __getattr__(self, name: str) -> Any:  # param_groups, state, state_dict, ...
+        return getattr(self.optimizer, name)
 
 
 def _loggers(logger: bool | Logger | Iterable[Logger], root: str) -> list[Logger]:
@@ -713,22 +898,38 @@ def _as_module(module: nn.Module) -> Module:
     )
 
 
-def _parse_optimizers(conf: Any) -> tuple[list[torch.optim.Optimizer], list[dict]]:
+def _parse_optimizers(conf: Any, manual: bool = False) -> tuple[list[torch.optim.Optimizer], list[dict]]:
+    """Every form of ``configure_optimizers`` Lightning accepts: an optimizer; a list or tuple of them;
+    ``([optimizers], [schedulers])``; ``{"optimizer": o, "lr_scheduler": s or {"scheduler": s, "interval",
+    "frequency", "monitor"}, "monitor": ...}``; a list of such dicts. Several optimizers need manual optimization
+    (as in Lightning 2.x)."""
     schedulers: list = []
     if isinstance(conf, torch.optim.Optimizer):
         optimizers = [conf]
     elif isinstance(conf, dict):
-        optimizers = [conf["optimizer"]]
-        if conf.get("lr_scheduler") is not None:
-            schedulers = [conf["lr_scheduler"]]
-    elif isinstance(conf, (list, tuple)) and len(conf) == 2 and isinstance(conf[0], (list, tuple)):
+        optimizers, schedulers = _parse_optimizer_dict(conf)
+    elif isinstance(conf, (list, tuple)) and len(conf) == 2 and all(isinstance(c, (list, tuple)) for c in conf):
         optimizers, schedulers = list(conf[0]), list(conf[1])
+    elif isinstance(conf, (list, tuple)) and conf and all(isinstance(c, dict) for c in conf):
+        optimizers = []
+        for c in conf:
+            opts, scheds = _parse_optimizer_dict(c)
+            optimizers += opts
+            schedulers += scheds
     elif isinstance(conf, (list, tuple)):
         optimizers = list(conf)
     else:
-        raise TypeError(f"configure_optimizers returned {type(conf).__name__}; expected an optimizer or a dict")
-    if len(optimizers) != 1:
-        raise ValueError(f"the Trainer's loop steps exactly one optimizer; configure_optimizers gave {len(optimizers)}")
+        raise TypeError(
+            f"configure_optimizers returned {type(conf).__name__}; expected an optimizer, a list of them, "
+            "([optimizers], [schedulers]), or a dict with 'optimizer'"
+        )
+    if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        raise TypeError("configure_optimizers must give at least one torch.optim.Optimizer")
+    if len(optimizers) != 1 and not manual:
+        raise ValueError(
+            f"configure_optimizers gave {len(optimizers)} optimizers: several need manual optimization "
+            "(automatic_optimization = False and opt.step() in training_step), as in Lightning"
+        )
     configs = []
     for s in schedulers:
         c = dict(s) if isinstance(s, dict) else {"scheduler": s}
@@ -738,6 +939,18 @@ def _parse_optimizers(conf: Any) -> tuple[list[torch.optim.Optimizer], list[dict
             raise ValueError(f"lr_scheduler interval must be 'step' or 'epoch', got {c['interval']!r}")
         configs.append(c)
     return optimizers, configs
+
+
+def _parse_optimizer_dict(conf: dict) -> tuple[list, list]:
+    if "optimizer" not in conf:
+        raise KeyError(f"configure_optimizers returned a dict without 'optimizer' (keys: {', '.join(conf)})")
+    scheduler = conf.get("lr_scheduler")
+    if scheduler is None:
+        return [conf["optimizer"]], []
+    scheduler = dict(scheduler) if isinstance(scheduler, dict) else {"scheduler": scheduler}
+    if conf.get("monitor") is not None:
+        scheduler.setdefault("monitor", conf["monitor"])
+    return [conf["optimizer"]], [scheduler]
 
 
 def _accumulation_schedule(value: int | dict[int, int]) -> dict[int, int]:

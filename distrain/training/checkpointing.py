@@ -176,7 +176,7 @@ class CheckpointManager:
 
     def state(self) -> dict[str, Any]:
         t = self.trainer
-        return {
+        checkpoint = {
             "format": CHECKPOINT_FORMAT,
             **self._live_objects(),
             "progress": self.progress_state(),
@@ -189,6 +189,9 @@ class CheckpointManager:
             "batch_layout": vars(t.batch_layout) if getattr(t, "batch_layout", None) else None,
             "strategy": type(t.strategy).__name__,
         }
+        if t.module is not None:  # Lightning's hook: the module adds keys of its own (on_load_checkpoint gets them)
+            t.module.on_save_checkpoint(checkpoint)
+        return checkpoint
 
     # A tracker's run (W&B id, MLflow run id) rides along, so a resumed job continues that run.
     # Rank 0's loggers hold it (only rank 0 logs), and rank 0 writes what is not sharded.
@@ -265,6 +268,7 @@ class CheckpointManager:
                 f"{path} has checkpoint format {extra['format']!r}; this distrain reads {CHECKPOINT_FORMAT!r}"
             )
         self.load_progress_state(state["progress"], source=path)
+        t.module.on_load_checkpoint(extra)  # the checkpoint's other keys: those the module's on_save_checkpoint added
         for cb in t.callbacks:
             if cb.state_key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][cb.state_key])

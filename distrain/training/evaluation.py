@@ -18,6 +18,15 @@ from distrain.data import batch_size_of, move_to_device
 from distrain.training.metrics import MetricsLogger
 
 DEFAULT_LOSS_NAMES = {"validation_step": "val_loss", "test_step": "test_loss"}
+#: the prefix of Lightning's hooks around each step (``on_validation_start``, ``on_test_batch_end``, ...)
+HOOK_PREFIXES = {"validation_step": "validation", "test_step": "test", "predict_step": "predict"}
+
+
+def _hook(module, step_name: str, when: str, *args: Any) -> None:
+    """The module's ``on_<stage>_<when>`` hook, where it has one."""
+    fn = getattr(module, f"on_{HOOK_PREFIXES[step_name]}_{when}", None)
+    if callable(fn):
+        fn(*args)
 
 
 class Evaluator:
@@ -36,16 +45,25 @@ class Evaluator:
         collector.stage = "validate"
         default_name = DEFAULT_LOSS_NAMES[step_name]
         step, collective = self._step_function(module, model, step_name)
+        _hook(module, step_name, "start")
+        _hook(module, step_name, "epoch_start")
         with torch.no_grad():
             for batch_idx, batch, padding in self._lockstep(loader, limit, collective):
                 collector.muted = padding
                 collector.current_batch_size = batch_size_of(batch)
+                batch = move_to_device(batch, rt.device)
+                if not padding:
+                    _hook(module, step_name, "batch_start", batch, batch_idx)
                 with rt.autocast():
-                    output = step(move_to_device(batch, rt.device), batch_idx)
+                    output = step(batch, batch_idx)
                 if isinstance(output, torch.Tensor) and output.dim() == 0 and default_name not in collector.epoch_sums:
                     collector.log(default_name, output, sync_dist=True)
+                if not padding:
+                    _hook(module, step_name, "batch_end", output, batch, batch_idx)
         collector.muted = False
+        _hook(module, step_name, "epoch_end")  # what it logs is in this epoch's metrics
         metrics = collector.pop_epoch_metrics()
+        _hook(module, step_name, "end")
         collector.stage = "train"
         module.train(was_training)
         return metrics
@@ -55,11 +73,19 @@ class Evaluator:
         module.eval()
         step, collective = self._step_function(module, model, "predict_step")
         predictions = []
+        _hook(module, "predict_step", "start")
+        _hook(module, "predict_step", "epoch_start")
         with torch.no_grad(), self.runtime.autocast():
             for batch_idx, batch, padding in self._lockstep(loader, None, collective):
-                output = step(move_to_device(batch, self.runtime.device), batch_idx)
+                batch = move_to_device(batch, self.runtime.device)
+                if not padding:
+                    _hook(module, "predict_step", "batch_start", batch, batch_idx)
+                output = step(batch, batch_idx)
                 if not padding:
                     predictions.append(output)
+                    _hook(module, "predict_step", "batch_end", output, batch, batch_idx)
+        _hook(module, "predict_step", "epoch_end")
+        _hook(module, "predict_step", "end")
         return predictions
 
     def _step_function(self, module, model, step_name: str):

@@ -180,7 +180,7 @@ class StepResult:
 
     step: int
     epoch: int
-    loss: torch.Tensor  # this rank's step loss (mean over its micro-batches), still on the device
+    loss: torch.Tensor | None  # this rank's step loss (mean over its micro-batches), on the device; None: not returned
     lr: float
     grad_norm: Any  # a tensor, a lazy norm (DeepSpeed's), or None without clipping
     samples: int  # this rank's samples in the step
@@ -225,7 +225,7 @@ class MetricsLogger:
         rt.accelerator.synchronize(rt.device)  # CUDA is async: time what really ran
         metrics = {
             "epoch": result.epoch,
-            "loss": rt.all_reduce(result.loss).item(),
+            **({"loss": rt.all_reduce(result.loss).item()} if result.loss is not None else {}),
             "lr": result.lr,
             **logged,
             **self.throughput.compute(),
@@ -235,10 +235,13 @@ class MetricsLogger:
             metrics["grad_norm"] = float(result.grad_norm)
         if result.skipped_steps:
             metrics["skipped_steps"] = result.skipped_steps
+        # one name for the training loss: the module's own (e.g. train_loss, prog_bar=True) replaces distrain's
+        own = {k: v for k, v in logged.items() if k in self.collector.prog_bar}
+        shows_loss = any(k.endswith("loss") for k in own) or "loss" not in metrics
         self.progress_bar_metrics = {
-            "loss": metrics["loss"],
+            **({} if shows_loss else {"loss": metrics["loss"]}),
             **({"tok/s": round(metrics["tokens_per_sec"])} if "tokens_per_sec" in metrics else {}),
-            **{k: v for k, v in logged.items() if k in self.collector.prog_bar},
+            **own,
         }
         self.publish(metrics, result.step)
         if self.print_steps and rt.is_global_zero:

@@ -1,0 +1,91 @@
+"""``distrain.DataModule``: the data of a run in one object, as Lightning's ``LightningDataModule``.
+
+A Lightning user's datamodule runs with its import changed. Its hooks run in every rank, in Lightning's order:
+``prepare_data`` on local rank 0 of each node (the others wait for it: a download happens once per machine),
+then ``setup(stage)``, then the loader the stage needs. ``stage_loader`` is that order, in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+#: the loader each stage reads, and what Lightning calls it
+STAGE_LOADERS = {
+    "fit": "train_dataloader",
+    "validate": "val_dataloader",
+    "test": "test_dataloader",
+    "predict": "predict_dataloader",
+}
+
+
+class DataModule:
+    """Subclass and define the loaders your stages need; ``prepare_data`` and ``setup`` are optional."""
+
+    def __init__(self) -> None:
+        self.trainer = None  # set when a Trainer uses it, in every rank
+
+    def prepare_data(self) -> None:
+        """Download or write files: runs on local rank 0 of each node only, before every rank's ``setup``.
+        Do not set state here (the other ranks never run it)."""
+
+    def setup(self, stage: str) -> None:
+        """In every rank: build datasets. ``stage`` is "fit", "validate", "test" or "predict"."""
+
+    def teardown(self, stage: str) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def is_datamodule(obj: Any) -> bool:
+    """A ``DataModule`` (or an object with its shape: ``train_dataloader`` and ``setup``, not a loader itself)."""
+    if isinstance(obj, DataModule):
+        return True
+    loader_like = isinstance(obj, DataLoader) or not callable(getattr(obj, "train_dataloader", None))
+    return not loader_like and hasattr(obj, "setup")
+
+
+def prepare(obj: Any, runtime) -> None:
+    """``obj.prepare_data()`` on local rank 0 of each node, the other ranks waiting at a barrier until it is done.
+    Once per object per process (a module and a datamodule each get theirs)."""
+    if not callable(getattr(obj, "prepare_data", None)):
+        return
+    if runtime.local_rank == 0 and not getattr(obj, "_distrain_prepared", False):
+        mark_prepared(obj)
+    if runtime.world_size > 1:  # every rank waits, also where it was done already (the same barriers everywhere)
+        runtime.barrier("prepare_data")
+
+
+def mark_prepared(obj: Any) -> None:
+    """Run ``obj.prepare_data()`` and remember it (spawned ranks receive the mark with the object)."""
+    obj.prepare_data()
+    object.__setattr__(obj, "_distrain_prepared", True)
+
+
+def stage_loader(stage: str, trainer, module, dataloaders, datamodule) -> Any:
+    """In a rank, before the module is set up: ``prepare_data`` (module's and datamodule's), the datamodule's and the
+    module's ``setup(stage)``, then the loader given, else the datamodule's, else the module's own (as Lightning)."""
+    method = STAGE_LOADERS[stage]
+    for source in (datamodule, module):
+        if source is not None:
+            prepare(source, trainer.runtime)
+    if datamodule is not None:
+        datamodule.trainer = trainer
+        datamodule.setup(stage)
+    module.setup(stage)
+    if dataloaders is not None:
+        return dataloaders
+    for source in (datamodule, module):
+        if source is not None and callable(getattr(source, method, None)):
+            return getattr(source, method)()
+    raise ValueError(f"{stage}() needs dataloaders, a datamodule with {method}(), or a module that defines {method}()")
+
+
+def optional_loader(source: Any, method: str) -> Any:
+    """``source.method()`` where the source defines it (a module's own ``val_dataloader`` may be absent)."""
+    fn = getattr(source, method, None) if source is not None else None
+    return fn() if callable(fn) else None

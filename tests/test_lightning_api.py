@@ -1,0 +1,471 @@
+"""Modules written to Lightning 2.x's documented LightningModule / LightningDataModule API run with the import changed.
+
+One ``run_ranks`` call (2 gloo ranks) trains every case under DDP (one under FSDP too); the single-process references
+run here. Where the module is deterministic the losses match one process within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import distrain as L  # was: import lightning as L
+from helpers import env_without_rank, make_trainer, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def regression_data(n: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+# ---- a LightningModule with its own loaders, a loss dict, a per-step scheduler and checkpoint hooks ---------------
+class LitRegressor(L.Module):
+    def __init__(self, lr: float = 0.1, hidden: int = 8, batch_size: int = 4):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(4, self.hparams.hidden), nn.Tanh(), nn.Linear(self.hparams.hidden, 1))
+        self.restored = None
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True)
+        return {"loss": loss, "batch_mean": x.mean()}
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+    def train_dataloader(self):
+        return DataLoader(regression_data(32), batch_size=self.hparams.batch_size)
+
+    def val_dataloader(self):
+        return DataLoader(regression_data(16, seed=1), batch_size=self.hparams.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(regression_data(16, seed=2), batch_size=self.hparams.batch_size)
+
+    def predict_dataloader(self):
+        return DataLoader(regression_data(8, seed=3), batch_size=self.hparams.batch_size)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["my_counter"] = self.global_step * 10
+
+    def on_load_checkpoint(self, checkpoint):
+        self.restored = checkpoint.get("my_counter")
+
+
+# ---- the same module recording every hook: the order is compared with Lightning's documented pseudo-code ----------
+RECORDED = [
+    "prepare_data", "setup", "configure_model", "configure_optimizers", "on_fit_start", "on_train_start",
+    "on_train_epoch_start", "on_train_batch_start", "training_step", "on_before_zero_grad", "on_before_backward",
+    "on_after_backward", "on_before_optimizer_step", "on_train_batch_end", "on_validation_start",
+    "on_validation_epoch_start", "on_validation_batch_start", "validation_step", "on_validation_batch_end",
+    "on_validation_epoch_end", "on_validation_end", "on_train_epoch_end", "on_train_end", "on_fit_end", "teardown",
+]  # fmt: skip
+
+
+class HookRecorder(LitRegressor):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls: list[str] = []
+
+
+def _recording(name):
+    def hook(self, *args, **kwargs):
+        self.calls.append(f"{name}({args[0]})" if name in ("setup", "teardown") else name)
+        return getattr(LitRegressor, name)(self, *args, **kwargs)
+
+    return hook
+
+
+for _name in RECORDED:
+    setattr(HookRecorder, _name, _recording(_name))
+
+
+def lightning_fit_order(epochs: int, batches: int, val_batches: int) -> list[str]:
+    """Lightning's "Hooks" pseudo-code (LightningModule docs), with no sanity check and validation at epoch end:
+
+    fit(): prepare_data (local rank 0), setup("fit"), configure_model, configure_optimizers, on_fit_start,
+    on_train_start, fit_loop per epoch, on_train_end, on_fit_end, teardown("fit").
+    fit_loop(): on_train_epoch_start; per batch: on_train_batch_start, training_step, on_before_zero_grad,
+    on_before_backward, backward, on_after_backward, on_before_optimizer_step, optimizer_step, on_train_batch_end;
+    val_loop when due; on_train_epoch_end.
+    val_loop(): on_validation_start, on_validation_epoch_start, per batch: on_validation_batch_start,
+    validation_step, on_validation_batch_end; on_validation_epoch_end, on_validation_end."""
+    calls = ["prepare_data", "setup(fit)", "configure_model", "configure_optimizers", "on_fit_start", "on_train_start"]
+    for _ in range(epochs):
+        calls.append("on_train_epoch_start")
+        for _ in range(batches):
+            calls += ["on_train_batch_start", "training_step", "on_before_zero_grad", "on_before_backward"]
+            calls += ["on_after_backward", "on_before_optimizer_step", "on_train_batch_end"]
+        calls += ["on_validation_start", "on_validation_epoch_start"]
+        calls += ["on_validation_batch_start", "validation_step", "on_validation_batch_end"] * val_batches
+        calls += ["on_validation_epoch_end", "on_validation_end", "on_train_epoch_end"]
+    return calls + ["on_train_end", "on_fit_end", "teardown(fit)"]
+
+
+# ---- manual optimization: a GAN-like toy with two optimizers, clipping and accumulation by hand --------------------
+class ToyGAN(L.Module):
+    def __init__(self, lr: float = 0.05, accumulate: int = 2):
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.generator = nn.Linear(2, 4)
+        self.discriminator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.losses: list[tuple[float, float]] = []
+
+    def training_step(self, batch, batch_idx):
+        real, noise = batch
+        opt_g, opt_d = self.optimizers()
+        # the discriminator: every batch, clipped
+        fake = self.generator(noise).detach()
+        d_loss = F.softplus(-self.discriminator(real)).mean() + F.softplus(self.discriminator(fake)).mean()
+        self.manual_backward(d_loss)
+        self.clip_gradients(opt_d, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt_d.step()
+        opt_d.zero_grad()
+        # the generator: gradients accumulated over `accumulate` batches by hand
+        g_loss = F.softplus(-self.discriminator(self.generator(noise))).mean()
+        self.manual_backward(g_loss / self.hparams.accumulate)
+        if (batch_idx + 1) % self.hparams.accumulate == 0:
+            opt_g.step()
+            opt_g.zero_grad()
+            self.lr_schedulers().step()
+        self.log_dict({"d_loss": d_loss, "g_loss": g_loss}, prog_bar=True, sync_dist=True)
+        self.losses.append((d_loss.detach().item(), g_loss.detach().item()))
+
+    def configure_optimizers(self):
+        opt_g = torch.optim.SGD(self.generator.parameters(), lr=self.hparams.lr)
+        opt_d = torch.optim.SGD(self.discriminator.parameters(), lr=self.hparams.lr)
+        return [opt_g, opt_d], [torch.optim.lr_scheduler.StepLR(opt_g, step_size=1, gamma=0.9)]
+
+
+def gan_data(n: int = 32) -> TensorDataset:
+    g = torch.Generator().manual_seed(5)
+    return TensorDataset(torch.randn(n, 4, generator=g) + 2.0, torch.randn(n, 2, generator=g))
+
+
+# ---- an LSTM carrying its hidden state across batches, reset at each epoch's end -----------------------------------
+class StatefulLSTM(L.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(3, 6, batch_first=True)
+        self.head = nn.Linear(6, 1)
+        self.hidden = None
+        self.resets = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out, hidden = self.lstm(x, self.hidden)
+        self.hidden = tuple(h.detach() for h in hidden)  # carried to the next batch
+        return F.mse_loss(self.head(out[:, -1]), y)
+
+    def on_train_epoch_end(self):
+        self.hidden = None
+        self.resets += 1
+
+    def configure_optimizers(self):
+        return [torch.optim.Adam(self.parameters(), lr=0.01)]
+
+
+def sequence_data(n: int = 32) -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 5, 3, generator=g)
+    return TensorDataset(x, x.sum(dim=(1, 2)).unsqueeze(1) / 5)
+
+
+# ---- a LightningDataModule: prepare_data writes a file once per node, setup(stage) reads it -------------------------
+class FileDataModule(L.DataModule):  # was: L.LightningDataModule
+    def __init__(self, root: str, batch_size: int = 4):
+        super().__init__()
+        self.root = Path(root)
+        self.batch_size = batch_size
+        self.stages: list[str] = []
+
+    def prepare_data(self):
+        self.root.mkdir(parents=True, exist_ok=True)
+        torch.save(regression_data(32), self.root / "data.pt")
+        with open(self.root / "prepared.log", "a") as f:
+            f.write("prepared\n")
+
+    def setup(self, stage):
+        self.stages.append(stage)
+        data = torch.load(self.root / "data.pt", weights_only=False)
+        self.train_set, self.val_set = torch.utils.data.random_split(data, [24, 8], torch.Generator().manual_seed(0))
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+    def predict_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+# ---- the runs ------------------------------------------------------------------------------------------------------
+def _fit(tmp, module, strategy, devices, loader=None, **kw):
+    kw.setdefault("enable_checkpointing", False)
+    trainer, rec = make_trainer(tmp, strategy=strategy, devices=devices, logger=False, **kw)
+    if not module.automatic_optimization:  # no "loss" to record: training_step returns nothing
+        trainer.callbacks.remove(rec)
+    trainer.fit(module, loader)
+    return trainer, rec
+
+
+def _final(module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _cases(rank, tmp, batch):
+    """Every case on this rank (2 ranks: DDP, and FSDP for the regressor); ``batch`` per rank."""
+    tmp = Path(tmp)
+    out = {}
+    # hook order, loss dicts, the module's own loaders (fit(model) with none given), one name on the progress bar
+    L.seed_everything(0)
+    model = HookRecorder(batch_size=batch)
+    trainer, rec = _fit(tmp / "hooks", model, "ddp", 2, max_epochs=2)
+    out["hooks"] = (model.calls, rec.losses, dict(trainer.progress_bar_metrics), model.hparams.lr)
+    # the same under FSDP
+    L.seed_everything(0)
+    _, rec = _fit(tmp / "fsdp", LitRegressor(batch_size=batch), "fsdp", 2, max_epochs=2)
+    out["fsdp"] = rec.losses
+    # on_save_checkpoint / on_load_checkpoint across a resume; hparams back through load_from_checkpoint
+    L.seed_everything(0)
+    trainer, _ = _fit(
+        tmp / "ckpt", LitRegressor(hidden=6, batch_size=batch), "ddp", 2, max_steps=3, enable_checkpointing=True
+    )
+    resumed = LitRegressor(hidden=6, batch_size=batch)
+    again, _ = make_trainer(tmp / "ckpt", strategy="ddp", devices=2, logger=False, max_steps=5)
+    again.fit(resumed, ckpt_path="last")
+    last = str(again.checkpoints.last_path())
+    loaded = LitRegressor.load_from_checkpoint(last) if rank == 0 else None
+    out["ckpt"] = (resumed.restored, loaded and (loaded.hparams.hidden, loaded.hparams["lr"], loaded.restored))
+    # validate / test / predict with the module's own loaders
+    val = again.validate(resumed)
+    test = again.test(resumed)
+    preds = again.predict(resumed)
+    out["eval"] = (val[0]["val_loss"], test[0]["test_loss"], sum(len(p) for p in preds))
+    # manual optimization: two optimizers, clipping and accumulation by hand
+    L.seed_everything(0)
+    gan = ToyGAN()
+    _fit(tmp / "gan", gan, "ddp", 2, DataLoader(gan_data(), batch_size=batch), max_epochs=1)
+    out["gan"] = (gan.losses, _final(gan), gan.global_step)
+    # an LSTM carrying hidden state across batches
+    L.seed_everything(0)
+    lstm = StatefulLSTM()
+    _, rec = _fit(tmp / "lstm", lstm, "ddp", 2, DataLoader(sequence_data(), batch_size=batch), max_epochs=2)
+    out["lstm"] = (rec.losses, lstm.resets, lstm.hidden)
+    # a DataModule: positionally, then as datamodule= for validate/test/predict
+    L.seed_everything(0)
+    dm = FileDataModule(str(tmp / "dm"), batch_size=batch)
+    model = LitRegressor(batch_size=batch)
+    trainer, rec = _fit(tmp / "dmrun", model, "ddp", 2, dm, max_epochs=1)
+    trainer.validate(model, datamodule=dm)
+    trainer.test(model, dm)
+    out["dm"] = (rec.losses, dm.stages, (tmp / "dm" / "prepared.log").read_text().count("prepared"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lightning")
+    return run_ranks(_cases, 2, str(tmp), 4)
+
+
+def _close(a: list[float], b: list[float]) -> None:
+    assert len(a) == len(b) and a, (a, b)
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (a, b)
+
+
+def test_hook_order_matches_lightning(two_ranks):
+    calls, _, _, _ = two_ranks[0]["hooks"]
+    # 32 samples, 4 per rank: 4 steps an epoch; validation: 16 samples, 2 batches a rank
+    assert calls == lightning_fit_order(epochs=2, batches=4, val_batches=2)
+    assert "prepare_data" not in two_ranks[1]["hooks"][0]  # local rank 0 of the node only
+
+
+def test_loss_dicts_step_schedulers_and_parity_with_one_process(two_ranks, tmp_path):
+    calls, losses, bar, lr = two_ranks[0]["hooks"]
+    assert lr == 0.1  # self.hparams.lr
+    assert "train_loss" in bar and "loss" not in bar  # one name for the training loss on the progress bar
+    L.seed_everything(0)
+    _, single = _fit(tmp_path, LitRegressor(batch_size=8), "single", 1, max_epochs=2)
+    _close(single.losses, losses)
+    _close(single.losses, two_ranks[0]["fsdp"])  # FSDP too
+
+
+def test_checkpoint_hooks_and_hparams_survive(two_ranks):
+    restored, loaded = two_ranks[0]["ckpt"]
+    assert restored == 30  # on_save_checkpoint at step 3, given back by on_load_checkpoint on resume
+    assert loaded == (6, 0.1, 50)  # load_from_checkpoint: hparams (attribute and key), then on_load_checkpoint
+    val, test, preds = two_ranks[0]["eval"]
+    assert val > 0 and test > 0 and preds == 4  # 8 predict samples over 2 ranks
+
+
+def test_manual_optimization_two_optimizers_matches_one_process(two_ranks, tmp_path):
+    L.seed_everything(0)
+    gan = ToyGAN()
+    _fit(tmp_path, gan, "single", 1, DataLoader(gan_data(), batch_size=8), max_epochs=1)
+    ddp_losses, ddp_weights, steps = two_ranks[0]["gan"]
+    assert len(ddp_losses) == len(gan.losses) == 4
+    assert steps == gan.global_step == 6  # as in Lightning: every optimizer's step counts (4 + 2)
+    for k, v in _final(gan).items():  # the same weights after 4 discriminator and 2 generator steps
+        torch.testing.assert_close(ddp_weights[k], v, rtol=1e-5, atol=1e-6)
+    assert two_ranks[1]["gan"][1].keys() == ddp_weights.keys()
+
+
+def test_lstm_hidden_state_across_batches_matches_one_process(two_ranks, tmp_path):
+    L.seed_everything(0)
+    lstm = StatefulLSTM()
+    _, single = _fit(tmp_path, lstm, "single", 1, DataLoader(sequence_data(), batch_size=8), max_epochs=2)
+    losses, resets, hidden = two_ranks[0]["lstm"]
+    _close(single.losses, losses)
+    assert resets == 2 and hidden is None
+
+
+def test_datamodule_prepares_once_per_node_and_sets_up_every_rank(two_ranks):
+    for rank in (0, 1):
+        losses, stages, prepared = two_ranks[rank]["dm"]
+        assert stages == ["fit", "validate", "test"]
+        assert len(losses) == 3  # 24 training samples, 4 per rank
+    assert two_ranks[0]["dm"][2] == 1  # prepare_data ran once (local rank 0), for all three stages
+
+
+# ---- what is not supported: refused before any rank starts, in one line -------------------------------------------
+class MovesItsOwnBatches(LitRegressor):
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        return batch
+
+
+def test_unsupported_lightning_hook_is_refused_in_one_line(tmp_path):
+    trainer, _ = make_trainer(tmp_path, strategy="single", devices=1, max_steps=1, logger=False)
+    with pytest.raises(NotImplementedError) as err:
+        trainer.fit(MovesItsOwnBatches())
+    message = str(err.value)
+    assert "\n" not in message and "MovesItsOwnBatches.transfer_batch_to_device" in message
+    assert "collate_fn" in message
+
+
+def test_manual_optimization_refusals(tmp_path):
+    trainer, _ = make_trainer(tmp_path, strategy="single", devices=1, max_steps=1, accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match="accumulate by hand"):
+        trainer.fit(ToyGAN(), DataLoader(gan_data(), batch_size=4))
+    trainer, _ = make_trainer(tmp_path, strategy="single", devices=1, max_steps=1, gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match="self.clip_gradients"):
+        trainer.fit(ToyGAN(), DataLoader(gan_data(), batch_size=4))
+    trainer, _ = make_trainer(tmp_path, strategy="fsdp", devices=2, max_steps=1)
+    with pytest.raises(NotImplementedError, match="automatic_optimization=False is not supported with FSDP"):
+        trainer.fit(ToyGAN(), DataLoader(gan_data(), batch_size=4))
+
+
+def test_several_optimizers_need_manual_optimization(tmp_path):
+    class TwoOptimizers(LitRegressor):
+        def configure_optimizers(self):
+            return [
+                torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                torch.optim.SGD(self.net[2].parameters(), lr=0.1),
+            ]
+
+    trainer, _ = make_trainer(tmp_path, strategy="single", devices=1, max_steps=1, logger=False)
+    with pytest.raises(ValueError, match="several need manual optimization"):
+        trainer.fit(TwoOptimizers())
+
+
+def test_hparams_read_as_attributes_and_keys():
+    model = LitRegressor(lr=0.3)
+    assert model.hparams.lr == model.hparams["lr"] == 0.3 and model.hparams.hidden == 8
+    with pytest.raises(AttributeError, match="hparams has no 'missing'"):
+        _ = model.hparams.missing
+
+    class Partial(L.Module):
+        def __init__(self, a: int = 1, b: int = 2, net: nn.Module | None = None):
+            super().__init__()
+            self.save_hyperparameters(ignore=["net"])
+
+    assert dict(Partial(a=5).hparams) == {"a": 5, "b": 2}
+    assert model.device == torch.device("cpu") and model.global_step == 0 and model.current_epoch == 0
+
+
+@pytest.mark.parametrize(
+    "form",
+    ["optimizer", "list", "lists", "dict", "dict_monitor", "list_of_dicts"],
+)
+def test_configure_optimizers_forms(form):
+    from distrain.trainer import _parse_optimizers
+
+    p = nn.Linear(2, 2)
+    opt = torch.optim.SGD(p.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    conf = {
+        "optimizer": opt,
+        "list": [opt],
+        "lists": ([opt], [sched]),
+        "dict": {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 2}},
+        "dict_monitor": {"optimizer": opt, "lr_scheduler": sched, "monitor": "val_loss"},
+        "list_of_dicts": [{"optimizer": opt, "lr_scheduler": sched}],
+    }[form]
+    optimizers, schedulers = _parse_optimizers(conf)
+    assert optimizers == [opt]
+    if form == "dict":
+        assert schedulers[0]["interval"] == "step" and schedulers[0]["frequency"] == 2
+    if form == "dict_monitor":
+        assert schedulers[0]["monitor"] == "val_loss" and schedulers[0]["interval"] == "epoch"
+
+
+def test_example_runs_and_two_runs_log_the_same_losses(tmp_path):
+    """examples/lightning_style.py on 2 CPU ranks, twice (side by side): seed_everything before the model is built
+    makes the runs' losses identical."""
+    script = str(ROOT / "examples" / "lightning_style.py")
+    runs = [
+        subprocess.Popen(
+            [sys.executable, script, "--root", str(tmp_path / run)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env_without_rank(),
+            cwd=tmp_path,
+        )
+        for run in ("a", "b")
+    ]
+    outputs = []
+    for proc in runs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        outputs.append([line for line in stdout.splitlines() if re.match(r"step \d+ epoch \d+ loss |val_loss ", line)])
+    assert len(outputs[0]) == 7  # 6 steps (self.print: rank 0 only), then the validation loss
+    assert outputs[0] == outputs[1]
+    assert os.path.isdir(tmp_path / "a")
