@@ -1,30 +1,49 @@
-"""distrain: train PyTorch models on 1 process, N processes or N nodes — the strategy is one parameter."""
+"""distrain: train PyTorch models on 1 process, N processes or N nodes — the strategy is one parameter.
 
-from distrain import compat
-from distrain.callbacks import Callback, ModelCheckpoint, ProgressBar
-from distrain.checkpoint.io import CheckpointError
-from distrain.checkpoint.state import checkpoint_state_of
-from distrain.config import RunConfig, build_config
-from distrain.datamodule import DataModule
-from distrain.distributed.watch import CollectiveHangError
-from distrain.module import LossModule, Module
-from distrain.parallel.pipeline_split import PipelineSplit
-from distrain.runtime import Runtime, seed_everything
-from distrain.strategies import (
-    DDPStrategy,
-    DeepSpeedStrategy,
-    FSDPStrategy,
-    ModelParallelStrategy,
-    PipelineStrategy,
-    SingleDeviceStrategy,
-    Strategy,
-)
-from distrain.strategies.layers import wrap
-from distrain.trainer import NonFiniteError, Trainer
+The public names below are imported on first use (PEP 562): ``import distrain`` — and so ``distrain --help``,
+``distrain config`` — does not import torch. ``distrain.Trainer``, ``from distrain import Trainer`` and
+``distrain.strategies`` (any submodule) work as if they had been imported here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+from distrain import config as _config
 
 __version__ = "0.1.0"
 
-compat.quiet_torchao_import()  # before transformers (or distrain's fp8) imports it
+#: public name → the module that defines it
+_EXPORTS = {
+    "Trainer": "distrain.trainer",
+    "Module": "distrain.module",
+    "LossModule": "distrain.module",
+    "DataModule": "distrain.datamodule",
+    "Runtime": "distrain.runtime",
+    "Strategy": "distrain.strategies",
+    "DDPStrategy": "distrain.strategies",
+    "DeepSpeedStrategy": "distrain.strategies",
+    "FSDPStrategy": "distrain.strategies",
+    "ModelParallelStrategy": "distrain.strategies",
+    "PipelineStrategy": "distrain.strategies",
+    "PipelineSplit": "distrain.parallel.pipeline_split",
+    "SingleDeviceStrategy": "distrain.strategies",
+    "Callback": "distrain.callbacks",
+    "ModelCheckpoint": "distrain.callbacks",
+    "ProgressBar": "distrain.callbacks",
+    "RunConfig": "distrain.config",
+    "build_config": "distrain.config",
+    "seed_everything": "distrain.runtime",
+    "wrap": "distrain.strategies.layers",
+    "checkpoint_state_of": "distrain.checkpoint.state",
+    "CollectiveHangError": "distrain.distributed.watch",
+    "NonFiniteError": "distrain.trainer",
+    "CheckpointError": "distrain.checkpoint.io",
+}
 
 __all__ = [
     "Trainer",
@@ -51,4 +70,68 @@ __all__ = [
     "CollectiveHangError",
     "NonFiniteError",
     "CheckpointError",
-]
+]  # = _EXPORTS' names (tests/test_cli_front_door.py checks)
+
+if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (nothing is imported at run time)
+    from distrain.callbacks import Callback, ModelCheckpoint, ProgressBar
+    from distrain.checkpoint.io import CheckpointError
+    from distrain.checkpoint.state import checkpoint_state_of
+    from distrain.config import RunConfig, build_config
+    from distrain.datamodule import DataModule
+    from distrain.distributed.watch import CollectiveHangError
+    from distrain.module import LossModule, Module
+    from distrain.parallel.pipeline_split import PipelineSplit
+    from distrain.runtime import Runtime, seed_everything
+    from distrain.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        PipelineStrategy,
+        SingleDeviceStrategy,
+        Strategy,
+    )
+    from distrain.strategies.layers import wrap
+    from distrain.trainer import NonFiniteError, Trainer
+
+
+def __getattr__(name: str):
+    """A public name (``_EXPORTS``) or a submodule, imported the first time it is asked for."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+def _strategy_checks(config) -> None:
+    """Every config built is checked by the strategies' files too: ``registry.validate_config``, which
+    ``config.CHECKS`` gets when ``distrain.strategies`` is imported (config.py knows no strategy). That import needs
+    torch, so it happens here, when the first config is validated, rather than with the package: ``validate``'s loop
+    over ``CHECKS`` then reaches the check it appended, right after this one."""
+    if "distrain.strategies" not in sys.modules:
+        importlib.import_module("distrain.strategies")
+
+
+_config.CHECKS.insert(0, _strategy_checks)
+
+
+class _QuietImportNoise(logging.Filter):
+    """``compat._DropImportNoise`` (torchao's import noise on a CPU build of torch), imported only when torchao or
+    torch's pytree logs something: torch is loaded by then, and ``import distrain`` stays free of it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from distrain.compat import _DropImportNoise
+
+        return _DropImportNoise().filter(record)
+
+
+for _name in ("torchao", "torch.utils._pytree"):  # before transformers (or distrain's fp8) imports torchao
+    logging.getLogger(_name).addFilter(_QuietImportNoise())

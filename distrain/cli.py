@@ -1,14 +1,22 @@
-"""``distrain train``: the built-in job (or your config) on any strategy, from the command line."""
+"""``distrain train``: the built-in job (or your config) on any strategy, from the command line.
+
+The front door: ``distrain --help``, every command's ``--help`` and ``distrain config`` import no torch (the
+commands import what they need inside their functions); every option is spelled out in full (no prefix matching),
+and an option that is refused says, in one line, which one was meant or which ``key=value`` it names.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 
-from distrain.config import ConfigError, RunConfig, build_config, redacted
+from distrain.config import ConfigError, RunConfig, build_config, config_keys, redacted
 
 # CLI flag → the config key it sets (one name per knob; aliases live in argparse below)
 FLAG_KEYS = {
@@ -26,6 +34,114 @@ FLAG_KEYS = {
     "gpu_memory": "distributed.gpu_memory",
     "cpu_memory": "distributed.cpu_memory",
 }
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's, wrapping lines at spaces only: an option (``--model-name``) is never cut at its hyphen."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+    def _fill_text(self, text, width, indent):
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
+
+
+class Parser(argparse.ArgumentParser):
+    """Every distrain parser: options spelled out in full (``--max-step 3`` is an error, not ``--max-steps``), and
+    an argument it refuses is one line (exit code 2) that names the option probably meant, or the config key the
+    option's words name (``--learning-rate 0.1`` → ``training.learning_rate=0.1``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+        self.also_flags: tuple[str, ...] = ()  # options of the command line around this parser's, for did-you-mean
+
+    def parse_args(self, args=None, namespace=None):
+        return self._refuse_unknown(args, namespace, self.parse_known_args)
+
+    def parse_intermixed_args(self, args=None, namespace=None):
+        return self._refuse_unknown(args, namespace, self.parse_known_intermixed_args)
+
+    def _refuse_unknown(self, args, namespace, parse):
+        argv = list(sys.argv[1:] if args is None else args)
+        namespace, extras = parse(argv, namespace)
+        if extras:
+            parser = _chosen_subparser(self, namespace)
+            parser.error(_refusal(parser, extras, argv))
+        return namespace
+
+    def error(self, message: str):
+        """One line, exit code 2 (argparse's usage is the command's ``--help``)."""
+        if "`distrain" not in message:
+            message += f" (`{self.prog} --help` lists the options)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _chosen_subparser(parser: argparse.ArgumentParser, namespace) -> argparse.ArgumentParser:
+    """The subcommand's parser that took the arguments (``distrain launch slurm``'s), else ``parser``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(namespace, action.dest, None) in action.choices:
+            return _chosen_subparser(action.choices[getattr(namespace, action.dest)], namespace)
+    return parser
+
+
+def _refusal(parser: argparse.ArgumentParser, extras: list[str], argv: list[str]) -> str:
+    """What to say about arguments ``parser`` does not take: for each option, the one probably meant or the config
+    key its words name."""
+    flags = [e for e in extras if e.startswith("-") and len(e) > 1 and not re.match(r"-\d", e)]
+    if not flags:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    return "; ".join(_flag_hint(parser, flag, argv) for flag in flags)
+
+
+def _flag_hint(parser: argparse.ArgumentParser, flag: str, argv: list[str]) -> str:
+    name, eq, value = flag.partition("=")
+    if not eq:  # the value the user gave it, if one follows
+        after = argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else None
+        value = after if after is not None and not after.startswith("-") else "VALUE"
+    known = [*parser._option_string_actions, *getattr(parser, "also_flags", ())]
+    flag_of_key = {key: option for dest, key in FLAG_KEYS.items() if (option := _option_of(parser, dest))}
+    takes_keys = any(action.dest == "overrides" for action in parser._actions)
+    keys = [k.key for k in config_keys()] if takes_keys else []
+    words = name.lstrip("-").replace("-", "_").lower()
+    named = [k for k in keys if words in (k, k.replace(".", "_"), k.rpartition(".")[2])]
+    if named:  # --learning-rate: a config key, not an option
+        forms = " or ".join(
+            f"{k}={value}" + (f" (or {flag_of_key[k]} {value})" if k in flag_of_key else "") for k in named
+        )
+        return f"unrecognized option {name}: it is a config key, written {forms} (`distrain config` lists every key)"
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.7)
+    if close:
+        action = parser._option_string_actions.get(close[0])
+        sets = f", which sets {FLAG_KEYS[action.dest]}" if takes_keys and action and action.dest in FLAG_KEYS else ""
+        return f"unrecognized option {name}; did you mean {close[0]}{sets}?"
+    leaves = {k.rpartition(".")[2]: k for k in keys}
+    near = difflib.get_close_matches(words, leaves, n=1, cutoff=0.75)
+    if near:
+        return f"unrecognized option {name}; did you mean the config key {leaves[near[0]]}={value}?"
+    where = "; `distrain config` lists the key=value config keys" if takes_keys else ""
+    return f"unrecognized option {name} (`{parser.prog} --help` lists the options{where})"
+
+
+def _option_of(parser: argparse.ArgumentParser, dest: str) -> str | None:
+    """The option (its first spelling) that sets ``dest``, if ``parser`` has one."""
+    for action in parser._actions:
+        if action.dest == dest and action.option_strings:
+            return action.option_strings[0]
+    return None
+
+
+class _HelpConfig(argparse.Action):
+    """``--help-config``: ``distrain config``'s listing, then exit (as ``--help``)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(config_listing(), end="")
+        parser.exit()
 
 
 def _flag_values(args: argparse.Namespace) -> dict:
@@ -52,7 +168,13 @@ def _counts(one):
 def train_parser(
     prog: str = "distrain train", description: str = "train the built-in GPT job (or your config's)"
 ) -> argparse.ArgumentParser:
-    train = argparse.ArgumentParser(prog=prog, description=description)
+    keys = ", ".join(f"--{flag.replace('_', '-')} ({key})" for flag, key in FLAG_KEYS.items())
+    train = Parser(
+        prog=prog,
+        description=description,
+        epilog=f"key=value: any config key, e.g. training.learning_rate=3e-4 (`distrain config` or --help-config "
+        f"lists every key, with its type, default and range). The options set these keys: {keys}.",
+    )
     train.add_argument("--config", help="YAML or JSON config file")
     train.add_argument(
         "--strategy", "--mode", dest="strategy", help="auto, single, ddp, ddp_spawn, ddp_fork, fsdp, ..."
@@ -84,6 +206,9 @@ def train_parser(
         help="continue from the newest checkpoint (auto: only if one exists), or from PATH",
     )
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    train.add_argument(
+        "--help-config", action=_HelpConfig, help="list every key=value config key (as `distrain config`) and exit"
+    )
     train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. training.learning_rate=3e-4")
     return train
 
@@ -128,9 +253,7 @@ def verify_parser() -> argparse.ArgumentParser:
 
 
 def convert_parser() -> argparse.ArgumentParser:
-    convert = argparse.ArgumentParser(
-        prog="distrain convert", description="consolidate a (sharded) checkpoint into one weights file"
-    )
+    convert = Parser(prog="distrain convert", description="consolidate a (sharded) checkpoint into one weights file")
     convert.add_argument("checkpoint", help="a checkpoint directory (or its `last` link)")
     convert.add_argument("output", help="the file to write (a directory for --to hf)")
     convert.add_argument(
@@ -147,7 +270,7 @@ def convert_parser() -> argparse.ArgumentParser:
 
 
 def launch_parser() -> argparse.ArgumentParser:
-    launch = argparse.ArgumentParser(
+    launch = Parser(
         prog="distrain launch",
         description="job files for torchrun, SLURM and Kubernetes; arguments after -- go to `distrain train`",
     )
@@ -288,7 +411,7 @@ def launch_sky(args, train_args: list[str]) -> int:
 
 
 def doctor_parser() -> argparse.ArgumentParser:
-    doctor = argparse.ArgumentParser(
+    doctor = Parser(
         prog="distrain doctor",
         description="versions, devices, launcher variables; "
         "with --devices N (or under a launcher) an all-reduce check and bandwidth test",
@@ -300,7 +423,7 @@ def doctor_parser() -> argparse.ArgumentParser:
 
 
 def plot_parser() -> argparse.ArgumentParser:
-    plot = argparse.ArgumentParser(
+    plot = Parser(
         prog="distrain plot",
         description="loss, learning rate, throughput, MFU and memory against the step, from each run's "
         "metrics.jsonl; several runs overlay",
@@ -312,6 +435,77 @@ def plot_parser() -> argparse.ArgumentParser:
     return plot
 
 
+def bench_parser() -> Parser:
+    """``distrain bench``'s options (distrain/bench.py's; that module imports torch)."""
+    from distrain import bench
+
+    parser = bench.bench_parser()
+    return Parser(prog=parser.prog, description=parser.description, parents=[parser], add_help=False)
+
+
+def config_parser() -> Parser:
+    config = Parser(
+        prog="distrain config",
+        description="every config key: its type, default, range and what it means. Set one as key=value after a "
+        "command's options (distrain train training.learning_rate=3e-4), or in a --config file's section",
+    )
+    config.add_argument("sections", nargs="*", metavar="SECTION", help="only these sections (training, fsdp, ...)")
+    return config
+
+
+def config_listing(sections: list[str] | None = None) -> str:
+    """One line per key, ``section.key  type  default  — what it means``, read from the config's dataclasses
+    (``config.config_keys``): a key added there is listed here."""
+    parser = train_parser()
+    flags = {key: _option_of(parser, dest) for dest, key in FLAG_KEYS.items()}
+    keys = [k for k in config_keys() if not sections or any(k.key == s or k.key.startswith(f"{s}.") for s in sections)]
+    rows = []
+    for k in keys:
+        notes = [k.summary] if k.summary else []
+        if k.bounds is not None:
+            notes.append(f"Range: {k.bounds.describe()}.")
+        if flags.get(k.key):
+            notes.append(f"Option: {flags[k.key]}.")
+        rows.append((k.key, k.type, _shown(k.default), " ".join(notes)))
+    header = ("# key", "type", "default", "what it means (set one with key=value, or in a --config file)")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
+    lines = [
+        f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  — {d}"
+        if d
+        else f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}"
+        for a, b, c, d in [header, *rows]
+    ]
+    return "".join(line.rstrip() + "\n" for line in lines)
+
+
+def _shown(value) -> str:
+    """A default as it is written in a config file or after key=."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (dict, list)):
+        import json
+
+        return json.dumps(value)
+    return str(value) if value != "" else '""'
+
+
+def config_command(argv: list[str]) -> int:
+    args = config_parser().parse_args(argv)
+    keys = [k.key for k in config_keys()]
+    known = {".".join(key.split(".")[:n]) for key in keys for n in range(1, key.count(".") + 2)}  # sections, keys
+    for section in args.sections:
+        if section not in known:
+            close = difflib.get_close_matches(section, known, n=1)
+            tops = ", ".join(dict.fromkeys(key.split(".")[0] for key in keys if "." in key))
+            hint = f"; did you mean {close[0]}?" if close else f" (sections: {tops})"
+            print(f"distrain config: error: no config section {section!r}{hint}", file=sys.stderr)
+            return 2
+    print(config_listing(args.sections), end="")
+    return 0
+
+
 COMMANDS = {
     "train": train_parser,
     "plan": plan_parser,
@@ -320,24 +514,75 @@ COMMANDS = {
     "launch": launch_parser,
     "doctor": doctor_parser,
     "plot": plot_parser,
-    "bench": lambda: __import__("distrain.bench", fromlist=["bench_parser"]).bench_parser(),
+    "bench": bench_parser,
+    "config": config_parser,
 }
-USAGE = (
-    "usage: distrain {train,plan,verify,convert,launch,doctor,plot,bench} [options]   "
-    "(`distrain COMMAND -h` for help; no command means train)"
-)
+#: one line per command, for ``distrain --help`` (which builds no parser: bench's imports torch)
+SUMMARIES = {
+    "train": "train the built-in GPT, a Hugging Face model or your own distrain.Module, on any strategy",
+    "plan": "memory and step time per rank of every strategy for this run; nothing is allocated",
+    "verify": "a few steps of this exact run against one process: losses, gradients, weights, checkpoints",
+    "convert": "a (sharded) checkpoint into one weights file, or a Hugging Face model directory",
+    "launch": "job files for torchrun, SLURM, Kubernetes and SkyPilot, checked here before they are written",
+    "doctor": "versions, devices, launcher variables; with --devices N an all-reduce and bandwidth check",
+    "plot": "loss, learning rate, throughput, MFU and memory of runs, overlaid, as a PNG",
+    "bench": "tokens/s, step time and MFU of the built-in GPT sizes per strategy",
+    "config": "every key=value config key: type, default, range and what it means",
+}
+
+
+def main_help() -> str:
+    width = max(map(len, COMMANDS))
+    commands = "".join(f"  {name:<{width}}  {SUMMARIES[name]}\n" for name in COMMANDS)
+    return (
+        "usage: distrain COMMAND [options] [key=value ...]\n\n"
+        "Train PyTorch models on 1 process, N processes or N nodes; the strategy is one option.\n\n"
+        f"commands:\n{commands}\n"
+        "`distrain COMMAND --help` shows a command's options, `distrain config` the key=value config keys,\n"
+        "`distrain --version` the version. Options without a command are train's (`distrain --config run.yaml`).\n"
+    )
+
+
+def version() -> str:
+    """The installed distribution's version, else the package's ``__version__``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("distrain")
+    except PackageNotFoundError:
+        import distrain
+
+        return distrain.__version__
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)
+    if not argv or argv[0] in ("-h", "--help"):  # no command: the commands, not a training run
+        print(main_help(), end="")
         return 0
-    command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
+    if argv[0] == "--version":
+        print(f"distrain {version()}")
+        return 0
+    explicit = argv[0] in COMMANDS
+    if explicit:
+        command = argv.pop(0)
+    elif argv[0].startswith("-") or "=" in argv[0]:  # options (or key=value) without a command: train's, as ever
+        command = "train"
+    else:
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        print(f"distrain: error: unknown command {argv[0]!r}{hint} (`distrain --help` lists them)", file=sys.stderr)
+        return 2
     if command == "launch":  # its own grammar: `-- <train args>` passes through untouched
         return launch(argv)
+    if command == "config":
+        return config_command(argv)
+    parser = COMMANDS[command]()
+    if command == "train" and not explicit:  # `distrain --verison`: distrain's own options are candidates too
+        parser.also_flags = ("--version",)
     # intermixed: `key=value` overrides may stand between and after the options
-    args = COMMANDS[command]().parse_intermixed_args(argv)
+    args = parser.parse_intermixed_args(argv)
     if command == "doctor":
         from distrain import doctor
 

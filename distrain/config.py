@@ -640,3 +640,81 @@ def redacted(tree: Any) -> Any:
 def save_config(config: RunConfig, path: str | os.PathLike) -> None:
     """The run's config as YAML, redacted (``redacted``)."""
     Path(path).write_text(yaml.safe_dump(redacted(config.to_dict()), sort_keys=False))
+
+
+# --------------------------------------------------------------------------------------------
+# every key, listed (``distrain config``): read from the dataclasses above, so a new field is listed as it is added
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One config key as ``distrain config`` lists it."""
+
+    key: str
+    """Dotted: ``training.learning_rate``, ``fsdp.mixed_precision.param_dtype``, ``output_dir``."""
+    type: str
+    """``int``, ``float``, ``str|null``, ``bool|str``, ``dict``, ..."""
+    default: Any
+    doc: str
+    """The string under the field (what the key means), or "" where it has none."""
+    bounds: Bounds | None = None
+    """A numeric key's declared range (``number(...)``)."""
+
+    @property
+    def summary(self) -> str:
+        """The doc's first sentence, on one line (``code`` as `code`)."""
+        text = " ".join(self.doc.split("\n\n")[0].split()).replace("``", "`")
+        return re.split(r"(?<=\.)(?<!e\.g\.)(?<!i\.e\.)\s+(?=[A-Z`])", text, maxsplit=1)[0]
+
+
+def config_keys(cls: type = RunConfig, prefix: str = "") -> list[KeyDoc]:
+    """Every key of ``cls`` (a section's keys, its subsections' too) in declaration order, with its type, default,
+    doc and range."""
+    docs = _field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += config_keys(tp, f"{prefix}{f.name}.")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        keys.append(KeyDoc(f"{prefix}{f.name}", _key_type(tp), default, docs.get(f.name, ""), f.metadata.get("bounds")))
+    return keys
+
+
+def _key_type(tp: Any) -> str:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return "|".join(_key_type(arg) for arg in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if tp is Any:
+        return "any"
+    return getattr(typing.get_origin(tp) or tp, "__name__", str(tp))
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of a dataclass (the fields' docs here), read from its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (a frozen build): keys without docs
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
