@@ -51,19 +51,13 @@ def is_datamodule(obj: Any) -> bool:
 
 def prepare(obj: Any, runtime) -> None:
     """``obj.prepare_data()`` on local rank 0 of each node, the other ranks waiting at a barrier until it is done.
-    Once per object per process (a module and a datamodule each get theirs)."""
+    At the start of every stage (fit, validate, ...), as Lightning does: it should skip what is already there."""
     if not callable(getattr(obj, "prepare_data", None)):
         return
-    if runtime.local_rank == 0 and not getattr(obj, "_distrain_prepared", False):
-        mark_prepared(obj)
-    if runtime.world_size > 1:  # every rank waits, also where it was done already (the same barriers everywhere)
+    if runtime.local_rank == 0:
+        obj.prepare_data()
+    if runtime.world_size > 1:
         runtime.barrier("prepare_data")
-
-
-def mark_prepared(obj: Any) -> None:
-    """Run ``obj.prepare_data()`` and remember it (spawned ranks receive the mark with the object)."""
-    obj.prepare_data()
-    object.__setattr__(obj, "_distrain_prepared", True)
 
 
 def stage_loader(stage: str, trainer, module, dataloaders, datamodule) -> Any:

@@ -30,7 +30,7 @@ from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.cluster import replica_run_dir
 from distrain.config import Bounds, redacted
 from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, seed_workers, tokens_in_batch
-from distrain.datamodule import STAGE_LOADERS, is_datamodule, mark_prepared, optional_loader, stage_loader
+from distrain.datamodule import STAGE_LOADERS, is_datamodule, optional_loader, stage_loader
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 from distrain.module import Module, StepRouter, loss_of, unsupported_hooks
 from distrain.planner.batch import BatchLayout, keep_global_batch
@@ -272,14 +272,10 @@ class Trainer:
             ckpt_path = "auto"
         if self.runtime.auto_options is not None and not self.runtime.environment_ready:
             planned = train_dataloaders
-            if planned is None:  # the planner reads a batch: this process makes the loader once to plan with
-                for obj in (datamodule, module):
-                    if obj is not None and callable(getattr(obj, "prepare_data", None)) and self.local_rank == 0:
-                        mark_prepared(obj)
-                if datamodule is not None:
-                    datamodule.setup("fit")
-                module.setup("fit")
-                planned = source.train_dataloader()
+            if planned is None and datamodule is None and not _overrides(module, "prepare_data", "setup"):
+                planned = module.train_dataloader()  # the planner reads a batch; this loader needs no set-up first
+            # else (a datamodule, or a module whose loader needs prepare_data/setup, which run in the ranks where
+            # they can wait for each other): the planner gets no loader and keeps DDP, and says so
             self._choose_auto_strategy(module, planned)
         self._check_manual_optimization(module)
         data = (train_dataloaders, val_dataloaders, datamodule)
@@ -659,11 +655,16 @@ class Trainer:
         if self.progress.epoch_done:  # resumed from a checkpoint written at this epoch's end: already done
             self._next_epoch()
             return
-        epoch_metrics = self.metrics.collector.pop_epoch_metrics()
-        self.metrics.publish(epoch_metrics, self.global_step, to_loggers=bool(epoch_metrics))
         if val_loader is not None and not self._val_every_steps():
             self._validate_during_fit(val_loader)
-        self.module.on_train_epoch_end()
+        collector = self.metrics.collector
+        collector.stage = "epoch end"  # what on_train_epoch_end logs is an epoch value (as in Lightning)
+        try:
+            self.module.on_train_epoch_end()
+        finally:
+            collector.stage = "train"
+        epoch_metrics = collector.pop_epoch_metrics()
+        self.metrics.publish(epoch_metrics, self.global_step, to_loggers=bool(epoch_metrics))
         self._step_schedulers("epoch")  # after validation: a scheduler may monitor its metric (ReduceLROnPlateau)
         self.progress.epoch_done = True  # a checkpoint saved in the hooks below resumes at the next epoch
         self._call("on_train_epoch_end")
@@ -798,7 +799,7 @@ class Trainer:
         wrapper: the gradients stay local through any number of ``manual_backward`` calls and are averaged over
         the ranks once, when an optimizer steps (``ManualOptimizer``)."""
         rt = self.runtime
-        (batch_idx, batch), = micro_batches  # accumulate_grad_batches is 1 (checked when fit starts)
+        ((batch_idx, batch),) = micro_batches  # accumulate_grad_batches is 1 (checked when fit starts)
         rt.mark_phase(self.global_step + 1, "manual training_step")
         batch = move_to_device(batch, rt.device)
         self.metrics.collector.current_batch_size = batch_size_of(batch)
@@ -887,6 +888,11 @@ def _loggers(logger: bool | Logger | Iterable[Logger], root: str) -> list[Logger
     if not logger:
         return []
     return [logger] if isinstance(logger, Logger) else list(logger)
+
+
+def _overrides(module: Module, *names: str) -> bool:
+    """``module``'s class defines one of ``names`` itself (not ``Module``'s default)."""
+    return any(getattr(type(module), name) is not getattr(Module, name) for name in names)
 
 
 def _as_module(module: nn.Module) -> Module:

@@ -76,6 +76,9 @@ class LitRegressor(L.Module):
     def predict_dataloader(self):
         return DataLoader(regression_data(8, seed=3), batch_size=self.hparams.batch_size)
 
+    def on_train_epoch_end(self):
+        self.log("epochs_done", float(self.current_epoch + 1))  # an epoch value, as in Lightning
+
     def on_save_checkpoint(self, checkpoint):
         checkpoint["my_counter"] = self.global_step * 10
 
@@ -257,7 +260,7 @@ def _cases(rank, tmp, batch):
     L.seed_everything(0)
     model = HookRecorder(batch_size=batch)
     trainer, rec = _fit(tmp / "hooks", model, "ddp", 2, max_epochs=2)
-    out["hooks"] = (model.calls, rec.losses, dict(trainer.progress_bar_metrics), model.hparams.lr)
+    out["hooks"] = (model.calls, rec.losses, dict(trainer.progress_bar_metrics), dict(trainer.callback_metrics))
     # the same under FSDP
     L.seed_everything(0)
     _, rec = _fit(tmp / "fsdp", LitRegressor(batch_size=batch), "fsdp", 2, max_epochs=2)
@@ -319,12 +322,17 @@ def test_hook_order_matches_lightning(two_ranks):
 
 
 def test_loss_dicts_step_schedulers_and_parity_with_one_process(two_ranks, tmp_path):
-    calls, losses, bar, lr = two_ranks[0]["hooks"]
-    assert lr == 0.1  # self.hparams.lr
+    calls, losses, bar, metrics = two_ranks[0]["hooks"]
     assert "train_loss" in bar and "loss" not in bar  # one name for the training loss on the progress bar
+    assert metrics["epochs_done"] == 2.0  # logged in on_train_epoch_end
     L.seed_everything(0)
-    _, single = _fit(tmp_path, LitRegressor(batch_size=8), "single", 1, max_epochs=2)
+    trainer, single = _fit(tmp_path, LitRegressor(batch_size=8), "single", 1, max_epochs=2)
     _close(single.losses, losses)
+    # the epoch mean of train_loss (on_epoch=True, sync_dist=True) and the validation loss: the same
+    _close(
+        [trainer.callback_metrics["train_loss"], trainer.callback_metrics["val_loss"]],
+        [metrics["train_loss"], metrics["val_loss"]],
+    )
     _close(single.losses, two_ranks[0]["fsdp"])  # FSDP too
 
 
@@ -362,7 +370,7 @@ def test_datamodule_prepares_once_per_node_and_sets_up_every_rank(two_ranks):
         losses, stages, prepared = two_ranks[rank]["dm"]
         assert stages == ["fit", "validate", "test"]
         assert len(losses) == 3  # 24 training samples, 4 per rank
-    assert two_ranks[0]["dm"][2] == 1  # prepare_data ran once (local rank 0), for all three stages
+    assert two_ranks[0]["dm"][2] == 3  # prepare_data: on local rank 0 only, once per stage (fit, validate, test)
 
 
 # ---- what is not supported: refused before any rank starts, in one line -------------------------------------------

@@ -42,7 +42,8 @@ class Evaluator:
         collector = self.metrics.collector
         was_training = module.training
         module.eval()
-        collector.stage = "validate"
+        stage, collector.stage = collector.stage, "validate"
+        training_epoch = collector.stash_epoch()  # validation inside a training epoch: the epoch's values wait
         default_name = DEFAULT_LOSS_NAMES[step_name]
         step, collective = self._step_function(module, model, step_name)
         _hook(module, step_name, "start")
@@ -64,7 +65,8 @@ class Evaluator:
         _hook(module, step_name, "epoch_end")  # what it logs is in this epoch's metrics
         metrics = collector.pop_epoch_metrics()
         _hook(module, step_name, "end")
-        collector.stage = "train"
+        collector.restore_epoch(training_epoch)
+        collector.stage = stage
         module.train(was_training)
         return metrics
 

@@ -80,6 +80,16 @@ class MetricCollector:
         if prog_bar:
             self.prog_bar.add(name)
 
+    def stash_epoch(self) -> tuple:
+        """Set the epoch values aside (and start empty): an evaluation inside a training epoch keeps its own, so
+        neither mixes into the other. ``restore_epoch`` puts them back."""
+        stashed = (self.epoch_sums, self.epoch_sync, self.epoch_summed)
+        self.epoch_sums, self.epoch_sync, self.epoch_summed = {}, set(), set()
+        return stashed
+
+    def restore_epoch(self, stashed: tuple) -> None:
+        self.epoch_sums, self.epoch_sync, self.epoch_summed = stashed
+
     def pop_step_metrics(self, reduce: bool) -> dict[str, Any]:
         """The latest per-step values. With ``reduce`` (logging steps): plain numbers, ``sync_dist``
         ones averaged over the ranks that logged them; without: as logged (tensors stay on the device)."""
