@@ -541,9 +541,11 @@ class Trainer:
         indices = iter([batch_idx for batch_idx, _ in micro_batches])
         self._first_micro_batch = True
 
-        def before_each(batch):
+        def before_each(batch):  # before each training_step of the step
             collector.current_batch_size = batch_size_of(batch)
-            self.module.on_train_batch_start(batch, next(indices))
+            batch_idx = next(indices, None)  # None: a pipeline's schedule calls it per piece of a micro-batch
+            if batch_idx is not None:
+                self.module.on_train_batch_start(batch, batch_idx)
 
         step_loss, output = rt.strategy.run_step(self.model, micro_batches, before_each=before_each)
         self._call("on_after_backward")

@@ -6,6 +6,8 @@ run here. Where the module is deterministic the losses match one process within 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -261,6 +263,12 @@ def _cases(rank, tmp, batch):
     model = HookRecorder(batch_size=batch)
     trainer, rec = _fit(tmp / "hooks", model, "ddp", 2, max_epochs=2)
     out["hooks"] = (model.calls, rec.losses, dict(trainer.progress_bar_metrics), dict(trainer.callback_metrics))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        model.print("hello from", model.global_rank)
+    gathered = model.all_gather({"rank": torch.tensor([float(rank)])})["rank"]
+    where = (model.global_rank, model.local_rank, str(model.device), model.trainer.is_global_zero)
+    out["services"] = (printed.getvalue(), gathered.tolist(), where, model.global_step, model.current_epoch)
     # the same under FSDP
     L.seed_everything(0)
     _, rec = _fit(tmp / "fsdp", LitRegressor(batch_size=batch), "fsdp", 2, max_epochs=2)
@@ -334,6 +342,29 @@ def test_loss_dicts_step_schedulers_and_parity_with_one_process(two_ranks, tmp_p
         [metrics["train_loss"], metrics["val_loss"]],
     )
     _close(single.losses, two_ranks[0]["fsdp"])  # FSDP too
+
+
+def test_module_services_on_each_rank(two_ranks):
+    for rank in (0, 1):
+        printed, gathered, where, step, epoch = two_ranks[rank]["services"]
+        assert printed == ("hello from 0\n" if rank == 0 else "")  # self.print: global rank 0 only
+        assert gathered == [[0.0], [1.0]]  # self.all_gather: every rank's tensor, stacked
+        assert where == (rank, rank, "cpu", rank == 0)
+        assert (step, epoch) == (8, 2)
+
+
+class Plateau(LitRegressor):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        # threshold=10: no epoch counts as an improvement, so each epoch's end halves the learning rate
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=10)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}
+
+
+def test_scheduler_monitoring_a_metric_steps_with_it(tmp_path):
+    model = Plateau(batch_size=8)
+    trainer, _ = _fit(tmp_path, model, "single", 1, max_epochs=2)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
 
 
 def test_checkpoint_hooks_and_hparams_survive(two_ranks):
