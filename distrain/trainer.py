@@ -343,15 +343,39 @@ class Trainer:
             print(report.table(), flush=True)
         return report
 
-    def validate(self, module: nn.Module, dataloaders=None, ckpt_path=None, datamodule=None) -> list[dict]:
-        return self._evaluate_stage("validate", module, dataloaders, ckpt_path, datamodule)
+    # validate / test / predict take Lightning's arguments, in Lightning's order
+    def validate(
+        self, module: nn.Module, dataloaders=None, ckpt_path=None, verbose: bool = True, datamodule=None
+    ) -> list[dict]:
+        """The validation metrics (``verbose``: also printed, on rank 0)."""
+        return self._report(
+            "validate", self._evaluate_stage("validate", module, dataloaders, ckpt_path, datamodule), verbose
+        )
 
-    def test(self, module: nn.Module, dataloaders=None, ckpt_path=None, datamodule=None) -> list[dict]:
-        return self._evaluate_stage("test", module, dataloaders, ckpt_path, datamodule)
+    def test(
+        self, module: nn.Module, dataloaders=None, ckpt_path=None, verbose: bool = True, datamodule=None
+    ) -> list[dict]:
+        """The test metrics (``verbose``: also printed, on rank 0)."""
+        return self._report("test", self._evaluate_stage("test", module, dataloaders, ckpt_path, datamodule), verbose)
 
-    def predict(self, module: nn.Module, dataloaders=None, ckpt_path=None, datamodule=None) -> list:
-        """Returns this rank's predictions, in its sampler order (rank 0's for spawn/fork)."""
-        return self._evaluate_stage("predict", module, dataloaders, ckpt_path, datamodule)
+    def predict(
+        self,
+        module: nn.Module,
+        dataloaders=None,
+        datamodule=None,
+        return_predictions: bool | None = None,
+        ckpt_path=None,
+    ) -> list | None:
+        """Returns this rank's predictions, in its sampler order (rank 0's for spawn/fork); None with
+        ``return_predictions=False``."""
+        predictions = self._evaluate_stage("predict", module, dataloaders, ckpt_path, datamodule)
+        return None if return_predictions is False else predictions
+
+    def _report(self, stage: str, results: list[dict], verbose: bool) -> list[dict]:
+        if verbose and self.is_global_zero and results:
+            shown = ", ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in results[0].items())
+            print(f"distrain: {stage}: {shown or 'nothing logged'}", flush=True)
+        return results
 
     def _evaluate_stage(self, stage: str, module, dataloaders, ckpt_path, datamodule):
         """The loaders given, else the datamodule's (also in ``dataloaders``' place), else the module's own: made in
