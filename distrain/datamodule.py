@@ -7,9 +7,12 @@ then ``setup(stage)``, then the loader the stage needs. ``stage_loader`` is that
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch.utils.data import DataLoader
+
+from distrain.module import AttributeDict, hyperparameters_of
 
 #: the loader each stage reads, and what Lightning calls it
 STAGE_LOADERS = {
@@ -23,8 +26,16 @@ STAGE_LOADERS = {
 class DataModule:
     """Subclass and define the loaders your stages need; ``prepare_data`` and ``setup`` are optional."""
 
+    #: False: ``prepare_data`` runs on global rank 0 only (files on a disk every node shares)
+    prepare_data_per_node: bool = True
+
     def __init__(self) -> None:
         self.trainer = None  # set when a Trainer uses it, in every rank
+        self.hparams = AttributeDict()
+
+    def save_hyperparameters(self, *args: Any, ignore: str | list[str] | None = None, logger: bool = True) -> None:
+        """The calling ``__init__``'s arguments in ``self.hparams`` (``self.hparams.batch_size``), as Lightning's."""
+        self.hparams = AttributeDict(hyperparameters_of(inspect.currentframe().f_back, args, ignore))
 
     def prepare_data(self) -> None:
         """Download or write files: runs on local rank 0 of each node only, before every rank's ``setup``.
@@ -50,11 +61,13 @@ def is_datamodule(obj: Any) -> bool:
 
 
 def prepare(obj: Any, runtime) -> None:
-    """``obj.prepare_data()`` on local rank 0 of each node, the other ranks waiting at a barrier until it is done.
-    At the start of every stage (fit, validate, ...), as Lightning does: it should skip what is already there."""
+    """``obj.prepare_data()`` on local rank 0 of each node (global rank 0 with ``prepare_data_per_node = False``), the
+    other ranks waiting at a barrier until it is done. At the start of every stage (fit, validate, ...), as Lightning
+    does: it should skip what is already there."""
     if not callable(getattr(obj, "prepare_data", None)):
         return
-    if runtime.local_rank == 0:
+    rank = runtime.local_rank if getattr(obj, "prepare_data_per_node", True) else runtime.global_rank
+    if rank == 0:
         obj.prepare_data()
     if runtime.world_size > 1:
         runtime.barrier("prepare_data")

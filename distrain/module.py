@@ -58,6 +58,22 @@ class AttributeDict(dict):
         del self[key]
 
 
+def hyperparameters_of(frame, args: tuple, ignore: str | list[str] | None) -> dict[str, Any]:
+    """What ``save_hyperparameters(*args, ignore=...)`` stores: the arguments of the ``__init__`` running in
+    ``frame`` (those named in ``args``, if any), or the dict/Namespace given as the one argument."""
+    if len(args) == 1 and not isinstance(args[0], str):  # save_hyperparameters(dict or Namespace)
+        values = dict(args[0]) if isinstance(args[0], dict) else dict(vars(args[0]))
+        names: tuple = ()
+    else:
+        init_args = inspect.getargvalues(frame)
+        values = {k: init_args.locals[k] for k in init_args.args if k != "self"}
+        if init_args.keywords:
+            values.update(init_args.locals[init_args.keywords])
+        names = args
+    ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
+    return {k: v for k, v in values.items() if (not names or k in names) and k not in ignored}
+
+
 class Module(nn.Module):
     """Subclass and implement ``training_step`` and ``configure_optimizers``.
 
@@ -71,6 +87,8 @@ class Module(nn.Module):
 
     #: False: ``training_step`` steps the optimizers itself (``self.optimizers()``, ``self.manual_backward``)
     automatic_optimization: bool = True
+    #: False: ``prepare_data`` runs on global rank 0 only (files on a disk every node shares)
+    prepare_data_per_node: bool = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -302,18 +320,18 @@ class Module(nn.Module):
     def save_hyperparameters(self, *args: Any, ignore: str | list[str] | None = None, logger: bool = True) -> None:
         """Store the calling ``__init__``'s arguments (all, those named in ``args``, or a dict/Namespace given
         instead) in ``self.hparams`` so ``load_from_checkpoint`` can rebuild us; ``ignore`` leaves names out."""
-        if len(args) == 1 and not isinstance(args[0], str):  # save_hyperparameters(dict or Namespace)
-            values = dict(args[0]) if isinstance(args[0], dict) else dict(vars(args[0]))
-            names: tuple = ()
-        else:
-            frame = inspect.currentframe().f_back
-            init_args = inspect.getargvalues(frame)
-            values = {k: init_args.locals[k] for k in init_args.args if k != "self"}
-            if init_args.keywords:
-                values.update(init_args.locals[init_args.keywords])
-            names = args
-        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
-        self.hparams = {k: v for k, v in values.items() if (not names or k in names) and k not in ignored}
+        self.hparams = hyperparameters_of(inspect.currentframe().f_back, args, ignore)
+
+    def freeze(self) -> None:
+        """No gradients for any parameter, and eval mode (for inference after ``load_from_checkpoint``)."""
+        for param in self.parameters():
+            param.requires_grad = False
+        self.eval()
+
+    def unfreeze(self) -> None:
+        for param in self.parameters():
+            param.requires_grad = True
+        self.train()
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str, strict: bool = True, **kwargs: Any) -> Module:

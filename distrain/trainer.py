@@ -205,6 +205,8 @@ class Trainer:
     global_rank = property(lambda self: self.runtime.global_rank)
     local_rank = property(lambda self: self.runtime.local_rank)
     world_size = property(lambda self: self.runtime.world_size)
+    num_devices = property(lambda self: self.runtime.nprocs)  # processes per node (Lightning's name)
+    num_nodes = property(lambda self: self.runtime.num_nodes)
     data_parallel_size = property(lambda self: self.runtime.strategy.data_parallel_size)  # ranks with distinct data
     strategy = property(lambda self: self.runtime.strategy)
     global_step = property(lambda self: self.progress.global_step)

@@ -212,8 +212,8 @@ def sequence_data(n: int = 32) -> TensorDataset:
 class FileDataModule(L.DataModule):  # was: L.LightningDataModule
     def __init__(self, root: str, batch_size: int = 4):
         super().__init__()
+        self.save_hyperparameters(ignore="root")
         self.root = Path(root)
-        self.batch_size = batch_size
         self.stages: list[str] = []
 
     def prepare_data(self):
@@ -228,16 +228,16 @@ class FileDataModule(L.DataModule):  # was: L.LightningDataModule
         self.train_set, self.val_set = torch.utils.data.random_split(data, [24, 8], torch.Generator().manual_seed(0))
 
     def train_dataloader(self):
-        return DataLoader(self.train_set, batch_size=self.batch_size)
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size)
 
     def val_dataloader(self):
-        return DataLoader(self.val_set, batch_size=self.batch_size)
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
 
     def test_dataloader(self):
-        return DataLoader(self.val_set, batch_size=self.batch_size)
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
 
     def predict_dataloader(self):
-        return DataLoader(self.val_set, batch_size=self.batch_size)
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
 
 
 # ---- the runs ------------------------------------------------------------------------------------------------------
@@ -267,7 +267,7 @@ def _cases(rank, tmp, batch):
     with contextlib.redirect_stdout(printed):
         model.print("hello from", model.global_rank)
     gathered = model.all_gather({"rank": torch.tensor([float(rank)])})["rank"]
-    where = (model.global_rank, model.local_rank, str(model.device), model.trainer.is_global_zero)
+    where = (model.global_rank, model.local_rank, str(model.device), model.trainer.is_global_zero, trainer.num_devices)
     out["services"] = (printed.getvalue(), gathered.tolist(), where, model.global_step, model.current_epoch)
     # the same under FSDP
     L.seed_everything(0)
@@ -351,7 +351,7 @@ def test_module_services_on_each_rank(two_ranks):
         printed, gathered, where, step, epoch = two_ranks[rank]["services"]
         assert printed == ("hello from 0\n" if rank == 0 else "")  # self.print: global rank 0 only
         assert gathered == [[0.0], [1.0]]  # self.all_gather: every rank's tensor, stacked
-        assert where == (rank, rank, "cpu", rank == 0)
+        assert where == (rank, rank, "cpu", rank == 0, 2)
         assert (step, epoch) == (8, 2)
 
 
@@ -459,6 +459,9 @@ def test_hparams_read_as_attributes_and_keys():
 
     assert dict(Partial(a=5).hparams) == {"a": 5, "b": 2}
     assert model.device == torch.device("cpu") and model.global_step == 0 and model.current_epoch == 0
+    model.freeze()
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert dict(FileDataModule("unused", batch_size=2).hparams) == {"batch_size": 2}
 
 
 @pytest.mark.parametrize(
