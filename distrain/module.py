@@ -80,8 +80,8 @@ class Module(nn.Module):
     Build layers in ``__init__`` or — for large models — in ``configure_model``, which runs
     under the strategy's init context (on the device, or sharded for sharded strategies).
 
-    Written to Lightning's ``LightningModule`` API: its hooks (called in Lightning's order, ``hook_order`` in
-    README.md), its properties (``device``, ``current_epoch``, ``global_step``, ``global_rank``, ...) and manual
+    Written to Lightning's ``LightningModule`` API: its hooks (called in Lightning's order; README.md, "Coming
+    from Lightning"), its properties (``device``, ``current_epoch``, ``global_step``, ``global_rank``, ...) and manual
     optimization (``automatic_optimization = False``, ``self.optimizers()``, ``self.manual_backward``).
     """
 
