@@ -77,6 +77,7 @@ def stage_loader(stage: str, trainer, module, dataloaders, datamodule) -> Any:
     """In a rank, before the module is set up: ``prepare_data`` (module's and datamodule's), the datamodule's and the
     module's ``setup(stage)``, then the loader given, else the datamodule's, else the module's own (as Lightning)."""
     method = STAGE_LOADERS[stage]
+    trainer.datamodule = datamodule  # self.trainer.datamodule, as Lightning modules read it
     for source in (datamodule, module):
         if source is not None:
             prepare(source, trainer.runtime)

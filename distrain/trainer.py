@@ -199,6 +199,11 @@ class Trainer:
         self._last_val_step = -1
         self._num_batches: int | None = None  # the train loader's length, when it has one
         self.batch_layout: BatchLayout | None = None  # micro-batch × accumulation × data-parallel ranks, set by fit
+        # what a Lightning module reads from its trainer (self.trainer.datamodule, ...), set in the ranks
+        self.datamodule = None
+        self.train_dataloader = None  # this rank's train loader, as fit set it up
+        self.val_dataloaders = None
+        self.sanity_checking = False  # distrain runs no sanity-check validation before training
 
     # ---- where am I, and views that callbacks read ---------------------------------------------
     is_global_zero = property(lambda self: self.runtime.is_global_zero)
@@ -419,6 +424,7 @@ class Trainer:
         train_loader = self._setup_loader(train_loader, shuffle_seed=self.seed, batch_size=micro_batch)
         val_loader = self._setup_loader(val_loader, even=False) if val_loader is not None else None
         self._num_batches = _length(train_loader)
+        self.train_dataloader, self.val_dataloaders = train_loader, val_loader
         self.batch_layout = BatchLayout(
             getattr(train_loader, "batch_size", None) or 1, self.loop.accumulate_for(0), self.data_parallel_size
         )

@@ -304,11 +304,13 @@ def _cases(rank, tmp, batch):
     dm = FileDataModule(str(tmp / "dm"), batch_size=batch)
     model = LitRegressor(batch_size=batch)
     trainer, rec = _fit(tmp / "dmrun", model, "ddp", 2, dm, max_epochs=1)
+    seen = model.trainer
+    seen_by_module = (seen.datamodule is dm, len(seen.train_dataloader), seen.sanity_checking)
     trainer.validate(model, datamodule=dm, verbose=False)
     trainer.test(model, dm)  # a datamodule in the loaders' place, as Lightning allows
     rows = sum(len(p) for p in trainer.predict(model, None, dm))  # Lightning's order: dataloaders, datamodule
     prepared = (tmp / "dm" / "prepared.log").read_text().count("prepared")
-    out["dm"] = (rec.losses, dm.stages, prepared, rows)
+    out["dm"] = (rec.losses, dm.stages, prepared, rows, seen_by_module)
     return out
 
 
@@ -400,7 +402,8 @@ def test_lstm_hidden_state_across_batches_matches_one_process(two_ranks, tmp_pat
 
 def test_datamodule_prepares_once_per_node_and_sets_up_every_rank(two_ranks):
     for rank in (0, 1):
-        losses, stages, prepared, rows = two_ranks[rank]["dm"]
+        losses, stages, prepared, rows, seen_by_module = two_ranks[rank]["dm"]
+        assert seen_by_module == (True, 3, False)  # self.trainer.datamodule, .train_dataloader, .sanity_checking
         assert stages == ["fit", "validate", "test", "predict"]
         assert len(losses) == 3 and rows == 4  # 24 training samples, 4 per rank; 8 to predict, 4 per rank
     assert two_ranks[0]["dm"][2] == 4  # prepare_data: on local rank 0 only, once per stage
