@@ -235,6 +235,54 @@ def test_a_restarted_group_of_two_ranks_rejoins(tmp_path):
         assert torch.equal(value, b["model"][name]), name
 
 
+@pytest.mark.slow
+def test_a_group_killed_twice_ends_with_the_jobs_final_state_never_alone(tmp_path):
+    """kill -9 of group 1 mid-run (it rejoins with the live state), then again at the last steps: its second restart
+    comes when group 0 has finished. It must not train alone from its own state (it did, 60 solo steps behind exit
+    0): it takes group 0's final checkpoint and ends there, so both groups end with the same weights."""
+    steps = FT_STEPS  # long enough that the first restart lands mid-run (a restart takes seconds: Python, torch)
+    out = tmp_path / "run"
+    launcher = _train(out, "ddp_torchft", 1, "distributed.max_restarts=2")
+    try:
+        for kill_at in (6, steps - 1):
+            _wait_for_step(out / "replica_1", kill_at)
+            worker = _worker_of_group(launcher, "1")
+            assert worker is not None, "no rank of replica group 1 found"
+            worker.send_signal(signal.SIGKILL)
+            if kill_at == 6:  # the restarted group is back in the job before the second kill
+                _wait_for_step(out / "replica_1", kill_at + 2)
+        output = _finish(launcher, timeout=300)
+    finally:
+        launcher.kill()
+    ended = re.findall(
+        r"replica group 1 restarted after the other groups had finished: it takes the final state at step (\d+)", output
+    )
+    rejoined = re.findall(r"replica group 1 took over the live state of a running group at step (\d+)", output)
+    assert rejoined and (ended or int(rejoined[-1]) >= steps - 1), output[-4000:]
+    a, b = _last_state(out / "replica_0"), _last_state(out / "replica_1")
+    assert a["progress"]["global_step"] == b["progress"]["global_step"] == steps
+    for name, value in a["model"].items():
+        assert torch.equal(value, b["model"][name]), name
+    assert _flat(a["optimizers"]) == _flat(b["optimizers"])
+
+
+@pytest.mark.slow
+def test_a_group_whose_restarts_ran_out_fails_the_job_naming_it(tmp_path):
+    """max_restarts=0: group 1 killed once is not restarted; group 0 finishes, and the job exits non-zero naming
+    group 1 (an exit 0 would hide that one group's work was lost)."""
+    out = tmp_path / "run"
+    launcher = _train(out, "ddp_torchft", 1, "training.max_steps=20", "distributed.max_restarts=0")
+    try:
+        _wait_for_step(out / "replica_1", 4)
+        _worker_of_group(launcher, "1").send_signal(signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0, output[-3000:]
+    assert "replica groups that failed (after their restarts): group 1: exit code" in output, output[-3000:]
+    assert _last_state(out / "replica_0")["progress"]["global_step"] == 20
+
+
 def _wait_for_step(run_dir: Path, step: int, timeout: float = 180) -> None:
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
     while time.monotonic() < deadline:

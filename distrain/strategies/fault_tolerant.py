@@ -80,6 +80,11 @@ class TorchFTStrategy(Strategy):
         self._groups_in_quorum = 0  # how many groups the last quorum had (a change is announced)
         self._hands_over_state = False  # the loop's live state is registered with this manager (fit may run again)
         self._in_step = False  # a quorum was formed for the step under way
+        # torchrun restarted this group (its rank died): it must meet another group before it trains again
+        self._restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        self._take_over = None  # loads a peer's state into the loop (set with the loop's live state)
+        self._run_dir: str | None = None
+        self._ended_at: int | None = None  # the step of the finished group's final state it took
 
     # ---- which data this rank reads: its group's share, then its own within the group --------------------------
     @property
@@ -182,6 +187,7 @@ class TorchFTStrategy(Strategy):
         self.barrier("torchft manager keys cleared")
 
     def _setup_training(self, model: nn.Module, optimizers: list, schedulers: list, loop: LoopFacts) -> SetUp:
+        self._run_dir = loop.run_dir
         if loop.live_state is not None and not self._hands_over_state:
             save, load = loop.live_state
 
@@ -196,6 +202,7 @@ class TorchFTStrategy(Strategy):
                     )
 
             self.manager.register_state_dict_fn("distrain", take_over, save)
+            self._take_over = load
             self._hands_over_state = True
         return SetUp(model, optimizers, schedulers)
 
@@ -215,6 +222,13 @@ class TorchFTStrategy(Strategy):
             manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
         manager.start_quorum()  # synchronous: a group that fell behind has taken a peer's state when it returns
         self._in_step = True
+        if self._ended_at is not None:  # it took a finished group's final state, and the loop still asks for steps
+            raise RuntimeError(
+                f"ddp_torchft: replica group {self.group.id} took the final state of the groups that had ended at step "
+                f"{self._ended_at}; it ends there too rather than train on alone"
+            )
+        if self._restarted and self._meet_another_group(step):
+            return True  # it took a finished group's final state: the loop reads its position (the end) from there
         if manager.current_step() == 0:  # every group in the quorum is starting (a later one took a peer's step)
             self._wait_for_every_group()
         groups = manager.num_participants()
@@ -226,6 +240,58 @@ class TorchFTStrategy(Strategy):
             )
         self._groups_in_quorum = groups
         return self._rejoined
+
+    #: how long a restarted group waits for another group in its quorum before it takes the others for ended
+    PEER_WAIT_S = 15.0
+
+    def _meet_another_group(self, step: int) -> bool:
+        """A restarted group never trains alone from its own state: alone, its weights would part from the job's
+        for good (and with min_replicas=1 torchft lets it). Its first quorum with another group heals it as usual.
+        When none comes within ``PEER_WAIT_S`` (the others finished while it restarted), it takes the final state of
+        a group that finished — its last checkpoint — and so ends as that group did; with none to take, it stops,
+        naming why, and the job's exit status says so. True when it took a finished group's state."""
+        manager, deadline = self.manager, time.monotonic() + self.PEER_WAIT_S
+        while manager.num_participants() < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            manager.start_quorum()
+        if manager.num_participants() >= 2:
+            self._restarted = False  # in the job again: the quorum healed it if it was behind
+            return False
+        finished = self._finished_peer_checkpoint()
+        if finished is None:
+            raise RuntimeError(
+                f"ddp_torchft: replica group {self.group.id} restarted, but no other replica group joined it within "
+                f"{self.PEER_WAIT_S:.0f} s and none left a final checkpoint beside its run directory: it stops here "
+                f"rather than train alone from step {step} (its weights would part from the job's)"
+            )
+        path, state = finished
+        self._take_over(state)
+        self._restarted, self._ended_at = False, state["progress"]["global_step"]
+        if self.is_global_zero:
+            print(
+                f"distrain: replica group {self.group.id} restarted after the other groups had finished: it takes the "
+                f"final state at step {self._ended_at} from {path}, and ends there",
+                flush=True,
+            )
+        return True
+
+    def _finished_peer_checkpoint(self) -> tuple[str, dict] | None:
+        """The newest ``last`` checkpoint among the other groups' run directories (``<run>/replica_<id>/checkpoints``,
+        the layout distrain's groups write): this job's own files."""
+        from pathlib import Path
+
+        from distrain.checkpoint import io as ckpt_io
+
+        if self._run_dir is None:
+            return None
+        newest = None
+        for last in sorted(Path(self._run_dir).parent.glob("replica_*/checkpoints/last")):
+            if last.parent.parent.name == f"replica_{self.group.id}" or ckpt_io.find_damage(last.resolve()):
+                continue
+            state = ckpt_io.read_state_file(last)
+            if newest is None or state["progress"]["global_step"] > newest[1]["progress"]["global_step"]:
+                newest = (str(last.resolve()), state)
+        return newest
 
     def _wait_for_every_group(self) -> None:
         """The first step waits (up to ``ft_timeout``) until every group is in the quorum: groups start at different
