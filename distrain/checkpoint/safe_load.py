@@ -74,32 +74,6 @@ def load_torch_file(file: str | Path | io.BytesIO, name: str | Path | None = Non
 
 # ---- torch.distributed.checkpoint ----------------------------------------------------------------------------
 _DCP = "torch.distributed.checkpoint.metadata"
-#: Everything a DCP ``.metadata`` holds (torch 2.6–2.14): its record classes, tensor shapes, dtypes and
-#: layouts, the storage index of each item, and the checkpoint's path.
-_DCP_METADATA_GLOBALS = frozenset(
-    {
-        (_DCP, "Metadata"),
-        (_DCP, "MetadataIndex"),
-        (_DCP, "StorageMeta"),
-        (_DCP, "TensorStorageMetadata"),
-        (_DCP, "BytesStorageMetadata"),
-        (_DCP, "ChunkStorageMetadata"),
-        (_DCP, "TensorProperties"),
-        (_DCP, "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),  # a layout by its name ("torch.strided")
-        ("collections", "OrderedDict"),
-        ("pathlib", "Path"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-    }
-    | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
-)
-
-
 #: the classes whose instances a ``.metadata`` builds field by field (NEWOBJ, then BUILD): DCP's records
 _DCP_RECORDS = frozenset(
     {
@@ -112,6 +86,23 @@ _DCP_RECORDS = frozenset(
         (_DCP, "TensorProperties"),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     }
+)
+#: Everything a DCP ``.metadata`` holds (torch 2.6–2.14): its records, tensor shapes, dtypes and layouts, the
+#: memory-format enum, and the checkpoint's path.
+_DCP_METADATA_GLOBALS = (
+    _DCP_RECORDS
+    | {
+        (_DCP, "_MEM_FORMAT_ENCODING"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name ("torch.strided")
+        ("collections", "OrderedDict"),
+        ("pathlib", "Path"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+    | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
 )
 #: the largest ``.metadata`` read (a 70B model's with its optimizer state is tens of MB)
 MAX_METADATA_BYTES = 1 << 30
