@@ -86,14 +86,26 @@ def stage_loader(stage: str, trainer, module, dataloaders, datamodule) -> Any:
         datamodule.setup(stage)
     module.setup(stage)
     if dataloaders is not None:
-        return dataloaders
+        return one_loader(dataloaders, method)
     for source in (datamodule, module):
         if source is not None and callable(getattr(source, method, None)):
-            return getattr(source, method)()
+            return one_loader(getattr(source, method)(), method)
     raise ValueError(f"{stage}() needs dataloaders, a datamodule with {method}(), or a module that defines {method}()")
 
 
 def optional_loader(source: Any, method: str) -> Any:
     """``source.method()`` where the source defines it (a module's own ``val_dataloader`` may be absent)."""
     fn = getattr(source, method, None) if source is not None else None
-    return fn() if callable(fn) else None
+    return one_loader(fn(), method) if callable(fn) else None
+
+
+def one_loader(loader: Any, method: str) -> Any:
+    """``loader``, unless it is several (Lightning's list or dict of loaders, with ``dataloader_idx``): distrain
+    reads one per stage, and says so in one line rather than iterating the loaders as if they were batches."""
+    many = loader.values() if isinstance(loader, dict) else loader if isinstance(loader, (list, tuple)) else None
+    if many is not None and any(isinstance(item, DataLoader) for item in many):
+        raise ValueError(
+            f"{method}: {len(loader)} loaders given; distrain reads one per stage (no dataloader_idx): join their "
+            "datasets (torch.utils.data.ConcatDataset), or run validate/test once per loader"
+        )
+    return loader

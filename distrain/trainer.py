@@ -30,7 +30,7 @@ from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.cluster import replica_run_dir
 from distrain.config import Bounds, redacted
 from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, seed_workers, tokens_in_batch
-from distrain.datamodule import STAGE_LOADERS, is_datamodule, optional_loader, stage_loader
+from distrain.datamodule import STAGE_LOADERS, is_datamodule, one_loader, optional_loader, stage_loader
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 from distrain.module import Module, StepRouter, loss_of, unsupported_hooks
 from distrain.planner.batch import BatchLayout, keep_global_batch
@@ -419,6 +419,7 @@ class Trainer:
         train_loader = stage_loader("fit", self, module, train_loader, datamodule)
         if val_loader is None:
             val_loader = optional_loader(datamodule if datamodule is not None else module, "val_dataloader")
+        val_loader = one_loader(val_loader, "val_dataloaders")
         checkpoint = self.checkpoints.resolve(ckpt_path) if ckpt_path is not None else None
         micro_batch = self._keep_global_batch(checkpoint, train_loader)  # a resume on another number of ranks
         train_loader = self._setup_loader(train_loader, shuffle_seed=self.seed, batch_size=micro_batch)

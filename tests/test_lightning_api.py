@@ -436,6 +436,17 @@ def test_manual_optimization_refusals(tmp_path):
         trainer.fit(ToyGAN(), DataLoader(gan_data(), batch_size=4))
 
 
+def test_several_validation_loaders_are_refused_in_one_line(tmp_path):
+    class TwoValLoaders(LitRegressor):
+        def val_dataloader(self):
+            return [super().val_dataloader(), super().val_dataloader()]
+
+    trainer, _ = make_trainer(tmp_path, strategy="single", devices=1, max_steps=1, logger=False)
+    with pytest.raises(ValueError, match=r"val_dataloader: 2 loaders given; distrain reads one per stage") as err:
+        trainer.fit(TwoValLoaders())
+    assert "\n" not in str(err.value)
+
+
 def test_several_optimizers_need_manual_optimization(tmp_path):
     class TwoOptimizers(LitRegressor):
         def configure_optimizers(self):
