@@ -82,7 +82,8 @@ def stage_loader(stage: str, trainer, module, dataloaders, datamodule) -> Any:
         if source is not None:
             prepare(source, trainer.runtime)
     if datamodule is not None:
-        datamodule.trainer = trainer
+        if not isinstance(getattr(type(datamodule), "trainer", None), property):  # a distrain.Module has its own
+            datamodule.trainer = trainer
         datamodule.setup(stage)
     module.setup(stage)
     if dataloaders is not None:

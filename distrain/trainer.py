@@ -267,6 +267,8 @@ class Trainer:
         module = _as_module(module)
         if datamodule is None and is_datamodule(train_dataloaders):
             train_dataloaders, datamodule = None, train_dataloaders
+        if datamodule is module:  # a module that is its own datamodule (the CLI's training.module): its hooks once
+            datamodule = None
         source = datamodule if datamodule is not None else module
         if train_dataloaders is None and not callable(getattr(source, "train_dataloader", None)):
             raise ValueError(
@@ -390,6 +392,8 @@ class Trainer:
         module = _as_module(module)
         if datamodule is None and is_datamodule(dataloaders):
             dataloaders, datamodule = None, dataloaders
+        if datamodule is module:
+            datamodule = None
         method = STAGE_LOADERS[stage]
         source = datamodule if datamodule is not None else module
         if dataloaders is None and not callable(getattr(source, method, None)):
