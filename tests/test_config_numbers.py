@@ -188,14 +188,12 @@ def test_every_numeric_trainer_argument_refuses_what_it_cannot_mean(tmp_path, va
     from distrain.trainer import TRAINER_NUMBERS
 
     for name, bounds in TRAINER_NUMBERS.items():
-        make = lambda: distrain.Trainer(  # noqa: E731
-            accelerator="cpu", strategy="single", devices=1, default_root_dir=str(tmp_path), **{name: value}
-        )
+        arguments = dict(accelerator="cpu", strategy="single", devices=1, default_root_dir=str(tmp_path))
         if value in bounds.means or bounds.in_range(value):
-            make()
+            distrain.Trainer(**arguments, **{name: value})
         else:
             with pytest.raises(ValueError, match=f"{name} must be"):
-                make()
+                distrain.Trainer(**arguments, **{name: value})
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, 0, -5])
