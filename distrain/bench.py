@@ -19,8 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 DEFAULT_SIZES = ("gpt-tiny", "gpt-mini")
 DEFAULT_STRATEGIES = ("single", "ddp", "fsdp", "deepspeed_stage_3")
 
@@ -46,6 +44,8 @@ def bench_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch  # here, not at the top: `distrain bench --help` answers without loading torch
+
     if args.one:
         return run_one(args)
     from distrain.models.gpt import GPT_SIZES
@@ -119,6 +119,7 @@ class _StepTimer:
 
 
 def run_one(args) -> int:
+    import torch  # here, not at the top: `distrain bench --help` answers without loading torch
     from torch.utils.data import DataLoader, Dataset
 
     import distrain
@@ -204,6 +205,8 @@ def np_diff(times: list[float]) -> list[float]:
 
 def cpu_matmul_flops(threads: int, n: int = 1024, repeats: int = 5) -> float:
     """The fp32 FLOP/s of a large square matmul with ``threads`` threads: a CPU's practical peak."""
+    import torch  # here, not at the top: `distrain bench --help` answers without loading torch
+
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -45,13 +45,7 @@ def test_help_imports_no_torch():
     assert not torch_loaded_after(["--version"])
 
 
-@pytest.mark.parametrize(
-    "command",
-    [
-        *[c for c in cli.COMMANDS if c != "bench"],
-        pytest.param("bench", marks=pytest.mark.xfail(strict=True, reason="distrain/bench.py imports torch on import")),
-    ],
-)
+@pytest.mark.parametrize("command", list(cli.COMMANDS))
 def test_every_command_help_is_fast(command):
     assert not torch_loaded_after([command, "--help"])
 
