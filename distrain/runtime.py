@@ -302,11 +302,15 @@ def _run_in_rank(runtime: Runtime, fn: Callable, *args: Any, **kwargs: Any) -> A
         raise
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (all devices) in this process."""
+def seed_everything(seed: int, workers: bool = True) -> int:
+    """Seed Python, NumPy and torch (all devices) in this process; returns the seed, as Lightning's does. Call it
+    before building a model outside ``configure_model`` (``Trainer(seed=...)`` seeds only what the Trainer builds).
+    ``workers``: accepted so Lightning code runs unchanged — the DataLoader workers of every loader distrain sets up
+    are seeded from (seed, rank, epoch) whatever it says."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+    return seed
 
 
 class _DeviceLoader:
