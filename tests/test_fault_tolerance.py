@@ -228,7 +228,9 @@ def test_a_restarted_group_of_two_ranks_rejoins(tmp_path):
     finally:
         launcher.kill()
     took_over = re.findall(r"replica group 1 took over the live state of a running group at step (\d+)", output)
-    assert took_over and int(took_over[-1]) >= kill_at, (took_over, output[-3000:])
+    # on a loaded machine group 0 may finish before the restart is back: then the group takes its final state
+    ended = "replica group 1 restarted after the other groups had finished" in output
+    assert ended or (took_over and int(took_over[-1]) >= kill_at), (took_over, output[-3000:])
     a, b = _last_state(out / "replica_0"), _last_state(out / "replica_1")
     assert a["progress"]["global_step"] == b["progress"]["global_step"] == steps
     for name, value in a["model"].items():
