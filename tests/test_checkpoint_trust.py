@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_safe_load import _dcp_copy  # a copy of a real FSDP checkpoint to craft from
 
 import distrain
 from distrain.checkpoint import CheckpointError, safe_load
@@ -147,12 +148,6 @@ def test_real_metadata_of_every_kind_still_reads(tmp_path):
 
 
 # ---- storage entries: inside the checkpoint, within the file, no unbounded size ------------------------------------
-def _copy(tmp: Path) -> Path:
-    target = tmp / "checkpoints" / "crafted"
-    shutil.copytree(PREVIOUS / "fsdp2-step3", target)
-    return target
-
-
 def _rewrite(checkpoint: Path, change) -> None:
     """Unpickle the real metadata (our own copy, so plain pickle is fine), change it, write it back."""
     metadata = pickle.loads((checkpoint / ".metadata").read_bytes())
@@ -206,7 +201,7 @@ def test_storage_entries_stay_inside_the_checkpoint_and_its_files(tmp_path, outs
     reader, DCP's load (resume, Module.load_from_checkpoint) and distrain convert."""
     from distrain.checkpoint.state import read_model_weights
 
-    crafted = _copy(tmp_path)
+    crafted = _dcp_copy(tmp_path)
     _rewrite(crafted, STORAGE_ATTACKS[attack](outside))
     with pytest.raises(CheckpointError) as error:
         safe_load.read_dcp_metadata(crafted)
@@ -219,7 +214,7 @@ def test_storage_entries_stay_inside_the_checkpoint_and_its_files(tmp_path, outs
 
 
 def test_a_storage_file_that_is_a_link_is_refused(tmp_path, outside):
-    crafted = _copy(tmp_path)
+    crafted = _dcp_copy(tmp_path)
     shard = sorted(crafted.glob("*.distcp"))[0]
     shutil.copy(shard, outside)
     shard.unlink()
@@ -229,7 +224,7 @@ def test_a_storage_file_that_is_a_link_is_refused(tmp_path, outside):
 
 
 def test_convert_refuses_an_entry_outside_in_one_line(tmp_path, outside):
-    crafted = _copy(tmp_path)
+    crafted = _dcp_copy(tmp_path)
     _rewrite(crafted, _entry_to(relative_path=str(outside)))
     out = subprocess.run(
         [sys.executable, "-m", "distrain.cli", "convert", str(crafted), str(tmp_path / "w.safetensors")],
