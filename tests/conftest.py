@@ -1,3 +1,4 @@
+import multiprocessing
 import os
 import sys
 
@@ -6,6 +7,9 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 cores: ranks must not fight over threads
+
+# tests/helpers.run_ranks forks its ranks from a server that has imported these once (see START_METHOD)
+multiprocessing.set_forkserver_preload(["helpers", "distrain.trainer"])
 
 _REPORTS: list[str] = []
 
@@ -31,7 +35,8 @@ def pytest_sessionfinish(session, exitstatus):
     leftovers = []
     for process in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" not in " ".join(process.cmdline()):
+            command = " ".join(process.cmdline())
+            if "resource_tracker" not in command and "multiprocessing.forkserver" not in command:
                 process.kill()
                 leftovers.append(process)
         except psutil.Error:  # ended meanwhile
