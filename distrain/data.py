@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 from distrain import compat
 
@@ -76,15 +85,24 @@ def with_distributed_sampler(
 ) -> DataLoader:
     """The same DataLoader, re-built around a ResumableDistributedSampler.
 
-    Shuffling is kept as the user asked (a RandomSampler means shuffle). Iterable datasets and
-    custom batch samplers are returned unchanged — they own their own sharding. ``batch_size``: another
-    micro-batch than the loader's (an elastic resume keeping the global batch).
+    Shuffling is kept as the user asked (a RandomSampler means shuffle). A batch sampler of the user's own
+    is re-created around the distributed sampler, as Lightning does: ``cls(sampler, batch_size=…,
+    drop_last=…)``, torch's BatchSampler signature. Iterable datasets are returned unchanged — they own
+    their own sharding. ``batch_size``: another micro-batch than the loader's (an elastic resume keeping the
+    global batch).
     """
-    if isinstance(loader.dataset, IterableDataset) or isinstance(loader.sampler, ResumableDistributedSampler):
+    if isinstance(loader.dataset, IterableDataset) or distributed_sampler(loader) is not None:
         return loader
-    if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
-        return loader
-    sampler = loader.sampler
+    own_batches = loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler
+    if own_batches and not isinstance(getattr(loader.batch_sampler, "sampler", None), Sampler):
+        if num_replicas == 1:
+            return loader
+        raise ValueError(
+            f"the DataLoader's batch sampler {type(loader.batch_sampler).__name__} has no `sampler` attribute, so "
+            f"distrain cannot shard it across {num_replicas} ranks (it re-creates a batch sampler around its "
+            "distributed sampler, as Lightning does); shard it yourself and pass use_distributed_sampler=False"
+        )
+    sampler = loader.batch_sampler.sampler if own_batches else loader.sampler
     if not (
         type(sampler) is SequentialSampler
         or compat.plain_random_sampler(sampler)
@@ -97,23 +115,29 @@ def with_distributed_sampler(
             "without changing what it samples; shard it yourself and pass use_distributed_sampler=False"
         )
     shuffle = isinstance(sampler, (RandomSampler, DistributedSampler)) and getattr(sampler, "shuffle", True)
+    drop_last = getattr(loader.batch_sampler, "drop_last", False) if own_batches else loader.drop_last
     sampler = ResumableDistributedSampler(
         loader.dataset,
         num_replicas=num_replicas,
         rank=rank,
         shuffle=shuffle,
         seed=seed,
-        drop_last=loader.drop_last,
+        drop_last=drop_last,
         even=even,
     )
+    if own_batches:
+        rebuilt = _rebuilt(loader.batch_sampler, sampler, batch_size, must=num_replicas > 1)
+        if rebuilt is None:
+            return loader  # one process, and a batch sampler that is not BatchSampler-like: its own order
+        batching = dict(batch_sampler=rebuilt)
+    else:
+        batching = dict(batch_size=batch_size or loader.batch_size, sampler=sampler, drop_last=drop_last)
     distributed = DataLoader(
         loader.dataset,
-        batch_size=batch_size or loader.batch_size,
-        sampler=sampler,
+        **batching,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context,
@@ -127,6 +151,41 @@ def with_distributed_sampler(
     distributed.distrain_worker_seed = (seed, rank)
     seed_workers(distributed, epoch=0)
     return distributed
+
+
+def _rebuilt(batch_sampler: Sampler, sampler: Sampler, batch_size: int | None, must: bool) -> Sampler | None:
+    """The user's batch sampler class, drawing from ``sampler`` instead of its own (None where that fails and
+    sharding is not a ``must``)."""
+    cls = type(batch_sampler)
+    try:
+        return cls(
+            sampler,
+            batch_size=batch_size or batch_sampler.batch_size,
+            drop_last=batch_sampler.drop_last,
+        )
+    except (TypeError, AttributeError) as error:
+        if not must:
+            return None
+        raise ValueError(
+            f"distrain shards the DataLoader's batch sampler by re-creating it around its distributed sampler as "
+            f"{cls.__name__}(sampler, batch_size=…, drop_last=…), as Lightning does, and that failed ({error}); "
+            f"give {cls.__name__} torch's BatchSampler signature, or shard it yourself and pass "
+            "use_distributed_sampler=False"
+        ) from None
+
+
+def distributed_sampler(loader: Any) -> ResumableDistributedSampler | None:
+    """The distrain sampler a loader draws from: its own, or its batch sampler's (None: it shards itself)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for sampler in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if isinstance(sampler, ResumableDistributedSampler):
+            return sampler
+    return None
+
+
+def micro_batch_size(loader: Any) -> int | None:
+    """Samples per batch of a loader: its batch_size, or its batch sampler's (None: unknown)."""
+    return getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
 
 
 def seed_workers(loader: DataLoader, epoch: int) -> None:

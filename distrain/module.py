@@ -412,12 +412,33 @@ class StepRouter(nn.Module):
         super().__init__()
         self.module = module
 
-    def forward(self, step_name: str, *args: Any, **kwargs: Any) -> Any:
-        output = getattr(self.module, step_name)(*args, **kwargs)
+    def forward(self, step_name: str, batch: Any, batch_idx: int) -> Any:
+        output = run_step(self.module, step_name, batch, batch_idx)
         trainer = self.module._trainer
         if step_name == "training_step" and trainer is not None and self.module.automatic_optimization:
             trainer._before_backward(output)  # Lightning's on_before_zero_grad, on_before_backward: here, in order
         return output
+
+
+_TAKES_BATCH_IDX: dict[Any, bool] = {}
+
+
+def run_step(module: Module, step_name: str, batch: Any, batch_idx: int) -> Any:
+    """``module.<step_name>(batch, batch_idx)``, or ``(batch)`` where the step has no ``batch_idx``
+    parameter: Lightning lets ``training_step(self, batch)`` (and the evaluation steps) leave it out."""
+    step = getattr(module, step_name)
+    function = getattr(step, "__func__", step)
+    takes = _TAKES_BATCH_IDX.get(function)
+    if takes is None:
+        try:
+            parameters = list(inspect.signature(step).parameters.values())
+        except (TypeError, ValueError):  # a builtin or C callable: assume torch's usual (batch, batch_idx)
+            parameters = None
+        takes = _TAKES_BATCH_IDX[function] = parameters is None or (
+            any(p.kind is p.VAR_POSITIONAL or p.name == "batch_idx" for p in parameters)
+            or sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters) >= 2
+        )
+    return step(batch, batch_idx) if takes else step(batch)
 
 
 def loss_of(output: Any) -> torch.Tensor:

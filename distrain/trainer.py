@@ -29,10 +29,17 @@ from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary, ProgressB
 from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.cluster import replica_run_dir
 from distrain.config import Bounds, redacted
-from distrain.data import ResumableDistributedSampler, batch_size_of, move_to_device, seed_workers, tokens_in_batch
+from distrain.data import (
+    batch_size_of,
+    distributed_sampler,
+    micro_batch_size,
+    move_to_device,
+    seed_workers,
+    tokens_in_batch,
+)
 from distrain.datamodule import STAGE_LOADERS, is_datamodule, one_loader, optional_loader, stage_loader
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
-from distrain.module import Module, StepRouter, loss_of, unsupported_hooks
+from distrain.module import Module, StepRouter, loss_of, run_step, unsupported_hooks
 from distrain.planner.batch import BatchLayout, keep_global_batch
 from distrain.runtime import Runtime
 from distrain.strategies.base import LoopFacts, Strategy
@@ -58,6 +65,8 @@ TRAINER_NUMBERS = {
 }
 #: what ``train_step`` returns for a step the strategy did not commit (``Strategy.commit_step``)
 DROPPED = object()
+#: ``on_train_batch_start`` returned -1 (Lightning's "skip the rest of this epoch"), on some rank
+SKIP_REST_OF_EPOCH = object()
 
 
 class NonFiniteError(RuntimeError):
@@ -431,7 +440,7 @@ class Trainer:
         self._num_batches = _length(train_loader)
         self.train_dataloader, self.val_dataloaders = train_loader, val_loader
         self.batch_layout = BatchLayout(
-            getattr(train_loader, "batch_size", None) or 1, self.loop.accumulate_for(0), self.data_parallel_size
+            micro_batch_size(train_loader) or 1, self.loop.accumulate_for(0), self.data_parallel_size
         )
         self._attach(module, "fit", train_loader)
         if checkpoint is not None:
@@ -472,7 +481,7 @@ class Trainer:
     def _keep_global_batch(self, checkpoint, loader) -> int | None:
         """A checkpoint trained on another number of data-parallel ranks: the micro-batch and accumulation that keep
         its global batch here (``planner/batch.py``); the micro-batch to load with, or None to keep the loader's."""
-        micro = getattr(loader, "batch_size", None)
+        micro = micro_batch_size(loader)
         if checkpoint is None or not micro or not self.loop.use_distributed_sampler:
             return None
         saved = self.runtime.decided_on_rank_zero(lambda: read_checkpoint_meta(checkpoint).get("batch_layout"))
@@ -516,6 +525,9 @@ class Trainer:
                 output = self.train_step(micro_batches)
                 if output is DROPPED:
                     continue
+                if output is SKIP_REST_OF_EPOCH:
+                    self._end_epoch(val_loader)
+                    break
                 self._after_step(output, micro_batches[-1], val_loader)
                 if self._done():
                     return
@@ -532,7 +544,7 @@ class Trainer:
         window's length (one small all-reduce per step): batches beyond the shortest rank's are
         dropped, and the epoch ends for all when one rank has none left."""
         batches = iter(batches)
-        agree = self.world_size > 1 and not isinstance(getattr(loader, "sampler", None), ResumableDistributedSampler)
+        agree = self.world_size > 1 and distributed_sampler(loader) is None
         while True:
             window = list(itertools.islice(batches, accumulate))
             if agree:
@@ -544,9 +556,9 @@ class Trainer:
 
     def _epoch_batches(self, loader) -> Iterator[tuple[int, Any]]:
         """This epoch's ``(batch_idx, batch)`` pairs from where the data position says."""
-        sampler = getattr(loader, "sampler", None)
+        sampler = distributed_sampler(loader)
         seed_workers(loader, self.current_epoch)
-        if isinstance(sampler, ResumableDistributedSampler):
+        if sampler is not None:
             sampler.set_epoch(self.current_epoch)
             sampler.set_start(self.progress.samples_in_epoch)
         elif self.progress.samples_in_epoch:
@@ -555,7 +567,7 @@ class Trainer:
                 "samples already seen (use_distributed_sampler=False, an IterableDataset or a custom batch "
                 "sampler); resume from an epoch-end checkpoint, or let distrain shard the data"
             )
-        per_step = (getattr(loader, "batch_size", None) or 1) * self.data_parallel_size
+        per_step = (micro_batch_size(loader) or 1) * self.data_parallel_size
         self._call("on_train_epoch_start")
         self.module.on_train_epoch_start()
         return enumerate(loader, start=self.progress.samples_in_epoch // per_step)
@@ -577,12 +589,20 @@ class Trainer:
         collector = self.metrics.collector
         indices = iter([batch_idx for batch_idx, _ in micro_batches])
         self._first_micro_batch = True
+        collector.current_batch_size = batch_size_of(micro_batches[0][1])
+        if self._skips_rest_of_epoch(*micro_batches[0]):
+            return SKIP_REST_OF_EPOCH
+        next(indices)  # the first micro-batch's on_train_batch_start has run
 
         def before_each(batch):  # before each training_step of the step
             collector.current_batch_size = batch_size_of(batch)
-            batch_idx = next(indices, None)  # None: a pipeline's schedule calls it per piece of a micro-batch
-            if batch_idx is not None:
-                self.module.on_train_batch_start(batch, batch_idx)
+            batch_idx = next(indices, None)  # None: the first, or a pipeline's schedule calling it per piece
+            if batch_idx is not None and self.module.on_train_batch_start(batch, batch_idx) == -1:
+                raise ValueError(
+                    f"on_train_batch_start returned -1 (skip the rest of the epoch) at batch {batch_idx}, inside an "
+                    "accumulation window; return it at the first batch of an optimizer step (batch_idx % "
+                    "accumulate_grad_batches == 0)"
+                )
 
         step_loss, output = rt.strategy.run_step(self.model, micro_batches, before_each=before_each)
         self._call("on_after_backward")
@@ -810,7 +830,7 @@ class Trainer:
             return
         # The optimizers are built on the model as set up: sharding strategies replace its parameters
         loop = LoopFacts(
-            micro_batch_size=getattr(train_loader, "batch_size", None),
+            micro_batch_size=micro_batch_size(train_loader),
             accumulate=self.loop.accumulate_for(0),
             max_accumulate=max(self.loop.accumulation.values()),
             gradient_clip_val=self.loop.gradient_clip_val,
@@ -832,6 +852,15 @@ class Trainer:
             self.module.on_before_zero_grad(self.optimizers[0])
         self.module.on_before_backward(loss_of(output))
 
+    def _skips_rest_of_epoch(self, batch_idx: int, batch: Any) -> bool:
+        """Runs ``on_train_batch_start`` of a step's first batch. -1 there skips the rest of the epoch, as in
+        Lightning, on every rank: where the module overrides the hook, the ranks agree (one small all-reduce a
+        step), so a rank that returns -1 never leaves the others waiting in the step's collectives."""
+        skip = self.module.on_train_batch_start(batch, batch_idx) == -1
+        if type(self.module).on_train_batch_start is not Module.on_train_batch_start and self.world_size > 1:
+            skip = bool(self.runtime.all_reduce(torch.tensor(int(skip)), op="max"))
+        return skip
+
     def _manual_step(self, micro_batches: list[tuple[int, Any]]) -> Any:
         """One batch under manual optimization: ``training_step`` steps the optimizers itself (each ``step()``
         counts in ``global_step``, as in Lightning). It is called on the module, not through the strategy's
@@ -842,10 +871,11 @@ class Trainer:
         rt.mark_phase(self.global_step + 1, "manual training_step")
         batch = move_to_device(batch, rt.device)
         self.metrics.collector.current_batch_size = batch_size_of(batch)
-        self.module.on_train_batch_start(batch, batch_idx)
+        if self._skips_rest_of_epoch(batch_idx, batch):
+            return SKIP_REST_OF_EPOCH
         before = self.global_step
         with rt.autocast():
-            output = self.module.training_step(batch, batch_idx)
+            output = run_step(self.module, "training_step", batch, batch_idx)
         samples = batch_size_of(batch)
         self.progress.samples_in_epoch += samples * self.data_parallel_size
         if self.global_step == before:  # no optimizer stepped in this batch: still a logged step of the loop

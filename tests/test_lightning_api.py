@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 import distrain as L  # was: import lightning as L
 from helpers import env_without_rank, make_trainer, run_ranks
@@ -240,6 +240,64 @@ class FileDataModule(L.DataModule):  # was: L.LightningDataModule
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
 
 
+# ---- a batch sampler of the user's own, a step without batch_idx, on_train_batch_start returning -1 ---------------
+class PairsFirst(Sampler):
+    """A batch sampler with torch's BatchSampler signature that sorts each batch's indices (a user's own kind)."""
+
+    def __init__(self, sampler, batch_size, drop_last):
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+
+    def __iter__(self):
+        batch = []
+        for index in self.sampler:
+            batch.append(index)
+            if len(batch) == self.batch_size:
+                yield sorted(batch)
+                batch = []
+        if batch and not self.drop_last:
+            yield sorted(batch)
+
+    def __len__(self):
+        whole, rest = divmod(len(self.sampler), self.batch_size)
+        return whole + (rest > 0 and not self.drop_last)
+
+
+class ShortEpochs(LitRegressor):
+    """``training_step(self, batch)`` with no batch_idx; -1 from on_train_batch_start at ``stop_at`` on ``rank``
+    only (Lightning: skip the rest of the epoch) — every rank must skip, or the others would wait in the step."""
+
+    def __init__(self, stop_at: int, rank: int, batch_size: int):
+        super().__init__(batch_size=batch_size)
+        self.stop_at, self.rank = stop_at, rank
+        self.seen: list[int] = []
+        self.epoch_ends = 0
+
+    def training_step(self, batch):
+        x, y, i = batch
+        self.seen.extend(i.tolist())
+        return F.mse_loss(self(x), y)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx == self.stop_at and self.global_rank == self.rank:
+            return -1
+        return None
+
+    def on_train_epoch_end(self):
+        self.epoch_ends += 1
+
+    def train_dataloader(self):
+        data = TensorDataset(*regression_data(32).tensors, torch.arange(32))  # x, y, the sample's index
+        sampler = torch.utils.data.RandomSampler(data)
+        return DataLoader(data, batch_sampler=PairsFirst(sampler, self.hparams.batch_size, drop_last=False))
+
+
+def _short_epochs(tmp, rank_that_stops: int, batch: int):
+    L.seed_everything(0)
+    module = ShortEpochs(stop_at=3, rank=rank_that_stops, batch_size=batch)
+    _, rec = _fit(tmp, module, "ddp", 2 if batch == 4 else 1, max_epochs=2)
+    return rec.losses, module.seen, module.global_step, module.epoch_ends
+
+
 # ---- the runs ------------------------------------------------------------------------------------------------------
 def _fit(tmp, module, strategy, devices, loader=None, **kw):
     kw.setdefault("enable_checkpointing", False)
@@ -311,6 +369,7 @@ def _cases(rank, tmp, batch):
     rows = sum(len(p) for p in trainer.predict(model, None, dm))  # Lightning's order: dataloaders, datamodule
     prepared = (tmp / "dm" / "prepared.log").read_text().count("prepared")
     out["dm"] = (rec.losses, dm.stages, prepared, rows, seen_by_module)
+    out["short"] = _short_epochs(tmp / "short", 1, batch)
     return out
 
 
@@ -346,6 +405,43 @@ def test_loss_dicts_step_schedulers_and_parity_with_one_process(two_ranks, tmp_p
         [metrics["train_loss"], metrics["val_loss"]],
     )
     _close(single.losses, two_ranks[0]["fsdp"])  # FSDP too
+
+
+def test_own_batch_sampler_a_step_without_batch_idx_and_a_skipped_epoch_rest(two_ranks, tmp_path):
+    """The user's batch sampler is sharded (re-created around distrain's sampler): the ranks see disjoint
+    samples, each step the same ones one process sees with twice the batch. -1 from on_train_batch_start on
+    rank 1 alone ends the epoch on both ranks after 3 of 4 steps, as -1 on the one process does."""
+    (losses, seen0, steps, ends), (_, seen1, _, _) = two_ranks[0]["short"], two_ranks[1]["short"]
+    assert (steps, ends) == (6, 2)  # 3 steps in each of 2 epochs
+    assert not set(seen0[:12]) & set(seen1[:12]) and len(set(seen0[:12] + seen1[:12])) == 24
+    single_losses, single_seen, single_steps, single_ends = _short_epochs(tmp_path, 0, 8)
+    assert (single_steps, single_ends) == (6, 2)
+    _close(single_losses, losses)
+    for step in range(6):  # the same samples in each step
+        assert sorted(seen0[4 * step : 4 * step + 4] + seen1[4 * step : 4 * step + 4]) == sorted(
+            single_seen[8 * step : 8 * step + 8]
+        )
+
+
+def test_a_batch_sampler_distrain_cannot_recreate_is_refused_in_one_line():
+    class Buckets(Sampler):  # not BatchSampler's signature
+        def __init__(self, lengths):
+            self.sampler, self.lengths = torch.utils.data.SequentialSampler(lengths), lengths
+
+        def __iter__(self):
+            return iter([[0, 1], [2, 3]])
+
+        def __len__(self):
+            return 2
+
+    loader = DataLoader(regression_data(4), batch_sampler=Buckets([1, 2, 3, 4]))
+    from distrain.data import with_distributed_sampler
+
+    with pytest.raises(
+        ValueError, match=r"Buckets\(sampler, batch_size=…, drop_last=…\).*use_distributed_sampler=False"
+    ):
+        with_distributed_sampler(loader, 2, 0, seed=0)
+    assert with_distributed_sampler(loader, 1, 0, seed=0) is loader  # one process: its own order, untouched
 
 
 def test_module_services_on_each_rank(two_ranks):

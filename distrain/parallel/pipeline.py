@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distrain import compat
-from distrain.module import loss_of
+from distrain.module import loss_of, run_step
 from distrain.parallel.gradients import match_gradient_layouts
 from distrain.parallel.layout import PP, ParallelLayout
 from distrain.parallel.pipeline_split import PipelineSplit, split_blocks
@@ -202,7 +202,7 @@ class PipelineRunner:
         if self._before_each is not None:
             self._before_each(batch)
         with self._answering(output, batch):
-            step_output = self.module.training_step(batch, batch_idx)
+            step_output = run_step(self.module, "training_step", batch, batch_idx)
         loss = _plain(loss_of(step_output))
         self._losses[index] = loss.detach().float()
         self._output = step_output

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from distrain import compat
-from distrain.module import Module
+from distrain.module import Module, loss_of, run_step
 from distrain.planner.work import StepWork, WorkCounter
 from distrain.strategies import layers
 from distrain.strategies.layers import apply_activation_checkpointing
@@ -334,10 +334,6 @@ def create_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) 
     optimizer.zero_grad(set_to_none=True)
 
 
-def loss_of(output: Any) -> torch.Tensor:
-    return output["loss"] if isinstance(output, dict) else output
-
-
 def trace_step(
     spec: ModelSpec,
     micro_batch: int,
@@ -381,7 +377,7 @@ def trace_step(
         counter = WorkCounter()
         with tracker, counter:
             with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
-                loss = loss_of(module.training_step(batch, 0))
+                loss = loss_of(run_step(module, "training_step", batch, 0))
             phases.phase = counter.phase = "backward"
             loss.backward()
             del loss

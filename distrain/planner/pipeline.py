@@ -29,13 +29,13 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from distrain import compat
+from distrain.module import loss_of, run_step
 from distrain.planner.model_stats import (
     ModelSpec,
     _fake_mode,
     _Phases,
     apply_activation_checkpointing,
     checkpoint_policy,
-    loss_of,
     to_empty_keeping_ties,
 )
 from distrain.planner.work import PhaseWork, WorkCounter
@@ -175,7 +175,7 @@ def _loss(module, plan, head_output, batch) -> torch.Tensor:
     ``PipelineRunner`` does)."""
     plan.model.forward = lambda *args, **kwargs: plan.answer(head_output, *args, **kwargs)
     try:
-        return loss_of(module.training_step(batch, 0))
+        return loss_of(run_step(module, "training_step", batch, 0))
     finally:
         del plan.model.forward
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from distrain.data import batch_size_of, move_to_device
+from distrain.module import run_step
 from distrain.training.metrics import MetricsLogger
 
 DEFAULT_LOSS_NAMES = {"validation_step": "val_loss", "test_step": "test_loss"}
@@ -95,7 +96,7 @@ class Evaluator:
         else the module's own step."""
         if self.runtime.strategy.traits.collective_forward and model is not None:
             return (lambda batch, i: model(step_name, batch, i)), True
-        return getattr(module, step_name), False
+        return (lambda batch, i: run_step(module, step_name, batch, i)), False
 
     def _lockstep(self, loader, limit: int | None, collective: bool) -> Iterator[tuple[int, Any, bool]]:
         """``(batch_idx, batch, padding)``: this rank's batches; where forwards communicate, followed by
