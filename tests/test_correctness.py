@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import distrain
-from helpers import IndexedTokens, TinyGPT, loader, make_trainer, run_ranks
+from helpers import START_METHOD, IndexedTokens, TinyGPT, loader, make_trainer, run_ranks
 
 
 # ---- evaluation and prediction in lockstep ------------------------------------------------------------
@@ -342,7 +342,9 @@ def _validate_with_a_slow_rank(rank, tmp, port):
 def test_a_hang_in_validate_is_diagnosed(tmp_path):
     from distrain.cluster import find_free_port
 
-    mp.start_processes(_validate_with_a_slow_rank, args=(tmp_path, find_free_port()), nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _validate_with_a_slow_rank, args=(tmp_path, find_free_port()), nprocs=2, start_method=START_METHOD
+    )
     message = (tmp_path / "error-0").read_text()
     assert "a collective did not complete on every rank" in message and "rank 1" in message, message
 
