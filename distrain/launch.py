@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 from distrain import distributed
 from distrain.cluster import ClusterEnv, find_free_port
+from distrain.distributed import watch
 
 
 def _rank_env(rank: int, nprocs: int, node_rank: int, num_nodes: int, addr: str, port: int) -> dict[str, str]:
@@ -419,14 +420,18 @@ class _Tee:
 
 
 def record_failure(log_dir: str | None, rank: int, error: BaseException) -> None:
-    """Write this rank's failure (when, what, the traceback) for the launcher's summary. A collective that failed
-    because of other ranks (``CollectiveHangError``) records them as the culprits, and its diagnosis."""
+    """Write this rank's failure (when, what, where this rank was, the traceback) for the launcher's summary. A
+    collective that failed because of other ranks (``CollectiveHangError``) records them as the culprits, and its
+    diagnosis."""
     if log_dir is None:
         return
     import traceback
 
     lines = str(error).strip().splitlines()
     record = {"time": time.time(), "rank": rank, "type": type(error).__name__, "message": (lines or [""])[0][:500]}
+    here = watch.where(rank)
+    if here is not None:
+        record["where"] = here
     culprits = getattr(error, "culprits", None)
     if culprits is not None:  # this rank only waited
         record["culprits"] = {str(r): where for r, where in culprits.items()}
@@ -438,10 +443,13 @@ def record_failure(log_dir: str | None, rank: int, error: BaseException) -> None
 
 
 def _write_record(log_dir: str, rank: int, record: dict) -> None:
+    """Whole or not at all (a summary may read it meanwhile)."""
     import json
 
-    with open(os.path.join(log_dir, f"rank_{rank}.error.json"), "w") as f:
+    path = os.path.join(log_dir, f"rank_{rank}.error.json")
+    with open(f"{path}.{os.getpid()}.tmp", "w") as f:
         json.dump(record, f)
+    os.replace(f.name, path)
 
 
 #: what an exit code says, as a shell shows a signal's death (128 + N) or Python's Popen (-N)
@@ -468,11 +476,16 @@ def describe_exit(code: int) -> str:
 
 def record_exit(log_dir: str | None, rank: int, code: int, since: float) -> bool:
     """A record for a rank that exited with ``code`` and wrote none of its own since ``since`` (killed, or
-    ``os._exit``); False when it had written one, or there is nowhere to write."""
+    ``os._exit``), with where it was (its last progress mark, from the store); False when it had written one, or
+    there is nowhere to write."""
     if log_dir is None or _written_since(os.path.join(log_dir, f"rank_{rank}.error.json"), since):
         return False
+    record = {"time": time.time(), "rank": rank, "type": "exit", "message": describe_exit(code)}
+    where = watch.where(rank)
+    if where is not None:
+        record["where"] = where
     os.makedirs(log_dir, exist_ok=True)
-    _write_record(log_dir, rank, {"time": time.time(), "rank": rank, "type": "exit", "message": describe_exit(code)})
+    _write_record(log_dir, rank, record)
     return True
 
 
@@ -515,9 +528,9 @@ def failure_summary(log_dir: str | None, wait_for: int | None = None, since: flo
     culprits = {int(k): w for r in waited for k, w in r["culprits"].items()}
     if own:
         first = own[0]
-        where = f" at {culprits[first['rank']]}" if first["rank"] in culprits else ""
+        where = first.get("where") or culprits.get(first["rank"])  # its own mark, else where the others saw it
         lines = [
-            f"[distrain] rank {first['rank']} failed first{where}: "
+            f"[distrain] rank {first['rank']} failed first{f' at {where}' if where else ''}: "
             + (first["message"] if first["type"] == "exit" else f"{first['type']}: {first['message']}"),
             f"[distrain]   its whole output and traceback: {rank_log(log_dir, first['rank'])}",
         ]
