@@ -91,6 +91,8 @@ class SubprocessLauncher:
         self._report_lock, self._reported = threading.Lock(), False
         #: where each rank's output and failure record go (the Trainer: ``<run dir>/logs``); None: the console
         self.log_dir: str | None = None
+        #: what the memory plan says about a rank the kernel killed (``Runtime.explain_out_of_memory``)
+        self.explain_memory: Callable[[bool], str] | None = None
 
     def launch(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         if not self._started:  # also with one process per node: this process needs its rank env
@@ -139,8 +141,9 @@ class SubprocessLauncher:
                     self._stopping = True
                     rank = self.node_rank * self.nprocs + local_rank
                     summary = failure_summary(self.log_dir, wait_for=rank, since=self._started_at)
-                    if record_exit(self.log_dir, rank, code, since=self._started_at):  # it died without a word
-                        summary = failure_summary(self.log_dir, since=self._started_at)
+                    # it died without a word: its record, made here or (the same) by rank 0's own failure meanwhile
+                    record_exit(self.log_dir, rank, code, since=self._started_at, explain_memory=self.explain_memory)
+                    summary = failure_summary(self.log_dir, since=self._started_at) or summary
                     self._report(summary or f"[distrain] rank {rank} {describe_exit(code)}; stopping the other ranks")
                     self._kill_others()
                     os._exit(code if code > 0 else 1)
@@ -165,7 +168,8 @@ class SubprocessLauncher:
                 break
             time.sleep(0.05)
         for local_rank, code in exited:
-            record_exit(self.log_dir, self.node_rank * self.nprocs + local_rank, code, since=self._started_at)
+            rank = self.node_rank * self.nprocs + local_rank
+            record_exit(self.log_dir, rank, code, since=self._started_at, explain_memory=self.explain_memory)
 
     def _kill_others(self, grace: float = 10.0) -> None:
         """SIGTERM, then SIGKILL whatever still runs after ``grace`` s: a rank that hangs outside
@@ -419,10 +423,12 @@ class _Tee:
         return getattr(self.stream, name)
 
 
-def record_failure(log_dir: str | None, rank: int, error: BaseException) -> None:
+def record_failure(
+    log_dir: str | None, rank: int, error: BaseException, explain_memory: Callable[[bool], str] | None = None
+) -> None:
     """Write this rank's failure (when, what, where this rank was, the traceback) for the launcher's summary. A
     collective that failed because of other ranks (``CollectiveHangError``) records them as the culprits, and its
-    diagnosis."""
+    diagnosis; an out-of-memory error, what the memory plan says (``explain_memory``, planned only now)."""
     if log_dir is None:
         return
     import traceback
@@ -440,10 +446,27 @@ def record_failure(log_dir: str | None, rank: int, error: BaseException) -> None
         log.write("".join(traceback.format_exception(error)))
     _write_record(log_dir, rank, record)
     error.distrain_recorded = True
+    if explain_memory is not None and out_of_memory(error):  # written again with the plan, which takes seconds
+        record["memory"] = error.distrain_memory_plan = explain_memory(False)
+        with open(rank_log(log_dir, rank), "a") as log:
+            log.write(f"distrain: {record['memory']}\n")
+        _write_record(log_dir, rank, record)
+        if hasattr(error, "add_note"):  # Python 3.11+: its traceback says it too (a run of one process has no summary)
+            error.add_note(f"distrain: {record['memory']}")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """An allocation that failed: torch's ``OutOfMemoryError``, or an error that says so (a library's on the GPU,
+    torch's CPU allocator); not a collective's diagnosis, which may quote a peer's "out of memory?" exit."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    first = (str(error).strip().splitlines() or [""])[0].lower()
+    said = "out of memory" in first or "can't allocate memory" in first
+    return isinstance(error, RuntimeError) and not hasattr(error, "culprits") and said
 
 
 def _write_record(log_dir: str, rank: int, record: dict) -> None:
-    """Whole or not at all (a summary may read it meanwhile)."""
+    """Whole or not at all (a summary may read it meanwhile: an out-of-memory record is written twice)."""
     import json
 
     path = os.path.join(log_dir, f"rank_{rank}.error.json")
@@ -474,19 +497,28 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}: {_SIGNAL_HINTS.get(sig, f'killed by {sig.name}')}"
 
 
-def record_exit(log_dir: str | None, rank: int, code: int, since: float) -> bool:
+_exit_records = threading.Lock()  # the launcher's watching thread and rank 0's own failure may both record an exit
+
+
+def record_exit(
+    log_dir: str | None, rank: int, code: int, since: float, explain_memory: Callable[[bool], str] | None = None
+) -> bool:
     """A record for a rank that exited with ``code`` and wrote none of its own since ``since`` (killed, or
-    ``os._exit``), with where it was (its last progress mark, from the store); False when it had written one, or
-    there is nowhere to write."""
-    if log_dir is None or _written_since(os.path.join(log_dir, f"rank_{rank}.error.json"), since):
-        return False
-    record = {"time": time.time(), "rank": rank, "type": "exit", "message": describe_exit(code)}
-    where = watch.where(rank)
-    if where is not None:
-        record["where"] = where
-    os.makedirs(log_dir, exist_ok=True)
-    _write_record(log_dir, rank, record)
-    return True
+    ``os._exit``): where it was (its last progress mark, from the store) and, for a SIGKILL (the kernel's OOM
+    killer), what the memory plan says (``explain_memory``). False when it had written one, or there is nowhere to
+    write."""
+    with _exit_records:
+        if log_dir is None or _written_since(os.path.join(log_dir, f"rank_{rank}.error.json"), since):
+            return False
+        record = {"time": time.time(), "rank": rank, "type": "exit", "message": describe_exit(code)}
+        where = watch.where(rank)
+        if where is not None:
+            record["where"] = where
+        if explain_memory is not None and code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+            record["memory"] = explain_memory(True)  # the host's memory ran out
+        os.makedirs(log_dir, exist_ok=True)
+        _write_record(log_dir, rank, record)
+        return True
 
 
 def _written_since(path: str, since: float) -> bool:
@@ -529,9 +561,11 @@ def failure_summary(log_dir: str | None, wait_for: int | None = None, since: flo
     if own:
         first = own[0]
         where = first.get("where") or culprits.get(first["rank"])  # its own mark, else where the others saw it
+        memory = f"; {first['memory']}" if first.get("memory") else ""  # one line: the console's first
         lines = [
             f"[distrain] rank {first['rank']} failed first{f' at {where}' if where else ''}: "
-            + (first["message"] if first["type"] == "exit" else f"{first['type']}: {first['message']}"),
+            + (first["message"] if first["type"] == "exit" else f"{first['type']}: {first['message']}")
+            + memory,
             f"[distrain]   its whole output and traceback: {rank_log(log_dir, first['rank'])}",
         ]
         others = [r for r in records if r is not first]
