@@ -656,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(e, "distrain_recorded", False):  # raised before the rank's log existed
             record_failure(log_dir, rank, e)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if getattr(e, "distrain_memory_plan", None):  # out of memory: what the plan says, on the same line
+            first += f"; {e.distrain_memory_plan}"
         log = rank_log(log_dir, rank)
         print(f"distrain: error on rank {rank}: {type(e).__name__}: {first} (traceback: {log})", file=sys.stderr)
         return 1

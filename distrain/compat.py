@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -208,7 +209,11 @@ def transformers_masks_as_in_eager():
     traced tensor? ``_ignore_causal_mask_sdpa``), assumes the worst and builds an explicit 4-D mask
     that an eager run of a batch without padding or packing skips (it uses SDPA's ``is_causal``).
     While the planner traces such a batch, both answer as eager does, so the traced step allocates
-    what the run will. ``transformers.masking_utils``: checked on transformers 5.x."""
+    what the run will. ``transformers.masking_utils``: checked on transformers 5.x. A model that did not import
+    transformers runs none of it: nothing to patch (importing it costs seconds)."""
+    if "transformers" not in sys.modules:
+        yield
+        return
     try:
         from transformers import masking_utils
     except ImportError:

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 from distrain import distributed
 from distrain.cluster import ClusterEnv, find_free_port
+from distrain.distributed import watch
 
 
 def _rank_env(rank: int, nprocs: int, node_rank: int, num_nodes: int, addr: str, port: int) -> dict[str, str]:
@@ -90,6 +91,8 @@ class SubprocessLauncher:
         self._report_lock, self._reported = threading.Lock(), False
         #: where each rank's output and failure record go (the Trainer: ``<run dir>/logs``); None: the console
         self.log_dir: str | None = None
+        #: what the memory plan says about a rank the kernel killed (``Runtime.explain_out_of_memory``)
+        self.explain_memory: Callable[[bool], str] | None = None
 
     def launch(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         if not self._started:  # also with one process per node: this process needs its rank env
@@ -138,8 +141,9 @@ class SubprocessLauncher:
                     self._stopping = True
                     rank = self.node_rank * self.nprocs + local_rank
                     summary = failure_summary(self.log_dir, wait_for=rank, since=self._started_at)
-                    if record_exit(self.log_dir, rank, code, since=self._started_at):  # it died without a word
-                        summary = failure_summary(self.log_dir, since=self._started_at)
+                    # it died without a word: its record, made here or (the same) by rank 0's own failure meanwhile
+                    record_exit(self.log_dir, rank, code, since=self._started_at, explain_memory=self.explain_memory)
+                    summary = failure_summary(self.log_dir, since=self._started_at) or summary
                     self._report(summary or f"[distrain] rank {rank} {describe_exit(code)}; stopping the other ranks")
                     self._kill_others()
                     os._exit(code if code > 0 else 1)
@@ -164,7 +168,8 @@ class SubprocessLauncher:
                 break
             time.sleep(0.05)
         for local_rank, code in exited:
-            record_exit(self.log_dir, self.node_rank * self.nprocs + local_rank, code, since=self._started_at)
+            rank = self.node_rank * self.nprocs + local_rank
+            record_exit(self.log_dir, rank, code, since=self._started_at, explain_memory=self.explain_memory)
 
     def _kill_others(self, grace: float = 10.0) -> None:
         """SIGTERM, then SIGKILL whatever still runs after ``grace`` s: a rank that hangs outside
@@ -418,15 +423,21 @@ class _Tee:
         return getattr(self.stream, name)
 
 
-def record_failure(log_dir: str | None, rank: int, error: BaseException) -> None:
-    """Write this rank's failure (when, what, the traceback) for the launcher's summary. A collective that failed
-    because of other ranks (``CollectiveHangError``) records them as the culprits, and its diagnosis."""
+def record_failure(
+    log_dir: str | None, rank: int, error: BaseException, explain_memory: Callable[[bool], str] | None = None
+) -> None:
+    """Write this rank's failure (when, what, where this rank was, the traceback) for the launcher's summary. A
+    collective that failed because of other ranks (``CollectiveHangError``) records them as the culprits, and its
+    diagnosis; an out-of-memory error, what the memory plan says (``explain_memory``, planned only now)."""
     if log_dir is None:
         return
     import traceback
 
     lines = str(error).strip().splitlines()
     record = {"time": time.time(), "rank": rank, "type": type(error).__name__, "message": (lines or [""])[0][:500]}
+    here = watch.where(rank)
+    if here is not None:
+        record["where"] = here
     culprits = getattr(error, "culprits", None)
     if culprits is not None:  # this rank only waited
         record["culprits"] = {str(r): where for r, where in culprits.items()}
@@ -435,13 +446,33 @@ def record_failure(log_dir: str | None, rank: int, error: BaseException) -> None
         log.write("".join(traceback.format_exception(error)))
     _write_record(log_dir, rank, record)
     error.distrain_recorded = True
+    if explain_memory is not None and out_of_memory(error):  # written again with the plan, which takes seconds
+        record["memory"] = error.distrain_memory_plan = explain_memory(False)
+        with open(rank_log(log_dir, rank), "a") as log:
+            log.write(f"distrain: {record['memory']}\n")
+        _write_record(log_dir, rank, record)
+        if hasattr(error, "add_note"):  # Python 3.11+: its traceback says it too (a run of one process has no summary)
+            error.add_note(f"distrain: {record['memory']}")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """An allocation that failed: torch's ``OutOfMemoryError``, or an error that says so (a library's on the GPU,
+    torch's CPU allocator); not a collective's diagnosis, which may quote a peer's "out of memory?" exit."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    first = (str(error).strip().splitlines() or [""])[0].lower()
+    said = "out of memory" in first or "can't allocate memory" in first
+    return isinstance(error, RuntimeError) and not hasattr(error, "culprits") and said
 
 
 def _write_record(log_dir: str, rank: int, record: dict) -> None:
+    """Whole or not at all (a summary may read it meanwhile: an out-of-memory record is written twice)."""
     import json
 
-    with open(os.path.join(log_dir, f"rank_{rank}.error.json"), "w") as f:
+    path = os.path.join(log_dir, f"rank_{rank}.error.json")
+    with open(f"{path}.{os.getpid()}.tmp", "w") as f:
         json.dump(record, f)
+    os.replace(f.name, path)
 
 
 #: what an exit code says, as a shell shows a signal's death (128 + N) or Python's Popen (-N)
@@ -466,14 +497,28 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}: {_SIGNAL_HINTS.get(sig, f'killed by {sig.name}')}"
 
 
-def record_exit(log_dir: str | None, rank: int, code: int, since: float) -> bool:
+_exit_records = threading.Lock()  # the launcher's watching thread and rank 0's own failure may both record an exit
+
+
+def record_exit(
+    log_dir: str | None, rank: int, code: int, since: float, explain_memory: Callable[[bool], str] | None = None
+) -> bool:
     """A record for a rank that exited with ``code`` and wrote none of its own since ``since`` (killed, or
-    ``os._exit``); False when it had written one, or there is nowhere to write."""
-    if log_dir is None or _written_since(os.path.join(log_dir, f"rank_{rank}.error.json"), since):
-        return False
-    os.makedirs(log_dir, exist_ok=True)
-    _write_record(log_dir, rank, {"time": time.time(), "rank": rank, "type": "exit", "message": describe_exit(code)})
-    return True
+    ``os._exit``): where it was (its last progress mark, from the store) and, for a SIGKILL (the kernel's OOM
+    killer), what the memory plan says (``explain_memory``). False when it had written one, or there is nowhere to
+    write."""
+    with _exit_records:
+        if log_dir is None or _written_since(os.path.join(log_dir, f"rank_{rank}.error.json"), since):
+            return False
+        record = {"time": time.time(), "rank": rank, "type": "exit", "message": describe_exit(code)}
+        where = watch.where(rank)
+        if where is not None:
+            record["where"] = where
+        if explain_memory is not None and code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+            record["memory"] = explain_memory(True)  # the host's memory ran out
+        os.makedirs(log_dir, exist_ok=True)
+        _write_record(log_dir, rank, record)
+        return True
 
 
 def _written_since(path: str, since: float) -> bool:
@@ -515,10 +560,12 @@ def failure_summary(log_dir: str | None, wait_for: int | None = None, since: flo
     culprits = {int(k): w for r in waited for k, w in r["culprits"].items()}
     if own:
         first = own[0]
-        where = f" at {culprits[first['rank']]}" if first["rank"] in culprits else ""
+        where = first.get("where") or culprits.get(first["rank"])  # its own mark, else where the others saw it
+        memory = f"; {first['memory']}" if first.get("memory") else ""  # one line: the console's first
         lines = [
-            f"[distrain] rank {first['rank']} failed first{where}: "
-            + (first["message"] if first["type"] == "exit" else f"{first['type']}: {first['message']}"),
+            f"[distrain] rank {first['rank']} failed first{f' at {where}' if where else ''}: "
+            + (first["message"] if first["type"] == "exit" else f"{first['type']}: {first['message']}")
+            + memory,
             f"[distrain]   its whole output and traceback: {rank_log(log_dir, first['rank'])}",
         ]
         others = [r for r in records if r is not first]

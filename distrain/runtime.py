@@ -69,6 +69,9 @@ class Runtime:
         self.flight_recorder_dir: str | None = None
         #: each rank's output (``rank_N.log``) and failure record go here (the Trainer: its run dir's logs/)
         self.log_dir: str | None = None
+        #: what the memory plan says about this run, ``(host) -> str``: called only once a rank ran out of memory (of
+        #: the host's when ``host``: the kernel killed it). The Trainer's fit sets it; a loop of your own may
+        self.memory_plan: Callable[[bool], str] | None = None
         self._environment_ready = False
 
     def _resolve_devices(self, devices: int | str, num_nodes: int) -> tuple[int, int]:
@@ -144,6 +147,7 @@ class Runtime:
         ranks: ``collect()`` runs in every rank after ``fn`` and rank 0's payload reaches ``restore`` here."""
         if self._launcher is not None and hasattr(self._launcher, "log_dir"):
             self._launcher.log_dir = self.log_dir
+            self._launcher.explain_memory = self.explain_out_of_memory
         in_rank = functools.partial(_run_in_rank, self, fn)  # picklable, for spawn
         if self._launcher is None:
             return in_rank(*args, **kwargs)
@@ -263,6 +267,16 @@ class Runtime:
         rank(s) that did not arrive and where they stopped. None for any other error."""
         return watch.explain(error)
 
+    def explain_out_of_memory(self, host: bool = False) -> str:
+        """For a rank that ran out of memory (a CUDA out-of-memory error here; ``host``: a rank the kernel killed): what
+        the memory plan says, in one line (``memory_plan``); that it is unavailable, and why, when it cannot say."""
+        if self.memory_plan is None:
+            return "memory plan: unavailable (the Trainer's fit plans; a loop of your own may set Runtime.memory_plan)"
+        try:
+            return self.memory_plan(host)
+        except Exception as e:  # noqa: BLE001 — the line that names the rank must reach the console
+            return f"memory plan: unavailable ({type(e).__name__}: {str(e).strip()[:200]})"
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self.is_global_zero:
             print(*args, **kwargs, flush=True)
@@ -298,7 +312,7 @@ def _run_in_rank(runtime: Runtime, fn: Callable, *args: Any, **kwargs: Any) -> A
         runtime.setup_environment()
         return fn(*args, **kwargs)
     except Exception as error:
-        launch.record_failure(runtime.log_dir, runtime.global_rank, error)
+        launch.record_failure(runtime.log_dir, runtime.global_rank, error, runtime.explain_out_of_memory)
         raise
 
 

@@ -817,6 +817,7 @@ class Trainer:
         rt.seed_everything(self.seed)  # same seed everywhere: every rank builds identical weights
         object.__setattr__(module, "_trainer", self)
         self.module = module
+        rt.memory_plan = self._memory_plan if stage == "fit" else None  # asked only once a rank ran out of memory
         _own_memory(module)
         self._configure(module)
         for cb in self.callbacks:
@@ -842,6 +843,15 @@ class Trainer:
         configure = lambda: _parse_optimizers(module.configure_optimizers(), manual)  # noqa: E731
         self.model, self.optimizers, self.lr_schedulers = rt.strategy.setup(StepRouter(module), configure, loop)
         self._manual_optimizers = [ManualOptimizer(self, o) for o in self.optimizers] if manual else []
+
+    def _memory_plan(self, host: bool) -> str:
+        """``Runtime.memory_plan`` for fit: what the memory planner says of this module and micro-batch under the
+        running strategy (``planner/oom.py``), planned on the error path only."""
+        from distrain.planner.oom import memory_plan
+
+        micro_batch = self.batch_layout.micro_batch if self.batch_layout else 1
+        accumulate, clip = self.loop.accumulate_for(self.current_epoch), self.loop.gradient_clip_val
+        return memory_plan(self.runtime, self.module, self.train_dataloader, micro_batch, accumulate, clip, host)
 
     # ---- Lightning's per-micro-batch hooks and manual optimization -------------------------------------
     def _before_backward(self, output: Any) -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -149,3 +152,44 @@ def loader(batch_size: int, n: int = 96, shuffle: bool = True) -> DataLoader:
 
 def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
+
+
+FAULTY_RANK_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import torch
+import distrain
+from helpers import TinyGPT, loader
+
+class Faulty(TinyGPT):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.global_step == 2:
+            {fault}
+        x, y, _ = batch  # no .tolist() of the ids, and no self.trainer: the memory planner can trace this step
+        return self.gpt(x, y)
+
+def stuck_in_user_code():
+    while True:  # busy in Python: a loop that never ends
+        time.sleep(0.01)
+
+trainer = distrain.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=6, collective_timeout={timeout},
+                           enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                           default_root_dir={root!r})
+trainer.fit(Faulty(), loader(4))
+"""
+
+
+def console_of_a_faulty_rank(tmp_path, fault: str, collective_timeout: float) -> tuple[str, float]:
+    """A user's script, run as a user runs it (distrain's own launcher starts rank 1 from it), training 2 DDP ranks of
+    which rank 1 runs ``fault`` (a line of Python) at the start of its third step: the console's ``[distrain]``
+    lines, and the seconds the script took."""
+    script = tmp_path / "train.py"
+    root = str(tmp_path / "run")
+    tests = os.path.dirname(__file__)
+    script.write_text(FAULTY_RANK_SCRIPT.format(tests=tests, timeout=collective_timeout, fault=fault, root=root))
+    start = time.time()
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env_without_rank(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode != 0
+    return "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[distrain]")), time.time() - start

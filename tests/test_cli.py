@@ -245,7 +245,9 @@ def test_an_error_in_one_rank_reaches_the_console_in_three_lines(tmp_path):
     )
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith("[distrain]")]
-    assert ours[0] == "[distrain] rank 1 failed first: ValueError: boom on rank 1", proc.stderr
+    assert ours[0] == "[distrain] rank 1 failed first at step 2 (in forward/backward): ValueError: boom on rank 1", (
+        proc.stderr
+    )
     assert ours[1] == "[distrain]   its whole output and traceback: run/logs/rank_1.log"
     assert "exited with code -15" not in proc.stderr and "Traceback" not in proc.stderr
     log = (tmp_path / "run" / "logs" / "rank_1.log").read_text()

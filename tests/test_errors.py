@@ -102,7 +102,8 @@ def test_a_failure_of_an_earlier_run_is_not_reported_as_this_ones(tmp_path):
     proc = _cli(tmp_path, "--devices", "2", "--strategy", "ddp", "training.module=mine.py:FailsOnRankOne")
     assert proc.returncode != 0
     assert "OldError" not in proc.stderr, proc.stderr
-    assert "rank 1 failed first: RuntimeError: rank one broke" in proc.stderr, proc.stderr
+    broke = "rank 1 failed first at step 1 (in forward/backward): RuntimeError: rank one broke"
+    assert broke in proc.stderr, proc.stderr
 
 
 def test_an_empty_training_set_says_why(tmp_path):

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 import distrain
 from distrain.distributed.watch import _describe, _ranks
-from helpers import TinyGPT, env_without_rank, loader, make_trainer, run_ranks
+from helpers import TinyGPT, console_of_a_faulty_rank, env_without_rank, loader, make_trainer, run_ranks
 
 TIMEOUT = 3.0  # distributed.collective_timeout_seconds for these runs
 MARGIN = 6.0  # diagnosis and unwinding on a busy 2-core machine
@@ -215,60 +215,13 @@ def test_nccl_flight_recorder_dumps_into_the_run_dir(tmp_path, monkeypatch):
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0" and "TORCH_FR_BUFFER_SIZE" not in os.environ
 
 
-CULPRIT_SCRIPT = """
-import os, sys, time
-sys.path.insert(0, {tests!r})
-import distrain
-from helpers import TinyGPT, loader
-
-class Faulty(TinyGPT):
-    def training_step(self, batch, batch_idx):
-        if self.trainer.global_rank == 1 and self.trainer.global_step == 2:
-            {fault}
-        return super().training_step(batch, batch_idx)
-
-def stuck_in_user_code():
-    while True:  # busy in Python: a loop that never ends
-        time.sleep(0.01)
-
-trainer = distrain.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=6, collective_timeout={timeout},
-                           enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                           default_root_dir={root!r})
-trainer.fit(Faulty(), loader(4))
-"""
-
-
-def _console_of_a_faulty_rank(tmp_path, fault: str) -> tuple[str, float]:
-    script = tmp_path / "train.py"
-    root = str(tmp_path / "run")
-    script.write_text(CULPRIT_SCRIPT.format(tests=os.path.dirname(__file__), timeout=TIMEOUT, fault=fault, root=root))
-    start = time.time()
-    proc = subprocess.run(
-        [sys.executable, str(script)], env=env_without_rank(), capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode != 0
-    return "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[distrain]")), time.time() - start
-
-
 @pytest.mark.slow
 def test_the_console_names_a_stuck_rank_and_shows_where_it_is(tmp_path):
     """Rank 1 loops forever in the user's code at step 3: the console's first line names rank 1, never rank 0 (which
     only waited), and shows rank 1's own stack down to the user's function."""
-    console, elapsed = _console_of_a_faulty_rank(tmp_path, "stuck_in_user_code()")
+    console, elapsed = console_of_a_faulty_rank(tmp_path, "stuck_in_user_code()", TIMEOUT)
     first = console.splitlines()[0]
     assert first.startswith("[distrain] rank 1 at step 3 (in forward/backward)") and "rank 0 failed" not in console
     assert "rank 1 is here" in console and "in stuck_in_user_code" in console, console
     assert "train.py" in console and "in training_step" in console, console
     assert elapsed < 90, elapsed
-
-
-@pytest.mark.slow
-def test_the_console_names_a_killed_rank_and_its_exit(tmp_path):
-    """Rank 1 dies as an OOM-killed process would (exit code 137, no traceback): the console names rank 1, its exit
-    and where it was, and calls rank 0 what it was: a rank that waited for it."""
-    console, _ = _console_of_a_faulty_rank(tmp_path, "os._exit(137)")
-    first = console.splitlines()[0]
-    assert first.startswith("[distrain] rank 1 failed first"), console
-    assert "exited with code 137" in first and "SIGKILL" in first and "out of memory" in first, console
-    assert "at step 3" in first, console
-    assert "rank 0 failed first" not in console and "(it waited for the ranks above)" in console, console

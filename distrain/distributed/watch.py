@@ -91,6 +91,11 @@ def patient(phase: str):
     return _active.patient(phase) if _active is not None else contextlib.nullcontext()
 
 
+def where(rank: int) -> str | None:
+    """Where ``rank`` last said it was (``step 3 (in forward/backward)``); None without a watched group."""
+    return _active.where(rank) if _active is not None else None
+
+
 def explain(error: BaseException) -> CollectiveHangError | None:
     """The diagnosis of a collective that timed out or lost a peer; None for any other error."""
     return _active.explain(error) if _active is not None else None
@@ -127,6 +132,22 @@ class CollectiveWatch:
             self.store.set(f"rank{self.rank}", f"{self._count}|{self.step}|{state}|{self.phase}")
         except Exception:  # the store's host is gone; the next collective fails on its own
             self.store = None
+
+    def where(self, rank: int) -> str | None:
+        """Where ``rank`` last said it was: this rank's own mark, another's from the store (the launcher names a rank
+        that died without a word by it); None when the store cannot say."""
+        if rank == self.rank:
+            return f"step {self.step} (in {self.phase})"
+        if self.store is None:
+            return None
+        try:
+            self.store.set_timeout(timedelta(seconds=10))  # an unreachable store must not hang a failure's report
+            if not self.store.check([f"rank{rank}"]):
+                return None
+            _count, step, _state, phase = self.store.get(f"rank{rank}").decode().split("|", 3)
+        except Exception:  # noqa: BLE001 — a report must never hide the failure it reports
+            return None
+        return f"step {step} (in {phase})"
 
     # ---- timeouts ------------------------------------------------------------------------------------
     def set_collective_timeout(self, timeout: timedelta) -> None:

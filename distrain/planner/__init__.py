@@ -11,8 +11,8 @@ tensors), ``work`` (its FLOPs and bytes), ``simulate`` (FSDP2 and tensor paralle
 group), ``pipeline`` (each stage traced alone, the schedule's micro-batches in flight), ``estimate`` (the
 options and each one's parts; DDP), ``zero`` (DeepSpeed ZeRO), ``timing`` (seconds per step), ``plan``
 (budget, ranking, table, recommendation), ``cli`` (``distrain plan`` and the decisions ``distrain train``
-takes), ``auto`` (``Trainer(strategy="auto")``). Measured peaks, for the accuracy tests and benchmark:
-``benchmarks/plan_measure.py``.
+takes), ``auto`` (``Trainer(strategy="auto")``), ``oom`` (what a rank that ran out of memory is told).
+Measured peaks, for the accuracy tests and benchmark: ``benchmarks/plan_measure.py``.
 """
 
 from distrain.planner.estimate import Estimator, Job, Option, Row

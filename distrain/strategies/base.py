@@ -140,6 +140,13 @@ class Strategy:
         return int(os.environ.get("RANK", int(os.environ.get("NODE_RANK", 0)) * self.nprocs_per_node))
 
     @property
+    def planned_as(self) -> tuple[str, dict[str, Any]] | None:
+        """How the memory planner models this strategy, read only to explain a rank that ran out of memory: a
+        registered name and the fields of the planner's ``Job`` that describe this instance; None where it has no
+        model of it."""
+        return None
+
+    @property
     def layout_note(self) -> str:
         """How the ranks are arranged, for the run's header (model-parallel strategies: `` (pipeline 2 × data 1
         × tensor 2)``); empty when every rank is a data-parallel replica."""

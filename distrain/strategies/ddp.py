@@ -59,6 +59,10 @@ class DDPStrategy(Strategy):
         self.model_averaging_period = model_averaging_period
         self._model_averager = None
 
+    @property
+    def planned_as(self) -> tuple[str, dict[str, Any]]:
+        return "ddp", {"gradient_as_bucket_view": self.ddp_kwargs["gradient_as_bucket_view"]}
+
     # DDP wraps once it knows whether the loop accumulates: a static graph cannot skip gradient sync on
     # accumulation micro-steps.
     def _setup_training(self, model: nn.Module, optimizers: list, schedulers: list, loop: LoopFacts) -> SetUp:

@@ -114,6 +114,10 @@ class DeepSpeedStrategy(Strategy):
         self._rng_before_init: dict | None = None
 
     @property
+    def planned_as(self) -> tuple[str, dict[str, Any]]:
+        return "deepspeed", {"zero": self.config}  # its stage and offload, as the planner reads a user's JSON
+
+    @property
     def traits(self) -> Traits:
         return Traits(
             collective_forward=self.stage == 3,  # partitioned parameters are all-gathered in every forward

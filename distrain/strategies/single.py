@@ -6,6 +6,7 @@ from distrain.strategies.registry import register
 
 class SingleDeviceStrategy(Strategy):
     start_method = None
+    planned_as = ("single", {})
 
 
 register("single", SingleDeviceStrategy, "one process on one device")
