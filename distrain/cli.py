@@ -557,6 +557,16 @@ def version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:  # the program, not a call from Python: it ends now, without the final garbage collection
+            from distrain.cluster import end_fast_at_exit
+
+            end_fast_at_exit()
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):  # no command: the commands, not a training run
         print(main_help(), end="")

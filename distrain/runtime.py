@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from distrain import distributed, launch
 from distrain.accelerators import auto_device_count, resolve_accelerator
 from distrain.checkpoint import state as ckpt_state
-from distrain.cluster import detect_cluster, export_cluster_env
+from distrain.cluster import detect_cluster, end_fast_at_exit, export_cluster_env
 from distrain.data import move_to_device, with_distributed_sampler
 from distrain.distributed import watch
 from distrain.launch import make_launcher
@@ -314,6 +314,9 @@ def _run_in_rank(runtime: Runtime, fn: Callable, *args: Any, **kwargs: Any) -> A
     except Exception as error:
         launch.record_failure(runtime.log_dir, runtime.global_rank, error, runtime.explain_out_of_memory)
         raise
+    finally:
+        if os.environ.get("DISTRAIN_LAUNCHED_CHILD"):  # a rank our launcher started: it ends with its work
+            end_fast_at_exit()
 
 
 def seed_everything(seed: int, workers: bool = True) -> int:
