@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import math
 import os
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -426,6 +427,7 @@ class Trainer:
 
     # ---- fit ------------------------------------------------------------------------------------
     def _fit(self, module: Module, data: tuple, ckpt_path):
+        started = time.perf_counter()
         rt = self.runtime
         train_loader, val_loader, datamodule = data
         rt.seed_everything(self.seed)  # setup(stage) may build layers: alike on every rank
@@ -447,6 +449,7 @@ class Trainer:
             self.checkpoints.restore(checkpoint)
             step = self.batch_layout.micro_batch * self.data_parallel_size
             self.progress.samples_in_epoch -= self.progress.samples_in_epoch % step  # a whole step of this layout
+        first_step = self.global_step
         self.metrics.start_fit(_flops_per_token(module), self.run_config)
         self._call("on_fit_start")
         module.on_fit_start()
@@ -470,13 +473,26 @@ class Trainer:
             module.teardown("fit")
             if datamodule is not None:
                 datamodule.teardown("fit")
-        if self.preempted and self.is_global_zero:
-            print(
-                f"distrain: stopped by signal {self.preempted} at step {self.global_step}; "
-                "the checkpoint in `last` resumes it",
-                flush=True,
-            )
+        if self.is_global_zero and self.metrics.summarize:
+            self._print_summary(first_step, time.perf_counter() - started)
         return self.callback_metrics
+
+    def _print_summary(self, first_step: int, seconds: float) -> None:
+        """The end of a fit on the console: how it ended, its numbers, and where its files are."""
+        ended = f"done at step {self.global_step}"
+        if self.preempted:
+            ended = f"stopped by signal {self.preempted} at step {self.global_step} (`last` resumes it)"
+        if first_step:
+            ended += f" (resumed from step {first_step})"
+        checkpoint = self.checkpoint_callback
+        plot = next((c.last_path for c in self.callbacks if isinstance(c, PlotSummary)), None)
+        events = next((lg.log_dir for lg in self.loggers if isinstance(lg, TensorBoardLogger)), None)
+        paths = {
+            "checkpoint": checkpoint.last_model_path if checkpoint is not None else None,
+            "plot": plot,
+            "tensorboard": f"tensorboard --logdir {events}" if events is not None and events.is_dir() else None,
+        }
+        print(self.metrics.summary(ended, seconds, paths), flush=True)
 
     def _keep_global_batch(self, checkpoint, loader) -> int | None:
         """A checkpoint trained on another number of data-parallel ranks: the micro-batch and accumulation that keep
@@ -774,7 +790,7 @@ class Trainer:
         self.runtime.mark_phase(None, "validation")
         self._last_val_step = self.global_step
         metrics = self.evaluator.run(self.module, self.model, "validation_step", loader, self.loop.limit_val_batches)
-        self.metrics.publish(metrics, self.global_step)
+        self.metrics.validation_done(metrics, self.global_step, self.loop.max_steps)
         self._call("on_validation_end")
 
     # ---- validate / test / predict -----------------------------------------------------------------
