@@ -166,8 +166,11 @@ def _counts(one):
 
 
 def train_parser(
-    prog: str = "distrain train", description: str = "train the built-in GPT job (or your config's)"
+    prog: str = "distrain train",
+    description: str = "train the built-in GPT job (or your config's)",
+    writes_run: bool = True,
 ) -> argparse.ArgumentParser:
+    """``distrain train``'s options (``plan`` and ``verify`` take them too: the same run; they write none)."""
     keys = ", ".join(f"--{flag.replace('_', '-')} ({key})" for flag, key in FLAG_KEYS.items())
     train = Parser(
         prog=prog,
@@ -184,7 +187,13 @@ def train_parser(
     train.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int)
     train.add_argument("--precision", help="32-true, 16-mixed, bf16-mixed, bf16-true or fp8")
     train.add_argument("--max-steps", "--max_steps", dest="max_steps", type=int)
-    train.add_argument("--output-dir", "--output_dir", dest="output_dir")
+    train.add_argument(
+        "--output-dir",
+        "--output_dir",
+        dest="output_dir",
+        help="where the run writes (default runs/distrain); a folder that holds an earlier run is refused unless "
+        "--resume or --overwrite",
+    )
     train.add_argument("--seed", type=int)
     train.add_argument(
         "--model-name",
@@ -205,6 +214,12 @@ def train_parser(
         metavar="last|auto|PATH",
         help="continue from the newest checkpoint (auto: only if one exists), or from PATH",
     )
+    if writes_run:
+        train.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="remove the earlier run's files in --output-dir first (named on the console; nothing else there)",
+        )
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument(
         "--help-config", action=_HelpConfig, help="list every key=value config key (as `distrain config`) and exit"
@@ -218,6 +233,7 @@ def plan_parser() -> argparse.ArgumentParser:
         "distrain plan",
         "per-rank memory of every strategy (DDP, FSDP, ZeRO; with and without activation checkpointing and "
         "offload) for this run, the largest micro-batch that fits, and the recommendation; nothing is allocated",
+        writes_run=False,
     )
     plan.set_defaults(strategy="all")
     plan.add_argument("--json", action="store_true", help="the rows as JSON")
@@ -241,6 +257,7 @@ def verify_parser() -> argparse.ArgumentParser:
         "a few steps of this exact run (strategy, layout, precision, accumulation, checkpointing, compile) against "
         "one process on the same global batch: losses, gradients and weights per module, data, replicas, the "
         "optimizer's coverage, a checkpoint round trip, the dtypes used; exit code 1 when anything diverges",
+        writes_run=False,
     )
     verify.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
     verify.add_argument("--json", action="store_true", help="the report as JSON")
@@ -641,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.shrink:
                 shrink(config)
             return verify(config, args.steps, args.json)
-        return train(config, resume=args.resume)
+        return train(config, resume=args.resume, overwrite=args.overwrite)
     except Exception as e:
         if getattr(e, "distrain_reported", False):  # the launcher already named the rank and the log
             return 1
@@ -662,9 +679,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_distrain_message(error: BaseException) -> bool:
-    """distrain's own one-line errors: a ConfigError, a missing file, or a ValueError distrain itself raised
-    (argument checks). A ValueError from inside torch or another library is not one: it needs its traceback."""
-    if isinstance(error, (ConfigError, FileNotFoundError)):
+    """distrain's own one-line errors: a ConfigError, a missing file (or one in the way), or a ValueError distrain
+    itself raised (argument checks). A ValueError from inside torch or another library is not one: it needs its
+    traceback."""
+    if isinstance(error, (ConfigError, FileNotFoundError, FileExistsError)):
         return True
     if not isinstance(error, ValueError):
         return False
@@ -675,10 +693,10 @@ def _is_distrain_message(error: BaseException) -> bool:
     return bool(frames) and frames[-1].filename.startswith(package)
 
 
-def train(config: RunConfig, resume: str | None = None) -> int:
+def train(config: RunConfig, resume: str | None = None, overwrite: bool = False) -> int:
     from distrain.jobs import run
 
-    return run(config, resume)
+    return run(config, resume, overwrite)
 
 
 def plot(runs: list[str], output: str, labels: list[str] | None, title: str | None) -> int:

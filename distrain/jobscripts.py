@@ -10,6 +10,8 @@ import shlex
 
 import yaml
 
+from distrain.run_dir import DEFAULT
+
 
 def _train_command(train_args: list[str]) -> str:
     return shlex.join(["distrain", "train", *train_args])
@@ -20,7 +22,7 @@ def _with_output_dir(train_args: list[str]) -> tuple[list[str], str]:
     out_flags = [a for a in ("--output-dir", "--output_dir") if a in train_args]
     if out_flags:
         return train_args, train_args[train_args.index(out_flags[0]) + 1]
-    return [*train_args, "--output-dir", "runs/distrain"], "runs/distrain"
+    return [*train_args, "--output-dir", DEFAULT], DEFAULT
 
 
 def torchrun_command(

@@ -42,6 +42,8 @@ from distrain.datamodule import STAGE_LOADERS, is_datamodule, one_loader, option
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 from distrain.module import Module, StepRouter, loss_of, run_step, unsupported_hooks
 from distrain.planner.batch import BatchLayout, keep_global_batch
+from distrain.run_dir import DEFAULT as DEFAULT_ROOT_DIR
+from distrain.run_dir import choose as choose_run_dir
 from distrain.runtime import Runtime
 from distrain.strategies.base import LoopFacts, Strategy
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
@@ -146,9 +148,13 @@ class Trainer:
         # where and how the ranks run
         self.runtime = Runtime(accelerator, strategy, devices, num_nodes, precision, **strategy_kwargs)
         # each replica group of a fault-tolerant run keeps its own run directory (replica_<id>/)
-        self.default_root_dir = replica_run_dir(str(default_root_dir or os.path.join(os.getcwd(), "distrain_runs")))
-        self.runtime.flight_recorder_dir = os.path.join(self.default_root_dir, "flight_recorder")  # NCCL only
-        self.runtime.log_dir = os.path.join(self.default_root_dir, "logs")  # rank_N.log: every rank's output
+        self.default_root_dir = replica_run_dir(str(default_root_dir or os.path.join(os.getcwd(), DEFAULT_ROOT_DIR)))
+        #: the run's folder (Lightning's name): metrics, TensorBoard, checkpoints, plots, logs. Final once the first
+        #: stage starts (``_choose_run_dir``); ``distrain train`` checked its own (``run_dir.claim``) and keeps it
+        self.log_dir = self.default_root_dir
+        self._run_dir_chosen = False
+        self._default_loggers = logger is True
+        self._point_runtime_at_run_dir()
         if compile:  # torch.compile when the strategy sets the model up (strategies/layers.py: apply_compile)
             if not self.runtime.strategy.traits.compiles:
                 raise ValueError(f"compile=True is not supported with {type(self.runtime.strategy).__name__}")
@@ -181,14 +187,14 @@ class Trainer:
         if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.append(ProgressBar())
         if enable_plots and not any(isinstance(c, PlotSummary) for c in self.callbacks):
-            self.callbacks.append(PlotSummary())  # <default_root_dir>/plots/summary.png when training ends
+            self.callbacks.append(PlotSummary())  # <log_dir>/plots/summary.png when training ends
         if histogram_every_n_steps is not None:  # weights and gradients, gathered one parameter at a time
             from distrain.callbacks.histograms import ParameterHistograms
 
             self.callbacks.append(ParameterHistograms(histogram_every_n_steps))
         self.metrics = MetricsLogger(
             self.runtime,
-            _loggers(logger, self.default_root_dir),
+            _loggers(logger, self.log_dir),
             log_every_n_steps,
             print_steps=not enable_progress_bar,
         )
@@ -269,6 +275,24 @@ class Trainer:
         if not self.checkpoints.save(path, background=False) and self.is_global_zero:
             warnings.warn(f"distrain: the checkpoint {path} holds non-finite weights", stacklevel=2)
 
+    def _choose_run_dir(self, ckpt_path) -> None:
+        """Where this Trainer's run writes, chosen once, when its first stage starts and before any rank writes:
+        ``default_root_dir``, or the next ``version_N`` in it when it holds an earlier run; a resume goes on in the
+        run it resumes (``run_dir.choose``)."""
+        if self._run_dir_chosen:
+            return
+        self._run_dir_chosen = True
+        path = choose_run_dir(self.default_root_dir, ckpt_path)
+        if path != self.log_dir:
+            self.log_dir = path
+            self._point_runtime_at_run_dir()
+            if self._default_loggers:
+                self.metrics.loggers = _loggers(True, path)
+
+    def _point_runtime_at_run_dir(self) -> None:
+        self.runtime.flight_recorder_dir = os.path.join(self.log_dir, "flight_recorder")  # NCCL only
+        self.runtime.log_dir = os.path.join(self.log_dir, "logs")  # rank_N.log: every rank's output
+
     # ---- public entry points: each launches the ranks, then runs the stage in every rank -------
     def fit(self, module: nn.Module, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
         """Train ``module`` on the loaders given, else ``datamodule``'s (also passed in ``train_dataloaders``'
@@ -289,6 +313,7 @@ class Trainer:
         if ckpt_path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
             # torchrun restarted the group after a failure: continue from the newest intact checkpoint
             ckpt_path = "auto"
+        self._choose_run_dir(ckpt_path)
         if self.runtime.auto_options is not None and not self.runtime.environment_ready:
             planned = train_dataloaders
             if planned is None and datamodule is None and not _overrides(module, "prepare_data", "setup"):
@@ -411,6 +436,7 @@ class Trainer:
                 f"{stage}() needs dataloaders, a datamodule with {method}(), or a module that defines {method}()"
             )
         self._check_lightning_module(module)
+        self._choose_run_dir(ckpt_path)
         if stage == "predict":
             return self._launch(self._predict, module, (dataloaders, datamodule), ckpt_path)
         step_name = "validation_step" if stage == "validate" else "test_step"
@@ -851,7 +877,7 @@ class Trainer:
             max_accumulate=max(self.loop.accumulation.values()),
             gradient_clip_val=self.loop.gradient_clip_val,
             total_steps=self.estimated_stepping_batches,
-            run_dir=self.default_root_dir,
+            run_dir=self.log_dir,
             live_state=(self.checkpoints.live_state, self.checkpoints.load_live_state),
         )
         manual = not module.automatic_optimization

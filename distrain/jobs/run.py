@@ -26,7 +26,11 @@ def job_for(config: RunConfig) -> Job:
     return GPTJob(config)
 
 
-def run(config: RunConfig, resume: str | None = None) -> int:
+def run(config: RunConfig, resume: str | None = None, overwrite: bool = False) -> int:
+    from distrain import run_dir
+
+    if run_dir.starts_the_run():  # before the plan and before any file is written
+        run_dir.claim(config.output_dir, resume, overwrite, config.checkpointing.checkpoint_dir)
     started = _start(config, resume)
     if isinstance(started, int):
         return started
