@@ -301,16 +301,18 @@ def launch_parser() -> argparse.ArgumentParser:
     sl = sub.add_parser("slurm", help="write an sbatch script (srun, one task per GPU, requeue)")
     sl.add_argument("--nodes", type=int, required=True)
     sl.add_argument("--gpus-per-node", type=int, required=True)
-    sl.add_argument("--time", required=True, metavar="HH:MM:SS")
+    sl.add_argument("--time", required=True, type=_slurm_time, metavar="HH:MM:SS", help="e.g. 90, 1:30:00, 2-00:00:00")
     sl.add_argument("--partition")
     sl.add_argument("--min-nodes", type=int, help="elastic: start (and requeue) on MIN to --nodes nodes")
     sl.add_argument("--output", default="distrain.sbatch")
+    sl.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     k8 = sub.add_parser("k8s", help="write a Kubeflow PyTorchJob manifest")
     k8.add_argument("--nodes", type=int, required=True)
     k8.add_argument("--gpus-per-node", type=int, required=True)
     k8.add_argument("--image", required=True)
     k8.add_argument("--min-nodes", type=int, help="elastic: the PyTorchJob runs MIN to --nodes pods (torchrun c10d)")
     k8.add_argument("--output", default="pytorchjob.yaml")
+    k8.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     sky = sub.add_parser("sky", help="write a SkyPilot task (AWS, GCP, Azure, Kubernetes, ...); --run launches it")
     sky.add_argument("--nodes", type=int, required=True)
     sky.add_argument("--gpus", required=True, metavar="NAME:COUNT", help="per node, e.g. A100:8 or H100:8")
@@ -319,10 +321,20 @@ def launch_parser() -> argparse.ArgumentParser:
     sky.add_argument("--bucket", help="a storage bucket mounted at /checkpoints (where a recovered job finds them)")
     sky.add_argument("--name", default="distrain", help="the task and cluster name")
     sky.add_argument("--output", help="the file to write (default: NAME.sky.yaml)")
+    sky.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     sky.add_argument(
         "--run", action="store_true", help="then launch it with `sky launch` (`sky jobs launch` for --spot)"
     )
     return launch
+
+
+def _slurm_time(value: str) -> str:
+    from distrain.jobscripts import check_slurm_time
+
+    try:
+        return check_slurm_time(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def jobscripts_clouds() -> tuple[str, ...]:
@@ -336,6 +348,14 @@ def launch(argv: list[str]) -> int:
 
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = launch_parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.engine == "sky":
+        args.output = args.output or f"{args.name}.sky.yaml"
+    if args.engine != "torchrun" and Path(args.output).exists() and not args.force:
+        print(
+            f"distrain: error: {args.output} exists; --force overwrites it, or --output names another file",
+            file=sys.stderr,
+        )
+        return 2
     try:
         _check_job(args, train_args)
     except (ConfigError, ValueError) as e:
@@ -405,7 +425,7 @@ def launch_sky(args, train_args: list[str]) -> int:
     except ValueError as e:
         print(f"distrain: error: {e}", file=sys.stderr)
         return 2
-    output = args.output or f"{args.name}.sky.yaml"
+    output = args.output
     Path(output).write_text(text)
     command = jobscripts.sky_launch_command(output, args.spot, args.name)
     if args.spot and not args.bucket:
