@@ -88,11 +88,18 @@ def claim(directory: str | os.PathLike, resume: str | None, overwrite: bool, che
             "or give another --output-dir"
         )
     print(f"distrain: --overwrite: removing the earlier run's {names} from {directory}", flush=True)
+    # moved aside first, one rename each, then removed: under torchrun or srun the other ranks start at once, and
+    # one that already makes its logs/ makes a fresh one instead of failing the removal of the old
+    aside = Path(directory) / f".overwritten-{os.getpid()}"
+    aside.mkdir()
     for path in found:
-        if path.is_dir() and not path.is_symlink():
+        if path.parent == aside.parent:
+            path.rename(aside / path.name)
+        elif path.is_dir() and not path.is_symlink():  # a checkpoint in a checkpoint folder of the run's own
             shutil.rmtree(path)
         else:
             path.unlink()
+    shutil.rmtree(aside)
 
 
 def _checkpoints_in(directory: Path) -> list[Path]:

@@ -79,6 +79,7 @@ def test_a_run_ends_with_its_summary_and_a_second_one_there_is_refused_overwritt
         f"tensorboard/ from {out}"
     )
     assert (out / "notes.txt").read_text() == "mine" and not (out / "plots").exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # what it moved aside is gone too
     assert _steps(out) == [1] and sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch=0-step=1", "last"]
     run_dir.claim(out, "last", False, None)  # --resume goes on with it (tests/test_cli.py trains on)
 
