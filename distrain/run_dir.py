@@ -91,7 +91,7 @@ def claim(directory: str | os.PathLike, resume: str | None, overwrite: bool, che
     # moved aside first, one rename each, then removed: under torchrun or srun the other ranks start at once, and
     # one that already makes its logs/ makes a fresh one instead of failing the removal of the old
     aside = Path(directory) / f".overwritten-{os.getpid()}"
-    aside.mkdir()
+    aside.mkdir(parents=True)  # (the run's folder may not be there: only checkpoints elsewhere were)
     for path in found:
         if path.parent == aside.parent:
             path.rename(aside / path.name)
