@@ -149,6 +149,7 @@ def train_command(args, model: Path, strategy: str, corpus: Path, run_dir: Path)
     return [
         "distrain", "train", "--model-name", str(model), "--strategy", strategy, "--devices", "1",
         "--precision", "bf16-mixed", "--batch-size", "1", "--max-steps", "3", "--output-dir", str(run_dir),
+        "--overwrite",  # the bench's own folder: the bench run again replaces the run it measured there before
         "training.pretrained=false", "training.activation_checkpointing=true", "training.limit_val_batches=1",
         f"data.dataset={corpus}", f"data.max_length={args.seq_len}", "data.packing=true",
         "logging.log_every_n_steps=1", "logging.progress_bar=false", "logging.use_tensorboard=false",

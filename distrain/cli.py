@@ -166,8 +166,11 @@ def _counts(one):
 
 
 def train_parser(
-    prog: str = "distrain train", description: str = "train the built-in GPT job (or your config's)"
+    prog: str = "distrain train",
+    description: str = "train the built-in GPT job (or your config's)",
+    writes_run: bool = True,
 ) -> argparse.ArgumentParser:
+    """``distrain train``'s options (``plan`` and ``verify`` take them too: the same run; they write none)."""
     keys = ", ".join(f"--{flag.replace('_', '-')} ({key})" for flag, key in FLAG_KEYS.items())
     train = Parser(
         prog=prog,
@@ -184,7 +187,13 @@ def train_parser(
     train.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int)
     train.add_argument("--precision", help="32-true, 16-mixed, bf16-mixed, bf16-true or fp8")
     train.add_argument("--max-steps", "--max_steps", dest="max_steps", type=int)
-    train.add_argument("--output-dir", "--output_dir", dest="output_dir")
+    train.add_argument(
+        "--output-dir",
+        "--output_dir",
+        dest="output_dir",
+        help="where the run writes (default runs/distrain); a folder that holds an earlier run is refused unless "
+        "--resume or --overwrite",
+    )
     train.add_argument("--seed", type=int)
     train.add_argument(
         "--model-name",
@@ -205,6 +214,12 @@ def train_parser(
         metavar="last|auto|PATH",
         help="continue from the newest checkpoint (auto: only if one exists), or from PATH",
     )
+    if writes_run:
+        train.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="remove the earlier run's files in --output-dir first (named on the console; nothing else there)",
+        )
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument(
         "--help-config", action=_HelpConfig, help="list every key=value config key (as `distrain config`) and exit"
@@ -218,6 +233,7 @@ def plan_parser() -> argparse.ArgumentParser:
         "distrain plan",
         "per-rank memory of every strategy (DDP, FSDP, ZeRO; with and without activation checkpointing and "
         "offload) for this run, the largest micro-batch that fits, and the recommendation; nothing is allocated",
+        writes_run=False,
     )
     plan.set_defaults(strategy="all")
     plan.add_argument("--json", action="store_true", help="the rows as JSON")
@@ -241,6 +257,7 @@ def verify_parser() -> argparse.ArgumentParser:
         "a few steps of this exact run (strategy, layout, precision, accumulation, checkpointing, compile) against "
         "one process on the same global batch: losses, gradients and weights per module, data, replicas, the "
         "optimizer's coverage, a checkpoint round trip, the dtypes used; exit code 1 when anything diverges",
+        writes_run=False,
     )
     verify.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
     verify.add_argument("--json", action="store_true", help="the report as JSON")
@@ -284,16 +301,18 @@ def launch_parser() -> argparse.ArgumentParser:
     sl = sub.add_parser("slurm", help="write an sbatch script (srun, one task per GPU, requeue)")
     sl.add_argument("--nodes", type=int, required=True)
     sl.add_argument("--gpus-per-node", type=int, required=True)
-    sl.add_argument("--time", required=True, metavar="HH:MM:SS")
+    sl.add_argument("--time", required=True, type=_slurm_time, metavar="HH:MM:SS", help="e.g. 90, 1:30:00, 2-00:00:00")
     sl.add_argument("--partition")
     sl.add_argument("--min-nodes", type=int, help="elastic: start (and requeue) on MIN to --nodes nodes")
     sl.add_argument("--output", default="distrain.sbatch")
+    sl.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     k8 = sub.add_parser("k8s", help="write a Kubeflow PyTorchJob manifest")
     k8.add_argument("--nodes", type=int, required=True)
     k8.add_argument("--gpus-per-node", type=int, required=True)
     k8.add_argument("--image", required=True)
     k8.add_argument("--min-nodes", type=int, help="elastic: the PyTorchJob runs MIN to --nodes pods (torchrun c10d)")
     k8.add_argument("--output", default="pytorchjob.yaml")
+    k8.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     sky = sub.add_parser("sky", help="write a SkyPilot task (AWS, GCP, Azure, Kubernetes, ...); --run launches it")
     sky.add_argument("--nodes", type=int, required=True)
     sky.add_argument("--gpus", required=True, metavar="NAME:COUNT", help="per node, e.g. A100:8 or H100:8")
@@ -302,10 +321,20 @@ def launch_parser() -> argparse.ArgumentParser:
     sky.add_argument("--bucket", help="a storage bucket mounted at /checkpoints (where a recovered job finds them)")
     sky.add_argument("--name", default="distrain", help="the task and cluster name")
     sky.add_argument("--output", help="the file to write (default: NAME.sky.yaml)")
+    sky.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     sky.add_argument(
         "--run", action="store_true", help="then launch it with `sky launch` (`sky jobs launch` for --spot)"
     )
     return launch
+
+
+def _slurm_time(value: str) -> str:
+    from distrain.jobscripts import check_slurm_time
+
+    try:
+        return check_slurm_time(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def jobscripts_clouds() -> tuple[str, ...]:
@@ -319,6 +348,14 @@ def launch(argv: list[str]) -> int:
 
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = launch_parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.engine == "sky":
+        args.output = args.output or f"{args.name}.sky.yaml"
+    if args.engine != "torchrun" and Path(args.output).exists() and not args.force:
+        print(
+            f"distrain: error: {args.output} exists; --force overwrites it, or --output names another file",
+            file=sys.stderr,
+        )
+        return 2
     try:
         _check_job(args, train_args)
     except (ConfigError, ValueError) as e:
@@ -388,7 +425,7 @@ def launch_sky(args, train_args: list[str]) -> int:
     except ValueError as e:
         print(f"distrain: error: {e}", file=sys.stderr)
         return 2
-    output = args.output or f"{args.name}.sky.yaml"
+    output = args.output
     Path(output).write_text(text)
     command = jobscripts.sky_launch_command(output, args.spot, args.name)
     if args.spot and not args.bucket:
@@ -651,7 +688,7 @@ def _main(argv: list[str] | None) -> int:
             if args.shrink:
                 shrink(config)
             return verify(config, args.steps, args.json)
-        return train(config, resume=args.resume)
+        return train(config, resume=args.resume, overwrite=args.overwrite)
     except Exception as e:
         if getattr(e, "distrain_reported", False):  # the launcher already named the rank and the log
             return 1
@@ -674,9 +711,10 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _is_distrain_message(error: BaseException) -> bool:
-    """distrain's own one-line errors: a ConfigError, a missing file, or a ValueError distrain itself raised
-    (argument checks). A ValueError from inside torch or another library is not one: it needs its traceback."""
-    if isinstance(error, (ConfigError, FileNotFoundError)):
+    """distrain's own one-line errors: a ConfigError, a missing file (or one in the way), or a ValueError distrain
+    itself raised (argument checks). A ValueError from inside torch or another library is not one: it needs its
+    traceback."""
+    if isinstance(error, (ConfigError, FileNotFoundError, FileExistsError)):
         return True
     if not isinstance(error, ValueError):
         return False
@@ -687,10 +725,10 @@ def _is_distrain_message(error: BaseException) -> bool:
     return bool(frames) and frames[-1].filename.startswith(package)
 
 
-def train(config: RunConfig, resume: str | None = None) -> int:
+def train(config: RunConfig, resume: str | None = None, overwrite: bool = False) -> int:
     from distrain.jobs import run
 
-    return run(config, resume)
+    return run(config, resume, overwrite)
 
 
 def plot(runs: list[str], output: str, labels: list[str] | None, title: str | None) -> int:

@@ -25,6 +25,8 @@ from typing import Any, Union
 
 import yaml
 
+from distrain.run_dir import DEFAULT as DEFAULT_OUTPUT_DIR
+
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
 #: top-level keys of a DeepSpeed JSON (not distrain's sections): such a file given as the run's config
 DEEPSPEED_KEYS = {
@@ -380,7 +382,9 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     deepspeed: DeepSpeedSectionConfig = field(default_factory=DeepSpeedSectionConfig)
-    output_dir: str = "runs/distrain"
+    output_dir: str = DEFAULT_OUTPUT_DIR
+    """Where the run writes its config, metrics, TensorBoard events, checkpoints, plot and logs. A folder that holds
+    an earlier run is refused unless --resume (go on with it) or --overwrite (remove its files)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

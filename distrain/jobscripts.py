@@ -6,9 +6,12 @@ is always ``distrain train <args>``: the same run, whoever starts it.
 
 from __future__ import annotations
 
+import re
 import shlex
 
 import yaml
+
+from distrain.run_dir import DEFAULT
 
 
 def _train_command(train_args: list[str]) -> str:
@@ -20,7 +23,23 @@ def _with_output_dir(train_args: list[str]) -> tuple[list[str], str]:
     out_flags = [a for a in ("--output-dir", "--output_dir") if a in train_args]
     if out_flags:
         return train_args, train_args[train_args.index(out_flags[0]) + 1]
-    return [*train_args, "--output-dir", "runs/distrain"], "runs/distrain"
+    return [*train_args, "--output-dir", DEFAULT], DEFAULT
+
+
+#: what sbatch's --time takes: MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES,
+#: DAYS-HOURS:MINUTES:SECONDS, or no limit
+_SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|(?i:infinite|unlimited)")
+
+
+def check_slurm_time(value: str) -> str:
+    """``value`` if sbatch's ``--time`` takes it; else a ValueError saying how to write it (``10m`` is refused by
+    sbatch when the job is submitted, not when the script is written)."""
+    if not _SLURM_TIME.fullmatch(value.strip()):
+        raise ValueError(
+            f"{value!r} is not a Slurm time: write MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS "
+            "(e.g. 90, 1:30:00, 2-00:00:00)"
+        )
+    return value.strip()
 
 
 def torchrun_command(
@@ -60,6 +79,7 @@ def sbatch_script(
     """One srun task per GPU: srun starts every rank and distrain reads SLURM_* (no torchrun inside).
     ``min_nodes``: an elastic allocation (``--nodes=MIN-MAX``): the job starts (and each requeue restarts) on
     what SLURM grants, and the run keeps its global batch on however many nodes that is."""
+    time = check_slurm_time(time)
     partition_line = f"#SBATCH --partition={partition}\n" if partition else ""
     train_args, output_dir = _with_output_dir(train_args)
     node_count = [] if min_nodes else ["--num-nodes", str(nodes)]  # elastic: the allocation's count, from SLURM

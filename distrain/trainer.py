@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import math
 import os
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from distrain.datamodule import STAGE_LOADERS, is_datamodule, one_loader, option
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 from distrain.module import Module, StepRouter, loss_of, run_step, unsupported_hooks
 from distrain.planner.batch import BatchLayout, keep_global_batch
+from distrain.run_dir import DEFAULT as DEFAULT_ROOT_DIR
+from distrain.run_dir import choose as choose_run_dir
 from distrain.runtime import Runtime
 from distrain.strategies.base import LoopFacts, Strategy
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
@@ -145,9 +148,13 @@ class Trainer:
         # where and how the ranks run
         self.runtime = Runtime(accelerator, strategy, devices, num_nodes, precision, **strategy_kwargs)
         # each replica group of a fault-tolerant run keeps its own run directory (replica_<id>/)
-        self.default_root_dir = replica_run_dir(str(default_root_dir or os.path.join(os.getcwd(), "distrain_runs")))
-        self.runtime.flight_recorder_dir = os.path.join(self.default_root_dir, "flight_recorder")  # NCCL only
-        self.runtime.log_dir = os.path.join(self.default_root_dir, "logs")  # rank_N.log: every rank's output
+        self.default_root_dir = replica_run_dir(str(default_root_dir or os.path.join(os.getcwd(), DEFAULT_ROOT_DIR)))
+        #: the run's folder (Lightning's name): metrics, TensorBoard, checkpoints, plots, logs. Final once the first
+        #: stage starts (``_choose_run_dir``); ``distrain train`` checked its own (``run_dir.claim``) and keeps it
+        self.log_dir = self.default_root_dir
+        self._run_dir_chosen = False
+        self._default_loggers = logger is True
+        self._point_runtime_at_run_dir()
         if compile:  # torch.compile when the strategy sets the model up (strategies/layers.py: apply_compile)
             if not self.runtime.strategy.traits.compiles:
                 raise ValueError(f"compile=True is not supported with {type(self.runtime.strategy).__name__}")
@@ -180,14 +187,14 @@ class Trainer:
         if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.append(ProgressBar())
         if enable_plots and not any(isinstance(c, PlotSummary) for c in self.callbacks):
-            self.callbacks.append(PlotSummary())  # <default_root_dir>/plots/summary.png when training ends
+            self.callbacks.append(PlotSummary())  # <log_dir>/plots/summary.png when training ends
         if histogram_every_n_steps is not None:  # weights and gradients, gathered one parameter at a time
             from distrain.callbacks.histograms import ParameterHistograms
 
             self.callbacks.append(ParameterHistograms(histogram_every_n_steps))
         self.metrics = MetricsLogger(
             self.runtime,
-            _loggers(logger, self.default_root_dir),
+            _loggers(logger, self.log_dir),
             log_every_n_steps,
             print_steps=not enable_progress_bar,
         )
@@ -268,6 +275,24 @@ class Trainer:
         if not self.checkpoints.save(path, background=False) and self.is_global_zero:
             warnings.warn(f"distrain: the checkpoint {path} holds non-finite weights", stacklevel=2)
 
+    def _choose_run_dir(self, ckpt_path) -> None:
+        """Where this Trainer's run writes, chosen once, when its first stage starts and before any rank writes:
+        ``default_root_dir``, or the next ``version_N`` in it when it holds an earlier run; a resume goes on in the
+        run it resumes (``run_dir.choose``)."""
+        if self._run_dir_chosen:
+            return
+        self._run_dir_chosen = True
+        path = choose_run_dir(self.default_root_dir, ckpt_path)
+        if path != self.log_dir:
+            self.log_dir = path
+            self._point_runtime_at_run_dir()
+            if self._default_loggers:
+                self.metrics.loggers = _loggers(True, path)
+
+    def _point_runtime_at_run_dir(self) -> None:
+        self.runtime.flight_recorder_dir = os.path.join(self.log_dir, "flight_recorder")  # NCCL only
+        self.runtime.log_dir = os.path.join(self.log_dir, "logs")  # rank_N.log: every rank's output
+
     # ---- public entry points: each launches the ranks, then runs the stage in every rank -------
     def fit(self, module: nn.Module, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
         """Train ``module`` on the loaders given, else ``datamodule``'s (also passed in ``train_dataloaders``'
@@ -288,6 +313,7 @@ class Trainer:
         if ckpt_path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
             # torchrun restarted the group after a failure: continue from the newest intact checkpoint
             ckpt_path = "auto"
+        self._choose_run_dir(ckpt_path)
         if self.runtime.auto_options is not None and not self.runtime.environment_ready:
             planned = train_dataloaders
             if planned is None and datamodule is None and not _overrides(module, "prepare_data", "setup"):
@@ -410,6 +436,7 @@ class Trainer:
                 f"{stage}() needs dataloaders, a datamodule with {method}(), or a module that defines {method}()"
             )
         self._check_lightning_module(module)
+        self._choose_run_dir(ckpt_path)
         if stage == "predict":
             return self._launch(self._predict, module, (dataloaders, datamodule), ckpt_path)
         step_name = "validation_step" if stage == "validate" else "test_step"
@@ -426,6 +453,7 @@ class Trainer:
 
     # ---- fit ------------------------------------------------------------------------------------
     def _fit(self, module: Module, data: tuple, ckpt_path):
+        started = time.perf_counter()
         rt = self.runtime
         train_loader, val_loader, datamodule = data
         rt.seed_everything(self.seed)  # setup(stage) may build layers: alike on every rank
@@ -447,6 +475,7 @@ class Trainer:
             self.checkpoints.restore(checkpoint)
             step = self.batch_layout.micro_batch * self.data_parallel_size
             self.progress.samples_in_epoch -= self.progress.samples_in_epoch % step  # a whole step of this layout
+        first_step = self.global_step
         self.metrics.start_fit(_flops_per_token(module), self.run_config)
         self._call("on_fit_start")
         module.on_fit_start()
@@ -470,13 +499,26 @@ class Trainer:
             module.teardown("fit")
             if datamodule is not None:
                 datamodule.teardown("fit")
-        if self.preempted and self.is_global_zero:
-            print(
-                f"distrain: stopped by signal {self.preempted} at step {self.global_step}; "
-                "the checkpoint in `last` resumes it",
-                flush=True,
-            )
+        if self.is_global_zero and self.metrics.summarize:
+            self._print_summary(first_step, time.perf_counter() - started)
         return self.callback_metrics
+
+    def _print_summary(self, first_step: int, seconds: float) -> None:
+        """The end of a fit on the console: how it ended, its numbers, and where its files are."""
+        ended = f"done at step {self.global_step}"
+        if self.preempted:
+            ended = f"stopped by signal {self.preempted} at step {self.global_step} (`last` resumes it)"
+        if first_step:
+            ended += f" (resumed from step {first_step})"
+        checkpoint = self.checkpoint_callback
+        plot = next((c.last_path for c in self.callbacks if isinstance(c, PlotSummary)), None)
+        events = next((lg.log_dir for lg in self.loggers if isinstance(lg, TensorBoardLogger)), None)
+        paths = {
+            "checkpoint": checkpoint.last_model_path if checkpoint is not None else None,
+            "plot": plot,
+            "tensorboard": f"tensorboard --logdir {events}" if events is not None and events.is_dir() else None,
+        }
+        print(self.metrics.summary(ended, seconds, paths), flush=True)
 
     def _keep_global_batch(self, checkpoint, loader) -> int | None:
         """A checkpoint trained on another number of data-parallel ranks: the micro-batch and accumulation that keep
@@ -774,7 +816,7 @@ class Trainer:
         self.runtime.mark_phase(None, "validation")
         self._last_val_step = self.global_step
         metrics = self.evaluator.run(self.module, self.model, "validation_step", loader, self.loop.limit_val_batches)
-        self.metrics.publish(metrics, self.global_step)
+        self.metrics.validation_done(metrics, self.global_step, self.loop.max_steps)
         self._call("on_validation_end")
 
     # ---- validate / test / predict -----------------------------------------------------------------
@@ -836,7 +878,7 @@ class Trainer:
             max_accumulate=max(self.loop.accumulation.values()),
             gradient_clip_val=self.loop.gradient_clip_val,
             total_steps=self.estimated_stepping_batches,
-            run_dir=self.default_root_dir,
+            run_dir=self.log_dir,
             live_state=(self.checkpoints.live_state, self.checkpoints.load_live_state),
         )
         manual = not module.automatic_optimization

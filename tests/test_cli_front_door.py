@@ -1,5 +1,7 @@
 """The front door, as a user meets it: ``distrain --help`` and each command's, a bare ``distrain``, ``--version``,
-``distrain config``, and the one line an option that is misspelt or unknown gets. Real subprocesses; none trains."""
+``distrain config``, the one line an option that is misspelt or unknown gets, and ``distrain launch``'s job files
+(never written over without --force; Slurm's time formats). Real subprocesses where start-up is the subject, else
+in-process; none trains."""
 
 import dataclasses
 import os
@@ -161,3 +163,48 @@ def test_a_config_built_without_the_package_names_still_gets_the_strategy_checks
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0 and "Horovod" in proc.stdout, proc.stderr
+
+
+def _launch(capsys, *args):
+    """``distrain launch ARGS`` in-process (the same main() the console script runs): (exit code, stdout, stderr)."""
+    try:
+        code = cli.main(["launch", *args])
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_launch_never_overwrites_a_job_file_without_force(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    engines = {
+        "distrain.sbatch": ("slurm", "--nodes", "1", "--gpus-per-node", "2", "--time", "1:00:00"),
+        "pytorchjob.yaml": ("k8s", "--nodes", "1", "--gpus-per-node", "2", "--image", "reg/d:1"),
+        "distrain.sky.yaml": ("sky", "--nodes", "1", "--gpus", "A100:2"),
+    }
+    for name, args in engines.items():
+        (tmp_path / name).write_text("mine")
+        code, out, err = _launch(capsys, *args, "--", "--strategy", "ddp")
+        assert code == 2 and not out, (name, out)
+        assert err == f"distrain: error: {name} exists; --force overwrites it, or --output names another file\n"
+        assert (tmp_path / name).read_text() == "mine"
+        code, out, err = _launch(capsys, *args, "--force", "--", "--strategy", "ddp")
+        assert code == 0 and out.startswith(f"distrain: wrote {name}"), err
+        assert "train --strategy ddp" in (tmp_path / name).read_text()
+
+
+@pytest.mark.parametrize("time", ["10", "90:30", "1:00:00", "2-12", "2-12:30", "1-00:00:00", "UNLIMITED"])
+def test_slurm_takes_every_time_format_sbatch_takes(tmp_path, capsys, monkeypatch, time):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _launch(capsys, "slurm", "--nodes", "1", "--gpus-per-node", "2", "--time", time)
+    assert code == 0, err
+    assert f"#SBATCH --time={time}\n" in (tmp_path / "distrain.sbatch").read_text()
+
+
+@pytest.mark.parametrize("time", ["10m", "1h", "1:00:00:00", "1-", "90 min"])
+def test_a_time_sbatch_would_refuse_is_one_line_and_no_file(tmp_path, capsys, monkeypatch, time):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _launch(capsys, "slurm", "--nodes", "1", "--gpus-per-node", "2", "--time", time)
+    assert code == 2 and not out and err.count("\n") == 1, err
+    assert f"argument --time: {time!r} is not a Slurm time: write MINUTES, MM:SS, HH:MM:SS, D-HH" in err
+    assert not any(tmp_path.iterdir())

@@ -117,10 +117,11 @@ def test_plot_errors_are_one_line_and_never_fail_a_run(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.endswith("no metrics file (a run directory holds metrics.jsonl)")
-    (tmp_path / "plots").write_text("a file where the plots directory would go")
+    blocked = tmp_path / "blocked"  # (a file in a run's folder would make it an earlier run: a new one goes beside)
+    blocked.write_text("a file where the plots directory would go")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = _fit(tmp_path, lr=3e-3, steps=2)
+        trainer = _fit(tmp_path / "run", lr=3e-3, steps=2, callbacks=[distrain.callbacks.PlotSummary(str(blocked))])
     assert trainer.global_step == 2
     assert any("could not draw" in str(w.message) for w in caught)
 

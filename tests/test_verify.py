@@ -229,6 +229,7 @@ def test_distrain_verify_reports_json_and_exits_by_the_verdict(tmp_path):
 
     ok = verify("--strategy", "fsdp", "--steps", "2")
     assert ok.returncode == 0, ok.stderr[-2000:]
+    assert f", 2 steps → {tmp_path / 'v'}" in ok.stdout  # the steps it runs, not the config's max_steps
     report = json.loads(ok.stdout[ok.stdout.index("{") :])
     assert report["ok"] and len(report["steps"]) == 2 and report["header"].startswith("distrain verify: fsdp")
     # too big for this host: one line naming the option that shrinks it

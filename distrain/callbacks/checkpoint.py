@@ -48,7 +48,7 @@ class ModelCheckpoint(Callback):
 
     def setup(self, trainer, module, stage: str) -> None:
         if self.dirpath is None:
-            self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
+            self.dirpath = Path(trainer.log_dir) / "checkpoints"
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if self.every_n_train_steps and trainer.global_step % self.every_n_train_steps == 0:

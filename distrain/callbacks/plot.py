@@ -11,7 +11,7 @@ from distrain.callbacks.base import Callback
 class PlotSummary(Callback):
     """Draws ``distrain.plotting.plot_runs`` of this run's ``metrics.jsonl`` when training ends
     (also after a stop signal). A failure to draw never fails the run: it is reported as a
-    warning. ``dirpath`` defaults to ``<default_root_dir>/plots``."""
+    warning. ``dirpath`` defaults to ``<trainer.log_dir>/plots``."""
 
     def __init__(self, dirpath: str | None = None, filename: str = "summary.png"):
         self.dirpath = dirpath
@@ -26,10 +26,10 @@ class PlotSummary(Callback):
         jsonl = next((lg for lg in trainer.loggers if isinstance(lg, JSONLLogger)), None)
         if jsonl is None or not jsonl.path.is_file():
             return  # nothing was logged to draw from (the JSONL file is line-buffered: complete here)
-        output = Path(self.dirpath or Path(trainer.default_root_dir) / "plots") / self.filename
+        output = Path(self.dirpath or Path(trainer.log_dir) / "plots") / self.filename
         try:
             from distrain.plotting import plot_runs
 
-            self.last_path = plot_runs([jsonl.path], output, labels=[Path(trainer.default_root_dir).name])
+            self.last_path = plot_runs([jsonl.path], output, labels=[Path(trainer.log_dir).name])
         except Exception as e:  # plotting is a convenience: the run's results are already written
             warnings.warn(f"distrain: could not draw {output}: {type(e).__name__}: {e}", stacklevel=2)

@@ -74,12 +74,19 @@ def build_trainer(config: RunConfig, strategy: str, ckpt_dir: Path, strategy_opt
         **strategy_options,
     )
     trainer.run_config = config.to_dict()
+    trainer._run_dir_chosen = True  # the run is written in output_dir, which `distrain train` checked (run_dir.claim)
     return trainer
 
 
-def announce(trainer, config: RunConfig, strategy: str, what: str, details: str = "") -> None:
-    """Rank 0 writes the run's config and says what runs where: the header of every job."""
+def announce(
+    trainer, config: RunConfig, strategy: str, what: str, details: str = "", total_steps: int | None = None
+) -> None:
+    """Rank 0 writes the run's config and says what runs where: the header of every job. The steps it names are
+    the Trainer's (``distrain verify --steps 2`` runs 2 of a run whose schedule spans ``total_steps``)."""
     out = Path(config.output_dir)
+    steps = trainer.max_steps if trainer.max_steps > 0 else total_steps
+    if steps:
+        details += f", {steps} step{'s' * (steps != 1)}"
     if trainer.is_global_zero:
         out.mkdir(parents=True, exist_ok=True)
         save_config(config, out / "config.yaml")

@@ -51,6 +51,6 @@ class GPTJob:
         loader = lambda ds, shuffle: DataLoader(  # noqa: E731
             ds, batch_size=t.batch_size_per_gpu, shuffle=shuffle, num_workers=data.num_workers, drop_last=shuffle
         )
-        details = f", global batch {global_batch} × {data.seq_len} bytes, {total_steps} steps"
-        announce(trainer, config, self.strategy, t.model_name, details)
+        details = f", global batch {global_batch} × {data.seq_len} bytes"
+        announce(trainer, config, self.strategy, t.model_name, details, total_steps)
         return module, loader(train_set, True), loader(val_set, False)

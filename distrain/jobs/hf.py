@@ -104,9 +104,9 @@ class HFJob:
         )
         details = (
             f", global batch {global_batch} × ≤{data.max_length or data.seq_len} tokens, "
-            f"{len(prepared.train)} train / {len(prepared.eval)} eval samples, {total_steps} steps"
+            f"{len(prepared.train)} train / {len(prepared.eval)} eval samples"
         )
-        announce(trainer, c, self.strategy, f"{t.model_name} ({self.task})", details)
+        announce(trainer, c, self.strategy, f"{t.model_name} ({self.task})", details, total_steps)
         return module, train_loader, val_loader
 
     def _data_config(self):

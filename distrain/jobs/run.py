@@ -26,18 +26,19 @@ def job_for(config: RunConfig) -> Job:
     return GPTJob(config)
 
 
-def run(config: RunConfig, resume: str | None = None) -> int:
+def run(config: RunConfig, resume: str | None = None, overwrite: bool = False) -> int:
+    from distrain import run_dir
+
+    if run_dir.starts_the_run():  # before the plan and before any file is written
+        run_dir.claim(config.output_dir, resume, overwrite, config.checkpointing.checkpoint_dir)
     started = _start(config, resume)
     if isinstance(started, int):
         return started
     job, trainer = started
-    job.fit(trainer, resume)
-    out = Path(config.output_dir)
-    marker = out / "PREEMPTED"  # tells a job script that `--resume auto` has more to do
+    job.fit(trainer, resume)  # the Trainer's closing summary ends the run's output
+    marker = Path(config.output_dir) / "PREEMPTED"  # tells a job script that `--resume auto` has more to do
     if trainer.is_global_zero:
         marker.write_text(f"{trainer.preempted}\n") if trainer.preempted else marker.unlink(missing_ok=True)
-        cb = trainer.checkpoint_callback
-        print(f"distrain: done at step {trainer.global_step}; last checkpoint: {cb.last_model_path}", flush=True)
     return 0
 
 
@@ -54,6 +55,7 @@ def verify(config: RunConfig, steps: int, as_json: bool) -> int:
     if isinstance(started, int):
         return started
     job, trainer = started
+    trainer.loop.max_steps = steps  # what the header announces (verify_run stops there too)
     module, train_loader, _ = job.prepare(trainer)
     report = verify_run(trainer, module, train_loader, steps, label=f"{job.strategy}{trainer.strategy.layout_note}")
     if report is None:  # a rank other than the one that reports

@@ -76,7 +76,7 @@ class CheckpointManager:
     # ---- where ------------------------------------------------------------------------------------
     def last_path(self) -> Path:
         cb = self.trainer.checkpoint_callback
-        dirpath = Path(cb.dirpath) if cb and cb.dirpath else Path(self.trainer.default_root_dir) / "checkpoints"
+        dirpath = Path(cb.dirpath) if cb and cb.dirpath else Path(self.trainer.log_dir) / "checkpoints"
         return dirpath / "last"
 
     def resolve(self, ckpt_path: str | os.PathLike) -> Path | None:

@@ -9,6 +9,7 @@ norm, throughput, memory, the module's own values), keeps the views callbacks re
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +132,27 @@ class MetricCollector:
         return out
 
 
+def console(line: str) -> None:
+    """A line for the user (rank 0 calls it), above a progress bar when one is drawn (tqdm redraws it below)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def _step_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
+    """``step 4/6 | loss 2.31 | lr 0.0003 | ...``: the numbers of one step's record."""
+    total = f"/{max_steps}" if max_steps > 0 else ""
+    return " | ".join([f"step {step}{total}", *(f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float))])
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
+
+
 def _as_tensor(rows: list[list], device: torch.device) -> torch.Tensor:
     """Rows of tensors and numbers → one float64 tensor on ``device`` (one transfer, no host sync)."""
     return torch.stack(
@@ -153,6 +175,8 @@ class Throughput:
         self.data_parallel_size = data_parallel_size or world_size
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
+        self.started = time.perf_counter()
+        self.total_samples = self.total_tokens = 0  # since fit started: the closing summary's rate
         self.reset()
 
     def reset(self) -> None:
@@ -168,6 +192,8 @@ class Throughput:
         self.last = now
         self.samples += samples * self.data_parallel_size
         self.tokens += (tokens or 0) * self.data_parallel_size
+        self.total_samples += samples * self.data_parallel_size
+        self.total_tokens += (tokens or 0) * self.data_parallel_size
 
     def compute(self) -> dict[str, Any]:
         self.last = time.perf_counter()  # called after a device sync: the window's true end
@@ -211,6 +237,10 @@ class MetricsLogger:
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, Any] = {}
         self.progress_bar_metrics: dict[str, float] = {}
+        #: the training loss's one name on the console: the module's own (``train_loss``, prog_bar=True), else ``loss``
+        self.loss_name = "loss"
+        self.validation: dict[str, float] = {}  # the latest validation during fit, for the closing summary
+        self.summarize = True  # the closing summary (``distrain verify``'s runs have their report instead)
 
     def start_fit(self, flops_per_token: float | None, run_config: dict | None) -> None:
         rt = self.runtime
@@ -245,22 +275,44 @@ class MetricsLogger:
             metrics["grad_norm"] = float(result.grad_norm)
         if result.skipped_steps:
             metrics["skipped_steps"] = result.skipped_steps
-        # one name for the training loss: the module's own (e.g. train_loss, prog_bar=True) replaces distrain's
+        # one name for the training loss on the console: the module's own (e.g. train_loss, prog_bar=True) replaces
+        # distrain's `loss` in the progress bar, the step lines and the closing summary (the loggers keep both)
         own = {k: v for k, v in logged.items() if k in self.collector.prog_bar}
-        shows_loss = any(k.endswith("loss") for k in own) or "loss" not in metrics
+        self.loss_name = next((k for k in own if k.endswith("loss")), "loss")
         self.progress_bar_metrics = {
-            **({} if shows_loss else {"loss": metrics["loss"]}),
+            **({"loss": metrics["loss"]} if self.loss_name == "loss" and "loss" in metrics else {}),
             **({"tok/s": round(metrics["tokens_per_sec"])} if "tokens_per_sec" in metrics else {}),
             **own,
         }
         self.publish(metrics, result.step)
         if self.print_steps and rt.is_global_zero:
             machine = ("mem", "host_", "gpu_")  # in the loggers, too many for one line
-            shown = " | ".join(
-                f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float) and not k.startswith(machine)
-            )
-            total = f"/{max_steps}" if max_steps > 0 else ""
-            print(f"step {result.step}{total} | {shown}", flush=True)
+            loss = {self.loss_name: metrics[self.loss_name]} if self.loss_name in metrics else {}
+            rest = {k: v for k, v in metrics.items() if not k.startswith(machine) and k not in ("loss", *loss)}
+            console(_step_line(result.step, max_steps, {**loss, **rest}))
+
+    def validation_done(self, metrics: dict[str, Any], step: int, max_steps: int) -> None:
+        """A validation during fit: to the loggers, and one line on the console (above the progress bar)."""
+        self.publish(metrics, step)
+        self.validation = {k: v for k, v in metrics.items() if isinstance(v, float)}
+        if self.runtime.is_global_zero and self.validation:
+            console(_step_line(step, max_steps, self.validation))
+
+    def summary(self, ended: str, seconds: float, paths: dict[str, str | None]) -> str:
+        """The closing lines of a fit: how it ``ended`` (``done at step 6``) and its wall time, the final training
+        and validation losses, the rate over the whole fit, and where its files are (``paths``: name → path)."""
+        values = {self.loss_name: self.callback_metrics.get(self.loss_name)}
+        values.update({k: v for k, v in self.validation.items() if k.endswith("loss")})
+        shown = [f"{k} {v:.4g}" for k, v in values.items() if isinstance(v, (int, float))]
+        tp = self.throughput
+        if tp is not None and tp.last > tp.started:
+            rate, unit = (tp.total_tokens, "tokens/s") if tp.total_tokens else (tp.total_samples, "samples/s")
+            shown.append(f"{rate / (tp.last - tp.started):,.0f} {unit}")
+        lines = [f"distrain: {ended} in {_duration(seconds)}"]
+        lines[0] += f": {', '.join(shown)}" if shown else ""
+        width = max(map(len, paths), default=0)
+        lines += [f"  {name:<{width}}  {path}" for name, path in paths.items() if path]
+        return "\n".join(lines)
 
     def memory_stats(self) -> dict[str, Any]:
         """torch's memory numbers and the host/GPU readings of ``monitor.py``. On several ranks:

@@ -43,6 +43,7 @@ def verify(trainer, module, train_loader, steps: int = 3, label: str | None = No
     trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, (ModelCheckpoint, PlotSummary))] + [probe]
     trainer.loop.max_steps, trainer.loop.max_epochs = steps, None
     trainer.metrics.log_every_n_steps = 1
+    trainer.metrics.summarize = False  # the report is what this run says
     trainer.fit(module, train_loader)
     distributed.shutdown()  # the reference runs alone, in this process
     if not trainer.is_global_zero or trainer.strategy.data_parallel_rank != 0:  # one report for the job
@@ -79,6 +80,7 @@ def _reference(trainer, module, loader, data_parallel: int, steps: int, work: Pa
             default_root_dir=str(work / "reference"),
             callbacks=[probe],
         )
+        one.metrics.summarize = False
         one.fit(module, _global_batch_loader(loader, data_parallel))
     return safe_load.load_torch_file(work / "reference.pt")
 

@@ -103,7 +103,7 @@ def compare(run: dict, reference: dict, checkpoint_weights: dict | None, label: 
     dp = run["data_parallel_size"]
     header = (
         f"distrain verify: {label} on {run['world_size']} ranks ({dp} with their own data) against one process on the "
-        f"same global batch; {len(run['steps'])} steps, {precision}: "
+        f"same global batch; {len(run['steps'])} step{'s' * (len(run['steps']) != 1)}, {precision}: "
         f"tolerance {_tolerances(tol, after)} (relative, per tensor)"
     )
     report = Report(header, tol, after)
