@@ -301,19 +301,19 @@ def test_a_signal_to_the_launcher_stops_every_group_at_a_step_and_resume_goes_on
     """SIGTERM (a preemption) or SIGINT (Ctrl-C) to ``distrain train``: every rank of every group stops at the same
     step with a checkpoint and the job exits 0 (torchrun is not signalled: it would end its ranks and exit 1, and a
     SIGINT would crash them into a restart); ``--resume auto`` then trains both groups to the end."""
-    out = tmp_path / "run"
-    launcher = _train(out)
+    out, steps = tmp_path / "run", 30  # the stop comes at step 3 or a little later: 30 leave room to resume
+    launcher = _train(out, "ddp_torchft", 1, f"training.max_steps={steps}")
     _wait_for_step(out / "replica_0", 3)
     launcher.send_signal(sig)
     output = _finish(launcher, timeout=120)
     stopped = re.findall(r"stopped by signal 15 at step (\d+)", output)
-    assert len(stopped) == 2 and stopped[0] == stopped[1] and int(stopped[0]) < FT_STEPS, output[-3000:]
+    assert len(stopped) == 2 and stopped[0] == stopped[1] and int(stopped[0]) < steps, output[-3000:]
     a, b = _last_state(out / "replica_0"), _last_state(out / "replica_1")
     assert a["progress"]["global_step"] == b["progress"]["global_step"] == int(stopped[0])
     for name, value in a["model"].items():
         assert torch.equal(value, b["model"][name]), name
-    resumed = _finish(_train(out, "ddp_torchft", 1, "--resume", "auto"))
-    assert resumed.count(f"done at step {FT_STEPS}") == 2, resumed[-3000:]
+    resumed = _finish(_train(out, "ddp_torchft", 1, f"training.max_steps={steps}", "--resume", "auto"))
+    assert resumed.count(f"done at step {steps}") == 2, resumed[-3000:]
 
 
 def test_an_unreachable_lighthouse_is_one_line_naming_its_address(tmp_path):
