@@ -114,8 +114,9 @@ def _last_state(run_dir: Path) -> dict:
 def uninterrupted(tmp_path_factory):
     """Two replica groups of one rank that never fail, and DDP on two ranks: the same global batch."""
     root = tmp_path_factory.mktemp("ft")
-    _finish(_train(root / "ft"))
-    _finish(_train(root / "ddp", "ddp", 2))
+    runs = [_train(root / "ft"), _train(root / "ddp", "ddp", 2)]  # side by side: each waits on its peers mostly
+    for run in runs:
+        _finish(run)
     return root
 
 
