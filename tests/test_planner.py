@@ -196,7 +196,9 @@ def test_plan_llama2_7b_from_a_local_config_without_allocating_it(tmp_path):
     )
     print(f"planned in {seconds:.1f} s, {rss_kib / 1024:.0f} MiB")
     assert rss_kib < 2 * 2**20  # KiB: under 2 GB
-    assert seconds < 120  # about a minute on a laptop; this 2-core machine is shared
+    # about a minute on a laptop, 2.5 on this 2-core machine while other work runs: the bound catches a plan that
+    # builds the model for real (tens of minutes), not the machine's load (benchmarks/ measure the speed)
+    assert seconds < 400
     rows = {(r["label"]): r for r in plan["rows"]}
     assert not rows["ddp"]["fits"]
     assert plan["recommendation"].startswith("fsdp")

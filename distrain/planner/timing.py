@@ -58,7 +58,15 @@ HOST_OPTIMIZER_BANDWIDTH = 10e9
 GPU_COLLECTIVE_LATENCY = 20e-6
 GPU_OP_SECONDS = 4e-6  # a kernel launch: what a step of many tiny kernels is bound by
 #: where ``distrain doctor`` keeps its measurement of this machine's links
-MEASURED_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "distrain" / "links.json"
+#: where ``distrain doctor`` keeps the links it measured; None: ``$XDG_CACHE_HOME/distrain/links.json``, the
+#: variable read when the file is (a process that set it after importing distrain gets its own)
+MEASURED_FILE: Path | None = None
+
+
+def measured_file() -> Path:
+    if MEASURED_FILE is not None:
+        return MEASURED_FILE
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "distrain" / "links.json"
 
 
 @dataclass(frozen=True)
@@ -216,17 +224,18 @@ def gloo_allreduce(ranks: int, size: int = 16 << 20) -> tuple[float, float, floa
 def measured_links() -> dict | None:
     """``distrain doctor``'s last measurement on this machine, or None."""
     try:
-        return json.loads(MEASURED_FILE.read_text())
+        return json.loads(measured_file().read_text())
     except (OSError, ValueError):
         return None
 
 
 def save_measured_links(backend: str, world: int, bus_bandwidth: float, latency: float) -> Path | None:
+    path = measured_file()
     try:
-        MEASURED_FILE.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         data = {"backend": backend, "world": world, "bus_bandwidth": bus_bandwidth, "latency": latency}
-        MEASURED_FILE.write_text(json.dumps(data))
-        return MEASURED_FILE
+        path.write_text(json.dumps(data))
+        return path
     except OSError:  # a read-only home: the plan measures or assumes instead
         return None
 
