@@ -632,14 +632,16 @@ class Trainer:
         indices = iter([batch_idx for batch_idx, _ in micro_batches])
         self._first_micro_batch = True
         collector.current_batch_size = batch_size_of(micro_batches[0][1])
-        if self._skips_rest_of_epoch(*micro_batches[0]):
+        first_idx = micro_batches[0][0]
+        if self._skips_rest_of_epoch(first_idx, micro_batches[0][1]):
             return SKIP_REST_OF_EPOCH
-        next(indices)  # the first micro-batch's on_train_batch_start has run
 
         def before_each(batch):  # before each training_step of the step
             collector.current_batch_size = batch_size_of(batch)
-            batch_idx = next(indices, None)  # None: the first, or a pipeline's schedule calling it per piece
-            if batch_idx is not None and self.module.on_train_batch_start(batch, batch_idx) == -1:
+            batch_idx = next(indices, None)  # None: a pipeline's schedule calls it per piece of a micro-batch
+            if batch_idx is None or batch_idx == first_idx:  # the first batch's hook ran before the step
+                return
+            if self.module.on_train_batch_start(batch, batch_idx) == -1:
                 raise ValueError(
                     f"on_train_batch_start returned -1 (skip the rest of the epoch) at batch {batch_idx}, inside an "
                     "accumulation window; return it at the first batch of an optimizer step (batch_idx % "

@@ -423,6 +423,19 @@ def test_own_batch_sampler_a_step_without_batch_idx_and_a_skipped_epoch_rest(two
         )
 
 
+class BatchStarts(ShortEpochs):
+    def on_train_batch_start(self, batch, batch_idx):
+        self.starts.append((batch_idx, int(batch[2][0])))  # the index given, and the batch's first sample
+
+
+def test_on_train_batch_start_sees_each_micro_batch_of_an_accumulation_window_once(tmp_path):
+    module = BatchStarts(stop_at=-1, rank=0, batch_size=4)
+    module.starts = []
+    _fit(tmp_path, module, "single", 1, max_epochs=1, accumulate_grad_batches=2)
+    firsts = module.seen[::4]  # training_step's batches, in order: 8 of 4 samples
+    assert module.starts == list(enumerate(firsts)), (module.starts, firsts)
+
+
 def test_a_batch_sampler_distrain_cannot_recreate_is_refused_in_one_line():
     class Buckets(Sampler):  # not BatchSampler's signature
         def __init__(self, lengths):
