@@ -126,7 +126,7 @@ def with_distributed_sampler(
         even=even,
     )
     if own_batches:
-        rebuilt = _rebuilt(loader.batch_sampler, sampler, batch_size, must=num_replicas > 1)
+        rebuilt = _rebuilt(loader.batch_sampler, sampler, batch_size, drop_last, must=num_replicas > 1)
         if rebuilt is None:
             return loader  # one process, and a batch sampler that is not BatchSampler-like: its own order
         batching = dict(batch_sampler=rebuilt)
@@ -153,16 +153,14 @@ def with_distributed_sampler(
     return distributed
 
 
-def _rebuilt(batch_sampler: Sampler, sampler: Sampler, batch_size: int | None, must: bool) -> Sampler | None:
+def _rebuilt(
+    batch_sampler: Sampler, sampler: Sampler, batch_size: int | None, drop_last: bool, must: bool
+) -> Sampler | None:
     """The user's batch sampler class, drawing from ``sampler`` instead of its own (None where that fails and
     sharding is not a ``must``)."""
     cls = type(batch_sampler)
     try:
-        return cls(
-            sampler,
-            batch_size=batch_size or batch_sampler.batch_size,
-            drop_last=batch_sampler.drop_last,
-        )
+        return cls(sampler, batch_size=batch_size or batch_sampler.batch_size, drop_last=drop_last)
     except (TypeError, AttributeError) as error:
         if not must:
             return None

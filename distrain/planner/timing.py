@@ -57,7 +57,6 @@ HOST_LINK = 20e9
 HOST_OPTIMIZER_BANDWIDTH = 10e9
 GPU_COLLECTIVE_LATENCY = 20e-6
 GPU_OP_SECONDS = 4e-6  # a kernel launch: what a step of many tiny kernels is bound by
-#: where ``distrain doctor`` keeps its measurement of this machine's links
 #: where ``distrain doctor`` keeps the links it measured; None: ``$XDG_CACHE_HOME/distrain/links.json``, the
 #: variable read when the file is (a process that set it after importing distrain gets its own)
 MEASURED_FILE: Path | None = None
