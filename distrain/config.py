@@ -277,6 +277,9 @@ class LoggingConfig:
     histogram_every_n_steps: int | None = number(None, gt=0)
     """TensorBoard histograms of every parameter and its gradient every this many steps (null: never).
     Sharded parameters are gathered one at a time, never the whole model on one rank."""
+    straggler_threshold: float = number(0.2, ge=0, means={0: "no straggler check"})
+    """Name a rank whose own part of the step (data wait + forward) exceeds the other ranks' by more than this
+    fraction of the step time over a logging window: on the console and as ``straggler_rank`` in the metrics."""
     plot_summary: bool = True
     """Draw ``<output_dir>/plots/summary.png`` (loss, lr, throughput, MFU, memory) when training ends."""
     progress_bar: bool = True

@@ -65,6 +65,7 @@ TRAINER_NUMBERS = {
     "seed": Bounds(ge=0),
     "limit_val_batches": Bounds(ge=0, means={0: "no validation"}),
     "histogram_every_n_steps": Bounds(gt=0),
+    "straggler_threshold": Bounds(ge=0, means={0: "no straggler check"}),
 }
 #: what ``train_step`` returns for a step the strategy did not commit (``Strategy.commit_step``)
 DROPPED = object()
@@ -132,6 +133,7 @@ class Trainer:
         use_distributed_sampler: bool = True,
         limit_val_batches: int | None = None,
         on_nonfinite: str = "stop",
+        straggler_threshold: float = 0.2,
         enable_plots: bool = True,
         histogram_every_n_steps: int | None = None,
         compile: bool | dict = False,
@@ -197,6 +199,7 @@ class Trainer:
             _loggers(logger, self.log_dir),
             log_every_n_steps,
             print_steps=not enable_progress_bar,
+            straggler_threshold=straggler_threshold,
         )
         self.evaluator = Evaluator(self.runtime, self.metrics)
         self.checkpoints = CheckpointManager(self)
@@ -587,8 +590,11 @@ class Trainer:
         dropped, and the epoch ends for all when one rank has none left."""
         batches = iter(batches)
         agree = self.world_size > 1 and distributed_sampler(loader) is None
+        timer = self.metrics.timer
         while True:
+            waited = time.perf_counter()
             window = list(itertools.islice(batches, accumulate))
+            timer.data_waited(time.perf_counter() - waited)
             if agree:
                 shortest = int(self.runtime.all_reduce(torch.tensor(len(window)), op="min"))
                 window = window[:shortest]
@@ -637,6 +643,7 @@ class Trainer:
             return SKIP_REST_OF_EPOCH
 
         def before_each(batch):  # before each training_step of the step
+            self.metrics.timer.forward_started()
             collector.current_batch_size = batch_size_of(batch)
             batch_idx = next(indices, None)  # None: a pipeline's schedule calls it per piece of a micro-batch
             if batch_idx is None or batch_idx == first_idx:  # the first batch's hook ran before the step
@@ -901,6 +908,8 @@ class Trainer:
     def _before_backward(self, output: Any) -> None:
         """Between ``training_step`` and its backward (``StepRouter`` calls it): Lightning's
         ``on_before_zero_grad`` (once per optimizer step) then ``on_before_backward(loss)``."""
+        if self.metrics.timer is not None:
+            self.metrics.timer.forward_ended()
         if self._first_micro_batch:
             self._first_micro_batch = False
             self.module.on_before_zero_grad(self.optimizers[0])

@@ -65,6 +65,7 @@ def build_trainer(config: RunConfig, strategy: str, ckpt_dir: Path, strategy_opt
         enable_progress_bar=lg.progress_bar,
         enable_plots=lg.plot_summary,
         histogram_every_n_steps=lg.histogram_every_n_steps,
+        straggler_threshold=lg.straggler_threshold,
         compile=t.compile,
         process_group_backend=d.backend,
         timeout=d.timeout_seconds,

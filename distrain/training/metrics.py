@@ -18,6 +18,7 @@ import torch
 
 from distrain.loggers import Logger
 from distrain.training.monitor import SystemMonitor, across_ranks
+from distrain.training.stragglers import PARTS, StepTimer, Straggler, find_straggler
 
 
 @dataclass
@@ -225,7 +226,9 @@ class StepResult:
 
 
 class MetricsLogger:
-    def __init__(self, runtime, loggers: list[Logger], log_every_n_steps: int, print_steps: bool):
+    def __init__(
+        self, runtime, loggers: list[Logger], log_every_n_steps: int, print_steps: bool, straggler_threshold: float
+    ):
         self.runtime = runtime
         self.loggers = loggers
         self.log_every_n_steps = log_every_n_steps
@@ -233,6 +236,10 @@ class MetricsLogger:
         self.collector = MetricCollector(runtime)
         self.throughput: Throughput | None = None
         self.monitor: SystemMonitor | None = None  # host/GPU readings (monitor.py), made when first needed
+        self.timer: StepTimer | None = None  # this rank's step, in parts (stragglers.py), made when fit starts
+        self.straggler_threshold = straggler_threshold
+        self.straggler: Straggler | None = None  # the one named in the last window, if any
+        self._window_first_step = 1
         #: the latest value of everything logged: what callbacks (ModelCheckpoint's monitor) read
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, Any] = {}
@@ -248,6 +255,7 @@ class MetricsLogger:
         if self.monitor is None:  # now: its CPU-utilization window starts with training
             self.monitor = SystemMonitor(rt.device, announce=rt.is_global_zero)
         self.throughput = Throughput(rt.world_size, flops_per_token, peak, rt.strategy.data_parallel_size)
+        self.timer = StepTimer(rt.device)
         if run_config and rt.is_global_zero:
             for lg in self.loggers:
                 lg.log_hyperparams(run_config)
@@ -257,6 +265,7 @@ class MetricsLogger:
         final one): one small all-reduce for the loss, one for the module's ``sync_dist`` values."""
         rt = self.runtime
         self.throughput.step(result.samples, result.tokens or None)
+        self.timer.step_ended()
         logging_step = final or result.step % self.log_every_n_steps == 0
         logged = self.collector.pop_step_metrics(reduce=logging_step)
         if not logging_step:
@@ -269,8 +278,9 @@ class MetricsLogger:
             "lr": result.lr,
             **logged,
             **self.throughput.compute(),
-            **self.memory_stats(),
+            **self.memory_stats(self.timer.window()),
         }
+        metrics.update(self._stragglers(metrics.pop("step_parts", None), result.step))
         if result.grad_norm is not None:
             metrics["grad_norm"] = float(result.grad_norm)
         if result.skipped_steps:
@@ -314,21 +324,37 @@ class MetricsLogger:
         lines += [f"  {name:<{width}}  {path}" for name, path in paths.items() if path]
         return "\n".join(lines)
 
-    def memory_stats(self) -> dict[str, Any]:
-        """torch's memory numbers and the host/GPU readings of ``monitor.py``. On several ranks:
-        the maximum over ranks under each plain name, ``_min``/``_mean`` beside it, and
-        ``mem_per_rank_mb`` (each rank's last torch memory number)."""
+    def memory_stats(self, step_parts: list[float] | None = None) -> dict[str, Any]:
+        """torch's memory numbers and the host/GPU readings of ``monitor.py``, and this rank's ``step_parts``
+        (``StepTimer.window``) when given. On several ranks: the maximum over ranks under each plain name,
+        ``_min``/``_mean`` beside it, ``mem_per_rank_mb`` (each rank's last torch memory number) and ``step_parts``
+        (every rank's parts, for ``_stragglers``), all in one all-gather."""
         rt = self.runtime
         if self.monitor is None:
             self.monitor = SystemMonitor(rt.device, announce=rt.is_global_zero)
         torch_mem = rt.accelerator.memory_stats(rt.device)
-        local = {**torch_mem, **self.monitor.sample()}
+        local = {**torch_mem, **self.monitor.sample(), **dict(zip(PARTS, step_parts or []))}
         if rt.world_size == 1:
             return {k: v for k, v in local.items() if v == v}  # NaN: not available here
         per_rank = rt.all_gather(torch.tensor(list(local.values()), dtype=torch.float64)).tolist()
         out: dict[str, Any] = across_ranks(list(local), per_rank)
         out["mem_per_rank_mb"] = [r[len(torch_mem) - 1] for r in per_rank]
+        if step_parts:
+            out["step_parts"] = [r[-len(PARTS) :] for r in per_rank]
         return out
+
+    def _stragglers(self, per_rank: list[list[float]] | None, step: int) -> dict[str, Any]:
+        """The straggler of the window that ends at ``step`` (``stragglers.py``), as metrics; rank 0 says so on the
+        console when one is first named, when another rank takes its place, and when none is left."""
+        first, self._window_first_step = self._window_first_step, step + 1
+        found = find_straggler(per_rank, self.straggler_threshold) if per_rank else None
+        before, self.straggler = self.straggler, found
+        if self.runtime.is_global_zero:
+            if found is not None and (before is None or before.rank != found.rank):
+                console(found.line(first, step))
+            elif found is None and before is not None:
+                console(f"distrain: no straggler over steps {first}-{step} (rank {before.rank} caught up)")
+        return found.metrics() if found is not None else {}
 
     def publish(self, metrics: dict[str, Any], step: int, to_loggers: bool = True) -> None:
         self.callback_metrics.update({k: v for k, v in metrics.items() if isinstance(v, (int, float))})

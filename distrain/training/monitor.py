@@ -98,5 +98,5 @@ def across_ranks(names: list[str], per_rank: list[list[float]]) -> dict[str, flo
         if values:
             out[name] = max(values)
             out[f"{name}_min"] = min(values)
-            out[f"{name}_mean"] = round(sum(values) / len(values), 1)
+            out[f"{name}_mean"] = round(sum(values) / len(values), 6)  # seconds as well as megabytes
     return out
