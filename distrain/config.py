@@ -173,6 +173,13 @@ class TrainingConfig:
     on_nonfinite: str = "stop"
     """A NaN/inf loss or gradient norm: ``stop`` the run at that step (naming step and rank), ``skip`` the
     step on every rank, or ``ignore`` it (no check)."""
+    on_anomaly: str | None = None
+    """A loss spike (robust z-score above ``anomaly_zscore`` over the last ``anomaly_window`` steps) or a non-finite
+    loss: the step is run again to tell bad data from bad hardware, recorded in ``<output_dir>/anomalies.jsonl``,
+    then ``stop`` ends the run, ``skip`` drops the step, ``rollback`` trains on from the newest checkpoint without
+    its samples. null: off (no per-step loss all-gather)."""
+    anomaly_zscore: float = number(6.0, gt=0)
+    anomaly_window: int = number(50, gt=0)
     module: str | None = None
     """A ``distrain.Module`` of your own instead of a built-in or Hugging Face model: ``package.module:Class`` or
     ``path/to/file.py:Class``. It brings its data (``train_dataloader()``, optionally ``val_dataloader()``) and
@@ -585,6 +592,8 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"training.precision must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
     if t.on_nonfinite not in ("stop", "skip", "ignore"):
         raise ConfigError(f"training.on_nonfinite must be stop, skip or ignore, got {t.on_nonfinite!r}")
+    if t.on_anomaly not in (None, "stop", "skip", "rollback"):
+        raise ConfigError(f"training.on_anomaly must be stop, skip, rollback or null, got {t.on_anomaly!r}")
     if t.task not in (None, "causal_lm", "sequence_classification"):
         raise ConfigError(f"training.task must be causal_lm, sequence_classification or null (infer), got {t.task!r}")
     if config.data.padding not in ("longest", "max_length"):

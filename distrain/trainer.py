@@ -44,14 +44,16 @@ from distrain.module import Module, StepRouter, loss_of, run_step, unsupported_h
 from distrain.planner.batch import BatchLayout, keep_global_batch
 from distrain.run_dir import DEFAULT as DEFAULT_ROOT_DIR
 from distrain.run_dir import choose as choose_run_dir
-from distrain.runtime import Runtime
+from distrain.runtime import Runtime, rng_state, set_rng_state
 from distrain.strategies.base import LoopFacts, Strategy
+from distrain.training.anomalies import POLICIES as ANOMALY_POLICIES
+from distrain.training.anomalies import AnomalyError, AnomalyGuard
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
 from distrain.training.evaluation import Evaluator
 from distrain.training.metrics import MetricsLogger, StepResult
 from distrain.training.preemption import StopAgreement
 
-__all__ = ["Trainer", "CHECKPOINT_FORMAT", "NonFiniteError"]
+__all__ = ["Trainer", "CHECKPOINT_FORMAT", "NonFiniteError", "AnomalyError"]
 
 NONFINITE_POLICIES = ("stop", "skip", "ignore")
 #: what each numeric argument of ``Trainer`` accepts (None is always "not set"), as the config's keys declare theirs
@@ -66,9 +68,15 @@ TRAINER_NUMBERS = {
     "limit_val_batches": Bounds(ge=0, means={0: "no validation"}),
     "histogram_every_n_steps": Bounds(gt=0),
     "straggler_threshold": Bounds(ge=0, means={0: "no straggler check"}),
+    "anomaly_zscore": Bounds(gt=0),
+    "anomaly_window": Bounds(gt=0),
 }
 #: what ``train_step`` returns for a step the strategy did not commit (``Strategy.commit_step``)
 DROPPED = object()
+#: what ``train_step`` returns for a step whose data was found at fault before a rollback (``on_anomaly``): not run
+SKIPPED = object()
+#: what ``train_step`` returns when ``on_anomaly="rollback"`` loaded the newest checkpoint: read on from its position
+ROLLED_BACK = object()
 #: ``on_train_batch_start`` returned -1 (Lightning's "skip the rest of this epoch"), on some rank
 SKIP_REST_OF_EPOCH = object()
 
@@ -133,6 +141,9 @@ class Trainer:
         use_distributed_sampler: bool = True,
         limit_val_batches: int | None = None,
         on_nonfinite: str = "stop",
+        on_anomaly: str | None = None,
+        anomaly_zscore: float = 6.0,
+        anomaly_window: int = 50,
         straggler_threshold: float = 0.2,
         enable_plots: bool = True,
         histogram_every_n_steps: int | None = None,
@@ -145,6 +156,8 @@ class Trainer:
             bounds.check(f"Trainer's {name}", arguments[name])
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
+        if on_anomaly is not None and on_anomaly not in ANOMALY_POLICIES:
+            raise ValueError(f"on_anomaly must be one of {', '.join(ANOMALY_POLICIES)} or None, got {on_anomaly!r}")
         if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be a positive integer, got {log_every_n_steps!r}")
         # where and how the ranks run
@@ -179,6 +192,13 @@ class Trainer:
             on_nonfinite=on_nonfinite,
         )
         self.progress = TrainProgress()
+        if on_anomaly is not None and not self.runtime.strategy.traits.reruns_steps:
+            raise ValueError(
+                f"on_anomaly is not supported with {type(self.runtime.strategy).__name__}: it re-runs an anomalous "
+                "step before deciding, on every rank alike (single, ddp, fsdp and tensor parallelism do)"
+            )
+        #: loss spikes and non-finite losses: re-run, recorded, then stopped at, skipped or rolled back from
+        self.anomalies = AnomalyGuard(self, on_anomaly, anomaly_window, anomaly_zscore) if on_anomaly else None
         # what runs beside it
         self.callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
         if enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
@@ -340,6 +360,8 @@ class Trainer:
         refused in one line, as Lightning refuses it; so is a strategy it does not run under."""
         if module.automatic_optimization:
             return
+        if self.anomalies is not None:
+            raise ValueError("on_anomaly with automatic_optimization=False: the loop cannot re-run a step you step")
         if max(self.loop.accumulation.values()) > 1:
             raise ValueError(
                 "accumulate_grad_batches > 1 with automatic_optimization=False: accumulate by hand in training_step "
@@ -568,7 +590,11 @@ class Trainer:
                 if self.runtime.strategy.start_step(self.global_step):
                     break  # this rank took over a peer's state (a replica group rejoining): read on from its position
                 output = self.train_step(micro_batches)
-                if output is DROPPED:
+                if output is ROLLED_BACK:
+                    break  # the newest checkpoint was loaded: read on from its position
+                if output is DROPPED or output is SKIPPED:
+                    if self._done():
+                        return
                     continue
                 if output is SKIP_REST_OF_EPOCH:
                     self._end_epoch(val_loader)
@@ -641,6 +667,10 @@ class Trainer:
         first_idx = micro_batches[0][0]
         if self._skips_rest_of_epoch(first_idx, micro_batches[0][1]):
             return SKIP_REST_OF_EPOCH
+        position = self.progress.samples_in_epoch  # the step's first sample in the epoch's global order
+        if self.anomalies is not None and self.anomalies.skips(self.current_epoch, position):
+            return self._skip_bad_data(micro_batches)
+        rng = rng_state() if self.anomalies is not None else None  # a re-run starts from the same RNG state
 
         def before_each(batch):  # before each training_step of the step
             self.metrics.timer.forward_started()
@@ -674,9 +704,24 @@ class Trainer:
                 )
             return DROPPED
 
+        action = "apply"
+        if self.anomalies is not None:
+
+            def rerun() -> torch.Tensor:  # the same weights (nothing applied yet), batches and RNG state
+                optimizer.zero_grad(set_to_none=True)
+                set_rng_state(rng)
+                return rt.strategy.run_step(self.model, micro_batches)[0]
+
+            rt.mark_phase(None, "anomaly check")
+            action = self.anomalies.inspect(step_loss, micro_batches, position, rerun)
+            if action == "rollback":
+                optimizer.zero_grad(set_to_none=True)
+                self.checkpoints.complete_pending()
+                self.checkpoints.restore(self.checkpoints.resolve("last"))
+                return ROLLED_BACK
         rt.mark_phase(None, "optimizer step")
-        grad_norm = self._gradient_norm(optimizer)
-        if not self._apply_step(optimizer, grad_norm, step_loss):
+        grad_norm = self._gradient_norm(optimizer) if action == "apply" else None
+        if action != "apply" or not self._apply_step(optimizer, grad_norm, step_loss):
             self.progress.skipped_steps += 1
         optimizer.zero_grad(set_to_none=True)
         self._step_schedulers("step")
@@ -689,6 +734,22 @@ class Trainer:
         )
         self.metrics.step_done(result, final=self._done(), max_steps=self.loop.max_steps)
         return output
+
+    def _skip_bad_data(self, micro_batches: list[tuple[int, Any]]) -> Any:
+        """A step whose samples were found at fault before a rollback (``on_anomaly``): not run this time. It still
+        counts, as a skipped step does, and its samples are consumed."""
+        for _, batch in micro_batches:
+            self.progress.samples_in_epoch += batch_size_of(batch) * self.data_parallel_size
+        self.progress.skipped_steps += 1
+        self.progress.global_step += 1
+        self._step_schedulers("step")
+        if self.is_global_zero:
+            print(
+                f"distrain: step {self.global_step} skipped: its samples were at fault before the rollback "
+                f"(on_anomaly, {self.anomalies.path})",
+                flush=True,
+            )
+        return SKIPPED
 
     def _apply_step(self, optimizer, grad_norm: Any, step_loss: torch.Tensor) -> bool:
         """Step the optimizer unless the step must be skipped; returns whether it was applied.

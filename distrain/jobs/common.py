@@ -71,6 +71,9 @@ def build_trainer(config: RunConfig, strategy: str, ckpt_dir: Path, strategy_opt
         timeout=d.timeout_seconds,
         collective_timeout=d.collective_timeout_seconds,
         on_nonfinite=t.on_nonfinite,
+        on_anomaly=t.on_anomaly,
+        anomaly_zscore=t.anomaly_zscore,
+        anomaly_window=t.anomaly_window,
         async_save=c.async_save,
         **strategy_options,
     )

@@ -66,6 +66,10 @@ class Traits:
     """Logged values may live on other ranks than rank 0 (a pipeline's last stage): each is reduced across ranks."""
     saves_in_background: bool = True
     """Checkpoints can be written while training goes on (``async_save``)."""
+    reruns_steps: bool = True
+    """A step's forward and backward can run again before its optimizer step, every rank deciding alike
+    (``on_anomaly`` re-runs an anomalous step): not where an engine counts every backward (DeepSpeed), where a
+    schedule owns the backward (pipelines), nor across replica groups that decide apart (torchft)."""
     counts_metrics: bool = True
     """This rank's logged values count in cross-rank reductions; a rank holding a copy of another's samples (a
     tensor-parallel peer, a pipeline's earlier stage) does not, so a sample counts once."""

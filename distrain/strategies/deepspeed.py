@@ -127,6 +127,7 @@ class DeepSpeedStrategy(Strategy):
             compiles=False,  # ZeRO-3's gather hooks sit on every layer; DeepSpeed's own engine.compile is not wired in
             converts_fp8=False,  # the engine owns the model's dtypes; torchao's float8 layers are not wired in
             saves_in_background=False,  # the engine writes its own checkpoint files, synchronously
+            reruns_steps=False,  # its engine counts every backward towards its accumulation boundary
         )
 
     @property

@@ -42,7 +42,7 @@ from distrain import distributed
 from distrain.checkpoint import safe_load
 from distrain.cluster import JOB_SECRET, ReplicaGroup, is_loopback_address, job_secret, replica_group
 from distrain.config import ConfigError
-from distrain.strategies.base import LoopFacts, SetUp, Strategy, _as_timedelta
+from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits, _as_timedelta
 from distrain.strategies.registry import register
 
 #: gradients are averaged in buckets of about this many bytes (one all-reduce each, within and across groups)
@@ -85,6 +85,10 @@ class TorchFTStrategy(Strategy):
         self._take_over = None  # loads a peer's state into the loop (set with the loop's live state)
         self._run_dir: str | None = None
         self._ended_at: int | None = None  # the step of the finished group's final state it took
+
+    @property
+    def traits(self) -> Traits:
+        return Traits(reruns_steps=False)  # each replica group would decide alone whether to re-run or roll back
 
     # ---- which data this rank reads: its group's share, then its own within the group --------------------------
     @property

@@ -146,6 +146,7 @@ class ModelParallelStrategy(Strategy):
             collective_forward=True,
             metrics_elsewhere=pipelined,  # the last stage logs; rank 0 is the first
             counts_metrics=tp == 0 and pp == last,  # one copy: the first tensor-parallel rank of the last stage
+            reruns_steps=self.pipeline_stages == 1,  # a pipeline's schedule runs the backward
         )
 
     def setup_environment(self) -> None:
