@@ -203,3 +203,17 @@ def test_a_strategy_timeout_is_a_positive_finite_time(tmp_path, key, value):
 
     with pytest.raises(ValueError, match="positive, finite number of seconds"):
         distrain.Trainer(accelerator="cpu", strategy="ddp", devices=2, default_root_dir=str(tmp_path), **{key: value})
+
+
+def test_every_documented_value_reaches_a_trainer_that_accepts_it(tmp_path):
+    """A value config.py documents (``0``: validate at each epoch's end only, ...) must mean that in the Trainer the
+    config builds, not be refused there after the config accepted it (``training.val_check_interval=0`` was)."""
+    from distrain.jobs.common import build_trainer
+
+    documented = [(key, value) for key, f in KEYS for value in cfg.bounds_of(f).means]
+    assert ("training.val_check_interval", 0) in documented
+    for key, value in documented:
+        config = build_config(overrides={key: value, "output_dir": str(tmp_path), "distributed.accelerator": "cpu"})
+        if key.startswith(("fsdp.", "deepspeed.", "distributed.")):
+            continue  # read by a strategy, not the Trainer: tests/test_fsdp.py and test_deepspeed.py build those
+        build_trainer(config, "ddp", tmp_path / "checkpoints", {})

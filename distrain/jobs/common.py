@@ -48,7 +48,7 @@ def build_trainer(config: RunConfig, strategy: str, ckpt_dir: Path, strategy_opt
         max_steps=t.max_steps,
         accumulate_grad_batches=t.gradient_accumulation_steps,
         gradient_clip_val=t.max_grad_norm,
-        val_check_interval=t.val_check_interval,
+        val_check_interval=t.val_check_interval or None,  # 0: at the end of each epoch only, as None means here
         limit_val_batches=t.limit_val_batches,
         log_every_n_steps=lg.log_every_n_steps,
         default_root_dir=str(out),
