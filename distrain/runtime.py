@@ -37,6 +37,7 @@ from distrain.launch import make_launcher
 from distrain.precision import Precision
 from distrain.strategies.base import Strategy
 from distrain.strategies.registry import make_strategy
+from distrain.training import startup
 
 
 class Runtime:
@@ -309,7 +310,9 @@ def _run_in_rank(runtime: Runtime, fn: Callable, *args: Any, **kwargs: Any) -> A
     if runtime.log_dir is not None and not os.environ.get("DISTRAIN_LAUNCHED_CHILD"):
         launch.tee_output(runtime.log_dir, runtime.global_rank)  # a child's output already goes to its log
     try:
+        startup.mark("imports and config")
         runtime.setup_environment()
+        startup.mark("process group")
         return fn(*args, **kwargs)
     except Exception as error:
         launch.record_failure(runtime.log_dir, runtime.global_rank, error, runtime.explain_out_of_memory)

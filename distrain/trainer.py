@@ -46,6 +46,7 @@ from distrain.run_dir import DEFAULT as DEFAULT_ROOT_DIR
 from distrain.run_dir import choose as choose_run_dir
 from distrain.runtime import Runtime, rng_state, set_rng_state
 from distrain.strategies.base import LoopFacts, Strategy
+from distrain.training import startup
 from distrain.training.anomalies import POLICIES as ANOMALY_POLICIES
 from distrain.training.anomalies import AnomalyError, AnomalyGuard
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
@@ -236,6 +237,7 @@ class Trainer:
         self.should_stop = False  # a callback may set it: the run ends (on every rank) at a step boundary
         self._stopping = False
         self._last_val_step = -1
+        self._announce_start = False  # fit resumed or restarted: say how long the first step took to come
         self._num_batches: int | None = None  # the train loader's length, when it has one
         self.batch_layout: BatchLayout | None = None  # micro-batch × accumulation × data-parallel ranks, set by fit
         # what a Lightning module reads from its trainer (self.trainer.datamodule, ...), set in the ranks
@@ -496,10 +498,14 @@ class Trainer:
             micro_batch_size(train_loader) or 1, self.loop.accumulate_for(0), self.data_parallel_size
         )
         self._attach(module, "fit", train_loader)
+        startup.mark("model and data set-up")
         if checkpoint is not None:
             self.checkpoints.restore(checkpoint)
             step = self.batch_layout.micro_batch * self.data_parallel_size
             self.progress.samples_in_epoch -= self.progress.samples_in_epoch % step  # a whole step of this layout
+            startup.mark("checkpoint read")
+        # a rank that resumes or was restarted says how long it took to train again (training/startup.py)
+        self._announce_start = checkpoint is not None or startup.restarted()
         first_step = self.global_step
         self.metrics.start_fit(_flops_per_token(module), self.run_config)
         self._call("on_fit_start")
@@ -590,6 +596,11 @@ class Trainer:
                 if self.runtime.strategy.start_step(self.global_step):
                     break  # this rank took over a peer's state (a replica group rejoining): read on from its position
                 output = self.train_step(micro_batches)
+                if self._announce_start:
+                    self._announce_start = False
+                    startup.mark("first step")
+                    if self.is_global_zero:
+                        print(startup.line(self.global_step), flush=True)
                 if output is ROLLED_BACK:
                     break  # the newest checkpoint was loaded: read on from its position
                 if output is DROPPED or output is SKIPPED:

@@ -69,6 +69,7 @@ def _auto(rank, root, fail_on):
 
     planner_cli._decide = counted
     os.environ.pop(planner_cli.PLANNED_ENV, None)
+    os.environ["DISTRAIN_PLAN_CACHE"] = str(root / "plans")  # this case's own: no plan kept by another
     config = build_config(None, {"distributed.strategy": "auto", "distributed.devices": 2, "output_dir": str(root)}, [])
     start = time.monotonic()
     decision = planner_cli.decide_for_training(config)

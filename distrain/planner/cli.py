@@ -348,9 +348,20 @@ def decide_for_training(config: RunConfig, job=None) -> Decision:
 
 
 def _planned(config: RunConfig, job) -> Decision:
+    from distrain.planner import cache
+
     fallback = Decision(strategy=_without_plan(config))
     try:
-        decision = _decide(config, job)
+        plan_key = cache.key(config)
+        kept = cache.read(plan_key)
+        if kept is not None:  # this run (or its twin) was planned before on this machine: no trace, no timing
+            decision = Decision(**kept)
+            decision.messages = [f"{m} (planned before: {cache.directory()})" for m in decision.messages]
+        else:
+            decision = _decide(config, job)
+            if not decision.stop:
+                kept = {name: getattr(decision, name) for name in cache.FIELDS}
+                cache.write(plan_key, kept)
     except Exception as e:  # the plan is advice; training must not depend on it
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         fallback.messages.append(f"distrain: the memory planner could not plan this run ({type(e).__name__}: {first})")

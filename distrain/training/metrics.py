@@ -296,7 +296,8 @@ class MetricsLogger:
         }
         self.publish(metrics, result.step)
         if self.print_steps and rt.is_global_zero:
-            machine = ("mem", "host_", "gpu_")  # in the loggers, too many for one line
+            # in the loggers, too many for one line (a straggler has a console line of its own)
+            machine = ("mem", "host_", "gpu_", *PARTS, "straggler_")
             loss = {self.loss_name: metrics[self.loss_name]} if self.loss_name in metrics else {}
             rest = {k: v for k, v in metrics.items() if not k.startswith(machine) and k not in ("loss", *loss)}
             console(_step_line(result.step, max_steps, {**loss, **rest}))

@@ -1,0 +1,143 @@
+"""The plan's decisions, kept between starts of the same run on the same machine.
+
+Before a run starts, ``strategy: auto`` (and ``activation_checkpointing: auto``) trace one training step and time
+this machine's links: seconds that every start paid again, and a restarted job pays them before it trains again.
+The decision is a function of the config, the ranks and the machine, so it is kept under
+``~/.cache/distrain/plans/<key>.json``, the key a hash of exactly those inputs: the config (without where its
+files go), the world size and ranks per node, the memory budget per rank (devices, host), the link rates measured
+on this machine, and the versions of distrain and torch (and, for a Module of your own, its source file's size and
+time). ``DISTRAIN_PLAN_CACHE`` names another folder, or ``off``. A changed input is another
+key, so a stale plan is never read; ``distrain plan`` always plans afresh.
+
+The file is read as untrusted bytes: JSON only, at most ``MAX_BYTES``, every field checked for its type; anything
+else is ignored (the run plans as if there were no cache), never an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+MAX_BYTES = 64 * 2**10
+#: where a run's files go: not an input of the plan
+_NOT_INPUTS = {("output_dir",), ("checkpointing", "checkpoint_dir"), ("logging",)}
+
+
+def directory() -> Path | None:
+    """Where plans are kept: ``DISTRAIN_PLAN_CACHE`` (a folder, or ``off``), else the user's cache folder."""
+    chosen = os.environ.get("DISTRAIN_PLAN_CACHE")
+    if chosen == "off":
+        return None
+    if chosen:
+        return Path(chosen)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "distrain" / "plans"
+
+
+def key(config) -> str:
+    """The hash of what the plan depends on (see the module's docstring)."""
+    import torch
+
+    import distrain
+    from distrain.cluster import detect_cluster
+    from distrain.planner import cli, timing
+
+    settings = config.to_dict()
+    for path in _NOT_INPUTS:
+        node = settings
+        for part in path[:-1]:
+            node = node.get(part, {})
+        node.pop(path[-1], None)
+    cluster = detect_cluster()
+    gpu = cli.plans_for_gpu(config)
+    links = timing.measured_file()  # the rates the plan's timing reads: another measurement, another plan
+    inputs = {
+        "config": settings,
+        "world": (cluster.world_size, cluster.local_world_size, cluster.source),
+        "budget": repr(cli.budget_from_config(config, gpu, cli.ranks_per_node(config, gpu))),
+        "links": hashlib.sha256(links.read_bytes()).hexdigest() if links.is_file() else None,
+        "versions": (distrain.__version__, torch.__version__),
+        "module_source": _module_source(config.training.module),
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _module_source(spec: str | None) -> list | None:
+    """Size and modification time of a Module of your own's file: its model may have changed."""
+    if not spec:
+        return None
+    target = spec.rsplit(":", 1)[0]
+    path = Path(target)
+    if not path.suffix == ".py":
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(target)
+        except (ImportError, ValueError):
+            return [target]
+        if found is None or not found.origin:
+            return [target]
+        path = Path(found.origin)
+    try:
+        stat = path.stat()
+    except OSError:
+        return [str(path)]
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+#: each field a cached decision may have, and the types it may take
+FIELDS: dict[str, tuple[type, ...]] = {
+    "strategy": (str,),
+    "sharding": (str, type(None)),
+    "checkpoint": (int, type(None)),
+    "planned_checkpoint": (bool,),
+    "accumulate": (int, type(None)),
+    "messages": (list,),
+}
+
+
+def read(plan_key: str) -> dict[str, Any] | None:
+    """The decision kept under ``plan_key``, or None (none kept, or a file that is not what this module writes)."""
+    if directory() is None:
+        return None
+    path = directory() / f"{plan_key}.json"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:
+            return None
+        values = json.loads(raw)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(values, dict) or set(values) != set(FIELDS) | {"key"} or values["key"] != plan_key:
+        return None
+    for name, types in FIELDS.items():
+        value = values[name]
+        if type(value) not in types:  # bool is not an int here, nor an int a bool
+            return None
+    from distrain.strategies import registry
+
+    if values["strategy"] not in registry.names() or not all(isinstance(m, str) for m in values["messages"]):
+        return None  # a strategy is only ever a registered name: nothing here names code to import
+    if any(
+        isinstance(values[n], int) and values[n] < (1 if n == "accumulate" else 0) for n in ("checkpoint", "accumulate")
+    ):
+        return None
+    values.pop("key")
+    return values
+
+
+def write(plan_key: str, decision: dict[str, Any]) -> None:
+    """Keep a decision (best effort: a read-only home only costs the next start its plan)."""
+    if directory() is None:
+        return
+    path = directory() / f"{plan_key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": plan_key, **decision}))
+        os.replace(tmp, path)
+    except OSError:
+        pass

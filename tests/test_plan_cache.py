@@ -1,0 +1,125 @@
+"""The plan's decisions are kept between starts of the same run (``distrain/planner/cache.py``): the same inputs
+skip the plan, any changed input plans again, and a kept file is read as untrusted bytes."""
+
+import json
+import os
+
+import pytest
+
+from distrain.config import build_config
+from distrain.planner import cache, cli, plan
+from distrain.planner.cli import Decision, decide_for_training
+
+
+@pytest.fixture
+def planned(monkeypatch, tmp_path):
+    """Counts the plans really made (the trace and the timing are another test's business)."""
+    monkeypatch.setenv("DISTRAIN_PLAN_CACHE", str(tmp_path / "plans"))
+    monkeypatch.delenv("DISTRAIN_PLANNED", raising=False)
+    calls = []
+
+    def decide(config, job):
+        calls.append(config.distributed.devices)
+        return Decision("fsdp", sharding="SHARD_GRAD_OP", accumulate=2, messages=["distrain: strategy auto → fsdp"])
+
+    monkeypatch.setattr(cli, "_decide", decide)
+    return calls
+
+
+def _config(*items):
+    return build_config(None, {}, ["distributed.accelerator=cpu", "distributed.devices=2", *items])
+
+
+def test_the_same_run_started_again_takes_the_kept_decision_without_planning(planned, tmp_path):
+    first = decide_for_training(_config("output_dir=/tmp/a"))
+    again = decide_for_training(_config("output_dir=/tmp/b"))  # where the files go is not an input
+    assert planned == [2]
+    assert (again.strategy, again.sharding, again.accumulate) == ("fsdp", "SHARD_GRAD_OP", 2)
+    assert again.messages == [f"{first.messages[0]} (planned before: {tmp_path / 'plans'})"]
+
+
+def test_any_changed_input_plans_again(planned, monkeypatch, tmp_path):
+    decide_for_training(_config())
+    decide_for_training(_config("distributed.devices=1"))  # the config
+    assert len(planned) == 2
+    monkeypatch.setattr(plan, "host_memory", lambda: 3 * 2**30)  # the memory budget
+    decide_for_training(_config())
+    assert len(planned) == 3
+    links = tmp_path / "links.json"  # the link rates measured on this machine
+    monkeypatch.setattr("distrain.planner.timing.MEASURED_FILE", links)
+    links.write_text('{"a": 1}')
+    decide_for_training(_config())
+    links.write_text('{"a": 2}')
+    decide_for_training(_config())
+    assert len(planned) == 5
+    module = tmp_path / "mine.py"  # a Module of your own: its source
+    module.write_text("x = 1\n")
+    decide_for_training(_config(f"training.module={module}:M"))
+    module.write_text("x = 22\n")
+    decide_for_training(_config(f"training.module={module}:M"))
+    assert len(planned) == 7
+    monkeypatch.setenv("DISTRAIN_PLAN_CACHE", "off")
+    decide_for_training(_config())
+    decide_for_training(_config())
+    assert len(planned) == 9
+
+
+GOOD = {
+    "strategy": "fsdp",
+    "sharding": None,
+    "checkpoint": 0,
+    "planned_checkpoint": False,
+    "accumulate": None,
+    "messages": ["kept"],
+}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"not json",
+        b"[1, 2]",
+        json.dumps({**GOOD, "extra": 1}).encode(),
+        json.dumps({**GOOD, "strategy": "os:system"}).encode(),  # only a registered name, never code
+        json.dumps({**GOOD, "checkpoint": "0"}).encode(),
+        json.dumps({**GOOD, "planned_checkpoint": 1}).encode(),
+        json.dumps({**GOOD, "accumulate": 0}).encode(),
+        json.dumps({**GOOD, "checkpoint": -1}).encode(),
+        json.dumps({**GOOD, "messages": [1]}).encode(),
+        json.dumps({**GOOD, "messages": ["x" * cache.MAX_BYTES]}).encode(),  # over the size bound
+        "wrong key",
+    ],
+    ids=[
+        "not json",
+        "a list",
+        "extra field",
+        "code",
+        "str",
+        "bool",
+        "accumulate 0",
+        "negative",
+        "messages",
+        "size",
+        "key",
+    ],
+)
+def test_a_kept_file_that_is_not_what_distrain_writes_is_ignored_and_planned_over(planned, content):
+    key = cache.key(_config())
+    path = cache.directory() / f"{key}.json"
+    path.parent.mkdir(parents=True)
+    if content == "wrong key":
+        content = json.dumps({**GOOD, "key": "0" * 32}).encode()
+    elif content.startswith(b"{"):
+        content = json.dumps({**json.loads(content), "key": key}).encode()
+    path.write_bytes(content)
+    decision = decide_for_training(_config())
+    assert planned == [2] and decision.strategy == "fsdp" and decision.sharding == "SHARD_GRAD_OP"
+    assert cache.read(key)["accumulate"] == 2  # the plan made now replaced it
+    os.environ.pop("DISTRAIN_PLANNED", None)
+
+
+def test_a_kept_file_distrain_wrote_is_read_back_whole(planned):
+    key = cache.key(_config())
+    cache.write(key, GOOD)
+    assert cache.read(key) == GOOD
+    assert decide_for_training(_config()).strategy == "fsdp" and planned == []
