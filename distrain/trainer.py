@@ -508,6 +508,7 @@ class Trainer:
         self._announce_start = checkpoint is not None or startup.restarted()
         first_step = self.global_step
         self.metrics.start_fit(_flops_per_token(module), self.run_config)
+        self.metrics.timer.watch_gradients(module.parameters())  # each rank's own part of the backward (stragglers)
         self._call("on_fit_start")
         module.on_fit_start()
         module.on_train_start()
@@ -523,6 +524,7 @@ class Trainer:
                 self.checkpoints.complete_pending()  # one written in the background: on disk before fit returns
                 module.on_fit_end()
         finally:
+            self.metrics.timer.unwatch()
             self.stop.finish()  # no collective may be left in flight
             self.stop.uninstall()
             self.metrics.finalize()

@@ -7,13 +7,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 import distrain
 from distrain.training.stragglers import find_straggler
 from helpers import IndexedTokens, TinyGPT, run_ranks
 
-STEPS, WINDOW, BATCH = 16, 4, 4
+STEPS, WINDOW, BATCH = 20, 4, 4
 SLEEP_S = 0.05
 
 
@@ -29,13 +30,26 @@ class SlowOnRankOne(IndexedTokens):
         return super().__getitem__(i)
 
 
-class SlowForwardOnRankOne(TinyGPT):
-    """Rank 1's forward is slow in steps 9-12: a rank short of compute."""
+class SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(SLEEP_S)
+        return grad
+
+
+class SlowComputeOnRankOne(TinyGPT):
+    """Rank 1's forward is slow in steps 9-12, its backward in steps 13-16: a rank short of compute."""
 
     def training_step(self, batch, batch_idx):
-        if self.global_rank == 1 and 2 * WINDOW <= self.global_step < 3 * WINDOW:
+        slow = self.global_rank == 1 and 2 * WINDOW <= self.global_step < 4 * WINDOW
+        if slow and self.global_step < 3 * WINDOW:
             time.sleep(SLEEP_S)
-        return super().training_step(batch, batch_idx)
+        loss = super().training_step(batch, batch_idx)
+        return SlowBackward.apply(loss) if slow and self.global_step >= 3 * WINDOW else loss
 
 
 def _fit(rank, tmp):
@@ -50,7 +64,7 @@ def _fit(rank, tmp):
         enable_plots=False,
         default_root_dir=tmp,
     )
-    trainer.fit(SlowForwardOnRankOne(), DataLoader(SlowOnRankOne(), batch_size=BATCH, shuffle=False))
+    trainer.fit(SlowComputeOnRankOne(), DataLoader(SlowOnRankOne(), batch_size=BATCH, shuffle=False))
 
 
 @pytest.mark.slow
@@ -58,33 +72,35 @@ def test_a_slow_rank_is_named_with_its_split_and_a_balanced_window_names_none(tm
     run_ranks(_fit, 2, str(tmp_path))
     records = [json.loads(line) for line in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in records if "data_wait_s" in r}
-    assert sorted(by_step) == [4, 8, 12, 16]
+    assert sorted(by_step) == [4, 8, 12, 16, 20]
     for record in by_step.values():  # every window has each rank's split, over the ranks
-        for part in ("data_wait_s", "forward_s", "backward_sync_s"):
+        for part in ("data_wait_s", "compute_s", "sync_s"):
             assert record[f"{part}_min"] <= record[f"{part}_mean"] <= record[part]
     assert "straggler_rank" not in by_step[4]  # the ranks kept pace
-    slow_data, slow_forward = by_step[8], by_step[12]
-    assert slow_data["straggler_rank"] == 1 and slow_forward["straggler_rank"] == 1
-    # the split says why: its loader in steps 5-8, its forward in steps 9-12
-    assert slow_data["straggler_data_wait_s"] > 0.6 * SLEEP_S > slow_data["straggler_forward_s"]
-    assert slow_forward["straggler_forward_s"] > 0.6 * SLEEP_S > slow_forward["straggler_data_wait_s"]
-    assert slow_data["straggler_excess"] > 0.2
-    # the fast rank waited in the gradient all-reduce: its backward_sync is the longest
-    assert slow_data["backward_sync_s"] - slow_data["backward_sync_s_min"] > 0.5 * SLEEP_S
-    assert "straggler_rank" not in by_step[16]
+    slow_data, slow_forward, slow_backward = by_step[8], by_step[12], by_step[16]
+    assert slow_data["straggler_rank"] == slow_forward["straggler_rank"] == slow_backward["straggler_rank"] == 1
+    # the split says why: its loader in steps 5-8, its compute in steps 9-16 (forward, then backward)
+    assert slow_data["straggler_data_wait_s"] > 0.6 * SLEEP_S > slow_data["straggler_compute_s"]
+    for slow in (slow_forward, slow_backward):
+        assert slow["straggler_compute_s"] > 0.6 * SLEEP_S > slow["straggler_data_wait_s"]
+        assert slow["straggler_excess"] > 0.2
+    # the fast rank waited in the gradient all-reduce: its sync is the longest
+    for slow in (slow_data, slow_backward):
+        assert slow["sync_s"] - slow["sync_s_min"] > 0.5 * SLEEP_S
+    assert "straggler_rank" not in by_step[20]
     console = capfd.readouterr().out
     assert "distrain: rank 1 is a straggler over steps 5-8: its data wait" in console
     assert console.count("is a straggler") == 1  # named once while it stays the straggler
-    assert "distrain: no straggler over steps 13-16 (rank 1 caught up)" in console
+    assert "distrain: no straggler over steps 17-20 (rank 1 caught up)" in console
 
 
 def test_the_straggler_is_the_rank_whose_own_time_exceeds_the_others_by_the_threshold():
-    # [data wait, forward, backward + sync] seconds per step, per rank
+    # [data wait, compute, sync] seconds per step, per rank
     balanced = [[0.001, 0.010, 0.030], [0.002, 0.011, 0.028], [0.001, 0.010, 0.030]]
     assert find_straggler(balanced, 0.2) is None
     slow = [[0.001, 0.010, 0.030], [0.001, 0.030, 0.010], [0.001, 0.010, 0.030], [0.001, 0.011, 0.029]]
     found = find_straggler(slow, 0.2)
-    assert (found.rank, found.others_forward_s) == (1, 0.010)
+    assert (found.rank, found.others_compute_s) == (1, 0.010)
     assert abs(found.excess_s - 0.020) < 1e-9
     assert find_straggler(slow, 0.6) is None  # 0.020 s is under 60% of the 0.041 s step
     assert find_straggler(slow, 0) is None  # 0: the check is off
