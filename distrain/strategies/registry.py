@@ -43,6 +43,11 @@ REPLACED = {
     "bagua": "Bagua ('bagua', BaguaStrategy) is not supported; its algorithms map to 'ddp' with a comm hook: "
     "gradient_allreduce → plain ddp, bytegrad/qadam → comm_hook='fp16_compress' (or 'powersgd'), "
     "decentralized/async → comm_hook='post_localsgd'",
+    "colossalai": "Colossal-AI ('colossalai', ColossalAIStrategy) is not supported; its ZeRO and Gemini sharding map "
+    "to 'fsdp' or 'deepspeed_stage_3' (with CPU offload: 'fsdp_cpu_offload', 'deepspeed_stage_3_offload'), and its "
+    "tensor and pipeline parallelism to 'model_parallel' (distributed.tensor_parallel_size, pipeline_stages)",
+    "hivemind": "Hivemind ('hivemind', HivemindStrategy) is not supported; for training that goes on when a "
+    "machine is lost or joins late, use 'ddp_torchft' (replica groups that leave and rejoin a running job, torchft)",
     "ddp2": "'ddp2' was removed from Lightning; use 'ddp'",
     "ddp_sharded": "'ddp_sharded' (FairScale) is replaced by 'fsdp' (FSDP2: parameters, gradients and optimizer "
     "state sharded) or 'deepspeed_stage_2'",
@@ -52,6 +57,8 @@ REPLACED.update(
         "DataParallelStrategy": REPLACED["dp"],
         "HorovodStrategy": REPLACED["horovod"],
         "BaguaStrategy": REPLACED["bagua"],
+        "ColossalAIStrategy": REPLACED["colossalai"],
+        "HivemindStrategy": REPLACED["hivemind"],
         "DDPShardedStrategy": REPLACED["ddp_sharded"],
     }
 )
