@@ -41,6 +41,14 @@ from distrain.training import startup
 
 
 class Runtime:
+    """Accelerator, precision and strategy for a loop of your own, as Lightning Fabric or Accelerate give them:
+    the Trainer is built on exactly this. ``Runtime(accelerator, strategy, devices, num_nodes, precision,
+    **strategy_kwargs)``; then ``launch(fn)`` (or run under torchrun), ``setup(model, optimizer)``,
+    ``backward(loss)``, ``optimizer_step``, ``no_backward_sync``, ``clip_gradients``, the collectives
+    (``all_reduce``, ``all_gather``, ``broadcast``, ``barrier``), ``save`` / ``load`` (sharded where the strategy
+    shards) and ``autocast``. Rank facts: ``global_rank``, ``local_rank``, ``world_size``, ``is_global_zero``,
+    ``device``."""
+
     def __init__(
         self,
         accelerator: str = "auto",
@@ -169,6 +177,7 @@ class Runtime:
         self.auto_options = None
 
     def setup_environment(self) -> None:
+        """Start (or join) the process group and bind this rank's device; ``launch`` and the Trainer call it."""
         if not self._environment_ready:
             if self.flight_recorder_dir is not None:
                 self.strategy.flight_recorder_dir = self.flight_recorder_dir
@@ -211,41 +220,53 @@ class Runtime:
         return out[0] if len(out) == 1 else out
 
     def to_device(self, batch: Any) -> Any:
+        """``batch`` (tensors in any nesting of lists, tuples and dicts) on this rank's device."""
         return move_to_device(batch, self.device)
 
     def autocast(self):
+        """The precision's autocast context for the forward (a no-op in 32-true)."""
         return self.precision.autocast()
 
     # ---- the step -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
+        """``loss.backward()`` through the precision (a GradScaler's scale) and the strategy (DeepSpeed's engine)."""
         self.strategy.backward(loss, model)
 
     def no_backward_sync(self, model: nn.Module, enabled: bool = True):
+        """Skip the gradient all-reduce of backwards inside (gradient accumulation); ``enabled=False`` is a no-op."""
         return self.strategy.no_backward_sync(model, enabled)
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (over every rank's shard) to ``max_norm``; returns the norm before clipping."""
         return self.strategy.clip_gradients(model, optimizer, max_norm)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
+        """Step ``optimizer`` through the precision (unscale, skip an overflowed fp16 step) and the strategy."""
         self.strategy.optimizer_step(optimizer, model)
 
     # ---- collectives ------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """``tensor`` reduced over the data-parallel ranks: ``op`` is ``mean``, ``sum``, ``max`` or ``min``."""
         return self.strategy.all_reduce(tensor, op)
 
     def all_reduce_async(self, tensor: torch.Tensor, op: str = "max") -> Callable[[], torch.Tensor]:
+        """Start an all-reduce and return a function that waits for its result (no host sync until then)."""
         return self.strategy.all_reduce_async(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor``, stacked along a new first dimension, in rank order."""
         return self.strategy.all_gather(tensor)
 
     def all_gather_object(self, obj: Any) -> list:
+        """Every rank's ``obj`` (picklable, from this job's own ranks), in rank order."""
         return self.strategy.all_gather_object(obj)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
         return self.strategy.broadcast(obj, src)
 
     def barrier(self, name: str | None = None) -> None:
+        """Wait until every rank is here; ``name`` is what a hang report says they were waiting in."""
         self.strategy.barrier(name)
 
     def decided_on_rank_zero(self, decide: Callable[[], Any]) -> Any:
@@ -279,6 +300,7 @@ class Runtime:
             return f"memory plan: unavailable ({type(e).__name__}: {str(e).strip()[:200]})"
 
     def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only, flushed."""
         if self.is_global_zero:
             print(*args, **kwargs, flush=True)
 
@@ -302,6 +324,7 @@ class Runtime:
     seed_everything = staticmethod(lambda seed: seed_everything(seed))
 
     def teardown(self) -> None:
+        """End the strategy and the process group this runtime started."""
         self.strategy.teardown()
         self._environment_ready = False
 

@@ -107,6 +107,33 @@ class LoopOptions:
 
 
 class Trainer:
+    """Trains a ``distrain.Module`` (or a Lightning-style module) on one process, N processes or N nodes: the
+    parallel strategy is one argument. ``fit``, ``validate``, ``test``, ``predict`` and ``verify`` as in
+    Lightning; the ranks are started here (or found, under torchrun, srun, mpirun, a PyTorchJob).
+
+    Where and how the ranks run: ``accelerator`` (``auto``, ``cpu``, ``gpu``), ``devices`` (per node, ``auto``:
+    every GPU, or the CPU cores), ``num_nodes``, ``strategy`` (``auto``: the memory planner picks the fastest that
+    fits; ``ddp``, ``ddp_spawn``, ``fsdp``, ``deepspeed_stage_1``..``_3_offload``, ``model_parallel``,
+    ``pipeline``, ``ddp_torchft``, or a ``Strategy``), ``precision`` (``32-true``, ``16-mixed``, ``bf16-mixed``,
+    ``bf16-true``, ``fp8``); any other keyword goes to the strategy (``sharding_strategy=``, ``cpu_offload=``,
+    ``replica_groups=`` ...).
+
+    How long and how each step is made: ``max_epochs``, ``max_steps`` (-1: no limit), ``accumulate_grad_batches``
+    (an int, or ``{epoch: n}``), ``gradient_clip_val``, ``val_check_interval`` (steps, or a fraction of an epoch),
+    ``limit_val_batches``, ``use_distributed_sampler`` (shard the loaders over the data-parallel ranks; resumable
+    mid-epoch), ``seed`` (every rank builds the same weights), ``compile``.
+
+    When something goes wrong: ``on_nonfinite`` (a NaN/inf loss or gradient norm: ``stop``, ``skip``,
+    ``ignore``), ``on_anomaly`` (a loss spike or non-finite loss re-run to tell data from hardware, then ``stop``,
+    ``skip`` or ``rollback``; ``anomaly_zscore``, ``anomaly_window``), ``straggler_threshold`` (name a rank slower
+    than the others by this fraction of a step; 0: off).
+
+    What it writes: ``default_root_dir`` (a new ``version_N`` folder per run unless a path is given: metrics.jsonl,
+    TensorBoard, checkpoints, plots, logs), ``callbacks``, ``logger`` (True: JSONL and TensorBoard),
+    ``log_every_n_steps``, ``enable_progress_bar``, ``enable_checkpointing`` (a ``ModelCheckpoint`` with ``last``),
+    ``enable_plots``, ``histogram_every_n_steps``, ``async_save`` (checkpoints written while training goes on).
+    """
+
     runtime: Runtime  # accelerator + precision + strategy: every rank-aware call goes through it
     loop: LoopOptions
     progress: TrainProgress  # step, epoch and data position: what a resume restores
