@@ -67,7 +67,7 @@ def verify(config: RunConfig, steps: int, as_json: bool) -> int:
 def _start(config: RunConfig, resume: str | None, job: Job | None = None):
     """The job and its Trainer, as ``distrain train`` makes them (or an exit code when the plan says stop)."""
     from distrain import launch
-    from distrain.cluster import replica_run_dir
+    from distrain.cluster import replica_group, replica_run_dir
     from distrain.planner.cli import Decision, decide_for_training, print_messages, runs_activation_checkpointing
     from distrain.strategies import registry
 
@@ -82,8 +82,14 @@ def _start(config: RunConfig, resume: str | None, job: Job | None = None):
     out = Path(config.output_dir)
     ckpt_dir = Path(c.checkpoint_dir) if c.checkpoint_dir else out / "checkpoints"
     # --resume auto (requeued/restarted jobs): the newest intact checkpoint if there is one, else a fresh start
-    if resume == "last" and not (ckpt_dir / "last").exists():
-        raise FileNotFoundError(f"--resume last: no checkpoint in {ckpt_dir} to resume from")
+    lasts = [ckpt_dir / "last"]
+    if d.strategy == "ddp_torchft" and replica_group() is None:  # the process that starts the groups: theirs
+        lasts = [ckpt_dir / f"replica_{g}" / "last" for g in range(d.replica_groups)]
+        if not c.checkpoint_dir:
+            lasts = [out / f"replica_{g}" / "checkpoints" / "last" for g in range(d.replica_groups)]
+    missing = [str(last.parent) for last in lasts if not last.exists()]
+    if resume == "last" and missing:
+        raise FileNotFoundError(f"--resume last: no checkpoint in {', '.join(missing)} to resume from")
     # the memory plan: strategy auto, activation_checkpointing auto, a warning when it will not fit
     decision = decide_for_training(config, job) if job.plannable else Decision(d.strategy)
     print_messages(decision)
