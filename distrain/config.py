@@ -245,6 +245,16 @@ class DistributedConfig:
     one."""
     max_restarts: int = number(3, ge=0, means={0: "a replica group whose rank dies is not restarted"})
     """ddp_torchft: how often torchrun restarts one replica group whose rank died; 0: never."""
+    semi_sync: str | None = None
+    """ddp_torchft over slow links: ``local_sgd`` (the groups average their weights) or ``diloco`` (their
+    pseudo-gradients, through an outer optimizer) every ``sync_every`` steps instead of their gradients every step;
+    torchft's own LocalSGD and DiLoCo. null: every step."""
+    sync_every: int = number(8, gt=0)
+    """semi_sync: the steps each replica group takes alone between meetings (cross-group traffic falls this-fold)."""
+    outer_lr: float = number(0.7, gt=0)
+    """semi_sync diloco: the outer optimizer's learning rate (SGD on the averaged pseudo-gradient)."""
+    outer_momentum: float = number(0.9, ge=0, lt=1)
+    """semi_sync diloco: the outer optimizer's Nesterov momentum (0: plain SGD)."""
 
 
 @dataclass

@@ -289,6 +289,19 @@ class Strategy:
         the step, ``ddp_torchft``): the loop drops the step, and it does not count."""
         return True
 
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's own training state, beside the model's and the optimizers' (``ddp_torchft`` with
+        ``semi_sync``: the weights of the last meeting and the outer optimizer): saved in checkpoints, given back to
+        ``load_state_dict`` on resume. Tensors and plain values only (read weights-only). Empty for most."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], source: str) -> None:
+        """``state`` from a checkpoint (``source`` names it in errors)."""
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers the strategy adds to each logged record (``ddp_torchft``: the bytes it sent to other groups)."""
+        return {}
+
     def run_step(
         self, model: nn.Module, micro_batches: list[tuple[int, Any]], before_each: Callable[[Any], None] | None = None
     ) -> tuple[torch.Tensor, Any]:

@@ -53,7 +53,9 @@ class TorchFTStrategy(Strategy):
     """``replica_groups`` groups of ``devices`` ranks each. ``min_replicas``: the fewest groups a step may commit
     with. ``lighthouse``: the address of a running ``torchft_lighthouse`` (None: distrain's launcher starts one).
     ``max_restarts``: how often torchrun restarts one group. ``ft_timeout``: how long a cross-group all-reduce, a
-    quorum or a state transfer may take before the step is dropped."""
+    quorum or a state transfer may take before the step is dropped. ``semi_sync``: ``local_sgd`` or ``diloco``
+    (``semi_sync.py``): the groups meet every ``sync_every`` steps instead of every step; DiLoCo's outer optimizer
+    is SGD with ``outer_lr`` and Nesterov ``outer_momentum``."""
 
     start_method = "replica_groups"
 
@@ -68,9 +70,21 @@ class TorchFTStrategy(Strategy):
         timeout: timedelta | float = timedelta(minutes=30),
         activation_checkpointing_policy: Any = None,
         collective_timeout: timedelta | float | None = timedelta(minutes=5),
+        semi_sync: str | None = None,
+        sync_every: int = 8,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
     ):
         super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
         _check_options(replica_groups, min_replicas, lighthouse, max_restarts, "")
+        _check_semi_sync(semi_sync, sync_every, outer_lr, outer_momentum, "")
+        self.semi_sync, self.sync_every = semi_sync, sync_every
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
+        self._semi = None  # torchft's LocalSGD or DiLoCo (semi_sync.py), made with the optimizer
+        self._met = False  # semi_sync: this process met the others once (its first step); then only every sync_every
+        self._stepping = False  # inside the optimizer's step, where torchft's semi-synchronous meeting runs
+        self.cross_group_bytes = 0  # what this rank handed to torchft's cross-group all-reduce
+        self._peer_in_meeting = False  # the state taken last came from a peer inside a semi-synchronous meeting
         self.replica_groups, self.min_replicas, self.max_restarts = replica_groups, min_replicas, max_restarts
         self.lighthouse = lighthouse
         self.ft_timeout = _as_timedelta(ft_timeout)
@@ -172,7 +186,22 @@ class TorchFTStrategy(Strategy):
                 init_sync=True,  # step 0: every group starts from the first group's weights, whatever built them
                 **advertised,
             )
+        self._count_cross_group_bytes()
         self._hands_over_state = False  # a new manager (after a teardown) knows no state yet
+
+    def _count_cross_group_bytes(self) -> None:
+        """What this rank hands to the other groups, counted where it leaves (torchft's all-reduce, which
+        ``semi_sync``'s LocalSGD and DiLoCo call too): ``cross_group_mb`` in the logged metrics."""
+        allreduce = self.manager.allreduce
+
+        def counted(tensor, *args, **kwargs):
+            self.cross_group_bytes += tensor.numel() * tensor.element_size()
+            return allreduce(tensor, *args, **kwargs)
+
+        self.manager.allreduce = counted
+
+    def metrics(self) -> dict[str, float]:
+        return {"cross_group_mb": round(self.cross_group_bytes / 2**20, 6)} if self.manager is not None else {}
 
     def _forget_previous_manager(self) -> None:
         """torchft's Manager finds its group's manager server through keys in torchrun's store (rank 0 of the group
@@ -196,7 +225,12 @@ class TorchFTStrategy(Strategy):
             save, load = loop.live_state
 
             def take_over(state: dict) -> None:  # a peer's state, received in the quorum (before this step's data)
+                in_meeting = state.pop("semi_sync_meeting", False)
+                if in_meeting and not self._stepping:  # taken before this group's step, from a peer inside its own:
+                    progress = state["progress"]  # the peer counts that step once its meeting ends; so does this group
+                    state["progress"] = {**progress, "global_step": progress["global_step"] + 1}
                 load(state)
+                self._peer_in_meeting = in_meeting
                 self._rejoined = True
                 if self.is_global_zero:
                     print(
@@ -205,12 +239,57 @@ class TorchFTStrategy(Strategy):
                         flush=True,
                     )
 
-            self.manager.register_state_dict_fn("distrain", take_over, save)
+            def served() -> dict:  # a peer in a semi-synchronous meeting is inside its optimizer's step
+                return {**save(), "semi_sync_meeting": self._stepping} if self.semi_sync else save()
+
+            self.manager.register_state_dict_fn("distrain", take_over, served)
             self._take_over = load
             self._hands_over_state = True
+        if self.semi_sync:
+            self._start_semi_sync(model, optimizers)
         return SetUp(model, optimizers, schedulers)
 
+    def _start_semi_sync(self, model: nn.Module, optimizers: list) -> None:
+        from distrain.strategies.semi_sync import SemiSync
+
+        if len(optimizers) != 1:
+            raise ValueError(f"ddp_torchft with semi_sync needs one optimizer (the inner one), got {len(optimizers)}")
+        if self._semi is not None:
+            self._semi.close()
+        self._semi = SemiSync(
+            self.semi_sync, self.manager, model, optimizers[0], self.sync_every, self.outer_lr, self.outer_momentum
+        )
+        self._met = False
+        # registered after torchft's: the meeting (its post-hook) runs while _stepping is True
+        optimizer = optimizers[0]
+        optimizer.register_step_pre_hook(lambda *_: setattr(self, "_stepping", True))
+        optimizer.register_step_post_hook(lambda *_: setattr(self, "_stepping", False))
+
+    def state_dict(self) -> dict:
+        if self._semi is None:
+            return {}
+        return {**self._semi.state_dict(), "meetings": self.manager.current_step()}
+
+    def load_state_dict(self, state: dict, source: str) -> None:
+        if self._semi is None:
+            return
+        if state:
+            meetings = state.get("meetings")
+            if type(meetings) is not int or meetings < 0:
+                raise ValueError(f"{source}: its semi-synchronous meetings count is {meetings!r}, not a count")
+            self._semi.load_state_dict(state, source)
+            # every group resumes at the same count: the first quorum then heals none of them (at step 0 torchft's
+            # init_sync would give each the first group's state, and mid-round the groups' weights differ)
+            self.manager.load_state_dict({"step": meetings, "batches_committed": self.manager.batches_committed()})
+        else:  # a checkpoint of synchronous training: its weights are where the groups last met
+            if self.semi_sync == "diloco":
+                self._semi.engine._save_parameters()
+            self._semi.engine._local_step = 0
+
     def teardown(self) -> None:
+        if self._semi is not None:
+            self._semi.close()
+            self._semi = None
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
@@ -218,6 +297,8 @@ class TorchFTStrategy(Strategy):
 
     # ---- the step -----------------------------------------------------------------------------------------------
     def start_step(self, step: int) -> bool:
+        if self._semi is not None:
+            return self._start_semi_step(step)
         manager = self.manager
         if self._rejoined:  # the loop re-read its position after taking a peer's state: this step's quorum is done
             self._rejoined = False
@@ -244,6 +325,34 @@ class TorchFTStrategy(Strategy):
             )
         self._groups_in_quorum = groups
         return self._rejoined
+
+    def _start_semi_step(self, step: int) -> bool:
+        """Semi-synchronous: the groups meet in torchft's optimizer hook every ``sync_every`` steps, not here. Here
+        only the first step of this process forms a quorum (a fresh start: every group takes the first group's
+        weights; a restarted group: it meets the running ones at their next meeting, takes their state and takes
+        part in that meeting). True when the loop must re-read its data position."""
+        if self._met:
+            rejoined, self._rejoined = self._rejoined, False  # taken in a meeting, inside the last step
+            return rejoined
+        self._met, self._peer_in_meeting = True, False
+        manager = self.manager
+        manager.start_quorum()
+        if self._restarted and self._meet_another_group(step):
+            return True
+        if manager.current_step() == 0 and not self._rejoined:
+            self._wait_for_every_group()
+        if self._rejoined and self._peer_in_meeting:
+            self._semi.meet_after_healing()  # the running groups' all-reduce waits for this group too
+        else:
+            # every group of this quorum is here, at its start: an all-reduce of one number holds a group that
+            # serves its state until the groups that take it have it (it trains on only after), then the quorum is
+            # committed, as torchft's every step is; so the first meeting finds them all at step 1, and torchft's
+            # init_sync (which at step 0 gives every group the first group's state) does not throw away the other
+            # groups' first round
+            manager.allreduce(torch.zeros(1)).wait()
+            manager.should_commit()
+        rejoined, self._rejoined = self._rejoined, False
+        return rejoined
 
     #: how long a restarted group waits for another group in its quorum before it takes the others for ended
     PEER_WAIT_S = 15.0
@@ -314,8 +423,20 @@ class TorchFTStrategy(Strategy):
 
     def run_step(self, model: nn.Module, micro_batches: list, before_each=None) -> tuple[torch.Tensor, Any]:
         loss, output = super().run_step(model, micro_batches, before_each)  # no wrapper: gradients stay local
-        self._average_gradients(model)
+        if self._semi is not None:  # the groups meet in the optimizer's hook: the mean over this group only
+            self._average_within_group(model)
+        else:
+            self._average_gradients(model)
         return loss, output
+
+    def _average_within_group(self, model: nn.Module) -> None:
+        if self.world_size == 1:
+            return
+        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+        for bucket in _buckets(grads):
+            flat = distributed.all_reduce(_flatten_dense_tensors(bucket), "mean")
+            for grad, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(averaged)
 
     def _average_gradients(self, model: nn.Module) -> None:
         """The mean over this group's ranks, then over the groups in the quorum. A parameter without a gradient
@@ -339,6 +460,8 @@ class TorchFTStrategy(Strategy):
 
     def commit_step(self) -> bool:
         self._in_step = False
+        if self._semi is not None:  # torchft commits at the meetings (a failed one goes back to the last)
+            return True
         return self.manager.should_commit()
 
 
@@ -409,6 +532,20 @@ def _check_options(replica_groups, min_replicas, lighthouse, max_restarts, prefi
         raise error(f"{prefix}max_restarts must be a non-negative integer, got {max_restarts!r}")
 
 
+def _check_semi_sync(semi_sync, sync_every, outer_lr, outer_momentum, prefix: str) -> None:
+    from distrain.strategies.semi_sync import MODES
+
+    error = ConfigError if prefix else ValueError
+    if semi_sync is not None and semi_sync not in MODES:
+        raise error(f"{prefix}semi_sync must be local_sgd, diloco or null, got {semi_sync!r}")
+    if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+        raise error(f"{prefix}sync_every must be a positive integer, got {sync_every!r}")
+    if not isinstance(outer_lr, (int, float)) or not 0 < outer_lr < float("inf"):
+        raise error(f"{prefix}outer_lr must be a positive number, got {outer_lr!r}")
+    if not isinstance(outer_momentum, (int, float)) or not 0 <= outer_momentum < 1:
+        raise error(f"{prefix}outer_momentum must be in [0, 1), got {outer_momentum!r}")
+
+
 def options_from_config(config, block_classes) -> dict:
     d = config.distributed
     return dict(
@@ -416,12 +553,22 @@ def options_from_config(config, block_classes) -> dict:
         min_replicas=d.min_replicas,
         lighthouse=d.lighthouse,
         max_restarts=d.max_restarts,
+        semi_sync=d.semi_sync,
+        sync_every=d.sync_every,
+        outer_lr=d.outer_lr,
+        outer_momentum=d.outer_momentum,
     )
 
 
 def check(config) -> None:
-    _check_options(**options_from_config(config, set()), prefix="distributed.")
+    o = options_from_config(config, set())
+    _check_options(o["replica_groups"], o["min_replicas"], o["lighthouse"], o["max_restarts"], "distributed.")
+    _check_semi_sync(o["semi_sync"], o["sync_every"], o["outer_lr"], o["outer_momentum"], "distributed.")
     d = config.distributed
+    if d.semi_sync is not None and d.strategy != "ddp_torchft":
+        raise ConfigError(
+            f"distributed.semi_sync={d.semi_sync} is for replica groups (strategy ddp_torchft), not {d.strategy}"
+        )
     if d.strategy == "ddp_torchft" and d.num_nodes > 1 and replica_group() is None:
         raise ConfigError(
             f"distributed.num_nodes={d.num_nodes} with strategy ddp_torchft: distrain starts the replica groups of "

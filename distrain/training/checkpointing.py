@@ -189,6 +189,8 @@ class CheckpointManager:
             "batch_layout": vars(t.batch_layout) if getattr(t, "batch_layout", None) else None,
             "strategy": type(t.strategy).__name__,
         }
+        if t.strategy.state_dict():  # a strategy's own training state (semi-synchronous replica groups)
+            checkpoint["strategy_state"] = t.strategy.state_dict()
         if t.module is not None:  # Lightning's hook: the module adds keys of its own (on_load_checkpoint gets them)
             t.module.on_save_checkpoint(checkpoint)
         return checkpoint
@@ -268,6 +270,7 @@ class CheckpointManager:
                 f"{path} has checkpoint format {extra['format']!r}; this distrain reads {CHECKPOINT_FORMAT!r}"
             )
         self.load_progress_state(state["progress"], source=path)
+        t.strategy.load_state_dict(extra.pop("strategy_state", {}), str(path))  # {}: the checkpoint has none
         t.module.on_load_checkpoint(extra)  # the checkpoint's other keys: those the module's on_save_checkpoint added
         for cb in t.callbacks:
             if cb.state_key in state["callbacks"]:

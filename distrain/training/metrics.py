@@ -281,6 +281,7 @@ class MetricsLogger:
             **self.memory_stats(self.timer.window()),
         }
         metrics.update(self._stragglers(metrics.pop("step_parts", None), result.step))
+        metrics.update(rt.strategy.metrics())
         if result.grad_norm is not None:
             metrics["grad_norm"] = float(result.grad_norm)
         if result.skipped_steps:
