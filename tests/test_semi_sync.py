@@ -6,6 +6,7 @@ optimizer and the round's step count are in it)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -154,3 +155,45 @@ def test_semi_sync_settings_are_checked_naming_the_key():
     ):
         with pytest.raises(ConfigError, match=message):
             build_config(cli_items=items)
+
+
+@pytest.mark.slow
+def test_a_group_killed_under_diloco_rejoins_at_a_meeting_and_ends_with_the_others(tmp_path):
+    """kill -9 of group 1 at a random step (the built-in GPT: slow enough that group 0 is still running when torchrun
+    has restarted it). The restarted group meets group 0 at its next meeting, takes its state there and takes part
+    in it; both end at the last step with bit-identical weights, and the job exits 0."""
+    import random
+    import signal
+    import time
+
+    import psutil
+
+    kill_at, out = random.Random().randint(6, 20), tmp_path / "run"
+    diloco = ["distributed.semi_sync=diloco", "distributed.sync_every=4", "distributed.outer_momentum=0.5"]
+    command = ["distrain", "train", "--strategy", "ddp_torchft", "--devices", "1", f"output_dir={out}"]
+    command += ["training.max_steps=120", "logging.progress_bar=false", "logging.log_every_n_steps=1", *diloco]
+    command += ["checkpointing.save_every_n_steps=null", "logging.plot_summary=false"]
+    env = env_without_rank()
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = out / "replica_1" / "metrics.jsonl", time.monotonic() + 180
+    while time.monotonic() < deadline:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        if max((json.loads(line).get("step", 0) for line in lines if line.strip()), default=0) >= kill_at:
+            break
+        time.sleep(0.05)
+    for proc in psutil.Process(launcher.pid).children(recursive=True):
+        env, command_line = proc.environ(), " ".join(proc.cmdline())
+        if env.get("REPLICA_GROUP_ID") == "1" and "LOCAL_RANK" in env and "torch.distributed.run" not in command_line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    else:
+        pytest.fail("no rank of replica group 1 found")
+    output = _finish(launcher)
+    pattern = r"replica group 1 took over the live state of a running group at step (\d+)"
+    took_over = [int(step) for step in re.findall(pattern, output)]
+    assert took_over[-1] > kill_at and took_over[-1] % 4 == 0, (kill_at, took_over)  # at a meeting
+    assert f"training again at step {took_over[-1] + 1}" in output
+    a, b = (_state(out / f"replica_{g}") for g in (0, 1))
+    assert a["progress"]["global_step"] == b["progress"]["global_step"] == 120
+    for name, value in a["model"].items():
+        assert torch.equal(value, b["model"][name]), name
