@@ -27,7 +27,7 @@ from conftest import report
 from torch.utils.data import DataLoader
 
 import distrain
-from helpers import LossRecorder, env_without_rank, run_ranks
+from helpers import LossRecorder, env_without_rank, run_cli, run_ranks
 
 KINDS = ("mlp", "gpt", "hf-causal", "hf-classifier")
 SHARED = (
@@ -338,28 +338,10 @@ def _train_cli(strategy: str, kind: str, tiny: dict, out: Path) -> tuple[list, l
 
 def _main_here(strategy: str, kind: str, tiny: dict, out: Path) -> tuple[list, list] | str | None:
     """``distrain.cli.main`` (what the console script runs) in this process; rank 0's result, None on the others."""
-    import tempfile
-
-    from distrain.cli import main
-
-    os.environ.pop("DISTRAIN_PLANNED", None)  # each run plans for itself, as a new process would
-    # what the run writes to stderr, caught at the file descriptor as a subprocess's is (sys.stderr stays a real
-    # stream: DeepSpeed's op checks use its fileno)
-    with tempfile.TemporaryFile("w+") as err:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(err.fileno(), 2)
-        try:
-            code = main(_cli_argv(strategy, kind, tiny, out))
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-        err.seek(0)
-        stderr = err.read()
+    proc = run_cli(_cli_argv(strategy, kind, tiny, out))
     if int(os.environ.get("RANK", "0")) != 0:
         return None
-    return _cli_result(code, stderr, out)
+    return _cli_result(proc.returncode, proc.stderr, out)
 
 
 def _cli_ranks(rank, tiny, tmp, cells):
