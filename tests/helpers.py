@@ -193,3 +193,48 @@ def console_of_a_faulty_rank(tmp_path, fault: str, collective_timeout: float) ->
     )
     assert proc.returncode != 0
     return "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[distrain]")), time.time() - start
+
+
+def run_cli(argv: list[str], cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """``distrain ARGV`` as ``distrain.cli.main`` (what the console script runs) in this process, its stdout and
+    stderr caught at the file descriptors as a subprocess's are (C libraries' output included; sys.stdout and
+    sys.stderr stay real streams, whose fileno DeepSpeed's op checks use). For a test where the CLI's own process
+    start is not what is tested: a new interpreter costs seconds of imports per process on 2 cores. In the ranks of
+    ``run_ranks`` it is the CLI under an outside launcher (torchrun's route); ``os.environ`` without the rank
+    variables, the CLI on a machine with no launcher."""
+    from distrain.cli import main
+
+    here, streams = os.getcwd(), (sys.stdout, sys.stderr)
+    os.environ.pop("DISTRAIN_PLANNED", None)  # each run plans for itself, as a new process would
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as out, tempfile.TemporaryFile("w+", encoding="utf-8") as err:
+        for stream in streams:
+            stream.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        # Python's own streams write to those descriptors too (pytest's capture writes past them)
+        sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+            try:
+                code = main(list(argv))
+            except SystemExit as e:  # argparse's refusals
+                code = e.code
+        finally:
+            os.chdir(here)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = streams  # also undoes the run's copy of its output into its rank log
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(argv, code, out.read(), err.read())
+
+
+def cli_rank(rank: int, argv: list[str], cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """``run_cli`` in a rank of ``run_ranks``: ``run_ranks(cli_rank, 2, argv, cwd)``."""
+    return run_cli(argv, cwd)

@@ -8,8 +8,10 @@ Adam (optimizer offload: another Adam implementation, same math), and 1e-3 under
 bucketed reduce-scatter sums gradients in another order than DDP's all-reduce; Adam's first updates
 divide by a tiny second moment and so magnify that fp32 rounding (measured: 1e-5 to 1.3e-4 by step 3).
 Each cell of the printed table shows the largest relative difference it saw. The CLI route runs each
-strategy once in CI (the model kinds rotate); `DISTRAIN_FULL_MATRIX=1 python -m pytest
-tests/test_matrix.py` runs every cell. The table is printed at the end of the test session.
+strategy once in CI (the model kinds rotate): `python -m distrain.cli train` in a new process for one cell per
+way the CLI starts ranks (SUBPROCESS_CELLS), ``distrain.cli.main`` in forked ranks for the others;
+`DISTRAIN_FULL_MATRIX=1 python -m pytest tests/test_matrix.py` runs every cell, each in a new process. The
+table is printed at the end of the test session.
 """
 
 import itertools
@@ -25,7 +27,7 @@ from conftest import report
 from torch.utils.data import DataLoader
 
 import distrain
-from helpers import LossRecorder, env_without_rank, run_ranks
+from helpers import LossRecorder, env_without_rank, run_cli, run_ranks
 
 KINDS = ("mlp", "gpt", "hf-causal", "hf-classifier")
 SHARED = (
@@ -242,6 +244,14 @@ def test_api_matrix(tiny, tmp_path):
 
 # ---- the CLI route: `distrain train` with a config's keys as overrides ------------------------------------------
 ROUTE_ALL = ("single", *SHARED, *LAUNCHING, *MODEL_PARALLEL)
+#: the cells run as a user runs them, `python -m distrain.cli train` in a new process: one for each way the CLI
+#: starts its ranks (popen: it re-runs its own command line per rank; spawn: fresh workers import the user's
+#: module file by name; fork). Every other cell calls the same ``distrain.cli.main`` in ranks an outside
+#: launcher started (tests/helpers.run_ranks: the torchrun route), and ddp_notebook starts its workers from such
+#: a call: the CLI's config keys, planning and Trainer are the same, without a fresh interpreter's seconds of
+#: imports per rank.
+SUBPROCESS_CELLS = (("ddp", "mlp"), ("ddp_spawn", "mlp"), ("ddp_fork", "hf-causal"))
+RANK_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _cli_cells() -> list[tuple[str, str]]:
@@ -268,14 +278,10 @@ def _cli_args(kind: str, tiny: dict) -> list[str]:
     return ["--model-name", tiny[kind], f"data.dataset={data}", "data.max_length=16"]
 
 
-def _train_cli(strategy: str, kind: str, tiny: dict, out: Path) -> tuple[list, list] | str:
-    import json
-
+def _cli_argv(strategy: str, kind: str, tiny: dict, out: Path) -> list[str]:
+    """The arguments of `distrain train` for a cell (the same on both routes)."""
     devices = 1 if strategy == "single" else 2
-    command = [
-        sys.executable,
-        "-m",
-        "distrain.cli",
+    argv = [
         "train",
         "--strategy",
         strategy,
@@ -302,35 +308,89 @@ def _train_cli(strategy: str, kind: str, tiny: dict, out: Path) -> tuple[list, l
     ]
     if strategy == "deepspeed_stage_3_offload_nvme":
         (out / "nvme").mkdir(parents=True, exist_ok=True)
-        command.append(f"deepspeed.nvme_path={out / 'nvme'}")
-    command += MODEL_PARALLEL.get(strategy, [])
-    env = env_without_rank()
-    proc = subprocess.run(
-        command, capture_output=True, text=True, timeout=400, env=env, cwd=Path(__file__).parent.parent
-    )
-    if proc.returncode != 0:
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("distrain") or "Error" in line]
+        argv.append(f"deepspeed.nvme_path={out / 'nvme'}")
+    return argv + MODEL_PARALLEL.get(strategy, [])
+
+
+def _cli_result(code: int, stderr: str, out: Path) -> tuple[list, list] | str:
+    """A run's (losses, gradient norms) from its metrics.jsonl; "refused" for a one-line no-plan refusal; else
+    what went wrong."""
+    import json
+
+    if code != 0:
+        errors = [line for line in stderr.splitlines() if line.startswith("distrain") or "Error" in line]
         if any(m in line for line in errors for m in NO_PLAN_MESSAGES):
             return "refused"
-        return f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"
+        return f"exit {code}: {stderr.strip().splitlines()[-1:]}"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "loss" in s and "grad_norm" in s]
     return [s["loss"] for s in steps], [s["grad_norm"] for s in steps]
 
 
+def _train_cli(strategy: str, kind: str, tiny: dict, out: Path) -> tuple[list, list] | str:
+    """`python -m distrain.cli train ...` in a new process, as a user runs it."""
+    command = [sys.executable, "-m", "distrain.cli", *_cli_argv(strategy, kind, tiny, out)]
+    proc = subprocess.run(
+        command, capture_output=True, text=True, timeout=400, env=env_without_rank(), cwd=Path(__file__).parent.parent
+    )
+    return _cli_result(proc.returncode, proc.stderr, out)
+
+
+def _main_here(strategy: str, kind: str, tiny: dict, out: Path) -> tuple[list, list] | str | None:
+    """``distrain.cli.main`` (what the console script runs) in this process; rank 0's result, None on the others."""
+    proc = run_cli(_cli_argv(strategy, kind, tiny, out))
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    return _cli_result(proc.returncode, proc.stderr, out)
+
+
+def _cli_ranks(rank, tiny, tmp, cells):
+    """Cells in 2 ranks started as torchrun starts them (the CLI starts no ranks of its own there)."""
+    import gc
+
+    out = {}
+    for strategy, kind in cells:
+        out[strategy, kind] = _main_here(strategy, kind, tiny, tmp / f"{strategy}-{kind}")
+        gc.collect()
+    return out
+
+
+def _cli_local(rank, tiny, tmp, cells):
+    """Cells in one process on a machine with no launcher: the single-process references, and strategies whose
+    workers the CLI forks itself."""
+    for key in RANK_KEYS:
+        os.environ.pop(key, None)
+    return {(s, k): _main_here(s, k, tiny, tmp / f"{s}-{k}") for s, k in cells}
+
+
+def _cli_runs(cells: list[tuple[str, str]], tiny: dict, tmp: Path) -> dict:
+    """Each cell's result: in a new process where the route says so, else in forked processes (the references
+    and the launching strategies in one; the others in the rank pairs of SESSIONS)."""
+    results = {}
+    here = [c for c in cells if FULL or c in SUBPROCESS_CELLS]
+    local = [c for c in cells if c not in here and (c[0] == "single" or c[0] in LAUNCHING)]
+    results.update(run_ranks(_cli_local, 1, tiny, tmp, local)[0])
+    for session in SESSIONS:
+        ranked = [c for c in cells if c not in here and c[0] in session]
+        if ranked:
+            results.update(run_ranks(_cli_ranks, 2, tiny, tmp, ranked)[0])
+    for strategy, kind in here:
+        results[strategy, kind] = _train_cli(strategy, kind, tiny, tmp / f"{strategy}-{kind}")
+    return results
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a cold ~/.cache/torch_extensions builds DeepSpeed's ops inside it
 def test_cli_matrix(tiny, tmp_path):
-    cells = _cli_cells()
-    kinds = sorted({k for _, k in cells}, key=KINDS.index)
-    references = {k: _train_cli("single", k, tiny, tmp_path / f"single-{k}") for k in kinds}
+    cells = [c for c in _cli_cells() if c[0] not in UNAVAILABLE]
+    kinds = sorted({k for _, k in _cli_cells()}, key=KINDS.index)
+    references = [("single", k) for k in kinds]
+    assert set(SUBPROCESS_CELLS) <= set(cells)  # each launcher path keeps a cell of its own
+    results = _cli_runs(references + cells, tiny, tmp_path)
     table, failures = {("single", k): "reference" for k in kinds}, []
+    table.update({(s, k): UNAVAILABLE[s] for s, k in _cli_cells() if s in UNAVAILABLE})
     for strategy, kind in cells:
-        if strategy in UNAVAILABLE:
-            table[strategy, kind] = UNAVAILABLE[strategy]
-            continue
-        result = _train_cli(strategy, kind, tiny, tmp_path / f"{strategy}-{kind}")
-        table[strategy, kind], problem = _cell(strategy, kind, references[kind], result)
+        table[strategy, kind], problem = _cell(strategy, kind, results["single", kind], results[strategy, kind])
         if problem:
             failures.append(f"{strategy} × {kind}: {problem}")
     report(_table("`distrain train` (config keys as overrides): 2 CPU ranks vs one process", table))

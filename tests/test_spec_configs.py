@@ -7,12 +7,11 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import env_without_rank
+from helpers import cli_rank, run_cli, run_ranks
 
 SPEC = Path(__file__).parent / "data" / "spec"
 SHARED_SPEC = Path(__file__).resolve().parents[2] / "shared" / "spec"
@@ -43,15 +42,18 @@ def test_the_copies_are_the_spec_files():
 
 
 def _train(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    env = env_without_rank()
-    return subprocess.run(
-        [sys.executable, "-m", "distrain.cli", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=tmp,
-    )
+    """`distrain train ARGS` in ``tmp``: ``distrain.cli.main`` in 2 forked ranks started as torchrun starts them
+    (how the CLI starts ranks itself is tested in tests/test_matrix.py; here it is what the config files ask for):
+    rank 0's output, and the first failing rank's exit code."""
+    ranks = run_ranks(cli_rank, 2, ["train", *args], str(tmp))
+    code = next((r.returncode for r in ranks if r.returncode != 0), 0)
+    return subprocess.CompletedProcess(ranks[0].args, code, ranks[0].stdout, ranks[0].stderr + ranks[1].stderr)
+
+
+def _here(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    """`distrain train ARGS` in ``tmp`` for what is decided before any rank starts (``--print-config``, a refusal):
+    ``distrain.cli.main`` in this process."""
+    return run_cli(["train", *args], cwd=tmp)
 
 
 def _check_run(tmp: Path, proc: subprocess.CompletedProcess, steps: int) -> None:
@@ -92,7 +94,7 @@ def test_spec_ddp_config(local, tmp_path):
 def test_spec_ddp_config_with_its_nccl_on_a_cpu_machine(local, tmp_path):
     if os.environ.get("CUDA_VISIBLE_DEVICES", "") or _has_cuda():
         pytest.skip("this machine has a GPU: nccl is the right backend here")
-    proc = _train(
+    proc = _here(
         tmp_path,
         "--config",
         str(SPEC / "ddp_config.yaml"),
@@ -128,7 +130,7 @@ def test_spec_fsdp_config(local, tmp_path):
         f"training.model_name={local['llama']}",
         f"data.dataset={local['counting']}",
     ]
-    printed = _train(tmp_path, *args, "--print-config")
+    printed = _here(tmp_path, *args, "--print-config")
     assert printed.returncode == 0, printed.stderr
     for moved in (
         "# training.max_length → data.max_length",

@@ -18,7 +18,8 @@ from test_matrix import tiny as tiny  # noqa: F401  (the fixture)
 from torch import nn
 
 import distrain
-from helpers import env_without_rank, run_ranks
+from distrain.cluster import find_free_port
+from helpers import env_without_rank, run_cli, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = [s for s in (*SHARED, *MODEL_PARALLEL, "ddp_spawn") if s not in UNAVAILABLE]
@@ -58,14 +59,67 @@ def _cells():
     return chosen
 
 
+def _verify_cells(rank, cells, tiny_dirs, root, ports):
+    import gc
+    import os
+    import time
+
+    reports = {}
+    for (strategy, kind), port in zip(cells, ports):
+        # verify ends its process group; the next one meets on a port of its own (on the first one's port, a rank
+        # could find the earlier group's rendezvous keys and run ahead of the other)
+        os.environ["MASTER_PORT"] = str(port)
+        reports[strategy, kind] = _verify_cell(rank, strategy, kind, tiny_dirs, Path(root) / f"{strategy}-{kind}")
+        gc.collect()  # the trainer, its engine and the module refer to each other
+        # rank 0 then runs the one-process reference alone: the next cell starts when both ranks are done (a file
+        # each; there is no group left to wait with)
+        done = Path(root) / f"{strategy}-{kind}.done"
+        (done.parent / f"{done.name}.{rank}").touch()
+        while not all((done.parent / f"{done.name}.{r}").exists() for r in range(2)):
+            time.sleep(0.1)
+    return reports
+
+
+#: strategies whose cells share one pair of rank processes, one cell after the other. DeepSpeed keeps its process
+#: groups in module state that outlives the group verify ends (the next engine's broadcast names a destroyed
+#: group): each DeepSpeed cell gets ranks of its own
+VERIFY_SESSIONS = (
+    ("ddp", "fsdp", "fsdp_cpu_offload", *MODEL_PARALLEL),
+    *((s,) for s in SHARED if s.startswith("deepspeed")),
+)
+
+
+@pytest.fixture(scope="module")
+def verified(tiny, tmp_path_factory):
+    """A cell's report. The cells of a VERIFY_SESSIONS entry are verified one after the other in one pair of
+    ranks, when the first of them is asked for: each pair of new ranks imports transformers (and DeepSpeed)
+    afresh, seconds each on 2 cores."""
+    root, reports = tmp_path_factory.mktemp("verify"), {}
+
+    def report_of(strategy: str, kind: str) -> dict:
+        if (strategy, kind) not in reports:
+            if strategy == "ddp_spawn":  # it starts its own workers: verify runs in this process
+                reports[strategy, kind] = _verify_cell(0, strategy, kind, tiny, root / f"{strategy}-{kind}")
+            else:
+                session = next(s for s in VERIFY_SESSIONS if strategy in s)
+                cells = [c for c in _cells() if c[0] in session and c not in reports]
+                try:
+                    ports = [find_free_port() for _ in cells]
+                    reports.update(run_ranks(_verify_cells, 2, cells, tiny, root, ports)[0])
+                except Exception as error:  # every cell of the pair fails with it (not run once more for each)
+                    reports.update({c: error for c in cells})
+        if isinstance(reports[strategy, kind], Exception):
+            raise reports[strategy, kind]
+        return reports[strategy, kind]
+
+    return report_of
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("strategy,kind", _cells(), ids=[f"{s}-{k}" for s, k in _cells()])
-def test_verify_passes_where_the_layout_is_right(tiny, tmp_path, strategy, kind):
-    if strategy == "ddp_spawn":  # it starts its own workers: verify runs in this process, the report comes here
-        report = _verify_cell(0, strategy, kind, tiny, tmp_path)
-    else:
-        report = run_ranks(_verify_cell, 2, strategy, kind, tiny, tmp_path)[0]
+def test_verify_passes_where_the_layout_is_right(verified, strategy, kind):
+    report = verified(strategy, kind)
     failed = [f"{c['name']}: {c['detail']}" for c in report["checks"] if not c["ok"]]
     assert report["ok"], failed
     assert len(report["steps"]) == 2 and {c["name"] for c in report["checks"]} >= {
@@ -232,8 +286,13 @@ def test_distrain_verify_reports_json_and_exits_by_the_verdict(tmp_path):
     assert f", 2 steps → {tmp_path / 'v'}" in ok.stdout  # the steps it runs, not the config's max_steps
     report = json.loads(ok.stdout[ok.stdout.index("{") :])
     assert report["ok"] and len(report["steps"]) == 2 and report["header"].startswith("distrain verify: fsdp")
-    # too big for this host: one line naming the option that shrinks it
-    huge = verify("--strategy", "ddp", "--model-name", "gpt-70b")
+    # too big for this host: one line naming the option that shrinks it (refused before any rank starts: main(),
+    # in this process, is what the console script would run)
+    huge = run_cli(
+        ["verify", "--devices", "2", "--output-dir", str(tmp_path / "huge"), "data.max_bytes=20000",
+         "data.seq_len=16", "training.batch_size_per_gpu=4", "--json", "--strategy", "ddp", "--model-name", "gpt-70b"],
+        cwd=tmp_path,
+    )  # fmt: skip
     assert huge.returncode == 2 and "--shrink" in huge.stderr and len(huge.stderr.strip().splitlines()) == 1
 
 
