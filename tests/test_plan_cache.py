@@ -30,6 +30,11 @@ def _config(*items):
     return build_config(None, {}, ["distributed.accelerator=cpu", "distributed.devices=2", *items])
 
 
+def _key(config) -> str:
+    gpu = cli.plans_for_gpu(config)
+    return cache.key(config, cli.budget_from_config(config, gpu, cli.ranks_per_node(config, gpu)))
+
+
 def test_the_same_run_started_again_takes_the_kept_decision_without_planning(planned, tmp_path):
     first = decide_for_training(_config("output_dir=/tmp/a"))
     again = decide_for_training(_config("output_dir=/tmp/b"))  # where the files go is not an input
@@ -104,7 +109,7 @@ GOOD = {
     ],
 )
 def test_a_kept_file_that_is_not_what_distrain_writes_is_ignored_and_planned_over(planned, content):
-    key = cache.key(_config())
+    key = _key(_config())
     path = cache.directory() / f"{key}.json"
     path.parent.mkdir(parents=True)
     if content == "wrong key":
@@ -119,7 +124,7 @@ def test_a_kept_file_that_is_not_what_distrain_writes_is_ignored_and_planned_ove
 
 
 def test_a_kept_file_distrain_wrote_is_read_back_whole(planned):
-    key = cache.key(_config())
+    key = _key(_config())
     cache.write(key, GOOD)
     assert cache.read(key) == GOOD
     assert decide_for_training(_config()).strategy == "fsdp" and planned == []

@@ -36,13 +36,14 @@ def directory() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "distrain" / "plans"
 
 
-def key(config) -> str:
-    """The hash of what the plan depends on (see the module's docstring)."""
+def key(config, budget) -> str:
+    """The hash of what the plan depends on (see the module's docstring); ``budget``: the memory budget per rank the
+    plan would fit (``planner.cli.budget_from_config``)."""
     import torch
 
     import distrain
     from distrain.cluster import detect_cluster
-    from distrain.planner import cli, timing
+    from distrain.planner import timing
 
     settings = config.to_dict()
     for path in _NOT_INPUTS:
@@ -51,12 +52,11 @@ def key(config) -> str:
             node = node.get(part, {})
         node.pop(path[-1], None)
     cluster = detect_cluster()
-    gpu = cli.plans_for_gpu(config)
     links = timing.measured_file()  # the rates the plan's timing reads: another measurement, another plan
     inputs = {
         "config": settings,
         "world": (cluster.world_size, cluster.local_world_size, cluster.source),
-        "budget": repr(cli.budget_from_config(config, gpu, cli.ranks_per_node(config, gpu))),
+        "budget": repr(budget),
         "links": hashlib.sha256(links.read_bytes()).hexdigest() if links.is_file() else None,
         "versions": (distrain.__version__, torch.__version__),
         "module_source": _module_source(config.training.module),

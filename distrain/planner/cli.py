@@ -352,7 +352,8 @@ def _planned(config: RunConfig, job) -> Decision:
 
     fallback = Decision(strategy=_without_plan(config))
     try:
-        plan_key = cache.key(config)
+        gpu = plans_for_gpu(config)
+        plan_key = cache.key(config, budget_from_config(config, gpu, ranks_per_node(config, gpu)))
         kept = cache.read(plan_key)
         if kept is not None:  # this run (or its twin) was planned before on this machine: no trace, no timing
             decision = Decision(**kept)
