@@ -225,10 +225,13 @@ class TorchFTStrategy(Strategy):
             save, load = loop.live_state
 
             def take_over(state: dict) -> None:  # a peer's state, received in the quorum (before this step's data)
-                in_meeting = state.pop("semi_sync_meeting", False)
-                if in_meeting and not self._stepping:  # taken before this group's step, from a peer inside its own:
-                    progress = state["progress"]  # the peer counts that step once its meeting ends; so does this group
-                    state["progress"] = {**progress, "global_step": progress["global_step"] + 1}
+                in_meeting = state.pop("semi_sync_meeting", False) is True  # a peer's bytes: only a real True
+                progress = state.get("progress")
+                if in_meeting and not self._stepping and isinstance(progress, dict):
+                    # taken before this group's step, from a peer inside its own: the peer counts that step once its
+                    # meeting ends, and so does this group (a count that is not one is refused by the loader)
+                    step = progress.get("global_step")
+                    state["progress"] = {**progress, "global_step": step + 1 if type(step) is int else step}
                 load(state)
                 self._peer_in_meeting = in_meeting
                 self._rejoined = True
