@@ -253,8 +253,8 @@ class DistributedConfig:
     """semi_sync: the steps each replica group takes alone between meetings (cross-group traffic falls this-fold)."""
     outer_lr: float = number(0.7, gt=0)
     """semi_sync diloco: the outer optimizer's learning rate (SGD on the averaged pseudo-gradient)."""
-    outer_momentum: float = number(0.9, ge=0, lt=1)
-    """semi_sync diloco: the outer optimizer's Nesterov momentum (0: plain SGD)."""
+    outer_momentum: float = number(0.9, gt=0, lt=1, means={0: "plain SGD: no momentum"})
+    """semi_sync diloco: the outer optimizer's Nesterov momentum; 0: plain SGD (no momentum)."""
 
 
 @dataclass
@@ -294,9 +294,10 @@ class LoggingConfig:
     histogram_every_n_steps: int | None = number(None, gt=0)
     """TensorBoard histograms of every parameter and its gradient every this many steps (null: never).
     Sharded parameters are gathered one at a time, never the whole model on one rank."""
-    straggler_threshold: float = number(0.2, ge=0, means={0: "no straggler check"})
-    """Name a rank whose own part of the step (data wait + forward) exceeds the other ranks' by more than this
-    fraction of the step time over a logging window: on the console and as ``straggler_rank`` in the metrics."""
+    straggler_threshold: float = number(0.2, gt=0, means={0: "no straggler check"})
+    """Name a rank whose own part of the step (data wait + compute) exceeds the other ranks' by more than this
+    fraction of the step time over a logging window: on the console and as ``straggler_rank`` in the metrics;
+    0: no straggler check."""
     plot_summary: bool = True
     """Draw ``<output_dir>/plots/summary.png`` (loss, lr, throughput, MFU, memory) when training ends."""
     progress_bar: bool = True

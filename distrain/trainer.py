@@ -68,7 +68,7 @@ TRAINER_NUMBERS = {
     "seed": Bounds(ge=0),
     "limit_val_batches": Bounds(ge=0, means={0: "no validation"}),
     "histogram_every_n_steps": Bounds(gt=0),
-    "straggler_threshold": Bounds(ge=0, means={0: "no straggler check"}),
+    "straggler_threshold": Bounds(gt=0, means={0: "no straggler check"}),
     "anomaly_zscore": Bounds(gt=0),
     "anomaly_window": Bounds(gt=0),
 }
