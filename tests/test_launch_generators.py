@@ -1,29 +1,17 @@
 """`distrain launch`: the generated job files parse and carry the right counts."""
 
-import contextlib
-import io
 import os
 import subprocess
 
 import yaml
 
+from helpers import run_cli
+
 
 def distrain(*args, cwd):
-    """``distrain ARGS`` in ``cwd``, in-process: the main() the console script runs (a subprocess costs seconds of
-    imports on 2 cores, and what is tested here is what main() prints and writes)."""
-    from distrain.cli import main
-
-    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(list(args))
-            except SystemExit as e:  # argparse's refusals
-                code = e.code
-    finally:
-        os.chdir(here)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    """``distrain ARGS`` in ``cwd``, in-process (``helpers.run_cli``): what is tested here is what main() prints and
+    writes, and a subprocess costs seconds of imports on 2 cores."""
+    return run_cli(list(args), cwd)
 
 
 def test_torchrun_command(tmp_path):
