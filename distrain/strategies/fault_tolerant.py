@@ -426,38 +426,32 @@ class TorchFTStrategy(Strategy):
 
     def run_step(self, model: nn.Module, micro_batches: list, before_each=None) -> tuple[torch.Tensor, Any]:
         loss, output = super().run_step(model, micro_batches, before_each)  # no wrapper: gradients stay local
-        if self._semi is not None:  # the groups meet in the optimizer's hook: the mean over this group only
-            self._average_within_group(model)
-        else:
-            self._average_gradients(model)
+        self._average_gradients(model)
         return loss, output
-
-    def _average_within_group(self, model: nn.Module) -> None:
-        if self.world_size == 1:
-            return
-        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
-        for bucket in _buckets(grads):
-            flat = distributed.all_reduce(_flatten_dense_tensors(bucket), "mean")
-            for grad, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                grad.copy_(averaged)
 
     def _average_gradients(self, model: nn.Module) -> None:
         """The mean over this group's ranks, then over the groups in the quorum. A parameter without a gradient
-        contributes zeros, so every group (also one that just restarted) all-reduces the same buckets."""
-        if not self._in_step:  # torchft would fail an assertion in its all-reduce
+        contributes zeros, so every group (also one that just restarted) all-reduces the same buckets. Under
+        ``semi_sync`` the groups meet in the optimizer's hook instead: the mean over this group only."""
+        across_groups = self._semi is None
+        if across_groups and not self._in_step:  # torchft would fail an assertion in its all-reduce
             raise RuntimeError(
                 "ddp_torchft: no quorum for this step; a loop of your own calls strategy.start_step(step) before "
                 "reading a step's batches and strategy.commit_step() before the optimizer step (the Trainer does)"
             )
+        if not across_groups and self.world_size == 1:
+            return
         params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        for bucket in _buckets([p.grad for p in params]):
+        if across_groups:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        for bucket in _buckets([p.grad for p in params if p.grad is not None]):
             flat = _flatten_dense_tensors(bucket)
             if self.world_size > 1:
                 flat = distributed.all_reduce(flat, "mean")
-            self.manager.allreduce(flat).wait()  # a failure is recorded: commit_step is then False
+            if across_groups:
+                self.manager.allreduce(flat).wait()  # a failure is recorded: commit_step is then False
             for grad, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 grad.copy_(averaged)
 

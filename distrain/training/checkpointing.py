@@ -189,8 +189,9 @@ class CheckpointManager:
             "batch_layout": vars(t.batch_layout) if getattr(t, "batch_layout", None) else None,
             "strategy": type(t.strategy).__name__,
         }
-        if t.strategy.state_dict():  # a strategy's own training state (semi-synchronous replica groups)
-            checkpoint["strategy_state"] = t.strategy.state_dict()
+        strategy_state = t.strategy.state_dict()  # its own training state (semi-synchronous replica groups)
+        if strategy_state:
+            checkpoint["strategy_state"] = strategy_state
         if t.module is not None:  # Lightning's hook: the module adds keys of its own (on_load_checkpoint gets them)
             t.module.on_save_checkpoint(checkpoint)
         return checkpoint
