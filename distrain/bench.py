@@ -83,6 +83,7 @@ def main(args: argparse.Namespace) -> int:
     if any(r.get("peak_measured") for r in rows):
         print("* MFU against this CPU's measured fp32 matmul rate (it has no listed peak)")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if all("error" not in r for r in rows) else 1
 

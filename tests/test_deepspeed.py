@@ -329,3 +329,31 @@ def test_nvme_offload_checkpoint_holds_the_weights_and_an_inexact_resume_is_refu
     errors = run_ranks(_nvme_run, 2, tmp_path, True)
     for error in errors:
         assert error is not None and "NVMe" in error and "would not be exact" in error and "\n" not in error
+
+
+class _LocalRankSeen(distrain.Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.seen.append(os.environ.get("LOCAL_RANK"))
+
+
+def _stage3_started_by_nobody(rank, tmp):
+    # what a plain `python train.py` (or `distrain verify`) sees: no launcher's variables at all
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    seen = _LocalRankSeen()
+    trainer, rec = make_trainer(tmp, strategy="deepspeed_stage_3", devices=1, max_steps=2, callbacks=[seen])
+    trainer.fit(TinyGPT(), loader(4))
+    from distrain.cluster import detect_cluster
+
+    return rec.losses, seen.seen, detect_cluster().source
+
+
+def test_zero3_in_a_process_no_launcher_started_gets_local_rank(tmp_path):
+    """ZeRO-3 reads os.environ["LOCAL_RANK"] itself (``KeyError: 'LOCAL_RANK'`` from ``distrain verify`` on a GPU):
+    the strategy sets it for its run, and a later run in the process is still one no launcher started."""
+    losses, seen, later = run_ranks(_stage3_started_by_nobody, 1, tmp_path)[0]
+    assert len(losses) == 2 and all(loss == loss for loss in losses)
+    assert seen == ["0", "0"] and later == "local"

@@ -24,7 +24,8 @@ EXPECTED = {
     "test_pipeline_on_two_gpus_matches_one_process",
     "test_fp16_grad_scaler_skips_an_overflowed_step_on_every_rank_alike",
     "test_fsdp_mixed_precision_gathers_bf16_parameters_and_reduces_in_fp32",
-    "test_fp8_trains_close_to_bf16_and_fsdp_all_gathers_float8",
+    "test_fp8_trains_close_to_bf16_and_fsdp_matches_it",
+    "test_fsdp_all_gathers_float8_weights_on_two_gpus",
     "test_deepspeed_cpu_adam_offload_pins_host_memory",
     "test_deepspeed_without_offload_steps_with_its_fused_adam_cuda_op",
     "test_compile_on_cuda_matches_eager",
@@ -55,7 +56,8 @@ def test_gpu_suite_collects_and_skips_for_want_of_cuda(tmp_path):
         outcomes[f"{case.get('classname')}::{case.get('name')}"] = None if skipped is None else skipped.get("message")
     names = {key.split("::")[1].split("[")[0] for key in outcomes}
     assert names == EXPECTED, (sorted(names - EXPECTED), sorted(EXPECTED - names))
-    assert len(outcomes) == len(EXPECTED) + 2  # bf16/fp16 and clipping/no-clipping are two cases each
+    # bf16/fp16 and clipping/no-clipping are two cases each, the two-rank test three (ddp, fsdp, model_parallel)
+    assert len(outcomes) == len(EXPECTED) + 2 + 2
     for key, message in outcomes.items():
         assert message is not None, f"{key} was not skipped"
         assert "CUDA is missing" in message, (key, message)

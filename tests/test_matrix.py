@@ -410,3 +410,36 @@ def test_refused_in_one_line(options, expected):
     with pytest.raises(ValueError) as info:
         distrain.Trainer(accelerator="cpu", devices=2, logger=False, **options)
     assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "strategy,backend,ranks,refused",
+    [
+        ("fsdp", "gloo", 2, True),
+        ("model_parallel", "gloo", 2, True),
+        ("deepspeed_stage_3", "gloo", 2, True),
+        ("ddp", "gloo", 2, False),  # DDP's all-reduce over gloo works on CUDA tensors
+        ("fsdp", "cpu:gloo,cuda:nccl", 2, False),  # NCCL carries the CUDA tensors
+        ("fsdp", "gloo", 1, False),  # one rank: FSDP2 skips its collectives
+    ],
+)
+def test_sharded_strategies_on_cuda_refuse_gloo_in_one_line(strategy, backend, ranks, refused):
+    """Seen on an H200 (torch 2.11): FSDP2 and tensor parallelism over gloo with CUDA tensors end every rank in
+    SIGSEGV. The refusal is decided by the strategy's traits and the backend, before any rank starts, so it is
+    checked here without a GPU (the accelerator is only named)."""
+    from distrain.accelerators import CUDAAccelerator
+    from distrain.cluster import ClusterEnv
+    from distrain.precision import Precision
+    from distrain.strategies.registry import make_strategy
+
+    strategy_object = make_strategy(strategy, ranks, process_group_backend=backend)
+    connect = lambda: strategy_object.connect(  # noqa: E731
+        CUDAAccelerator(), Precision("32-true", "cuda"), ClusterEnv("local", world_size=ranks), ranks, 1
+    )
+    if not refused:
+        connect()
+        return
+    with pytest.raises(ValueError) as info:
+        connect()
+    message = str(info.value)
+    assert "needs NCCL" in message and repr(backend) in message and "\n" not in message, message

@@ -310,3 +310,19 @@ def test_distrain_verify_of_replica_groups_gathers_every_group(tmp_path):
     assert proc.stdout.count("result: PASS") == 1 and "result: FAIL" not in proc.stdout, proc.stdout[-3000:]
     assert "on 2 ranks (2 with their own data)" in proc.stdout
     assert "2 ranks × 2 steps: disjoint, together the global batch" in proc.stdout
+
+
+def test_no_precision_and_strategy_gets_a_tolerance_no_run_can_cross():
+    """A relative tolerance near 1 passes any run (DeepSpeed in bf16-mixed once got 1.0: bf16's 1e-1 times the
+    factor meant for fp32). Every precision under every strategy class stays at most fp8's 0.2; DeepSpeed keeps
+    its looser fp32 bound and, holding bf16 weights, bf16-true's."""
+    from distrain.strategies import registry
+    from distrain.verify.report import TOLERANCE, tolerance
+
+    classes = {type(registry.make_strategy(name, 2)).__name__ for name in ("ddp", "fsdp", "deepspeed_stage_3")}
+    for precision in TOLERANCE:
+        for strategy in classes:
+            assert 0 < tolerance(precision, strategy) <= 0.2, (precision, strategy, tolerance(precision, strategy))
+    assert tolerance("32-true", "DeepSpeedStrategy") == 1e-3 and tolerance("32-true", "FSDPStrategy") == 1e-4
+    assert tolerance("bf16-mixed", "DeepSpeedStrategy") == TOLERANCE["bf16-true"]
+    assert tolerance("bf16-mixed", "FSDPStrategy") == TOLERANCE["bf16-mixed"]

@@ -130,6 +130,16 @@ class Strategy:
                 f"CUDA GPUs, and this run is on {accelerator.name} (torch.cuda.is_available()="
                 f"{torch.cuda.is_available()}); use gloo, or leave the backend unset (gloo on CPU, nccl on GPUs)"
             )
+        if self.traits.collective_forward and nprocs * num_nodes > 1 and _cuda_backend(self.backend) == "gloo":
+            # seen on torch 2.11 (H200): FSDP2's and tensor parallelism's DTensor collectives over gloo on CUDA
+            # tensors end every rank in SIGSEGV; ZeRO-3 needs a CUDA all-gather-coalesced gloo lacks. DDP's
+            # all-reduce over gloo works.
+            raise ValueError(
+                f"{type(self).__name__} on CUDA needs NCCL: gloo cannot carry the collectives that gather its "
+                f"sharded parameters from CUDA memory (FSDP and tensor parallelism crash with SIGSEGV), and the "
+                f"process group backend is {self.backend!r} (distributed.backend); leave it unset (nccl on GPUs), "
+                "with one rank per GPU"
+            )
 
     @property
     def world_size(self) -> int:
@@ -367,6 +377,14 @@ class Strategy:
     def load_checkpoint(self, path: str | os.PathLike, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         """Reads both formats: a full ``state.pt`` and a DCP-sharded directory (resharded to us)."""
         return ckpt_state.load_any(path, state, self.unwrap, ckpt_state.FULL, strict)
+
+
+def _cuda_backend(backend: str) -> str:
+    """The backend that carries CUDA tensors: ``gloo`` → gloo, ``cpu:gloo,cuda:nccl`` → nccl."""
+    if ":" not in backend:
+        return backend
+    pairs = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    return pairs.get("cuda", "")
 
 
 def _as_timedelta(value: timedelta | float | None) -> timedelta | None:

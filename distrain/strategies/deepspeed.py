@@ -139,6 +139,10 @@ class DeepSpeedStrategy(Strategy):
     def setup_environment(self) -> None:
         _quiet_deepspeed(self.logging_level, self.accelerator.name)
         super().setup_environment()  # the torch process group (gloo on CPU) first, as DeepSpeed needs
+        # ZeRO-3 reads os.environ["LOCAL_RANK"] itself, at zero.Init and in its steps (the device of its checks); a
+        # one process run no launcher started has none. It stays, as the process group does: alone it makes no
+        # later run in this process look launched (detect_cluster wants RANK, WORLD_SIZE and MASTER_* too).
+        os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
         import deepspeed
 
         with compat.deepspeed_without_shm_op():  # adopts the existing group
