@@ -443,3 +443,16 @@ def test_sharded_strategies_on_cuda_refuse_gloo_in_one_line(strategy, backend, r
         connect()
     message = str(info.value)
     assert "needs NCCL" in message and repr(backend) in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "model_parallel", "deepspeed_stage_3"])
+def test_sharded_strategies_on_cpu_keep_gloo(strategy):
+    """The refusal above is CUDA's alone: on a CPU gloo is the backend every sharded strategy runs on."""
+    from distrain.accelerators import Accelerator
+    from distrain.cluster import ClusterEnv
+    from distrain.precision import Precision
+    from distrain.strategies.registry import make_strategy
+
+    make_strategy(strategy, 2, process_group_backend="gloo").connect(
+        Accelerator(), Precision("32-true", "cpu"), ClusterEnv("local", world_size=2), 2, 1
+    )

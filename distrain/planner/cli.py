@@ -97,6 +97,16 @@ def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
         pipeline_schedule=d.pipeline_schedule,
         stages_per_rank=d.pipeline_stages_per_rank,
         split_points=d.pipeline_split_points,
+        **(
+            dict(
+                replica_groups=d.replica_groups,
+                semi_sync=d.semi_sync,
+                sync_every=d.sync_every,
+                outer_momentum=d.outer_momentum,
+            )
+            if d.strategy == "ddp_torchft"
+            else {}
+        ),  # fmt: skip
     )
 
 

@@ -65,6 +65,12 @@ class Job:
     pipeline_schedule: str = "1F1B"
     stages_per_rank: int | None = None
     split_points: list | None = None
+    replica_groups: int = 1
+    """``ddp_torchft``: the replica groups the ranks form (``world_size`` counts every group's ranks)."""
+    semi_sync: str | None = None
+    sync_every: int = 8
+    outer_momentum: float = 0.9
+    """``ddp_torchft``'s ``distributed.semi_sync`` (local_sgd or diloco), ``sync_every`` and DiLoCo's momentum."""
 
     @property
     def per_node(self) -> int:
@@ -248,6 +254,11 @@ class Estimator:
             # tensors); without bucket views the gradients and the buckets are separate copies
             buffers = 0 if self.job.gradient_as_bucket_view else grads
             forward_backward = params + grads + buffers + opt + t.activations
+        if option.semi_sync == "diloco":  # the parameters as of the last meeting, and the outer SGD's momentum
+            elements = sum(sum(group) for group in t.groups)
+            outer = elements * 4 * (2 if self.job.outer_momentum else 1)
+            opt += outer
+            forward_backward += outer
         step = params + grads + buffers + opt + t.input_bytes + t.step_extra
         return Row(option, params, grads, opt, t.activations, buffers, max(forward_backward, step))
 

@@ -36,6 +36,10 @@ class Option:
     """``pp``: 1F1B, GPipe or Interleaved1F1B."""
     stages_per_rank: int = 1
     """``pp``: stages each pipeline rank runs (Interleaved1F1B's virtual stages)."""
+    semi_sync: str | None = None
+    """``ddp`` of replica groups (``ddp_torchft``): ``local_sgd`` or ``diloco``, the groups meeting every
+    ``sync_every`` steps instead of averaging gradients every step."""
+    sync_every: int = 1
 
     @property
     def strategy(self) -> str:
@@ -78,6 +82,8 @@ class Option:
             + (" × fsdp" if self.sharding else ""),
         }[self.family]
         parts = [base]
+        if self.semi_sync:
+            parts.append(f"{self.semi_sync} every {self.sync_every} steps")
         if self.checkpoint is None:
             parts.append("AC")
         elif self.checkpoint:
@@ -106,6 +112,8 @@ class Option:
             base += "+AC" if self.checkpoint is None else f"+AC{self.checkpoint}"
         if self.offload != "none":
             base += "+offload"
+        if self.semi_sync:
+            base += f" {self.semi_sync}/{self.sync_every}"
         return base
 
 
@@ -154,6 +162,8 @@ class Row:
             "sequence_parallel": o.sequence_parallel,
             "pipeline_stages": o.pipeline,
             "pipeline_schedule": o.schedule,
+            "semi_sync": o.semi_sync,
+            "sync_every": o.sync_every,
             "activation_checkpointing": "all" if o.checkpoint is None else o.checkpoint,
             "offload": o.offload,
             "params_bytes": self.params,

@@ -120,8 +120,11 @@ def candidate_options(job: Job, strategy: str = "all", checkpoint: str | bool = 
         if job.gpu:
             options.append(Option("fsdp", sharding="FULL_SHARD", offload="cpu"))
             options += [Option("zero", stage=2, offload="cpu"), Option("zero", stage=3, offload="cpu")]
+        if job.replica_groups > 1:  # ddp_torchft: DDP replicas in groups, which may meet every sync_every steps
+            options = [Option("ddp")]  # nothing else spans replica groups
+            options += [Option("ddp", semi_sync=m, sync_every=job.sync_every) for m in ("local_sgd", "diloco")]
     if strategy == "auto":
-        options = [o for o in options if o.family in AUTO_FAMILIES]
+        options = [o for o in options if o.family in AUTO_FAMILIES and not o.semi_sync]
     elif strategy != "all":  # the option that strategy runs, as the run would start it
         run = option_for_run(strategy, job, job.fsdp_sharding, job.fsdp_cpu_offload)
         options = [run] if run is not None else []
@@ -139,6 +142,8 @@ def option_for_run(strategy: str, job: Job, sharding: str = "FULL_SHARD", cpu_of
     and offload of the config, the ZeRO stage and offload of the user's DeepSpeed JSON (``job.zero``) when
     there is one, else the preset's. None for what the planner does not model (a pipeline of tensor-parallel
     stages)."""
+    if strategy == "ddp_torchft" and job.semi_sync and job.replica_groups > 1:
+        return Option("ddp", semi_sync=job.semi_sync, sync_every=job.sync_every)
     if strategy in ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_torchft"):  # every rank holds everything
         return Option("ddp") if job.world_size > 1 else Option("single")
     if strategy == "single":
@@ -493,11 +498,12 @@ class Planner:
         """``strategy="all"``: every option for the job's global batch (tensor-parallel and pipeline layouts
         with the accumulation that keeps it), the recommendation as ``auto`` would choose."""
         rows = [self.row(o) for o in candidate_options(self.job, strategy, checkpoint)]
-        if strategy == "all":
+        if strategy == "all" and self.job.replica_groups == 1:
             variants = _checkpoint_variants(checkpoint)
             mp = [(p, replace(o, checkpoint=c)) for p, o in self.model_parallel_planners() for c in variants]
             rows = sorted(rows + [p.row(o) for p, o in mp], key=lambda r: rank_key(r.option))
-        eligible = [r for r in rows if r.option.family in AUTO_FAMILIES] if strategy == "all" else rows
+        auto = [r for r in rows if r.option.family in AUTO_FAMILIES and not r.option.semi_sync]
+        eligible = auto if strategy == "all" else rows
         if self.hardware is not None:
             eligible = sorted(eligible, key=lambda r: r.step.seconds)
             fitting = [r for r in eligible if r.fits]
@@ -506,10 +512,26 @@ class Planner:
             chosen = next((r for r in eligible if r.fits), None)
         seen = eligible[: eligible.index(chosen) + 1] if chosen else eligible
         seen = _distinct(seen)
-        reason = self.reason(chosen, seen)
+        reason = self.reason(chosen, seen) + self._semi_sync_note(chosen, rows)
         suggestions = [] if chosen else self.smallest_changes(rows)
         source = self.hardware.source if self.hardware else ""
         return Plan(self.job, self.budget, rows, chosen, reason, suggestions, hardware_source=source)
+
+    @staticmethod
+    def _semi_sync_note(chosen: Row | None, rows: list[Row]) -> str:
+        """Replica groups: what meeting every ``sync_every`` steps would gain over this link (never chosen for the
+        user: it trains another way, whose loss they should check)."""
+        semi = [r for r in rows if r.option.semi_sync and r.fits and r.step and r.option.checkpoint == 0]
+        if chosen is None or chosen.step is None or not semi:
+            return ""
+        best = min(semi, key=lambda r: r.step.seconds)
+        gain = chosen.step.seconds / best.step.seconds
+        if gain < 1 + TIE:
+            return ""
+        return (
+            f"; {best.label} would train at {gain:.1f}× the tokens/s over this link between the groups (another "
+            "optimization: compare its loss)"
+        )
 
     def smallest_changes(self, rows: list[Row]) -> list[str]:
         """What would make it fit: a smaller micro-batch, more devices, offload."""

@@ -287,6 +287,9 @@ class Collective:
     inter_node: bool = False
     copied: bool = False
     """Copied into or out of a flat buffer (FSDP, DeepSpeed) on the way: memory traffic beside the link's."""
+    every: int = 1
+    """Optimizer steps per occurrence: semi-synchronous replica groups meet once every ``sync_every`` steps, and
+    every rank waits for the meeting (it overlaps nothing)."""
 
     @property
     def calls(self) -> int:
@@ -322,6 +325,8 @@ def collectives(option, job, trace, units: int) -> list[Collective]:
     params = trace.param_bytes  # gathered in the compute dtype
     grads = trace.grad_bytes
     inter = job.num_nodes > 1
+    if option.family == "ddp" and job.replica_groups > 1:
+        return _replica_group_collectives(option, job, grads, elements)
     if option.family == "ddp":  # one all-reduce per step (no_sync while accumulating), 25 MiB buckets
         copied = not job.gradient_as_bucket_view
         return [Collective("all_reduce", grads, n, 1, _buckets(grads, 25 << 20), inter, copied)]
@@ -353,6 +358,21 @@ def collectives(option, job, trace, units: int) -> list[Collective]:
     ]
 
 
+def _replica_group_collectives(option, job, grads: float, elements: int) -> list[Collective]:
+    """``ddp_torchft``: gradients averaged within each group every step, and between the groups over the link
+    that joins them (the inter-node one: ``--inter-node-bandwidth``): every step, or, semi-synchronously, the
+    fp32 parameters (local SGD) or pseudo-gradients (DiLoCo) once every ``sync_every`` steps."""
+    per_group = job.world_size // job.replica_groups
+    copied = not job.gradient_as_bucket_view
+    buckets = _buckets(grads, 25 << 20)
+    within = [Collective("all_reduce", grads, per_group, 1, buckets, job.num_nodes > 1, copied)]
+    if option.semi_sync is None:
+        return [*within, Collective("all_reduce", grads, job.replica_groups, 1, buckets, True, copied)]
+    outer = elements * 4  # fp32, whatever the training precision: the outer step runs on fp32 copies
+    meeting = Collective("all_reduce", outer, job.replica_groups, 1, _buckets(outer, 25 << 20), True, False)
+    return [*within, replace(meeting, every=option.sync_every)]
+
+
 def _buckets(size: float, bucket: float) -> int:
     return max(1, -(-int(size) // max(1, int(bucket))))
 
@@ -375,12 +395,12 @@ def collective_seconds(c: Collective, hw: Hardware, blocking: bool = False) -> f
     if blocking and hw.blocking_collective_seconds:
         latency = hw.blocking_collective_seconds
         bandwidth = hw.inter_bandwidth if c.inter_node else min(bandwidth, hw.blocking_bandwidth or bandwidth)
-    return c.passes * c.size * share / bandwidth + c.calls * latency
+    return (c.passes * c.size * share / bandwidth + c.calls * latency) / c.every
 
 
 def copy_seconds(c: Collective, hw: Hardware) -> float:
     """The copies into and out of the flat buffers a collective uses: each pass reads and writes the set."""
-    return c.passes * 2 * c.size / hw.memory_bandwidth if c.copied else 0.0
+    return c.passes * 2 * c.size / hw.memory_bandwidth / c.every if c.copied else 0.0
 
 
 def work_seconds(work, hw: Hardware, memory_share: float = 1.0) -> float:
@@ -404,9 +424,10 @@ def step_time(option, job, trace, units: int, hw: Hardware) -> StepTime:
     compute += sum(copy_seconds(c, hw) for c in sent)
     comm_parts = [collective_seconds(c, hw) for c in sent]
     comm = sum(comm_parts)
+    meetings = sum(p for p, c in zip(comm_parts, sent) if c.every > 1)  # between steps: nothing overlaps them
     if hw.overlap:  # NCCL beside compute: the first gather and the last reduction stay exposed
-        exposed = sum(p / max(1, c.calls) for p, c in zip(comm_parts, sent))
-        seconds = max(compute, comm) + exposed + optimizer
+        exposed = sum(p / max(1, c.calls) for p, c in zip(comm_parts, sent) if c.every == 1)
+        seconds = max(compute, comm - meetings) + exposed + meetings + optimizer
     else:
         seconds = compute + comm + optimizer
     return StepTime(compute, optimizer, comm, seconds)

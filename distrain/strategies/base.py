@@ -130,7 +130,8 @@ class Strategy:
                 f"CUDA GPUs, and this run is on {accelerator.name} (torch.cuda.is_available()="
                 f"{torch.cuda.is_available()}); use gloo, or leave the backend unset (gloo on CPU, nccl on GPUs)"
             )
-        if self.traits.collective_forward and nprocs * num_nodes > 1 and _cuda_backend(self.backend) == "gloo":
+        sharded = self.traits.collective_forward and nprocs * num_nodes > 1
+        if sharded and accelerator.name == "cuda" and _cuda_backend(self.backend) == "gloo":
             # seen on torch 2.11 (H200): FSDP2's and tensor parallelism's DTensor collectives over gloo on CUDA
             # tensors end every rank in SIGSEGV; ZeRO-3 needs a CUDA all-gather-coalesced gloo lacks. DDP's
             # all-reduce over gloo works.
