@@ -1,5 +1,5 @@
-"""The GPU numbers of the README, measured: ``python benchmarks/gpu_bench.py`` on a GPU machine runs exactly
-what fills the README's GPU table and writes it (``runs/gpu_bench/results.md``); ``--dry-run`` prints the
+"""The GPU numbers of docs/benchmarks.md, measured: ``python benchmarks/gpu_bench.py`` on a GPU machine runs exactly
+what fills that page's GPU table and writes it (``runs/gpu_bench/results.md``); ``--dry-run`` prints the
 commands instead (any machine, no GPU needed).
 
 1. Throughput: ``distrain bench`` for gpt-124m, gpt-350m and gpt-1.3b in bf16-mixed, bf16 + ``--compile`` and
@@ -388,7 +388,7 @@ def dry_run(args, here: dict, out: Path) -> None:
     gpus = f"{here['gpus']} GPU{'s' if here['gpus'] > 1 else ''}"
     print(f"# gpu_bench dry run on {here['name']}: the commands for {gpus}; results would go to {out}/results.md")
     if not args.skip_bench:
-        print("# 1. throughput (the README's GPU table): one distrain bench process per row")
+        print("# 1. throughput (the GPU table of docs/benchmarks.md): one distrain bench process per row")
         if not here["fp8"]:
             fp8 = "here" if here["fp8"] is False else "where the GPU has compute capability 8.9+ and torchao"
             print(f"#    (fp8 rows: {'none ' + fp8 if here['fp8'] is False else 'only ' + fp8})")

@@ -130,7 +130,7 @@ def test_only_a_lighthouse_on_loopback_puts_the_groups_on_loopback(address, loop
 
 # ---- a short job: 2 groups of 1 rank ------------------------------------------------------------------------
 def _ranks(launcher: psutil.Process) -> list[psutil.Process]:
-    """The training processes (torchrun's agents hold torch's own store: see the README)."""
+    """The training processes (torchrun's agents hold torch's own store: see docs/trust.md)."""
     found = []
     for proc in launcher.children(recursive=True):
         try:

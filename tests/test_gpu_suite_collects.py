@@ -1,6 +1,6 @@
 """The GPU suite (tests/gpu) and the GPU benchmark runner, checked where there is no GPU: every GPU test is
 collected, marked ``gpu`` and skipped because CUDA is missing; ``benchmarks/gpu_bench.py --dry-run`` prints the
-``distrain bench``, ``distrain plan`` and ``distrain train`` commands that fill the README's GPU tables."""
+``distrain bench``, ``distrain plan`` and ``distrain train`` commands that fill the GPU tables of docs/benchmarks.md."""
 
 import shlex
 import subprocess

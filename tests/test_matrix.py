@@ -1,4 +1,4 @@
-"""Every strategy the README names × every kind of model users bring × both routes (the Python API and
+"""Every strategy docs/strategies.md names × every kind of model users bring × both routes (the Python API and
 `distrain train`): each cell trains on 2 CPU ranks and matches the one-process run of the same global
 batch, or is refused before any rank starts with one line.
 
