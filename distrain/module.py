@@ -80,7 +80,7 @@ class Module(nn.Module):
     Build layers in ``__init__`` or — for large models — in ``configure_model``, which runs
     under the strategy's init context (on the device, or sharded for sharded strategies).
 
-    Written to Lightning's ``LightningModule`` API: its hooks (called in Lightning's order; README.md, "Coming
+    Written to Lightning's ``LightningModule`` API: its hooks (called in Lightning's order; docs/migrating.md, "Coming
     from Lightning"), its properties (``device``, ``current_epoch``, ``global_step``, ``global_rank``, ...) and manual
     optimization (``automatic_optimization = False``, ``self.optimizers()``, ``self.manual_backward``).
     """
@@ -138,10 +138,10 @@ class Module(nn.Module):
         refused before any rank starts."""
         return None
 
-    # Lightning's hooks, called in Lightning's order (README.md, "Coming from Lightning"). Two differ on purpose:
-    # with accumulate_grad_batches > 1, on_after_backward and on_train_batch_end run once per optimizer step (after
-    # its last micro-batch), and distrain zeroes gradients right after each step, so they are already None in
-    # on_before_zero_grad.
+    # Lightning's hooks, called in Lightning's order (docs/migrating.md, "Coming from Lightning"). Two differ on
+    # purpose: with accumulate_grad_batches > 1, on_after_backward and on_train_batch_end run once per optimizer
+    # step (after its last micro-batch), and distrain zeroes gradients right after each step, so they are already
+    # None in on_before_zero_grad.
     def prepare_data(self) -> None:
         """Download or write data: runs on local rank 0 of each node, before the other ranks go on."""
 

@@ -15,7 +15,7 @@ option communicates over the links between ranks.
 
 The rates come from this machine (measured here in two to three seconds: one large matmul, one large add,
 a tiny op, and gloo all-reduces between threads, idle and between matmuls), from ``distrain doctor``'s
-measurement, or, for a GPU plan, from the table below (listed peaks × the efficiencies stated in the README).
+measurement, or, for a GPU plan, from the table below (listed peaks × the efficiencies stated in docs/plan.md, "Time").
 Tensor parallelism's collectives, which the next computation waits for, take the figures measured between
 matmuls: on a CPU gloo's threads then wait for cores the ranks' compute holds.
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-#: what a GPU achieves of its listed rates in a training step (stated in the README; to be checked
+#: what a GPU achieves of its listed rates in a training step (stated in docs/plan.md; to be checked
 #: against benchmarks/gpu_bench.py whenever a GPU is lent)
 MATMUL_EFFICIENCY = 0.55
 MEMORY_EFFICIENCY = 0.7
