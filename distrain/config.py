@@ -396,6 +396,10 @@ class DeepSpeedSectionConfig:
 
 @dataclass
 class RunConfig:
+    """A whole run's configuration, as the CLI runs it: one section per part (``training``, ``distributed``,
+    ``checkpointing``, ``logging``, ``data``, ``fsdp``, ``deepspeed``) and ``output_dir``. ``build_config`` makes
+    one from the defaults, a config file and overrides."""
+
     training: TrainingConfig = field(default_factory=TrainingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
@@ -408,6 +412,7 @@ class RunConfig:
     an earlier run is refused unless --resume (go on with it) or --overwrite (remove its files)."""
 
     def to_dict(self) -> dict:
+        """Every section and its fields as nested plain dicts (``dataclasses.asdict``)."""
         return dataclasses.asdict(self)
 
 

@@ -44,12 +44,17 @@ class DataModule:
     def setup(self, stage: str) -> None:
         """In every rank: build datasets. ``stage`` is "fit", "validate", "test" or "predict"."""
 
-    def teardown(self, stage: str) -> None: ...
+    def teardown(self, stage: str) -> None:
+        """Last in each stage (``stage`` as in ``setup``), after the module's ``teardown``; in ``fit`` also when
+        training failed."""
 
     def state_dict(self) -> dict[str, Any]:
+        """Lightning's hook, here so a Lightning datamodule runs unchanged; empty. distrain does not call it: a
+        checkpoint keeps the data position itself."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Lightning's hook, the counterpart of ``state_dict``; distrain does not call it."""
 
 
 def is_datamodule(obj: Any) -> bool:

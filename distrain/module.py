@@ -97,6 +97,8 @@ class Module(nn.Module):
 
     @property
     def hparams(self) -> AttributeDict:
+        """The saved hyperparameters (``save_hyperparameters``), read as attributes or as keys; checkpoints store
+        them, so ``load_from_checkpoint`` can rebuild the module. Assigning a dict or a Namespace replaces them."""
         return self._hparams
 
     @hparams.setter
@@ -108,15 +110,24 @@ class Module(nn.Module):
         """Create layers here to have them built under the strategy's init context."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | dict:
+        """One micro-batch (on the device) → its loss, or a dict with ``"loss"``: the Trainer runs the backward, the
+        gradient the mean over the step's micro-batches and the ranks. Under manual optimization it steps the
+        optimizers itself. Required; ``batch_idx`` may be left out of the signature."""
         raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch, batch_idx)")
 
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        """One validation batch, in eval mode under ``torch.no_grad``: ``self.log`` what it measures (per epoch, a
+        sample-weighted mean over every rank). A scalar tensor returned is logged as ``val_loss`` unless that is
+        logged already. Does nothing unless overridden."""
         return None
 
     def test_step(self, batch: Any, batch_idx: int) -> Any:
+        """One batch of ``Trainer.test``, as ``validation_step`` (a scalar tensor returned: ``test_loss``)."""
         return None
 
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """One batch of ``Trainer.predict``, in eval mode under ``torch.no_grad``: its prediction (by default
+        ``self(batch)``); ``predict`` returns this rank's, in order."""
         return self(batch)
 
     def configure_optimizers(self) -> Any:
@@ -148,37 +159,109 @@ class Module(nn.Module):
     def setup(self, stage: str) -> None:
         """In every rank, before ``configure_model``; ``stage`` is "fit", "validate", "test" or "predict"."""
 
-    def teardown(self, stage: str) -> None: ...
-    def on_fit_start(self) -> None: ...
-    def on_fit_end(self) -> None: ...
-    def on_train_start(self) -> None: ...
-    def on_train_end(self) -> None: ...
-    def on_train_epoch_start(self) -> None: ...
-    def on_train_epoch_end(self) -> None: ...
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None: ...  # -1: skip the epoch's rest
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
-    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
-    def on_before_backward(self, loss: torch.Tensor) -> None: ...
-    def on_after_backward(self) -> None: ...
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
-    def on_validation_start(self) -> None: ...
-    def on_validation_end(self) -> None: ...
-    def on_validation_epoch_start(self) -> None: ...
-    def on_validation_epoch_end(self) -> None: ...
-    def on_validation_batch_start(self, batch: Any, batch_idx: int) -> None: ...
-    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
-    def on_test_start(self) -> None: ...
-    def on_test_end(self) -> None: ...
-    def on_test_epoch_start(self) -> None: ...
-    def on_test_epoch_end(self) -> None: ...
-    def on_test_batch_start(self, batch: Any, batch_idx: int) -> None: ...
-    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
-    def on_predict_start(self) -> None: ...
-    def on_predict_end(self) -> None: ...
-    def on_predict_epoch_start(self) -> None: ...
-    def on_predict_epoch_end(self) -> None: ...
-    def on_predict_batch_start(self, batch: Any, batch_idx: int) -> None: ...
-    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def teardown(self, stage: str) -> None:
+        """Last in each stage (``stage``: "fit", "validate", "test" or "predict"), before the datamodule's
+        ``teardown``; in ``fit`` also when training failed."""
+
+    def on_fit_start(self) -> None:
+        """Once the model, the optimizers and a resumed checkpoint are set up, after the callbacks' ``on_fit_start``;
+        ``on_train_start`` follows, then the first step."""
+
+    def on_fit_end(self) -> None:
+        """When ``fit`` has finished: after ``on_train_end``, and once a checkpoint written in the background is on
+        disk."""
+
+    def on_train_start(self) -> None:
+        """Right after ``on_fit_start``, before the first step."""
+
+    def on_train_end(self) -> None:
+        """When training ends (its steps or epochs done, or stopped), after the last validation and the callbacks'
+        ``on_train_end``."""
+
+    def on_train_epoch_start(self) -> None:
+        """At the start of each training epoch, before its first batch is read."""
+
+    def on_train_epoch_end(self) -> None:
+        """At the end of each training epoch, after its validation when validation runs once per epoch: what it logs
+        is an epoch value."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        """Before each ``training_step``, the batch on the device. Return -1 at the first batch of an optimizer step to
+        skip the rest of the epoch, on every rank (inside an accumulation window it is an error)."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After each optimizer step (not each micro-batch), and after the callbacks' ``on_train_batch_end``:
+        ``outputs`` is the step's last ``training_step`` output, ``batch`` and ``batch_idx`` its last micro-batch's."""
+
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Once per optimizer step, after its first ``training_step`` and before that backward (manual optimization:
+        in ``optimizer.zero_grad()``). The gradients are already None: distrain zeroes them after each step."""
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        """After each ``training_step``, before its backward, with the loss it returned (manual optimization: in
+        ``manual_backward``)."""
+
+    def on_after_backward(self) -> None:
+        """Once per optimizer step, after its last micro-batch's backward: gradients accumulated and reduced across
+        ranks, not yet unscaled nor clipped (manual optimization: after each ``manual_backward``)."""
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before each optimizer step, the gradients final (reduced, clipped); not before a step the loop drops for
+        non-finite gradients."""
+
+    def on_validation_start(self) -> None:
+        """When a validation run starts (``fit`` and ``Trainer.validate``), the module in eval mode."""
+
+    def on_validation_end(self) -> None:
+        """When a validation run ends, after ``on_validation_epoch_end``."""
+
+    def on_validation_epoch_start(self) -> None:
+        """After ``on_validation_start``, before the first batch."""
+
+    def on_validation_epoch_end(self) -> None:
+        """After the last batch: what it logs is part of this run's metrics."""
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before each ``validation_step``, the batch on the device."""
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After each ``validation_step``, ``outputs`` what it returned."""
+
+    def on_test_start(self) -> None:
+        """When a test run starts (``Trainer.test``), the module in eval mode."""
+
+    def on_test_end(self) -> None:
+        """When a test run ends, after ``on_test_epoch_end``."""
+
+    def on_test_epoch_start(self) -> None:
+        """After ``on_test_start``, before the first batch."""
+
+    def on_test_epoch_end(self) -> None:
+        """After the last batch: what it logs is part of this run's metrics."""
+
+    def on_test_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before each ``test_step``, the batch on the device."""
+
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After each ``test_step``, ``outputs`` what it returned."""
+
+    def on_predict_start(self) -> None:
+        """When a predict run starts (``Trainer.predict``), the module in eval mode."""
+
+    def on_predict_end(self) -> None:
+        """When a predict run ends, after ``on_predict_epoch_end``."""
+
+    def on_predict_epoch_start(self) -> None:
+        """After ``on_predict_start``, before the first batch."""
+
+    def on_predict_epoch_end(self) -> None:
+        """After the last batch."""
+
+    def on_predict_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before each ``predict_step``, the batch on the device."""
+
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After each ``predict_step``, ``outputs`` what it returned."""
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add keys of your own to ``checkpoint`` (plain values: numbers, strings, tensors, lists, dicts)."""
@@ -200,6 +283,7 @@ class Module(nn.Module):
 
     @property
     def trainer(self):
+        """The Trainer this module is attached to (a RuntimeError before one is)."""
         if self._trainer is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
         return self._trainer
@@ -213,12 +297,27 @@ class Module(nn.Module):
         return param.device if param is not None else torch.device("cpu")
 
     # where the loop is, as Lightning names it (0 before a Trainer is attached)
-    current_epoch = property(lambda self: self._trainer.current_epoch if self._trainer is not None else 0)
-    global_step = property(lambda self: self._trainer.global_step if self._trainer is not None else 0)
-    global_rank = property(lambda self: self._trainer.global_rank if self._trainer is not None else 0)
-    local_rank = property(lambda self: self._trainer.local_rank if self._trainer is not None else 0)
-    loggers = property(lambda self: list(self._trainer.loggers) if self._trainer is not None else [])
-    logger = property(lambda self: next(iter(self.loggers), None))
+    current_epoch = property(
+        lambda self: self._trainer.current_epoch if self._trainer is not None else 0,
+        doc="The epoch the Trainer is in, counted from 0.",
+    )
+    global_step = property(
+        lambda self: self._trainer.global_step if self._trainer is not None else 0,
+        doc="The optimizer steps taken so far (a resumed run's included).",
+    )
+    global_rank = property(
+        lambda self: self._trainer.global_rank if self._trainer is not None else 0,
+        doc="This process's rank among all ranks.",
+    )
+    local_rank = property(
+        lambda self: self._trainer.local_rank if self._trainer is not None else 0,
+        doc="This process's rank on its node.",
+    )
+    loggers = property(
+        lambda self: list(self._trainer.loggers) if self._trainer is not None else [],
+        doc="The Trainer's loggers (an empty list without a Trainer).",
+    )
+    logger = property(lambda self: next(iter(self.loggers), None), doc="The first of ``loggers``, or None.")
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on global rank 0 only."""
@@ -314,6 +413,7 @@ class Module(nn.Module):
             )
 
     def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
+        """``self.log(name, value, **kwargs)`` for each item of ``metrics``."""
         for name, value in metrics.items():
             self.log(name, value, **kwargs)
 
@@ -329,6 +429,7 @@ class Module(nn.Module):
         self.eval()
 
     def unfreeze(self) -> None:
+        """Undo ``freeze``: gradients for every parameter again, and train mode."""
         for param in self.parameters():
             param.requires_grad = True
         self.train()
@@ -374,6 +475,8 @@ class LossModule(Module):
         )
 
     def forward(self, batch: Any) -> Any:
+        """The wrapped model on ``batch``: a dict as keyword arguments, a list or tuple as positional ones, anything
+        else as the one argument."""
         if isinstance(batch, dict):
             return self.model(**batch)
         if isinstance(batch, (list, tuple)):
@@ -390,12 +493,16 @@ class LossModule(Module):
         return loss
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The loss the wrapped model returns for ``batch`` (a tensor, or its ``loss`` key or attribute)."""
         return self._loss(batch)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """Logs the wrapped model's loss for ``batch`` as ``val_loss``."""
         self.log("val_loss", self._loss(batch))
 
     def configure_optimizers(self):
+        """AdamW with ``learning_rate`` and ``weight_decay`` (none on 1-D parameters), and a per-step schedule:
+        linear warm-up over ``warmup_steps``, then ``lr_schedule`` over ``total_steps``."""
         from distrain.optim import adamw, warmup_decay
 
         s = self.settings

@@ -116,26 +116,32 @@ class Runtime:
     # ---- where am I --------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
+        """The number of ranks."""
         return self.strategy.world_size
 
     @property
     def global_rank(self) -> int:
+        """This process's rank among all ranks."""
         return self.strategy.global_rank
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its node."""
         return self.strategy.local_rank
 
     @property
     def node_rank(self) -> int:
+        """This node's rank (``NODE_RANK``, else torchrun's ``GROUP_RANK``; 0 when neither is set)."""
         return int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", 0)))
 
     @property
     def is_global_zero(self) -> bool:
+        """Whether this process is global rank 0."""
         return self.strategy.is_global_zero
 
     @property
     def device(self) -> torch.device:
+        """This rank's device."""
         return self.strategy.root_device
 
     # ---- launching ------------------------------------------------------------------------------
@@ -321,7 +327,10 @@ class Runtime:
         with watch.patient("checkpoint load"):
             return self.strategy.load_checkpoint(path, state, strict=strict)
 
-    seed_everything = staticmethod(lambda seed: seed_everything(seed))
+    @staticmethod
+    def seed_everything(seed):
+        """``distrain.seed_everything(seed)``: Python, NumPy and torch seeded in this process; returns the seed."""
+        return seed_everything(seed)
 
     def teardown(self) -> None:
         """End the strategy and the process group this runtime started."""

@@ -47,18 +47,23 @@ class ModelCheckpoint(Callback):
         self._warned_names = False
 
     def setup(self, trainer, module, stage: str) -> None:
+        """With no ``dirpath`` given: ``checkpoints`` in the run's log directory."""
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir) / "checkpoints"
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        """Saves every ``every_n_train_steps`` optimizer steps."""
         if self.every_n_train_steps and trainer.global_step % self.every_n_train_steps == 0:
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer, module) -> None:
+        """Saves at the end of every ``every_n_epochs``-th epoch (each epoch unless ``every_n_train_steps`` is
+        given)."""
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer)
 
     def on_train_end(self, trainer, module) -> None:
+        """Saves when training ends, with ``save_last``: a finished run can be resumed or inspected."""
         if self.save_last:  # a finished run can always be resumed or inspected
             self.save(trainer)
 
@@ -80,6 +85,9 @@ class ModelCheckpoint(Callback):
         return value if self.mode == "max" else -value
 
     def save(self, trainer) -> None:
+        """Save a checkpoint now, every rank together (nothing when one was saved at this step already): named by
+        ``format_name`` on rank 0, scored by ``monitor``. Once it is on disk, ``last`` points at it and the
+        checkpoints beyond ``save_top_k`` are removed; one with non-finite weights is kept but not made ``last``."""
         if trainer.global_step == self._last_saved_step:
             return
         self._last_saved_step = trainer.global_step
@@ -153,6 +161,7 @@ class ModelCheckpoint(Callback):
         self.best_model_path = self.saved[0][1] if self.saved else None
 
     def state_dict(self) -> dict:
+        """The kept checkpoints with their scores, and the best one: by name, inside ``dirpath``."""
         # names, not paths: the list means something only inside this run's own checkpoint directory
         return {
             "saved": [[s, Path(p).name] for s, p in self.saved],

@@ -8,11 +8,16 @@ from distrain.callbacks.base import Callback
 
 
 class ProgressBar(Callback):
+    """A tqdm bar on global rank 0 (on stderr): the optimizer steps done out of ``estimated_stepping_batches``, with
+    the values logged with ``prog_bar=True``, redrawn at most every ``refresh_seconds``. The Trainer adds one unless
+    ``enable_progress_bar=False``."""
+
     def __init__(self, refresh_seconds: float = 1.0):
         self.refresh_seconds = refresh_seconds
         self.bar = None
 
     def on_fit_start(self, trainer, module) -> None:
+        """Opens the bar on rank 0, at the current ``global_step`` (a resumed run starts where it was)."""
         if not trainer.is_global_zero:
             return
         from tqdm.auto import tqdm
@@ -28,6 +33,7 @@ class ProgressBar(Callback):
         )
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        """Moves the bar to ``global_step`` and shows the progress-bar metrics."""
         if self.bar is None:
             return
         self.bar.update(trainer.global_step - self.bar.n)
@@ -38,6 +44,7 @@ class ProgressBar(Callback):
             )
 
     def on_train_end(self, trainer, module) -> None:
+        """Closes the bar (``on_exception`` too)."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None

@@ -31,6 +31,10 @@ from torch import nn
 
 @dataclass
 class PipelineSplit:
+    """How a model splits into pipeline stages (the module's docstring says more): the first stage embeds each
+    micro-batch, the stages run contiguous runs of ``blocks``, the last runs ``head``, and your step's call of
+    ``model(...)`` is answered from it. A Module of your own returns one from ``pipeline_split()``."""
+
     model: nn.Module
     """The module your steps call (``self.gpt(x, y)``); on the last stage that call is answered."""
     blocks: nn.ModuleList

@@ -87,6 +87,12 @@ OptimizerFactory = Callable[[], tuple[list, list]]
 
 
 class Strategy:
+    """The base of every parallel strategy: one process on one device, with no wrapping, as it stands. A subclass
+    overrides the parts it changes: how the model is set up (``_setup_module``, ``_setup_training``), the step
+    (``backward``, ``no_backward_sync``, ``clip_gradients``, ``optimizer_step``, ``run_step``), the collectives and
+    the checkpoint format. The Runtime drives it: ``connect``, then ``setup_environment`` in every rank, ``setup``,
+    the steps, and ``teardown``."""
+
     #: how extra ranks are started when no launcher did it: "popen", "spawn", "fork" or None (one process)
     start_method: str | None = None
     #: ``torch.compile`` when the model is set up (``Trainer(compile=...)`` sets it): False, True or compile kwargs
@@ -94,6 +100,7 @@ class Strategy:
 
     @property
     def traits(self) -> Traits:
+        """What the rest of distrain needs to know about this strategy (``Traits``); the defaults here."""
         return Traits()
 
     def __init__(
@@ -119,6 +126,10 @@ class Strategy:
 
     # ---- wiring, done once by the Runtime ------------------------------------------------------
     def connect(self, accelerator: Accelerator, precision: Precision, cluster: ClusterEnv, nprocs: int, num_nodes: int):
+        """Called by the Runtime when it is built (and by ``use_strategy``), before any rank starts: the accelerator,
+        the precision plugin, the cluster, the processes per node and the number of nodes. Refuses, in one line, what
+        this strategy cannot run: fp8 where it does not convert the model, an NCCL backend without CUDA, a sharded
+        strategy on CUDA over gloo."""
         self.accelerator, self.precision, self.cluster = accelerator, precision, cluster
         if precision.name == "fp8" and not self.traits.converts_fp8:
             raise ValueError(f"precision='fp8' is not supported with {type(self).__name__}")
@@ -144,11 +155,14 @@ class Strategy:
 
     @property
     def world_size(self) -> int:
+        """The number of ranks: the process group's size once it is started, else processes per node × nodes."""
         dist = torch.distributed
         return dist.get_world_size() if dist.is_initialized() else self.nprocs_per_node * self.num_nodes
 
     @property
     def global_rank(self) -> int:
+        """This process's rank in the process group; before the group is started, ``RANK`` (or, unset, the first
+        rank of its node, from ``NODE_RANK``)."""
         if torch.distributed.is_initialized():
             return torch.distributed.get_rank()
         # before our launcher ran: this process will be local rank 0 of its node
@@ -175,22 +189,29 @@ class Strategy:
 
     @property
     def data_parallel_rank(self) -> int:
+        """This rank's place among the ``data_parallel_size`` ranks that see different data: which shard of the data
+        it reads (its global rank, for data parallelism)."""
         return self.global_rank
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its node (``LOCAL_RANK``; 0 when unset)."""
         return int(os.environ.get("LOCAL_RANK", 0))
 
     @property
     def is_global_zero(self) -> bool:
+        """Whether this process is global rank 0."""
         return self.global_rank == 0
 
     @property
     def root_device(self) -> torch.device:
+        """This rank's device: the accelerator's device for its local rank."""
         return self.accelerator.device(self.local_rank)
 
     @property
     def backend(self) -> str:
+        """The process group backend: ``process_group_backend`` when given, else the accelerator's (gloo on CPU, nccl
+        on GPUs)."""
         return self.process_group_backend or self.accelerator.backend
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -217,6 +238,8 @@ class Strategy:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
 
     def teardown(self) -> None:
+        """Called by the Runtime's ``teardown`` when the ranks are done: a multi-process strategy ends its process
+        group (with no barrier first)."""
         if self.start_method is not None:
             distributed.shutdown(barrier=False)
 
@@ -260,10 +283,12 @@ class Strategy:
         return SetUp(model, optimizers, schedulers)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
+        """The module inside what ``setup`` returned (DDP's wrapper, DeepSpeed's engine): here, ``module`` itself."""
         return module
 
     # ---- the step -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, module: nn.Module | None = None) -> None:
+        """``loss.backward()`` through the precision plugin (the loss scaled first when there is a grad scaler)."""
         self.precision.scale_loss(loss).backward()
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True):
@@ -271,6 +296,8 @@ class Strategy:
         return contextlib.nullcontext()
 
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Unscale ``optimizer``'s gradients and clip them to a global norm of ``max_norm``; returns the norm they had
+        before clipping."""
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -283,6 +310,8 @@ class Strategy:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded gradients: over all shards
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
+        """``optimizer.step()`` through the precision plugin: with a grad scaler, a step whose gradients overflowed is
+        skipped and the scale updated."""
         self.precision.optimizer_step(optimizer)
 
     def check_module(self, module: nn.Module) -> None:
@@ -336,15 +365,21 @@ class Strategy:
 
     # ---- collectives over the ranks that hold different data (all of them, for data parallelism) ----
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """``tensor`` reduced over every rank of the process group by ``op`` ("mean", "sum", "max" or "min"); a new
+        tensor on ``tensor``'s device (``tensor`` itself on one process)."""
         return distributed.all_reduce(tensor, op)
 
     def all_reduce_async(self, tensor: torch.Tensor, op: str = "max") -> Callable[[], torch.Tensor]:
+        """Start an all-reduce that overlaps with what follows; the returned function waits for it and returns the
+        result. Every rank must start the same ones in the same order."""
         return distributed.all_reduce_async(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` stacked along a new leading dimension, in rank order."""
         return distributed.all_gather(tensor)
 
     def all_gather_object(self, obj: Any) -> list:
+        """Every rank's picklable ``obj``, as a list in rank order (``[obj]`` on one process)."""
         return distributed.all_gather_object(obj)
 
     def all_gather_job_object(self, obj: Any) -> list:
@@ -353,9 +388,11 @@ class Strategy:
         return self.all_gather_object(obj)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """A tensor (returned on the caller's device) or any picklable object, from rank ``src`` to every rank."""
         return distributed.broadcast(obj, src)
 
     def barrier(self, name: str | None = None) -> None:
+        """Wait until every rank gets here. ``name`` says which barrier it is (unused here)."""
         distributed.barrier()
 
     # ---- checkpoints: one full-state file written by rank 0 (sharded strategies override) -------

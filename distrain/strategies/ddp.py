@@ -142,6 +142,9 @@ class DDPStrategy(Strategy):
         return contextlib.nullcontext()
 
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """As ``Strategy.clip_gradients``. Once post-local SGD averages gradients within subgroups only, the ranks'
+        norms differ: a norm that is not finite on one rank is returned as NaN on every rank (one all-reduce), so
+        every rank skips or stops the step alike."""
         return self._agreed(super().clip_gradients(module, optimizer, max_norm))
 
     def gradient_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -157,12 +160,15 @@ class DDPStrategy(Strategy):
         return norm if float(bad) == 0 else torch.full_like(norm, float("nan"))
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
+        """As ``Strategy.optimizer_step``; with post-local SGD and ``model_averaging_period``, the parameters are
+        then averaged over the ranks by torch's ``PeriodicModelAverager``."""
         super().optimizer_step(optimizer, module)
         if self._model_averager is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             self._model_averager.average_parameters(params)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
+        """The module inside DDP's wrapper (``module`` itself when it is not wrapped)."""
         return module.module if isinstance(module, DistributedDataParallel) else module
 
 

@@ -49,6 +49,12 @@ from distrain.strategies.registry import register
 
 
 class DeepSpeedStrategy(Strategy):
+    """DeepSpeed's ZeRO (``stage`` 0 to 3) on its own engine, with CPU or NVMe offload of the optimizer
+    (``offload_optimizer``) and the parameters (``offload_parameters``). ``config``: a DeepSpeed JSON config (a dict
+    or a path), which then decides, in place of the options; ``auto_values``: values for its ``"auto"`` keys that
+    only the caller knows. ``save_full_weights``: each checkpoint also holds a consolidated fp32
+    ``model.safetensors``. The engine reduces, clips and steps; the Trainer still decides when a step ends."""
+
     start_method = "popen"
 
     def __init__(
@@ -119,6 +125,9 @@ class DeepSpeedStrategy(Strategy):
 
     @property
     def traits(self) -> Traits:
+        """Forwards communicate at ZeRO-3; the engine skips a step whose gradients are not finite (stage > 0, or
+        as the engine reports once it is built); no ``torch.compile``, no fp8, no checkpoints written in the
+        background, no re-run steps."""
         return Traits(
             collective_forward=self.stage == 3,  # partitioned parameters are all-gathered in every forward
             # ZeRO's optimizers (and DeepSpeed's fp16/bf16 wrappers) skip a step whose gradient norm is not finite;
@@ -346,6 +355,7 @@ class DeepSpeedStrategy(Strategy):
 
     # ---- the step ----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, module: nn.Module | None = None) -> None:
+        """``engine.backward(loss)``, not divided again by the accumulation (the loop already divided the loss)."""
         with _without_torch_deprecations():
             self.engine.backward(loss, scale_wrt_gas=False)  # the loop already divided by the accumulation
 
@@ -355,6 +365,9 @@ class DeepSpeedStrategy(Strategy):
         return contextlib.nullcontext()
 
     def clip_gradients(self, module: nn.Module, optimizer, max_norm: float):
+        """The engine clips, inside its step, to ``gradient_clipping`` from its config: ``max_norm`` must be that
+        value (a ValueError otherwise). Returns the gradient norm, read from the engine once it has stepped; where
+        the engine does not check steps (a plain torch optimizer), clips as ``Strategy.clip_gradients``."""
         clipping = self.filled_config.get("gradient_clipping", 0.0)
         if float(max_norm) != float(clipping):
             raise ValueError(
@@ -373,10 +386,12 @@ class DeepSpeedStrategy(Strategy):
         return _NormAfterStep(self.engine)  # the engine computes it inside step(), across the partitions
 
     def optimizer_step(self, optimizer, module: nn.Module | None = None) -> None:
+        """``engine.step()``: the engine steps the optimizer it holds (``optimizer`` is not used)."""
         with _without_torch_deprecations():
             self.engine.step()
 
     def unwrap(self, module: nn.Module) -> nn.Module:
+        """The module inside the DeepSpeed engine (``module`` itself when it is not the engine)."""
         return module.module if module is self.engine else module
 
     # ---- checkpoints ---------------------------------------------------------------------------

@@ -102,6 +102,7 @@ class TorchFTStrategy(Strategy):
 
     @property
     def traits(self) -> Traits:
+        """The defaults, except that steps are not re-run: each replica group would decide alone."""
         return Traits(reruns_steps=False)  # each replica group would decide alone whether to re-run or roll back
 
     # ---- which data this rank reads: its group's share, then its own within the group --------------------------
@@ -290,6 +291,8 @@ class TorchFTStrategy(Strategy):
             self._semi.engine._local_step = 0
 
     def teardown(self) -> None:
+        """Close the semi-synchronous engine and shut torchft's manager down, then end the process group
+        (``Strategy.teardown``)."""
         if self._semi is not None:
             self._semi.close()
             self._semi = None

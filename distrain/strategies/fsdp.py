@@ -106,6 +106,7 @@ class FSDPStrategy(Strategy):
 
     @property
     def backend(self) -> str:
+        """As ``Strategy.backend``; with ``cpu_offload`` on CUDA and no backend given, ``cpu:gloo,cuda:nccl``."""
         # offloaded gradients live on the CPU: clipping reduces them there, which needs gloo
         if self.process_group_backend is None and self.cpu_offload and self.accelerator.name == "cuda":
             return "cpu:gloo,cuda:nccl"
@@ -226,6 +227,8 @@ class FSDPStrategy(Strategy):
         return _gradient_sync_off(module)
 
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """As ``Strategy.clip_gradients``, on the sharded (DTensor) gradients: the norm returned is the global one,
+        over every shard, as a plain tensor."""
         # clip_grad_norm_ on DTensor gradients computes the global norm across shards
         norm = super().clip_gradients(module, optimizer, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -109,6 +109,8 @@ class ModelParallelStrategy(Strategy):
 
     # ---- the layout, decided before any rank starts ----------------------------------------------------------
     def connect(self, accelerator, precision, cluster, nprocs: int, num_nodes: int):
+        """As ``Strategy.connect``, then decides the layout, before any rank starts: the pipeline × data × tensor
+        sizes for this number of ranks."""
         super().connect(accelerator, precision, cluster, nprocs, num_nodes)
         self.layout = layout_for(
             nprocs * num_nodes,
@@ -139,6 +141,9 @@ class ModelParallelStrategy(Strategy):
 
     @property
     def traits(self) -> Traits:
+        """Forwards communicate. With pipeline stages, logged values live on the last stage (reduced across ranks),
+        and steps are not re-run (the schedule runs the backward); one copy of each sample counts in metrics: the
+        first tensor-parallel rank's of the last stage."""
         pipelined = bool(self.layout and self.layout.pipeline > 1)
         pp, _, tp = self._coords() if self.layout else (0, 0, 0)
         last = self.layout.pipeline - 1 if self.layout else 0
@@ -275,6 +280,7 @@ class ModelParallelStrategy(Strategy):
         return SetUp(_ParallelModel(module, self), optimizers, schedulers)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
+        """The module inside distrain's model-parallel wrapper (``module`` itself when it is not wrapped)."""
         return module.module if isinstance(module, _ParallelModel) else module
 
     # ---- the step ------------------------------------------------------------------------------------------------
@@ -286,6 +292,8 @@ class ModelParallelStrategy(Strategy):
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, module: nn.Module | None = None) -> None:
+        """As ``Strategy.backward``, under torch's ``loss_parallel`` when tensor parallelism splits the logits by
+        vocabulary."""
         with self._loss_parallel():
             super().backward(loss, module)
 
@@ -312,6 +320,8 @@ class ModelParallelStrategy(Strategy):
         return total_norm([p for p in params if id(p) not in skip], group, self.root_device)
 
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their global norm (``gradient_norm``: over every tensor, data and pipeline
+        shard, each parameter counted once) is at most ``max_norm``; returns that norm."""
         from distrain.parallel.gradients import scale_gradients
 
         norm = self.gradient_norm(module, optimizer)
@@ -319,6 +329,8 @@ class ModelParallelStrategy(Strategy):
         return norm
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
+        """As ``Strategy.optimizer_step``, once each gradient has its parameter's layout
+        (``match_gradient_layouts``)."""
         from distrain.parallel.gradients import match_gradient_layouts
 
         match_gradient_layouts(p for group in optimizer.param_groups for p in group["params"])

@@ -5,6 +5,8 @@ from distrain.strategies.registry import register
 
 
 class SingleDeviceStrategy(Strategy):
+    """One process on one device (``strategy="single"``): no process group, no wrapping."""
+
     start_method = None
     planned_as = ("single", {})
 
