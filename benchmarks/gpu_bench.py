@@ -1,6 +1,6 @@
 """The GPU numbers of docs/benchmarks.md, measured: ``python benchmarks/gpu_bench.py`` on a GPU machine runs exactly
-what fills that page's GPU table and writes it (``runs/gpu_bench/results.md``); ``--dry-run`` prints the
-commands instead (any machine, no GPU needed).
+what fills that page's GPU table and writes it (``runs/gpu_bench/results.md``, again after every row, so that a run
+cut short keeps what it measured); ``--dry-run`` prints the commands instead (any machine, no GPU needed).
 
 1. Throughput: ``distrain bench`` for gpt-124m, gpt-350m and gpt-1.3b in bf16-mixed, bf16 + ``--compile`` and
    fp8 + ``--compile`` (fp8 where the GPU has float8 tensor cores: compute capability 8.9+), sequence 2048.
@@ -177,7 +177,8 @@ def last_line(done: subprocess.CompletedProcess) -> str:
 
 
 # ---- 1. throughput ------------------------------------------------------------------------------------------
-def run_bench(args, here: dict, out: Path) -> list[dict]:
+def run_bench(args, here: dict, out: Path, keep=lambda bench: None) -> list[dict]:
+    """``keep(rows)`` after every row: a run cut short (a lent GPU's time runs out) keeps what it measured."""
     rows = []
     for meta, command in bench_commands(args, here, out):
         done = run(command, out / "logs" / f"bench-{meta['slug']}.log")
@@ -188,6 +189,7 @@ def run_bench(args, here: dict, out: Path) -> list[dict]:
         else:
             rows.append({**meta, "error": last_line(done)})
         print(f"  → {format_bench_row(rows[-1])}", flush=True)
+        keep(rows)
     return rows
 
 
@@ -286,7 +288,7 @@ def measured(run_dir: Path, done: subprocess.CompletedProcess) -> dict:
     return {"trained": True, "gpu_peak_mb": peak, "host_rss_mb": host, "step_time": steps[-1].get("step_time")}
 
 
-def run_offload(args, out: Path) -> list[dict]:
+def run_offload(args, out: Path, keep=lambda offload: None) -> list[dict]:
     corpus = write_models(out, args.layers)
     sizes = ladder(out, args.layers)
     rows = []
@@ -297,6 +299,7 @@ def run_offload(args, out: Path) -> list[dict]:
         for i, model in enumerate(sizes):
             rows.append({"strategy": strategy, "model": model["name"], "params": llama_params(model["layers"]),
                          "plan": plans[model["name"]], "measured": tried.get(i)})  # fmt: skip
+        keep(rows)
     return rows
 
 
@@ -423,14 +426,18 @@ def main(argv: list[str] | None = None) -> int:
         dry_run(args, here, out)
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    bench = [] if args.skip_bench else run_bench(args, here, out)
-    offload = [] if args.skip_offload else run_offload(args, out)
-    (out / "rows.json").write_text(
-        json.dumps({"machine": here, "bench": bench, "offload": offload}, indent=1, default=str)
-    )
-    table = render(here, bench, offload, args)
-    (out / "results.md").write_text(table)
-    print(table)
+
+    def keep(bench: list[dict], offload: list[dict]) -> str:
+        (out / "rows.json").write_text(
+            json.dumps({"machine": here, "bench": bench, "offload": offload}, indent=1, default=str)
+        )
+        table = render(here, bench, offload, args)
+        (out / "results.md").write_text(table)
+        return table
+
+    bench = [] if args.skip_bench else run_bench(args, here, out, lambda rows: keep(rows, []))
+    offload = [] if args.skip_offload else run_offload(args, out, lambda rows: keep(bench, rows))
+    print(keep(bench, offload))
     return 0 if all("error" not in r for r in bench) else 1
 
 
