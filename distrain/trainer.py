@@ -242,6 +242,7 @@ class Trainer:
             from distrain.callbacks.histograms import ParameterHistograms
 
             self.callbacks.append(ParameterHistograms(histogram_every_n_steps))
+        _check_state_keys(self.callbacks)
         self.metrics = MetricsLogger(
             self.runtime,
             _loggers(logger, self.log_dir),
@@ -1254,3 +1255,19 @@ def _flops_per_token(module: Module) -> float | None:
             stacklevel=2,
         )
         return None
+
+
+def _check_state_keys(callbacks: list[Callback]) -> None:
+    """Two callbacks with state under one key would overwrite each other's in every checkpoint (and a resume would
+    give both the survivor's): refused before anything runs, as Lightning refuses it."""
+    seen: dict[str, Callback] = {}
+    for cb in callbacks:
+        if type(cb).state_dict is Callback.state_dict:  # keeps no state
+            continue
+        if cb.state_key in seen:
+            raise ValueError(
+                f"two {type(cb).__name__} callbacks keep their state under one key ({cb.state_key!r}), so each "
+                "checkpoint would hold only one of them; make them differ in what the key is made of (for "
+                "ModelCheckpoint: monitor, mode, every_n_train_steps or every_n_epochs)"
+            )
+        seen[cb.state_key] = cb

@@ -1,5 +1,7 @@
 """Loop features on one process (cheap) and the Runtime for hand-written loops (2 ranks)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -189,3 +191,64 @@ def test_ddp_spawn_parent_saves_a_checkpoint_that_resumes(tmp_path):
     resumed, rec = make_trainer(tmp_path / "resume", strategy="single", devices=1, max_steps=5, logger=False)
     resumed.fit(TinyGPT(), loader(8), ckpt_path=str(tmp_path / "saved"))
     assert resumed.global_step == 5 and len(rec.losses) == 2
+
+
+class _RestoredCheckpointState(distrain.Callback):
+    """What each ModelCheckpoint holds once a resume has read the checkpoint (before the first new step)."""
+
+    def __init__(self, *watched):
+        self.watched, self.seen = watched, []
+
+    def on_fit_start(self, trainer, module):
+        self.seen = [[(score, Path(path).name) for score, path in cb.saved] for cb in self.watched]
+
+
+def _two_checkpoints(root):
+    by_val = distrain.ModelCheckpoint(
+        dirpath=str(root / "by_val"), filename="val-{step}", monitor="val_loss", save_top_k=2, every_n_train_steps=2
+    )
+    newest = distrain.ModelCheckpoint(dirpath=str(root / "newest"), filename="new-{step}", every_n_train_steps=2)
+    return by_val, newest
+
+
+def test_two_model_checkpoints_keep_their_own_state_across_a_resume(tmp_path):
+    """Lightning's key (``ModelCheckpoint{'monitor': ...}``): two checkpoint callbacks that watch different things
+    are saved apart, and a resume gives each its own ranking. Under one key the survivor's state went to both,
+    and the other's ranking was lost."""
+    first = _two_checkpoints(tmp_path)
+    assert first[0].state_key != first[1].state_key and "'monitor': 'val_loss'" in first[0].state_key
+    kw = dict(strategy="single", devices=1, val_check_interval=2, logger=False)
+    trainer, _ = make_trainer(tmp_path, max_steps=4, callbacks=list(first), **kw)
+    trainer.fit(TinyGPT(), loader(8), loader(8, n=32, shuffle=False))
+    again = _two_checkpoints(tmp_path)
+    seen = _RestoredCheckpointState(*again)
+    trainer, _ = make_trainer(tmp_path, max_steps=6, callbacks=[*again, seen], **kw)
+    trainer.fit(TinyGPT(), loader(8), loader(8, n=32, shuffle=False), ckpt_path=str(tmp_path / "newest" / "last"))
+    by_val, newest = seen.seen
+    assert by_val and all(name.startswith("val-") for _, name in by_val), by_val
+    assert newest and all(name.startswith("new-") for _, name in newest), newest
+
+
+def test_two_model_checkpoints_alike_are_refused_before_anything_runs(tmp_path):
+    with pytest.raises(ValueError, match="two ModelCheckpoint callbacks keep their state under one key"):
+        make_trainer(tmp_path, callbacks=[distrain.ModelCheckpoint(), distrain.ModelCheckpoint()], logger=False)
+
+
+def test_a_checkpoint_saved_under_the_class_name_still_resumes_its_ranking(tmp_path):
+    """Checkpoints written before the key told instances apart hold ``callbacks["ModelCheckpoint"]``: a run with
+    one ModelCheckpoint still takes that state."""
+    ckpt, _ = _two_checkpoints(tmp_path)
+    kw = dict(strategy="single", devices=1, val_check_interval=2, logger=False)
+    trainer, _ = make_trainer(tmp_path, max_steps=4, callbacks=[ckpt], **kw)
+    trainer.fit(TinyGPT(), loader(8), loader(8, n=32, shuffle=False))
+    last = (tmp_path / "by_val" / "last").resolve()
+    state = torch.load(last / "state.pt", weights_only=True)
+    state["callbacks"] = {"ModelCheckpoint": state["callbacks"][ckpt.state_key]}
+    torch.save(state, last / "state.pt")
+    (last / "manifest.json").unlink()  # its recorded size no longer holds; an older checkpoint has none
+    again, _ = _two_checkpoints(tmp_path)
+    seen = _RestoredCheckpointState(again)
+    trainer, _ = make_trainer(tmp_path, max_steps=6, callbacks=[again, seen], **kw)
+    trainer.fit(TinyGPT(), loader(8), loader(8, n=32, shuffle=False), ckpt_path=str(last))
+    (restored,) = seen.seen
+    assert restored and all(name.startswith("val-") for _, name in restored), restored

@@ -55,8 +55,13 @@ class Callback:
 
     @property
     def state_key(self) -> str:
-        """The key this callback's ``state_dict`` is saved under in a checkpoint: its class name."""
+        """The key this callback's ``state_dict`` is saved under in a checkpoint: its class name. A callback that
+        may run beside another of its class returns ``_generate_state_key(...)`` of what tells them apart."""
         return type(self).__name__
+
+    def _generate_state_key(self, **kwargs: Any) -> str:
+        """``ClassName{'key': value, ...}``, as Lightning writes it (so a Lightning checkpoint's key matches)."""
+        return f"{type(self).__qualname__}{repr(kwargs)}"
 
     def state_dict(self) -> dict:
         """What this callback saves in each checkpoint (plain values); empty here."""

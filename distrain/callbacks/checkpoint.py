@@ -46,6 +46,16 @@ class ModelCheckpoint(Callback):
         self._warned = False
         self._warned_names = False
 
+    @property
+    def state_key(self) -> str:
+        """Two checkpoint callbacks that watch different things keep their states apart (Lightning's key)."""
+        return self._generate_state_key(
+            monitor=self.monitor,
+            mode=self.mode,
+            every_n_train_steps=self.every_n_train_steps,
+            every_n_epochs=self.every_n_epochs,
+        )
+
     def setup(self, trainer, module, stage: str) -> None:
         """With no ``dirpath`` given: ``checkpoints`` in the run's log directory."""
         if self.dirpath is None:

@@ -273,9 +273,14 @@ class CheckpointManager:
         self.load_progress_state(state["progress"], source=path)
         t.strategy.load_state_dict(extra.pop("strategy_state", {}), str(path))  # {}: the checkpoint has none
         t.module.on_load_checkpoint(extra)  # the checkpoint's other keys: those the module's on_save_checkpoint added
+        saved = state["callbacks"]
         for cb in t.callbacks:
-            if cb.state_key in state["callbacks"]:
-                cb.load_state_dict(state["callbacks"][cb.state_key])
+            key = cb.state_key
+            alone = sum(type(other) is type(cb) for other in t.callbacks) == 1
+            if key not in saved and alone:  # a checkpoint from before ModelCheckpoint's key told instances apart
+                key = type(cb).__name__
+            if key in saved:
+                cb.load_state_dict(saved[key])
         if self.last_path().parent.resolve() == Path(path).resolve().parent:  # this run's own checkpoint
             self.load_logger_states(extra.get("loggers", {}))  # absent in older checkpoints
         elif extra.get("loggers") and t.is_global_zero:  # another run's: its tracker runs stay its own
