@@ -207,7 +207,9 @@ def _two_checkpoints(root):
     by_val = distrain.ModelCheckpoint(
         dirpath=str(root / "by_val"), filename="val-{step}", monitor="val_loss", save_top_k=2, every_n_train_steps=2
     )
-    newest = distrain.ModelCheckpoint(dirpath=str(root / "newest"), filename="new-{step}", every_n_train_steps=2)
+    newest = distrain.ModelCheckpoint(
+        dirpath=str(root / "newest"), filename="new-{step}", save_top_k=3, every_n_train_steps=2
+    )
     return by_val, newest
 
 
