@@ -255,8 +255,7 @@ class Estimator:
             buffers = 0 if self.job.gradient_as_bucket_view else grads
             forward_backward = params + grads + buffers + opt + t.activations
         if option.semi_sync == "diloco":  # the parameters as of the last meeting, and the outer SGD's momentum
-            elements = sum(sum(group) for group in t.groups)
-            outer = elements * 4 * (2 if self.job.outer_momentum else 1)
+            outer = t.elements * 4 * (2 if self.job.outer_momentum else 1)
             opt += outer
             forward_backward += outer
         step = params + grads + buffers + opt + t.input_bytes + t.step_extra

@@ -266,6 +266,11 @@ class StepTrace:
     work: StepWork = field(default_factory=StepWork, repr=False)
     """FLOPs, bytes moved and operations of forward, backward and the optimizer step (for time)."""
 
+    @property
+    def elements(self) -> int:
+        """Trainable parameters' elements: what an fp32 copy of them (a DiLoCo meeting, FSDP's fp32 reduction) holds."""
+        return sum(sum(group) for group in self.groups)
+
     def activations_from(self, index: int) -> int:
         """The most activation memory alive at or after timeline ``index`` (0 past the end): what
         coexists with a buffer a strategy allocates only at that point of backward."""

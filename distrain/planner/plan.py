@@ -97,6 +97,12 @@ class Budget:
 AUTO_FAMILIES = ("single", "ddp", "fsdp", "tp", "pp")
 
 
+def auto_may_choose(option: Option) -> bool:
+    """What ``strategy: auto`` chooses among: the same training as DDP's, only laid out another way (a replica
+    group meeting every H steps trains another way, so it is shown but never chosen)."""
+    return option.family in AUTO_FAMILIES and not option.semi_sync
+
+
 def rank_key(option: Option) -> tuple:
     ac = 0 if option.checkpoint == 0 else 2 if option.checkpoint is None else 1
     offload = {"none": 0, "cpu": 1, "nvme": 2}[option.offload]
@@ -124,7 +130,7 @@ def candidate_options(job: Job, strategy: str = "all", checkpoint: str | bool = 
             options = [Option("ddp")]  # nothing else spans replica groups
             options += [Option("ddp", semi_sync=m, sync_every=job.sync_every) for m in ("local_sgd", "diloco")]
     if strategy == "auto":
-        options = [o for o in options if o.family in AUTO_FAMILIES and not o.semi_sync]
+        options = [o for o in options if auto_may_choose(o)]
     elif strategy != "all":  # the option that strategy runs, as the run would start it
         run = option_for_run(strategy, job, job.fsdp_sharding, job.fsdp_cpu_offload)
         options = [run] if run is not None else []
@@ -502,8 +508,7 @@ class Planner:
             variants = _checkpoint_variants(checkpoint)
             mp = [(p, replace(o, checkpoint=c)) for p, o in self.model_parallel_planners() for c in variants]
             rows = sorted(rows + [p.row(o) for p, o in mp], key=lambda r: rank_key(r.option))
-        auto = [r for r in rows if r.option.family in AUTO_FAMILIES and not r.option.semi_sync]
-        eligible = auto if strategy == "all" else rows
+        eligible = [r for r in rows if auto_may_choose(r.option)] if strategy == "all" else rows
         if self.hardware is not None:
             eligible = sorted(eligible, key=lambda r: r.step.seconds)
             fitting = [r for r in eligible if r.fits]

@@ -315,13 +315,17 @@ class StepTime:
         return (self.compute, self.optimizer, self.communication, self.seconds)
 
 
+#: DDP's gradient buckets (``bucket_cap_mb=25``): one all-reduce call each
+DDP_BUCKET_BYTES = 25 << 20
+
+
 def collectives(option, job, trace, units: int) -> list[Collective]:
     """What ``option`` communicates in one optimizer step of ``job`` (``accumulate`` micro-batches):
     ``trace`` is the bare step in the option's dtypes, ``units`` the FSDP/ZeRO-3 gather units."""
     n, a = job.world_size, job.accumulate
     if n == 1 or option.family == "single":
         return []
-    elements = sum(sum(group) for group in trace.groups)
+    elements = trace.elements
     params = trace.param_bytes  # gathered in the compute dtype
     grads = trace.grad_bytes
     inter = job.num_nodes > 1
@@ -329,7 +333,7 @@ def collectives(option, job, trace, units: int) -> list[Collective]:
         return _replica_group_collectives(option, job, grads, elements)
     if option.family == "ddp":  # one all-reduce per step (no_sync while accumulating), 25 MiB buckets
         copied = not job.gradient_as_bucket_view
-        return [Collective("all_reduce", grads, n, 1, _buckets(grads, 25 << 20), inter, copied)]
+        return [Collective("all_reduce", grads, n, 1, _buckets(grads, DDP_BUCKET_BYTES), inter, copied)]
     if option.family == "fsdp":
         reduce = elements * 4  # reduce_dtype fp32 (FSDPStrategy's policy)
         gathers = 1 if option.sharding == "SHARD_GRAD_OP" else 2  # forward, and again in backward when resharded
@@ -364,12 +368,12 @@ def _replica_group_collectives(option, job, grads: float, elements: int) -> list
     fp32 parameters (local SGD) or pseudo-gradients (DiLoCo) once every ``sync_every`` steps."""
     per_group = job.world_size // job.replica_groups
     copied = not job.gradient_as_bucket_view
-    buckets = _buckets(grads, 25 << 20)
+    buckets = _buckets(grads, DDP_BUCKET_BYTES)
     within = [Collective("all_reduce", grads, per_group, 1, buckets, job.num_nodes > 1, copied)]
     if option.semi_sync is None:
         return [*within, Collective("all_reduce", grads, job.replica_groups, 1, buckets, True, copied)]
     outer = elements * 4  # fp32, whatever the training precision: the outer step runs on fp32 copies
-    meeting = Collective("all_reduce", outer, job.replica_groups, 1, _buckets(outer, 25 << 20), True, False)
+    meeting = Collective("all_reduce", outer, job.replica_groups, 1, _buckets(outer, DDP_BUCKET_BYTES), True, False)
     return [*within, replace(meeting, every=option.sync_every)]
 
 
@@ -381,7 +385,7 @@ def _zero_bucket_bytes(job, trace) -> float:
     zero = job.zero.get("zero_optimization", job.zero) if job.zero else {}
     size = zero.get("reduce_bucket_size", 200_000_000)
     elements = float(size) if isinstance(size, (int, float)) else 200_000_000.0
-    bytes_per = trace.grad_bytes / max(1, sum(sum(g) for g in trace.groups))
+    bytes_per = trace.grad_bytes / max(1, trace.elements)
     return elements * bytes_per
 
 
