@@ -248,6 +248,12 @@ def plan_parser() -> argparse.ArgumentParser:
     plan.add_argument("--bandwidth", type=float, metavar="GB/s", help="all-reduce bus bandwidth within a node")
     plan.add_argument("--inter-node-bandwidth", type=float, metavar="GB/s", help="bus bandwidth between nodes")
     plan.add_argument("--no-time", action="store_true", help="memory only: no step time (measures nothing)")
+    plan.add_argument(
+        "--measure",
+        action="store_true",
+        help="measure this machine's rates again (a plan takes the ones measured once and kept in "
+        "~/.cache/distrain/rates/)",
+    )
     return plan
 
 

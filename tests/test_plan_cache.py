@@ -7,7 +7,7 @@ import os
 import pytest
 
 from distrain.config import build_config
-from distrain.planner import cache, cli, plan
+from distrain.planner import cache, cli, machine, plan
 from distrain.planner.cli import Decision, decide_for_training
 
 
@@ -32,7 +32,8 @@ def _config(*items):
 
 def _key(config) -> str:
     gpu = cli.plans_for_gpu(config)
-    return cache.key(config, cli.budget_from_config(config, gpu, cli.ranks_per_node(config, gpu)))
+    per_node = cli.ranks_per_node(config, gpu)
+    return cache.key(config, cli.budget_from_config(config, gpu, per_node), per_node)
 
 
 def test_the_same_run_started_again_takes_the_kept_decision_without_planning(planned, tmp_path):
@@ -57,16 +58,23 @@ def test_any_changed_input_plans_again(planned, monkeypatch, tmp_path):
     links.write_text('{"a": 2}')
     decide_for_training(_config())
     assert len(planned) == 5
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
+    rates = machine.kept_file(2)  # the rates kept for this machine
+    rates.parent.mkdir(parents=True)
+    rates.write_text('{"a": 1}')
+    decide_for_training(_config())
+    decide_for_training(_config())
+    assert len(planned) == 6
     module = tmp_path / "mine.py"  # a Module of your own: its source
     module.write_text("x = 1\n")
     decide_for_training(_config(f"training.module={module}:M"))
     module.write_text("x = 22\n")
     decide_for_training(_config(f"training.module={module}:M"))
-    assert len(planned) == 7
+    assert len(planned) == 8
     monkeypatch.setenv("DISTRAIN_PLAN_CACHE", "off")
     decide_for_training(_config())
     decide_for_training(_config())
-    assert len(planned) == 9
+    assert len(planned) == 10
 
 
 GOOD = {
@@ -121,6 +129,24 @@ def test_a_kept_file_that_is_not_what_distrain_writes_is_ignored_and_planned_ove
     assert planned == [2] and decision.strategy == "fsdp" and decision.sharding == "SHARD_GRAD_OP"
     assert cache.read(key)["accumulate"] == 2  # the plan made now replaced it
     os.environ.pop("DISTRAIN_PLANNED", None)
+
+
+def test_the_first_plan_on_a_machine_is_found_by_the_next_start(monkeypatch, planned, tmp_path):
+    """The first plan measures this machine's rates and keeps them, which changes the key: the decision is kept
+    under the key the next start computes, not the one this start computed before measuring."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
+    measuring = cli._decide
+
+    def decide(config, job):
+        machine.kept_file(2).parent.mkdir(parents=True, exist_ok=True)
+        machine.kept_file(2).write_text('{"measured": "now"}')
+        return measuring(config, job)
+
+    monkeypatch.setattr(cli, "_decide", decide)
+    decide_for_training(_config())
+    os.environ.pop("DISTRAIN_PLANNED", None)
+    assert decide_for_training(_config()).strategy == "fsdp"
+    assert planned == [2]
 
 
 def test_a_kept_file_distrain_wrote_is_read_back_whole(planned):

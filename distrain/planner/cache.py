@@ -4,9 +4,9 @@ Before a run starts, ``strategy: auto`` (and ``activation_checkpointing: auto``)
 this machine's links: seconds that every start paid again, and a restarted job pays them before it trains again.
 The decision is a function of the config, the ranks and the machine, so it is kept under
 ``~/.cache/distrain/plans/<key>.json``, the key a hash of exactly those inputs: the config (without where its
-files go), the world size and ranks per node, the memory budget per rank (devices, host), the link rates measured
-on this machine, and the versions of distrain and torch (and, for a Module of your own, its source file's size and
-time). ``DISTRAIN_PLAN_CACHE`` names another folder, or ``off``. A changed input is another
+files go), the world size and ranks per node, the memory budget per rank (devices, host), the rates kept for this
+machine (``machine.py``) and its links, and the versions of distrain and torch (and, for a Module of your own, its
+source file's size and time). ``DISTRAIN_PLAN_CACHE`` names another folder, or ``off``. A changed input is another
 key, so a stale plan is never read; ``distrain plan`` always plans afresh.
 
 The file is read as untrusted bytes: JSON only, at most ``MAX_BYTES``, every field checked for its type; anything
@@ -36,14 +36,14 @@ def directory() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "distrain" / "plans"
 
 
-def key(config, budget) -> str:
+def key(config, budget, per_node: int) -> str:
     """The hash of what the plan depends on (see the module's docstring); ``budget``: the memory budget per rank the
-    plan would fit (``planner.cli.budget_from_config``)."""
+    plan would fit (``planner.cli.budget_from_config``), ``per_node``: the ranks per node it plans for."""
     import torch
 
     import distrain
     from distrain.cluster import detect_cluster
-    from distrain.planner import timing
+    from distrain.planner import machine, timing
 
     settings = config.to_dict()
     for path in _NOT_INPUTS:
@@ -52,16 +52,26 @@ def key(config, budget) -> str:
             node = node.get(part, {})
         node.pop(path[-1], None)
     cluster = detect_cluster()
-    links = timing.measured_file()  # the rates the plan's timing reads: another measurement, another plan
+    # the rates the plan's timing reads: another measurement, another plan
+    links = timing.measured_file()
+    rates = None if budget.gpu else machine.kept_file(per_node)
     inputs = {
         "config": settings,
         "world": (cluster.world_size, cluster.local_world_size, cluster.source),
         "budget": repr(budget),
-        "links": hashlib.sha256(links.read_bytes()).hexdigest() if links.is_file() else None,
+        "links": _digest(links),
+        "rates": _digest(rates),
         "versions": (distrain.__version__, torch.__version__),
         "module_source": _module_source(config.training.module),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _digest(path: Path | None) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None and path.is_file() else None
+    except OSError:
+        return None
 
 
 def _module_source(spec: str | None) -> list | None:

@@ -137,6 +137,8 @@ class TimingArgs:
     inter_node_bandwidth: float | None = None
     tokens: float | None = None
     gpu_hour_price: float | None = None
+    measure: bool = False
+    """Measure this machine's rates again (instead of taking the kept ones)."""
 
     @classmethod
     def from_args(cls, args) -> TimingArgs:
@@ -145,7 +147,13 @@ class TimingArgs:
             if value is not None and value <= 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive, not {value}")
         return cls(
-            not args.no_time, args.gpu_type, args.bandwidth, args.inter_node_bandwidth, args.tokens, args.gpu_hour_price
+            not args.no_time,
+            args.gpu_type,
+            args.bandwidth,
+            args.inter_node_bandwidth,
+            args.tokens,
+            args.gpu_hour_price,
+            args.measure,
         )
 
     def hardware(self, job: Job) -> Hardware | None:
@@ -153,7 +161,13 @@ class TimingArgs:
             return None
         gb = lambda v: None if v is None else v * 1e9  # noqa: E731
         return resolve_hardware(
-            job.gpu, job.precision, job.per_node, self.gpu_type, gb(self.bandwidth), gb(self.inter_node_bandwidth)
+            job.gpu,
+            job.precision,
+            job.per_node,
+            self.gpu_type,
+            gb(self.bandwidth),
+            gb(self.inter_node_bandwidth),
+            self.measure,
         )
 
 
@@ -363,7 +377,8 @@ def _planned(config: RunConfig, job) -> Decision:
     fallback = Decision(strategy=_without_plan(config))
     try:
         gpu = plans_for_gpu(config)
-        plan_key = cache.key(config, budget_from_config(config, gpu, ranks_per_node(config, gpu)))
+        per_node = ranks_per_node(config, gpu)
+        plan_key = cache.key(config, budget_from_config(config, gpu, per_node), per_node)
         kept = cache.read(plan_key)
         if kept is not None:  # this run (or its twin) was planned before on this machine: no trace, no timing
             decision = Decision(**kept)
@@ -372,7 +387,9 @@ def _planned(config: RunConfig, job) -> Decision:
             decision = _decide(config, job)
             if not decision.stop:
                 kept = {name: getattr(decision, name) for name in cache.FIELDS}
-                cache.write(plan_key, kept)
+                # the key again: a first plan on this machine has just measured and kept its rates, which the
+                # next start's key includes
+                cache.write(cache.key(config, budget_from_config(config, gpu, per_node), per_node), kept)
     except Exception as e:  # the plan is advice; training must not depend on it
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         fallback.messages.append(f"distrain: the memory planner could not plan this run ({type(e).__name__}: {first})")

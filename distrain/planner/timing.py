@@ -13,8 +13,9 @@ option communicates over the links between ranks.
   that cannot overlap (the first all-gather, the last reduction). On a CPU, gloo's copies take the
   same cores as compute: the two add up.
 
-The rates come from this machine (measured here in two to three seconds: one large matmul, one large add,
-a tiny op, and gloo all-reduces between threads, idle and between matmuls), from ``distrain doctor``'s
+The rates come from this machine (measured in two to three seconds: one large matmul, one large add,
+a tiny op, and gloo all-reduces between threads, idle and between matmuls; a plan takes them as measured once
+per machine and kept, ``machine.py``), from ``distrain doctor``'s
 measurement, or, for a GPU plan, from the table below (listed peaks × the efficiencies stated in docs/plan.md, "Time").
 Tensor parallelism's collectives, which the next computation waits for, take the figures measured between
 matmuls: on a CPU gloo's threads then wait for cores the ranks' compute holds.
@@ -116,7 +117,7 @@ def cpu_hardware(ranks_per_node: int) -> Hardware:
     """This CPU's rates with the threads each rank gets, all ranks busy at once (as in training);
     the link: gloo all-reduces between ``ranks_per_node`` threads of this process."""
     cores = os.cpu_count() or 1
-    threads = max(1, cores // max(1, ranks_per_node))
+    threads = _threads_per_rank(ranks_per_node)
     # the ranks of a node run at once and share the cores' caches and memory bandwidth: each measurement
     # runs as that many copies side by side (threads of this process: torch releases the GIL in its
     # kernels), and ranks beyond the cores share them in time
@@ -145,8 +146,17 @@ def cpu_hardware(ranks_per_node: int) -> Hardware:
         collective_seconds=latency,
         blocking_collective_seconds=blocking,
         blocking_bandwidth=blocking_bandwidth,
-        source=f"this CPU, measured ({threads} thread{'s' if threads > 1 else ''} per rank; gloo all-reduce)",
+        source=cpu_source(ranks_per_node),
     )
+
+
+def _threads_per_rank(ranks_per_node: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))
+
+
+def cpu_source(ranks_per_node: int) -> str:
+    threads = _threads_per_rank(ranks_per_node)
+    return f"this CPU, measured ({threads} thread{'s' if threads > 1 else ''} per rank; gloo all-reduce)"
 
 
 def _best(fn, repeats: int = 5) -> float:
@@ -246,16 +256,20 @@ def resolve_hardware(
     gpu_type: str | None = None,
     bandwidth: float | None = None,
     inter_node_bandwidth: float | None = None,
+    measure: bool = False,
 ) -> Hardware:
     """The rates a plan uses: a GPU's from the table (``gpu_type``, else this machine's GPU, else the
-    H100), a CPU's measured here; links as given, else as ``distrain doctor`` measured them."""
+    H100), a CPU's as measured once on this machine and kept (``measure``: again); links as given, else as
+    ``distrain doctor`` measured them."""
     if gpu:
         if gpu_type is None and torch.cuda.is_available():
             gpu_type = next((k for k in GPU_TABLE if k.lower() in torch.cuda.get_device_name().lower()), None)
         hw = gpu_hardware(gpu_type, precision)
         backend = "nccl"
     else:
-        hw = cpu_hardware(ranks_per_node)
+        from distrain.planner.machine import cpu_rates
+
+        hw = cpu_rates(ranks_per_node, measure)
         backend = "gloo"
     measured = measured_links()
     if bandwidth is None and measured and measured.get("backend") == backend:

@@ -1,0 +1,118 @@
+"""This CPU's rates, measured once per machine and kept: a plan's step time must not depend on how busy the
+machine was in the second the plan started.
+
+Measured afresh at every start, the same config was predicted anywhere from 77 ms to 295 ms per step on a shared
+machine, and the DDP and FSDP plans of one model differed 2× in compute alone. So the rates
+(``timing.cpu_hardware``) are measured in ``ROUNDS`` rounds, each figure taken as the median of its rounds (one
+disturbed round moves nothing), and kept in ``~/.cache/distrain/rates/<key>.json``. The key is what the figures
+depend on: the CPU's model and core count, the ranks per node (the cores each rank gets), torch's version.
+``distrain plan --measure`` measures again and replaces them.
+
+The file is read as untrusted bytes: JSON only, at most ``MAX_BYTES``, every figure a positive finite number;
+anything else is measured again, never an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+from distrain.planner.timing import Hardware, cpu_hardware, cpu_source
+
+ROUNDS = 3
+MAX_BYTES = 16 * 2**10
+#: the measured figures of a Hardware (the rest are constants, or say where the figures came from)
+MEASURED = (
+    "matmul_flops",
+    "memory_bandwidth",
+    "op_seconds",
+    "intra_bandwidth",
+    "inter_bandwidth",
+    "collective_seconds",
+    "blocking_collective_seconds",
+    "blocking_bandwidth",
+)
+assert set(MEASURED) <= {f.name for f in fields(Hardware)}
+
+
+def directory() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "distrain" / "rates"
+
+
+def kept_file(ranks_per_node: int) -> Path:
+    """Where this machine's rates for ``ranks_per_node`` ranks are kept."""
+    return directory() / f"{_key(ranks_per_node)}.json"
+
+
+def cpu_rates(ranks_per_node: int, measure: bool = False) -> Hardware:
+    """This CPU's rates with ``ranks_per_node`` ranks: as kept, or (none kept, ``measure``) measured and kept."""
+    path = kept_file(ranks_per_node)
+    if not measure:
+        kept = _read(path, ranks_per_node)
+        if kept is not None:
+            return kept
+    rounds = [cpu_hardware(ranks_per_node) for _ in range(ROUNDS)]
+    figures = {name: float(statistics.median(getattr(r, name) for r in rounds)) for name in MEASURED}
+    when = time.strftime("%Y-%m-%d %H:%M")
+    _write(path, ranks_per_node, figures, when)
+    return replace(rounds[0], **figures, source=_source(rounds[0].source, when, path))
+
+
+def _key(ranks_per_node: int) -> str:
+    import torch
+
+    inputs = [_cpu_model(), os.cpu_count(), platform.machine(), ranks_per_node, torch.__version__]
+    return hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _source(measured: str, when: str, path: Path) -> str:
+    return f"{measured}, median of {ROUNDS} rounds on {when}, kept in {path} (`distrain plan --measure` measures again)"
+
+
+def _read(path: Path, ranks_per_node: int) -> Hardware | None:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+        values = json.loads(raw) if len(raw) <= MAX_BYTES else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(values, dict) or set(values) != {"key", "ranks_per_node", "measured", "rates"}:
+        return None
+    rates, when = values["rates"], values["measured"]
+    if values["key"] != path.stem or values["ranks_per_node"] != ranks_per_node or not isinstance(when, str):
+        return None
+    if not isinstance(rates, dict) or set(rates) != set(MEASURED):
+        return None
+    if not all(type(v) is float and math.isfinite(v) and v > 0 for v in rates.values()):
+        return None
+    return Hardware(**rates, source=_source(cpu_source(ranks_per_node), when[:40], path))
+
+
+def _write(path: Path, ranks_per_node: int, rates: dict[str, float], when: str) -> None:
+    """Best effort: a read-only home only costs the next plan its measurement."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        data = {"key": path.stem, "ranks_per_node": ranks_per_node, "measured": when, "rates": rates}
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass
