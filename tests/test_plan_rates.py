@@ -37,28 +37,28 @@ def scripted(monkeypatch, home):
 
 
 def test_the_rates_are_measured_once_with_the_median_of_rounds_and_kept(scripted):
-    first = timing.resolve_hardware(False, "32-true", 2)
+    first = machine.resolve_hardware(False, "32-true", 2)
     assert scripted == [2] * machine.ROUNDS
     assert first.op_seconds == 2.2e-6  # the round disturbed to 9 µs moved nothing
-    again = timing.resolve_hardware(False, "32-true", 2)
+    again = machine.resolve_hardware(False, "32-true", 2)
     assert scripted == [2] * machine.ROUNDS  # nothing measured at the next start
     assert again == first
     assert "kept in" in again.source and "distrain plan --measure" in again.source
-    measured = timing.resolve_hardware(False, "32-true", 2, measure=True)  # on request: again, and kept
+    measured = machine.resolve_hardware(False, "32-true", 2, measure=True)  # on request: again, and kept
     assert len(scripted) == 2 * machine.ROUNDS and measured.op_seconds == 3.1e-6
-    assert timing.resolve_hardware(False, "32-true", 2) == measured
+    assert machine.resolve_hardware(False, "32-true", 2) == measured
 
 
 def test_each_ranks_per_node_has_its_own_rates(scripted):
-    timing.resolve_hardware(False, "32-true", 2)
-    timing.resolve_hardware(False, "32-true", 4)  # each rank gets other cores: measured on its own
+    machine.resolve_hardware(False, "32-true", 2)
+    machine.resolve_hardware(False, "32-true", 4)  # each rank gets other cores: measured on its own
     assert scripted == [2] * machine.ROUNDS + [4] * machine.ROUNDS
     assert machine.kept_file(2) != machine.kept_file(4)
     assert machine.kept_file(2).is_file() and machine.kept_file(4).is_file()
 
 
 def test_a_gpu_plan_measures_nothing(scripted):
-    hw = timing.resolve_hardware(True, "bf16-mixed", 8, gpu_type="H100")
+    hw = machine.resolve_hardware(True, "bf16-mixed", 8, gpu_type="H100")
     assert scripted == [] and hw.overlap
 
 
@@ -99,25 +99,25 @@ def test_a_kept_file_that_is_not_what_distrain_writes_is_measured_over(scripted,
     else:
         good = {"key": path.stem, "ranks_per_node": 2, "measured": "then", "rates": GOOD}
         path.write_text(json.dumps({**good, **change}))
-    hw = timing.resolve_hardware(False, "32-true", 2)
+    hw = machine.resolve_hardware(False, "32-true", 2)
     assert len(scripted) == machine.ROUNDS and hw.op_seconds == 2.2e-6
     kept = json.loads(path.read_text())  # replaced by a measurement
     assert kept["rates"]["op_seconds"] == 2.2e-6
-    assert timing.resolve_hardware(False, "32-true", 2) == hw
+    assert machine.resolve_hardware(False, "32-true", 2) == hw
 
 
 def test_a_kept_file_distrain_wrote_is_read_back_whole(home):
     path = machine.kept_file(2)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"key": path.stem, "ranks_per_node": 2, "measured": "then", "rates": GOOD}))
-    hw = timing.resolve_hardware(False, "32-true", 2)
+    hw = machine.resolve_hardware(False, "32-true", 2)
     assert all(getattr(hw, name) == 1.0 for name in GOOD) and "on then" in hw.source
 
 
 def test_two_starts_of_the_real_measurement_predict_the_same_step(home):
     """The real rates, measured on this machine: the second start takes the first one's figures exactly."""
-    first = timing.resolve_hardware(False, "32-true", 2)
-    second = timing.resolve_hardware(False, "32-true", 2)
+    first = machine.resolve_hardware(False, "32-true", 2)
+    second = machine.resolve_hardware(False, "32-true", 2)
     assert first == second
     assert all(math.isfinite(getattr(first, n)) and getattr(first, n) > 0 for n in machine.MEASURED)
 

@@ -13,9 +13,10 @@ from typing import Any
 from distrain.config import RunConfig
 from distrain.planner.batch import BatchLayout, keep_global_batch
 from distrain.planner.estimate import Job, Option, Row
+from distrain.planner.machine import resolve_hardware
 from distrain.planner.model_stats import ModelSpec
 from distrain.planner.plan import Budget, Planner, option_for_run
-from distrain.planner.timing import Hardware, resolve_hardware
+from distrain.planner.timing import Hardware
 from distrain.planner.units import format_rate, format_seconds, human
 
 #: the decision of the process that planned, for the ranks its launcher starts (they re-run the command)

@@ -1,5 +1,6 @@
-"""This CPU's rates, measured once per machine and kept: a plan's step time must not depend on how busy the
-machine was in the second the plan started.
+"""The rates a plan times its options with (``resolve_hardware``): a GPU's from the table in ``timing.py``, this
+CPU's measured once per machine and kept, since a plan's step time must not depend on how busy the machine was in
+the second the plan started.
 
 Measured afresh at every start, the same config was predicted anywhere from 77 ms to 295 ms per step on a shared
 machine, and the DDP and FSDP plans of one model differed 2× in compute alone. So the rates
@@ -24,6 +25,9 @@ import time
 from dataclasses import fields, replace
 from pathlib import Path
 
+import torch
+
+from distrain.planner import timing
 from distrain.planner.timing import Hardware, cpu_hardware, cpu_source
 
 ROUNDS = 3
@@ -116,3 +120,38 @@ def _write(path: Path, ranks_per_node: int, rates: dict[str, float], when: str) 
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def resolve_hardware(
+    gpu: bool,
+    precision: str,
+    ranks_per_node: int,
+    gpu_type: str | None = None,
+    bandwidth: float | None = None,
+    inter_node_bandwidth: float | None = None,
+    measure: bool = False,
+) -> Hardware:
+    """The rates a plan uses: a GPU's from the table (``gpu_type``, else this machine's GPU, else the
+    H100), a CPU's as measured once on this machine and kept (``measure``: again); links as given, else as
+    ``distrain doctor`` measured them."""
+    if gpu:
+        if gpu_type is None and torch.cuda.is_available():
+            gpu_type = next((k for k in timing.GPU_TABLE if k.lower() in torch.cuda.get_device_name().lower()), None)
+        hw = timing.gpu_hardware(gpu_type, precision)
+        backend = "nccl"
+    else:
+        hw = cpu_rates(ranks_per_node, measure)
+        backend = "gloo"
+    measured = timing.measured_links()
+    if bandwidth is None and measured and measured.get("backend") == backend:
+        hw = replace(
+            hw,
+            intra_bandwidth=measured["bus_bandwidth"],
+            collective_seconds=measured["latency"],
+            source=hw.source + "; links: distrain doctor",
+        )
+    if bandwidth is not None:
+        hw = replace(hw, intra_bandwidth=bandwidth, source=hw.source + "; links: --bandwidth")
+    if inter_node_bandwidth is not None:
+        hw = replace(hw, inter_bandwidth=inter_node_bandwidth)
+    return hw

@@ -249,43 +249,6 @@ def save_measured_links(backend: str, world: int, bus_bandwidth: float, latency:
         return None
 
 
-def resolve_hardware(
-    gpu: bool,
-    precision: str,
-    ranks_per_node: int,
-    gpu_type: str | None = None,
-    bandwidth: float | None = None,
-    inter_node_bandwidth: float | None = None,
-    measure: bool = False,
-) -> Hardware:
-    """The rates a plan uses: a GPU's from the table (``gpu_type``, else this machine's GPU, else the
-    H100), a CPU's as measured once on this machine and kept (``measure``: again); links as given, else as
-    ``distrain doctor`` measured them."""
-    if gpu:
-        if gpu_type is None and torch.cuda.is_available():
-            gpu_type = next((k for k in GPU_TABLE if k.lower() in torch.cuda.get_device_name().lower()), None)
-        hw = gpu_hardware(gpu_type, precision)
-        backend = "nccl"
-    else:
-        from distrain.planner.machine import cpu_rates
-
-        hw = cpu_rates(ranks_per_node, measure)
-        backend = "gloo"
-    measured = measured_links()
-    if bandwidth is None and measured and measured.get("backend") == backend:
-        hw = replace(
-            hw,
-            intra_bandwidth=measured["bus_bandwidth"],
-            collective_seconds=measured["latency"],
-            source=hw.source + "; links: distrain doctor",
-        )
-    if bandwidth is not None:
-        hw = replace(hw, intra_bandwidth=bandwidth, source=hw.source + "; links: --bandwidth")
-    if inter_node_bandwidth is not None:
-        hw = replace(hw, inter_bandwidth=inter_node_bandwidth)
-    return hw
-
-
 # ---- the step -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Collective:
