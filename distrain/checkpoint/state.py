@@ -17,27 +17,61 @@ import io
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from distrain import compat
 from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import safe_load
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-FULL_EVERY_RANK = StateDictOptions(full_state_dict=True)
-SHARDED = StateDictOptions(full_state_dict=False)
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+#: what this module takes from torch.distributed.checkpoint, imported at the first checkpoint: the import costs
+#: about 1.2 s (DTensor, sympy) in every rank, and the time to the first step is what every start and every
+#: restart waits for. Inside this module a function calls ``_dcp()`` first; from outside, ``state.FULL`` works.
+_FROM_DCP = (
+    "dcp",
+    "StateDictOptions",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "FULL",
+    "FULL_EVERY_RANK",
+    "SHARDED",
+)
+
+
+def _dcp() -> None:
+    global dcp, StateDictOptions, FULL, FULL_EVERY_RANK, SHARDED
+    global get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+    if "SHARDED" in globals():
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    FULL_EVERY_RANK = StateDictOptions(full_state_dict=True)
+    SHARDED = StateDictOptions(full_state_dict=False)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_DCP:
+        _dcp()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 META_FILE = ckpt_io.META_FILE
 DEEPSPEED_TAG = "deepspeed"  # the engine's shard folder inside a distrain checkpoint directory
 DEEPSPEED_META = "deepspeed"  # meta.pt entry: world size, stage, where the model sits in the engine
@@ -65,6 +99,7 @@ def tensor_keys(state: dict[str, Any]) -> list[str]:
 
 def state_of(state: dict[str, Any], unwrap: Callable, options: StateDictOptions) -> dict[str, Any]:
     """Replace live objects by their state; must be called on every rank (may communicate)."""
+    _dcp()
     model = _the_model(state, unwrap)
     out: dict[str, Any] = {}
     for key, value in state.items():
@@ -91,6 +126,7 @@ def load_into(
 ) -> dict[str, Any]:
     """Load ``loaded`` into ``state``'s objects in place; plain entries are replaced. Returns the
     checkpoint's entries that ``state`` did not ask for."""
+    _dcp()
     model = _the_model(state, unwrap)
     options = StateDictOptions(full_state_dict=options.full_state_dict, strict=strict)
     for key, target in state.items():
@@ -140,6 +176,7 @@ def save_sharded(
     may rewrite the collected state first (a pipeline makes its stages' optimizer groups agree).
     ``background``: DCP's ``async_save`` stages the shards into host memory (pinned on CUDA) and writes them
     from a thread, over a process group of its own; returns the ``Pending`` commit."""
+    _dcp()
     collected = state_of(state, unwrap, SHARDED)
     if adjust is not None:
         collected = adjust(collected)
@@ -195,6 +232,7 @@ def _stager():
 
 def _check_fits(model: nn.Module, found: dict[str, tuple], source: str) -> None:
     """A checkpoint of another model fails in one line naming the first keys that differ."""
+    _dcp()
     expected = {k: tuple(v.shape) for k, v in get_model_state_dict(model, options=SHARDED).items()}
     compare_model_keys(expected, found, source, type(model).__name__)
 
@@ -225,6 +263,7 @@ def load_any(
     path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, options: StateDictOptions, strict: bool = True
 ) -> dict[str, Any]:
     """Load a full or a sharded checkpoint into ``state`` (whatever wrote it, whatever world size)."""
+    _dcp()
     path = ckpt_io.resolve_checkpoint(path)
     if not is_sharded_checkpoint(path):
         return load_into(state, ckpt_io.read_state_file(path), unwrap, FULL, strict)
@@ -308,6 +347,7 @@ def read_plain(path: str | os.PathLike, key: str = "model") -> dict[str, Any]:
 def checkpoint_state_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
     """Full (unsharded) model and optimizer tensors by name, on every rank: handy to compare
     runs across strategies and world sizes."""
+    _dcp()
     out = {f"model.{k}": v.cpu() for k, v in get_model_state_dict(model, options=FULL_EVERY_RANK).items()}
     if optimizer is not None:
         osd = get_optimizer_state_dict(model, optimizer, options=FULL_EVERY_RANK)
