@@ -60,3 +60,34 @@ def test_every_docs_page_is_in_the_nav():
     pages = sorted(p.name for p in DOCS.glob("*.md"))
     assert sorted(set(nav)) == pages
     assert all((DOCS / page).is_file() for page in nav)
+
+
+def _fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, code) of each fenced block; an unclosed fence is an error of the page."""
+    blocks, language, lines = [], None, []
+    for line in text.splitlines():
+        fence = re.match(r"^\s*```(\S*)\s*$", line)
+        if fence and language is None:
+            language, lines = fence.group(1), []
+        elif fence:
+            assert not fence.group(1), f"a ``` fence opens inside a {language or 'plain'} block: {line!r}"
+            blocks.append((language, "\n".join(lines)))
+            language = None
+        elif language is not None:
+            lines.append(line)
+    assert language is None, "a fenced block is never closed"
+    return blocks
+
+
+def test_every_python_example_in_the_readme_and_docs_is_python():
+    """Copy-paste is how the examples are used: each ```python block compiles (``...`` stands for the reader's
+    code, which Python reads as a value), and the fences pair up."""
+    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for language, code in _fenced_blocks(path.read_text()):
+            if language in ("python", "py"):
+                import textwrap
+
+                try:
+                    compile(textwrap.dedent(code), str(path), "exec")
+                except SyntaxError as e:
+                    raise AssertionError(f"{path.name}: a python block does not compile: {e}\n{code[:300]}") from e

@@ -210,3 +210,38 @@ def test_plan_flags_and_their_errors(capsys):
     ]:
         assert cli.main([*base, *flags]) == 2, flags
         assert message in capsys.readouterr().err, flags
+
+
+#: rates like this CPU's (collectives cost milliseconds between computations), and like a GPU node's (fast links,
+#: slow compute per operation): the first leaves model-parallel layouts far behind DDP, the second does not
+CPU_LIKE = Hardware(5e10, 1e10, 5e-6, 1e9, 1e9, 2e-4, blocking_collective_seconds=2e-3, blocking_bandwidth=4e8)
+LINK_RICH = Hardware(1e10, 1e11, 1e-7, 1e12, 1e12, 1e-7)
+
+
+def test_auto_simulates_a_model_parallel_layout_only_when_it_could_win_and_chooses_as_a_full_walk(monkeypatch):
+    """``choose`` walks the options fastest first by a bound that needs no simulated step: the bound is never
+    above an option's time, and the choice and the rows it names are those of a walk that times every option.
+    On rates like this CPU's, tensor parallelism is never simulated; on fast links it is looked at."""
+    from distrain.planner import simulate
+
+    job = Job(ModelSpec.builtin_gpt("gpt-tiny", 64), 4, world_size=2, accumulate=2)
+    planner = Planner(job, Budget(8 << 30, 8 << 30, False, "test"), CPU_LIKE)
+    simulated = []
+    real = simulate.simulate_tensor_parallel
+    monkeypatch.setattr(simulate, "simulate_tensor_parallel", lambda *a, **k: simulated.append(1) or real(*a, **k))
+    walks = {}
+    for hw in (CPU_LIKE, LINK_RICH):  # one planner (its traces and simulations are kept), timed on each
+        for p in [planner] + [p for p, _ in planner.model_parallel_planners()]:
+            p.hardware = hw
+        walks[hw] = planner.choose("auto", False)
+        if hw is CPU_LIKE:
+            assert simulated == []
+        assert any(r.option.family == "tp" for r in walks[hw][1]) == (hw is LINK_RICH)
+        bounds = {o: planner.seconds_at_least(p, o) for p, o in planner.model_parallel_planners()}
+        with monkeypatch.context() as m:
+            m.setattr(Planner, "seconds_at_least", lambda self, p, o: p.seconds(o))  # every option timed
+            chosen, seen = planner.choose("auto", False)
+        assert walks[hw][0].option == chosen.option and walks[hw][0].step == chosen.step
+        assert [(r.option, r.step) for r in walks[hw][1]] == [(r.option, r.step) for r in seen]
+        for p, o in planner.model_parallel_planners():
+            assert bounds[o] <= p.seconds(o) * (1 + 1e-9), o

@@ -439,15 +439,45 @@ class Planner:
                 if row.fits:
                     return row, seen
             return None, seen
+        # fastest first, by a bound that costs no simulation: a tensor-parallel or pipeline layout is simulated
+        # (seconds each) only when its bound could still beat the fastest option that fits
         fitting: list[Row] = []
-        for planner, option in sorted(candidates, key=lambda pair: pair[0].seconds(pair[1])):
-            if fitting and planner.seconds(option) > fitting[0].step.seconds * (1 + TIE):
+        walked: list[tuple[float, int, Row]] = []
+        by_bound = sorted(enumerate(candidates), key=lambda item: self.seconds_at_least(*item[1]))
+        for index, (planner, option) in by_bound:
+            if fitting and self.seconds_at_least(planner, option) > min(r.step.seconds for r in fitting) * (1 + TIE):
                 break
             row = planner.row(option, max_batch=False)
-            seen.append(row)
+            walked.append((row.step.seconds, index, row))
             if row.fits:
                 fitting.append(row)
+        # the rows looked at, as a walk in order of the exact time sees them: up to the fastest that fits and the
+        # options within the tie of it
+        last = min(r.step.seconds for r in fitting) * (1 + TIE) if fitting else math.inf
+        seen = [row for seconds, _, row in sorted(walked, key=lambda w: w[:2]) if seconds <= last]
         return (self.prefer(fitting) if fitting else None), seen
+
+    def seconds_at_least(self, planner: Planner, option: Option) -> float:
+        """``planner.seconds(option)``, or, for a tensor-parallel or pipeline layout (whose time needs a
+        simulated step), a bound below it from this planner's trace of the same micro-batch (``timing.py``,
+        ``pipeline.py``): without the optimizer step, a tensor-parallel rank computes 1/T of every operation's
+        FLOPs and bytes yet runs every operation, for T times the micro-batches, and waits for a collective in
+        each block's forward and backward; with no communication, a pipeline runs its micro-batches at its
+        slowest rank's pace, at least 1/P of the whole, plus the fill (less a tenth: its stages are traced one
+        by one)."""
+        if option.family not in ("tp", "pp"):
+            return planner.seconds(option)
+        from distrain.planner.timing import work_seconds
+
+        work = self.estimator.trace("fsdp" if option.sharding else "ddp", option.checkpoint).work.forward_backward
+        micro_batches = planner.job.accumulate
+        if option.family == "tp":
+            # and each block's forward and backward wait for one collective at least (Megatron's layout: two each)
+            hw = self.hardware
+            waits = 2 * self.job.spec.num_blocks * (hw.blocking_collective_seconds or hw.collective_seconds)
+            return micro_batches * (work_seconds(work.scaled(1 / option.tensor), hw) + waits)
+        p, v = option.pipeline, option.stages_per_rank
+        return 0.9 * (micro_batches + (p - 1) / v) * work_seconds(work, self.hardware) / p
 
     def model_parallel_planners(self) -> list[tuple[Planner, Option]]:
         """The tensor-parallel and pipeline layouts a run of this job could take, each with the planner of the
