@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-BARE = r'''
+BARE = r"""
 import os, time, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from distrain.models.gpt import GPT, gpt_config
@@ -38,7 +38,7 @@ opt.step()
 if dist.get_rank() == 0:
     print(f"step 1 loss {loss.item():.3f}", flush=True)
 dist.destroy_process_group()
-'''
+"""
 
 
 def first_step_seconds(command: list[str], marker: str, env: dict, cwd: str) -> tuple[float, dict[str, float]]:
@@ -86,8 +86,10 @@ def main() -> None:
         for name, (command, marker, case_env) in cases.items():
             runs.setdefault(name, []).append(first_step_seconds(command, marker, case_env, str(work)))
     bare = statistics.median(t for t, _ in runs["bare torchrun script"])
-    print(f"time to the first step, {args.devices} CPU ranks (gloo), gpt-tiny, 16 × 128 per step; "
-          f"median of {args.rounds} rounds")
+    print(
+        f"time to the first step, {args.devices} CPU ranks (gloo), gpt-tiny, 16 × 128 per step; "
+        f"median of {args.rounds} rounds"
+    )
     print(f"{'command':46s} {'first step':>10s} {'× bare':>7s}   parts (median)")
     for name, results in runs.items():
         seconds = statistics.median(t for t, _ in results)

@@ -207,7 +207,7 @@ def plan_row(model: str, strategy: str, seq_len: int, gpu_memory: str | None, cp
     from dataclasses import replace
 
     from distrain.config import build_config
-    from distrain.planner.cli import budget_from_config, job_from_config
+    from distrain.planner.from_config import budget_from_config, job_from_config
     from distrain.planner.plan import Planner, option_for_run
 
     overrides = {

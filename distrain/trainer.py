@@ -438,15 +438,15 @@ class Trainer:
     def _choose_auto_strategy(self, module: Module, loader) -> None:
         """strategy="auto": before any rank starts, the memory planner picks the fastest strategy that fits
         this module and micro-batch in the device's memory (DDP, FSDP, with activation checkpointing or
-        offload), and says why (``planner/auto.py``). Any other strategy is left alone."""
+        offload), and says why (``planner/decide.py``). Any other strategy is left alone."""
         rt = self.runtime
         if rt.auto_options is None or rt.environment_ready:
             return
-        from distrain.planner.auto import plan_runtime_strategy
+        from distrain.planner import decide
 
         options = rt.auto_options
         rt.auto_options = None  # plan once
-        strategy, accumulate = plan_runtime_strategy(
+        strategy, accumulate = decide.for_trainer(
             rt, module, loader, self.loop.accumulate_for(0), self.loop.gradient_clip_val, options
         )
         if strategy is not None:

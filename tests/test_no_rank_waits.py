@@ -56,10 +56,10 @@ def test_a_name_that_cannot_be_made_fails_every_rank_at_once(tmp_path):
 # ---- strategy "auto" under torchrun / srun / mpirun: rank 0 plans, every rank takes its decision -----------
 def _auto(rank, root, fail_on):
     from distrain.config import build_config
-    from distrain.planner import cli as planner_cli
+    from distrain.planner import decide
 
     plans = []
-    original = planner_cli._decide
+    original = decide._planned
 
     def counted(config, job):
         plans.append(rank)
@@ -67,12 +67,12 @@ def _auto(rank, root, fail_on):
             raise RuntimeError(f"planner broke on rank {rank}")
         return original(config, job)
 
-    planner_cli._decide = counted
-    os.environ.pop(planner_cli.PLANNED_ENV, None)
+    decide._planned = counted
+    os.environ.pop(decide.PLANNED_ENV, None)
     os.environ["DISTRAIN_PLAN_CACHE"] = str(root / "plans")  # this case's own: no plan kept by another
     config = build_config(None, {"distributed.strategy": "auto", "distributed.devices": 2, "output_dir": str(root)}, [])
     start = time.monotonic()
-    decision = planner_cli.decide_for_training(config)
+    decision = decide.for_config(config)
     return plans, decision.strategy, decision.messages, time.monotonic() - start
 
 

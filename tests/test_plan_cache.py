@@ -7,8 +7,9 @@ import os
 import pytest
 
 from distrain.config import build_config
-from distrain.planner import cache, cli, machine, plan
-from distrain.planner.cli import Decision, decide_for_training
+from distrain.planner import cache, decide, from_config, machine, plan
+from distrain.planner.decide import Decision
+from distrain.planner.decide import for_config as decide_for_training
 
 
 @pytest.fixture
@@ -18,11 +19,11 @@ def planned(monkeypatch, tmp_path):
     monkeypatch.delenv("DISTRAIN_PLANNED", raising=False)
     calls = []
 
-    def decide(config, job):
+    def planned(config, job):
         calls.append(config.distributed.devices)
         return Decision("fsdp", sharding="SHARD_GRAD_OP", accumulate=2, messages=["distrain: strategy auto → fsdp"])
 
-    monkeypatch.setattr(cli, "_decide", decide)
+    monkeypatch.setattr(decide, "_planned", planned)
     return calls
 
 
@@ -31,9 +32,9 @@ def _config(*items):
 
 
 def _key(config) -> str:
-    gpu = cli.plans_for_gpu(config)
-    per_node = cli.ranks_per_node(config, gpu)
-    return cache.key(config, cli.budget_from_config(config, gpu, per_node), per_node)
+    gpu = from_config.plans_for_gpu(config)
+    per_node = from_config.ranks_per_node(config, gpu)
+    return cache.key(config, from_config.budget_from_config(config, gpu, per_node), per_node)
 
 
 def test_the_same_run_started_again_takes_the_kept_decision_without_planning(planned, tmp_path):
@@ -135,14 +136,14 @@ def test_the_first_plan_on_a_machine_is_found_by_the_next_start(monkeypatch, pla
     """The first plan measures this machine's rates and keeps them, which changes the key: the decision is kept
     under the key the next start computes, not the one this start computed before measuring."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
-    measuring = cli._decide
+    measuring = decide._planned
 
-    def decide(config, job):
+    def planned_here(config, job):
         machine.kept_file(2).parent.mkdir(parents=True, exist_ok=True)
         machine.kept_file(2).write_text('{"measured": "now"}')
         return measuring(config, job)
 
-    monkeypatch.setattr(cli, "_decide", decide)
+    monkeypatch.setattr(decide, "_planned", planned_here)
     decide_for_training(_config())
     os.environ.pop("DISTRAIN_PLANNED", None)
     assert decide_for_training(_config()).strategy == "fsdp"

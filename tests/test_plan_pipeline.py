@@ -167,7 +167,7 @@ def test_distrain_train_auto_runs_the_pipeline_it_chose_with_the_accumulation_th
     from distrain.config import build_config
     from distrain.jobs.run import _start
     from distrain.planner import timing
-    from distrain.planner.cli import decide_for_training
+    from distrain.planner.decide import for_config as decide_for_training
 
     links = tmp_path / "links.json"
     links.write_text(json.dumps({"backend": "gloo", "world": 2, "bus_bandwidth": 1e6, "latency": 1e-4}))

@@ -213,7 +213,7 @@ def _gpt_config(*items: str):
 
 
 def test_auto_keeps_ddp_when_it_fits_and_warns_an_explicit_strategy_that_will_not():
-    from distrain.planner.cli import decide_for_training
+    from distrain.planner.decide import for_config as decide_for_training
 
     os.environ.pop("DISTRAIN_PLANNED", None)
     decision = decide_for_training(_gpt_config("distributed.devices=2"))
@@ -225,7 +225,7 @@ def test_auto_keeps_ddp_when_it_fits_and_warns_an_explicit_strategy_that_will_no
 
 
 def test_activation_checkpointing_auto_checkpoints_just_enough_blocks():
-    from distrain.planner.cli import decide_for_training
+    from distrain.planner.decide import for_config as decide_for_training
 
     os.environ.pop("DISTRAIN_PLANNED", None)
     items = ["distributed.devices=2", "distributed.strategy=ddp", "training.activation_checkpointing=auto"]
@@ -246,6 +246,72 @@ def test_activation_checkpointing_auto_checkpoints_just_enough_blocks():
     policy = decision.strategy_options({Block})["activation_checkpointing_policy"]
     model = GPT(gpt_config("gpt-mini"))
     assert selected_layers(model, policy) == list(model.blocks)[:4]
+
+
+def _tiny_lm_and_loader():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from distrain.models.lm import GPTLanguageModel
+
+    tokens = torch.randint(0, 256, (16, 17), generator=torch.Generator().manual_seed(0))
+    return GPTLanguageModel("gpt-tiny", block_size=16), DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), 4)
+
+
+def test_the_trainer_and_distrain_train_take_one_decision_the_same_way(monkeypatch, capsys):
+    """``Trainer(strategy="auto")`` and ``distrain train`` decide through ``decide.choose``: the same model, micro-batch
+    and ranks get the same strategy and say it in the same words; when nothing fits, both stop before any rank
+    starts (the Trainer with the table and an error), and a planner that fails falls back to DDP with a note."""
+    import distrain
+    from distrain.planner import decide, plan
+
+    module, loader = _tiny_lm_and_loader()
+    runtime = distrain.Runtime(strategy="auto", devices=2, accelerator="cpu")
+    monkeypatch.setattr(decide, "rates_or_none", lambda job: None)  # the ranking order: no rates to measure
+    monkeypatch.delenv(decide.PLANNED_ENV, raising=False)
+    strategy, accumulate = decide.for_trainer(runtime, module, loader, 1, None, {})
+    said = capsys.readouterr().out
+    config = _gpt_config("training.model_name=gpt-tiny", "distributed.devices=2", "training.batch_size_per_gpu=4")
+    config.data.seq_len = 16
+    monkeypatch.delenv(decide.PLANNED_ENV, raising=False)
+    train = decide._planned(config, None)
+    assert type(strategy).__name__ == "DDPStrategy" and train.strategy == "ddp" and accumulate is None
+    assert said.strip().split(":")[:2] == train.messages[0].split(":")[:2] == ["distrain", " strategy auto → ddp"]
+    monkeypatch.setattr(plan, "host_memory", lambda: 4 << 20)  # 2 MiB per rank: nothing fits
+    monkeypatch.delenv(decide.PLANNED_ENV, raising=False)
+    runtime = distrain.Runtime(strategy="auto", devices=2, accelerator="cpu")
+    with pytest.raises(RuntimeError, match="nothing fits in"):
+        decide.for_trainer(runtime, module, loader, 1, None, {})
+    assert "fsdp FULL_SHARD + AC" in capsys.readouterr().out  # the plan's table, before the error
+    assert decide._planned(config, None).stop
+    monkeypatch.setattr(decide, "choose", lambda planner, checkpointing: 1 / 0)
+    monkeypatch.delenv(decide.PLANNED_ENV, raising=False)
+    runtime = distrain.Runtime(strategy="auto", devices=2, accelerator="cpu")
+    strategy, _ = decide.for_trainer(runtime, module, loader, 1, None, {})
+    assert type(strategy).__name__ == "DDPStrategy"
+    assert "could not plan this run (ZeroDivisionError" in capsys.readouterr().out
+    monkeypatch.delenv(decide.PLANNED_ENV, raising=False)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "not json",
+        "[1]",
+        '{"fingerprint": "other", "strategy": "fsdp"}',
+        '{"fingerprint": "f", "strategy": "x", "y": 1}',
+    ],
+)
+def test_a_rank_takes_an_inherited_decision_only_for_the_same_inputs(monkeypatch, text):
+    from distrain.planner import decide
+
+    monkeypatch.setenv("DISTRAIN_LAUNCHED", "1")
+    monkeypatch.setenv(decide.PLANNED_ENV, text)
+    assert decide.inherited("f") is None
+    monkeypatch.setenv(decide.PLANNED_ENV, decide.Decision("fsdp", sharding="FULL_SHARD").to_env("f"))
+    assert decide.inherited("f") == decide.Decision("fsdp", sharding="FULL_SHARD")
+    assert decide.inherited("g") is None
+    monkeypatch.delenv("DISTRAIN_LAUNCHED")  # not a rank our launcher started: it plans for itself
+    assert decide.inherited("f") is None
 
 
 @pytest.mark.slow
@@ -321,7 +387,7 @@ def _train_within_budget(rank, tmp, node_memory):
             f"output_dir={tmp}",
         ],
     )
-    from distrain.planner.cli import decide_for_training
+    from distrain.planner.decide import for_config as decide_for_training
 
     decision = decide_for_training(config)
     os.environ["DISTRAIN_LAUNCHED"] = "1"  # train() takes this decision, as ranks our launcher starts do
@@ -415,7 +481,7 @@ def test_the_plan_of_a_named_strategy_is_the_run_train_starts(tmp_path, gpu):
     run is the option the strategy object `distrain train` builds would run, activation checkpointing included."""
     from distrain.config import build_config
     from distrain.models.gpt import Block
-    from distrain.planner.cli import job_from_config, runs_activation_checkpointing
+    from distrain.planner.from_config import job_from_config, runs_activation_checkpointing
     from distrain.planner.plan import option_for_run
     from distrain.strategies import registry
 
@@ -433,11 +499,11 @@ def test_the_plan_of_a_named_strategy_is_the_run_train_starts(tmp_path, gpu):
         job = job_from_config(config, gpu)
         named = config.distributed.strategy
         if named == "auto":  # the spec's DDP file names no strategy: train takes the plan's recommendation
-            from distrain.planner import cli as planner_cli
+            from distrain.planner import decide, from_config
 
-            budget = planner_cli.budget_from_config(config, gpu, job.per_node)
+            budget = from_config.budget_from_config(config, gpu, job.per_node)
             recommended = Planner(job, budget).plan("all", "both").recommendation.option.strategy
-            assert planner_cli._decide(config, None).strategy == recommended, label
+            assert decide._planned(config, None).strategy == recommended, label
             continue
         planned = option_for_run(named, job, job.fsdp_sharding, job.fsdp_cpu_offload)
         try:

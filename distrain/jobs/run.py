@@ -68,7 +68,8 @@ def _start(config: RunConfig, resume: str | None, job: Job | None = None):
     """The job and its Trainer, as ``distrain train`` makes them (or an exit code when the plan says stop)."""
     from distrain import launch
     from distrain.cluster import replica_group, replica_run_dir
-    from distrain.planner.cli import Decision, decide_for_training, print_messages, runs_activation_checkpointing
+    from distrain.planner import decide
+    from distrain.planner.from_config import runs_activation_checkpointing
     from distrain.strategies import registry
 
     t, d, c = config.training, config.distributed, config.checkpointing
@@ -91,8 +92,8 @@ def _start(config: RunConfig, resume: str | None, job: Job | None = None):
     if resume == "last" and missing:
         raise FileNotFoundError(f"--resume last: no checkpoint in {', '.join(missing)} to resume from")
     # the memory plan: strategy auto, activation_checkpointing auto, a warning when it will not fit
-    decision = decide_for_training(config, job) if job.plannable else Decision(d.strategy)
-    print_messages(decision)
+    decision = decide.for_config(config, job) if job.plannable else decide.Decision(d.strategy)
+    decide.print_messages(decision)
     if decision.stop:
         return 2
     if decision.accumulate:  # auto chose a layout whose ranks share samples: the same global batch

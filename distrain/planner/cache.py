@@ -38,7 +38,7 @@ def directory() -> Path | None:
 
 def key(config, budget, per_node: int) -> str:
     """The hash of what the plan depends on (see the module's docstring); ``budget``: the memory budget per rank the
-    plan would fit (``planner.cli.budget_from_config``), ``per_node``: the ranks per node it plans for."""
+    plan would fit (``from_config.budget_from_config``), ``per_node``: the ranks per node it plans for."""
     import torch
 
     import distrain

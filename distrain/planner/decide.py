@@ -1,0 +1,323 @@
+"""``strategy: auto`` and ``activation_checkpointing: auto``, decided once per job and in one place, for
+``distrain train`` and ``Trainer(strategy="auto")`` alike, before the strategy exists.
+
+- **The choice** (``choose``): the planner's fastest option that fits (``Planner.choose``), and the one line that
+  says why. When nothing fits: the plan's table, and the run stops before any rank starts.
+- **The fallback** (``fallback``): when the planner itself fails, what ``auto`` meant before the planner (one
+  process: single, several: DDP), with a note. The plan is advice; a run never fails because the planner did.
+- **Sharing** (``shared``): the process that plans is the one that starts the ranks (our launcher re-runs the
+  command in each, and each takes the decision from ``PLANNED_ENV``), or rank 0 under an outside launcher (torchrun,
+  srun), whose decision every rank takes (``distributed.decide_before_strategy``).
+- **The fingerprint** (``fingerprint``): what a decision was made for; a rank takes an inherited decision only
+  for the same inputs.
+
+``distrain train`` also keeps its decisions between starts (``cache.py``): ``for_config``. The Trainer plans its
+module and loader: ``for_trainer``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from distrain.planner.plan import Budget, Planner, option_for_run
+from distrain.planner.units import human
+
+if TYPE_CHECKING:
+    from distrain.config import RunConfig
+    from distrain.planner.estimate import Job, Row
+    from distrain.planner.timing import Hardware
+
+#: the decision of the process that planned, for the ranks its launcher starts (they re-run the command)
+PLANNED_ENV = "DISTRAIN_PLANNED"
+
+
+@dataclass
+class Decision:
+    """What the planner decided for a run."""
+
+    strategy: str
+    sharding: str | None = None
+    checkpoint: int | None = 0
+    """Blocks to checkpoint: 0 none, ``None`` every one (the planner's; the config's when not planned)."""
+    planned_checkpoint: bool = False
+    """The planner chose ``checkpoint`` (else the config's activation checkpointing applies)."""
+    accumulate: int | None = None
+    """Micro-batches per optimizer step, when the plan changes them: a tensor-parallel or pipeline layout that
+    ``auto`` chose keeps the config's global batch with more micro-batches per data-parallel rank."""
+    messages: list[str] = field(default_factory=list)
+    stop: bool = False
+
+    def strategy_options(self, block_classes) -> dict[str, Any]:
+        """The strategy's keyword arguments this decision sets."""
+        options: dict[str, Any] = {}
+        if self.sharding is not None:
+            options["sharding_strategy"] = self.sharding
+        if self.planned_checkpoint:
+            from distrain.planner.model_stats import checkpoint_policy
+
+            options["activation_checkpointing_policy"] = checkpoint_policy(tuple(block_classes), self.checkpoint)
+        return options
+
+    def to_env(self, fingerprint: str) -> str:
+        values = {name: getattr(self, name) for name in _SHARED}
+        return json.dumps({"fingerprint": fingerprint, **values})
+
+    @classmethod
+    def from_env(cls, text: str, fingerprint: str) -> Decision | None:
+        """The decision the launching process took for the same inputs, if it took one."""
+        try:
+            values = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(values, dict) or values.pop("fingerprint", None) != fingerprint or set(values) != _SHARED:
+            return None
+        return cls(**values)
+
+
+#: what a rank takes from the process that planned (the messages are printed there)
+_SHARED = {"strategy", "sharding", "checkpoint", "planned_checkpoint", "accumulate"}
+
+
+def fingerprint(*inputs: Any) -> str:
+    """What a decision is for: the hash of its inputs."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def shared(fingerprint: str, plan: Callable[[], Decision], accelerator: str, backend, timeout: timedelta) -> Decision:
+    """The job's one decision for ``fingerprint``: the launching process's, when it took one; else ``plan()`` on
+    rank 0 (every rank waits for it and takes it) or in this process alone. Kept in ``PLANNED_ENV`` for the ranks
+    this process starts and for a later look-up here."""
+    from distrain import distributed
+
+    decision = inherited(fingerprint)
+    if decision is None:
+        decision = distributed.decide_before_strategy(plan, accelerator, backend, timeout)
+        os.environ[PLANNED_ENV] = decision.to_env(fingerprint)
+    return decision
+
+
+def inherited(fingerprint: str) -> Decision | None:
+    """In a rank our launcher started: the decision its parent took for the same inputs."""
+    text = os.environ.get(PLANNED_ENV)
+    return Decision.from_env(text, fingerprint) if text and os.environ.get("DISTRAIN_LAUNCHED") else None
+
+
+def choose(planner: Planner, checkpointing: bool | str) -> Decision:
+    """``strategy: auto`` for the planner's job. ``checkpointing``: the run's activation checkpointing: ``"auto"``
+    (the planner checkpoints just enough blocks), True (every block: the run's own policy) or False (none, unless
+    only checkpointing fits: then the planner's)."""
+    plan_checkpoints = "auto" if checkpointing == "auto" else (True if checkpointing else "both")
+    row, seen = planner.choose("auto", plan_checkpoints)
+    if row is None:
+        return Decision(
+            strategy="auto",
+            stop=True,
+            messages=[
+                planner.plan("all", "both").table(),
+                f"distrain: nothing fits in {human(planner.budget.usable)} per rank; not starting "
+                "(`distrain plan` with the same arguments shows this table)",
+            ],
+        )
+    option = row.option
+    return Decision(
+        strategy=option.strategy,
+        sharding=option.sharding if option.family == "fsdp" else None,
+        checkpoint=option.checkpoint,
+        planned_checkpoint=checkpointing == "auto" or (checkpointing is False and option.checkpoint != 0),
+        accumulate=row.accumulate if row.accumulate != planner.job.accumulate else None,
+        messages=[f"distrain: strategy auto → {planner.reason(row, seen)}"],
+    )
+
+
+def fallback(strategy: str, why: str) -> Decision:
+    """The run as it would start without a plan, and why there is none."""
+    return Decision(strategy=strategy, messages=[f"distrain: strategy {strategy}, unplanned: {why}"])
+
+
+def failed(strategy: str, error: BaseException) -> Decision:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return fallback(strategy, f"the memory planner could not plan this run ({type(error).__name__}: {first})")
+
+
+def rates_or_none(job: Job) -> Hardware | None:
+    """The rates to time options with, or None (then the ranking order decides) when they cannot be had."""
+    from distrain.planner.machine import resolve_hardware
+
+    try:
+        return resolve_hardware(job.gpu, job.precision, job.per_node)
+    except Exception:  # noqa: BLE001 — timing refines the choice; a plan without it is still a plan
+        return None
+
+
+def print_messages(decision: Decision) -> None:
+    """The decision's lines, on rank 0: a stop and a warning to stderr."""
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    for message in decision.messages:
+        print(message, file=sys.stderr if decision.stop or "warning" in message else sys.stdout, flush=True)
+
+
+# ---- distrain train ------------------------------------------------------------------------------------------
+def for_config(config: RunConfig, job=None) -> Decision:
+    """Before any rank starts: resolve ``strategy: auto`` and ``activation_checkpointing: auto``, warn when an
+    explicit strategy will not fit, stop when nothing fits. Under an outside launcher every rank runs this: rank 0
+    plans and the others take its decision or, when there is nothing to decide, skip the plan (rank 0 warns)."""
+    from distrain.cluster import detect_cluster
+
+    d = config.distributed
+    key = fingerprint(config.to_dict())
+    if d.strategy != "auto" and config.training.activation_checkpointing != "auto":  # nothing to share
+        decision = inherited(key)
+        if decision is None and detect_cluster().rank != 0:  # only a warning to compute, and rank 0 prints it
+            return Decision(strategy=d.strategy)
+        if decision is None:
+            decision = _kept_or_planned(config, job)
+            os.environ[PLANNED_ENV] = decision.to_env(key)
+        return decision
+    timeout = timedelta(seconds=d.timeout_seconds)
+    return shared(key, lambda: _kept_or_planned(config, job), d.accelerator, d.backend, timeout)
+
+
+def _kept_or_planned(config: RunConfig, job) -> Decision:
+    """The decision kept for this run on this machine (``cache.py``), else the plan's, kept for the next start."""
+    from distrain.planner import cache
+    from distrain.planner.from_config import budget_from_config, plans_for_gpu, ranks_per_node
+
+    try:
+        gpu = plans_for_gpu(config)
+        per_node = ranks_per_node(config, gpu)
+        kept = cache.read(cache.key(config, budget_from_config(config, gpu, per_node), per_node))
+        if kept is not None:  # this run (or its twin) was planned before on this machine: no trace, no timing
+            decision = Decision(**kept)
+            decision.messages = [f"{m} (planned before: {cache.directory()})" for m in decision.messages]
+            return decision
+        decision = _planned(config, job)
+        if not decision.stop:
+            # the key again: a first plan on this machine has just measured and kept its rates, which the next
+            # start's key includes
+            key = cache.key(config, budget_from_config(config, gpu, per_node), per_node)
+            cache.write(key, {name: getattr(decision, name) for name in cache.FIELDS})
+        return decision
+    except Exception as e:  # the plan is advice; training must not depend on it
+        return failed(_without_plan(config), e)
+
+
+def _without_plan(config: RunConfig) -> str:
+    """``auto`` as it was before the planner: one process → single, several → ddp."""
+    from distrain.planner.from_config import plans_for_gpu, ranks_per_node
+
+    d = config.distributed
+    if d.strategy != "auto":
+        return d.strategy
+    try:
+        return "ddp" if ranks_per_node(config, plans_for_gpu(config)) * d.num_nodes > 1 else "single"
+    except Exception:
+        return "auto"
+
+
+def _planned(config: RunConfig, job) -> Decision:
+    from distrain.planner.from_config import budget_from_config, job_from_config, plans_for_gpu
+
+    d, ac = config.distributed, config.training.activation_checkpointing
+    gpu = plans_for_gpu(config)
+    job = job_from_config(config, gpu, job)
+    budget = budget_from_config(config, gpu, job.per_node)
+    if d.strategy == "auto":  # the fastest predicted option that fits, on this machine's rates
+        return choose(Planner(job, budget, rates_or_none(job)), ac)
+    planner = Planner(job, budget)  # a named strategy: its memory only
+    option = option_for_run(d.strategy, job, config.fsdp.sharding_strategy, config.fsdp.cpu_offload)
+    if option is None:
+        return Decision(strategy=d.strategy)
+    if ac == "auto":
+        row = planner.fitting_checkpoint(option)
+        if row is None:
+            every = planner.row(replace(option, checkpoint=None), max_batch=False)
+            return Decision(
+                d.strategy, checkpoint=None, planned_checkpoint=True, messages=[_does_not_fit(every, budget)]
+            )
+        blocks = "no blocks" if row.option.checkpoint == 0 else "every block"
+        if row.option.checkpoint not in (0, None):
+            blocks = f"the first {row.option.checkpoint} of {job.spec.num_blocks} blocks"
+        return Decision(
+            strategy=d.strategy,
+            checkpoint=row.option.checkpoint,
+            planned_checkpoint=True,
+            messages=[
+                f"distrain: activation_checkpointing auto → {blocks}: {human(row.peak)} per rank "
+                f"of {human(budget.usable)}"
+            ],
+        )
+    row = planner.row(replace(option, checkpoint=None if ac else 0), max_batch=False)
+    return Decision(strategy=d.strategy, messages=[] if row.fits else [_does_not_fit(row, budget)])
+
+
+def _does_not_fit(row: Row, budget: Budget) -> str:
+    return (
+        f"distrain: warning: the memory plan says {row.label} needs {human(row.peak)} per rank, more than "
+        f"the {human(budget.usable)} usable ({budget.source}): it will not fit. `distrain plan` with the same "
+        "arguments shows what would"
+    )
+
+
+# ---- Trainer(strategy="auto") --------------------------------------------------------------------------------
+def for_trainer(runtime, module, loader, accumulate: int, clip: float | None, kwargs: dict[str, Any]):
+    """(the strategy to train ``module`` with, or None to keep the runtime's; the micro-batches per step when the
+    choice changes them, else None). Prints the decision and why; raises when nothing fits."""
+    from distrain.planner.model_stats import ModelSpec, checkpoint_policy
+    from distrain.strategies.registry import GENERIC_OPTIONS, make_strategy
+
+    world = runtime.nprocs * runtime.num_nodes
+    if world == 1:
+        return None, None
+    key = fingerprint(type(module).__qualname__, getattr(loader, "batch_size", None), world, accumulate)
+    strategy = runtime.strategy
+    plan = lambda: _trainer_plan(runtime, module, loader, accumulate, clip, kwargs)  # noqa: E731
+    decision = shared(key, plan, runtime.accelerator.name, strategy.process_group_backend, strategy.timeout)
+    for message in decision.messages:
+        runtime.print(message)
+    if decision.stop:
+        raise RuntimeError(decision.messages[-1].removeprefix("distrain: "))
+    options = {k: v for k, v in kwargs.items() if k in GENERIC_OPTIONS}
+    if decision.sharding:
+        options["sharding_strategy"] = decision.sharding
+    if decision.planned_checkpoint:
+        blocks = tuple(ModelSpec.from_module(module, loader).block_classes)
+        options["activation_checkpointing_policy"] = checkpoint_policy(blocks, decision.checkpoint)
+    return make_strategy(decision.strategy, world, **options), decision.accumulate
+
+
+def _trainer_plan(runtime, module, loader, accumulate: int, clip: float | None, kwargs: dict[str, Any]) -> Decision:
+    from torch.utils.data import DataLoader
+
+    from distrain.planner.estimate import Job
+    from distrain.planner.model_stats import ModelSpec
+
+    if not isinstance(loader, DataLoader) or loader.batch_size is None or not hasattr(loader.dataset, "__len__"):
+        return fallback("ddp", "the memory planner needs a DataLoader with a batch size")
+    policy = kwargs.get("activation_checkpointing_policy")
+    try:
+        spec = ModelSpec.from_module(module, loader, _policy_classes(policy))
+        gpu = runtime.accelerator.name == "cuda"
+        world = runtime.nprocs * runtime.num_nodes
+        job = Job(spec, loader.batch_size, runtime.precision.name, world, runtime.num_nodes, accumulate, clip, gpu)
+        budget = Budget.resolve(runtime.nprocs, gpu=gpu)
+        return choose(Planner(job, budget, rates_or_none(job)), bool(policy))
+    except Exception as e:  # the plan is advice: training goes on without it
+        return failed("ddp", e)
+
+
+def _policy_classes(policy) -> tuple[type, ...] | None:
+    if isinstance(policy, dict):
+        policy = policy.get("classes")
+    if isinstance(policy, type):
+        return (policy,)
+    if isinstance(policy, (set, list, tuple, frozenset)):
+        return tuple(policy)
+    return None

@@ -1,0 +1,111 @@
+"""The job, memory budget and checkpointing a run's config plans for: what ``distrain plan`` and ``distrain train``
+(``decide.py``) both read from a ``RunConfig``."""
+
+from __future__ import annotations
+
+from distrain.config import RunConfig
+from distrain.planner.estimate import Job
+from distrain.planner.model_stats import ModelSpec
+from distrain.planner.plan import Budget
+
+
+def plans_for_gpu(config: RunConfig) -> bool:
+    import torch
+
+    accelerator = config.distributed.accelerator
+    if accelerator in ("gpu", "cuda"):
+        return True
+    if accelerator == "cpu":
+        return False
+    return config.distributed.gpu_memory is not None or torch.cuda.is_available()
+
+
+def ranks_per_node(config: RunConfig, gpu: bool) -> int:
+    devices = config.distributed.devices
+    if devices != "auto":
+        return int(devices)
+    import torch
+
+    from distrain.accelerators import Accelerator, auto_device_count
+
+    if gpu:
+        if not torch.cuda.is_available():
+            raise ValueError("planning for GPUs on a machine without one: give --devices (GPUs per node)")
+        return torch.cuda.device_count()
+    return auto_device_count(Accelerator())
+
+
+def spec_from_config(config: RunConfig, job=None) -> ModelSpec:
+    from distrain.models.gpt import GPT_SIZES
+
+    t, data = config.training, config.data
+    if t.model_name in GPT_SIZES:
+        return ModelSpec.builtin_gpt(t.model_name, data.seq_len)
+    if hasattr(job, "hf_config"):  # the Hugging Face job has read the model's config and sized its data
+        return ModelSpec.huggingface(t.model_name, job.data.max_length, job.task, t.num_labels, hf_config=job.hf_config)
+    return ModelSpec.huggingface(t.model_name, data.max_length or data.seq_len, t.task, t.num_labels)
+
+
+def zero_config(config: RunConfig) -> dict | None:
+    """The DeepSpeed config a ZeRO run would use: the user's JSON, if given."""
+    path = config.deepspeed.config
+    if path is None:
+        return None
+    from distrain.strategies.deepspeed_config import read_user_config
+
+    return read_user_config(path)[0]
+
+
+def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
+    t, d = config.training, config.distributed
+    # ddp_torchft: replica_groups groups of `devices` ranks each, all on this machine; DDP over all of them
+    per_node = ranks_per_node(config, gpu) * (d.replica_groups if d.strategy == "ddp_torchft" else 1)
+    return Job(
+        spec=spec_from_config(config, job),
+        micro_batch=t.batch_size_per_gpu,
+        precision=t.precision,
+        world_size=per_node * d.num_nodes,
+        num_nodes=d.num_nodes,
+        accumulate=t.gradient_accumulation_steps,
+        clip=t.max_grad_norm or None,
+        gpu=gpu,
+        zero=zero_config(config) or {},
+        gradient_as_bucket_view=d.gradient_as_bucket_view,
+        fsdp_options={
+            "forward_prefetch": config.fsdp.forward_prefetch,
+            "mixed_precision": {k: v for k, v in vars(config.fsdp.mixed_precision).items() if v} or None,
+        },
+        fsdp_sharding=config.fsdp.sharding_strategy,
+        fsdp_cpu_offload=config.fsdp.cpu_offload,
+        tensor_parallel=d.tensor_parallel_size,
+        sequence_parallel=d.sequence_parallel,
+        pipeline_stages=d.pipeline_stages,
+        pipeline_schedule=d.pipeline_schedule,
+        stages_per_rank=d.pipeline_stages_per_rank,
+        split_points=d.pipeline_split_points,
+        **(
+            dict(
+                replica_groups=d.replica_groups,
+                semi_sync=d.semi_sync,
+                sync_every=d.sync_every,
+                outer_momentum=d.outer_momentum,
+            )
+            if d.strategy == "ddp_torchft"
+            else {}
+        ),  # fmt: skip
+    )
+
+
+def runs_activation_checkpointing(config: RunConfig) -> bool:
+    """Whether ``distrain train`` checkpoints every block: ``training.activation_checkpointing: true``, the
+    spec's ``activation_checkpointing.enabled``, or a DeepSpeed JSON that says how activations are
+    checkpointed (partitioned, on the CPU)."""
+    if config.training.activation_checkpointing is True or config.fsdp.activation_checkpointing.enabled:
+        return True
+    section = (zero_config(config) or {}).get("activation_checkpointing") or {}
+    return any(section.get(k) for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"))
+
+
+def budget_from_config(config: RunConfig, gpu: bool, per_node: int) -> Budget:
+    d = config.distributed
+    return Budget.resolve(per_node, gpu=gpu, gpu_memory=d.gpu_memory, cpu_memory=d.cpu_memory)
