@@ -1,4 +1,4 @@
-"""What every job shares: the protocol, the Trainer a config describes, the run's header."""
+"""What every workload shares: the protocol, the Trainer a config describes, the run's header."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from typing import Protocol
 from distrain.config import RunConfig, save_config
 
 
-class Job(Protocol):
+class Workload(Protocol):
+    """One of the things ``distrain train`` runs (``gpt.py``, ``hf.py``, ``user.py``). Named apart from the
+    planner's ``Job``, which is the arithmetic of a run: model, micro-batch, ranks."""
+
     block_classes: set[type]
     plannable: bool
     strategy: str  # the strategy's name, once decided (``auto`` as the plan chose it)

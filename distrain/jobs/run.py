@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 
 from distrain.config import RunConfig
-from distrain.jobs.common import Job, build_trainer
+from distrain.jobs.common import Workload, build_trainer
 
 
-def job_for(config: RunConfig) -> Job:
+def job_for(config: RunConfig) -> Workload:
     from distrain.models.gpt import GPT_SIZES
 
     t = config.training
@@ -64,7 +64,7 @@ def verify(config: RunConfig, steps: int, as_json: bool) -> int:
     return 0 if report.ok else 1
 
 
-def _start(config: RunConfig, resume: str | None, job: Job | None = None):
+def _start(config: RunConfig, resume: str | None, job: Workload | None = None):
     """The job and its Trainer, as ``distrain train`` makes them (or an exit code when the plan says stop)."""
     from distrain import launch
     from distrain.cluster import replica_group, replica_run_dir

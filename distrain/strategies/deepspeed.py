@@ -243,17 +243,17 @@ class DeepSpeedStrategy(Strategy):
         for layer in layers:
             layer.forward = _deepspeed_checkpointed(layer.forward)
 
-    def _setup_training(self, module: nn.Module, optimizers: list, schedulers: list, plan: LoopFacts) -> SetUp:
+    def _setup_training(self, module: nn.Module, optimizers: list, schedulers: list, loop: LoopFacts) -> SetUp:
         """The engine over the model and the optimizer. A loop of your own calls backward and step itself:
         the micro-batch size in the config is bookkeeping only there."""
         facts = TrainingFacts(
-            micro_batch_size=plan.micro_batch_size,
-            accumulate=plan.accumulate,
+            micro_batch_size=loop.micro_batch_size,
+            accumulate=loop.accumulate,
             world_size=self.world_size,
-            gradient_clip_val=plan.gradient_clip_val,
+            gradient_clip_val=loop.gradient_clip_val,
             precision=self.precision.name,
             on_cuda=self.root_device.type == "cuda",
-            total_steps=plan.total_steps,
+            total_steps=loop.total_steps,
             hidden_size=_hidden_size(module),
             optimizer_defaults=_optimizer_settings(optimizers[0]) if optimizers else None,
         )
@@ -279,9 +279,9 @@ class DeepSpeedStrategy(Strategy):
             )
         safe_load.deepspeed_checkpoint_engine_loads_safely(self.engine)  # DeepSpeed's own load unpickles anything
         self._engine_checks_steps = hasattr(self.engine.optimizer, "_global_grad_norm")
-        if plan.run_dir is not None and self.is_global_zero:
-            Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
-            (Path(plan.run_dir) / "deepspeed_config.json").write_text(json.dumps(self.filled_config, indent=2) + "\n")
+        if loop.run_dir is not None and self.is_global_zero:
+            Path(loop.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(loop.run_dir) / "deepspeed_config.json").write_text(json.dumps(self.filled_config, indent=2) + "\n")
         return SetUp(self.engine, [ds_optimizer] if ds_optimizer is not None else [], schedulers)
 
     def _choose_optimizer(self, optimizers: list, schedulers: list[dict]):

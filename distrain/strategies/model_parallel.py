@@ -260,19 +260,19 @@ class ModelParallelStrategy(Strategy):
                 if any(t.is_meta for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]):
                     m.to_empty(device=self.root_device, recurse=False)
 
-    def _setup_training(self, module: nn.Module, optimizers: list, schedulers: list, plan: LoopFacts) -> SetUp:
-        if self.runner is not None and optimizers and self.microbatches not in (None, plan.accumulate):
+    def _setup_training(self, module: nn.Module, optimizers: list, schedulers: list, loop: LoopFacts) -> SetUp:
+        if self.runner is not None and optimizers and self.microbatches not in (None, loop.accumulate):
             raise ValueError(
-                f"PipelineStrategy(microbatches={self.microbatches}) but accumulate_grad_batches={plan.accumulate}: "
+                f"PipelineStrategy(microbatches={self.microbatches}) but accumulate_grad_batches={loop.accumulate}: "
                 "the pipeline's micro-batches are the Trainer's accumulation micro-batches (the global batch means "
                 "what it means under DDP); set accumulate_grad_batches (training.gradient_accumulation_steps) to "
                 f"{self.microbatches}, or leave microbatches unset"
             )
-        if self.runner is not None and plan.accumulate < self.layout.pipeline and optimizers:
+        if self.runner is not None and loop.accumulate < self.layout.pipeline and optimizers:
             self.runner._warned_short = True  # said here once; the schedule's fallback need not say it again
             if self.is_global_zero:
                 warnings.warn(
-                    f"distrain: {plan.accumulate} micro-batch(es) per step on {self.layout.pipeline} pipeline stages: "
+                    f"distrain: {loop.accumulate} micro-batch(es) per step on {self.layout.pipeline} pipeline stages: "
                     "stages mostly wait for each other (and 1F1B runs breadth-first); accumulate_grad_batches ≥ the "
                     "stages (a multiple; training.gradient_accumulation_steps) keeps them busy",
                     stacklevel=2,
