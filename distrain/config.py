@@ -93,7 +93,7 @@ class Bounds:
         """A ConfigError naming ``key`` and ``value`` unless ``value`` is allowed (a bool is not a number)."""
         number = value
         if self.size and isinstance(value, str):
-            from distrain.planner.units import parse_size
+            from distrain.units import parse_size
 
             try:
                 number = parse_size(value)

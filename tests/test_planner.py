@@ -18,7 +18,7 @@ from distrain.config import build_config
 from distrain.planner import Budget, Estimator, Job, ModelSpec, Option, Planner
 from distrain.planner.model_stats import trace_step
 from distrain.planner.timing import Hardware
-from distrain.planner.units import parse_size
+from distrain.units import parse_size
 from helpers import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]

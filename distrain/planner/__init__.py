@@ -10,8 +10,10 @@ Layout: ``model_stats`` (the model on the meta device, its parameters, the trace
 tensors), ``work`` (its FLOPs and bytes), ``simulate`` (FSDP2 and tensor parallelism on a fake process
 group), ``pipeline`` (each stage traced alone, the schedule's micro-batches in flight), ``estimate`` (the
 options and each one's parts; DDP), ``zero`` (DeepSpeed ZeRO), ``timing`` (seconds per step), ``plan``
-(budget, ranking, table, recommendation), ``cli`` (``distrain plan`` and the decisions ``distrain train``
-takes), ``auto`` (``Trainer(strategy="auto")``), ``oom`` (what a rank that ran out of memory is told).
+(budget, ranking, table, recommendation), ``machine`` (this machine's rates, measured once and kept),
+``decide`` (the one ``auto`` decision, for ``distrain train`` and ``Trainer(strategy="auto")`` alike),
+``from_config`` (the job a run's config plans), ``cli`` (``distrain plan``), ``oom`` (what a rank that ran out
+of memory is told).
 Measured peaks, for the accuracy tests and benchmark: ``benchmarks/plan_measure.py``.
 """
 

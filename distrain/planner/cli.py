@@ -19,7 +19,7 @@ from distrain.planner.from_config import (
 from distrain.planner.machine import resolve_hardware
 from distrain.planner.plan import Planner, option_for_run
 from distrain.planner.timing import Hardware
-from distrain.planner.units import format_rate, format_seconds
+from distrain.units import format_rate, format_seconds
 
 
 # ---- the rates a plan is timed with ---------------------------------------------------------------------------

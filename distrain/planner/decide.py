@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from distrain.planner.plan import Budget, Planner, option_for_run
-from distrain.planner.units import human
+from distrain.units import human
 
 if TYPE_CHECKING:
     from distrain.config import RunConfig

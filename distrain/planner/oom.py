@@ -107,7 +107,7 @@ def _checkpointed(policy, blocks: int) -> int | None:
 
 
 def _describe(found: dict, seconds: float, done: bool) -> str:
-    from distrain.planner.units import human
+    from distrain.units import human
 
     if "row" not in found:
         return f"memory plan: unavailable ({found.get('unavailable') or f'not made within {seconds:g} s'})"

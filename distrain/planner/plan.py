@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from distrain.planner.estimate import Estimator, Job, Option, Row
 from distrain.planner.timing import Hardware, StepTime
-from distrain.planner.units import cell, format_rate, format_seconds, format_size, human, parse_size
+from distrain.units import cell, format_rate, format_seconds, format_size, human, parse_size
 
 #: share of each budget kept free: the CUDA caching allocator's fragmentation, the CUDA context,
 #: NCCL and cuBLAS workspaces are memory that tensors cannot use

@@ -1,4 +1,5 @@
-"""Units: parsing ``80GB``; printing bytes, seconds and rates."""
+"""Units: parsing ``80GB``; printing bytes, seconds and rates. Outside the planner, which imports torch: the
+config parses sizes without it."""
 
 from __future__ import annotations
 
