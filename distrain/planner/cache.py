@@ -21,6 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from distrain.planner import kept
+
 MAX_BYTES = 64 * 2**10
 #: where a run's files go: not an input of the plan
 _NOT_INPUTS = {("output_dir",), ("checkpointing", "checkpoint_dir"), ("logging",)}
@@ -112,15 +114,7 @@ def read(plan_key: str) -> dict[str, Any] | None:
     """The decision kept under ``plan_key``, or None (none kept, or a file that is not what this module writes)."""
     if directory() is None:
         return None
-    path = directory() / f"{plan_key}.json"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_BYTES + 1)
-        if len(raw) > MAX_BYTES:
-            return None
-        values = json.loads(raw)
-    except (OSError, ValueError):
-        return None
+    values = kept.read_json(directory() / f"{plan_key}.json", MAX_BYTES)
     if not isinstance(values, dict) or set(values) != set(FIELDS) | {"key"} or values["key"] != plan_key:
         return None
     for name, types in FIELDS.items():
@@ -141,13 +135,5 @@ def read(plan_key: str) -> dict[str, Any] | None:
 
 def write(plan_key: str, decision: dict[str, Any]) -> None:
     """Keep a decision (best effort: a read-only home only costs the next start its plan)."""
-    if directory() is None:
-        return
-    path = directory() / f"{plan_key}.json"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": plan_key, **decision}))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    if directory() is not None:
+        kept.write_json(directory() / f"{plan_key}.json", {"key": plan_key, **decision})

@@ -270,7 +270,7 @@ def _does_not_fit(row: Row, budget: Budget) -> str:
 def for_trainer(runtime, module, loader, accumulate: int, clip: float | None, kwargs: dict[str, Any]):
     """(the strategy to train ``module`` with, or None to keep the runtime's; the micro-batches per step when the
     choice changes them, else None). Prints the decision and why; raises when nothing fits."""
-    from distrain.planner.model_stats import ModelSpec, checkpoint_policy
+    from distrain.planner.model_stats import ModelSpec
     from distrain.strategies.registry import GENERIC_OPTIONS, make_strategy
 
     world = runtime.nprocs * runtime.num_nodes
@@ -284,12 +284,9 @@ def for_trainer(runtime, module, loader, accumulate: int, clip: float | None, kw
         runtime.print(message)
     if decision.stop:
         raise RuntimeError(decision.messages[-1].removeprefix("distrain: "))
-    options = {k: v for k, v in kwargs.items() if k in GENERIC_OPTIONS}
-    if decision.sharding:
-        options["sharding_strategy"] = decision.sharding
-    if decision.planned_checkpoint:
-        blocks = tuple(ModelSpec.from_module(module, loader).block_classes)
-        options["activation_checkpointing_policy"] = checkpoint_policy(blocks, decision.checkpoint)
+    # the module's block classes only when the plan checkpoints them (finding them builds its spec)
+    blocks = ModelSpec.from_module(module, loader).block_classes if decision.planned_checkpoint else ()
+    options = {k: v for k, v in kwargs.items() if k in GENERIC_OPTIONS} | decision.strategy_options(blocks)
     return make_strategy(decision.strategy, world, **options), decision.accumulate
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from distrain.planner import timing
+from distrain.planner import kept, timing
 from distrain.planner.timing import Hardware, cpu_hardware, cpu_source
 
 ROUNDS = 3
@@ -59,19 +59,17 @@ def cpu_rates(ranks_per_node: int, measure: bool = False) -> Hardware:
     """This CPU's rates with ``ranks_per_node`` ranks: as kept, or (none kept, ``measure``) measured and kept."""
     path = kept_file(ranks_per_node)
     if not measure:
-        kept = _read(path, ranks_per_node)
-        if kept is not None:
-            return kept
+        rates = _read(path, ranks_per_node)
+        if rates is not None:
+            return rates
     rounds = [cpu_hardware(ranks_per_node) for _ in range(ROUNDS)]
     figures = {name: float(statistics.median(getattr(r, name) for r in rounds)) for name in MEASURED}
     when = time.strftime("%Y-%m-%d %H:%M")
-    _write(path, ranks_per_node, figures, when)
+    kept.write_json(path, {"key": path.stem, "ranks_per_node": ranks_per_node, "measured": when, "rates": figures})
     return replace(rounds[0], **figures, source=_source(rounds[0].source, when, path))
 
 
 def _key(ranks_per_node: int) -> str:
-    import torch
-
     inputs = [_cpu_model(), os.cpu_count(), platform.machine(), ranks_per_node, torch.__version__]
     return hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
 
@@ -92,12 +90,7 @@ def _source(measured: str, when: str, path: Path) -> str:
 
 
 def _read(path: Path, ranks_per_node: int) -> Hardware | None:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_BYTES + 1)
-        values = json.loads(raw) if len(raw) <= MAX_BYTES else None
-    except (OSError, ValueError):
-        return None
+    values = kept.read_json(path, MAX_BYTES)
     if not isinstance(values, dict) or set(values) != {"key", "ranks_per_node", "measured", "rates"}:
         return None
     rates, when = values["rates"], values["measured"]
@@ -108,18 +101,6 @@ def _read(path: Path, ranks_per_node: int) -> Hardware | None:
     if not all(type(v) is float and math.isfinite(v) and v > 0 for v in rates.values()):
         return None
     return Hardware(**rates, source=_source(cpu_source(ranks_per_node), when[:40], path))
-
-
-def _write(path: Path, ranks_per_node: int, rates: dict[str, float], when: str) -> None:
-    """Best effort: a read-only home only costs the next plan its measurement."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        data = {"key": path.stem, "ranks_per_node": ranks_per_node, "measured": when, "rates": rates}
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 def resolve_hardware(

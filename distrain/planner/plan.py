@@ -443,9 +443,9 @@ class Planner:
         # (seconds each) only when its bound could still beat the fastest option that fits
         fitting: list[Row] = []
         walked: list[tuple[float, int, Row]] = []
-        by_bound = sorted(enumerate(candidates), key=lambda item: self.seconds_at_least(*item[1]))
-        for index, (planner, option) in by_bound:
-            if fitting and self.seconds_at_least(planner, option) > min(r.step.seconds for r in fitting) * (1 + TIE):
+        by_bound = sorted((self.seconds_at_least(*pair), index, pair) for index, pair in enumerate(candidates))
+        for bound, index, (planner, option) in by_bound:
+            if fitting and bound > min(r.step.seconds for r in fitting) * (1 + TIE):
                 break
             row = planner.row(option, max_batch=False)
             walked.append((row.step.seconds, index, row))
