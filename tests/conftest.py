@@ -10,7 +10,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 cores: ranks must not fight over threads
 # plans kept between starts (distrain/planner/cache.py): the session's own, not the user's, and none left after
-os.environ.setdefault("DISTRAIN_PLAN_CACHE", tempfile.mkdtemp(prefix="distrain-plans-"))
+# (a rank that imports this file inherits the session's folder: make one only where none is set)
+if "DISTRAIN_PLAN_CACHE" not in os.environ:
+    os.environ["DISTRAIN_PLAN_CACHE"] = tempfile.mkdtemp(prefix="distrain-plans-")
 
 # tests/helpers.run_ranks forks its ranks from a server that has imported these once (see START_METHOD)
 multiprocessing.set_forkserver_preload(["helpers", "distrain.trainer"])
