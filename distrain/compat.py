@@ -80,6 +80,15 @@ def plain_random_sampler(sampler: Any) -> bool:
     return type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None
 
 
+def all_gather_differentiable(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along ``dim``, with a backward that hands each rank its part's
+    gradient (context parallelism: the whole sequence's logits). ``torch.distributed.nn.functional.all_gather``
+    is deprecated for this functional collective (torch 2.13)."""
+    from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
+
+    return wait_tensor(all_gather_single_autograd(tensor.contiguous(), dim, group))
+
+
 # ---- memory planning (torch.distributed._tools, fake tensors, the fake process group) --------------------
 
 

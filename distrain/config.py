@@ -224,6 +224,9 @@ class DistributedConfig:
     sequence_parallel: bool = True
     """Tensor parallel: also split the norms and the residual stream along the sequence (needs sequence lengths
     divisible by tensor_parallel_size)."""
+    context_parallel_size: int = number(1, gt=0)
+    """model_parallel: ranks that split each sequence (long context: each holds 1/N of every sequence's
+    activations; Ulysses attention needs the heads divisible by it). They share samples; 1: none."""
     pipeline_stages: int | None = number(None, gt=0)
     """pipeline: pipeline ranks (null → every rank that tensor parallelism leaves); model_parallel: null → 1."""
     pipeline_schedule: str = "1F1B"

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distrain.parallel.context_parallel import IGNORE
+
 
 @dataclass
 class GPTConfig:
@@ -51,15 +53,21 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        # [batch, sequence, heads, head_dim] q, k, v → the same of y; context parallelism puts an engine around it
+        self.attend = self.causal_attention
+
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return y.transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         # [q; k; v] of the heads this rank computes: all of them, or under tensor parallelism its share
         # (distrain.parallel.tensor_parallel hands each rank q, k and v of the same heads)
         q, k, v = self.qkv(x).chunk(3, dim=2)
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+        q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
+        return self.proj(self.attend(q, k, v).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -100,6 +108,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying
         self.reset_parameters()
+        self.sequence_shard = None  # context parallelism: this rank's slice of every sequence (enable_context_parallel)
         # counted now: a pipeline stage later holds only some of the layers
         numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731  (ZeRO-3 keeps only a partition)
         self._param_counts = (sum(numel(p) for p in self.parameters()), numel(self.pos_emb.weight))
@@ -122,18 +131,40 @@ class GPT(nn.Module):
         T = seq_len or self.cfg.block_size
         return 6 * self.num_params() + 12 * self.cfg.n_layer * self.cfg.n_embd * T
 
+    def enable_context_parallel(self, shard) -> None:
+        """Split every sequence over a context-parallel group (``distrain.parallel.context_parallel``): the forward
+        takes whole sequences and computes on this rank's slice; attention runs through the group's engine."""
+        heads_here = self.blocks[0].attn.qkv.weight.shape[0] // (3 * self.blocks[0].attn.head_dim) if self.blocks else 0
+        shard.check_heads(heads_here, "the model (per tensor-parallel rank)")
+        self.sequence_shard = shard
+        for block in self.blocks:
+            block.attn.attend = shard.attention(block.attn.causal_attention)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        shard, length = self.sequence_shard, idx.shape[1]
+        if shard is not None:
+            if length > self.cfg.block_size:
+                raise ValueError(f"sequence length {length} exceeds the model's block_size {self.cfg.block_size}")
+            idx = shard.split(idx, 0)  # a pad's token is never attended to by a real one (causal)
+            targets = None if targets is None else shard.split(targets, IGNORE)
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.output(self.logits(x), targets)
+        logits = self.logits(x)
+        if shard is not None:  # the loss over the group's tokens, or the logits of the whole sequence
+            return shard.mean_loss(logits, targets) if targets is not None else shard.gather(logits, length)
+        return self.output(logits, targets)
 
     # the forward's three parts: a pipeline runs them on its first stage, every stage and its last stage
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds the model's block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        shard = self.sequence_shard
+        if shard is not None:  # a pad past block_size takes the last position: what it computes counts for nothing
+            pos = shard.positions(T, idx.device).clamp(max=self.cfg.block_size - 1)
+        else:
+            pos = torch.arange(T, device=idx.device)
         return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from distrain.checkpoint import safe_load
 from distrain.checkpoint import state as ckpt_state
 from distrain.config import ConfigError, DistributedConfig
 from distrain.module import StepRouter
-from distrain.parallel.layout import DP, PP, SCHEDULES, TP, ParallelLayout, default_stages_per_rank, layout_for
+from distrain.parallel.layout import CP, DP, PP, SCHEDULES, TP, ParallelLayout, default_stages_per_rank, layout_for
 from distrain.strategies import sharded_init
 from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits
 from distrain.strategies.fsdp import _built_on_meta, _gradient_sync_off
@@ -55,6 +55,8 @@ class ModelParallelStrategy(Strategy):
       many as ``accumulate_grad_batches``); ``split_points``: block indices or names where stages
       begin (default: balanced by parameter count).
     - ``sequence_parallel``: split the norms and the residual stream along the sequence too.
+    - ``context_parallel_size``: ranks that split each sequence (``distrain.parallel.context_parallel``); they
+      share samples, and FSDP2 shards over data × context.
     """
 
     start_method = "popen"
@@ -71,6 +73,7 @@ class ModelParallelStrategy(Strategy):
         split_points: list[int | str] | None = None,
         stages_per_rank: int | None = None,
         sequence_parallel: bool = True,
+        context_parallel_size: int = 1,
         activation_checkpointing_policy: Any = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(minutes=30),
@@ -101,10 +104,12 @@ class ModelParallelStrategy(Strategy):
         self.split_points = list(split_points) if split_points else None
         self.stages_per_rank = stages_per_rank
         self.sequence_parallel = sequence_parallel
+        self.context_parallel_size = context_parallel_size
         self.layout: ParallelLayout | None = None
         self.device_mesh = None
         self.runner = None  # the pipeline (pipeline_stages > 1), after set-up
         self.tensor_plan: str | None = None  # which plan tensor parallelism applied
+        self.context_engine: str | None = None  # which engine splits the sequences (context parallelism)
         self._deferred = sharded_init.DeferredBuild()  # configure_model's meta build, initialized at set-up
 
     # ---- the layout, decided before any rank starts ----------------------------------------------------------
@@ -120,6 +125,7 @@ class ModelParallelStrategy(Strategy):
             self.data_parallel_size_option,
             self.pipeline_stages,
             self.stages_per_rank,
+            self.context_parallel_size,
         )
 
     @property
@@ -132,8 +138,8 @@ class ModelParallelStrategy(Strategy):
 
     def _coords(self) -> tuple[int, int, int]:
         """(pipeline, data, tensor) position of this rank: tensor innermost, pipeline outermost."""
-        lay, rank = self.layout, self.global_rank
-        return rank // (lay.data * lay.tensor), (rank // lay.tensor) % lay.data, rank % lay.tensor
+        pp, dp, _, tp = self.layout.coordinates(self.global_rank)
+        return pp, dp, tp
 
     @property
     def data_parallel_rank(self) -> int:
@@ -145,12 +151,13 @@ class ModelParallelStrategy(Strategy):
         and steps are not re-run (the schedule runs the backward); one copy of each sample counts in metrics: the
         first tensor-parallel rank's of the last stage."""
         pipelined = bool(self.layout and self.layout.pipeline > 1)
-        pp, _, tp = self._coords() if self.layout else (0, 0, 0)
+        pp, _, cp, tp = self.layout.coordinates(self.global_rank) if self.layout else (0, 0, 0, 0)
         last = self.layout.pipeline - 1 if self.layout else 0
         return Traits(
             collective_forward=True,
             metrics_elsewhere=pipelined,  # the last stage logs; rank 0 is the first
-            counts_metrics=tp == 0 and pp == last,  # one copy: the first tensor-parallel rank of the last stage
+            # one copy: the first tensor- and context-parallel rank of the last stage
+            counts_metrics=tp == 0 and cp == 0 and pp == last,
             reruns_steps=self.pipeline_stages == 1,  # a pipeline's schedule runs the backward
         )
 
@@ -182,6 +189,10 @@ class ModelParallelStrategy(Strategy):
             return
         if self.layout.tensor > 1 and not is_parallelized(module) and not built_in_targets(module):
             raise ValueError(no_plan_message(module))
+        if self.layout.context > 1 and not _splits_sequences(module):
+            from distrain.parallel.context_parallel import no_support_message
+
+            raise ValueError(no_support_message(module))
         if self.layout.pipeline > 1:
             from distrain.parallel.pipeline_split import split_for
 
@@ -205,6 +216,8 @@ class ModelParallelStrategy(Strategy):
         ties = shared_parameters(module)
         if lay.tensor > 1:
             self.tensor_plan = apply_tensor_parallel(user, mesh[TP], self.sequence_parallel)
+        if lay.context > 1:
+            self._apply_context_parallel(user)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         build = None
         if lay.pipeline > 1:
@@ -216,7 +229,7 @@ class ModelParallelStrategy(Strategy):
             roots, units = runner.stage_modules, [b for m in runner.stage_modules for b in m.blocks]
         else:
             roots, units = [module], self._fsdp_units(module)
-        if lay.data > 1 and not _fsdp_applied(module):
+        if lay.data * lay.context > 1 and not _fsdp_applied(module):
             self._fully_shard(roots, units)
         retie(ties)
         rng, skip_init = self._deferred.take()
@@ -244,11 +257,27 @@ class ModelParallelStrategy(Strategy):
 
         param_dtype = self.precision.compute_dtype if self.precision.name in ("bf16-mixed", "16-mixed") else None
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-        kwargs = dict(mesh=self.device_mesh[DP], mp_policy=policy)
+        kwargs = dict(mesh=self._data_mesh(), mp_policy=policy)
         for unit in reversed(units):
             fully_shard(unit, **kwargs)
         for root in roots:
             fully_shard(root, **kwargs)
+
+    def _data_mesh(self):
+        """The ranks a gradient is averaged over: the replicas, and with context parallelism the ranks that split
+        each sequence too (each holds its slice's share; torchtitan's ``dp_shard_cp``)."""
+        if self.layout.context == 1:
+            return self.device_mesh[DP]
+        return self.device_mesh[DP, CP]._flatten("data_context_parallel")
+
+    def _apply_context_parallel(self, user: nn.Module) -> None:
+        from distrain.parallel.context_parallel import SequenceShard, apply_context_parallel, no_support_message
+
+        cp = self.layout.coordinates(self.global_rank)[2]
+        shard = SequenceShard(self.device_mesh.get_group(CP), cp, self.layout.context)
+        if not apply_context_parallel(user, shard):
+            raise ValueError(no_support_message(user))
+        self.context_engine = shard.engine
 
     def _materialize(self, roots: list[nn.Module], keep: list[nn.Module]) -> None:
         """Memory for what this rank holds: its stages (FSDP units allocate only their shards); other
@@ -436,6 +465,16 @@ class _StageShards(sharded_init.ShardAccess):
             param.data.copy_(full)
 
 
+def _splits_sequences(module: nn.Module) -> bool:
+    """Whether ``module`` (or, for a Module whose model is built in configure_model, its class) can take a
+    context-parallel ``SequenceShard``: distrain's built-in GPT can."""
+    from distrain.models.lm import GPTLanguageModel
+
+    if isinstance(module, GPTLanguageModel):
+        return True
+    return any(callable(getattr(type(m), "enable_context_parallel", None)) for m in module.modules())
+
+
 def _fsdp_applied(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
@@ -463,8 +502,9 @@ def options_from_config(config, block_classes, pipeline: bool = False) -> dict:
     )
     if pipeline:
         options["stages"] = d.pipeline_stages if d.pipeline_stages is not None else "auto"
-    else:
+    else:  # (a pipeline with context parallelism is refused by check)
         options["pipeline_stages"] = d.pipeline_stages or 1
+        options["context_parallel_size"] = d.context_parallel_size
     return options
 
 
@@ -503,6 +543,7 @@ def check(config) -> None:
                 "pipeline_microbatches",
                 "pipeline_split_points",
                 "pipeline_stages_per_rank",
+                "context_parallel_size",
             )
             if getattr(d, name) != getattr(defaults, name)
         ]
@@ -523,6 +564,7 @@ def check(config) -> None:
             d.data_parallel_size,
             d.pipeline_stages,
             d.pipeline_stages_per_rank or default_stages_per_rank(d.pipeline_schedule),
+            d.context_parallel_size,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -1,0 +1,145 @@
+"""Context parallelism: every sequence split over the ranks of one group, attention computed whole.
+
+The ranks of a context-parallel group receive the same samples (the data is split over the data-parallel
+dimension only) and each keeps one contiguous slice of every sequence: rank ``c`` of ``N`` holds tokens
+``[c·T/N, (c+1)·T/N)``. Everything but attention works on a token alone, so it runs on the slice. Attention
+needs every earlier token, and an engine provides it:
+
+- ``ulysses``: DeepSpeed's ``DistributedAttention`` (DeepSpeed-Ulysses). An all-to-all trades the sequence split
+  for a split of the heads, so each rank runs the ordinary causal attention (torch's SDPA) over the whole
+  sequence for ``heads/N`` heads, and a second all-to-all trades back. Needs heads divisible by N; runs on any
+  backend (gloo on a CPU included).
+- ``ring`` (CUDA only) is torch's ring attention (``torch.distributed.tensor.experimental.context_parallel``):
+  not wired yet, refused in one line.
+
+What stays global, not per slice (``SequenceShard``):
+
+- position ids: rank ``c``'s first token is at position ``c·T/N``;
+- a sequence whose length is not a multiple of N is padded at its end, with targets that count for nothing
+  (``IGNORE``). Under a causal mask no real token attends to a pad, so the real tokens compute what one process
+  computes;
+- the loss is the mean over the group's real tokens: its value is the whole sequence's mean on every rank of the
+  group (what one process logs), and its gradient is ``N ×`` this rank's share, because the data-parallel
+  reduction (FSDP2 over data × context) averages over the N ranks as well as over the replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ENGINES = ("ulysses", "ring")
+IGNORE = -100  # cross_entropy's ignore_index: a pad's target counts for nothing
+
+
+@dataclass
+class SequenceShard:
+    """How one rank of a context-parallel group sees a sequence."""
+
+    group: Any
+    rank: int
+    size: int
+    engine: str = "ulysses"
+
+    # ---- the slice -----------------------------------------------------------------------------------------------
+    def padded_length(self, length: int) -> int:
+        return -(-length // self.size) * self.size
+
+    def split(self, tensor: torch.Tensor, pad_value: int | float) -> torch.Tensor:
+        """This rank's contiguous slice of dim 1 (the sequence), the sequence padded at its end with ``pad_value``
+        to a multiple of the group's size first."""
+        length = tensor.shape[1]
+        padded = self.padded_length(length)
+        if padded != length:
+            pad = [0, 0] * (tensor.dim() - 2) + [0, padded - length]
+            tensor = F.pad(tensor, pad, value=pad_value)
+        local = padded // self.size
+        return tensor[:, self.rank * local : (self.rank + 1) * local]
+
+    def positions(self, local_length: int, device: torch.device) -> torch.Tensor:
+        """The global position ids of this rank's slice."""
+        start = self.rank * local_length
+        return torch.arange(start, start + local_length, device=device)
+
+    def gather(self, tensor: torch.Tensor, length: int) -> torch.Tensor:
+        """The whole sequence (dim 1, ``length`` long, pads dropped) from every rank's slice; differentiable
+        (a loss of your own on the logits)."""
+        from distrain.compat import all_gather_differentiable
+
+        return all_gather_differentiable(tensor, 1, self.group)[:, :length]
+
+    # ---- attention -----------------------------------------------------------------------------------------------
+    def attention(self, local_attention):
+        """``local_attention(q, k, v)`` on ``[batch, sequence, heads, head_dim]`` tensors of the whole sequence →
+        the same on this rank's slice of the sequence (all heads)."""
+        if self.engine != "ulysses":
+            raise ValueError(
+                f"context parallel engine {self.engine!r} is not available; 'ulysses' (DeepSpeed-Ulysses) is"
+            )
+        from deepspeed.sequence.layer import DistributedAttention
+
+        _deepspeed_comm_ready()
+        # [B, T/N, H, d] → all-to-all: scatter the heads (dim 2), gather the sequence (dim 1) → [B, T, H/N, d]
+        attend = DistributedAttention(local_attention, self.group, scatter_idx=2, gather_idx=1)
+        return lambda q, k, v: attend(q, k, v, 0)
+
+    def check_heads(self, heads: int, where: str) -> None:
+        if heads % self.size:
+            raise ValueError(
+                f"context_parallel_size={self.size} (distributed.context_parallel_size) must divide {where}'s "
+                f"{heads} attention heads: Ulysses gives each rank heads/{self.size} of them"
+            )
+
+    # ---- the loss ------------------------------------------------------------------------------------------------
+    def mean_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The next-token loss over the group's real tokens: the global mean as its value, ``N ×`` this rank's
+        share of it as its gradient (the data-parallel reduction averages over the group)."""
+        flat_targets = targets.reshape(-1)
+        local_sum = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), flat_targets, ignore_index=IGNORE, reduction="sum"
+        )
+        totals = torch.stack([local_sum.detach(), (flat_targets != IGNORE).sum().to(local_sum.dtype)])
+        dist.all_reduce(totals, group=self.group)
+        global_sum, count = totals[0], totals[1].clamp(min=1)
+        share = local_sum * self.size / count
+        return share + (global_sum / count - share).detach()
+
+
+def _deepspeed_comm_ready() -> None:
+    """DeepSpeed's collectives go through ``deepspeed.comm``, which wraps the process group torch already has."""
+    import os
+
+    # named, so that DeepSpeed does not guess (and warn about guessing) at import
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    import deepspeed.comm as ds_comm
+
+    from distrain.compat import deepspeed_without_shm_op
+
+    if not ds_comm.is_initialized():
+        with deepspeed_without_shm_op():  # a CPU op only inference uses, JIT-built (a minute) at init otherwise
+            ds_comm.init_distributed(
+                dist_backend=dist.get_backend(), dist_init_required=False, auto_mpi_discovery=False, verbose=False
+            )
+
+
+def apply_context_parallel(module: torch.nn.Module, shard: SequenceShard) -> int:
+    """Give every model in ``module`` that supports context parallelism its ``SequenceShard``; returns how many took
+    it. A model supports it by a method ``enable_context_parallel(shard)`` (distrain's GPT has one)."""
+    taken = 0
+    for m in module.modules():
+        enable = getattr(type(m), "enable_context_parallel", None)
+        if callable(enable):
+            enable(m, shard)
+            taken += 1
+    return taken
+
+
+def no_support_message(module: torch.nn.Module) -> str:
+    return (
+        f"context parallelism (distributed.context_parallel_size) needs a model that splits its sequences: "
+        f"{type(module).__name__} has no enable_context_parallel(shard); distrain's built-in GPT has one"
+    )

@@ -1,0 +1,130 @@
+"""Context parallelism (``distributed.context_parallel_size``) on real gloo ranks: each sequence split over the
+ranks of a group, attention through DeepSpeed-Ulysses. A run matches one process on the same global batch (losses,
+gradient norms and every trained weight, within fp32 rounding), with sequences whose length is not a multiple of
+the group and targets that are padding; position ids and the loss mean are the whole sequence's, not a slice's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import distrain
+from distrain.config import ConfigError
+from distrain.parallel.context_parallel import IGNORE, SequenceShard
+from distrain.parallel.layout import ParallelLayout, layout_for
+from helpers import run_ranks
+
+STEPS = 3
+SEQ = 15  # not a multiple of 2 or 4: the last rank's slice is padded
+
+
+class Sequences(Dataset):
+    """Learnable byte sequences of SEQ tokens; some targets are padding (IGNORE), as a collator's would be."""
+
+    def __init__(self, n: int, seed: int = 0, length: int = SEQ):
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, 256, (n, 1), generator=g)
+        stride = torch.randint(1, 4, (n, 1), generator=g)
+        data = (start + stride * torch.arange(length + 1)) % 256
+        self.x, self.y = data[:, :-1].clone(), data[:, 1:].clone()
+        padded = torch.randint(0, length // 2, (n,), generator=g)  # a tail of each sample is padding
+        for i, keep in enumerate(length - padded):
+            self.y[i, keep:] = IGNORE
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class LongGPT(distrain.Module):
+    """The built-in GPT (4 heads, 32 wide), built in configure_model."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = None
+
+    def configure_model(self):
+        if self.gpt is None:
+            from distrain.models.gpt import GPT, GPTConfig
+
+            self.gpt = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.gpt(x, y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", self.gpt(x, y))
+
+    def predict_step(self, batch, batch_idx):
+        return self.gpt(batch[0]).argmax(-1)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+class Rows(distrain.Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        m = trainer.callback_metrics
+        self.rows.append((m["loss"], m["grad_norm"], m["train_loss"]))
+
+
+def _fit(tmp, strategy, devices: int, batch: int):
+    """STEPS steps; the per-step rows, the validation loss, the predictions and the whole trained weights."""
+    from distrain.checkpoint import state as ckpt_state
+
+    rows = Rows()
+    trainer = distrain.Trainer(
+        accelerator="cpu",
+        strategy=strategy,
+        devices=devices,
+        max_steps=STEPS,
+        gradient_clip_val=1.0,
+        seed=7,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        logger=False,
+        default_root_dir=str(tmp),
+        callbacks=[rows],
+    )
+    module = LongGPT()
+    val = DataLoader(Sequences(6, seed=1), batch_size=3)
+    trainer.fit(module, DataLoader(Sequences(24), batch_size=batch, shuffle=True), val)
+    predictions = torch.cat(trainer.predict(module, val)).tolist()
+    weights = ckpt_state.get_model_state_dict(module.gpt, options=ckpt_state.FULL_EVERY_RANK)
+    weights = {k: v.detach().clone() for k, v in weights.items()}
+    engine = getattr(trainer.strategy, "context_engine", None)
+    return rows.rows, trainer.callback_metrics["val_loss"], predictions, weights, engine
+
+
+def _session(rank, tmp):
+    return _fit(tmp / "cp2", distrain.ModelParallelStrategy(tensor_parallel_size=1, context_parallel_size=2), 2, 4)
+
+
+def test_context_parallel_on_two_ranks_matches_one_process(tmp_path):
+    results = run_ranks(_session, 2, tmp_path)
+    reference = _fit(tmp_path / "single", "single", 1, 4)
+    for rank in range(2):
+        rows, val_loss, predictions, weights, engine = results[rank]
+        assert engine == "ulysses"
+        assert len(rows) == STEPS
+        for step, (a, b) in enumerate(zip(reference[0], rows), start=1):
+            for name, x, y in zip(("loss", "grad_norm", "train_loss"), a, b):
+                assert math.isclose(x, y, rel_tol=1e-5), f"rank {rank} step {step} {name}: {x} vs {y}"
+        assert math.isclose(val_loss, reference[1], rel_tol=1e-5), rank
+        assert predictions == reference[2], rank  # the whole sequence's logits, gathered from the slices
+        assert weights.keys() == reference[3].keys()
+        for key, value in reference[3].items():
+            torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}")
