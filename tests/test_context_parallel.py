@@ -24,13 +24,13 @@ SEQ = 15  # not a multiple of 2 or 4: the last rank's slice is padded
 class Sequences(Dataset):
     """Learnable byte sequences of SEQ tokens; some targets are padding (IGNORE), as a collator's would be."""
 
-    def __init__(self, n: int, seed: int = 0, length: int = SEQ):
+    def __init__(self, n: int, seed: int = 0, length: int = SEQ, padding: bool = True):
         g = torch.Generator().manual_seed(seed)
         start = torch.randint(0, 256, (n, 1), generator=g)
         stride = torch.randint(1, 4, (n, 1), generator=g)
         data = (start + stride * torch.arange(length + 1)) % 256
         self.x, self.y = data[:, :-1].clone(), data[:, 1:].clone()
-        padded = torch.randint(0, length // 2, (n,), generator=g)  # a tail of each sample is padding
+        padded = torch.randint(0, length // 2 if padding else 1, (n,), generator=g)  # a tail of each may be padding
         for i, keep in enumerate(length - padded):
             self.y[i, keep:] = IGNORE
 
@@ -80,8 +80,9 @@ class Rows(distrain.Callback):
         self.rows.append((m["loss"], m["grad_norm"], m["train_loss"]))
 
 
-def _fit(tmp, strategy, devices: int, batch: int):
-    """STEPS steps; the per-step rows, the validation loss, the predictions and the whole trained weights."""
+def _fit(tmp, strategy, devices: int, batch: int, steps: int = STEPS, resume: str | None = None, padding=True):
+    """``steps`` steps (from ``resume``'s checkpoint if given, a checkpoint kept at the end); the per-step rows,
+    the validation loss, the predictions, the whole trained weights and the engine that split the sequences."""
     from distrain.checkpoint import state as ckpt_state
 
     rows = Rows()
@@ -89,19 +90,19 @@ def _fit(tmp, strategy, devices: int, batch: int):
         accelerator="cpu",
         strategy=strategy,
         devices=devices,
-        max_steps=STEPS,
+        max_steps=steps,
         gradient_clip_val=1.0,
         seed=7,
         log_every_n_steps=1,
         enable_progress_bar=False,
-        enable_checkpointing=False,
+        enable_checkpointing=True,
         logger=False,
         default_root_dir=str(tmp),
         callbacks=[rows],
     )
     module = LongGPT()
-    val = DataLoader(Sequences(6, seed=1), batch_size=3)
-    trainer.fit(module, DataLoader(Sequences(24), batch_size=batch, shuffle=True), val)
+    val = DataLoader(Sequences(6, seed=1, padding=padding), batch_size=3)
+    trainer.fit(module, DataLoader(Sequences(24, padding=padding), batch_size=batch, shuffle=True), val, ckpt_path=resume)
     predictions = torch.cat(trainer.predict(module, val)).tolist()
     weights = ckpt_state.get_model_state_dict(module.gpt, options=ckpt_state.FULL_EVERY_RANK)
     weights = {k: v.detach().clone() for k, v in weights.items()}
@@ -109,22 +110,62 @@ def _fit(tmp, strategy, devices: int, batch: int):
     return rows.rows, trainer.callback_metrics["val_loss"], predictions, weights, engine
 
 
-def _session(rank, tmp):
-    return _fit(tmp / "cp2", distrain.ModelParallelStrategy(tensor_parallel_size=1, context_parallel_size=2), 2, 4)
+def _cp(size: int, tensor: int = 1):
+    return distrain.ModelParallelStrategy(tensor_parallel_size=tensor, context_parallel_size=size)
 
 
-def test_context_parallel_on_two_ranks_matches_one_process(tmp_path):
-    results = run_ranks(_session, 2, tmp_path)
+def _two_ranks(rank, tmp):
+    return _fit(tmp / "cp2", _cp(2), 2, 4)
+
+
+def _close(reference, result, what: str, first_step: int = 1) -> None:
+    rows, val_loss, predictions, weights, _ = result
+    assert len(rows) == len(reference[0]), what
+    for step, (a, b) in enumerate(zip(reference[0], rows), start=first_step):
+        for name, x, y in zip(("loss", "grad_norm", "train_loss"), a, b):
+            assert math.isclose(x, y, rel_tol=1e-5), f"{what}: step {step} {name}: {x} vs {y}"
+    assert math.isclose(val_loss, reference[1], rel_tol=1e-5), what
+    assert predictions == reference[2], what  # the whole sequence's logits, gathered from the slices
+    assert weights.keys() == reference[3].keys(), what
+    for key, value in reference[3].items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=f"{what}: {key}")
+
+
+def test_context_parallel_on_two_ranks_matches_one_process_and_resumes_on_one(tmp_path):
+    results = run_ranks(_two_ranks, 2, tmp_path)
     reference = _fit(tmp_path / "single", "single", 1, 4)
     for rank in range(2):
-        rows, val_loss, predictions, weights, engine = results[rank]
-        assert engine == "ulysses"
-        assert len(rows) == STEPS
-        for step, (a, b) in enumerate(zip(reference[0], rows), start=1):
-            for name, x, y in zip(("loss", "grad_norm", "train_loss"), a, b):
-                assert math.isclose(x, y, rel_tol=1e-5), f"rank {rank} step {step} {name}: {x} vs {y}"
-        assert math.isclose(val_loss, reference[1], rel_tol=1e-5), rank
-        assert predictions == reference[2], rank  # the whole sequence's logits, gathered from the slices
-        assert weights.keys() == reference[3].keys()
-        for key, value in reference[3].items():
-            torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}")
+        assert results[rank][4] == "ulysses"
+        _close(reference, results[rank], f"CP=2, rank {rank}")
+    # its checkpoint resumes on one process (no context parallelism) where one process's own run goes on
+    longer = _fit(tmp_path / "single-longer", "single", 1, 4, steps=STEPS + 2)
+    last = next((tmp_path / "cp2").rglob(f"*step={STEPS}*"))
+    resumed = _fit(tmp_path / "single<cp2", "single", 1, 4, steps=STEPS + 2, resume=str(last))
+    _close((longer[0][STEPS:], *longer[1:]), resumed, "one process resumed from CP=2", STEPS + 1)
+
+
+# data parallelism averages the replicas' mean losses, which is one process's mean over tokens when every
+# replica has as many real tokens: these runs have no padded targets (the 2-rank one has)
+FOUR_RANKS = {  # name: (strategy, per-rank batch, replicas)
+    "cp2xfsdp2": (lambda: _cp(2), 2, 2),
+    "cp2xtp2": (lambda: _cp(2, tensor=2), 4, 1),
+    "cp4": (lambda: _cp(4), 4, 1),
+}
+
+
+def _four_ranks(rank, tmp):
+    return {name: _fit(tmp / name, make(), 4, batch, padding=False) for name, (make, batch, _) in FOUR_RANKS.items()}
+
+
+@pytest.mark.slow
+def test_context_parallel_with_fsdp_and_with_tensor_parallel_on_four_ranks_matches_one_process(tmp_path):
+    results = run_ranks(_four_ranks, 4, tmp_path)
+    reference = _fit(tmp_path / "single", "single", 1, 4, padding=False)
+    for name, (_, batch, replicas) in FOUR_RANKS.items():
+        assert batch * replicas == 4  # the global batch of the reference
+        for rank in range(4):
+            result = results[rank][name]
+            if replicas > 1:  # a value logged without sync_dist is this replica's; it predicts its share
+                rows = [(loss, norm, ref[2]) for (loss, norm, _), ref in zip(result[0], reference[0])]
+                result = (rows, result[1], reference[2], *result[3:])
+            _close(reference, result, f"{name}, rank {rank}")

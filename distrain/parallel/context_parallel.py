@@ -70,6 +70,8 @@ class SequenceShard:
         (a loss of your own on the logits)."""
         from distrain.compat import all_gather_differentiable
 
+        if hasattr(tensor, "full_tensor"):  # tensor parallel: logits split by vocabulary (a DTensor)
+            tensor = tensor.full_tensor()
         return all_gather_differentiable(tensor, 1, self.group)[:, :length]
 
     # ---- attention -----------------------------------------------------------------------------------------------
@@ -102,6 +104,8 @@ class SequenceShard:
         local_sum = F.cross_entropy(
             logits.reshape(-1, logits.size(-1)).float(), flat_targets, ignore_index=IGNORE, reduction="sum"
         )
+        if hasattr(local_sum, "full_tensor"):  # tensor parallel: the logits (and so the loss) are a DTensor
+            local_sum = local_sum.full_tensor()
         totals = torch.stack([local_sum.detach(), (flat_targets != IGNORE).sum().to(local_sum.dtype)])
         dist.all_reduce(totals, group=self.group)
         global_sum, count = totals[0], totals[1].clamp(min=1)
