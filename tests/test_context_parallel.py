@@ -102,7 +102,9 @@ def _fit(tmp, strategy, devices: int, batch: int, steps: int = STEPS, resume: st
     )
     module = LongGPT()
     val = DataLoader(Sequences(6, seed=1, padding=padding), batch_size=3)
-    trainer.fit(module, DataLoader(Sequences(24, padding=padding), batch_size=batch, shuffle=True), val, ckpt_path=resume)
+    trainer.fit(
+        module, DataLoader(Sequences(24, padding=padding), batch_size=batch, shuffle=True), val, ckpt_path=resume
+    )
     predictions = torch.cat(trainer.predict(module, val)).tolist()
     weights = ckpt_state.get_model_state_dict(module.gpt, options=ckpt_state.FULL_EVERY_RANK)
     weights = {k: v.detach().clone() for k, v in weights.items()}
@@ -169,3 +171,98 @@ def test_context_parallel_with_fsdp_and_with_tensor_parallel_on_four_ranks_match
                 rows = [(loss, norm, ref[2]) for (loss, norm, _), ref in zip(result[0], reference[0])]
                 result = (rows, result[1], reference[2], *result[3:])
             _close(reference, result, f"{name}, rank {rank}")
+
+
+# ---- in one process: the slice, the layout, and what is refused before any rank starts ------------------------------
+def test_a_rank_holds_a_contiguous_padded_slice_at_its_global_positions():
+    tokens = torch.arange(10).reshape(2, 5)
+    slices = [SequenceShard(None, rank, 2).split(tokens, IGNORE) for rank in range(2)]
+    assert slices[0].tolist() == [[0, 1, 2], [5, 6, 7]]
+    assert slices[1].tolist() == [[3, 4, IGNORE], [8, 9, IGNORE]]  # padded at the end: no real token sees a pad
+    assert SequenceShard(None, 1, 2).positions(3, torch.device("cpu")).tolist() == [3, 4, 5]
+    four = [SequenceShard(None, rank, 4).split(tokens[:, :4], 0) for rank in range(4)]
+    assert torch.equal(torch.cat(four, dim=1), tokens[:, :4])  # an even length: no pad
+
+
+def test_ranks_are_numbered_tensor_then_context_then_data_then_pipeline():
+    layout = ParallelLayout(pipeline=2, data=3, tensor=2, context=2)
+    assert layout.world_size == 24
+    grid = torch.arange(24).reshape(2, 3, 2, 2)  # the DeviceMesh's (pipeline, data, context, tensor) layout
+    for rank in range(24):
+        assert grid[layout.coordinates(rank)].item() == rank
+    assert layout_for(8, 4, False, "auto", "auto", None, 1, context_parallel_size=2).tensor == 2  # a node's 4 ÷ 2
+    assert ParallelLayout(data=2, context=2).describe() == "pipeline 1 × data 2 × context 2 × tensor 1"
+
+
+def test_impossible_context_parallel_layouts_are_refused_in_one_line_before_any_rank_starts(capsys):
+    from distrain import cli
+    from distrain.config import build_config
+
+    def cp(size, **kw):
+        return distrain.ModelParallelStrategy(
+            tensor_parallel_size=kw.pop("tensor", 1), context_parallel_size=size, **kw
+        )
+
+    with pytest.raises(ValueError, match=r"3 ranks cannot hold .* context_parallel_size=2 .* multiple of 2"):
+        distrain.Trainer(accelerator="cpu", devices=3, strategy=cp(2))
+    with pytest.raises(ValueError, match=r"does not compose with pipeline stages"):
+        distrain.Trainer(accelerator="cpu", devices=4, strategy=cp(2, pipeline_stages=2))
+    with pytest.raises(ValueError, match=r"context_parallel_size.* must be a positive integer, got 0"):
+        distrain.Trainer(accelerator="cpu", devices=2, strategy=cp(0))
+    # a layout asked of a strategy that has none would be ignored silently: refused, naming the key
+    for strategy in ("fsdp", "ddp", "auto"):
+        with pytest.raises(
+            ConfigError, match=r"distributed.context_parallel_size=2 applies to strategy model_parallel"
+        ):
+            build_config(None, {"distributed.strategy": strategy}, ["distributed.context_parallel_size=2"])
+    # heads Ulysses cannot split (gpt-tiny: 4 heads; 3 ranks), from the CLI in one line, with no rank started
+    code = cli.main(
+        ["train", "--strategy", "model_parallel", "--devices", "3", "--accelerator", "cpu"]
+        + [
+            "--output-dir",
+            "/nonexistent/x",
+            "distributed.tensor_parallel_size=1",
+            "distributed.context_parallel_size=3",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "gpt-tiny has 4 attention heads, which context_parallel_size=3 does not divide" in err, err
+    assert len(err.strip().splitlines()) == 1
+    # the planner has no model of it yet: it says so, not a plan of something else
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--strategy",
+                "model_parallel",
+                "--devices",
+                "2",
+                "--accelerator",
+                "cpu",
+                "distributed.tensor_parallel_size=1",
+                "distributed.context_parallel_size=2",
+            ]
+        )
+        == 2
+    )
+    assert "context parallelism (distributed.context_parallel_size) is not planned yet" in capsys.readouterr().err
+    # models of the user's own: one that cannot split sequences, and a GPT whose heads TP × CP cannot split
+    import matrix_models
+
+    from distrain.models.gpt import GPT, GPTConfig
+
+    class TwoHeads(matrix_models.MLP):
+        def __init__(self):
+            super().__init__()
+            self.gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8))
+
+    for module, strategy, says in (
+        (matrix_models.MLP(), cp(2), "MLP has no enable_context_parallel"),
+        (TwoHeads(), cp(2, tensor=2), "TwoHeads has 2 attention heads, which context_parallel_size=2 × tensor_par"),
+    ):
+        trainer = distrain.Trainer(
+            accelerator="cpu", devices=4 if "tensor" in says else 2, strategy=strategy, logger=False
+        )
+        with pytest.raises(ValueError, match=says) as info:
+            trainer.fit(module, module.train_dataloader())
+        assert "\n" not in str(info.value)

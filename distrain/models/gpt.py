@@ -134,8 +134,6 @@ class GPT(nn.Module):
     def enable_context_parallel(self, shard) -> None:
         """Split every sequence over a context-parallel group (``distrain.parallel.context_parallel``): the forward
         takes whole sequences and computes on this rank's slice; attention runs through the group's engine."""
-        heads_here = self.blocks[0].attn.qkv.weight.shape[0] // (3 * self.blocks[0].attn.head_dim) if self.blocks else 0
-        shard.check_heads(heads_here, "the model (per tensor-parallel rank)")
         self.sequence_shard = shard
         for block in self.blocks:
             block.attn.attend = shard.attention(block.attn.causal_attention)

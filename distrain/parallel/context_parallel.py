@@ -82,19 +82,12 @@ class SequenceShard:
             raise ValueError(
                 f"context parallel engine {self.engine!r} is not available; 'ulysses' (DeepSpeed-Ulysses) is"
             )
+        _deepspeed_comm_ready()
         from deepspeed.sequence.layer import DistributedAttention
 
-        _deepspeed_comm_ready()
         # [B, T/N, H, d] → all-to-all: scatter the heads (dim 2), gather the sequence (dim 1) → [B, T, H/N, d]
         attend = DistributedAttention(local_attention, self.group, scatter_idx=2, gather_idx=1)
         return lambda q, k, v: attend(q, k, v, 0)
-
-    def check_heads(self, heads: int, where: str) -> None:
-        if heads % self.size:
-            raise ValueError(
-                f"context_parallel_size={self.size} (distributed.context_parallel_size) must divide {where}'s "
-                f"{heads} attention heads: Ulysses gives each rank heads/{self.size} of them"
-            )
 
     # ---- the loss ------------------------------------------------------------------------------------------------
     def mean_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -140,6 +133,18 @@ def apply_context_parallel(module: torch.nn.Module, shard: SequenceShard) -> int
             enable(m, shard)
             taken += 1
     return taken
+
+
+def check_heads(heads: int, layout, model: str) -> None:
+    """Ulysses gives each rank of a group ``heads / (tensor × context)`` whole heads: refused in one line unless."""
+    per_tensor_rank, rest = divmod(heads, layout.tensor)
+    if rest or per_tensor_rank % layout.context:
+        tensor = f" × tensor_parallel_size={layout.tensor}" if layout.tensor > 1 else ""
+        raise ValueError(
+            f"{model} has {heads} attention heads, which context_parallel_size={layout.context}{tensor} does not "
+            f"divide (distributed.context_parallel_size): Ulysses gives each rank whole heads; choose a size that "
+            f"divides {heads}"
+        )
 
 
 def no_support_message(module: torch.nn.Module) -> str:

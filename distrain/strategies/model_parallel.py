@@ -177,6 +177,8 @@ class ModelParallelStrategy(Strategy):
         from distrain.module import Module
         from distrain.parallel.tensor_parallel import built_in_targets, is_parallelized, no_plan_message
 
+        if self.layout.context > 1:
+            _check_context_parallel(module, self.layout)
         if isinstance(module, Module) and type(module).configure_model is not Module.configure_model:
             blocks = module.num_blocks()  # its layers do not exist yet: checked in the ranks once built; the depth now
             if blocks is not None and self.layout.num_stages > blocks:
@@ -189,10 +191,6 @@ class ModelParallelStrategy(Strategy):
             return
         if self.layout.tensor > 1 and not is_parallelized(module) and not built_in_targets(module):
             raise ValueError(no_plan_message(module))
-        if self.layout.context > 1 and not _splits_sequences(module):
-            from distrain.parallel.context_parallel import no_support_message
-
-            raise ValueError(no_support_message(module))
         if self.layout.pipeline > 1:
             from distrain.parallel.pipeline_split import split_for
 
@@ -273,6 +271,7 @@ class ModelParallelStrategy(Strategy):
     def _apply_context_parallel(self, user: nn.Module) -> None:
         from distrain.parallel.context_parallel import SequenceShard, apply_context_parallel, no_support_message
 
+        _check_context_parallel(user, self.layout)  # a model built in configure_model is seen only now
         cp = self.layout.coordinates(self.global_rank)[2]
         shard = SequenceShard(self.device_mesh.get_group(CP), cp, self.layout.context)
         if not apply_context_parallel(user, shard):
@@ -465,14 +464,26 @@ class _StageShards(sharded_init.ShardAccess):
             param.data.copy_(full)
 
 
-def _splits_sequences(module: nn.Module) -> bool:
-    """Whether ``module`` (or, for a Module whose model is built in configure_model, its class) can take a
-    context-parallel ``SequenceShard``: distrain's built-in GPT can."""
+def _check_context_parallel(module: nn.Module, layout: ParallelLayout) -> None:
+    """Before any rank starts: the model splits sequences, and Ulysses can give each rank whole heads. A model
+    built in ``configure_model`` is checked in the ranks once built (the built-in job's size is known now)."""
+    from distrain.models.gpt import GPT, GPT_SIZES
     from distrain.models.lm import GPTLanguageModel
+    from distrain.module import Module
+    from distrain.parallel.context_parallel import check_heads, no_support_message
 
     if isinstance(module, GPTLanguageModel):
-        return True
-    return any(callable(getattr(type(m), "enable_context_parallel", None)) for m in module.modules())
+        name = module.hparams["model_name"]
+        check_heads(GPT_SIZES[name]["n_head"], layout, name)
+        return
+    gpts = [m for m in module.modules() if isinstance(m, GPT)]
+    for gpt in gpts:
+        check_heads(gpt.cfg.n_head, layout, type(module).__name__)
+    built_later = isinstance(module, Module) and type(module).configure_model is not Module.configure_model
+    if not built_later and not any(
+        callable(getattr(type(m), "enable_context_parallel", None)) for m in module.modules()
+    ):
+        raise ValueError(no_support_message(module))
 
 
 def _fsdp_applied(module: nn.Module) -> bool:
