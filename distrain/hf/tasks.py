@@ -105,6 +105,15 @@ class CausalLMModule(HFTaskModule):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._loss_scale: float | None = None
+        self.sequence_shard = None  # context parallelism: this rank's slice of every sequence
+
+    def enable_context_parallel(self, shard) -> None:
+        """Split every sequence over a context-parallel group (``distrain.parallel.context_parallel``): each rank
+        runs the model on its slice at its global positions, attention through Ulysses; batches arrive whole."""
+        from distrain.parallel.context_parallel import use_ulysses_in_hf
+
+        use_ulysses_in_hf(self.model, shard)
+        self.sequence_shard = shard
 
     @staticmethod
     def _targets(batch: dict) -> torch.Tensor:
@@ -122,12 +131,31 @@ class CausalLMModule(HFTaskModule):
         self._loss_scale = runtime.world_size * window / max(total, 1.0)
 
     def _token_loss_sum(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model(**self._inputs(batch), use_cache=False).logits
         targets = batch["input_ids"][:, 1:].masked_fill(~self._targets(batch), -100)
+        if self.sequence_shard is not None:  # the targets are shifted whole, then split with the tokens
+            shard = self.sequence_shard
+            logits = self._logits_of_slice(batch)
+            return shard.loss_sum(logits, shard.split(F.pad(targets, (0, 1), value=-100), -100))
+        logits = self.model(**self._inputs(batch), use_cache=False).logits
         loss_sum = F.cross_entropy(
             logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
         )
         return loss_sum, (targets != -100).sum()
+
+    def _logits_of_slice(self, batch: dict) -> torch.Tensor:
+        """Context parallelism: the logits of this rank's slice of every sequence, at its global positions. No mask
+        goes in: right padding under SDPA's causal mask keeps real tokens from pads."""
+        from distrain.parallel.context_parallel import right_padded
+
+        if not right_padded(batch.get("attention_mask")):
+            raise ValueError(
+                "context parallelism (distributed.context_parallel_size) needs right-padded batches: a row's "
+                "attention_mask has padding before a real token (left padding or packed sequences)"
+            )
+        shard, ids = self.sequence_shard, batch["input_ids"]
+        local = shard.split(ids, 0)
+        positions = shard.positions(local.shape[1], ids.device).expand(len(ids), -1)
+        return self.model(input_ids=local, position_ids=positions, use_cache=False).logits
 
     def training_step(self, batch, batch_idx):
         loss_sum, count = self._token_loss_sum(batch)
@@ -143,6 +171,8 @@ class CausalLMModule(HFTaskModule):
         self.log("val_tokens", n, reduce_fx="sum")
 
     def predict_step(self, batch, batch_idx):
+        if self.sequence_shard is not None:  # the whole sequence's logits, gathered from the slices
+            return self.sequence_shard.gather(self._logits_of_slice(batch), batch["input_ids"].shape[1])
         return self.model(**self._inputs(batch), use_cache=False).logits
 
 

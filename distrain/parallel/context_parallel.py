@@ -44,6 +44,8 @@ class SequenceShard:
     rank: int
     size: int
     engine: str = "ulysses"
+    tensor: int = 1
+    """Tensor-parallel ranks that split each attention's heads before Ulysses splits them again."""
 
     # ---- the slice -----------------------------------------------------------------------------------------------
     def padded_length(self, length: int) -> int:
@@ -87,12 +89,13 @@ class SequenceShard:
 
         # [B, T/N, H, d] → all-to-all: scatter the heads (dim 2), gather the sequence (dim 1) → [B, T, H/N, d]
         attend = DistributedAttention(local_attention, self.group, scatter_idx=2, gather_idx=1)
-        return lambda q, k, v: attend(q, k, v, 0)
+        return lambda q, k, v, **kwargs: attend(q, k, v, 0, None, **kwargs)
 
     # ---- the loss ------------------------------------------------------------------------------------------------
-    def mean_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The next-token loss over the group's real tokens: the global mean as its value, ``N ×`` this rank's
-        share of it as its gradient (the data-parallel reduction averages over the group)."""
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next-token loss summed over the group's real tokens, and their count. The sum's value is the whole
+        sequence's on every rank of the group (what one process computes); its gradient is ``N ×`` this rank's
+        share, because the data-parallel reduction averages over the group's N ranks too."""
         flat_targets = targets.reshape(-1)
         local_sum = F.cross_entropy(
             logits.reshape(-1, logits.size(-1)).float(), flat_targets, ignore_index=IGNORE, reduction="sum"
@@ -101,9 +104,13 @@ class SequenceShard:
             local_sum = local_sum.full_tensor()
         totals = torch.stack([local_sum.detach(), (flat_targets != IGNORE).sum().to(local_sum.dtype)])
         dist.all_reduce(totals, group=self.group)
-        global_sum, count = totals[0], totals[1].clamp(min=1)
-        share = local_sum * self.size / count
-        return share + (global_sum / count - share).detach()
+        share = local_sum * self.size
+        return share + (totals[0] - share).detach(), totals[1]
+
+    def mean_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The next-token loss over the group's real tokens: the whole sequence's mean (``loss_sum``)."""
+        total, count = self.loss_sum(logits, targets)
+        return total / count.clamp(min=1)
 
 
 def _deepspeed_comm_ready() -> None:
@@ -135,16 +142,62 @@ def apply_context_parallel(module: torch.nn.Module, shard: SequenceShard) -> int
     return taken
 
 
-def check_heads(heads: int, layout, model: str) -> None:
+def check_heads(heads: int, context: int, tensor: int, model: str) -> None:
     """Ulysses gives each rank of a group ``heads / (tensor × context)`` whole heads: refused in one line unless."""
-    per_tensor_rank, rest = divmod(heads, layout.tensor)
-    if rest or per_tensor_rank % layout.context:
-        tensor = f" × tensor_parallel_size={layout.tensor}" if layout.tensor > 1 else ""
+    per_tensor_rank, rest = divmod(heads, tensor)
+    if rest or per_tensor_rank % context:
+        tensor_note = f" × tensor_parallel_size={tensor}" if tensor > 1 else ""
         raise ValueError(
-            f"{model} has {heads} attention heads, which context_parallel_size={layout.context}{tensor} does not "
+            f"{model} has {heads} attention heads, which context_parallel_size={context}{tensor_note} does not "
             f"divide (distributed.context_parallel_size): Ulysses gives each rank whole heads; choose a size that "
             f"divides {heads}"
         )
+
+
+# ---- Hugging Face models (Llama-, Qwen-, Mistral-style attention) ------------------------------------------------
+HF_ATTENTION = "distrain_ulysses"
+
+
+def use_ulysses_in_hf(model: torch.nn.Module, shard: SequenceShard) -> None:
+    """Route a Hugging Face model's attention through the group's engine: an attention implementation of its own
+    name (transformers' ``AttentionInterface``) that runs the model's SDPA attention inside Ulysses's all-to-alls.
+    The causal mask is SDPA's own: the callers pass right-padded sequences and no mask (``right_padded``)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    config = model.config.get_text_config()
+    for heads in {config.num_attention_heads, getattr(config, "num_key_value_heads", None) or 0} - {0}:
+        check_heads(heads, shard.size, shard.tensor, type(model).__name__)
+    AttentionInterface.register(HF_ATTENTION, _hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)  # pure causal: no mask built (SDPA's is_causal)
+    attention_layers = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+    if not attention_layers:
+        raise ValueError(no_support_message(model))
+    for layer in attention_layers:
+
+        def local(q, k, v, _layer=layer, **kwargs):  # [B, T, heads/N, d] → the same
+            t = lambda x: x.transpose(1, 2)  # noqa: E731  (transformers' attention takes [B, heads, T, d])
+            return sdpa_attention_forward(_layer, t(q), t(k), t(v), None, is_causal=True, **kwargs)[0]
+
+        layer.distrain_attend = shard.attention(local)
+    model.set_attn_implementation(HF_ATTENTION)
+
+
+def _hf_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention call → Ulysses: [B, heads, T/N, d] in, ([B, T/N, heads, d], no weights) out."""
+    kwargs.pop("is_causal", None)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    return module.distrain_attend(t(query), t(key), t(value), **kwargs), None
+
+
+def right_padded(attention_mask: torch.Tensor | None) -> bool:
+    """Whether every row's real tokens come first (padding only at the end): then a causal mask alone keeps real
+    tokens from pads, and the split needs no mask."""
+    if attention_mask is None:
+        return True
+    mask = attention_mask.bool()
+    return bool((mask[:, 1:] <= mask[:, :-1]).all())
 
 
 def no_support_message(module: torch.nn.Module) -> str:

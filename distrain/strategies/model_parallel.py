@@ -273,7 +273,7 @@ class ModelParallelStrategy(Strategy):
 
         _check_context_parallel(user, self.layout)  # a model built in configure_model is seen only now
         cp = self.layout.coordinates(self.global_rank)[2]
-        shard = SequenceShard(self.device_mesh.get_group(CP), cp, self.layout.context)
+        shard = SequenceShard(self.device_mesh.get_group(CP), cp, self.layout.context, tensor=self.layout.tensor)
         if not apply_context_parallel(user, shard):
             raise ValueError(no_support_message(user))
         self.context_engine = shard.engine
@@ -474,11 +474,11 @@ def _check_context_parallel(module: nn.Module, layout: ParallelLayout) -> None:
 
     if isinstance(module, GPTLanguageModel):
         name = module.hparams["model_name"]
-        check_heads(GPT_SIZES[name]["n_head"], layout, name)
+        check_heads(GPT_SIZES[name]["n_head"], layout.context, layout.tensor, name)
         return
     gpts = [m for m in module.modules() if isinstance(m, GPT)]
     for gpt in gpts:
-        check_heads(gpt.cfg.n_head, layout, type(module).__name__)
+        check_heads(gpt.cfg.n_head, layout.context, layout.tensor, type(module).__name__)
     built_later = isinstance(module, Module) and type(module).configure_model is not Module.configure_model
     if not built_later and not any(
         callable(getattr(type(m), "enable_context_parallel", None)) for m in module.modules()
