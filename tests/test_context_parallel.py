@@ -187,10 +187,14 @@ FOUR_RANKS = {  # name: (strategy, per-rank batch, replicas)
 
 
 def _four_ranks(rank, tmp, llama):
-    return {
+    out = {
         name: _fit(tmp / name, make(), 4, batch, padding=False, llama=llama if "llama" in name else None)
         for name, (make, batch, _) in FOUR_RANKS.items()
     }
+    # CP2 × FSDP2's checkpoint resumes under CP=4 (another context size, no replicas)
+    last = next((tmp / "cp2xfsdp2").rglob(f"*step={STEPS}*"))
+    out["cp4<cp2xfsdp2"] = _fit(tmp / "cp4<cp2xfsdp2", _cp(4), 4, 4, STEPS + 2, str(last), padding=False)
+    return out
 
 
 @pytest.mark.slow
@@ -209,6 +213,9 @@ def test_context_parallel_with_fsdp_and_with_tensor_parallel_on_four_ranks_match
                 rows = [(loss, norm, ref[2]) for (loss, norm, _), ref in zip(result[0], reference[0])]
                 result = (rows, result[1], reference[2], *result[3:])
             _close(reference, result, f"{name}, rank {rank}")
+    longer = _fit(tmp_path / "single-longer", "single", 1, 4, steps=STEPS + 2, padding=False)
+    for rank in range(4):
+        _close((longer[0][STEPS:], *longer[1:]), results[rank]["cp4<cp2xfsdp2"], f"CP=4 from CP2×FSDP2, rank {rank}")
 
 
 # ---- in one process: the slice, the layout, and what is refused before any rank starts ------------------------------
