@@ -132,7 +132,13 @@ def _cp(size: int, tensor: int = 1):
 
 
 def _two_ranks(rank, tmp, llama):
-    return _fit(tmp / "cp2", _cp(2), 2, 4), _fit(tmp / "cp2-llama", _cp(2), 2, 4, llama=llama)
+    gpt, hf_llama = _fit(tmp / "cp2", _cp(2), 2, 4), _fit(tmp / "cp2-llama", _cp(2), 2, 4, llama=llama)
+    # distrain verify of the layout, last: it ends the process group
+    trainer = distrain.Trainer(
+        accelerator="cpu", strategy=_cp(2), devices=2, seed=7, logger=False, default_root_dir=str(tmp / "verify")
+    )
+    report = trainer.verify(LongGPT(), DataLoader(Sequences(24), batch_size=4, shuffle=True), steps=2)
+    return gpt, hf_llama, None if report is None else report.to_json()
 
 
 def _close(reference, result, what: str, first_step: int = 1) -> None:
@@ -164,8 +170,12 @@ def test_context_parallel_on_two_ranks_matches_one_process_and_resumes_on_one(tm
     results = run_ranks(_two_ranks, 2, tmp_path, llama)
     reference = _fit(tmp_path / "single", "single", 1, 4)
     reference_llama = _fit(tmp_path / "single-llama", "single", 1, 4, llama=llama)
+    verified = results[0][2]
+    assert verified["ok"], [c for c in verified["checks"] if not c["ok"]]
+    data = next(c["detail"] for c in verified["checks"] if c["name"] == "data")
+    assert "the 2 ranks of each replica share its samples, each sequence split into 2 slices that tile it" in data
     for rank in range(2):
-        gpt, hf_llama = results[rank]
+        gpt, hf_llama, _ = results[rank]
         assert gpt[4] == hf_llama[4] == "ulysses"
         _close(reference, gpt, f"CP=2, rank {rank}")
         _close(reference_llama, hf_llama, f"CP=2 Llama, rank {rank}")
@@ -231,6 +241,19 @@ def test_a_rank_holds_a_contiguous_padded_slice_at_its_global_positions():
     assert not right_padded(torch.tensor([[1, 0, 1]]))  # a hole
     four = [SequenceShard(None, rank, 4).split(tokens[:, :4], 0) for rank in range(4)]
     assert torch.equal(torch.cat(four, dim=1), tokens[:, :4])  # an even length: no pad
+
+
+def test_verify_fails_a_split_whose_slices_do_not_tile_the_sequence():
+    from distrain.verify.report import _sequence_split
+
+    def ranks(*slices):
+        return [{"data_parallel_rank": 0, "sequence_slice": s} for s in slices]
+
+    assert _sequence_split(ranks((0, 8, 16), (8, 16, 16))) == []
+    assert _sequence_split(ranks((0, 8, 16), (0, 8, 16), (8, 16, 16))) == []  # tensor-parallel peers: one slice
+    assert "do not tile" in _sequence_split(ranks((0, 8, 16), (4, 12, 16)))[0]  # a token computed twice
+    assert "stop at 8 of 16" in _sequence_split(ranks((0, 8, 16)))[0]  # half the sequence left out
+    assert "do not tile" in _sequence_split(ranks((0, 8, 16), (12, 16, 16)))[0]  # a hole
 
 
 def test_ranks_are_numbered_tensor_then_context_then_data_then_pipeline():

@@ -46,6 +46,8 @@ class SequenceShard:
     engine: str = "ulysses"
     tensor: int = 1
     """Tensor-parallel ranks that split each attention's heads before Ulysses splits them again."""
+    last_slice: tuple[int, int, int] | None = None
+    """(start, stop, padded length) of the last sequence this rank computed: what ``distrain verify`` checks."""
 
     # ---- the slice -----------------------------------------------------------------------------------------------
     def padded_length(self, length: int) -> int:
@@ -65,6 +67,7 @@ class SequenceShard:
     def positions(self, local_length: int, device: torch.device) -> torch.Tensor:
         """The global position ids of this rank's slice."""
         start = self.rank * local_length
+        self.last_slice = (start, start + local_length, local_length * self.size)
         return torch.arange(start, start + local_length, device=device)
 
     def gather(self, tensor: torch.Tensor, length: int) -> torch.Tensor:

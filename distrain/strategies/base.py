@@ -194,6 +194,12 @@ class Strategy:
         return self.global_rank
 
     @property
+    def sequence_slice(self) -> tuple[int, int, int] | None:
+        """Under context parallelism, the part of each sequence this rank computed last: (start, stop, the padded
+        length it was cut from); None where every rank computes whole sequences."""
+        return None
+
+    @property
     def local_rank(self) -> int:
         """This process's rank on its node (``LOCAL_RANK``; 0 when unset)."""
         return int(os.environ.get("LOCAL_RANK", 0))

@@ -110,6 +110,7 @@ class ModelParallelStrategy(Strategy):
         self.runner = None  # the pipeline (pipeline_stages > 1), after set-up
         self.tensor_plan: str | None = None  # which plan tensor parallelism applied
         self.context_engine: str | None = None  # which engine splits the sequences (context parallelism)
+        self._sequence_shard = None
         self._deferred = sharded_init.DeferredBuild()  # configure_model's meta build, initialized at set-up
 
     # ---- the layout, decided before any rank starts ----------------------------------------------------------
@@ -140,6 +141,10 @@ class ModelParallelStrategy(Strategy):
         """(pipeline, data, tensor) position of this rank: tensor innermost, pipeline outermost."""
         pp, dp, _, tp = self.layout.coordinates(self.global_rank)
         return pp, dp, tp
+
+    @property
+    def sequence_slice(self) -> tuple[int, int, int] | None:
+        return self._sequence_shard.last_slice if self._sequence_shard is not None else None
 
     @property
     def data_parallel_rank(self) -> int:
@@ -276,7 +281,7 @@ class ModelParallelStrategy(Strategy):
         shard = SequenceShard(self.device_mesh.get_group(CP), cp, self.layout.context, tensor=self.layout.tensor)
         if not apply_context_parallel(user, shard):
             raise ValueError(no_support_message(user))
-        self.context_engine = shard.engine
+        self.context_engine, self._sequence_shard = shard.engine, shard
 
     def _materialize(self, roots: list[nn.Module], keep: list[nn.Module]) -> None:
         """Memory for what this rank holds: its stages (FSDP units allocate only their shards); other

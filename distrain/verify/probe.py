@@ -96,6 +96,7 @@ class Probe(Callback):
                 "samples": self.samples,
                 "replicas": self.replicas,
                 "data_parallel_rank": strategy.data_parallel_rank,
+                "sequence_slice": strategy.sequence_slice,
                 "losses": [step["loss"] for step in self.steps],
             }
         )

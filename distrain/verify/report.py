@@ -239,9 +239,37 @@ def _data(run: dict, reference: dict) -> Check:
             problems.append(f"step {i}: the ranks' samples together are not the one-process global batch")
         if problems:
             break
+    problems += _sequence_split(ranks)
     steps = len(reference["ranks"][0]["samples"])
-    detail = problems[0] if problems else f"{len(ranks)} ranks × {steps} steps: disjoint, together the global batch"
-    return Check("data", not problems, detail)
+    replicas = len({r["data_parallel_rank"] for r in ranks})
+    detail = f"{len(ranks)} ranks × {steps} steps: disjoint, together the global batch"
+    if replicas < len(ranks):
+        detail = (
+            f"{replicas} replica(s) × {steps} steps: disjoint, together the global batch; the "
+            f"{len(ranks) // replicas} ranks of each replica share its samples"
+        )
+    if any(r.get("sequence_slice") for r in ranks):
+        parts = len({r["sequence_slice"] for r in ranks})
+        detail += f", each sequence split into {parts} slices that tile it"
+    return Check("data", not problems, problems[0] if problems else detail)
+
+
+def _sequence_split(ranks: list[dict]) -> list[str]:
+    """Context parallelism: within each replica, the ranks' slices of a sequence tile it — no token computed twice,
+    none left out (tensor-parallel peers compute the same slice)."""
+    replicas: dict[int, set] = {}
+    for r in ranks:
+        if r.get("sequence_slice"):
+            replicas.setdefault(r["data_parallel_rank"], set()).add(tuple(r["sequence_slice"]))
+    for replica, slices in sorted(replicas.items()):
+        end = 0
+        for start, stop, padded in sorted(slices):
+            if start != end or padded != max(s[2] for s in slices):
+                return [f"replica {replica}: its ranks' slices of a sequence {sorted(slices)} do not tile it"]
+            end = stop
+        if end != padded:
+            return [f"replica {replica}: its ranks' slices of a sequence {sorted(slices)} stop at {end} of {padded}"]
+    return []
 
 
 def _replicas(run: dict) -> Check:
