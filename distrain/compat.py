@@ -80,6 +80,12 @@ def plain_random_sampler(sampler: Any) -> bool:
     return type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None
 
 
+def flatten_mesh(mesh, name: str):
+    """Several dimensions of a ``DeviceMesh`` as one (FSDP2 over data × context parallel ranks, torchtitan's
+    ``dp_shard_cp``): ``DeviceMesh._flatten``, private in torch 2.13."""
+    return mesh._flatten(name)
+
+
 def all_gather_differentiable(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along ``dim``, with a backward that hands each rank its part's
     gradient (context parallelism: the whole sequence's logits). ``torch.distributed.nn.functional.all_gather``

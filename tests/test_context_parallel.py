@@ -281,7 +281,14 @@ def test_impossible_context_parallel_layouts_are_refused_in_one_line_before_any_
         distrain.Trainer(accelerator="cpu", devices=4, strategy=cp(2, pipeline_stages=2))
     with pytest.raises(ValueError, match=r"context_parallel_size.* must be a positive integer, got 0"):
         distrain.Trainer(accelerator="cpu", devices=2, strategy=cp(0))
-    # a layout asked of a strategy that has none would be ignored silently: refused, naming the key
+    # a layout asked of a strategy that has none would be ignored silently (or reach DistributedDataParallel):
+    # refused, naming the key, from the Trainer and from a config
+    trainer = distrain.Trainer(accelerator="cpu", devices=2, strategy="model_parallel", context_parallel_size=2)
+    assert (trainer.runtime.strategy.layout.context, trainer.runtime.strategy.layout.tensor) == (2, 1)  # TP auto: 2/2
+    for strategy in ("auto", "ddp", "fsdp", "pipeline", "deepspeed_stage_3"):
+        with pytest.raises(ValueError, match=rf"context_parallel_size applies to strategy='model_parallel', but the "
+                                             rf"strategy is '{strategy}'"):  # fmt: skip
+            distrain.Trainer(accelerator="cpu", devices=2, strategy=strategy, context_parallel_size=2)
     for strategy in ("fsdp", "ddp", "auto"):
         with pytest.raises(
             ConfigError, match=r"distributed.context_parallel_size=2 applies to strategy model_parallel"

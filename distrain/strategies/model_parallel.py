@@ -271,7 +271,9 @@ class ModelParallelStrategy(Strategy):
         each sequence too (each holds its slice's share; torchtitan's ``dp_shard_cp``)."""
         if self.layout.context == 1:
             return self.device_mesh[DP]
-        return self.device_mesh[DP, CP]._flatten("data_context_parallel")
+        from distrain.compat import flatten_mesh
+
+        return flatten_mesh(self.device_mesh[DP, CP], "data_context_parallel")
 
     def _apply_context_parallel(self, user: nn.Module) -> None:
         from distrain.parallel.context_parallel import SequenceShard, apply_context_parallel, no_support_message

@@ -16,6 +16,15 @@ from distrain.config import ConfigError
 
 #: options every strategy takes (``Trainer(**kwargs)`` and the CLI pass them through)
 GENERIC_OPTIONS = ("process_group_backend", "timeout", "collective_timeout", "activation_checkpointing_policy")
+#: how the ranks are arranged: options only the model-parallel strategies take (another would ignore them, or hand
+#: them to DistributedDataParallel, and the run would not be the layout asked for), and which take each
+LAYOUT_OPTIONS = {
+    "tensor_parallel_size": ("model_parallel", "pipeline"),
+    "data_parallel_size": ("model_parallel", "pipeline"),
+    "pipeline_stages": ("model_parallel",),
+    "stages": ("pipeline",),
+    "context_parallel_size": ("model_parallel",),
+}
 
 
 @dataclass(frozen=True)
@@ -154,6 +163,12 @@ def make_strategy(name: Any, world_size: int, **kwargs: Any):
         return name
     resolved = resolve_auto(name, world_size)
     entry = lookup(resolved)
+    for option, takers in LAYOUT_OPTIONS.items():
+        if option in kwargs and resolved not in takers:
+            raise ValueError(
+                f"{option} applies to strategy={' or '.join(map(repr, takers))}, but the strategy is {name!r}; "
+                f"pass strategy={takers[0]!r}"
+            )
     if resolved == "single":
         if world_size > 1:
             raise ValueError(f"strategy='single' runs one process, but {world_size} were requested")
