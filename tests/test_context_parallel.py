@@ -127,8 +127,14 @@ def _fit(
     return rows.rows, trainer.callback_metrics["val_loss"], predictions, weights, engine
 
 
-def _cp(size: int, tensor: int = 1):
-    return distrain.ModelParallelStrategy(tensor_parallel_size=tensor, context_parallel_size=size)
+def _cp(size: int, tensor: int = 1, **options):
+    return distrain.ModelParallelStrategy(tensor_parallel_size=tensor, context_parallel_size=size, **options)
+
+
+def _every_block():
+    from distrain.models.gpt import Block
+
+    return {Block}
 
 
 def _two_ranks(rank, tmp, llama):
@@ -191,7 +197,7 @@ def test_context_parallel_on_two_ranks_matches_one_process_and_resumes_on_one(tm
 FOUR_RANKS = {  # name: (strategy, per-rank batch, replicas)
     "cp2xfsdp2": (lambda: _cp(2), 2, 2),
     "cp2xtp2": (lambda: _cp(2, tensor=2), 4, 1),
-    "cp4": (lambda: _cp(4), 4, 1),
+    "cp4+ac": (lambda: _cp(4, activation_checkpointing_policy=_every_block()), 4, 1),  # recomputed: the same
     "cp2xfsdp2-llama": (lambda: _cp(2), 2, 2),  # its loss is the mean over the step's tokens: padding is exact
 }
 
