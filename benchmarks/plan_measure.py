@@ -32,8 +32,9 @@ class Case:
     strategy: str
     """``ddp``, ``fsdp:FULL_SHARD``, ``fsdp:SHARD_GRAD_OP``, ``zero1``, ``zero2``, ``zero3``; tensor parallel
     over every rank, with sequence parallelism (``tp``) or without (``tp:nosp``); ``tp×fsdp``: tensor
-    parallel in pairs of ranks, FSDP across the pairs; ``pp`` (1F1B), ``pp:GPipe``, ``pp:Interleaved1F1B``: a
-    pipeline stage per rank; ``pp×fsdp``: two stages (1F1B), FSDP across the rest."""
+    parallel in pairs of ranks, FSDP across the pairs; ``cp``: context parallel over every rank; ``cp×fsdp``:
+    context parallel in pairs of ranks, FSDP across data × context; ``pp`` (1F1B), ``pp:GPipe``,
+    ``pp:Interleaved1F1B``: a pipeline stage per rank; ``pp×fsdp``: two stages (1F1B), FSDP across the rest."""
     ac: bool
     micro_batch: int
     seq_len: int = 128
@@ -159,6 +160,8 @@ def option_of(case: Case, world_size: int):
         layout = _tensor_layout(case.strategy, world_size)
         sharding = "FULL_SHARD" if layout["tensor"] < world_size else None
         return Option("tp", sharding=sharding, checkpoint=checkpoint, **layout)
+    if case.strategy.startswith("cp"):
+        return Option("cp", sharding="FULL_SHARD", checkpoint=checkpoint, context=_context_size(case, world_size))
     return Option("zero", stage=int(case.strategy[-1]), checkpoint=checkpoint)
 
 
@@ -192,6 +195,10 @@ def _tensor_layout(strategy: str, world_size: int) -> dict:
     return dict(tensor=2 if strategy == "tp×fsdp" else world_size, sequence_parallel=strategy != "tp:nosp")
 
 
+def _context_size(case: Case, world_size: int) -> int:
+    return 2 if case.strategy == "cp×fsdp" else world_size
+
+
 def _strategy(case: Case, blocks: set, world_size: int):
     import distrain
 
@@ -205,6 +212,12 @@ def _strategy(case: Case, blocks: set, world_size: int):
             tensor_parallel_size=layout["tensor"],
             data_parallel_size=world_size // layout["tensor"],
             sequence_parallel=layout["sequence_parallel"],
+            activation_checkpointing_policy=policy,
+        )
+    if case.strategy.startswith("cp"):
+        return distrain.ModelParallelStrategy(
+            tensor_parallel_size=1,
+            context_parallel_size=_context_size(case, world_size),
             activation_checkpointing_policy=policy,
         )
     if case.strategy == "ddp":

@@ -6,6 +6,7 @@ the group and targets that are padding; position ids and the loss mean are the w
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -313,24 +314,13 @@ def test_impossible_context_parallel_layouts_are_refused_in_one_line_before_any_
     err = capsys.readouterr().err
     assert code == 2 and "gpt-tiny has 4 attention heads, which context_parallel_size=3 does not divide" in err, err
     assert len(err.strip().splitlines()) == 1
-    # the planner has no model of it yet: it says so, not a plan of something else
-    assert (
-        cli.main(
-            [
-                "plan",
-                "--strategy",
-                "model_parallel",
-                "--devices",
-                "2",
-                "--accelerator",
-                "cpu",
-                "distributed.tensor_parallel_size=1",
-                "distributed.context_parallel_size=2",
-            ]
-        )
-        == 2
-    )
-    assert "context parallelism (distributed.context_parallel_size) is not planned yet" in capsys.readouterr().err
+    # the planner refuses it with the run's own line; a size it can run is planned as the run takes it
+    plan = ["plan", "--strategy", "model_parallel", "--accelerator", "cpu", "distributed.tensor_parallel_size=1"]
+    assert cli.main([*plan, "--devices", "3", "distributed.context_parallel_size=3"]) == 2
+    assert "gpt-tiny has 4 attention heads, which context_parallel_size=3" in capsys.readouterr().err
+    assert cli.main([*plan, "--devices", "2", "distributed.context_parallel_size=2"]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"^context parallel 2 × fsdp .* ← this run$", table, re.M), table
     # models of the user's own: one that cannot split sequences, and a GPT whose heads TP × CP cannot split
     import matrix_models
 
@@ -351,3 +341,55 @@ def test_impossible_context_parallel_layouts_are_refused_in_one_line_before_any_
         with pytest.raises(ValueError, match=says) as info:
             trainer.fit(module, module.train_dataloader())
         assert "\n" not in str(info.value)
+
+
+# ---- planned: distrain plan's rows, against measured peaks ------------------------------------------------------
+@pytest.mark.slow
+def test_the_plan_of_context_parallelism_peaks_within_ten_percent_of_measured_on_two_ranks(tmp_path):
+    """The simulated step (the real strategy on a fake process group) against MemTracker's peak of a real run."""
+    from plan_measure import Case, hf_dirs, measure_cases, predict
+
+    cases = [Case("gpt-tiny", "cp", False, 2, seq_len=512), Case("gpt-tiny", "cp", True, 2, seq_len=512)]
+    cases.append(Case("tiny-llama", "cp", False, 4, seq_len=64))
+    hf = hf_dirs(str(tmp_path))
+    measured = run_ranks(measure_cases, 2, cases, 2, hf, str(tmp_path))
+    for i, case in enumerate(cases):
+        peak, predicted = max(rank[i] for rank in measured), predict(case, 2, hf).peak
+        assert abs(predicted - peak) / peak < 0.10, (case, predicted, peak)
+
+
+def test_distrain_plan_has_context_parallel_rows_for_long_sequences_and_the_run_that_asks_for_one():
+    from dataclasses import replace
+
+    from distrain.planner.decide import Decision
+    from distrain.planner.estimate import Job, Option
+    from distrain.planner.model_stats import ModelSpec
+    from distrain.planner.plan import LONG_SEQUENCE, Budget, Planner, option_for_run
+
+    def planner(seq_len: int) -> Planner:
+        job = Job(ModelSpec.builtin_gpt("gpt-tiny", seq_len), 1, world_size=2)
+        return Planner(job, Budget(device=2**34, host=2**36, gpu=False, source="test"))
+
+    def layouts(planner: Planner) -> dict:  # the model-parallel layouts `all` and `auto` look at beside DDP's kin
+        return {option.family: (p, option) for p, option in planner.model_parallel_planners()}
+
+    short = layouts(planner(128))
+    assert "cp" not in short and "tp" in short  # a short sequence: its all-to-alls cost more than they save
+    long = planner(LONG_SEQUENCE)
+    job = long.job
+    cp_planner, cp_option = layouts(long)["cp"]  # at the accumulation that keeps the global batch
+    cp, ddp = cp_planner.row(cp_option), long.row(Option("ddp"))
+    assert (cp.option.context, cp.option.tensor, cp.accumulate) == (2, 1, 2)  # its ranks share samples
+    assert cp.option.label == "context parallel 2 × fsdp" and cp.option.strategy == "model_parallel"
+    assert cp.activations < 0.6 * ddp.activations  # each rank holds half of every sequence
+    assert cp.max_seq_len > 1.6 * ddp.max_seq_len  # so a longer sequence fits the same budget
+    assert cp.to_json()["context_parallel_size"] == 2 and cp.to_json()["max_seq_len"] == cp.max_seq_len
+    # the run that names it: its own row, or the run's own error for heads Ulysses cannot split
+    asked = replace(job, context_parallel=2, spec=ModelSpec.builtin_gpt("gpt-tiny", 128))
+    assert option_for_run("model_parallel", asked).context == 2
+    with pytest.raises(ValueError, match="4 attention heads, which context_parallel_size=3"):
+        option_for_run("model_parallel", replace(asked, context_parallel=3, world_size=3))
+    # auto's choice of it reaches the strategy, and the ranks the launcher starts
+    decision = Decision(strategy="model_parallel", context=2)
+    assert decision.strategy_options(()) == {"context_parallel_size": 2, "tensor_parallel_size": 1}
+    assert Decision.from_env(decision.to_env("f"), "f") == decision

@@ -73,13 +73,6 @@ def plan_command(config: RunConfig, strategy: str, as_json: bool, timing: Timing
     """``--strategy all`` (the default): every option, the run's own marked when the config names one;
     ``--strategy X``: the option X runs as ``distrain train`` with the same arguments would start it (the
     config's FSDP sharding, the DeepSpeed JSON's stage and offload), with and without activation checkpointing."""
-    if config.distributed.context_parallel_size > 1:  # not modelled yet: a plan without it would mislead
-        print(
-            "distrain plan: context parallelism (distributed.context_parallel_size) is not planned yet; "
-            "`distrain plan` without it plans the other layouts",
-            file=sys.stderr,
-        )
-        return 2
     gpu = plans_for_gpu(config)
     job = job_from_config(config, gpu)
     budget = budget_from_config(config, gpu, job.per_node)

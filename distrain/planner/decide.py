@@ -51,6 +51,8 @@ class Decision:
     accumulate: int | None = None
     """Micro-batches per optimizer step, when the plan changes them: a tensor-parallel or pipeline layout that
     ``auto`` chose keeps the config's global batch with more micro-batches per data-parallel rank."""
+    context: int = 1
+    """Ranks that split each sequence, when the plan chose context parallelism (with no tensor parallelism)."""
     messages: list[str] = field(default_factory=list)
     stop: bool = False
 
@@ -59,6 +61,8 @@ class Decision:
         options: dict[str, Any] = {}
         if self.sharding is not None:
             options["sharding_strategy"] = self.sharding
+        if self.context > 1:
+            options.update(context_parallel_size=self.context, tensor_parallel_size=1)
         if self.planned_checkpoint:
             from distrain.planner.model_stats import checkpoint_policy
 
@@ -82,7 +86,7 @@ class Decision:
 
 
 #: what a rank takes from the process that planned (the messages are printed there)
-_SHARED = {"strategy", "sharding", "checkpoint", "planned_checkpoint", "accumulate"}
+_SHARED = {"strategy", "sharding", "checkpoint", "planned_checkpoint", "accumulate", "context"}
 
 
 def fingerprint(*inputs: Any) -> str:
@@ -132,6 +136,7 @@ def choose(planner: Planner, checkpointing: bool | str) -> Decision:
         checkpoint=option.checkpoint,
         planned_checkpoint=checkpointing == "auto" or (checkpointing is False and option.checkpoint != 0),
         accumulate=row.accumulate if row.accumulate != planner.job.accumulate else None,
+        context=option.context,
         messages=[f"distrain: strategy auto → {planner.reason(row, seen)}"],
     )
 

@@ -59,6 +59,8 @@ class Job:
     """What a run named ``fsdp`` shards and offloads (the config's ``fsdp`` section)."""
     tensor_parallel: int | str = "auto"
     sequence_parallel: bool = True
+    context_parallel: int = 1
+    """``distributed.context_parallel_size`` of a run named ``model_parallel``."""
     pipeline_stages: int | str | None = None
     """What a run named ``model_parallel`` or ``pipeline`` splits (``distributed.tensor_parallel_size``,
     ``sequence_parallel``, ``pipeline_stages``)."""
@@ -82,9 +84,9 @@ class Job:
         return self.micro_batch * self.accumulate * self.world_size * self.spec.seq_len
 
     def tokens_per_step_of(self, option: Option) -> int:
-        """The same under ``option``: tensor-parallel ranks and pipeline stages share their samples (the
-        micro-batch is per data-parallel rank)."""
-        return self.tokens_per_step // max(1, option.tensor * option.pipeline)
+        """The same under ``option``: tensor- and context-parallel ranks and pipeline stages share their samples
+        (the micro-batch is per data-parallel rank)."""
+        return self.tokens_per_step // max(1, option.tensor * option.pipeline * option.context)
 
 
 class Estimator:
@@ -186,7 +188,7 @@ class Estimator:
             return self._replicated(option)
         if option.family == "fsdp":
             return self._fsdp_row(option)
-        if option.family == "tp":
+        if option.family in ("tp", "cp"):
             return self._tensor_row(option)
         from distrain.planner.zero import zero_row
 
@@ -207,9 +209,10 @@ class Estimator:
             slopes = {d: est.activation_slope(option) for d, est in self._shallow.items()}
             return float(affine(slopes, blocks))
         family = "ddp" if option.family in ("single", "ddp") else option.family
-        if family == "tp":  # each rank computes its part of every layer: activations split by the tensor size
+        if family in ("tp", "cp"):  # each rank its part of every layer (of every sequence): activations split so
             family = "fsdp" if option.sharding else "ddp"
-            return self.activation_slope(_replace(option, family=family, tensor=1)) / option.tensor
+            whole = self.activation_slope(_replace(option, family=family, tensor=1, context=1))
+            return whole / (option.tensor * option.context)
         single = self.trace(family, option.checkpoint).activations
         double = self.trace(family, option.checkpoint, 2 * b).activations
         return max(0.0, (double - single) / b)
@@ -232,7 +235,7 @@ class Estimator:
             times = {d: est.step_time(option, hw).astuple() for d, est in self._shallow.items()}
             (d1, t1), (d2, t2) = sorted(times.items())
             return StepTime(*(a + (b - a) * (blocks - d1) / (d2 - d1) for a, b in zip(t1, t2)))
-        if option.family == "tp":
+        if option.family in ("tp", "cp"):
             from distrain.planner.timing import tensor_parallel_step_time
 
             trace = self.trace("fsdp" if option.sharding else "ddp", option.checkpoint)
@@ -303,13 +306,14 @@ class Estimator:
         from distrain.planner.simulate import simulate_tensor_parallel
 
         job = self.job
-        key = ("tp", option.tensor, option.sequence_parallel, option.checkpoint, job.micro_batch)
+        key = ("tp", option.tensor, option.context, option.sequence_parallel, option.checkpoint, job.micro_batch)
         if key not in self._simulated:
             self._simulated[key] = simulate_tensor_parallel(
                 job.spec,
                 job.micro_batch,
                 world_size=job.world_size,
                 tensor=option.tensor,
+                context=option.context,
                 sequence_parallel=option.sequence_parallel,
                 precision=job.precision,
                 checkpoint=option.checkpoint,
@@ -358,7 +362,7 @@ class Estimator:
         return estimator.trace("fsdp" if option.sharding else "ddp", option.checkpoint, micro_batch)
 
     def _tensor_row(self, option: Option) -> Row:
-        """Tensor parallel, with FSDP over the other ranks when there are any: simulated."""
+        """Tensor or context parallel, with FSDP over the other ranks when there are any: simulated."""
         p = self._simulated_tensor(option)
         sharded = p.params + p.grads + p.optimizer if option.sharding else 0
         return Row(option, p.params, p.grads, p.optimizer, p.activations, 0, p.peak, sharded=sharded)

@@ -15,8 +15,9 @@ class Option:
     """One way to train: a strategy with its sharding, activation checkpointing and offload."""
 
     family: str
-    """``single``, ``ddp``, ``fsdp``, ``zero``, ``tp`` (tensor parallel; FSDP over the remaining ranks) or ``pp``
-    (pipeline stages; FSDP over the remaining ranks)."""
+    """``single``, ``ddp``, ``fsdp``, ``zero``, ``tp`` (tensor parallel; FSDP over the remaining ranks), ``cp``
+    (context parallel, each sequence split over ``context`` ranks, optionally × ``tensor``; FSDP over data ×
+    context) or ``pp`` (pipeline stages; FSDP over the remaining ranks)."""
     sharding: str | None = None
     """FSDP: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD; ``tp``: FULL_SHARD when FSDP shards over the
     data-parallel ranks (the ranks beyond ``tensor``), else None."""
@@ -30,6 +31,8 @@ class Option:
     """Ranks that split each layer (``tp``)."""
     sequence_parallel: bool = False
     """``tp``: the norms and the residual stream split along the sequence too."""
+    context: int = 1
+    """Ranks that split each sequence (``cp``)."""
     pipeline: int = 1
     """Pipeline ranks (``pp``)."""
     schedule: str | None = None
@@ -49,7 +52,7 @@ class Option:
         if self.family == "zero":
             suffix = {"none": "", "cpu": "_offload", "nvme": "_offload_nvme"}[self.offload]
             return f"deepspeed_stage_{self.stage}{suffix}"
-        if self.family == "tp":
+        if self.family in ("tp", "cp"):
             return "model_parallel"
         if self.family == "pp":
             return "pipeline"
@@ -65,7 +68,7 @@ class Option:
             return {1: 1, 2: 2, 3: 4}[self.stage]
         if self.family == "fsdp":
             return {"SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "FULL_SHARD": 4}[self.sharding]
-        return 5 if self.family in ("tp", "pp") else 0
+        return 5 if self.family in ("tp", "cp", "pp") else 0
 
     @property
     def label(self) -> str:
@@ -76,6 +79,9 @@ class Option:
             "zero": f"zero-{self.stage}",
             "tp": f"tensor parallel {self.tensor}"
             + (" + SP" if self.sequence_parallel else "")
+            + (" × fsdp" if self.sharding else ""),
+            "cp": f"context parallel {self.context}"
+            + (f" × tensor {self.tensor}" if self.tensor > 1 else "")
             + (" × fsdp" if self.sharding else ""),
             "pp": f"pipeline {self.pipeline} {self.schedule}"
             + (f" ({self.stages_per_rank} stages/rank)" if self.stages_per_rank > 1 else "")
@@ -104,6 +110,9 @@ class Option:
             "fsdp": "FSDP",
             "zero": f"ZeRO-{self.stage}",
             "tp": f"TP{self.tensor}" + ("+SP" if self.sequence_parallel else "") + ("×FSDP" if self.sharding else ""),
+            "cp": f"CP{self.context}"
+            + (f"×TP{self.tensor}" if self.tensor > 1 else "")
+            + ("×FSDP" if self.sharding else ""),
             "pp": f"PP{self.pipeline}" + ("×FSDP" if self.sharding else ""),
         }[self.family]
         if self.family == "fsdp" and self.sharding != "FULL_SHARD":
@@ -134,6 +143,9 @@ class Row:
     """The part of ``peak`` divided among the ranks (shrinks as 1/N with more of them)."""
     fits: bool | None = None
     max_micro_batch: int | None = None
+    max_seq_len: int | None = None
+    """The longest sequence that fits at this micro-batch: activations grow with the tokens a rank holds (attention
+    kernels keep no T×T matrix), everything else stays."""
     note: str = ""
     step: StepTime | None = None
     """Predicted seconds per optimizer step, by part (a plan made with the device's rates)."""
@@ -159,6 +171,7 @@ class Row:
             "label": self.label,
             "sharding": o.sharding or (f"zero-{o.stage}" if o.stage else None),
             "tensor_parallel_size": o.tensor,
+            "context_parallel_size": o.context,
             "sequence_parallel": o.sequence_parallel,
             "pipeline_stages": o.pipeline,
             "pipeline_schedule": o.schedule,
@@ -175,6 +188,7 @@ class Row:
             "host_bytes": self.host,
             "fits": self.fits,
             "max_micro_batch": self.max_micro_batch,
+            "max_seq_len": self.max_seq_len,
             "note": self.note,
             "accumulate": self.accumulate,
             "step_seconds": self.step.seconds if self.step else None,

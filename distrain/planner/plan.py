@@ -94,7 +94,10 @@ class Budget:
 
 # ---- options and their order ---------------------------------------------------------------------------
 #: what ``auto`` runs: torch's own engines (the user's optimizer unchanged); ZeRO rows are there to compare
-AUTO_FAMILIES = ("single", "ddp", "fsdp", "tp", "pp")
+AUTO_FAMILIES = ("single", "ddp", "fsdp", "tp", "cp", "pp")
+#: sequences from this many tokens make ``auto`` and ``distrain plan`` look at context parallelism too (below, its
+#: all-to-alls cost more than the activations it saves are worth)
+LONG_SEQUENCE = 4096
 
 
 def auto_may_choose(option: Option) -> bool:
@@ -166,8 +169,58 @@ def option_for_run(strategy: str, job: Job, sharding: str = "FULL_SHARD", cpu_of
         return Option("zero", stage=stage, offload=offload if job.gpu else "none")
     if strategy == "pipeline" or (strategy == "model_parallel" and job.pipeline_stages not in (None, "auto", 1)):
         return pipeline_option(job, strict=True, strategy=strategy)
+    if strategy == "model_parallel" and job.context_parallel > 1:
+        return context_parallel_option(job, job.context_parallel, strict=True)
     if strategy == "model_parallel":
         return tensor_parallel_option(job, strict=True)
+    return None
+
+
+def context_parallel_option(job: Job, context: int | None = None, strict: bool = False) -> Option | None:
+    """The layout ``strategy: model_parallel`` with ``context_parallel_size`` runs (``context``; tensor parallel
+    over what it leaves of a node unless set; FSDP over data × context), or, for ``auto`` and ``all`` (``context``
+    None), one node's devices splitting each sequence when it is long (``LONG_SEQUENCE``). None when the model
+    cannot split its sequences or its heads; that raises the run's own error when ``strict``."""
+    from distrain.parallel.context_parallel import check_heads
+    from distrain.parallel.layout import layout_for
+
+    if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1):
+        return None
+    if context is None:
+        if job.spec.seq_len < LONG_SEQUENCE:
+            return None
+        context = job.per_node
+    try:
+        tensor = job.tensor_parallel if strict else 1
+        layout = layout_for(job.world_size, job.per_node, False, tensor, "auto", None, 1, context)
+        module = job.spec.build()
+        heads = _attention_heads(module)
+        if heads is None:
+            from distrain.parallel.context_parallel import no_support_message
+
+            raise ValueError(no_support_message(module))
+        check_heads(heads, layout.context, layout.tensor, job.spec.name)
+    except ValueError:
+        if strict:
+            raise
+        return None
+    return Option("cp", sharding="FULL_SHARD", tensor=layout.tensor, context=layout.context)
+
+
+def _attention_heads(module) -> int | None:
+    """The heads a model's attention has, when it can split its sequences (distrain's GPT; a Hugging Face model
+    with Llama-style attention), else None."""
+    from distrain.models.gpt import GPT
+
+    for m in module.modules():
+        if isinstance(m, GPT):
+            return m.cfg.n_head
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "num_attention_heads") and type(m).__name__.endswith("ForCausalLM"):
+            if any(hasattr(layer, "num_key_value_groups") for layer in m.modules()):
+                text = config.get_text_config()
+                kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+                return math.gcd(text.num_attention_heads, kv)
     return None
 
 
@@ -276,7 +329,7 @@ class Plan:
 
     def table(self) -> str:
         timed = any(r.step for r in self.rows)
-        cols = ("params", "grads", "optim", "activ.", "buffers", "peak", "host", "fits", "max batch")
+        cols = ("params", "grads", "optim", "activ.", "buffers", "peak", "host", "fits", "max batch", "max seq")
         if timed:
             cols += ("step", "tokens/s")
         labels = [self._label(r) for r in self.rows]
@@ -287,6 +340,7 @@ class Plan:
             host = cell(r.host) if r.host else "-"
             cells = [cell(v) for v in (r.params, r.grads, r.optimizer, r.activations, r.buffers, r.peak)]
             cells += [host, "yes" if r.fits else "no", "-" if r.max_micro_batch is None else str(r.max_micro_batch)]
+            cells += ["-" if r.max_seq_len is None else format_rate(r.max_seq_len)]
             if timed:
                 cells += [
                     format_seconds(r.step.seconds),
@@ -298,12 +352,13 @@ class Plan:
         lines.append(
             "activ.: the most activation memory alive at once (forward/backward) at this micro-batch; "
             "buffers: all-gather/reduce-scatter and DeepSpeed buckets; peak: the larger of forward/backward "
-            "and the optimizer step; max batch: the largest micro-batch that fits"
+            "and the optimizer step; max batch: the largest micro-batch that fits; max seq: the longest sequence that "
+            "fits at this micro-batch (tokens)"
         )
         if any(r.accumulate != self.job.accumulate for r in self.rows):
             lines.append(
-                "accum N: tensor-parallel ranks and pipeline stages share their samples, so N micro-batches per step "
-                "keep the job's global batch"
+                "accum N: tensor- and context-parallel ranks and pipeline stages share their samples, so N "
+                "micro-batches per step keep the job's global batch"
             )
         if timed:
             lines.append(
@@ -359,16 +414,20 @@ class Planner:
     def row(self, option: Option, max_batch: bool = True) -> Row:
         row = self.estimator.estimate(option)
         fits = row.peak <= self.budget.usable and (row.host == 0 or row.host <= self.budget.usable_host)
-        max_b = None
+        max_b = max_seq = None
         if max_batch and option.offload == "none":
             slope = self.estimator.activation_slope(option)
             if slope > 0:
                 room = self.budget.usable - row.peak
                 max_b = max(0, int(self.job.micro_batch + math.floor(room / slope)))
+                # a sample's activations are tokens × a constant: the micro-batch's grow by b·slope/T a token
+                seq_len, b = self.job.spec.seq_len, self.job.micro_batch
+                max_seq = max(0, int(seq_len * (1 + room / (b * slope))))
         return replace(
             row,
             fits=fits,
             max_micro_batch=max_b,
+            max_seq_len=max_seq,
             step=self.step_time(option),
             accumulate=self.job.accumulate,
             tokens_per_step=self.job.tokens_per_step_of(option),
@@ -465,12 +524,14 @@ class Planner:
         each block's forward and backward; with no communication, a pipeline runs its micro-batches at its
         slowest rank's pace, at least 1/P of the whole, plus the fill (less a tenth: its stages are traced one
         by one)."""
-        if option.family not in ("tp", "pp"):
+        if option.family not in ("tp", "cp", "pp"):
             return planner.seconds(option)
         from distrain.planner.timing import work_seconds
 
         work = self.estimator.trace("fsdp" if option.sharding else "ddp", option.checkpoint).work.forward_backward
         micro_batches = planner.job.accumulate
+        if option.family == "cp":  # 1/N of every operation's work, nothing else
+            return micro_batches * work_seconds(work.scaled(1 / (option.context * option.tensor)), self.hardware)
         if option.family == "tp":
             # and each block's forward and backward wait for one collective at least (Megatron's layout: two each)
             hw = self.hardware
@@ -486,10 +547,12 @@ class Planner:
         their planners keep their traces and simulations for ``choose`` and ``plan`` alike."""
         if self._model_parallel is None:
             self._model_parallel = []
-            for option in (tensor_parallel_option(self.job), pipeline_option(self.job)):
+            options = (tensor_parallel_option(self.job), context_parallel_option(self.job), pipeline_option(self.job))
+            for option in options:
                 if option is None:
                     continue
-                job = replace(self.job, accumulate=self.job.accumulate * option.tensor * option.pipeline)
+                shared = option.tensor * option.pipeline * option.context
+                job = replace(self.job, accumulate=self.job.accumulate * shared)
                 self._model_parallel.append((Planner(job, self.budget, self.hardware), option))
         return self._model_parallel
 

@@ -233,7 +233,8 @@ def _collective_entry(func, args) -> tuple[str, float, int, bool] | None:
     if func.namespace not in ("_c10d_functional", "c10d"):  # every other operation of the step: nothing to log
         return None
     name = func._overloadpacket.__name__.replace("_", "")  # all_reduce, allreduce_, _allgather_base_, ...
-    kind = next((k for k in ("all_reduce", "all_gather", "reduce_scatter") if k.replace("_", "") in name), None)
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+    kind = next((k for k in kinds if k.replace("_", "") in name), None)
     if kind is None:
         return None
     tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
@@ -261,6 +262,7 @@ def _simulate_tensor_parallel(
     checkpoint: int | None = 0,
     accumulate: int = 1,
     foreach: bool = False,
+    context: int = 1,
 ) -> TensorParallelStep:
     """distrain's ``ModelParallelStrategy`` on a fake process group, under fake tensors, one training
     step as the Trainer runs it. The peak is taken over forward and backward; the optimizer step's is
@@ -271,7 +273,8 @@ def _simulate_tensor_parallel(
     with compat.fake_process_group(world_size, forked_child=True):
         strategy = ModelParallelStrategy(
             tensor_parallel_size=tensor,
-            data_parallel_size=world_size // tensor,
+            data_parallel_size=world_size // (tensor * context),
+            context_parallel_size=context,
             sequence_parallel=sequence_parallel,
             activation_checkpointing_policy=checkpoint_policy(spec.block_classes, checkpoint),
         )

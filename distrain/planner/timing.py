@@ -253,9 +253,9 @@ def save_measured_links(backend: str, world: int, bus_bandwidth: float, latency:
 @dataclass(frozen=True)
 class Collective:
     kind: str
-    """``all_reduce``, ``all_gather`` or ``reduce_scatter``."""
+    """``all_reduce``, ``all_gather``, ``reduce_scatter`` or ``all_to_all``."""
     size: float
-    """Bytes of the whole (unsharded) tensor set."""
+    """Bytes of the whole (unsharded) tensor set; an all-to-all's: one rank's (it keeps 1/N, sends the rest)."""
     ranks: int
     passes: int
     """Times the whole set goes over the link in one optimizer step (FSDP gathers it in each forward and backward)."""
@@ -420,7 +420,7 @@ def tensor_parallel_step_time(option, job, trace, simulated, hw: Hardware) -> St
     collectives are the ones the simulated step issued (each layer's, per micro-batch; FSDP's over
     the data-parallel ranks in 2-D). A layer's collective sits between two computations that need
     it, so none is counted as hidden behind compute, on a GPU either."""
-    t = option.tensor
+    t = option.tensor * option.context  # context parallel: each rank 1/N of the tokens (attention: of the heads)
     compute = job.accumulate * work_seconds(trace.work.forward_backward.scaled(1 / t), hw)
     optimizer = work_seconds(trace.work.step, hw, 1 / job.world_size)  # the state is split over every rank
     grouped: dict[tuple[str, int, bool], list[float]] = {}
