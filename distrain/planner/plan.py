@@ -97,7 +97,7 @@ class Budget:
 AUTO_FAMILIES = ("single", "ddp", "fsdp", "tp", "cp", "pp")
 #: sequences from this many tokens make ``auto`` and ``distrain plan`` look at context parallelism too (below, its
 #: all-to-alls cost more than the activations it saves are worth)
-LONG_SEQUENCE = 4096
+LONG_SEQUENCE = 8192
 
 
 def auto_may_choose(option: Option) -> bool:
