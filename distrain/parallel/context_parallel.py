@@ -9,8 +9,8 @@ needs every earlier token, and an engine provides it:
   for a split of the heads, so each rank runs the ordinary causal attention (torch's SDPA) over the whole
   sequence for ``heads/N`` heads, and a second all-to-all trades back. Needs heads divisible by N; runs on any
   backend (gloo on a CPU included).
-- ``ring`` (CUDA only) is torch's ring attention (``torch.distributed.tensor.experimental.context_parallel``):
-  not wired yet, refused in one line.
+- ``ring`` (CUDA only), torch's ring attention (``torch.distributed.tensor.experimental.context_parallel``), is
+  not wired yet.
 
 What stays global, not per slice (``SequenceShard``):
 
@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-ENGINES = ("ulysses", "ring")
 IGNORE = -100  # cross_entropy's ignore_index: a pad's target counts for nothing
 
 
@@ -44,6 +43,7 @@ class SequenceShard:
     rank: int
     size: int
     engine: str = "ulysses"
+    """What gives attention every earlier token (the only one so far; the strategy reports it)."""
     tensor: int = 1
     """Tensor-parallel ranks that split each attention's heads before Ulysses splits them again."""
     last_slice: tuple[int, int, int] | None = None
@@ -51,6 +51,7 @@ class SequenceShard:
 
     # ---- the slice -----------------------------------------------------------------------------------------------
     def padded_length(self, length: int) -> int:
+        """``length`` rounded up to a multiple of the group's size: every rank's slice is as long."""
         return -(-length // self.size) * self.size
 
     def split(self, tensor: torch.Tensor, pad_value: int | float) -> torch.Tensor:
@@ -83,10 +84,6 @@ class SequenceShard:
     def attention(self, local_attention):
         """``local_attention(q, k, v)`` on ``[batch, sequence, heads, head_dim]`` tensors of the whole sequence →
         the same on this rank's slice of the sequence (all heads)."""
-        if self.engine != "ulysses":
-            raise ValueError(
-                f"context parallel engine {self.engine!r} is not available; 'ulysses' (DeepSpeed-Ulysses) is"
-            )
         _deepspeed_comm_ready()
         from deepspeed.sequence.layer import DistributedAttention
 
@@ -146,7 +143,8 @@ def apply_context_parallel(module: torch.nn.Module, shard: SequenceShard) -> int
 
 
 def check_heads(heads: int, context: int, tensor: int, model: str) -> None:
-    """Ulysses gives each rank of a group ``heads / (tensor × context)`` whole heads: refused in one line unless."""
+    """Ulysses gives each rank of a group ``heads / (tensor × context)`` whole heads; any other count is refused in
+    one line."""
     per_tensor_rank, rest = divmod(heads, tensor)
     if rest or per_tensor_rank % context:
         tensor_note = f" × tensor_parallel_size={tensor}" if tensor > 1 else ""
