@@ -131,6 +131,10 @@ class GPT(nn.Module):
         T = seq_len or self.cfg.block_size
         return 6 * self.num_params() + 12 * self.cfg.n_layer * self.cfg.n_embd * T
 
+    def context_parallel_heads(self) -> list[int]:
+        """The heads context parallelism splits (``distrain.parallel.context_parallel.attention_heads``)."""
+        return [self.cfg.n_head]
+
     def enable_context_parallel(self, shard) -> None:
         """Split every sequence over a context-parallel group (``distrain.parallel.context_parallel``): the forward
         takes whole sequences and computes on this rank's slice; attention runs through the group's engine."""

@@ -142,6 +142,21 @@ def apply_context_parallel(module: torch.nn.Module, shard: SequenceShard) -> int
     return taken
 
 
+def attention_heads(module: torch.nn.Module) -> list[int] | None:
+    """The head counts Ulysses must split in the first model inside ``module`` that can split its sequences: one
+    that says them (``context_parallel_heads()``: distrain's GPT), or a Hugging Face model with Llama-style attention
+    (its query and key/value heads); None when there is none."""
+    for m in module.modules():
+        says = getattr(type(m), "context_parallel_heads", None)
+        if callable(says):
+            return says(m)
+        config = getattr(m, "config", None)
+        if hasattr(config, "get_text_config") and any(hasattr(x, "num_key_value_groups") for x in m.modules()):
+            text = config.get_text_config()
+            return [text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads]
+    return None
+
+
 def check_heads(heads: int, context: int, tensor: int, model: str) -> None:
     """Ulysses gives each rank of a group ``heads / (tensor × context)`` whole heads; any other count is refused in
     one line."""
@@ -167,14 +182,14 @@ def use_ulysses_in_hf(model: torch.nn.Module, shard: SequenceShard) -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    config = model.config.get_text_config()
-    for heads in {config.num_attention_heads, getattr(config, "num_key_value_heads", None) or 0} - {0}:
-        check_heads(heads, shard.size, shard.tensor, type(model).__name__)
+    heads = attention_heads(model)
+    if heads is None:
+        raise ValueError(no_support_message(model))
+    for count in heads:
+        check_heads(count, shard.size, shard.tensor, type(model).__name__)
     AttentionInterface.register(HF_ATTENTION, _hf_attention)
     AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)  # pure causal: no mask built (SDPA's is_causal)
     attention_layers = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
-    if not attention_layers:
-        raise ValueError(no_support_message(model))
     for layer in attention_layers:
 
         def local(q, k, v, _layer=layer, **kwargs):  # [B, T, heads/N, d] → the same

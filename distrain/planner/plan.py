@@ -181,7 +181,7 @@ def context_parallel_option(job: Job, context: int | None = None, strict: bool =
     over what it leaves of a node unless set; FSDP over data × context), or, for ``auto`` and ``all`` (``context``
     None), one node's devices splitting each sequence when it is long (``LONG_SEQUENCE``). None when the model
     cannot split its sequences or its heads; that raises the run's own error when ``strict``."""
-    from distrain.parallel.context_parallel import check_heads
+    from distrain.parallel.context_parallel import attention_heads, check_heads, no_support_message
     from distrain.parallel.layout import layout_for
 
     if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1):
@@ -194,34 +194,16 @@ def context_parallel_option(job: Job, context: int | None = None, strict: bool =
         tensor = job.tensor_parallel if strict else 1
         layout = layout_for(job.world_size, job.per_node, False, tensor, "auto", None, 1, context)
         module = job.spec.build()
-        heads = _attention_heads(module)
+        heads = attention_heads(module)
         if heads is None:
-            from distrain.parallel.context_parallel import no_support_message
-
             raise ValueError(no_support_message(module))
-        check_heads(heads, layout.context, layout.tensor, job.spec.name)
+        for count in heads:
+            check_heads(count, layout.context, layout.tensor, job.spec.name)
     except ValueError:
         if strict:
             raise
         return None
     return Option("cp", sharding="FULL_SHARD", tensor=layout.tensor, context=layout.context)
-
-
-def _attention_heads(module) -> int | None:
-    """The heads a model's attention has, when it can split its sequences (distrain's GPT; a Hugging Face model
-    with Llama-style attention), else None."""
-    from distrain.models.gpt import GPT
-
-    for m in module.modules():
-        if isinstance(m, GPT):
-            return m.cfg.n_head
-        config = getattr(m, "config", None)
-        if config is not None and hasattr(config, "num_attention_heads") and type(m).__name__.endswith("ForCausalLM"):
-            if any(hasattr(layer, "num_key_value_groups") for layer in m.modules()):
-                text = config.get_text_config()
-                kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-                return math.gcd(text.num_attention_heads, kv)
-    return None
 
 
 def tensor_parallel_option(job: Job, strict: bool = False) -> Option | None:

@@ -474,18 +474,17 @@ class _StageShards(sharded_init.ShardAccess):
 def _check_context_parallel(module: nn.Module, layout: ParallelLayout) -> None:
     """Before any rank starts: the model splits sequences, and Ulysses can give each rank whole heads. A model
     built in ``configure_model`` is checked in the ranks once built (the built-in job's size is known now)."""
-    from distrain.models.gpt import GPT, GPT_SIZES
+    from distrain.models.gpt import GPT_SIZES
     from distrain.models.lm import GPTLanguageModel
     from distrain.module import Module
-    from distrain.parallel.context_parallel import check_heads, no_support_message
+    from distrain.parallel.context_parallel import attention_heads, check_heads, no_support_message
 
     if isinstance(module, GPTLanguageModel):
         name = module.hparams["model_name"]
         check_heads(GPT_SIZES[name]["n_head"], layout.context, layout.tensor, name)
         return
-    gpts = [m for m in module.modules() if isinstance(m, GPT)]
-    for gpt in gpts:
-        check_heads(gpt.cfg.n_head, layout.context, layout.tensor, type(module).__name__)
+    for count in attention_heads(module) or []:
+        check_heads(count, layout.context, layout.tensor, type(module).__name__)
     built_later = isinstance(module, Module) and type(module).configure_model is not Module.configure_model
     if not built_later and not any(
         callable(getattr(type(m), "enable_context_parallel", None)) for m in module.modules()
