@@ -339,6 +339,7 @@ def _validate_with_a_slow_rank(rank, tmp, port):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a collective timeout of 3 s
 def test_a_hang_in_validate_is_diagnosed(tmp_path):
     from distrain.cluster import find_free_port
 

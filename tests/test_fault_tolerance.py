@@ -23,6 +23,8 @@ import torch
 import distrain
 from helpers import TinyGPT, env_without_rank, loader, make_trainer, run_ranks
 
+pytestmark = pytest.mark.alone  # torchft's heartbeats and timeouts, and three to four ranks per run (tests/conftest.py)
+
 GLOBAL_BATCH = 12  # splits over 4, 3 and 2 ranks
 
 

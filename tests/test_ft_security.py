@@ -19,6 +19,8 @@ import torch
 
 from helpers import env_without_rank
 
+pytestmark = pytest.mark.alone  # torchft's heartbeats with a one-second timeout (tests/conftest.py)
+
 pytest.importorskip("torchft")
 
 SECRET = "the-job-secret-" + "x" * 32

@@ -41,8 +41,14 @@ EXPECTED = {
 def _pytest(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "tests/gpu", "-p", "no:cacheprovider", *args],
-        cwd=ROOT, env=env_without_rank(), capture_output=True, text=True, timeout=120,
+        cwd=ROOT, env=_new_session_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
+
+
+def _new_session_env() -> dict[str, str]:
+    """A pytest session of its own: not an xdist worker of this one, with its own folders (tests/conftest.py)."""
+    ours = ("PYTEST_XDIST_", "DISTRAIN_TEST_", "DISTRAIN_PLAN_CACHE")
+    return {k: v for k, v in env_without_rank().items() if not k.startswith(ours)}
 
 
 def test_gpu_suite_collects_and_skips_for_want_of_cuda(tmp_path):

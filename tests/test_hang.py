@@ -16,6 +16,8 @@ import distrain
 from distrain.distributed.watch import _describe, _ranks
 from helpers import TinyGPT, console_of_a_faulty_rank, env_without_rank, loader, make_trainer, run_ranks
 
+pytestmark = pytest.mark.alone  # collective timeouts of seconds: a busy neighbour would be a stall (tests/conftest.py)
+
 TIMEOUT = 3.0  # distributed.collective_timeout_seconds for these runs
 MARGIN = 6.0  # diagnosis and unwinding on a busy 2-core machine
 

@@ -13,6 +13,8 @@ import uuid
 
 import pytest
 
+pytestmark = pytest.mark.alone  # four ranks across network namespaces; rendezvous timeouts
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "two_node_netns.sh")
 TRAIN_ARGS = [

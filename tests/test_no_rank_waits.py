@@ -14,6 +14,8 @@ import torch
 import distrain
 from helpers import TinyGPT, loader, make_trainer, run_ranks
 
+pytestmark = pytest.mark.alone  # every rank must fail within seconds (tests/conftest.py)
+
 
 def _timed(fn):
     start = time.monotonic()

@@ -11,6 +11,8 @@ from distrain.cli import plan_parser
 from distrain.planner import machine, timing
 from distrain.planner.cli import TimingArgs
 
+pytestmark = pytest.mark.alone  # it measures this machine's rates (tests/conftest.py)
+
 
 @pytest.fixture
 def home(monkeypatch, tmp_path):

@@ -3,7 +3,11 @@ seconds a recovery costs can be seen and cut (``distrain/training/startup.py``; 
 
 import re
 
+import pytest
+
 from helpers import TinyGPT, loader, make_trainer
+
+pytestmark = pytest.mark.alone  # it times the parts of a restart (tests/conftest.py)
 
 LINE = re.compile(r"distrain: training again at step (\d+), ([\d.]+) s after the process started: (.*)")
 

@@ -15,6 +15,8 @@ import torch
 
 from helpers import env_without_rank
 
+pytestmark = pytest.mark.alone  # torchft's heartbeats and timeouts (tests/conftest.py)
+
 MODULE = str(Path(__file__).with_name("ft_models.py")) + ":SGDMLP"
 LOCAL_SGD_EVERY_STEP = ["distributed.semi_sync=local_sgd", "distributed.sync_every=1"]
 STEPS, H, LEG = 48, 8, 20  # the first leg ends at step 20: halfway through the third round

@@ -16,6 +16,8 @@ import distrain
 from distrain.training.stragglers import find_straggler
 from helpers import IndexedTokens, TinyGPT, run_ranks
 
+pytestmark = pytest.mark.alone  # a straggler is timed against its peers; a busy neighbour makes one
+
 STEPS, WINDOW, BATCH = 20, 4, 4
 SLEEP_S = 0.05
 
