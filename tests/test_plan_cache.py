@@ -84,6 +84,7 @@ GOOD = {
     "checkpoint": 0,
     "planned_checkpoint": False,
     "accumulate": None,
+    "context": 1,
     "messages": ["kept"],
 }
 
@@ -99,6 +100,10 @@ GOOD = {
         json.dumps({**GOOD, "planned_checkpoint": 1}).encode(),
         json.dumps({**GOOD, "accumulate": 0}).encode(),
         json.dumps({**GOOD, "checkpoint": -1}).encode(),
+        json.dumps({**GOOD, "context": 0}).encode(),
+        json.dumps({**GOOD, "context": True}).encode(),
+        json.dumps({k: v for k, v in GOOD.items() if k != "context"}).encode(),  # a field missing
+        json.dumps({**GOOD, "sharding": "RM_RF"}).encode(),
         json.dumps({**GOOD, "messages": [1]}).encode(),
         json.dumps({**GOOD, "messages": ["x" * cache.MAX_BYTES]}).encode(),  # over the size bound
         "wrong key",
@@ -112,6 +117,10 @@ GOOD = {
         "bool",
         "accumulate 0",
         "negative",
+        "context 0",
+        "context bool",
+        "missing",
+        "sharding",
         "messages",
         "size",
         "key",
@@ -155,3 +164,34 @@ def test_a_kept_file_distrain_wrote_is_read_back_whole(planned):
     cache.write(key, GOOD)
     assert cache.read(key) == GOOD
     assert decide_for_training(_config()).strategy == "fsdp" and planned == []
+
+
+def test_every_field_of_a_decision_comes_back_from_the_kept_plan_and_from_the_environment(monkeypatch, tmp_path):
+    """A later start and a rank take the whole decision: a field that were not kept would start another layout
+    (a context-parallel plan kept without its context size starts tensor parallelism)."""
+    import dataclasses
+
+    monkeypatch.setenv("DISTRAIN_PLAN_CACHE", str(tmp_path / "plans"))
+    monkeypatch.delenv("DISTRAIN_PLANNED", raising=False)
+    chosen = Decision(
+        "model_parallel",
+        sharding="SHARD_GRAD_OP",
+        checkpoint=3,
+        planned_checkpoint=True,
+        accumulate=4,
+        context=2,
+        messages=["distrain: strategy auto → context parallel 2 × fsdp"],
+    )
+    defaults = Decision("ddp")
+    unset = [f.name for f in dataclasses.fields(Decision) if getattr(chosen, f.name) == getattr(defaults, f.name)]
+    assert unset == ["stop"], f"give {unset} a value of their own here: this test must see each field come back"
+    monkeypatch.setattr(decide, "_planned", lambda config, job: dataclasses.replace(chosen))
+    decide_for_training(_config())
+    os.environ.pop("DISTRAIN_PLANNED", None)
+    monkeypatch.setattr(decide, "_planned", lambda config, job: pytest.fail("planned again"))
+    kept = decide_for_training(_config())
+    assert dataclasses.replace(kept, messages=chosen.messages) == chosen
+    assert kept.messages == [f"{chosen.messages[0]} (planned before: {tmp_path / 'plans'})"]
+    assert Decision.from_env(chosen.to_env("f"), "f") == dataclasses.replace(chosen, messages=[])
+    assert Decision.from_env(chosen.to_env("f"), "another run") is None
+    os.environ.pop("DISTRAIN_PLANNED", None)

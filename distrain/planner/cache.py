@@ -99,37 +99,14 @@ def _module_source(spec: str | None) -> list | None:
     return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
 
 
-#: each field a cached decision may have, and the types it may take
-FIELDS: dict[str, tuple[type, ...]] = {
-    "strategy": (str,),
-    "sharding": (str, type(None)),
-    "checkpoint": (int, type(None)),
-    "planned_checkpoint": (bool,),
-    "accumulate": (int, type(None)),
-    "messages": (list,),
-}
-
-
 def read(plan_key: str) -> dict[str, Any] | None:
-    """The decision kept under ``plan_key``, or None (none kept, or a file that is not what this module writes)."""
+    """The values kept under ``plan_key`` (a JSON object of at most ``MAX_BYTES`` that names this key), or None.
+    What they hold is ``decide.Decision.from_values``'s to check: a field of the wrong type is no decision."""
     if directory() is None:
         return None
     values = kept.read_json(directory() / f"{plan_key}.json", MAX_BYTES)
-    if not isinstance(values, dict) or set(values) != set(FIELDS) | {"key"} or values["key"] != plan_key:
+    if not isinstance(values, dict) or values.pop("key", None) != plan_key:
         return None
-    for name, types in FIELDS.items():
-        value = values[name]
-        if type(value) not in types:  # bool is not an int here, nor an int a bool
-            return None
-    from distrain.strategies import registry
-
-    if values["strategy"] not in registry.names() or not all(isinstance(m, str) for m in values["messages"]):
-        return None  # a strategy is only ever a registered name: nothing here names code to import
-    if any(
-        isinstance(values[n], int) and values[n] < (1 if n == "accumulate" else 0) for n in ("checkpoint", "accumulate")
-    ):
-        return None
-    values.pop("key")
     return values
 
 

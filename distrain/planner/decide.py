@@ -69,9 +69,12 @@ class Decision:
             options["activation_checkpointing_policy"] = checkpoint_policy(tuple(block_classes), self.checkpoint)
         return options
 
+    def shared_values(self) -> dict[str, Any]:
+        """What the ranks take from the process that planned (which prints the messages)."""
+        return {name: getattr(self, name) for name in _FIELDS}
+
     def to_env(self, fingerprint: str) -> str:
-        values = {name: getattr(self, name) for name in _SHARED}
-        return json.dumps({"fingerprint": fingerprint, **values})
+        return json.dumps({"fingerprint": fingerprint, **self.shared_values()})
 
     @classmethod
     def from_env(cls, text: str, fingerprint: str) -> Decision | None:
@@ -80,13 +83,43 @@ class Decision:
             values = json.loads(text)
         except ValueError:
             return None
-        if not isinstance(values, dict) or values.pop("fingerprint", None) != fingerprint or set(values) != _SHARED:
+        if not isinstance(values, dict) or values.pop("fingerprint", None) != fingerprint:
+            return None
+        return cls.from_values(values)
+
+    @classmethod
+    def from_values(cls, values: Any, with_messages: bool = False) -> Decision | None:
+        """The decision ``values`` hold (``shared_values()``, and its ``messages`` where ``with_messages``: a kept
+        file), or None when they are not what distrain writes. Read as untrusted: each field of its type and range,
+        a strategy only ever a registered name (nothing here names code to import)."""
+        from distrain.strategies import registry
+        from distrain.strategies.fsdp import SHARDING_STRATEGIES
+
+        fields = {**_FIELDS, "messages": (list,)} if with_messages else _FIELDS
+        if not isinstance(values, dict) or set(values) != set(fields):
+            return None
+        if any(type(values[name]) not in types for name, types in fields.items()):  # bool is no int here, nor int bool
+            return None
+        least = {"checkpoint": 0, "accumulate": 1, "context": 1}
+        if any(isinstance(values[name], int) and values[name] < low for name, low in least.items()):
+            return None
+        if values["strategy"] not in registry.names() or values["sharding"] not in (None, *SHARDING_STRATEGIES):
+            return None
+        if with_messages and not all(isinstance(m, str) for m in values["messages"]):
             return None
         return cls(**values)
 
 
-#: what a rank takes from the process that planned (the messages are printed there)
-_SHARED = {"strategy", "sharding", "checkpoint", "planned_checkpoint", "accumulate", "context"}
+#: a decision's fields that the ranks take from the process that planned and a later start takes from the kept
+#: plan (``cache.py``), with the types each may take
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "strategy": (str,),
+    "sharding": (str, type(None)),
+    "checkpoint": (int, type(None)),
+    "planned_checkpoint": (bool,),
+    "accumulate": (int, type(None)),
+    "context": (int,),
+}
 
 
 def fingerprint(*inputs: Any) -> str:
@@ -199,8 +232,8 @@ def _kept_or_planned(config: RunConfig, job) -> Decision:
         gpu = plans_for_gpu(config)
         per_node = ranks_per_node(config, gpu)
         kept = cache.read(cache.key(config, budget_from_config(config, gpu, per_node), per_node))
-        if kept is not None:  # this run (or its twin) was planned before on this machine: no trace, no timing
-            decision = Decision(**kept)
+        decision = Decision.from_values(kept, with_messages=True)
+        if decision is not None:  # this run (or its twin) was planned before on this machine: no trace, no timing
             decision.messages = [f"{m} (planned before: {cache.directory()})" for m in decision.messages]
             return decision
         decision = _planned(config, job)
@@ -208,7 +241,7 @@ def _kept_or_planned(config: RunConfig, job) -> Decision:
             # the key again: a first plan on this machine has just measured and kept its rates, which the next
             # start's key includes
             key = cache.key(config, budget_from_config(config, gpu, per_node), per_node)
-            cache.write(key, {name: getattr(decision, name) for name in cache.FIELDS})
+            cache.write(key, {**decision.shared_values(), "messages": decision.messages})
         return decision
     except Exception as e:  # the plan is advice; training must not depend on it
         return failed(_without_plan(config), e)
