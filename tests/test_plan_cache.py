@@ -3,6 +3,7 @@ skip the plan, any changed input plans again, and a kept file is read as untrust
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -195,3 +196,81 @@ def test_every_field_of_a_decision_comes_back_from_the_kept_plan_and_from_the_en
     assert Decision.from_env(chosen.to_env("f"), "f") == dataclasses.replace(chosen, messages=[])
     assert Decision.from_env(chosen.to_env("f"), "another run") is None
     os.environ.pop("DISTRAIN_PLANNED", None)
+
+
+# ---- Trainer(strategy="auto"): the run is its module and loader ------------------------------------------------
+MODULE_FILE = """
+import torch
+import distrain
+
+
+class Regressor(distrain.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.width = width
+
+    def configure_model(self):  # built where the strategy says (the plan builds it on the meta device)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, self.width), torch.nn.ReLU(), torch.nn.Linear(self.width, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+"""
+
+
+def test_the_trainer_keeps_its_decision_and_plans_again_for_any_change_of_model_data_or_source(
+    monkeypatch, tmp_path, capsys
+):
+    """A Trainer's second start with the same model and data takes the kept decision (and says so); a wider layer
+    built in ``configure_model``, another micro-batch, sample shape or accumulation, and an edit of the module's
+    source file are each another key."""
+    import importlib.util
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import distrain
+
+    monkeypatch.setenv("DISTRAIN_PLAN_CACHE", str(tmp_path / "plans"))
+    plans = []
+
+    def choose(planner, checkpointing):  # the trace and the timing are other tests' business
+        plans.append(planner.job.micro_batch)
+        return Decision("fsdp", sharding="FULL_SHARD", messages=["distrain: strategy auto → fsdp"])
+
+    monkeypatch.setattr(decide, "choose", choose)
+    source = tmp_path / "regressor.py"
+    source.write_text(MODULE_FILE)
+
+    def module(width=16):  # imported afresh, as a new start imports it
+        spec = importlib.util.spec_from_file_location("regressor", source)
+        loaded = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, "regressor", loaded)
+        spec.loader.exec_module(loaded)
+        return loaded.Regressor(width)
+
+    def loader(batch=4, features=8):
+        return DataLoader(TensorDataset(torch.randn(32, features), torch.randn(32, 1)), batch)
+
+    def start(model, data, accumulate=1):
+        monkeypatch.delenv(decide.PLANNED_ENV, raising=False)
+        runtime = distrain.Runtime(strategy="auto", devices=2, accelerator="cpu")
+        strategy, _ = decide.for_trainer(runtime, model, data, accumulate, None, {})
+        assert type(strategy).__name__ == "FSDPStrategy" and strategy.sharding_strategy == "FULL_SHARD"
+        return capsys.readouterr().out
+
+    start(module(), loader())
+    assert "planned before" in start(module(), loader()) and len(plans) == 1
+    start(module(width=32), loader())  # a layer that configure_model builds wider
+    start(module(), loader(batch=8))  # the micro-batch
+    start(module(), loader(features=12))  # the sample's shape (the model's first layer would refuse it: no plan)
+    start(module(), loader(), accumulate=2)
+    assert len(plans) == 5
+    source.write_text(MODULE_FILE.replace("mse_loss", "l1_loss"))  # the step's code: no layer or tensor changed
+    start(module(), loader())
+    assert len(plans) == 6
+    assert "planned before" in start(module(), loader()) and len(plans) == 6
+    monkeypatch.delenv(decide.PLANNED_ENV, raising=False)

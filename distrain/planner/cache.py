@@ -6,7 +6,10 @@ The decision is a function of the config, the ranks and the machine, so it is ke
 ``~/.cache/distrain/plans/<key>.json``, the key a hash of exactly those inputs: the config (without where its
 files go), the world size and ranks per node, the memory budget per rank (devices, host), the rates kept for this
 machine (``machine.py``) and its links, and the versions of distrain and torch (and, for a Module of your own, its
-source file's size and time). ``DISTRAIN_PLAN_CACHE`` names another folder, or ``off``. A changed input is another
+source file's size and time). ``Trainer(strategy="auto")`` keeps its decisions the same way, its run described by
+the model (each layer's class and source file, each tensor's name, shape and dtype, built on the meta device as the
+plan builds it), the first sample's shapes, the micro-batch, accumulation, clipping, precision and ranks
+(``decide.for_trainer``). ``DISTRAIN_PLAN_CACHE`` names another folder, or ``off``. A changed input is another
 key, so a stale plan is never read; ``distrain plan`` always plans afresh.
 
 The file is read as untrusted bytes: JSON only, at most ``MAX_BYTES``, every field checked for its type; anything
@@ -39,13 +42,9 @@ def directory() -> Path | None:
 
 
 def key(config, budget, per_node: int) -> str:
-    """The hash of what the plan depends on (see the module's docstring); ``budget``: the memory budget per rank the
+    """The key of a ``distrain train`` run (see the module's docstring); ``budget``: the memory budget per rank the
     plan would fit (``from_config.budget_from_config``), ``per_node``: the ranks per node it plans for."""
-    import torch
-
-    import distrain
     from distrain.cluster import detect_cluster
-    from distrain.planner import machine, timing
 
     settings = config.to_dict()
     for path in _NOT_INPUTS:
@@ -54,19 +53,45 @@ def key(config, budget, per_node: int) -> str:
             node = node.get(part, {})
         node.pop(path[-1], None)
     cluster = detect_cluster()
+    run = {
+        "config": settings,
+        "world": (cluster.world_size, cluster.local_world_size, cluster.source),
+        "module_source": _module_source(config.training.module),
+    }
+    return key_of(run, budget, per_node)
+
+
+def key_of(run: dict[str, Any], budget, per_node: int) -> str:
+    """The hash of ``run`` (what describes the run: its config, or the Trainer's model and data) and of what the
+    plan depends on besides: the memory budget per rank, the rates kept for this machine and its links, and the
+    versions of distrain and torch."""
+    import torch
+
+    import distrain
+    from distrain.planner import machine, timing
+
     # the rates the plan's timing reads: another measurement, another plan
     links = timing.measured_file()
     rates = None if budget.gpu else machine.kept_file(per_node)
     inputs = {
-        "config": settings,
-        "world": (cluster.world_size, cluster.local_world_size, cluster.source),
+        "run": run,
         "budget": repr(budget),
         "links": _digest(links),
         "rates": _digest(rates),
         "versions": (distrain.__version__, torch.__version__),
-        "module_source": _module_source(config.training.module),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def source_stat(path: str | Path | None) -> list:
+    """A source file's path, size and modification time (a changed file is another plan), or what is known."""
+    if path is None:
+        return [None]
+    try:
+        stat = Path(path).stat()
+    except OSError:
+        return [str(path)]
+    return [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]
 
 
 def _digest(path: Path | None) -> str | None:
@@ -92,11 +117,7 @@ def _module_source(spec: str | None) -> list | None:
         if found is None or not found.origin:
             return [target]
         path = Path(found.origin)
-    try:
-        stat = path.stat()
-    except OSError:
-        return [str(path)]
-    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    return source_stat(path)
 
 
 def read(plan_key: str) -> dict[str, Any] | None:

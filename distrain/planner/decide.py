@@ -11,8 +11,8 @@
 - **The fingerprint** (``fingerprint``): what a decision was made for; a rank takes an inherited decision only
   for the same inputs.
 
-``distrain train`` also keeps its decisions between starts (``cache.py``): ``for_config``. The Trainer plans its
-module and loader: ``for_trainer``.
+Both keep their decisions between starts (``cache.py``, ``_kept_or``): ``distrain train`` plans its config
+(``for_config``), the Trainer its module and loader (``for_trainer``).
 """
 
 from __future__ import annotations
@@ -224,27 +224,33 @@ def for_config(config: RunConfig, job=None) -> Decision:
 
 
 def _kept_or_planned(config: RunConfig, job) -> Decision:
-    """The decision kept for this run on this machine (``cache.py``), else the plan's, kept for the next start."""
+    """``_kept_or`` for a config: its key (``cache.key``) and its plan (``_planned``)."""
     from distrain.planner import cache
     from distrain.planner.from_config import budget_from_config, plans_for_gpu, ranks_per_node
 
     try:
         gpu = plans_for_gpu(config)
         per_node = ranks_per_node(config, gpu)
-        kept = cache.read(cache.key(config, budget_from_config(config, gpu, per_node), per_node))
-        decision = Decision.from_values(kept, with_messages=True)
-        if decision is not None:  # this run (or its twin) was planned before on this machine: no trace, no timing
-            decision.messages = [f"{m} (planned before: {cache.directory()})" for m in decision.messages]
-            return decision
-        decision = _planned(config, job)
-        if not decision.stop:
-            # the key again: a first plan on this machine has just measured and kept its rates, which the next
-            # start's key includes
-            key = cache.key(config, budget_from_config(config, gpu, per_node), per_node)
-            cache.write(key, {**decision.shared_values(), "messages": decision.messages})
-        return decision
+        key = lambda: cache.key(config, budget_from_config(config, gpu, per_node), per_node)  # noqa: E731
+        return _kept_or(key, lambda: _planned(config, job))
     except Exception as e:  # the plan is advice; training must not depend on it
         return failed(_without_plan(config), e)
+
+
+def _kept_or(key: Callable[[], str], plan: Callable[[], Decision]) -> Decision:
+    """The decision kept under ``key()`` on this machine (``cache.py``), else ``plan()``'s, kept for the next start."""
+    from distrain.planner import cache
+
+    decision = Decision.from_values(cache.read(key()), with_messages=True)
+    if decision is not None:  # this run (or its twin) was planned before on this machine: no trace, no timing
+        decision.messages = [f"{m} (planned before: {cache.directory()})" for m in decision.messages]
+        return decision
+    decision = plan()
+    if not decision.stop:
+        # the key again: a first plan on this machine has just measured and kept its rates, which the next start's
+        # key includes
+        cache.write(key(), {**decision.shared_values(), "messages": decision.messages})
+    return decision
 
 
 def _without_plan(config: RunConfig) -> str:
@@ -336,6 +342,8 @@ def _trainer_plan(runtime, module, loader, accumulate: int, clip: float | None, 
 
     if not isinstance(loader, DataLoader) or loader.batch_size is None or not hasattr(loader.dataset, "__len__"):
         return fallback("ddp", "the memory planner needs a DataLoader with a batch size")
+    from distrain.planner import cache
+
     policy = kwargs.get("activation_checkpointing_policy")
     try:
         spec = ModelSpec.from_module(module, loader, _policy_classes(policy))
@@ -343,9 +351,49 @@ def _trainer_plan(runtime, module, loader, accumulate: int, clip: float | None, 
         world = runtime.nprocs * runtime.num_nodes
         job = Job(spec, loader.batch_size, runtime.precision.name, world, runtime.num_nodes, accumulate, clip, gpu)
         budget = Budget.resolve(runtime.nprocs, gpu=gpu)
-        return choose(Planner(job, budget, rates_or_none(job)), bool(policy))
+        run = _trainer_run(spec, job, bool(policy))
+        plan = lambda: choose(Planner(job, budget, rates_or_none(job)), bool(policy))  # noqa: E731
+        return _kept_or(lambda: cache.key_of(run, budget, job.per_node), plan)
     except Exception as e:  # the plan is advice: training goes on without it
         return failed("ddp", e)
+
+
+def _trainer_run(spec, job: Job, checkpointing: bool) -> dict[str, Any]:
+    """What describes a Trainer's run to the plan cache (``cache.key_of``): its model as the plan builds it (on the
+    meta device: each layer's class, each tensor's name, shape and dtype), the source of every class in it (the file's
+    size and time; a class with no file, a notebook's, its own source), the first sample's shapes and the job's
+    numbers. A changed step, layer, size or batch is another key."""
+    import inspect
+    import itertools
+
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    from distrain.planner import cache
+
+    def source(cls: type) -> list:
+        try:
+            return cache.source_stat(inspect.getsourcefile(cls))
+        except (OSError, TypeError):  # no file: a notebook's class (its source), or a built-in one (its name)
+            pass
+        try:
+            return [fingerprint(inspect.getsource(cls))]
+        except (OSError, TypeError):
+            return [f"{cls.__module__}.{cls.__qualname__}"]
+
+    model = spec.build()
+    classes = {type(m): None for m in model.modules()}
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    sample = tree_flatten(spec.make_batch(1))[0]
+    return {
+        "layers": [f"{name}:{type(m).__module__}.{type(m).__qualname__}" for name, m in model.named_modules()],
+        "sources": sorted(json.dumps(source(cls)) for cls in classes),
+        "tensors": [(name, list(t.shape), str(t.dtype), t.requires_grad) for name, t in tensors],
+        "sample": [(list(t.shape), str(t.dtype)) for t in sample if isinstance(t, torch.Tensor)],
+        "blocks": [f"{c.__module__}.{c.__qualname__}" for c in spec.block_classes],
+        "job": (job.micro_batch, job.precision, job.world_size, job.num_nodes, job.accumulate, job.clip, job.gpu),
+        "checkpointing": checkpointing,
+    }
 
 
 def _policy_classes(policy) -> tuple[type, ...] | None:
