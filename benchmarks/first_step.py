@@ -10,6 +10,11 @@ no plan kept), once as every later start (the plan kept), and once with ``--stra
 the command's start to the line rank 0 prints after step 1; rounds alternate the commands so drift in machine load
 hits each, and the table shows the median, the parts of distrain's time (read from the run's own lines), and the
 ratio to the bare script.
+
+A script of your own that calls ``Trainer(strategy="auto").fit`` (written below: the same model and global batch) is
+timed the same ways: a first start, a later start (the decision kept, ``planner/cache.py``), a later start with
+``DISTRAIN_PLAN_CACHE=off`` (what every start paid before the Trainer kept its decision: the plan made again, the
+machine's rates kept), and ``strategy="ddp"``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,28 @@ if dist.get_rank() == 0:
 dist.destroy_process_group()
 """
 
+TRAINER = r"""
+import sys, torch, distrain
+from torch.utils.data import DataLoader, TensorDataset
+from distrain.models.lm import GPTLanguageModel
+
+
+class FirstStep(distrain.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.is_global_zero:
+            print("trainer step 1 done", flush=True)
+
+
+if __name__ == "__main__":
+    tokens = torch.randint(0, 256, (64, 129), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+    trainer = distrain.Trainer(
+        strategy=sys.argv[1], devices=int(sys.argv[3]), accelerator="cpu", max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=sys.argv[2], callbacks=[FirstStep()],
+    )
+    trainer.fit(GPTLanguageModel("gpt-tiny", block_size=128), data)
+"""
+
 
 def first_step_seconds(command: list[str], marker: str, env: dict, cwd: str) -> tuple[float, dict[str, float]]:
     """Seconds from the start to the first output line containing ``marker``, and when other lines came."""
@@ -67,22 +94,34 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="first-step-"))
     (work / "bare.py").write_text(BARE)
+    (work / "trainer.py").write_text(TRAINER)
     env = {**os.environ, "XDG_CACHE_HOME": str(work / "cache"), "DISTRAIN_PLAN_CACHE": str(work / "plans")}
     env.pop("DISTRAIN_PLANNED", None)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.devices}"]
     train = ["distrain", "train", "--max-steps", "1", "--devices", str(args.devices), "--accelerator", "cpu"]
     train += ["--batch-size", "8", "--seq-len", "128", "logging.progress_bar=false", "logging.use_tensorboard=false"]
+    not_kept = {**env, "DISTRAIN_PLAN_CACHE": "off"}  # the machine's rates kept, the decision made every time
     runs: dict[str, list[tuple[float, dict]]] = {}
+
+    def script(strategy: str, out: str) -> list[str]:
+        return [sys.executable, "trainer.py", strategy, out, str(args.devices)]
+
     for r in range(args.rounds):
         cold = {**env, "XDG_CACHE_HOME": str(work / f"cold{r}"), "DISTRAIN_PLAN_CACHE": str(work / f"cold{r}")}
+        cold_too = {**env, "XDG_CACHE_HOME": str(work / f"cold-t{r}"), "DISTRAIN_PLAN_CACHE": str(work / f"cold-t{r}")}
         cases = {
             "bare torchrun script": (torchrun + ["bare.py"], "step 1 loss", env),
             "distrain, auto, first start on this machine": (train + ["--output-dir", f"a{r}"], "step 1/1", cold),
             "distrain, auto, later starts (plan kept)": (train + ["--output-dir", f"b{r}"], "step 1/1", env),
             "distrain, --strategy ddp": (train + ["--strategy", "ddp", "--output-dir", f"c{r}"], "step 1/1", env),
+            "Trainer, auto, first start on this machine": (script("auto", f"d{r}"), "trainer step 1", cold_too),
+            "Trainer, auto, later starts (plan kept)": (script("auto", f"e{r}"), "trainer step 1", env),
+            "Trainer, auto, plan made at every start": (script("auto", f"f{r}"), "trainer step 1", not_kept),
+            "Trainer, strategy='ddp'": (script("ddp", f"g{r}"), "trainer step 1", env),
         }
-        if r == 0:  # the plan the later starts keep: made once, not timed
+        if r == 0:  # the plans the later starts keep: made once, not timed
             first_step_seconds(train + ["--output-dir", "warm"], "step 1/1", env, str(work))
+            first_step_seconds(script("auto", "warm-trainer"), "trainer step 1", env, str(work))
         for name, (command, marker, case_env) in cases.items():
             runs.setdefault(name, []).append(first_step_seconds(command, marker, case_env, str(work)))
     bare = statistics.median(t for t, _ in runs["bare torchrun script"])
@@ -94,7 +133,7 @@ def main() -> None:
     for name, results in runs.items():
         seconds = statistics.median(t for t, _ in results)
         parts = ""
-        if name != "bare torchrun script":
+        if name.startswith("distrain"):
             launched = statistics.median(s.get("launched", 0.0) for _, s in results)
             parts = f"to the launch {launched:.1f} s (plan included), ranks to step 1 {seconds - launched:.1f} s"
         print(f"{name:46s} {seconds:8.1f} s {seconds / bare:6.2f}x   {parts}")
