@@ -105,3 +105,15 @@ def _end_leftover_ranks(session):
     if leftovers:
         names = ", ".join(f"{p.pid}" for p in leftovers)
         session.config.get_terminal_writer().line(f"killed {len(leftovers)} process(es) left by the tests: {names}")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind(request):
+    """A test that starts a process group in the test process ends it: a group left behind makes every later test
+    in that process a rank of a one-rank job (which tests run later depends on the order, and on the worker)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(f"{request.node.nodeid} left a process group in the test process", pytrace=False)

@@ -172,21 +172,25 @@ def stuck_in_user_code():
     while True:  # busy in Python: a loop that never ends
         time.sleep(0.01)
 
-trainer = distrain.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=6, collective_timeout={timeout},
+trainer = distrain.Trainer(accelerator="cpu", strategy={strategy}, devices=2, max_steps=6, collective_timeout={timeout},
                            enable_progress_bar=False, logger=False, enable_checkpointing=False,
                            default_root_dir={root!r})
 trainer.fit(Faulty(), loader(4))
 """
 
 
-def console_of_a_faulty_rank(tmp_path, fault: str, collective_timeout: float) -> tuple[str, float]:
-    """A user's script, run as a user runs it (distrain's own launcher starts rank 1 from it), training 2 DDP ranks of
-    which rank 1 runs ``fault`` (a line of Python) at the start of its third step: the console's ``[distrain]``
-    lines, and the seconds the script took."""
+def console_of_a_faulty_rank(
+    tmp_path, fault: str, collective_timeout: float, strategy: str = '"ddp"'
+) -> tuple[str, float]:
+    """A user's script, run as a user runs it (distrain's own launcher starts rank 1 from it), training 2 ranks (DDP;
+    ``strategy``: the Trainer's argument as Python source) of which rank 1 runs ``fault`` (a line of Python) at the
+    start of its third step: the console's ``[distrain]`` lines, and the seconds the script took."""
     script = tmp_path / "train.py"
     root = str(tmp_path / "run")
     tests = os.path.dirname(__file__)
-    script.write_text(FAULTY_RANK_SCRIPT.format(tests=tests, timeout=collective_timeout, fault=fault, root=root))
+    script.write_text(
+        FAULTY_RANK_SCRIPT.format(tests=tests, timeout=collective_timeout, fault=fault, root=root, strategy=strategy)
+    )
     start = time.time()
     proc = subprocess.run(
         [sys.executable, str(script)], env=env_without_rank(), capture_output=True, text=True, timeout=300

@@ -16,7 +16,7 @@ import distrain
 from distrain.config import ConfigError
 from distrain.parallel.context_parallel import IGNORE, SequenceShard, right_padded
 from distrain.parallel.layout import ParallelLayout, layout_for
-from helpers import run_ranks
+from helpers import console_of_a_faulty_rank, run_ranks
 
 STEPS = 3
 SEQ = 15  # not a multiple of 2 or 4: the last rank's slice is padded
@@ -236,6 +236,22 @@ def test_context_parallel_with_fsdp_and_with_tensor_parallel_on_four_ranks_match
 
 
 # ---- in one process: the slice, the layout, and what is refused before any rank starts ------------------------------
+@pytest.mark.slow
+@pytest.mark.alone  # the console within a collective timeout of seconds
+def test_the_console_names_a_context_parallel_rank_that_dies_while_its_peer_waits_in_the_all_to_all(tmp_path):
+    """Rank 1 of a CP=2 group dies (exit 137, as the OOM killer ends a process) at the start of its third step;
+    rank 0 is inside attention's all-to-all, waiting for the slice rank 1 never sends. The console's first line
+    names rank 1, its exit and step; rank 0 is the one that waited, never the culprit."""
+    strategy = "distrain.ModelParallelStrategy(context_parallel_size=2)"
+    console, elapsed = console_of_a_faulty_rank(tmp_path, "os._exit(137)", 3.0, strategy)
+    first = console.splitlines()[0]
+    assert first.startswith("[distrain] rank 1 failed first at step 3 (in forward/backward): exited with code 137"), (
+        console
+    )
+    assert "rank 0 failed first" not in console and "(it waited for the ranks above)" in console, console
+    assert elapsed < 120, elapsed
+
+
 def test_a_rank_holds_a_contiguous_padded_slice_at_its_global_positions():
     tokens = torch.arange(10).reshape(2, 5)
     slices = [SequenceShard(None, rank, 2).split(tokens, IGNORE) for rank in range(2)]

@@ -25,6 +25,15 @@ def _hf(task: str, path: str, pretrained: bool):
     return TASK_MODULES[task](model_name=path, pretrained=pretrained, seed=5)
 
 
+@pytest.fixture(autouse=True)
+def _one_rank_group_ends_with_the_test():
+    """A one-rank build starts its process group in the test process: it ends with the test, not in a later one."""
+    yield
+    from distrain.distributed import shutdown
+
+    shutdown(barrier=False)
+
+
 def _built(strategy, make_module) -> tuple[dict, torch.Tensor, int | None]:
     """(full weights and buffers, the RNG state after the build, bytes of full temporaries held at once)."""
     rt = distrain.Runtime(strategy=strategy, devices=int(os.environ.get("WORLD_SIZE", 1)), accelerator="cpu")

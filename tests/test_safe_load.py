@@ -364,6 +364,7 @@ def _craft_deepspeed_file(checkpoint: Path, pattern: str, marker: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # rank 1 learns of rank 0's refusal within seconds
 def test_deepspeed_files_naming_code_are_refused_on_every_path(tmp_path):
     pytest.importorskip("deepspeed")
     from helpers import run_ranks
