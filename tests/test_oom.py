@@ -70,6 +70,7 @@ class Slow(torch.utils.data.Dataset):
         raise RuntimeError("too late")
 
 
+@pytest.mark.alone  # the nearest option is searched for within 15 s
 def test_the_plan_names_what_fits_and_says_when_it_cannot_plan(monkeypatch):
     """In-process, without ranks: a budget the run does not fit in (the nearest option that fits, a smaller
     micro-batch that keeps the global batch); a module the planner cannot trace, a strategy it has no model of, one
