@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 cores: ranks must not fight over threads
-# which pytest process this is: "main", or the xdist worker ("gw0", "gw1") the README's `-n 2` starts. A rank a
+# which pytest process this is: "main", or the xdist worker ("gw0", "gw1") that `-n 2` starts. A rank a
 # test starts inherits its test process's folders; a worker makes its own, never sharing the main process's.
 _OWNER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 # plans kept between starts (distrain/planner/cache.py): the session's own, not the user's, and none left after
@@ -59,7 +59,8 @@ def pytest_unconfigure(config):
 
 
 # ---- tests that run alone -----------------------------------------------------------------------------------
-# The README's `pytest -n 2` runs two test files at once (pytest-xdist, `--dist loadfile`: a file's shared rank
+# `pytest -n 2` (docs/testing.md; CI runs serially) runs two test files at once (pytest-xdist, `--dist
+# loadfile`: a file's shared rank
 # processes start once). A test marked `alone` (hang and straggler detection, measured rates and times: whatever
 # a busy neighbour would skew) waits until the other worker's current test ends, and no test starts beside it. A
 # reader-writer lock on two files: `gate` stops new tests while an `alone` test waits for `room` to empty.
