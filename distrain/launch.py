@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import pickle
 import shutil
@@ -218,6 +219,7 @@ class MultiprocessingLauncher:
             _no_group_across_fork()
         addr, port = _master(self.num_nodes)
         outdir = tempfile.mkdtemp(prefix="distrain-launch-")
+        frozen = self.start_method == "fork" and _freeze_what_forked_ranks_inherit()
         try:
             mp.start_processes(
                 _worker,
@@ -235,6 +237,8 @@ class MultiprocessingLauncher:
                 restore(torch.load(state_file, weights_only=True))
             return result
         finally:
+            if frozen:
+                gc.unfreeze()
             shutil.rmtree(outdir, ignore_errors=True)
 
 
@@ -253,6 +257,17 @@ def _no_group_across_fork() -> None:
             f"{dist.get_world_size()}-process group; use strategy='ddp' (or ddp_spawn) there"
         )
     distributed.shutdown(barrier=False)
+
+
+def _freeze_what_forked_ranks_inherit() -> bool:
+    """A forked rank inherits this process's objects but not its threads. Garbage still waiting here (a DDP model
+    of an earlier run in a reference cycle, whose Reducer holds a gloo group) would be collected in the rank, where
+    the group's destructor joins worker threads that do not exist there: the rank waits forever at its end. So
+    collect it here, where the threads are, and freeze the rest (``gc.freeze``, as Python's docs advise before a
+    fork): a rank's collections then never touch what it inherited. The parent unfreezes when its ranks are done."""
+    gc.collect()
+    gc.freeze()
+    return True
 
 
 def _worker(local_rank, nprocs, node_rank, num_nodes, addr, port, outdir, fn, args, kwargs, collect):
