@@ -170,11 +170,11 @@ def _worker_of_group(launcher: subprocess.Popen, group: str, local_rank: str | N
 def test_a_replica_group_killed_mid_run_rejoins_with_the_live_state(uninterrupted, tmp_path):
     """kill -9 of group 1's rank at a random step. Group 0 never stops: each of its steps is logged once, those
     before the kill are the uninterrupted run's to the bit, at most the step in flight is dropped, and it trains on
-    alone once the lighthouse misses group 1's heartbeats (2 s; a restart takes longer: Python and torch load). torchrun
-    restarts group 1, which takes group 0's live state over HTTP (no checkpoint: none is written before the end) and
-    trains on in lockstep: both groups end with bit-identical weights and optimizer states. The final validation loss
-    is the uninterrupted run's within 5%: one dropped step's batch and a few steps at half the batch (measured: under
-    1%)."""
+    alone once the lighthouse misses group 1's heartbeats (2 s; a restart usually takes longer: Python and torch
+    load; on a fast machine it can be back first, and the next quorum holds both groups). torchrun restarts group 1,
+    which takes group 0's live state over HTTP (no checkpoint: none is written before the end) and trains on in
+    lockstep: both groups end with bit-identical weights and optimizer states. The final validation loss is the
+    uninterrupted run's within 5%: one dropped step's batch and a few steps at half the batch (measured: under 1%)."""
     kill_at = random.Random().randint(3, 12)
     out = tmp_path / "run"
     launcher = _train(out)
@@ -195,8 +195,11 @@ def test_a_replica_group_killed_mid_run_rejoins_with_the_live_state(uninterrupte
     pattern = r"replica group 0 at step (\d+): (\d) of 2 replica groups"
     quorums = [(int(step), int(groups)) for step, groups in re.findall(pattern, output)]
     alone = [step for step, groups in quorums if groups == 1]
-    assert alone and min(alone) > kill_at, (kill_at, quorums)  # the survivor went on without group 1
-    assert quorums[-1] == (int(took_over[-1]) + 1, 2), quorums  # and took it back when it returned
+    if alone:  # the lighthouse missed group 1's heartbeats before it was back: group 0 went on without it
+        assert min(alone) > kill_at, (kill_at, quorums)
+        assert quorums[-1] == (int(took_over[-1]) + 1, 2), quorums  # and took it back when it returned
+    else:  # a restart within the heartbeat timeout (a fast machine): group 0's next quorum held both groups
+        assert quorums == [(1, 2)], quorums
     survivor = _steps(out / "replica_0")
     assert sorted(survivor) == list(range(1, FT_STEPS + 1))
     reference = _steps(uninterrupted / "ft" / "replica_0")
