@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -81,14 +82,26 @@ def shutdown(barrier: bool = True) -> None:
     alive until interpreter finalization, where destroying them aborts the process ("terminate
     called without an active exception") after a successful run. Collect such cycles first, then
     destroy the group; the barrier keeps rank 0 (the store host) from leaving while a peer still
-    talks to it."""
+    talks to it.
+
+    A group something still holds (a live wrapper; at a program's exit the objects are frozen, not collected:
+    ``end_fast_at_exit``) keeps its threads past ``destroy_process_group``, which does not join them. Such a thread
+    ends a finished collective a moment after the caller's wait returned, and that releases the collective's tensors:
+    it takes the GIL. Taken during interpreter finalization, that aborted a 2-node run's rank after its success (1 run
+    in 15; torch issue 190489). So the interpreter waits a moment here, alive, without the GIL."""
     gc.collect()
     if dist.is_initialized():
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
         watch.stop()
+        time.sleep(_THREADS_SETTLE)
     gc.collect()
+
+
+#: how long a process gives the threads of the group it ended to release their last collective (they wait for
+#: the GIL only; a sleep hands it over)
+_THREADS_SETTLE = 0.1
 
 
 def _elastic_attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
