@@ -11,7 +11,7 @@ import torch
 
 import distrain
 from distrain.planner.oom import memory_plan
-from helpers import TinyGPT, console_of_a_faulty_rank, loader
+from helpers import TinyGPT, console_of_a_faulty_rank, loader, run_ranks
 
 COLLECTIVE_TIMEOUT = 30.0  # rank 0 waits for rank 1 while it plans (a few seconds): not a hang
 PLAN = r"memory plan: ddp needs [\d.]+ MiB per rank of [\d.]+ GiB usable"
@@ -70,26 +70,38 @@ class Slow(torch.utils.data.Dataset):
         raise RuntimeError("too late")
 
 
-def test_the_plan_names_what_fits_and_says_when_it_cannot_plan(monkeypatch):
-    """In-process, without ranks: a budget the run does not fit in (the nearest option that fits, a smaller
-    micro-batch that keeps the global batch); a module the planner cannot trace, a strategy it has no model of, one
-    that has sharded the model, and a plan slower than its time: each is said to be unavailable, never raised."""
+def _plans(rank):
+    """The memory plan of each case below, made in a process of its own (a rank of one that joins no group): the
+    test process has run other tests' DTensor operations, whose per-thread caches hold their process groups, and
+    the plan forks its simulations from a thread of its own, where those caches die with the fork and take the
+    groups' threads down with them (a wait that never ends). A failing rank runs none of those operations first:
+    a sharded strategy's OOM is not planned."""
+    import os
+
     import distrain.planner.plan as plan
 
-    monkeypatch.setattr(plan, "host_memory", lambda: int(2 * 8.6 * 2**20))  # 7.7 MiB usable per rank
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name)  # a process no launcher started, as the test process is
+    plan.host_memory = lambda: int(2 * 8.6 * 2**20)  # 7.7 MiB usable per rank
     # time enough for the whole search on a slow machine (the limit is the last case's)
-    line = memory_plan(_runtime(), Plain(), loader(64), micro_batch=64, accumulate=1, clip=None, seconds=300)
-    assert re.match(r"memory plan: ddp needs [\d.]+ MiB per rank of 7\.7 MiB usable; nearest option that fits: ", line)
-    assert re.search(r"; or micro-batch \d+ × accumulation \d+ with ddp$", line), line
-
+    fits = memory_plan(_runtime(), Plain(), loader(64), micro_batch=64, accumulate=1, clip=None, seconds=300)
     # TinyGPT keeps the ids it trained on (.tolist()): data-dependent, which the planner's fake tensors cannot trace
-    line = memory_plan(_runtime(), TinyGPT(), loader(4), micro_batch=4, accumulate=1, clip=None)
-    assert line.startswith("memory plan: unavailable (the planner could not plan TinyGPT: "), line
-
-    line = memory_plan(_runtime(distrain.Strategy()), Plain(), loader(4), micro_batch=4, accumulate=1, clip=None)
-    assert line == "memory plan: unavailable (the planner has no model of Strategy)"
-    line = memory_plan(_runtime(distrain.FSDPStrategy()), Plain(), loader(4), micro_batch=4, accumulate=1, clip=None)
-    assert line.startswith("memory plan: unavailable (FSDPStrategy has sharded the model the planner would trace; ")
+    untraceable = memory_plan(_runtime(), TinyGPT(), loader(4), micro_batch=4, accumulate=1, clip=None)
+    no_model = memory_plan(_runtime(distrain.Strategy()), Plain(), loader(4), micro_batch=4, accumulate=1, clip=None)
+    sharded = memory_plan(_runtime(distrain.FSDPStrategy()), Plain(), loader(4), micro_batch=4, accumulate=1, clip=None)
     slow = torch.utils.data.DataLoader(Slow(), batch_size=4)
-    line = memory_plan(_runtime(), Plain(), slow, micro_batch=4, accumulate=1, clip=None, seconds=0.2)
-    assert line == "memory plan: unavailable (not made within 0.2 s)"
+    late = memory_plan(_runtime(), Plain(), slow, micro_batch=4, accumulate=1, clip=None, seconds=0.2)
+    return fits, untraceable, no_model, sharded, late
+
+
+def test_the_plan_names_what_fits_and_says_when_it_cannot_plan():
+    """Without ranks: a budget the run does not fit in (the nearest option that fits, a smaller micro-batch that
+    keeps the global batch); a module the planner cannot trace, a strategy it has no model of, one that has sharded
+    the model, and a plan slower than its time: each is said to be unavailable, never raised."""
+    fits, untraceable, no_model, sharded, late = run_ranks(_plans, 1)[0]
+    assert re.match(r"memory plan: ddp needs [\d.]+ MiB per rank of 7\.7 MiB usable; nearest option that fits: ", fits)
+    assert re.search(r"; or micro-batch \d+ × accumulation \d+ with ddp$", fits), fits
+    assert untraceable.startswith("memory plan: unavailable (the planner could not plan TinyGPT: "), untraceable
+    assert no_model == "memory plan: unavailable (the planner has no model of Strategy)"
+    assert sharded.startswith("memory plan: unavailable (FSDPStrategy has sharded the model the planner would trace; ")
+    assert late == "memory plan: unavailable (not made within 0.2 s)"

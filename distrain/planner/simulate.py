@@ -12,6 +12,7 @@ torchtitan's memory estimator, applied to every sharding and to distrain's own s
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,10 @@ def _in_forked_child(simulation, args, kwargs):
 
 
 def _child(send, simulation, args, kwargs) -> None:
+    # What this child inherited is never collected here: garbage of the parent's that holds a live gloo group
+    # would be destroyed in a process without the group's threads, and wait for them forever (launch.py's
+    # ``_freeze_what_forked_ranks_inherit``). The child ends by os._exit: nothing inherited is finalized.
+    gc.freeze()
     try:
         result = (True, simulation(*args, **kwargs))
     except BaseException as e:  # sent back and raised in the parent
