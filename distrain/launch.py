@@ -264,10 +264,12 @@ def _freeze_what_forked_ranks_inherit() -> bool:
     of an earlier run in a reference cycle, whose Reducer holds a gloo group) would be collected in the rank, where
     the group's destructor joins worker threads that do not exist there: the rank waits forever at its end. So
     collect it here, where the threads are, and freeze the rest (``gc.freeze``, as Python's docs advise before a
-    fork): a rank's collections then never touch what it inherited. The parent unfreezes when its ranks are done."""
+    fork): a rank's collections then never touch what it inherited. True when the parent is to unfreeze once its
+    ranks are done (False: the process had frozen objects of its own, and they stay so)."""
+    ours = gc.get_freeze_count() == 0
     gc.collect()
     gc.freeze()
-    return True
+    return ours
 
 
 def _worker(local_rank, nprocs, node_rank, num_nodes, addr, port, outdir, fn, args, kwargs, collect):
