@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import os
 import pickle
 import shutil
@@ -219,14 +218,16 @@ class MultiprocessingLauncher:
             _no_group_across_fork()
         addr, port = _master(self.num_nodes)
         outdir = tempfile.mkdtemp(prefix="distrain-launch-")
-        frozen = self.start_method == "fork" and _freeze_what_forked_ranks_inherit()
+        # forked ranks never collect what they inherit (distributed.inherited_never_collected)
+        forking = distributed.inherited_never_collected() if self.start_method == "fork" else contextlib.nullcontext()
         try:
-            mp.start_processes(
-                _worker,
-                args=(self.nprocs, self.node_rank, self.num_nodes, addr, port, outdir, fn, args, kwargs, collect),
-                nprocs=self.nprocs,
-                start_method=self.start_method,
-            )
+            with forking:
+                mp.start_processes(
+                    _worker,
+                    args=(self.nprocs, self.node_rank, self.num_nodes, addr, port, outdir, fn, args, kwargs, collect),
+                    nprocs=self.nprocs,
+                    start_method=self.start_method,
+                )
             result_file = Path(outdir) / "result.pkl"
             if not result_file.exists():  # not global rank 0 on this node
                 return None
@@ -237,8 +238,6 @@ class MultiprocessingLauncher:
                 restore(torch.load(state_file, weights_only=True))
             return result
         finally:
-            if frozen:
-                gc.unfreeze()
             shutil.rmtree(outdir, ignore_errors=True)
 
 
@@ -257,19 +256,6 @@ def _no_group_across_fork() -> None:
             f"{dist.get_world_size()}-process group; use strategy='ddp' (or ddp_spawn) there"
         )
     distributed.shutdown(barrier=False)
-
-
-def _freeze_what_forked_ranks_inherit() -> bool:
-    """A forked rank inherits this process's objects but not its threads. Garbage still waiting here (a DDP model
-    of an earlier run in a reference cycle, whose Reducer holds a gloo group) would be collected in the rank, where
-    the group's destructor joins worker threads that do not exist there: the rank waits forever at its end. So
-    collect it here, where the threads are, and freeze the rest (``gc.freeze``, as Python's docs advise before a
-    fork): a rank's collections then never touch what it inherited. True when the parent is to unfreeze once its
-    ranks are done (False: the process had frozen objects of its own, and they stay so)."""
-    ours = gc.get_freeze_count() == 0
-    gc.collect()
-    gc.freeze()
-    return ours
 
 
 def _worker(local_rank, nprocs, node_rank, num_nodes, addr, port, outdir, fn, args, kwargs, collect):

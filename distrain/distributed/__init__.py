@@ -11,13 +11,19 @@ from distrain.distributed.collectives import (
     broadcast,
     decided_on_rank_zero,
 )
-from distrain.distributed.process_group import decide_before_strategy, init_process_group, shutdown
+from distrain.distributed.process_group import (
+    decide_before_strategy,
+    inherited_never_collected,
+    init_process_group,
+    shutdown,
+)
 from distrain.distributed.watch import CollectiveHangError
 
 __all__ = [
     "init_process_group",
     "decide_before_strategy",
     "shutdown",
+    "inherited_never_collected",
     "all_reduce",
     "all_reduce_async",
     "all_gather",

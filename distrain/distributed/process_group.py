@@ -9,6 +9,7 @@ the launchers' workers and at interpreter exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import time
@@ -97,6 +98,23 @@ def shutdown(barrier: bool = True) -> None:
         watch.stop()
         time.sleep(_THREADS_SETTLE)
     gc.collect()
+
+
+@contextlib.contextmanager
+def inherited_never_collected():
+    """Fork inside this: the child never collects what it inherited. A forked child gets this process's objects but
+    not its threads; garbage still waiting here (a DDP model of an earlier run in a reference cycle, whose Reducer
+    holds a live gloo group) collected in the child would run the group's destructor there, which waits for threads
+    that exist only here: forever. So everything is frozen (``gc.freeze``, as Python's docs advise before a fork)
+    while the child is forked, and unfrozen after, here only: the child keeps its copy frozen, and this process
+    collects its garbage where the threads are. A process that had frozen objects of its own keeps them so."""
+    ours = gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if ours:
+            gc.unfreeze()
 
 
 #: how long a process gives the threads of the group it ended to release their last collective (they wait for

@@ -12,14 +12,13 @@ torchtitan's memory estimator, applied to every sharding and to distrain's own s
 from __future__ import annotations
 
 import contextlib
-import gc
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from distrain import compat
+from distrain import compat, distributed
 from distrain.planner.model_stats import (
     ModelSpec,
     checkpoint_policy,
@@ -68,7 +67,8 @@ def _in_forked_child(simulation, args, kwargs):
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=_child, args=(send, simulation, args, kwargs), daemon=True)
-    child.start()
+    with distributed.inherited_never_collected():
+        child.start()
     send.close()
     try:
         ok, value = receive.recv()
@@ -81,10 +81,6 @@ def _in_forked_child(simulation, args, kwargs):
 
 
 def _child(send, simulation, args, kwargs) -> None:
-    # What this child inherited is never collected here: garbage of the parent's that holds a live gloo group
-    # would be destroyed in a process without the group's threads, and wait for them forever (launch.py's
-    # ``_freeze_what_forked_ranks_inherit``). The child ends by os._exit: nothing inherited is finalized.
-    gc.freeze()
     try:
         result = (True, simulation(*args, **kwargs))
     except BaseException as e:  # sent back and raised in the parent
