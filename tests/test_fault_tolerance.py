@@ -322,6 +322,30 @@ def test_a_signal_to_the_launcher_stops_every_group_at_a_step_and_resume_goes_on
     assert resumed.count(f"done at step {steps}") == 2, resumed[-3000:]
 
 
+@pytest.mark.slow
+def test_a_signal_that_reaches_one_group_only_stops_every_group_at_the_same_step(tmp_path):
+    """SIGUSR1 (SLURM's warning before the time limit) to group 1's rank alone, mid-run: a group's process group holds
+    its own ranks only, so the groups agree through the gradients' all-reduce across groups. Both groups stop at
+    the same step, name the signal, write bit-identical final states, and the job exits 0; before, group 1 stopped at
+    once and group 0 trained on without it."""
+    out, steps = tmp_path / "run", 40
+    launcher = _train(out, "ddp_torchft", 1, f"training.max_steps={steps}")
+    try:
+        _wait_for_step(out / "replica_1", 3)
+        worker = _worker_of_group(launcher, "1")
+        assert worker is not None, "no rank of replica group 1 found"
+        worker.send_signal(signal.SIGUSR1)
+        output = _finish(launcher, timeout=120)
+    finally:
+        launcher.kill()
+    stopped = re.findall(rf"stopped by signal {int(signal.SIGUSR1)} at step (\d+)", output)
+    assert len(stopped) == 2 and stopped[0] == stopped[1] and int(stopped[0]) < steps, output[-3000:]
+    a, b = _last_state(out / "replica_0"), _last_state(out / "replica_1")
+    assert a["progress"]["global_step"] == b["progress"]["global_step"] == int(stopped[0])
+    for name, value in a["model"].items():
+        assert torch.equal(value, b["model"][name]), name
+
+
 def test_an_unreachable_lighthouse_is_one_line_naming_its_address(tmp_path):
     unreachable = "distributed.lighthouse=http://127.0.0.1:9"  # the discard port: nothing listens
     proc = _train(tmp_path / "run", "ddp_torchft", 1, unreachable, "distributed.max_restarts=0")

@@ -397,6 +397,15 @@ class Strategy:
         """A tensor (returned on the caller's device) or any picklable object, from rank ``src`` to every rank."""
         return distributed.broadcast(obj, src)
 
+    def agree_to_stop(self, vote: float) -> float | Callable[[], float]:
+        """Start the agreement of every rank of the job on a stop: the largest ``vote`` (0: go on; a signal number;
+        below 1: asked for by the code). A function that reads the result one step later, when each step starts one
+        (the reduction has long finished by then); or the result itself, on a job of one process."""
+        if self.world_size == 1:
+            return vote
+        pending = self.all_reduce_async(torch.tensor(vote), "max")
+        return lambda: float(pending())
+
     def barrier(self, name: str | None = None) -> None:
         """Wait until every rank gets here. ``name`` says which barrier it is (unused here)."""
         distributed.barrier()

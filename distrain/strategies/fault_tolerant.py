@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -99,6 +100,9 @@ class TorchFTStrategy(Strategy):
         self._take_over = None  # loads a peer's state into the loop (set with the loop's live state)
         self._run_dir: str | None = None
         self._ended_at: int | None = None  # the step of the finished group's final state it took
+        self._stop_vote = 0.0  # this rank's stop vote, sent with the next step's gradients to every group
+        self._stop_votes: torch.Tensor | None = None  # the step's votes, averaged over the quorum's ranks
+        self._stop_agreed = 0.0  # the job's agreed stop, from the last committed step
 
     @property
     def traits(self) -> Traits:
@@ -222,6 +226,7 @@ class TorchFTStrategy(Strategy):
 
     def _setup_training(self, model: nn.Module, optimizers: list, schedulers: list, loop: LoopFacts) -> SetUp:
         self._run_dir = loop.run_dir
+        self._stop_vote, self._stop_agreed = 0.0, 0.0  # a new fit: no stop asked for yet
         if loop.live_state is not None and not self._hands_over_state:
             save, load = loop.live_state
 
@@ -427,6 +432,17 @@ class TorchFTStrategy(Strategy):
                 flush=True,
             )
 
+    def agree_to_stop(self, vote: float) -> float | Callable[[], float]:
+        """The groups agree on a stop with the gradients, not with a collective of their own (a group's process group
+        holds only its ranks): the vote travels in the next step's all-reduce, over this group's ranks and then over
+        every group in that step's quorum, and is read after that step, as on DDP's ranks. A group that dropped the
+        step sends it again with the next one. Under ``semi_sync`` there is no per-step quorum: the group's ranks
+        agree, and each group stops at the step its own signal lands."""
+        if self._semi is not None:
+            return super().agree_to_stop(vote)
+        self._stop_vote = vote
+        return lambda: self._stop_agreed
+
     def run_step(self, model: nn.Module, micro_batches: list, before_each=None) -> tuple[torch.Tensor, Any]:
         loss, output = super().run_step(model, micro_batches, before_each)  # no wrapper: gradients stay local
         self._average_gradients(model)
@@ -449,12 +465,18 @@ class TorchFTStrategy(Strategy):
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        for bucket in _buckets([p.grad for p in params if p.grad is not None]):
+        buckets = _buckets([p.grad for p in params if p.grad is not None])
+        for i, bucket in enumerate(buckets):
             flat = _flatten_dense_tensors(bucket)
+            votes = across_groups and i == len(buckets) - 1  # the stop votes ride on the last bucket
+            if votes:
+                flat = torch.cat([flat, _stop_ballot(self._stop_vote).to(flat)])
             if self.world_size > 1:
                 flat = distributed.all_reduce(flat, "mean")
             if across_groups:
                 self.manager.allreduce(flat).wait()  # a failure is recorded: commit_step is then False
+            if votes:
+                flat, self._stop_votes = flat[: -len(STOP_VOTES)], flat[-len(STOP_VOTES) :]
             for grad, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 grad.copy_(averaged)
 
@@ -462,7 +484,27 @@ class TorchFTStrategy(Strategy):
         self._in_step = False
         if self._semi is not None:  # torchft commits at the meetings (a failed one goes back to the last)
             return True
-        return self.manager.should_commit()
+        committed = self.manager.should_commit()
+        if committed and self._stop_votes is not None:  # a failed step's all-reduce may hold anything
+            self._stop_agreed = max(self._stop_agreed, _stop_outcome(self._stop_votes))
+        self._stop_votes = None
+        return committed
+
+
+#: every stop vote there is (``training/preemption.py``: a stop asked for by the code, then the signal numbers). The
+#: gradients' all-reduce averages, so a vote travels as a one-hot row, and the largest slot any rank filled wins.
+STOP_VOTES = (0.5, *range(1, 65))
+
+
+def _stop_ballot(vote: float) -> torch.Tensor:
+    if vote and vote not in STOP_VOTES:
+        raise ValueError(f"ddp_torchft: a stop vote must be one of 0, 0.5 or a signal number, not {vote}")
+    return torch.tensor([float(v == vote) for v in STOP_VOTES])
+
+
+def _stop_outcome(averaged: torch.Tensor) -> float:
+    filled = [v for v, share in zip(STOP_VOTES, averaged.tolist()) if share > 0]
+    return max(filled, default=0.0)
 
 
 def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:

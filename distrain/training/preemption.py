@@ -14,8 +14,6 @@ import signal
 import threading
 from collections.abc import Callable
 
-import torch
-
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _ASKED = 0.5  # a stop asked for by the code (should_stop), not by a signal: below every signal number
 
@@ -25,7 +23,7 @@ class StopAgreement:
         self.runtime = runtime
         self.received: int | None = None  # a signal this rank got
         self.preempted: int | None = None  # the signal every rank agreed to stop on
-        self._pending: Callable[[], torch.Tensor] | None = None
+        self._pending: Callable[[], float] | None = None
         self._previous_handlers: dict = {}
 
     def install(self) -> None:
@@ -46,12 +44,14 @@ class StopAgreement:
     def requested(self, local: bool = False) -> bool:
         """Call once per optimizer step on every rank: True on all of them at the same step once any
         rank got a signal or asked to stop (``local``, a callback's ``should_stop``). On several ranks
-        that is one step after the request; on one process, at once."""
+        that is one step after the request; on one process, at once. The strategy says how its ranks
+        agree (``Strategy.agree_to_stop``): torchft's replica groups agree across groups too."""
         mine = float(self.received or 0) or (_ASKED if local else 0.0)
-        if self.runtime.world_size == 1:
-            return self._decide(mine)
         flag = self._collect()
-        self._pending = self.runtime.all_reduce_async(torch.tensor(mine), "max")
+        agreed = self.runtime.strategy.agree_to_stop(mine)
+        if not callable(agreed):
+            return self._decide(agreed)
+        self._pending = agreed
         return flag
 
     def finish(self) -> None:
@@ -64,7 +64,7 @@ class StopAgreement:
 
     def _collect(self) -> bool:
         pending, self._pending = self._pending, None
-        return self._decide(float(pending()) if pending is not None else 0.0)
+        return self._decide(pending() if pending is not None else 0.0)
 
     def _decide(self, flag: float) -> bool:
         if flag >= 1:  # a signal number
