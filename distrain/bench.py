@@ -54,6 +54,8 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"distrain: error: unknown size {unknown[0]!r}; choose from {', '.join(GPT_SIZES)}", file=sys.stderr)
         return 2
+    from distrain.strategies import registry
+
     gpu = torch.cuda.is_available()
     precision = args.precision or ("bf16-mixed" if gpu else "32-true")
     devices = args.devices or (torch.cuda.device_count() if gpu else min(2, os.cpu_count() or 1))
@@ -69,7 +71,8 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     for size in args.sizes:
         for strategy in args.strategies:
-            row = _run_row(args, size, strategy, precision, 1 if strategy == "single" else devices)
+            ranks = 1 if registry.start_method_of(strategy) is None else devices  # None: it runs one process
+            row = _run_row(args, size, strategy, precision, ranks)
             rows.append(row)
             if "error" in row:
                 print(f"{size:<10} {strategy:<20} {row['ranks']:>5}  failed: {row['error']}", flush=True)

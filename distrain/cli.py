@@ -414,7 +414,7 @@ def _check_job(args, train_args: list[str]) -> None:
     starter = "torchrun" if args.engine in ("torchrun", "sky") or getattr(args, "min_nodes", None) else None
     starter = "srun" if args.engine == "slurm" else starter
     strategy = config.distributed.strategy
-    if starter and registry.start_method_of(strategy) == "replica_groups":
+    if starter and registry.starts_replica_groups(strategy):
         raise ConfigError(
             f"strategy {strategy} starts its replica groups itself (distrain train on one machine, or one torchrun "
             f"per replica group that you start), and the ranks of this job are started by {starter}"

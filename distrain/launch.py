@@ -30,7 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from distrain import distributed
-from distrain.cluster import ClusterEnv, find_free_port
+from distrain.cluster import find_free_port
 from distrain.distributed import watch
 
 
@@ -80,6 +80,9 @@ def _command_of_this_process() -> list[str]:
 class SubprocessLauncher:
     """Rank 0 is this process; ranks 1..N-1 are the same command, started with their env."""
 
+    #: the ranks are this script: ``launch()`` with no function starts the others and makes this process rank 0
+    starts_this_script = True
+
     def __init__(self, nprocs: int, num_nodes: int = 1, node_rank: int = 0):
         self.nprocs = nprocs
         self.num_nodes = num_nodes
@@ -94,7 +97,9 @@ class SubprocessLauncher:
         #: what the memory plan says about a rank the kernel killed (``Runtime.explain_out_of_memory``)
         self.explain_memory: Callable[[bool], str] | None = None
 
-    def launch(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    def launch(self, fn: Callable, *args: Any, collect=None, restore=None, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` here, as rank 0 (``collect``/``restore`` bring a spawned rank's state back: this
+        process trained it itself)."""
         if not self._started:  # also with one process per node: this process needs its rank env
             self._started_at = time.time()
             self._start_others()
@@ -195,6 +200,8 @@ class SubprocessLauncher:
 class MultiprocessingLauncher:
     """spawn/fork N workers; rank 0's return value and ``collect()`` payload come back to us."""
 
+    starts_this_script = False  # the ranks run a function, in processes of their own
+
     def __init__(self, nprocs: int, start_method: str, num_nodes: int = 1, node_rank: int = 0):
         if start_method == "fork" and torch.cuda.is_initialized():
             raise RuntimeError(
@@ -269,29 +276,6 @@ def _worker(local_rank, nprocs, node_rank, num_nodes, addr, port, outdir, fn, ar
     distributed.shutdown()
 
 
-def make_launcher(strategy, nprocs: int, cluster: ClusterEnv, num_nodes: int):
-    """None when a launcher already started every rank, or when there is one process."""
-    start_method = strategy.start_method
-    if cluster.launched_externally or start_method is None:
-        return None
-    if start_method == "replica_groups":  # ddp_torchft: every group is a torchrun of its own, also of one rank
-        if num_nodes > 1:
-            raise ValueError(
-                "ddp_torchft on several nodes: start one torchrun per replica group yourself (REPLICA_GROUP_ID, "
-                "NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE set; torchft_lighthouse on one host); distrain starts the "
-                "groups of one machine"
-            )
-        return ReplicaGroupLauncher(
-            nprocs, strategy.replica_groups, strategy.min_replicas, strategy.lighthouse, strategy.max_restarts
-        )
-    if nprocs * num_nodes == 1:
-        return None
-    node_rank = int(os.environ.get("NODE_RANK", 0))
-    if start_method == "popen":
-        return SubprocessLauncher(nprocs, num_nodes, node_rank)
-    return MultiprocessingLauncher(nprocs, start_method, num_nodes, node_rank)
-
-
 class ReplicaGroupLauncher:
     """``ddp_torchft``: this process supervises and trains nothing. It starts torchft's lighthouse (unless one is
     given), then one torchrun per replica group running this same command; torchrun restarts a group whose rank died
@@ -303,6 +287,8 @@ class ReplicaGroupLauncher:
     authentication), and so, with a lighthouse on loopback, do the groups' own servers and gloo's sockets. Each job
     has a secret of its own (``DISTRAIN_JOB_SECRET``), which a group asks of every request for its live state; it is
     passed in the groups' environment only (torchrun's restarts inherit it), never printed or written."""
+
+    starts_this_script = False  # this process supervises: the groups' torchruns run the script
 
     #: the lighthouse forms a quorum without a group that heartbeats but has not asked to join after this long
     JOIN_TIMEOUT_MS = 10_000

@@ -278,7 +278,7 @@ class Module(nn.Module):
         (``parallelize_module(layer, self.device_mesh["tensor_parallel"], plan)``). None otherwise."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        mesh = getattr(self._trainer.strategy, "device_mesh", None) if self._trainer is not None else None
+        mesh = self._trainer.strategy.device_mesh if self._trainer is not None else None
         return mesh if isinstance(mesh, DeviceMesh) else None
 
     @property

@@ -33,7 +33,6 @@ from distrain.checkpoint import state as ckpt_state
 from distrain.cluster import detect_cluster, end_fast_at_exit, export_cluster_env
 from distrain.data import move_to_device, with_distributed_sampler
 from distrain.distributed import watch
-from distrain.launch import make_launcher
 from distrain.precision import Precision
 from distrain.strategies.base import Strategy
 from distrain.strategies.registry import make_strategy
@@ -73,7 +72,7 @@ class Runtime:
                 f"{self.nprocs * num_nodes} processes were requested (devices={devices}, num_nodes={num_nodes})"
             )
         self.strategy.connect(self.accelerator, self.precision, self.cluster, self.nprocs, num_nodes)
-        self._launcher = make_launcher(self.strategy, self.nprocs, self.cluster, num_nodes)
+        self._launcher = self.strategy.launcher(self.nprocs, self.cluster, num_nodes)
         #: NCCL flight-recorder dumps on a collective timeout go here (the Trainer: its run dir)
         self.flight_recorder_dir: str | None = None
         #: each rank's output (``rank_N.log``) and failure record go here (the Trainer: its run dir's logs/)
@@ -152,8 +151,11 @@ class Runtime:
         (running the same script) and sets up this one, as Fabric's does.
         """
         if fn is None:
-            if self._launcher is not None and self.strategy.start_method != "popen":
-                raise ValueError(f"{self.strategy.start_method} launching needs a function: runtime.launch(fn)")
+            if not self.ranks_run_this_script:
+                raise ValueError(
+                    f"strategy {type(self.strategy).__name__} starts ranks that run a function, not this script: "
+                    "call runtime.launch(fn)"
+                )
             return self.run_in_ranks(lambda: None)
         return self.run_in_ranks(fn, self, *args, **kwargs)
 
@@ -166,9 +168,14 @@ class Runtime:
         in_rank = functools.partial(_run_in_rank, self, fn)  # picklable, for spawn
         if self._launcher is None:
             return in_rank(*args, **kwargs)
-        if self.strategy.start_method == "popen":
-            return self._launcher.launch(in_rank, *args, **kwargs)
         return self._launcher.launch(in_rank, *args, collect=collect, restore=restore, **kwargs)
+
+    @property
+    def ranks_run_this_script(self) -> bool:
+        """This process is one of the job's ranks, or becomes rank 0 at ``launch()`` (the others re-run this
+        script): False where the ranks run a function in processes of their own (spawn, fork) or this process only
+        supervises (replica groups)."""
+        return self._launcher is None or self._launcher.starts_this_script
 
     @property
     def environment_ready(self) -> bool:
@@ -179,7 +186,7 @@ class Runtime:
         """Run with ``strategy`` instead (``strategy="auto"``, once decided), before any rank starts."""
         strategy.connect(self.accelerator, self.precision, self.cluster, self.nprocs, self.num_nodes)
         self.strategy = strategy
-        self._launcher = make_launcher(strategy, self.nprocs, self.cluster, self.num_nodes)
+        self._launcher = strategy.launcher(self.nprocs, self.cluster, self.num_nodes)
         self.auto_options = None
 
     def setup_environment(self) -> None:

@@ -143,3 +143,103 @@ def test_every_package_is_found_by_the_install():
         if d.is_dir() and any(d.glob("*.py"))
     }
     assert with_code - set(find_packages(str(PACKAGE.parent), include=["distrain*"])) == set()
+
+
+# ---- strategies answer for themselves -----------------------------------------------------------------------------
+#: what the engines behind the strategies keep on their parameters, optimizers and modules: DeepSpeed's partitions,
+#: FSDP2's state, DDP's hook. Code outside ``strategies/`` that reads one is asking a strategy's engine behind its back.
+ENGINE_INTERNALS = {
+    "ds_id",
+    "ds_tensor",
+    "ds_shape",
+    "_hp_mapping",
+    "_get_fsdp_state",
+    "_mp_policy",
+    "ddp_comm_hook",
+    "communication_data_type",
+    "fp32_partitioned_groups_flat",
+    "single_partition_of_fp32_groups",
+}
+
+
+#: what a user asks for in a strategy's place: a decision (``auto``), every option (``distrain plan``'s ``all``)
+REQUESTS = {"auto", "all"}
+#: the planner's one module that still restates each strategy (its per-strategy cost models are issue 33's next step)
+RESTATES_STRATEGIES = {"planner/plan.py"}
+
+
+def _mentions_strategy(node: ast.AST) -> bool:
+    """``strategy``, ``self.strategy``, ``trainer.runtime.strategy``, ``registry.start_method_of(…)``…"""
+    for sub in ast.walk(node):
+        name = sub.id if isinstance(sub, ast.Name) else sub.attr if isinstance(sub, ast.Attribute) else ""
+        if "strategy" in name or name == "start_method_of":
+            return True
+    return False
+
+
+def strategy_sniffing(source: str) -> list[tuple[int, str]]:
+    """Where ``source`` interrogates a strategy instead of asking it: a private attribute read off a strategy; a
+    strategy's attribute probed with hasattr/getattr; a strategy (or its start method) compared with a string; an
+    engine's internals, read or probed."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            if node.attr in ENGINE_INTERNALS:
+                found.append((node.lineno, f"reads the engine's {node.attr}"))
+            elif node.attr.startswith("_") and not node.attr.startswith("__") and _mentions_strategy(node.value):
+                found.append((node.lineno, f"reads a strategy's private {node.attr}"))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("hasattr", "getattr") and node.args:
+            key = node.args[1] if len(node.args) > 1 else None
+            name = key.value if isinstance(key, ast.Constant) and isinstance(key.value, str) else None
+            if name in ENGINE_INTERNALS:
+                found.append((node.lineno, f"probes the engine's {name}"))
+            elif _mentions_strategy(node.args[0]):
+                found.append((node.lineno, f"probes a strategy for {name!r}"))
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            strings = [s.value for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)]
+            strings += [
+                e.value
+                for s in sides
+                if isinstance(s, (ast.Tuple, ast.List, ast.Set))
+                for e in s.elts
+                if isinstance(e, ast.Constant)
+            ]
+            if set(strings) - REQUESTS and any(_mentions_strategy(s) for s in sides):
+                found.append((node.lineno, "tests a strategy's name"))
+    return found
+
+
+def test_no_module_outside_strategies_interrogates_a_strategy():
+    """What verify, the histograms, checkpoints, metrics, jobs and the launcher need comes from methods and traits
+    of the strategy: a new strategy then changes nothing outside its own file."""
+    outside = [
+        f
+        for f in PACKAGE.rglob("*.py")
+        if "strategies" not in f.relative_to(PACKAGE).parts
+        and f.relative_to(PACKAGE).as_posix() not in RESTATES_STRATEGIES
+    ]
+    found = [
+        f"{file.relative_to(PACKAGE.parent)}:{line}: {what}"
+        for file in outside
+        for line, what in strategy_sniffing(file.read_text())
+    ]
+    assert not found, "\n".join(sorted(found))
+
+
+def test_the_sniffing_checker_sees_each_kind():
+    """It must be able to fail, on each kind it names."""
+    cases = {
+        "trainer.strategy._groups": "private",
+        "hasattr(p, 'ds_id')": "engine's ds_id",
+        "getattr(self.strategy, 'runner', None)": "probes a strategy",
+        "trainer.strategy.start_method in (None, 'popen')": "name",
+        "registry.start_method_of(strategy) == 'replica_groups'": "name",
+        "m._get_fsdp_state()": "engine's _get_fsdp_state",
+    }
+    for source, kind in cases.items():
+        found = strategy_sniffing(source)
+        assert found and kind in found[0][1], (source, found)
+    assert strategy_sniffing("trainer.strategy.full_parameter(p)") == []
+    assert strategy_sniffing("if strategy == 'auto': pass") == []  # a request for the decision, not a strategy
+    assert strategy_sniffing("mp.start_processes(f, start_method='fork') if start_method == 'fork' else 0") == []

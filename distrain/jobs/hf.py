@@ -63,7 +63,7 @@ class HFJob:
         """The task module and its train and validation loaders (the data tokenized once, on rank 0 first)."""
         c = self.config
         t, data = c.training, self.data
-        if trainer.strategy.start_method in (None, "popen"):
+        if trainer.runtime.ranks_run_this_script:
             # start the ranks now, not at fit(): then rank 0 tokenizes while the others wait, instead
             # of every rank tokenizing (spawn/fork strategies prepare the data once, in this process)
             trainer.runtime.launch()
@@ -85,7 +85,7 @@ class HFJob:
             lr_schedule=t.lr_schedule,
             seed=t.seed,
         )
-        layout = getattr(trainer.strategy, "layout", None)  # sequence parallelism splits sequences over TP ranks
+        layout = trainer.strategy.layout  # sequence parallelism splits sequences over TP ranks
         collate = hf_data.collator(data, tokenizer, multiple_of=layout.tensor if layout else 1)
         train_loader = DataLoader(
             prepared.train,

@@ -84,7 +84,7 @@ def _start(config: RunConfig, resume: str | None, job: Workload | None = None):
     ckpt_dir = Path(c.checkpoint_dir) if c.checkpoint_dir else out / "checkpoints"
     # --resume auto (requeued/restarted jobs): the newest intact checkpoint if there is one, else a fresh start
     lasts = [ckpt_dir / "last"]
-    if d.strategy == "ddp_torchft" and replica_group() is None:  # the process that starts the groups: theirs
+    if registry.starts_replica_groups(d.strategy) and replica_group() is None:  # the groups' supervisor: theirs
         lasts = [ckpt_dir / f"replica_{g}" / "last" for g in range(d.replica_groups)]
         if not c.checkpoint_dir:
             lasts = [out / f"replica_{g}" / "checkpoints" / "last" for g in range(d.replica_groups)]

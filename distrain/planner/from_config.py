@@ -7,6 +7,7 @@ from distrain.config import RunConfig
 from distrain.planner.estimate import Job
 from distrain.planner.model_stats import ModelSpec
 from distrain.planner.plan import Budget
+from distrain.strategies import registry
 
 
 def plans_for_gpu(config: RunConfig) -> bool:
@@ -59,7 +60,7 @@ def zero_config(config: RunConfig) -> dict | None:
 def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
     t, d = config.training, config.distributed
     # ddp_torchft: replica_groups groups of `devices` ranks each, all on this machine; DDP over all of them
-    per_node = ranks_per_node(config, gpu) * (d.replica_groups if d.strategy == "ddp_torchft" else 1)
+    per_node = ranks_per_node(config, gpu) * (d.replica_groups if registry.starts_replica_groups(d.strategy) else 1)
     return Job(
         spec=spec_from_config(config, job),
         micro_batch=t.batch_size_per_gpu,
@@ -91,7 +92,7 @@ def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
                 sync_every=d.sync_every,
                 outer_momentum=d.outer_momentum,
             )
-            if d.strategy == "ddp_torchft"
+            if registry.starts_replica_groups(d.strategy)
             else {}
         ),  # fmt: skip
     )

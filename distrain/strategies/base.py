@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -70,6 +71,11 @@ class Traits:
     """A step's forward and backward can run again before its optimizer step, every rank deciding alike
     (``on_anomaly`` re-runs an anomalous step): not where an engine counts every backward (DeepSpeed), where a
     schedule owns the backward (pipelines), nor across replica groups that decide apart (torchft)."""
+    optimizer_holds_parameters: bool = True
+    """The optimizer's parameter groups hold the module's own parameters (not where an engine steps flat partitions
+    of them, ZeRO-3): then a parameter no optimizer holds is one that is never trained."""
+    stages_hold_own_parameters: bool = False
+    """Each pipeline stage holds only its own layers: a whole model is gathered from every stage."""
     counts_metrics: bool = True
     """This rank's logged values count in cross-rank reductions; a rank holding a copy of another's samples (a
     tensor-parallel peer, a pipeline's earlier stage) does not, so a sample counts once."""
@@ -97,6 +103,10 @@ class Strategy:
     start_method: str | None = None
     #: ``torch.compile`` when the model is set up (``Trainer(compile=...)`` sets it): False, True or compile kwargs
     compile: bool | dict = False
+    #: the ranks' named mesh, for strategies that lay ranks out on one (``model_parallel``); None otherwise
+    device_mesh: Any = None
+    #: how the ranks split the work (``ParallelLayout``: data, tensor, pipeline, context), where it is more than data
+    layout: Any = None
 
     @property
     def traits(self) -> Traits:
@@ -292,6 +302,52 @@ class Strategy:
         """The module inside what ``setup`` returned (DDP's wrapper, DeepSpeed's engine): here, ``module`` itself."""
         return module
 
+    # ---- launching: how the other ranks start ------------------------------------------------------------------
+    def launcher(self, nprocs: int, cluster: ClusterEnv, num_nodes: int):
+        """What starts this job's other ranks from this process (``launch.py``), per ``start_method``: None when an
+        outside launcher (torchrun, srun) started every rank, or when there is one process."""
+        from distrain import launch
+
+        if cluster.launched_externally or self.start_method is None or nprocs * num_nodes == 1:
+            return None
+        node_rank = int(os.environ.get("NODE_RANK", 0))
+        if self.start_method == "popen":
+            return launch.SubprocessLauncher(nprocs, num_nodes, node_rank)
+        return launch.MultiprocessingLauncher(nprocs, self.start_method, num_nodes, node_rank)
+
+    # ---- what a rank holds: read by verify, the histograms, checkpoints (a strategy keeps parts elsewhere) -------
+    def full_shape(self, param: torch.Tensor) -> torch.Size:
+        """The whole parameter's shape (a DTensor's is already the whole one)."""
+        return param.shape
+
+    def local_shard(self, param: torch.Tensor) -> torch.Tensor:
+        """The part of ``param`` this rank stores: a DTensor's local shard, else the parameter."""
+        return param.to_local() if _is_dtensor(param) else param
+
+    def holds_whole(self, param: torch.Tensor) -> bool:
+        """This rank holds the whole of ``param`` (a copy every data-parallel rank must agree on)."""
+        return not _is_dtensor(param)
+
+    def full_parameter(self, param: torch.Tensor) -> torch.Tensor:
+        """The whole parameter, detached (a collective for a sharded one: call on every rank)."""
+        return param.detach().full_tensor() if _is_dtensor(param) else param.detach()
+
+    def full_gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The whole gradient, or None (a collective for a sharded one: call on every rank)."""
+        grad = param.grad
+        return grad.full_tensor() if grad is not None and _is_dtensor(grad) else grad
+
+    def reduce_dtype(self, model: nn.Module, module: nn.Module) -> torch.dtype:
+        """The dtype gradients are reduced across ranks in, read from the live objects (``model``: what ``setup``
+        returned): here the gradients' own."""
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        return grads[0].dtype if grads else next(module.parameters()).dtype
+
+    def master_weights(self, optimizer) -> list[torch.Tensor]:
+        """The weights ``optimizer`` steps (the fp32 masters where an engine keeps its own)."""
+        inner = getattr(optimizer, "optimizer", optimizer)  # a wrapper around a torch optimizer
+        return [p for group in inner.param_groups for p in group["params"]]
+
     # ---- the step -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, module: nn.Module | None = None) -> None:
         """``loss.backward()`` through the precision plugin (the loss scaled first when there is a grad scaler)."""
@@ -430,6 +486,11 @@ class Strategy:
     def load_checkpoint(self, path: str | os.PathLike, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         """Reads both formats: a full ``state.pt`` and a DCP-sharded directory (resharded to us)."""
         return ckpt_state.load_any(path, state, self.unwrap, ckpt_state.FULL, strict)
+
+
+def _is_dtensor(t: Any) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not loaded: nothing is a DTensor (and DDP never loads it)
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def _cuda_backend(backend: str) -> str:

@@ -86,6 +86,12 @@ class DDPStrategy(Strategy):
         self._register_comm_hook(ddp)
         return ddp
 
+    def reduce_dtype(self, model: nn.Module, module: nn.Module) -> torch.dtype:
+        """A compression hook's dtype; else the gradients' own."""
+        compressed = {"bf16_compress": torch.bfloat16, "fp16_compress": torch.float16}
+        hook = self.ddp_comm_hook
+        return compressed[hook] if isinstance(hook, str) and hook in compressed else super().reduce_dtype(model, module)
+
     def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
         hook, state = self.ddp_comm_hook, self.ddp_comm_state
         if hook is None:

@@ -137,6 +137,7 @@ class DeepSpeedStrategy(Strategy):
             converts_fp8=False,  # the engine owns the model's dtypes; torchao's float8 layers are not wired in
             saves_in_background=False,  # the engine writes its own checkpoint files, synchronously
             reruns_steps=False,  # its engine counts every backward towards its accumulation boundary
+            optimizer_holds_parameters=self.stage != 3,  # ZeRO-3's optimizer steps flat partitions
         )
 
     @property
@@ -393,6 +394,40 @@ class DeepSpeedStrategy(Strategy):
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The module inside the DeepSpeed engine (``module`` itself when it is not the engine)."""
         return module.module if module is self.engine else module
+
+    # ---- what a rank holds: ZeRO keeps partitions (DeepSpeed's own accessors gather them) ----------------------
+    def full_shape(self, param: torch.Tensor) -> torch.Size:
+        return getattr(param, "ds_shape", param.shape)  # ZeRO-3: the parameter itself is an empty placeholder
+
+    def local_shard(self, param: torch.Tensor) -> torch.Tensor:
+        return getattr(param, "ds_tensor", param)  # ZeRO-3: this rank's partition
+
+    def holds_whole(self, param: torch.Tensor) -> bool:
+        return not hasattr(param, "ds_id") and super().holds_whole(param)
+
+    def full_parameter(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 master, gathered from the partitions (the parameter itself where the engine keeps none)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full = safe_get_full_fp32_param(param)
+        return full.detach() if full is not None else super().full_parameter(param)
+
+    def full_gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """ZeRO keeps gradients in its partitions: gathered from there (stage 0: the parameter's own)."""
+        from deepspeed.utils import safe_get_full_grad
+
+        full = safe_get_full_grad(param)
+        return full if full is not None else super().full_gradient(param)
+
+    def reduce_dtype(self, model: nn.Module, module: nn.Module) -> torch.dtype:
+        return self.engine.communication_data_type if self.engine is not None else super().reduce_dtype(model, module)
+
+    def master_weights(self, optimizer) -> list[torch.Tensor]:
+        """ZeRO steps flat fp32 partitions, and empties the inner optimizer's groups between steps."""
+        masters = getattr(optimizer, "fp32_partitioned_groups_flat", None) or getattr(
+            optimizer, "single_partition_of_fp32_groups", None
+        )
+        return list(masters) if masters else super().master_weights(optimizer)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def _engine_keys(self, state: dict[str, Any]) -> list[str]:

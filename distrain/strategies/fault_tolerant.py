@@ -104,6 +104,20 @@ class TorchFTStrategy(Strategy):
         self._stop_votes: torch.Tensor | None = None  # the step's votes, averaged over the quorum's ranks
         self._stop_agreed = 0.0  # the job's agreed stop, from the last committed step
 
+    def launcher(self, nprocs: int, cluster, num_nodes: int):
+        """Every group is a torchrun of its own, also of one rank: distrain starts the groups of one machine."""
+        if cluster.launched_externally:
+            return None
+        if num_nodes > 1:
+            raise ValueError(
+                "ddp_torchft on several nodes: start one torchrun per replica group yourself (REPLICA_GROUP_ID, "
+                "NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE set; torchft_lighthouse on one host); distrain starts the "
+                "groups of one machine"
+            )
+        from distrain.launch import ReplicaGroupLauncher
+
+        return ReplicaGroupLauncher(nprocs, self.replica_groups, self.min_replicas, self.lighthouse, self.max_restarts)
+
     @property
     def traits(self) -> Traits:
         """The defaults, except that steps are not re-run: each replica group would decide alone."""

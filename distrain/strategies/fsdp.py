@@ -233,6 +233,9 @@ class FSDPStrategy(Strategy):
         norm = super().clip_gradients(module, optimizer, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
+    def reduce_dtype(self, model: nn.Module, module: nn.Module) -> torch.dtype:
+        return live_reduce_dtype(model) or super().reduce_dtype(model, module)
+
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, path, state: dict[str, Any], background: bool = False):
         if self.state_dict_type == "sharded":
@@ -243,6 +246,17 @@ class FSDPStrategy(Strategy):
 
     def load_checkpoint(self, path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         return ckpt_state.load_any(path, state, self.unwrap, ckpt_state.SHARDED, strict)
+
+
+def live_reduce_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype FSDP2 reduces gradients in, from the policy its live state holds (what it does, not what was asked
+    for: verify audits it); None when no module of ``model`` is sharded."""
+    for m in model.modules():
+        state = getattr(m, "_get_fsdp_state", None)
+        if state is not None:
+            policy = state()._mp_policy
+            return policy.reduce_dtype or policy.param_dtype
+    return None
 
 
 @contextlib.contextmanager

@@ -161,6 +161,7 @@ class ModelParallelStrategy(Strategy):
         return Traits(
             collective_forward=True,
             metrics_elsewhere=pipelined,  # the last stage logs; rank 0 is the first
+            stages_hold_own_parameters=pipelined,
             # one copy: the first tensor- and context-parallel rank of the last stage
             counts_metrics=tp == 0 and cp == 0 and pp == last,
             reruns_steps=self.pipeline_stages == 1,  # a pipeline's schedule runs the backward
@@ -169,6 +170,11 @@ class ModelParallelStrategy(Strategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.device_mesh = self.layout.mesh(self.root_device.type)
+
+    def reduce_dtype(self, model: nn.Module, module: nn.Module) -> torch.dtype:
+        from distrain.strategies.fsdp import live_reduce_dtype  # the data-parallel dimension is FSDP2's
+
+        return live_reduce_dtype(model) or super().reduce_dtype(model, module)
 
     # ---- building the model ----------------------------------------------------------------------------------------
     def module_init_context(self, empty_init: bool | None = None):

@@ -63,7 +63,7 @@ class Probe(Callback):
     # ---- the loop's points ------------------------------------------------------------------------------------
     def on_fit_start(self, trainer, module) -> None:
         self.initial = whole(trainer, grads=False)
-        self._watch_compute(module)
+        self._watch_compute(trainer.strategy, module)
 
     def on_train_step_start(self, trainer, module, batches: list) -> None:
         self.samples.append([i for batch in batches for i in sample_ids(batch)])
@@ -81,7 +81,7 @@ class Probe(Callback):
         step = self.steps[-1]
         step["loss"] = float(trainer.callback_metrics["loss"])
         step["weights"] = whole(trainer, grads=False)
-        self.replicas.append(_replica_hashes(module))
+        self.replicas.append(_replica_hashes(trainer.strategy, module))
         if len(self.steps) == 1:
             self._audit_optimizer(trainer)
             for hook in self._hooks:
@@ -115,7 +115,7 @@ class Probe(Callback):
                 "world_size": len(ranks),
                 "data_parallel_size": strategy.data_parallel_size,
                 "precision": trainer.runtime.precision.name,
-                "missing_from_optimizer": _missing_from_optimizer(module, trainer.optimizers),
+                "missing_from_optimizer": _missing_from_optimizer(strategy, module, trainer.optimizers),
                 "checkpoint": str(self.checkpoint) if self.checkpoint else None,
             }
             torch.save(record, self.out)
@@ -124,7 +124,7 @@ class Probe(Callback):
     def _see(self, stage: str, dtype: torch.dtype) -> None:
         self.dtypes.setdefault(stage, set()).add(str(dtype).replace("torch.", ""))
 
-    def _watch_compute(self, module: nn.Module) -> None:
+    def _watch_compute(self, strategy, module: nn.Module) -> None:
         """What the matmuls of the first step compute in (autocast's dtype, or the weights')."""
 
         def seen(_, inputs, output) -> None:
@@ -133,26 +133,23 @@ class Probe(Callback):
 
         for m in module.modules():
             weight = getattr(m, "weight", None)
-            shape = getattr(weight, "ds_shape", getattr(weight, "shape", ()))  # ZeRO-3: the whole shape
-            if isinstance(weight, torch.Tensor) and len(shape) == 2 and not isinstance(m, nn.Embedding):
+            if not isinstance(weight, torch.Tensor) or isinstance(m, nn.Embedding):
+                continue
+            if len(strategy.full_shape(weight)) == 2:
                 self._hooks.append(m.register_forward_hook(seen))
 
     def _audit_gradients(self, trainer, module: nn.Module) -> None:
+        strategy = trainer.strategy
         for p in module.parameters():
-            storage = getattr(p, "ds_tensor", p)  # ZeRO-3: this rank's partition
-            self._see("storage", storage.dtype)
+            self._see("storage", strategy.local_shard(p).dtype)
             if p.grad is not None:
                 self._see("gradients", p.grad.dtype)
-        self._see("reduction", _reduction_dtype(trainer, module))
+        self._see("reduction", strategy.reduce_dtype(trainer.model, module))
 
     def _audit_optimizer(self, trainer) -> None:
         for optimizer in trainer.optimizers:
-            inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO wraps a torch optimizer
-            # ZeRO steps flat fp32 partitions, and empties the inner optimizer's groups between steps
-            masters = getattr(optimizer, "fp32_partitioned_groups_flat", None) or getattr(
-                optimizer, "single_partition_of_fp32_groups", None
-            )
-            for p in masters or [p for group in inner.param_groups for p in group["params"]]:
+            inner = getattr(optimizer, "optimizer", optimizer)  # a wrapper (DeepSpeed's ZeRO) around a torch optimizer
+            for p in trainer.strategy.master_weights(optimizer):
                 self._see("master weights", p.dtype)
             for state in inner.state.values():
                 for value in state.values():
@@ -160,63 +157,32 @@ class Probe(Callback):
                         self._see("optimizer state", value.dtype)
 
 
-def _reduction_dtype(trainer, module: nn.Module) -> torch.dtype:
-    """The dtype gradients are reduced in: FSDP2's live mixed-precision policy, DeepSpeed's engine, a DDP
-    compression hook; else the gradients' own."""
-    engine = trainer.model
-    if hasattr(engine, "communication_data_type"):
-        return engine.communication_data_type
-    for m in trainer.model.modules():
-        state = getattr(m, "_get_fsdp_state", None)
-        if state is not None:
-            policy = state()._mp_policy
-            return policy.reduce_dtype or policy.param_dtype or next(module.parameters()).dtype
-    hook = getattr(trainer.strategy, "ddp_comm_hook", None)
-    if hook in ("bf16_compress", "fp16_compress"):
-        return torch.bfloat16 if hook == "bf16_compress" else torch.float16
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    return grads[0].dtype if grads else next(module.parameters()).dtype
-
-
-def _missing_from_optimizer(module: nn.Module, optimizers: list) -> list[str]:
+def _missing_from_optimizer(strategy, module: nn.Module, optimizers: list) -> list[str]:
     """Trainable parameters no optimizer steps (only knowable where the optimizer holds the parameters)."""
     held = {id(p) for o in optimizers for g in getattr(o, "param_groups", []) for p in g["params"]}
-    if any(hasattr(p, "ds_id") for p in module.parameters()) or not held:
+    if not strategy.traits.optimizer_holds_parameters or not held:
         return []
     return [plain_name(n) for n, p in module.named_parameters() if p.requires_grad and id(p) not in held]
 
 
-def _replica_hashes(module: nn.Module) -> dict[str, str]:
+def _replica_hashes(strategy, module: nn.Module) -> dict[str, str]:
     """A hash of each parameter this rank holds whole (not a shard, not a partition): copies that must agree."""
     out = {}
     for name, p in module.named_parameters():
-        if hasattr(p, "ds_id") or hasattr(p, "full_tensor"):
-            continue
-        out[plain_name(name)] = hashlib.sha1(p.detach().float().cpu().numpy().tobytes()).hexdigest()[:16]
+        if strategy.holds_whole(p):
+            out[plain_name(name)] = hashlib.sha1(p.detach().float().cpu().numpy().tobytes()).hexdigest()[:16]
     return out
 
 
 def whole(trainer, grads: bool) -> dict[str, torch.Tensor]:
     """Every parameter (or gradient) of the module, whole, in fp32, on CPU, under its one-process name. Every
     rank calls it; each rank returns what it could gather (all of it on rank 0)."""
-    module = trainer.module
-    zero = any(hasattr(p, "ds_id") for p in module.parameters()) or hasattr(trainer.model, "communication_data_type")
-    out = {}
-    for name, p in module.named_parameters():
-        if zero:
-            from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
-
-            t = safe_get_full_grad(p) if grads else safe_get_full_fp32_param(p)
-            if t is None:  # stage 0 steps a plain torch optimizer: the parameter itself
-                t = p.grad if grads else p
-        else:
-            t = p.grad if grads else p
-        if t is None:
-            continue
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
-        out[plain_name(name)] = t.detach().float().cpu().clone()
-    if getattr(trainer.strategy, "runner", None) is not None:  # a pipeline: each stage holds its own parameters
+    strategy, out = trainer.strategy, {}
+    for name, p in trainer.module.named_parameters():
+        t = strategy.full_gradient(p) if grads else strategy.full_parameter(p)
+        if t is not None:
+            out[plain_name(name)] = t.detach().float().cpu().clone()
+    if strategy.traits.stages_hold_own_parameters:  # a pipeline: each stage gathers its own, and then the stages
         merged: dict[str, torch.Tensor] = {}
         for part in trainer.runtime.all_gather_object(out):
             for k, v in part.items():
