@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from distrain.batch import BatchLayout, keep_global_batch
 from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary, ProgressBar
 from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.cluster import replica_run_dir
@@ -41,7 +42,6 @@ from distrain.data import (
 from distrain.datamodule import STAGE_LOADERS, is_datamodule, one_loader, optional_loader, stage_loader
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 from distrain.module import Module, StepRouter, loss_of, run_step, unsupported_hooks
-from distrain.planner.batch import BatchLayout, keep_global_batch
 from distrain.run_dir import DEFAULT as DEFAULT_ROOT_DIR
 from distrain.run_dir import choose as choose_run_dir
 from distrain.runtime import Runtime, rng_state, set_rng_state
@@ -608,7 +608,7 @@ class Trainer:
 
     def _keep_global_batch(self, checkpoint, loader) -> int | None:
         """A checkpoint trained on another number of data-parallel ranks: the micro-batch and accumulation that keep
-        its global batch here (``planner/batch.py``); the micro-batch to load with, or None to keep the loader's."""
+        its global batch here (``batch.py``); the micro-batch to load with, or None to keep the loader's."""
         micro = micro_batch_size(loader)
         if checkpoint is None or not micro or not self.loop.use_distributed_sampler:
             return None

@@ -3,10 +3,9 @@ standard-library source by default)."""
 
 from __future__ import annotations
 
-import math
-
 from torch.utils.data import DataLoader
 
+from distrain.batch import BatchLayout
 from distrain.config import RunConfig
 from distrain.jobs.common import announce
 from distrain.models.gpt import Block
@@ -37,8 +36,8 @@ class GPTJob:
         config = self.config
         t, data = config.training, config.data
         train_set, val_set = byte_datasets(data.dataset, data.seq_len, data.max_bytes, data.val_fraction)
-        global_batch = t.batch_size_per_gpu * trainer.data_parallel_size * t.gradient_accumulation_steps
-        total_steps = t.max_steps if t.max_steps > 0 else math.ceil(len(train_set) / global_batch) * t.num_epochs
+        batch = BatchLayout(t.batch_size_per_gpu, t.gradient_accumulation_steps, trainer.data_parallel_size)
+        total_steps = t.max_steps if t.max_steps > 0 else batch.steps_over(len(train_set), t.num_epochs)
         module = GPTLanguageModel(
             model_name=t.model_name,
             block_size=data.seq_len,
@@ -51,6 +50,6 @@ class GPTJob:
         loader = lambda ds, shuffle: DataLoader(  # noqa: E731
             ds, batch_size=t.batch_size_per_gpu, shuffle=shuffle, num_workers=data.num_workers, drop_last=shuffle
         )
-        details = f", global batch {global_batch} × {data.seq_len} bytes"
+        details = f", global batch {batch.global_batch} × {data.seq_len} bytes"
         announce(trainer, config, self.strategy, t.model_name, details, total_steps)
         return module, loader(train_set, True), loader(val_set, False)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from pathlib import Path
 
 from torch.utils.data import DataLoader
 
+from distrain.batch import BatchLayout
 from distrain.config import ConfigError, RunConfig
 from distrain.hf import data as hf_data
 from distrain.hf import models
@@ -71,8 +71,8 @@ class HFJob:
         tokenizer = models.load_tokenizer(tokenizer_name, trust_remote_code=t.trust_remote_code)
         prepared = hf_data.prepare(data, tokenizer, self.task, seed=t.seed, runtime=trainer.runtime)
         hf_config = self._config_for(prepared, tokenizer)
-        global_batch = t.batch_size_per_gpu * trainer.data_parallel_size * t.gradient_accumulation_steps
-        total_steps = t.max_steps if t.max_steps > 0 else math.ceil(len(prepared.train) / global_batch) * t.num_epochs
+        batch = BatchLayout(t.batch_size_per_gpu, t.gradient_accumulation_steps, trainer.data_parallel_size)
+        total_steps = t.max_steps if t.max_steps > 0 else batch.steps_over(len(prepared.train), t.num_epochs)
         module = TASK_MODULES[self.task](
             model_name=t.model_name,
             pretrained=t.pretrained,
@@ -103,7 +103,7 @@ class HFJob:
             num_workers=data.num_workers,
         )
         details = (
-            f", global batch {global_batch} × ≤{data.max_length or data.seq_len} tokens, "
+            f", global batch {batch.global_batch} × ≤{data.max_length or data.seq_len} tokens, "
             f"{len(prepared.train)} train / {len(prepared.eval)} eval samples"
         )
         announce(trainer, c, self.strategy, f"{t.model_name} ({self.task})", details, total_steps)

@@ -7,8 +7,8 @@ import json
 import sys
 from dataclasses import dataclass, replace
 
+from distrain.batch import BatchLayout, keep_global_batch
 from distrain.config import RunConfig
-from distrain.planner.batch import BatchLayout, keep_global_batch
 from distrain.planner.estimate import Job, Row
 from distrain.planner.from_config import (
     budget_from_config,

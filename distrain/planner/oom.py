@@ -40,7 +40,7 @@ def memory_plan(
 def _plan(found: dict, runtime, module, loader, micro_batch, accumulate, clip, host) -> None:
     """Fills ``found`` as it goes (``budget``, ``row`` and ``need``, then ``nearest``, then ``smaller``), or
     ``unavailable``."""
-    from distrain.planner.batch import BatchLayout, keep_global_batch
+    from distrain.batch import BatchLayout, keep_global_batch
     from distrain.planner.estimate import Job
     from distrain.planner.model_stats import ModelSpec
     from distrain.planner.plan import Budget, Planner, candidate_options, option_for_run, rank_key

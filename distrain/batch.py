@@ -1,4 +1,7 @@
-"""Elastic world size: a run resumed on another number of ranks (a restart with fewer nodes, torchrun's
+"""The global batch, in one place: micro-batch × accumulation × data-parallel ranks (``BatchLayout``), the
+optimizer steps it takes over a data set, and what keeps it on another number of ranks.
+
+Elastic world size: a run resumed on another number of ranks (a restart with fewer nodes, torchrun's
 ``--nnodes MIN:MAX`` re-rendezvous) keeps the global batch its checkpoint was trained with, so the loss curve
 goes on as if nothing changed. The micro-batch stays when the new ranks can share the batch at that size
 (the accumulation absorbs the change); else the largest micro-batch that splits it. When the global batch
@@ -6,6 +9,7 @@ does not split over the new ranks at all, the run takes the nearest smaller one 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -27,6 +31,10 @@ class BatchLayout:
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.accumulate * self.data_parallel
+
+    def steps_over(self, samples: int, epochs: int) -> int:
+        """The optimizer steps ``epochs`` passes over ``samples`` take (a short last step counts)."""
+        return math.ceil(samples / self.global_batch) * epochs
 
     def describe(self) -> str:
         return (
