@@ -4,7 +4,10 @@ Each measured row is a ``distrain bench`` row (a fresh process group through the
 median optimizer step after a warm-up); the prediction is ``distrain plan``'s for the same job, with
 this machine's rates measured just before (``timing.cpu_hardware``). Ratios are taken in one run.
 
-    python benchmarks/plan_time.py [--sizes gpt-mini gpt-small] [--devices 2] [--batch-size 8]
+    python benchmarks/plan_time.py [--sizes gpt-mini gpt-small ./gpt2-config-dir] [--devices 2] [--batch-size 8]
+
+A size may be a folder holding a Hugging Face causal LM's ``config.json`` (``--sizes``): a model none of the
+built-in sizes is, planned from its config and measured with its weights initialized.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -64,7 +68,8 @@ def main() -> int:
     for size in a.sizes:
         for strategy in a.strategies:
             ranks = 1 if strategy == "single" else a.devices
-            spec = ModelSpec.builtin_gpt(size, a.seq_len)
+            hf = (Path(size) / "config.json").is_file()  # a Hugging Face model the built-in sizes never were
+            spec = ModelSpec.huggingface(size, a.seq_len) if hf else ModelSpec.builtin_gpt(size, a.seq_len)
             job = Job(spec, a.batch_size, precision, ranks, accumulate=a.accumulate, gpu=gpu)
             option = option_for_run(strategy, job)
             predicted = Estimator(job).step_time(option, rates[ranks])

@@ -27,7 +27,12 @@ def bench_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="distrain bench", description="tokens/s, step time and MFU of the built-in GPT sizes per strategy"
     )
-    p.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), help="built-in GPT sizes")
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        default=list(DEFAULT_SIZES),
+        help="built-in GPT sizes, or folders holding a Hugging Face causal LM's config.json",
+    )
     p.add_argument("--strategies", nargs="+", default=list(DEFAULT_STRATEGIES))
     p.add_argument("--devices", type=int, help="ranks for multi-process strategies (default: every local device)")
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch per rank")
@@ -43,6 +48,10 @@ def bench_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _hf_config_dir(size: str) -> bool:
+    return (Path(size) / "config.json").is_file()
+
+
 def main(args: argparse.Namespace) -> int:
     import torch  # here, not at the top: `distrain bench --help` answers without loading torch
 
@@ -50,9 +59,13 @@ def main(args: argparse.Namespace) -> int:
         return run_one(args)
     from distrain.models.gpt import GPT_SIZES
 
-    unknown = [s for s in args.sizes if s not in GPT_SIZES]
+    unknown = [s for s in args.sizes if s not in GPT_SIZES and not _hf_config_dir(s)]
     if unknown:
-        print(f"distrain: error: unknown size {unknown[0]!r}; choose from {', '.join(GPT_SIZES)}", file=sys.stderr)
+        print(
+            f"distrain: error: unknown size {unknown[0]!r}; choose from {', '.join(GPT_SIZES)}, or a folder with a "
+            "Hugging Face causal LM's config.json",
+            file=sys.stderr,
+        )
         return 2
     from distrain.strategies import registry
 
@@ -71,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     for size in args.sizes:
         for strategy in args.strategies:
-            ranks = 1 if registry.start_method_of(strategy) is None else devices  # None: it runs one process
+            ranks = 1 if registry.runs_one_process(strategy) else devices
             row = _run_row(args, size, strategy, precision, ranks)
             rows.append(row)
             if "error" in row:
@@ -131,15 +144,26 @@ def run_one(args) -> int:
 
     size, strategy = args.one
 
+    hf = _hf_config_dir(size)
+    vocab = 256
+    if hf:  # a model the built-in sizes never were: a Hugging Face causal LM from its config, weights initialized
+        from distrain.hf import models
+        from distrain.hf.tasks import TASK_MODULES, config_dict
+
+        hf_config = models.load_config(size)
+        vocab = hf_config.vocab_size
+
     class RandomTokens(Dataset):
         def __init__(self, n: int):
             g = torch.Generator().manual_seed(0)
-            self.data = torch.randint(0, 256, (n, args.seq_len + 1), generator=g)
+            self.data = torch.randint(0, vocab, (n, args.seq_len + 1), generator=g)
 
         def __len__(self):
             return len(self.data)
 
         def __getitem__(self, i):
+            if hf:  # full-length samples: the planner's batch
+                return {"input_ids": self.data[i, :-1]}
             return self.data[i, :-1], self.data[i, 1:]
 
     class Timer(distrain.Callback):
@@ -171,7 +195,10 @@ def run_one(args) -> int:
         enable_plots=False,
         compile=args.compile,
     )
-    module = GPTLanguageModel(model_name=size, block_size=args.seq_len, total_steps=total, lr_schedule="constant")
+    if hf:
+        module = TASK_MODULES["causal_lm"](model_name=size, hf_config=config_dict(hf_config), pretrained=False)
+    else:
+        module = GPTLanguageModel(model_name=size, block_size=args.seq_len, total_steps=total, lr_schedule="constant")
     n = args.batch_size * trainer.world_size * args.accumulate * (total + 1)
     trainer.fit(module, DataLoader(RandomTokens(n), batch_size=args.batch_size, shuffle=True, drop_last=True))
     if not trainer.is_global_zero or trainer.strategy.data_parallel_rank != 0:  # one row for the job

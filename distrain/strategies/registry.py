@@ -150,8 +150,8 @@ def resolve_auto(name: str, world_size: int) -> str:
 
 
 def start_method_of(strategy: str) -> str | None:
-    """How a strategy's ranks start (its class's ``start_method``; None: it runs one process), read without building
-    one."""
+    """How a strategy's ranks start where its class says it (``replica_groups``: only by distrain's own launcher),
+    read without building one; None where the entry does not say."""
     build = lookup(resolve_auto(strategy, 2)).build
     return getattr(getattr(build, "func", build), "start_method", None)
 
@@ -160,6 +160,11 @@ def starts_replica_groups(strategy: str) -> bool:
     """The strategy's ranks are replica groups that distrain's own launcher starts, each a torchrun of its own, with
     a run directory per group."""
     return start_method_of(strategy) == "replica_groups"
+
+
+def runs_one_process(strategy: str) -> bool:
+    """The strategy runs one process, whatever the devices."""
+    return resolve_auto(strategy, 2) == "single"
 
 
 def make_strategy(name: Any, world_size: int, **kwargs: Any):
