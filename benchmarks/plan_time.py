@@ -69,7 +69,11 @@ def main() -> int:
         for strategy in a.strategies:
             ranks = 1 if strategy == "single" else a.devices
             hf = (Path(size) / "config.json").is_file()  # a Hugging Face model the built-in sizes never were
-            spec = ModelSpec.huggingface(size, a.seq_len) if hf else ModelSpec.builtin_gpt(size, a.seq_len)
+            spec = (
+                ModelSpec.huggingface(size, a.seq_len, task="causal_lm")
+                if hf
+                else ModelSpec.builtin_gpt(size, a.seq_len)
+            )
             job = Job(spec, a.batch_size, precision, ranks, accumulate=a.accumulate, gpu=gpu)
             option = option_for_run(strategy, job)
             predicted = Estimator(job).step_time(option, rates[ranks])

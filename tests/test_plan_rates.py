@@ -32,6 +32,7 @@ def scripted(monkeypatch, home):
         op = ops[(len(calls) - 1) % len(ops)]
         figures = dict(matmul_flops=1e10, memory_bandwidth=5e9, intra_bandwidth=1e9, inter_bandwidth=1e9)
         figures |= dict(collective_seconds=2e-4, blocking_collective_seconds=2e-3, blocking_bandwidth=4e8)
+        figures |= dict(element_seconds=2e-9, softmax_element_seconds=1e-8)
         return timing.Hardware(op_seconds=op, **figures, source=timing.cpu_source(ranks_per_node))
 
     monkeypatch.setattr(machine, "cpu_hardware", measure)
@@ -66,7 +67,7 @@ def test_a_gpu_plan_measures_nothing(scripted):
 
 GOOD = {"matmul_flops": 1.0, "memory_bandwidth": 1.0, "op_seconds": 1.0, "intra_bandwidth": 1.0}
 GOOD |= {"inter_bandwidth": 1.0, "collective_seconds": 1.0, "blocking_collective_seconds": 1.0}
-GOOD |= {"blocking_bandwidth": 1.0}
+GOOD |= {"blocking_bandwidth": 1.0, "element_seconds": 1.0, "softmax_element_seconds": 1.0}
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from distrain.planner.timing import (
     cpu_hardware,
     gloo_allreduce,
     step_time,
+    work_seconds,
 )
 
 B, T, D, L, V = 4, 64, 128, 4, 256  # gpt-tiny: 4 blocks of width 128, a byte vocabulary, at 4 × 64 tokens
@@ -44,6 +45,22 @@ def test_traced_flops_are_the_models_arithmetic(traces):
     assert work["step"].flops == 0 and work["step"].bytes > 0  # AdamW is memory-bound
     # bytes: at least each parameter, gradient and both moments read and written once by the step
     assert work["step"].bytes >= 2 * 4 * traces[0].param_bytes
+
+
+def test_per_element_operations_and_softmax_are_counted_by_element_and_timed(traces):
+    """GELU (and its backward) computes per element, and the loss's log-softmax over the vocabulary per logit: on a
+    CPU core both run far below memory speed (GPT-2's 50k-vocabulary cross-entropy took 2.5 s of a 24 s step), so
+    they are counted by element, not by byte, and timed at the measured seconds per element."""
+    work = traces[0].work.phases
+    for phase in ("forward", "backward"):
+        assert work[phase].elements == B * T * 4 * D * L  # the MLP's hidden activation, once per block
+        assert work[phase].softmax_elements == B * T * V  # the logits
+    assert work["step"].elements == work["step"].softmax_elements == 0
+    fb = traces[0].work.forward_backward
+    base = Hardware(1e9, 1e9, 1e-6, intra_bandwidth=1e8, inter_bandwidth=1e8, collective_seconds=0.0)
+    costly = replace(base, element_seconds=1e-8, softmax_element_seconds=5e-8)
+    added = work_seconds(fb, costly) - work_seconds(fb, base)
+    assert added == pytest.approx(2 * B * T * (4 * D * L * 1e-8 + V * 5e-8))
 
 
 def test_activation_checkpointing_recomputes_each_blocks_forward_in_backward(traces):

@@ -42,6 +42,8 @@ MEASURED = (
     "collective_seconds",
     "blocking_collective_seconds",
     "blocking_bandwidth",
+    "element_seconds",
+    "softmax_element_seconds",
 )
 assert set(MEASURED) <= {f.name for f in fields(Hardware)}
 

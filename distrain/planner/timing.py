@@ -89,6 +89,11 @@ class Hardware:
     holds (milliseconds per call, against a tenth of one between idle ranks). None: the idle figures."""
     overlap: bool = False
     """Communication runs beside compute (GPU) instead of taking its cores (CPU)."""
+    element_seconds: float = 0.0
+    softmax_element_seconds: float = 0.0
+    """Seconds per element of an operation that computes per element (tanh, dropout's random numbers) and of a
+    softmax, its memory traffic included: a CPU core's, measured. 0 on a GPU, where they run at memory speed (their
+    bytes are not counted then: a small underestimate)."""
     source: str = ""
 
 
@@ -132,6 +137,9 @@ def cpu_hardware(ranks_per_node: int) -> Hardware:
         memory = 3 * 4 * n / _side_by_side(lambda out: torch.add(x, y, out=out), copies, outs) * share
         # a tiny op's cost is the interpreter's and the dispatcher's: alone (side by side, threads would wait
         # for each other's GIL, which separate rank processes do not)
+        wide = torch.randn(1024, 8192)  # a 32 MB activation; rows as long as a vocabulary's logits
+        element = _side_by_side(lambda _: torch.tanh(wide), copies) / wide.numel() / share
+        softmax = _side_by_side(lambda _: torch.log_softmax(wide, -1), copies) / wide.numel() / share
         tiny = torch.ones(4)
         op = _best(lambda: [tiny.add(1) for _ in range(200)]) / 200 / share
         bandwidth, latency, blocking, blocking_bandwidth = gloo_allreduce(min(max(2, ranks_per_node), 4))
@@ -146,6 +154,8 @@ def cpu_hardware(ranks_per_node: int) -> Hardware:
         collective_seconds=latency,
         blocking_collective_seconds=blocking,
         blocking_bandwidth=blocking_bandwidth,
+        element_seconds=element,
+        softmax_element_seconds=softmax,
         source=cpu_source(ranks_per_node),
     )
 
@@ -386,7 +396,13 @@ def copy_seconds(c: Collective, hw: Hardware) -> float:
 
 def work_seconds(work, hw: Hardware, memory_share: float = 1.0) -> float:
     """A phase's operations on this hardware; ``memory_share``: the part of its bytes this rank moves."""
-    return work.flops / hw.matmul_flops + work.bytes * memory_share / hw.memory_bandwidth + work.ops * hw.op_seconds
+    per_element = work.elements * hw.element_seconds + work.softmax_elements * hw.softmax_element_seconds
+    return (
+        work.flops / hw.matmul_flops
+        + work.bytes * memory_share / hw.memory_bandwidth
+        + work.ops * hw.op_seconds
+        + per_element * memory_share
+    )
 
 
 def step_time(option, job, trace, units: int, hw: Hardware) -> StepTime:
