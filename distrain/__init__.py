@@ -14,8 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from distrain import config as _config
-
-__version__ = "0.1.0"
+from distrain._version import __version__ as __version__
 
 #: public name → the module that defines it
 _EXPORTS = {

@@ -594,9 +594,9 @@ def version() -> str:
     try:
         return installed("distrain")
     except PackageNotFoundError:
-        import distrain
+        from distrain._version import __version__
 
-        return distrain.__version__
+        return __version__
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 24)
 
 
 def environment_report() -> str:
-    from distrain import __version__
+    from distrain._version import __version__
     from distrain.cluster import detect_cluster
 
     lines = [

@@ -67,7 +67,7 @@ def key_of(run: dict[str, Any], budget, per_node: int) -> str:
     versions of distrain and torch."""
     import torch
 
-    import distrain
+    from distrain._version import __version__
     from distrain.planner import machine, timing
 
     # the rates the plan's timing reads: another measurement, another plan
@@ -78,7 +78,7 @@ def key_of(run: dict[str, Any], budget, per_node: int) -> str:
         "budget": repr(budget),
         "links": _digest(links),
         "rates": _digest(rates),
-        "versions": (distrain.__version__, torch.__version__),
+        "versions": (__version__, torch.__version__),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

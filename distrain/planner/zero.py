@@ -30,8 +30,9 @@ stage 3:
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -39,8 +40,23 @@ from distrain import compat
 from distrain.planner.model_stats import ELEMENT_BYTES, create_optimizer_state, first_optimizer
 from distrain.planner.options import Option, Row
 
-if TYPE_CHECKING:
-    from distrain.planner.estimate import Estimator
+
+class Estimates(Protocol):
+    """What the ZeRO model reads of the planner's estimator (``estimate.Estimator``): the job, the parameters'
+    statistics, the dtypes and the traced step of a family. A protocol, so this module never imports the estimator,
+    which imports it."""
+
+    job: Any
+    stats: Any
+
+    def dtypes(self, family: str) -> tuple: ...
+
+    def trace(self, family: str, checkpoint: Any, micro_batch: int | None = None) -> Any: ...
+
+
+#: what is traced once per estimator (its flat optimizer, its parameter groups), kept beside it, not on it
+_FLAT_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_OPTIMIZER_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 #: DeepSpeed's own defaults for what distrain's config leaves unset (deepspeed 0.19.8 ``DeepSpeedZeroConfig``)
 DEEPSPEED_DEFAULTS = {
@@ -81,10 +97,10 @@ class FlatOptimizer:
     step_extra_per_element: float
 
 
-def flat_optimizer(est: Estimator, on_gpu_fused: bool) -> FlatOptimizer:
+def flat_optimizer(est: Estimates, on_gpu_fused: bool) -> FlatOptimizer:
     """Traced once on a fake flat tensor: state bytes and step temporaries per element. On CUDA,
     DeepSpeed swaps torch's Adam/AdamW for its FusedAdam (in-place kernels, no temporaries)."""
-    cached = getattr(est, "_flat_optimizer", None)
+    cached = _FLAT_OPTIMIZERS.get(est)
     if cached is not None:
         return cached
     from distrain.planner.model_stats import _Phases
@@ -118,7 +134,7 @@ def flat_optimizer(est: Estimator, on_gpu_fused: bool) -> FlatOptimizer:
             if isinstance(v, torch.Tensor) and v.dim()
         )
     result = FlatOptimizer(state / numel, 0.0 if fused else phases.step_extra / numel)
-    est._flat_optimizer = result
+    _FLAT_OPTIMIZERS[est] = result
     return result
 
 
@@ -164,14 +180,14 @@ def _partition_grad_elements(group: list[int], world: int, align: int, rank: int
     return sum(n for n, ranks in zip(group, owners) if rank in ranks)
 
 
-def optimizer_groups(est: Estimator) -> list[list[int]]:
+def optimizer_groups(est: Estimates) -> list[list[int]]:
     """The optimizer's parameter groups (trainable element counts, in order), from the meta model:
     ZeRO flattens and partitions each group on its own."""
-    if getattr(est, "_optimizer_groups", None) is None:
+    if est not in _OPTIMIZER_GROUPS:
         optimizer = first_optimizer(est.job.spec.build().configure_optimizers())
         groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
-        est._optimizer_groups = [g for g in groups if g]
-    return est._optimizer_groups
+        _OPTIMIZER_GROUPS[est] = [g for g in groups if g]
+    return _OPTIMIZER_GROUPS[est]
 
 
 @dataclass
@@ -209,7 +225,7 @@ class ZeroStates:
         return self.resident + self.step_grad + self.step_extra
 
 
-def zero_states(est: Estimator, option: Option) -> ZeroStates:
+def zero_states(est: Estimates, option: Option) -> ZeroStates:
     job = est.job
     world, stats = job.world_size, est.stats
     zero = zero_settings(job.zero or None, option.stage, job.spec.hidden_size)
@@ -260,7 +276,7 @@ def zero_states(est: Estimator, option: Option) -> ZeroStates:
     )
 
 
-def zero_row(est: Estimator, option: Option) -> Row:
+def zero_row(est: Estimates, option: Option) -> Row:
     job = est.job
     zero = zero_settings(job.zero or None, option.stage, job.spec.hidden_size)
     states = zero_states(est, option)
