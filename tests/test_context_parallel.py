@@ -409,3 +409,7 @@ def test_distrain_plan_has_context_parallel_rows_for_long_sequences_and_the_run_
     decision = Decision(strategy="model_parallel", context=2)
     assert decision.strategy_options(()) == {"context_parallel_size": 2, "tensor_parallel_size": 1}
     assert Decision.from_env(decision.to_env("f"), "f") == decision
+    # on a node of 4: every size that splits the heads, 2 and 4, each at the accumulation that keeps the batch
+    four = Planner(replace(job, world_size=4), long.budget)
+    cps = sorted((o.context, p.job.accumulate) for p, o in four.model_parallel_planners() if o.family == "cp")
+    assert cps == [(2, 2), (4, 4)]

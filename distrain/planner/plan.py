@@ -176,20 +176,15 @@ def option_for_run(strategy: str, job: Job, sharding: str = "FULL_SHARD", cpu_of
     return None
 
 
-def context_parallel_option(job: Job, context: int | None = None, strict: bool = False) -> Option | None:
-    """The layout ``strategy: model_parallel`` with ``context_parallel_size`` runs (``context``; tensor parallel
-    over what it leaves of a node unless set; FSDP over data × context), or, for ``auto`` and ``all`` (``context``
-    None), one node's devices splitting each sequence when it is long (``LONG_SEQUENCE``). None when the model
-    cannot split its sequences or its heads; that raises the run's own error when ``strict``."""
+def context_parallel_option(job: Job, context: int, strict: bool = False) -> Option | None:
+    """The layout ``strategy: model_parallel`` with ``context_parallel_size=context`` runs (tensor parallel over what
+    it leaves of a node unless set, when ``strict``; FSDP over data × context). None when the model cannot split its
+    sequences or its heads; that raises the run's own error when ``strict``."""
     from distrain.parallel.context_parallel import attention_heads, check_heads, no_support_message
     from distrain.parallel.layout import layout_for
 
     if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1):
         return None
-    if context is None:
-        if job.spec.seq_len < LONG_SEQUENCE:
-            return None
-        context = job.per_node
     try:
         tensor = job.tensor_parallel if strict else 1
         layout = layout_for(job.world_size, job.per_node, False, tensor, "auto", None, 1, context)
@@ -204,6 +199,17 @@ def context_parallel_option(job: Job, context: int | None = None, strict: bool =
             raise
         return None
     return Option("cp", sharding="FULL_SHARD", tensor=layout.tensor, context=layout.context)
+
+
+def context_parallel_options(job: Job) -> list[Option]:
+    """What ``auto`` and ``all`` look at for a long sequence (``LONG_SEQUENCE``): each size that divides one node's
+    devices (and the world) and the model's heads, from 2 to the whole node, FSDP over the ranks that remain. A
+    larger size holds less of each sequence and sends more all-to-alls: which one is fastest is the planner's to
+    say."""
+    if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1) or job.spec.seq_len < LONG_SEQUENCE:
+        return []
+    sizes = [c for c in range(2, job.per_node + 1) if job.per_node % c == 0 and job.world_size % c == 0]
+    return [option for c in sizes if (option := context_parallel_option(job, c)) is not None]
 
 
 def tensor_parallel_option(job: Job, strict: bool = False) -> Option | None:
@@ -529,7 +535,7 @@ class Planner:
         their planners keep their traces and simulations for ``choose`` and ``plan`` alike."""
         if self._model_parallel is None:
             self._model_parallel = []
-            options = (tensor_parallel_option(self.job), context_parallel_option(self.job), pipeline_option(self.job))
+            options = (tensor_parallel_option(self.job), *context_parallel_options(self.job), pipeline_option(self.job))
             for option in options:
                 if option is None:
                     continue
