@@ -166,6 +166,14 @@ def _worker_of_group(launcher: subprocess.Popen, group: str, local_rank: str | N
     return None
 
 
+def _signal_group_one(launcher: subprocess.Popen, out: Path, step: int, sig: int, local_rank: str | None = None):
+    """Once replica group 1 has logged ``step``: ``sig`` to its rank (its ``local_rank``), and to no other process."""
+    _wait_for_step(out / "replica_1", step)
+    worker = _worker_of_group(launcher, "1", local_rank)
+    assert worker is not None, f"no rank {local_rank or ''} of replica group 1 found"
+    worker.send_signal(sig)
+
+
 @pytest.mark.slow
 def test_a_replica_group_killed_mid_run_rejoins_with_the_live_state(uninterrupted, tmp_path):
     """kill -9 of group 1's rank at a random step. Group 0 never stops: each of its steps is logged once, those
@@ -226,10 +234,7 @@ def test_a_restarted_group_of_two_ranks_rejoins(tmp_path):
     out = tmp_path / "run"
     launcher = _train(out, "ddp_torchft", 2, f"training.max_steps={steps}", "distributed.max_restarts=1")
     try:
-        _wait_for_step(out / "replica_1", kill_at)
-        worker = _worker_of_group(launcher, "1", local_rank="1")
-        assert worker is not None, "no second rank of replica group 1 found"
-        worker.send_signal(signal.SIGKILL)
+        _signal_group_one(launcher, out, kill_at, signal.SIGKILL, local_rank="1")
         output = _finish(launcher, timeout=300)
     finally:
         launcher.kill()
@@ -253,10 +258,7 @@ def test_a_group_killed_twice_ends_with_the_jobs_final_state_never_alone(tmp_pat
     launcher = _train(out, "ddp_torchft", 1, "distributed.max_restarts=2")
     try:
         for kill_at in (6, steps - 1):
-            _wait_for_step(out / "replica_1", kill_at)
-            worker = _worker_of_group(launcher, "1")
-            assert worker is not None, "no rank of replica group 1 found"
-            worker.send_signal(signal.SIGKILL)
+            _signal_group_one(launcher, out, kill_at, signal.SIGKILL)
             if kill_at == 6:  # the restarted group is back in the job before the second kill
                 _wait_for_step(out / "replica_1", kill_at + 2)
         output = _finish(launcher, timeout=300)
@@ -281,8 +283,7 @@ def test_a_group_whose_restarts_ran_out_fails_the_job_naming_it(tmp_path):
     out = tmp_path / "run"
     launcher = _train(out, "ddp_torchft", 1, "training.max_steps=20", "distributed.max_restarts=0")
     try:
-        _wait_for_step(out / "replica_1", 4)
-        _worker_of_group(launcher, "1").send_signal(signal.SIGKILL)
+        _signal_group_one(launcher, out, 4, signal.SIGKILL)
         output, _ = launcher.communicate(timeout=300)
     finally:
         launcher.kill()
@@ -331,10 +332,7 @@ def test_a_signal_that_reaches_one_group_only_stops_every_group_at_the_same_step
     out, steps = tmp_path / "run", 40
     launcher = _train(out, "ddp_torchft", 1, f"training.max_steps={steps}")
     try:
-        _wait_for_step(out / "replica_1", 3)
-        worker = _worker_of_group(launcher, "1")
-        assert worker is not None, "no rank of replica group 1 found"
-        worker.send_signal(signal.SIGUSR1)
+        _signal_group_one(launcher, out, 3, signal.SIGUSR1)
         output = _finish(launcher, timeout=120)
     finally:
         launcher.kill()
