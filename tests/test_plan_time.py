@@ -61,6 +61,17 @@ def test_per_element_operations_and_softmax_are_counted_by_element_and_timed(tra
     costly = replace(base, element_seconds=1e-8, softmax_element_seconds=5e-8)
     added = work_seconds(fb, costly) - work_seconds(fb, base)
     assert added == pytest.approx(2 * B * T * (4 * D * L * 1e-8 + V * 5e-8))
+    # their memory pass is counted as any operation's (all a GPU pays, where the per-element figures are 0)
+    import torch
+
+    from distrain.planner.work import WorkCounter
+
+    counter, x = WorkCounter(), torch.randn(10, 100)
+    with counter:
+        torch.nn.functional.gelu(x)
+        torch.log_softmax(x, -1)
+    alone = counter.work.phases["forward"]
+    assert (alone.elements, alone.softmax_elements, alone.bytes) == (1000, 1000, 2 * 2 * 4 * 1000)
 
 
 def test_activation_checkpointing_recomputes_each_blocks_forward_in_backward(traces):

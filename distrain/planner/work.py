@@ -169,10 +169,12 @@ class WorkCounter(TorchDispatchMode):
             phase.ops += 1
         if packet in _FLOPS:
             phase.flops += _FLOPS[packet](*args, **kwargs, out_val=out)
-        elif packet in _SOFTMAX:  # its memory traffic is in the measured time per element
+            return out
+        # the per-element work beyond a memory pass (a GPU's is 0); the memory pass is counted below, as for any
+        if packet in _SOFTMAX:
             phase.softmax_elements += _largest(out)
         elif packet in _PER_ELEMENT:
             phase.elements += _largest((out, args[:1]))  # bernoulli_ writes its argument
-        elif _moves_data(func, out):
+        if _moves_data(func, out):
             phase.bytes += _tensor_bytes((args, kwargs)) + _tensor_bytes(out) + _written_in_place(func, args, kwargs)
         return out
