@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
 
-from distrain.bench import _run_row, bench_parser
+from distrain.bench import _hf_config_dir, _run_row, bench_parser
 from distrain.planner.estimate import Estimator, Job
 from distrain.planner.model_stats import ModelSpec
 from distrain.planner.plan import option_for_run
@@ -68,7 +67,7 @@ def main() -> int:
     for size in a.sizes:
         for strategy in a.strategies:
             ranks = 1 if strategy == "single" else a.devices
-            hf = (Path(size) / "config.json").is_file()  # a Hugging Face model the built-in sizes never were
+            hf = _hf_config_dir(size)  # a Hugging Face model the built-in sizes never were
             spec = (
                 ModelSpec.huggingface(size, a.seq_len, task="causal_lm")
                 if hf
