@@ -165,8 +165,8 @@ ENGINE_INTERNALS = {
 
 #: what a user asks for in a strategy's place: a decision (``auto``), every option (``distrain plan``'s ``all``)
 REQUESTS = {"auto", "all"}
-#: the planner's one module that still restates each strategy (its per-strategy cost models are issue 33's next step)
-RESTATES_STRATEGIES = {"planner/plan.py"}
+#: where a strategy answers for itself: its own file, and its cost model in the planner
+OWN_FILES = ("strategies", "planner/models")
 
 
 def _mentions_strategy(node: ast.AST) -> bool:
@@ -214,18 +214,51 @@ def strategy_sniffing(source: str) -> list[tuple[int, str]]:
 def test_no_module_outside_strategies_interrogates_a_strategy():
     """What verify, the histograms, checkpoints, metrics, jobs and the launcher need comes from methods and traits
     of the strategy: a new strategy then changes nothing outside its own file."""
-    outside = [
-        f
-        for f in PACKAGE.rglob("*.py")
-        if "strategies" not in f.relative_to(PACKAGE).parts
-        and f.relative_to(PACKAGE).as_posix() not in RESTATES_STRATEGIES
-    ]
     found = [
         f"{file.relative_to(PACKAGE.parent)}:{line}: {what}"
-        for file in outside
+        for file in _outside_own_files()
         for line, what in strategy_sniffing(file.read_text())
     ]
     assert not found, "\n".join(sorted(found))
+
+
+def _outside_own_files() -> list[Path]:
+    return [f for f in PACKAGE.rglob("*.py") if not f.relative_to(PACKAGE).as_posix().startswith(OWN_FILES)]
+
+
+def kind_branching(source: str) -> list[int]:
+    """Lines of ``source`` that branch on what kind an option is (``option.family == "fsdp"``, ``o.family in
+    ("tp", "pp")``, ``{"fsdp": …}[o.family]``): what the option's cost model answers."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            mentions = any(
+                isinstance(sub, ast.Attribute) and sub.attr == "family" for s in sides for sub in ast.walk(s)
+            )
+            strings = any(
+                isinstance(sub, ast.Constant) and isinstance(sub.value, str) for s in sides for sub in ast.walk(s)
+            )
+            if mentions and strings:
+                found.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Dict):
+            if any(isinstance(sub, ast.Attribute) and sub.attr == "family" for sub in ast.walk(node.slice)):
+                found.append(node.lineno)
+    return found
+
+
+def test_only_an_options_own_cost_model_tells_its_kind_apart():
+    """The planner prices, names and ranks every option through its cost model (``planner/models/``): a new
+    strategy is its file plus its model's, and nothing else in the package changes."""
+    found = [
+        f"{file.relative_to(PACKAGE.parent)}:{line}"
+        for file in _outside_own_files()
+        for line in kind_branching(file.read_text())
+    ]
+    assert not found, "branches on an option's kind outside its cost model:\n" + "\n".join(sorted(found))
+    for source in ('o.family == "fsdp"', 'option.family in ("tp", "cp")', '{"ddp": 1}[o.family]'):
+        assert kind_branching(source), source  # it can fail on each form
+    assert kind_branching("option.model.level(option) == 4") == []
 
 
 def test_the_sniffing_checker_sees_each_kind():

@@ -380,7 +380,8 @@ def test_distrain_plan_has_context_parallel_rows_for_long_sequences_and_the_run_
     from distrain.planner.decide import Decision
     from distrain.planner.estimate import Job, Option
     from distrain.planner.model_stats import ModelSpec
-    from distrain.planner.plan import LONG_SEQUENCE, Budget, Planner, option_for_run
+    from distrain.planner.models.tensor import LONG_SEQUENCE
+    from distrain.planner.plan import Budget, Planner, option_for_run
 
     def planner(seq_len: int) -> Planner:
         job = Job(ModelSpec.builtin_gpt("gpt-tiny", seq_len), 1, world_size=2)

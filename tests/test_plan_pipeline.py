@@ -13,7 +13,7 @@ from plan_measure import PIPELINE_CASES, hf_dirs, job_of, measure_cases, option_
 
 from distrain import cli
 from distrain.planner import Estimator, Job, ModelSpec, Option
-from distrain.planner.pipeline import activations_in_flight, rank_order, trace_pipeline
+from distrain.planner.models.pipeline import activations_in_flight, pipeline_ranks, rank_order, trace_pipeline
 from helpers import make_trainer, run_ranks
 
 MiB = 2**20
@@ -32,7 +32,7 @@ def test_each_pipeline_rank_peaks_within_ten_percent_of_measured(tmp_path, world
     for i, case in enumerate(cases):
         option = option_of(case, world)
         estimator = Estimator(job_of(case, world, hf))
-        loads = estimator.pipeline_ranks(option)
+        loads = pipeline_ranks(estimator, option)
         per_stage = world // option.pipeline  # ranks are numbered pipeline outermost
         peaks = [max(rank[i] for rank in measured[p * per_stage : (p + 1) * per_stage]) for p in range(option.pipeline)]
         row = estimator.estimate(option).peak

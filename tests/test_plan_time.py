@@ -17,11 +17,9 @@ from distrain.planner.timing import (
     Hardware,
     StepTime,
     collective_seconds,
-    collectives,
     copy_seconds,
     cpu_hardware,
     gloo_allreduce,
-    step_time,
     work_seconds,
 )
 
@@ -81,6 +79,16 @@ def test_activation_checkpointing_recomputes_each_blocks_forward_in_backward(tra
     assert every["forward"].flops == plain["forward"].flops
     head = 2 * B * T * D * V
     assert every["backward"].flops - plain["backward"].flops == LINEAR + ATTENTION - head - L * LAST_MATMUL
+
+
+def collectives(option: Option, job: Job, trace, units: int) -> list:
+    """What the option's cost model says one step sends."""
+    return option.model.collectives(option, job, trace, units)
+
+
+def step_time(option: Option, job: Job, trace, units: int, hw: Hardware):
+    """The option's cost model's time of a step of ``trace``."""
+    return option.model.time_of(option, job, trace, units, hw)
 
 
 def _job(world: int, accumulate: int = 1, nodes: int = 1) -> Job:

@@ -61,7 +61,7 @@ def test_partial_checkpointing_is_interpolated_between_one_block_and_all():
     """Checkpointing k of L blocks is estimated from k=1 and k=L; the exact trace at k=2 agrees."""
     est = Estimator(Job(ModelSpec.builtin_gpt("gpt-tiny", 128), 8, world_size=2))
     interpolated = est.estimate(Option("ddp", checkpoint=2))
-    exact = est._replicated(Option("ddp", checkpoint=2))
+    exact = Option("ddp").model.estimate(est, Option("ddp", checkpoint=2))  # traced, not interpolated
     none, every = est.estimate(Option("ddp")), est.estimate(Option("ddp", checkpoint=None))
     assert every.peak < interpolated.peak < none.peak
     assert interpolated.peak == pytest.approx(exact.peak, rel=0.02)
@@ -95,7 +95,7 @@ def test_zero_model_states_against_deepspeed_and_published_figures():
     to fp32. ZeRO-2: DeepSpeed's 2Ψ + 18Ψ/N is exactly what its step holds."""
     pytest.importorskip("deepspeed")
     from distrain import compat
-    from distrain.planner.zero import zero_states
+    from distrain.planner.models.zero import zero_states
 
     world = 8
     est = Estimator(Job(ModelSpec.builtin_gpt("gpt-7b", 2048), 1, "bf16-mixed", world_size=world, gpu=True))
@@ -506,7 +506,7 @@ def test_the_plan_of_a_named_strategy_is_the_run_train_starts(tmp_path, gpu):
             recommended = Planner(job, budget).plan("all", "both").recommendation.option.strategy
             assert decide._planned(config, None).strategy == recommended, label
             continue
-        planned = option_for_run(named, job, job.fsdp_sharding, job.fsdp_cpu_offload)
+        planned = option_for_run(named, job)
         try:
             live = registry.make_strategy(named, world, **registry.options_from_config(named, config, {Block}))
         except ValueError as e:  # NVMe offload on a machine without libaio: train refuses it before starting

@@ -1,9 +1,10 @@
-"""The registry's promise: a new strategy is one file. A tiny one, in a package of its own that names it under the
-``distrain.strategies`` entry point group, trains through ``distrain train --strategy tiny`` and checks its config
-keys, with nothing else changed."""
+"""The registry's promise: a new strategy is one file, and its cost model one more. A tiny one, in a package of its
+own that names it under the ``distrain.strategies`` entry point group, trains through ``distrain train --strategy
+tiny`` and checks its config keys; its cost model puts it in ``distrain plan``; nothing else changed."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -31,22 +32,61 @@ def check(config):
         raise ConfigError("training.compile is not supported with distributed.strategy 'tiny'")
 
 
-register("tiny", TinyStrategy, "one process, from a plugin", check=check)
+register("tiny", TinyStrategy, "one process, from a plugin", check=check, cost_model="tiny_plan")
+'''
+
+TINY_PLAN = '''
+from dataclasses import replace
+
+from distrain.planner.models import CostModel, model_of
+from distrain.planner.options import Option
+
+
+class Tiny(CostModel):
+    """Priced as one process (which it is), shown beside it, never chosen for the user."""
+
+    kinds = ("tiny",)
+
+    def offered(self, job):
+        return [Option("tiny")] if job.world_size == 1 else []
+
+    def option_for_run(self, strategy, job):
+        return Option("tiny")
+
+    def auto_may_choose(self, option):
+        return False
+
+    def label(self, option, accumulate=None):
+        return "tiny one process"
+
+    def short(self, option):
+        return "Tiny"
+
+    def estimate(self, estimator, option):
+        one = model_of("single")
+        return replace(one.estimate(estimator, replace(option, family="single")), option=option)
+
+    def step_time(self, estimator, option, hw):
+        return model_of("single").step_time(estimator, replace(option, family="single"), hw)
+
+
+MODELS = (Tiny(),)
 '''
 
 
 def _plugin(root: Path) -> None:
     (root / "tiny_strategy.py").write_text(TINY)
+    (root / "tiny_plan.py").write_text(TINY_PLAN)
     info = root / "tiny_strategy-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tiny-strategy\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text("[distrain.strategies]\ntiny = tiny_strategy\n")
 
 
-def _train(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+def _train(tmp: Path, *args: str, command: str = "train", strategy: str = "tiny") -> subprocess.CompletedProcess:
     env = {**env_without_rank(), "PYTHONPATH": f"{tmp / 'plugin'}:{ROOT}"}
-    command = [sys.executable, "-m", "distrain.cli", "train", "--strategy", "tiny", "--devices", "1", *args]
-    return subprocess.run(command, capture_output=True, text=True, cwd=tmp, env=env, timeout=300)
+    argv = [sys.executable, "-m", "distrain.cli", command, "--strategy", strategy, "--devices", "1", *args]
+    return subprocess.run(argv, capture_output=True, text=True, cwd=tmp, env=env, timeout=300)
 
 
 def test_a_strategy_in_one_file_trains_and_checks_its_config(tmp_path):
@@ -61,3 +101,22 @@ def test_a_strategy_in_one_file_trains_and_checks_its_config(tmp_path):
     ), refused.stderr
     unknown = _train(tmp_path.parent, "--output-dir", str(tmp_path / "run3"))  # without the plugin on the path
     assert unknown.returncode == 2
+
+
+def test_its_cost_model_puts_it_in_the_plan_beside_the_built_in_ones(tmp_path):
+    """``distrain plan --strategy tiny`` plans the plug-in's run; ``--strategy all`` shows it beside one process,
+    priced the same (it is one process), and the recommendation is still one process (its model never lets
+    ``auto`` choose it)."""
+    (tmp_path / "plugin").mkdir()
+    _plugin(tmp_path / "plugin")
+    plan = _train(tmp_path, "--model-name", "gpt-tiny", "--no-time", command="plan")
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    (mine,) = [line for line in plan.stdout.splitlines() if line.split("  ")[0] == "tiny one process"]
+    assert mine.endswith("← this run"), plan.stdout
+    every = _train(tmp_path, "--model-name", "gpt-tiny", "--no-time", "--json", command="plan", strategy="all")
+    assert every.returncode == 0, every.stderr[-2000:]
+    shown = json.loads(every.stdout)
+    rows = {r["strategy"]: r for r in shown["rows"] if r["activation_checkpointing"] == 0}
+    assert rows["tiny"]["label"] == "tiny one process"
+    assert rows["tiny"]["peak_bytes"] == rows["single"]["peak_bytes"] > 0
+    assert shown["recommendation"] == "single", shown["reason"]

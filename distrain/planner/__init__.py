@@ -8,8 +8,9 @@
 
 Layout: ``model_stats`` (the model on the meta device, its parameters, the traced step under fake
 tensors), ``work`` (its FLOPs and bytes), ``simulate`` (FSDP2 and tensor parallelism on a fake process
-group), ``pipeline`` (each stage traced alone, the schedule's micro-batches in flight), ``estimate`` (the
-options and each one's parts; DDP), ``zero`` (DeepSpeed ZeRO), ``timing`` (seconds per step), ``plan``
+group), ``options`` (what an option and a row are), ``estimate`` (the job, and what every option's estimate
+shares: traces, depth, partial checkpointing), ``models/`` (each strategy's cost model: ``replicated``,
+``fsdp``, ``zero``, ``tensor``, ``pipeline``), ``timing`` (seconds per step from work and collectives), ``plan``
 (budget, ranking, table, recommendation), ``machine`` (this machine's rates, measured once and kept),
 ``decide`` (the one ``auto`` decision, for ``distrain train`` and ``Trainer(strategy="auto")`` alike),
 ``from_config`` (the job a run's config plans), ``cli`` (``distrain plan``), ``oom`` (what a rank that ran out

@@ -90,7 +90,7 @@ def plan_command(config: RunConfig, strategy: str, as_json: bool, timing: Timing
             file=sys.stderr,
         )
         return 2
-    run = option_for_run(named, job, job.fsdp_sharding, job.fsdp_cpu_offload) if named != "auto" else None
+    run = option_for_run(named, job) if named != "auto" else None
     if run is not None and ac != "auto":
         plan.mark_run(replace(run, checkpoint=None if runs_ac else 0))
     if as_json:

@@ -165,7 +165,7 @@ def choose(planner: Planner, checkpointing: bool | str) -> Decision:
     option = row.option
     return Decision(
         strategy=option.strategy,
-        sharding=option.sharding if option.family == "fsdp" else None,
+        sharding=option.model.settings(option).get("sharding_strategy"),
         checkpoint=option.checkpoint,
         planned_checkpoint=checkpointing == "auto" or (checkpointing is False and option.checkpoint != 0),
         accumulate=row.accumulate if row.accumulate != planner.job.accumulate else None,
@@ -276,7 +276,7 @@ def _planned(config: RunConfig, job) -> Decision:
     if d.strategy == "auto":  # the fastest predicted option that fits, on this machine's rates
         return choose(Planner(job, budget, rates_or_none(job)), ac)
     planner = Planner(job, budget)  # a named strategy: its memory only
-    option = option_for_run(d.strategy, job, config.fsdp.sharding_strategy, config.fsdp.cpu_offload)
+    option = option_for_run(d.strategy, job)
     if option is None:
         return Decision(strategy=d.strategy)
     if ac == "auto":

@@ -62,7 +62,7 @@ def _plan(found: dict, runtime, module, loader, micro_batch, accumulate, clip, h
         gpu = runtime.accelerator.name == "cuda"
         world = runtime.world_size
         job = Job(spec, micro_batch, runtime.precision.name, world, runtime.num_nodes, accumulate, clip, gpu, **fields)
-        option = option_for_run(name, job, job.fsdp_sharding, job.fsdp_cpu_offload)
+        option = option_for_run(name, job)
         if option is None:
             found["unavailable"] = f"the planner has no model of {type(strategy).__name__}"
             return
@@ -142,8 +142,10 @@ def _describe(found: dict, seconds: float, done: bool) -> str:
 def _how(option) -> str:
     """What to set for ``option``: ``strategy fsdp, sharding_strategy SHARD_GRAD_OP, activation checkpointing on``."""
     how = f"strategy {option.strategy}"
-    if option.family == "fsdp" and option.sharding != "FULL_SHARD":  # FULL_SHARD: fsdp's default
-        how += f", sharding_strategy {option.sharding}"
+    model = option.model
+    for key, value in model.settings(option).items():
+        if model.defaults.get(key) != value:  # what the strategy does unless told goes without saying
+            how += f", {key} {value}"
     if option.checkpoint is None:
         how += ", activation checkpointing on"
     elif option.checkpoint:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from distrain.planner.models import model_of
 from distrain.planner.timing import StepTime
 
 #: Row fields that are bytes (extrapolated and interpolated)
@@ -15,9 +16,10 @@ class Option:
     """One way to train: a strategy with its sharding, activation checkpointing and offload."""
 
     family: str
-    """``single``, ``ddp``, ``fsdp``, ``zero``, ``tp`` (tensor parallel; FSDP over the remaining ranks), ``cp``
-    (context parallel, each sequence split over ``context`` ranks, optionally × ``tensor``; FSDP over data ×
-    context) or ``pp`` (pipeline stages; FSDP over the remaining ranks)."""
+    """The kind of option, which names the cost model that prices it (``planner/models/``): ``single``, ``ddp``,
+    ``fsdp``, ``zero``, ``tp`` (tensor parallel; FSDP over the remaining ranks), ``cp`` (context parallel, each
+    sequence split over ``context`` ranks, optionally × ``tensor``; FSDP over data × context), ``pp`` (pipeline
+    stages; FSDP over the remaining ranks), or a plug-in's own."""
     sharding: str | None = None
     """FSDP: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD; ``tp``: FULL_SHARD when FSDP shards over the
     data-parallel ranks (the ranks beyond ``tensor``), else None."""
@@ -45,18 +47,14 @@ class Option:
     sync_every: int = 1
 
     @property
+    def model(self):
+        """The cost model that prices this option."""
+        return model_of(self.family)
+
+    @property
     def strategy(self) -> str:
         """The strategy name a run takes (``--strategy``)."""
-        if self.family == "fsdp":
-            return "fsdp_cpu_offload" if self.offload == "cpu" else "fsdp"
-        if self.family == "zero":
-            suffix = {"none": "", "cpu": "_offload", "nvme": "_offload_nvme"}[self.offload]
-            return f"deepspeed_stage_{self.stage}{suffix}"
-        if self.family in ("tp", "cp"):
-            return "model_parallel"
-        if self.family == "pp":
-            return "pipeline"
-        return self.family
+        return self.model.strategy(self)
 
     @property
     def level(self) -> int:
@@ -64,30 +62,11 @@ class Option:
         3 and parameters within a node (hybrid), 4 and parameters across every rank, 5 the model split
         (tensor parallel: each layer and its activations, a collective in every layer; pipeline: the blocks
         into stages, which wait for each other)."""
-        if self.family == "zero":
-            return {1: 1, 2: 2, 3: 4}[self.stage]
-        if self.family == "fsdp":
-            return {"SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "FULL_SHARD": 4}[self.sharding]
-        return 5 if self.family in ("tp", "cp", "pp") else 0
+        return self.model.level(self)
 
-    @property
-    def label(self) -> str:
-        base = {
-            "single": "single process",
-            "ddp": "ddp",
-            "fsdp": f"fsdp {self.sharding}",
-            "zero": f"zero-{self.stage}",
-            "tp": f"tensor parallel {self.tensor}"
-            + (" + SP" if self.sequence_parallel else "")
-            + (" × fsdp" if self.sharding else ""),
-            "cp": f"context parallel {self.context}"
-            + (f" × tensor {self.tensor}" if self.tensor > 1 else "")
-            + (" × fsdp" if self.sharding else ""),
-            "pp": f"pipeline {self.pipeline} {self.schedule}"
-            + (f" ({self.stages_per_rank} stages/rank)" if self.stages_per_rank > 1 else "")
-            + (" × fsdp" if self.sharding else ""),
-        }[self.family]
-        parts = [base]
+    def label_at(self, accumulate: int | None = None) -> str:
+        """The table's label, as the option runs at ``accumulate`` micro-batches per step."""
+        parts = [self.model.label(self, accumulate)]
         if self.semi_sync:
             parts.append(f"{self.semi_sync} every {self.sync_every} steps")
         if self.checkpoint is None:
@@ -95,28 +74,17 @@ class Option:
         elif self.checkpoint:
             parts.append(f"AC {self.checkpoint} blocks")
         if self.offload != "none":
-            what = "opt+params" if self.family == "zero" and self.stage == 3 else "opt"
-            if self.family == "fsdp":
-                what = "params+grads+opt"
-            parts.append(f"{self.offload} offload ({what})")
+            parts.append(f"{self.offload} offload ({self.model.offloaded(self)})")
         return " + ".join(parts)
+
+    @property
+    def label(self) -> str:
+        return self.label_at()
 
     @property
     def short(self) -> str:
         """The name in one-line reasons: ``DDP``, ``FSDP+AC``, ``ZeRO-3``."""
-        base = {
-            "single": "1 process",
-            "ddp": "DDP",
-            "fsdp": "FSDP",
-            "zero": f"ZeRO-{self.stage}",
-            "tp": f"TP{self.tensor}" + ("+SP" if self.sequence_parallel else "") + ("×FSDP" if self.sharding else ""),
-            "cp": f"CP{self.context}"
-            + (f"×TP{self.tensor}" if self.tensor > 1 else "")
-            + ("×FSDP" if self.sharding else ""),
-            "pp": f"PP{self.pipeline}" + ("×FSDP" if self.sharding else ""),
-        }[self.family]
-        if self.family == "fsdp" and self.sharding != "FULL_SHARD":
-            base += {"SHARD_GRAD_OP": " grad-op", "HYBRID_SHARD": " hybrid"}[self.sharding]
+        base = self.model.short(self)
         if self.checkpoint != 0:
             base += "+AC" if self.checkpoint is None else f"+AC{self.checkpoint}"
         if self.offload != "none":
@@ -159,17 +127,14 @@ class Row:
     def label(self) -> str:
         """The option's label as it runs at this accumulation: 1F1B with fewer micro-batches than stages runs
         GPipe (``PipelineRunner``), and the row is planned so."""
-        o = self.option
-        if o.family == "pp" and o.schedule == "1F1B" and self.accumulate < o.pipeline:
-            return replace(o, schedule="GPipe").label
-        return o.label
+        return self.option.label_at(self.accumulate)
 
     def to_json(self) -> dict:
         o = self.option
         return {
             "strategy": o.strategy,
             "label": self.label,
-            "sharding": o.sharding or (f"zero-{o.stage}" if o.stage else None),
+            "sharding": o.model.sharding(o),
             "tensor_parallel_size": o.tensor,
             "context_parallel_size": o.context,
             "sequence_parallel": o.sequence_parallel,

@@ -3,9 +3,11 @@
 Ranking (the fastest first): no offload before offload (moving state over PCIe every step costs
 the most), then the least sharding (nothing < optimizer state < gradients < parameters within a
 node < parameters across all ranks: each level adds communication), then the least recomputation
-(none < some blocks < every block), then torch's own engines before DeepSpeed at the same level.
-``strategy="auto"`` takes the first option that fits among DDP and FSDP (torch's own engines, the
-user's optimizer unchanged); ZeRO rows are there to compare, and to pick by name.
+(none < some blocks < every block), then torch's own engines before one that steps its own optimizer
+(DeepSpeed) at the same level. ``strategy="auto"`` takes the fastest option that fits among those its
+cost model lets it choose (the user's optimizer unchanged); ZeRO rows are there to compare, and to pick
+by name. What each option holds and costs is its cost model's (``planner/models/``); nothing here
+names a strategy.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from distrain.planner.estimate import Estimator, Job, Option, Row
+from distrain.planner.models import model_for_strategy, models
 from distrain.planner.timing import Hardware, StepTime
 from distrain.units import cell, format_rate, format_seconds, format_size, human, parse_size
 
@@ -93,49 +96,39 @@ class Budget:
 
 
 # ---- options and their order ---------------------------------------------------------------------------
-#: what ``auto`` runs: torch's own engines (the user's optimizer unchanged); ZeRO rows are there to compare
-AUTO_FAMILIES = ("single", "ddp", "fsdp", "tp", "cp", "pp")
-#: sequences from this many tokens make ``auto`` and ``distrain plan`` look at context parallelism too (below, its
-#: all-to-alls cost more than the activations it saves are worth)
-LONG_SEQUENCE = 8192
-
-
 def auto_may_choose(option: Option) -> bool:
-    """What ``strategy: auto`` chooses among: the same training as DDP's, only laid out another way (a replica
-    group meeting every H steps trains another way, so it is shown but never chosen)."""
-    return option.family in AUTO_FAMILIES and not option.semi_sync
+    """What ``strategy: auto`` chooses among: the same training as DDP's, only laid out another way (its cost
+    model says: an engine that steps its own optimizer, or replica groups meeting every H steps, train another
+    way, so they are shown but never chosen)."""
+    return option.model.auto_may_choose(option)
 
 
 def rank_key(option: Option) -> tuple:
     ac = 0 if option.checkpoint == 0 else 2 if option.checkpoint is None else 1
     offload = {"none": 0, "cpu": 1, "nvme": 2}[option.offload]
-    return (offload > 0, option.level, ac, offload, option.family == "zero")
+    return (offload > 0, option.level, ac, offload, option.model.replaces_optimizer)
+
+
+def _offered(job: Job, shares_samples: bool) -> list[Option]:
+    """The options the cost models offer ``job``: those whose ranks share samples, or the others. Replica groups
+    take only what spans them."""
+    return [
+        option
+        for model in models()
+        if model.shares_samples == shares_samples and (job.replica_groups == 1 or model.spans_replica_groups)
+        for option in model.offered(job)
+    ]
 
 
 def candidate_options(job: Job, strategy: str = "all", checkpoint: str | bool = "both") -> list[Option]:
-    """The data-parallel options for a job, in ranking order (tensor-parallel and pipeline layouts run more
-    micro-batches: ``Planner.model_parallel_planners``). ``strategy``: ``all``, ``auto`` (DDP and FSDP
-    only) or a strategy name; ``checkpoint``: ``both`` (with and without), True, False."""
-    world, nodes = job.world_size, job.num_nodes
-    options: list[Option] = []
-    if world == 1:
-        options.append(Option("single"))
-    else:
-        options.append(Option("ddp"))
-        options += [Option("fsdp", sharding="SHARD_GRAD_OP"), Option("fsdp", sharding="FULL_SHARD")]
-        if nodes > 1 and world > nodes:
-            options.append(Option("fsdp", sharding="HYBRID_SHARD"))
-        options += [Option("zero", stage=s) for s in (1, 2, 3)]
-        if job.gpu:
-            options.append(Option("fsdp", sharding="FULL_SHARD", offload="cpu"))
-            options += [Option("zero", stage=2, offload="cpu"), Option("zero", stage=3, offload="cpu")]
-        if job.replica_groups > 1:  # ddp_torchft: DDP replicas in groups, which may meet every sync_every steps
-            options = [Option("ddp")]  # nothing else spans replica groups
-            options += [Option("ddp", semi_sync=m, sync_every=job.sync_every) for m in ("local_sgd", "diloco")]
+    """The data-parallel options for a job, in ranking order (layouts whose ranks share samples run more
+    micro-batches: ``Planner.model_parallel_planners``). ``strategy``: ``all``, ``auto`` (those it may choose)
+    or a strategy name; ``checkpoint``: ``both`` (with and without), True, False."""
+    options = _offered(job, shares_samples=False)
     if strategy == "auto":
         options = [o for o in options if auto_may_choose(o)]
     elif strategy != "all":  # the option that strategy runs, as the run would start it
-        run = option_for_run(strategy, job, job.fsdp_sharding, job.fsdp_cpu_offload)
+        run = option_for_run(strategy, job)
         options = [run] if run is not None else []
     options = [replace(o, checkpoint=c) for o in options for c in _checkpoint_variants(checkpoint)]
     return sorted(options, key=rank_key)
@@ -146,140 +139,13 @@ def _checkpoint_variants(checkpoint: str | bool) -> list[int | None]:
     return [0, None] if checkpoint == "both" else [None] if checkpoint is True else [0]
 
 
-def option_for_run(strategy: str, job: Job, sharding: str = "FULL_SHARD", cpu_offload: bool = False) -> Option | None:
-    """The option an explicitly named strategy runs, as ``distrain train`` would start it: the FSDP sharding
-    and offload of the config, the ZeRO stage and offload of the user's DeepSpeed JSON (``job.zero``) when
-    there is one, else the preset's. None for what the planner does not model (a pipeline of tensor-parallel
-    stages)."""
-    if strategy == "ddp_torchft" and job.semi_sync and job.replica_groups > 1:
-        return Option("ddp", semi_sync=job.semi_sync, sync_every=job.sync_every)
-    if strategy in ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_torchft"):  # every rank holds everything
-        return Option("ddp") if job.world_size > 1 else Option("single")
-    if strategy == "single":
-        return Option("single")
-    if strategy in ("fsdp", "fsdp_cpu_offload"):
-        offload = "cpu" if (cpu_offload or strategy == "fsdp_cpu_offload") and job.gpu else "none"
-        if sharding == "NO_SHARD" and offload == "none":  # replicated on every rank: DDP's memory
-            return Option("ddp") if job.world_size > 1 else Option("single")
-        return Option("fsdp", sharding="FULL_SHARD" if sharding == "NO_SHARD" else sharding, offload=offload)
-    if strategy.startswith("deepspeed"):
-        stage, offload = _zero_of(strategy, job.zero)
-        if stage == 0:  # no ZeRO: every rank holds everything, as under DDP
-            return Option("ddp") if job.world_size > 1 else Option("single")
-        return Option("zero", stage=stage, offload=offload if job.gpu else "none")
-    if strategy == "pipeline" or (strategy == "model_parallel" and job.pipeline_stages not in (None, "auto", 1)):
-        return pipeline_option(job, strict=True, strategy=strategy)
-    if strategy == "model_parallel" and job.context_parallel > 1:
-        return context_parallel_option(job, job.context_parallel, strict=True)
-    if strategy == "model_parallel":
-        return tensor_parallel_option(job, strict=True)
-    return None
-
-
-def context_parallel_option(job: Job, context: int, strict: bool = False) -> Option | None:
-    """The layout ``strategy: model_parallel`` with ``context_parallel_size=context`` runs (tensor parallel over what
-    it leaves of a node unless set, when ``strict``; FSDP over data × context). None when the model cannot split its
-    sequences or its heads; that raises the run's own error when ``strict``."""
-    from distrain.parallel.context_parallel import attention_heads, check_heads, no_support_message
-    from distrain.parallel.layout import layout_for
-
-    if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1):
-        return None
-    try:
-        tensor = job.tensor_parallel if strict else 1
-        layout = layout_for(job.world_size, job.per_node, False, tensor, "auto", None, 1, context)
-        module = job.spec.build()
-        heads = attention_heads(module)
-        if heads is None:
-            raise ValueError(no_support_message(module))
-        for count in heads:
-            check_heads(count, layout.context, layout.tensor, job.spec.name)
-    except ValueError:
-        if strict:
-            raise
-        return None
-    return Option("cp", sharding="FULL_SHARD", tensor=layout.tensor, context=layout.context)
-
-
-def context_parallel_options(job: Job) -> list[Option]:
-    """What ``auto`` and ``all`` look at for a long sequence (``LONG_SEQUENCE``): each size that divides one node's
-    devices (and the world) and the model's heads, from 2 to the whole node, FSDP over the ranks that remain. A
-    larger size holds less of each sequence and sends more all-to-alls: which one is fastest is the planner's to
-    say."""
-    if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1) or job.spec.seq_len < LONG_SEQUENCE:
-        return []
-    sizes = [c for c in range(2, job.per_node + 1) if job.per_node % c == 0 and job.world_size % c == 0]
-    return [option for c in sizes if (option := context_parallel_option(job, c)) is not None]
-
-
-def tensor_parallel_option(job: Job, strict: bool = False) -> Option | None:
-    """The layout ``strategy: model_parallel`` runs with the job's sizes (tensor parallel over one node's
-    devices unless set; FSDP over the ranks that remain), or None when there is nothing to split, the
-    model has no built-in plan, or a pipeline is asked for (not modelled). A size the run would refuse
-    (one that does not divide the heads) raises when ``strict`` (the strategy was named), else is left out."""
-    from distrain.parallel.layout import layout_for
-    from distrain.parallel.tensor_parallel import built_in_targets, no_plan_message
-
-    if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1):
-        return None
-    try:
-        layout = layout_for(job.world_size, job.per_node, False, job.tensor_parallel, "auto", None)
-        if layout.tensor < 2:  # nothing split: FSDP alone, which any model runs
-            return None
-        module = job.spec.build()
-        targets = built_in_targets(module)
-        if not targets:
-            raise ValueError(no_plan_message(module))  # what the run would say
-        for model, plan in targets:
-            plan(model, layout.tensor, job.sequence_parallel)  # checks that the size divides the model's
-        if not strict and job.sequence_parallel and job.spec.seq_len % layout.tensor:
-            return None  # sequences split over the ranks: auto takes no layout a batch of this length cannot run
-    except ValueError:
-        if strict:
-            raise
-        return None
-    sharding = "FULL_SHARD" if layout.data > 1 else None
-    return Option("tp", sharding=sharding, tensor=layout.tensor, sequence_parallel=job.sequence_parallel)
-
-
-def pipeline_option(job: Job, strict: bool = False, strategy: str = "pipeline") -> Option | None:
-    """The layout ``strategy: pipeline`` runs with the job's sizes (a stage per rank unless set; FSDP over
-    the ranks that remain), or None when a stage would also split its layers (not planned), or the model
-    cannot be split into that many stages: that raises the run's own error when ``strict``."""
-    from distrain.parallel.layout import default_stages_per_rank, layout_for
-    from distrain.parallel.pipeline_split import split_blocks, split_for
-
-    if job.world_size < 2:
-        return None
-    per_rank = job.stages_per_rank or default_stages_per_rank(job.pipeline_schedule)
-    try:
-        # model_parallel: tensor parallel over what the stages leave of a node, as the strategy resolves it
-        sizes = (job.tensor_parallel, "auto", job.pipeline_stages, per_rank)
-        layout = layout_for(job.world_size, job.per_node, strategy == "pipeline", *sizes)
-        if layout.tensor > 1:
-            return None
-        module = job.spec.build()
-        split_blocks(split_for(module), layout.num_stages, job.split_points, root=module)
-    except (ValueError, TypeError):
-        if strict:
-            raise
-        return None
-    sharding = "FULL_SHARD" if layout.data > 1 else None
-    return Option(
-        "pp", sharding=sharding, pipeline=layout.pipeline, schedule=job.pipeline_schedule, stages_per_rank=per_rank
-    )
-
-
-def _zero_of(strategy: str, user: dict | None) -> tuple[int, str]:
-    """(stage, where its state is offloaded) of a DeepSpeed run: the user's config, else the preset."""
-    from distrain.strategies.deepspeed_config import PRESETS, zero_stage
-
-    if user:
-        zero = user.get("zero_optimization", {})
-        devices = {zero.get(k, {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
-        return zero_stage(user), "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
-    preset = PRESETS.get(strategy, {"stage": 2})
-    return preset["stage"], "nvme" if "nvme" in strategy else "cpu" if preset.get("offload_optimizer") else "none"
+def option_for_run(strategy: str, job: Job) -> Option | None:
+    """The option an explicitly named strategy runs, as ``distrain train`` would start it (its cost model's
+    answer: the FSDP sharding and offload of the config, the ZeRO stage and offload of the user's DeepSpeed JSON
+    ``job.zero``, the layout of the job's sizes). None for what no model prices (a pipeline of tensor-parallel
+    stages, a strategy registered without a cost model)."""
+    model = model_for_strategy(strategy)
+    return model.option_for_run(strategy, job) if model is not None else None
 
 
 # ---- the plan ---------------------------------------------------------------------------------------------
@@ -505,28 +371,9 @@ class Planner:
         return (self.prefer(fitting) if fitting else None), seen
 
     def seconds_at_least(self, planner: Planner, option: Option) -> float:
-        """``planner.seconds(option)``, or, for a tensor-parallel or pipeline layout (whose time needs a
-        simulated step), a bound below it from this planner's trace of the same micro-batch (``timing.py``,
-        ``pipeline.py``): without the optimizer step, a tensor-parallel rank computes 1/T of every operation's
-        FLOPs and bytes yet runs every operation, for T times the micro-batches, and waits for a collective in
-        each block's forward and backward; with no communication, a pipeline runs its micro-batches at its
-        slowest rank's pace, at least 1/P of the whole, plus the fill (less a tenth: its stages are traced one
-        by one)."""
-        if option.family not in ("tp", "cp", "pp"):
-            return planner.seconds(option)
-        from distrain.planner.timing import work_seconds
-
-        work = self.estimator.trace("fsdp" if option.sharding else "ddp", option.checkpoint).work.forward_backward
-        micro_batches = planner.job.accumulate
-        if option.family == "cp":  # 1/N of every operation's work, nothing else
-            return micro_batches * work_seconds(work.scaled(1 / (option.context * option.tensor)), self.hardware)
-        if option.family == "tp":
-            # and each block's forward and backward wait for one collective at least (Megatron's layout: two each)
-            hw = self.hardware
-            waits = 2 * self.job.spec.num_blocks * (hw.blocking_collective_seconds or hw.collective_seconds)
-            return micro_batches * (work_seconds(work.scaled(1 / option.tensor), hw) + waits)
-        p, v = option.pipeline, option.stages_per_rank
-        return 0.9 * (micro_batches + (p - 1) / v) * work_seconds(work, self.hardware) / p
+        """``planner.seconds(option)``, or, for a layout whose time needs a simulated step (tensor parallel, a
+        pipeline), its cost model's bound below it from this planner's trace of the same micro-batch."""
+        return option.model.seconds_at_least(self.estimator, planner, option, self.hardware)
 
     def model_parallel_planners(self) -> list[tuple[Planner, Option]]:
         """The tensor-parallel and pipeline layouts a run of this job could take, each with the planner of the
@@ -535,10 +382,7 @@ class Planner:
         their planners keep their traces and simulations for ``choose`` and ``plan`` alike."""
         if self._model_parallel is None:
             self._model_parallel = []
-            options = (tensor_parallel_option(self.job), *context_parallel_options(self.job), pipeline_option(self.job))
-            for option in options:
-                if option is None:
-                    continue
+            for option in _offered(self.job, shares_samples=True):
                 shared = option.tensor * option.pipeline * option.context
                 job = replace(self.job, accumulate=self.job.accumulate * shared)
                 self._model_parallel.append((Planner(job, self.budget, self.hardware), option))
@@ -585,7 +429,7 @@ class Planner:
         """``strategy="all"``: every option for the job's global batch (tensor-parallel and pipeline layouts
         with the accumulation that keeps it), the recommendation as ``auto`` would choose."""
         rows = [self.row(o) for o in candidate_options(self.job, strategy, checkpoint)]
-        if strategy == "all" and self.job.replica_groups == 1:
+        if strategy == "all":
             variants = _checkpoint_variants(checkpoint)
             mp = [(p, replace(o, checkpoint=c)) for p, o in self.model_parallel_planners() for c in variants]
             rows = sorted(rows + [p.row(o) for p, o in mp], key=lambda r: rank_key(r.option))
@@ -626,8 +470,8 @@ class Planner:
         if smaller:
             best = max(smaller, key=lambda r: (r.max_micro_batch, [-x for x in rank_key(r.option)]))
             out.append(f"a micro-batch of {best.max_micro_batch} (training.batch_size_per_gpu) with {best.label}")
-        sharded = [r for r in rows if r.option.family == "fsdp" and r.option.sharding == "FULL_SHARD"]
-        sharded = [r for r in sharded if r.option.offload == "none"]
+        # what shrinks as 1/N with more ranks: every state sharded across every rank, by an engine auto may choose
+        sharded = [r for r in rows if r.option.level == 4 and auto_may_choose(r.option) and r.option.offload == "none"]
         if sharded:
             best = min(sharded, key=lambda r: r.peak)
             devices = self._devices_needed(best)

@@ -27,7 +27,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -309,74 +309,9 @@ class StepTime:
 DDP_BUCKET_BYTES = 25 << 20
 
 
-def collectives(option, job, trace, units: int) -> list[Collective]:
-    """What ``option`` communicates in one optimizer step of ``job`` (``accumulate`` micro-batches):
-    ``trace`` is the bare step in the option's dtypes, ``units`` the FSDP/ZeRO-3 gather units."""
-    n, a = job.world_size, job.accumulate
-    if n == 1 or option.family == "single":
-        return []
-    elements = trace.elements
-    params = trace.param_bytes  # gathered in the compute dtype
-    grads = trace.grad_bytes
-    inter = job.num_nodes > 1
-    if option.family == "ddp" and job.replica_groups > 1:
-        return _replica_group_collectives(option, job, grads, elements)
-    if option.family == "ddp":  # one all-reduce per step (no_sync while accumulating), 25 MiB buckets
-        copied = not job.gradient_as_bucket_view
-        return [Collective("all_reduce", grads, n, 1, _buckets(grads, DDP_BUCKET_BYTES), inter, copied)]
-    if option.family == "fsdp":
-        reduce = elements * 4  # reduce_dtype fp32 (FSDPStrategy's policy)
-        gathers = 1 if option.sharding == "SHARD_GRAD_OP" else 2  # forward, and again in backward when resharded
-        if option.sharding == "HYBRID_SHARD" and job.num_nodes > 1:
-            per_node = job.per_node
-            return [
-                Collective("all_gather", params, per_node, gathers * a, units, copied=True),
-                Collective("reduce_scatter", reduce, per_node, 1, units, copied=True),
-                Collective("all_reduce", reduce / per_node, job.num_nodes, 1, units, True),
-            ]
-        return [
-            Collective("all_gather", params, n, gathers * a, units, inter, True),
-            Collective("reduce_scatter", reduce, n, 1, units, inter, True),
-        ]
-    # DeepSpeed ZeRO: gradients in the model's dtype, in reduce buckets; updated parameters all-gathered
-    bucket = _zero_bucket_bytes(job, trace)
-    if option.stage == 3:
-        return [
-            Collective("all_gather", params, n, 2 * a, units, inter, True),
-            Collective("reduce_scatter", grads, n, a, _buckets(grads, bucket), inter, True),
-        ]
-    reductions = a if option.stage == 2 else 1  # stage 2 reduces in every micro-batch's backward
-    return [
-        Collective("reduce_scatter", grads, n, reductions, _buckets(grads, bucket), inter, True),
-        Collective("all_gather", params, n, 1, _buckets(params, bucket), inter, True),
-    ]
-
-
-def _replica_group_collectives(option, job, grads: float, elements: int) -> list[Collective]:
-    """``ddp_torchft``: gradients averaged within each group every step, and between the groups over the link
-    that joins them (the inter-node one: ``--inter-node-bandwidth``): every step, or, semi-synchronously, the
-    fp32 parameters (local SGD) or pseudo-gradients (DiLoCo) once every ``sync_every`` steps."""
-    per_group = job.world_size // job.replica_groups
-    copied = not job.gradient_as_bucket_view
-    buckets = _buckets(grads, DDP_BUCKET_BYTES)
-    within = [Collective("all_reduce", grads, per_group, 1, buckets, job.num_nodes > 1, copied)]
-    if option.semi_sync is None:
-        return [*within, Collective("all_reduce", grads, job.replica_groups, 1, buckets, True, copied)]
-    outer = elements * 4  # fp32, whatever the training precision: the outer step runs on fp32 copies
-    meeting = Collective("all_reduce", outer, job.replica_groups, 1, _buckets(outer, DDP_BUCKET_BYTES), True, False)
-    return [*within, replace(meeting, every=option.sync_every)]
-
-
-def _buckets(size: float, bucket: float) -> int:
+def buckets(size: float, bucket: float) -> int:
+    """Collective calls to send ``size`` bytes in buckets of ``bucket``."""
     return max(1, -(-int(size) // max(1, int(bucket))))
-
-
-def _zero_bucket_bytes(job, trace) -> float:
-    zero = job.zero.get("zero_optimization", job.zero) if job.zero else {}
-    size = zero.get("reduce_bucket_size", 200_000_000)
-    elements = float(size) if isinstance(size, (int, float)) else 200_000_000.0
-    bytes_per = trace.grad_bytes / max(1, trace.elements)
-    return elements * bytes_per
 
 
 def collective_seconds(c: Collective, hw: Hardware, blocking: bool = False) -> float:
@@ -408,19 +343,19 @@ def work_seconds(work, hw: Hardware, memory_share: float = 1.0) -> float:
     )
 
 
-def step_time(option, job, trace, units: int, hw: Hardware) -> StepTime:
-    """One optimizer step of ``option``: ``accumulate`` forward/backward passes of the traced micro-step,
-    the optimizer step (on 1/N of the state when it is sharded), and the option's collectives."""
+def step_time(
+    job, trace, sent: list[Collective], hw: Hardware, shard: float = 1.0, offload: bool = False, host_gathers: int = 0
+) -> StepTime:
+    """One optimizer step of a data-parallel option: ``accumulate`` forward/backward passes of the traced
+    micro-step, the optimizer step (on ``shard`` of the state), and the collectives ``sent``. ``offload``: the
+    optimizer steps on the host; gradients go there and parameters come back over PCIe, and ``host_gathers`` times
+    more per step when the parameters live on the host (copied in at each gather)."""
     compute = job.accumulate * work_seconds(trace.work.forward_backward, hw)
-    shard = 1 / job.world_size if option.family in ("zero", "fsdp") else 1.0
-    if option.offload == "none":
+    if not offload:
         optimizer = work_seconds(trace.work.step, hw, shard)
-    else:  # the optimizer steps on the host; gradients go there and parameters come back over PCIe
-        moved = (trace.grad_bytes + trace.param_bytes) * shard
-        if option.family == "fsdp" or option.stage == 3:  # parameters live on the host: copied in at each gather
-            moved += trace.param_bytes * shard * job.accumulate * (1 if option.sharding == "SHARD_GRAD_OP" else 2)
+    else:
+        moved = (trace.grad_bytes + trace.param_bytes) * shard + trace.param_bytes * shard * host_gathers
         optimizer = moved / hw.host_bandwidth + trace.work.step.bytes * shard / HOST_OPTIMIZER_BANDWIDTH
-    sent = collectives(option, job, trace, units)
     compute += sum(copy_seconds(c, hw) for c in sent)
     comm_parts = [collective_seconds(c, hw) for c in sent]
     comm = sum(comm_parts)
@@ -431,29 +366,3 @@ def step_time(option, job, trace, units: int, hw: Hardware) -> StepTime:
     else:
         seconds = compute + comm + optimizer
     return StepTime(compute, optimizer, comm, seconds)
-
-
-def tensor_parallel_step_time(option, job, trace, simulated, hw: Hardware) -> StepTime:
-    """One optimizer step under tensor parallelism (``simulated``: ``simulate.TensorParallelStep``).
-    Each rank computes 1/T of every layer's FLOPs and bytes, yet runs every operation; the
-    collectives are the ones the simulated step issued (each layer's, per micro-batch; FSDP's over
-    the data-parallel ranks in 2-D). A layer's collective sits between two computations that need
-    it, so none is counted as hidden behind compute, on a GPU either."""
-    t = option.tensor * option.context  # context parallel: each rank 1/N of the tokens (attention: of the heads)
-    compute = job.accumulate * work_seconds(trace.work.forward_backward.scaled(1 / t), hw)
-    optimizer = work_seconds(trace.work.step, hw, 1 / job.world_size)  # the state is split over every rank
-    grouped: dict[tuple[str, int, bool], list[float]] = {}
-    for kind, size, ranks, fsdp in simulated.collectives:
-        grouped.setdefault((kind, ranks, fsdp), []).append(size)
-    # tensor-parallel groups stay within a node; FSDP's data-parallel ones cross nodes, through flat buffers
-    sent = [
-        Collective(kind, sum(sizes), ranks, job.accumulate, len(sizes), fsdp and job.num_nodes > 1, fsdp)
-        for (kind, ranks, fsdp), sizes in grouped.items()
-    ]
-    sent += [
-        Collective(kind, size, ranks, 1, 1, fsdp and job.num_nodes > 1, fsdp)
-        for kind, size, ranks, fsdp in simulated.step_collectives
-    ]
-    compute += sum(copy_seconds(c, hw) for c in sent)
-    comm = sum(collective_seconds(c, hw, blocking=not c.copied) for c in sent)  # FSDP's (copied) are prefetched
-    return StepTime(compute, optimizer, comm, compute + optimizer + comm)

@@ -203,5 +203,11 @@ for _name, _method, _about in (
     ("ddp_notebook", "fork", "the same as ddp_fork"),
 ):
     register(
-        _name, functools.partial(DDPStrategy, start_method=_method), _about, options_from_config, "distributed", check
+        _name,
+        functools.partial(DDPStrategy, start_method=_method),
+        _about,
+        options_from_config,
+        "distributed",
+        check,
+        cost_model="distrain.planner.models.replicated",
     )

@@ -832,4 +832,5 @@ for _name, _preset_options in PRESETS.items():
         options_from_config,
         "deepspeed",
         check,
+        cost_model="distrain.planner.models.zero",
     )

@@ -640,4 +640,5 @@ register(
     options_from_config,
     "distributed",
     check,
+    cost_model="distrain.planner.models.replicated",
 )

@@ -330,6 +330,7 @@ register(
     options_from_config,
     "fsdp",
     check,
+    cost_model="distrain.planner.models.fsdp",
 )
 register(
     "fsdp_cpu_offload",
@@ -338,4 +339,5 @@ register(
     options_from_config,
     "fsdp",
     check,
+    cost_model="distrain.planner.models.fsdp",
 )

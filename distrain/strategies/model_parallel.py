@@ -600,4 +600,5 @@ register(
     options_from_config,
     "distributed",
     check,
+    cost_model="distrain.planner.models.tensor",
 )

@@ -64,4 +64,5 @@ register(
     functools.partial(options_from_config, pipeline=True),
     "distributed",
     check,
+    cost_model="distrain.planner.models.pipeline",
 )

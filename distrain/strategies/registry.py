@@ -39,6 +39,9 @@ class StrategyEntry:
     """The config file's section those options come from (``fsdp``, ``deepspeed``, ``distributed``)."""
     check: Callable[[Any], None] | None = None
     """``(RunConfig) → None``: the file's checks of its keys, run on every config (raise ConfigError)."""
+    cost_model: str | None = None
+    """The module of its cost model in the planner (``distrain.planner.models.fsdp``), imported only when a run
+    is planned; None: ``distrain plan`` says it has no model of it."""
 
 
 _ENTRIES: dict[str, StrategyEntry] = {}
@@ -80,10 +83,11 @@ def register(
     options_from_config: Callable[[Any, set], dict] | None = None,
     config_section: str | None = None,
     check: Callable[[Any], None] | None = None,
+    cost_model: str | None = None,
 ) -> None:
     if name in _ENTRIES:
         raise ValueError(f"strategy name {name!r} is registered twice")
-    _ENTRIES[name] = StrategyEntry(name, build, description, options_from_config, config_section, check)
+    _ENTRIES[name] = StrategyEntry(name, build, description, options_from_config, config_section, check, cost_model)
 
 
 def entries() -> dict[str, StrategyEntry]:

@@ -11,4 +11,4 @@ class SingleDeviceStrategy(Strategy):
     planned_as = ("single", {})
 
 
-register("single", SingleDeviceStrategy, "one process on one device")
+register("single", SingleDeviceStrategy, "one process on one device", cost_model="distrain.planner.models.replicated")

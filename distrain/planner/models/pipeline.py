@@ -1,4 +1,5 @@
-"""Pipeline layouts in the plan (``strategy: pipeline``): each rank's memory and the step's time, from a
+"""The cost model of pipeline layouts (``strategy: pipeline``, and ``model_parallel`` with ``pipeline_stages``): each
+rank's memory and the step's time, from a
 trace of each stage alone and the schedule's arithmetic.
 
 A fake process group cannot run ``torch.distributed.pipelining`` (stages exchange shape metadata as
@@ -38,6 +39,9 @@ from distrain.planner.model_stats import (
     checkpoint_policy,
     to_empty_keeping_ties,
 )
+from distrain.planner.models import CostModel
+from distrain.planner.options import Option, Row
+from distrain.planner.timing import Collective, StepTime, collective_seconds, work_seconds
 from distrain.planner.work import PhaseWork, WorkCounter
 
 
@@ -290,8 +294,6 @@ def rank_loads(option, job, trace: PipelineTrace, full) -> list[RankLoad]:
 
 def pipeline_row(option, loads: list[RankLoad]):
     """The plan's row: the pipeline rank with the highest peak (the others hold less)."""
-    from distrain.planner.options import Row
-
     worst = max(loads, key=lambda load: load.peak)
     others = ", ".join(f"{load.peak / 2**20:.0f}" for load in loads)
     return Row(
@@ -308,8 +310,6 @@ def pipeline_row(option, loads: list[RankLoad]):
 
 def pipeline_step_time(option, job, trace: PipelineTrace, full, hw):
     """Seconds of one optimizer step through the pipeline (see the module's docstring)."""
-    from distrain.planner.timing import Collective, StepTime, collective_seconds, work_seconds
-
     p, v, a = option.pipeline, option.stages_per_rank, job.accumulate
     data = max(1, job.world_size // (p * option.tensor))
     stages = trace.stages
@@ -349,3 +349,122 @@ def pipeline_step_time(option, job, trace: PipelineTrace, full, hw):
     busy = through_pipeline(compute)
     seconds = through_pipeline(with_links) + optimizer + tail
     return StepTime(busy, optimizer, seconds - busy - optimizer, seconds)
+
+
+class Pipeline(CostModel):
+    kinds = ("pp",)
+    shares_samples = True
+    extrapolates_depth = False  # traced stage by stage at full depth (a stage per block, at most)
+
+    def offered(self, job) -> list[Option]:
+        option = pipeline_option(job)
+        return [option] if option is not None else []
+
+    def option_for_run(self, strategy: str, job) -> Option | None:
+        return pipeline_option(job, strict=True, strategy=strategy)
+
+    def strategy(self, option) -> str:
+        return "pipeline"
+
+    def level(self, option) -> int:
+        return 5
+
+    def label(self, option, accumulate=None) -> str:
+        schedule = option.schedule
+        if schedule == "1F1B" and accumulate is not None and accumulate < option.pipeline:
+            schedule = "GPipe"  # fewer micro-batches than stages: PipelineRunner runs GPipe, and it is planned so
+        return (
+            f"pipeline {option.pipeline} {schedule}"
+            + (f" ({option.stages_per_rank} stages/rank)" if option.stages_per_rank > 1 else "")
+            + (" × fsdp" if option.sharding else "")
+        )
+
+    def short(self, option) -> str:
+        return f"PP{option.pipeline}" + ("×FSDP" if option.sharding else "")
+
+    def estimate(self, estimator, option, micro_batch: int | None = None) -> Row:
+        return pipeline_row(option, pipeline_ranks(estimator, option, micro_batch))
+
+    def activation_slope(self, estimator, option) -> float:
+        b = estimator.job.micro_batch
+        return max(0.0, (self.estimate(estimator, option, 2 * b).peak - self.estimate(estimator, option).peak) / b)
+
+    def step_time(self, estimator, option, hw) -> StepTime:
+        full = _whole_step(estimator, option)
+        return pipeline_step_time(option, estimator.job, _pipeline_trace(estimator, option), full, hw)
+
+    def seconds_at_least(self, estimator, planner, option, hw) -> float:
+        """With no communication, a pipeline runs its micro-batches at its slowest rank's pace, at least 1/P of the
+        whole, plus the fill (less a tenth: its stages are traced one by one)."""
+        work = estimator.trace(_dtypes_of(option), option.checkpoint).work.forward_backward
+        p, v = option.pipeline, option.stages_per_rank
+        return 0.9 * (planner.job.accumulate + (p - 1) / v) * work_seconds(work, hw) / p
+
+
+def _dtypes_of(option) -> str:
+    """The kind whose dtypes the stages compute in: FSDP's over data-parallel replicas, else DDP's."""
+    return "fsdp" if option.sharding else "ddp"
+
+
+def _pipeline_trace(estimator, option, micro_batch: int | None = None) -> PipelineTrace:
+    b = micro_batch or estimator.job.micro_batch
+    stages = option.pipeline * option.stages_per_rank
+    kind = _dtypes_of(option)
+
+    def trace() -> PipelineTrace:
+        param_dtype, autocast = estimator.dtypes(kind)
+        return trace_pipeline(
+            estimator.job.spec,
+            b,
+            stages,
+            param_dtype=param_dtype,
+            autocast=autocast,
+            checkpoint=option.checkpoint,
+            split_points=estimator.job.split_points,
+        )
+
+    return estimator.memo(("pp", stages, option.checkpoint, b, kind), trace)
+
+
+def pipeline_ranks(estimator, option, micro_batch: int | None = None) -> list[RankLoad]:
+    """What each pipeline rank holds: each stage traced alone, the schedule's micro-batches in flight counted, FSDP
+    over the data-parallel replicas when there are any."""
+    full = _whole_step(estimator, option, micro_batch)
+    return rank_loads(option, estimator.job, _pipeline_trace(estimator, option, micro_batch), full)
+
+
+def _whole_step(estimator, option, micro_batch: int | None = None):
+    """A traced whole-model step in the option's dtypes, for bytes and work per parameter element: a deep model's
+    at its deeper shallow depth."""
+    return estimator.deepest.trace(_dtypes_of(option), option.checkpoint, micro_batch)
+
+
+def pipeline_option(job, strict: bool = False, strategy: str = "pipeline") -> Option | None:
+    """The layout ``strategy`` runs with the job's sizes (a stage per rank unless set; FSDP over the ranks that
+    remain), or None when a stage would also split its layers (not planned), or the model cannot be split into that
+    many stages: that raises the run's own error when ``strict``."""
+    from distrain.parallel.layout import default_stages_per_rank, layout_for
+    from distrain.parallel.pipeline_split import split_blocks, split_for
+
+    if job.world_size < 2:
+        return None
+    per_rank = job.stages_per_rank or default_stages_per_rank(job.pipeline_schedule)
+    try:
+        # model_parallel: tensor parallel over what the stages leave of a node, as the strategy resolves it
+        sizes = (job.tensor_parallel, "auto", job.pipeline_stages, per_rank)
+        layout = layout_for(job.world_size, job.per_node, strategy == "pipeline", *sizes)
+        if layout.tensor > 1:
+            return None
+        module = job.spec.build()
+        split_blocks(split_for(module), layout.num_stages, job.split_points, root=module)
+    except (ValueError, TypeError):
+        if strict:
+            raise
+        return None
+    sharding = "FULL_SHARD" if layout.data > 1 else None
+    return Option(
+        "pp", sharding=sharding, pipeline=layout.pipeline, schedule=job.pipeline_schedule, stages_per_rank=per_rank
+    )
+
+
+MODELS = (Pipeline(),)

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO's per-rank memory, counted from what its optimizer allocates (deepspeed 0.19.8,
+"""The cost model of the ``deepspeed_*`` strategies. DeepSpeed ZeRO's per-rank memory, counted from what its
+optimizer allocates (deepspeed 0.19.8,
 ``runtime/zero/stage_1_and_2.py`` and ``stage3.py``), with the traced activations and the
 module's own optimizer traced on a flat fp32 partition.
 
@@ -38,13 +39,16 @@ import torch
 
 from distrain import compat
 from distrain.planner.model_stats import ELEMENT_BYTES, create_optimizer_state, first_optimizer
+from distrain.planner.models import CostModel
+from distrain.planner.models.replicated import replicated
 from distrain.planner.options import Option, Row
+from distrain.planner.timing import Collective, buckets, step_time
 
 
 class Estimates(Protocol):
     """What the ZeRO model reads of the planner's estimator (``estimate.Estimator``): the job, the parameters'
-    statistics, the dtypes and the traced step of a family. A protocol, so this module never imports the estimator,
-    which imports it."""
+    statistics, the dtypes and the traced step of a kind of option. A protocol: a cost model never imports the
+    estimator, which asks it."""
 
     job: Any
     stats: Any
@@ -340,3 +344,99 @@ def _stage_3(est, option, states: ZeroStates, trace, pb: int) -> Row:
     return Row(
         option, on_device, 0, 0, trace.activations, s.buckets, on_device + s.buckets + trace.activations, host=host
     )
+
+
+class Zero(CostModel):
+    kinds = ("zero",)
+    sharded_dtypes = True
+    reentrant_checkpointing = True  # DeepSpeed's activation checkpointing
+    replaces_optimizer = True
+
+    def offered(self, job) -> list[Option]:
+        if job.world_size == 1:
+            return []
+        options = [Option("zero", stage=s) for s in (1, 2, 3)]
+        if job.gpu:
+            options += [Option("zero", stage=2, offload="cpu"), Option("zero", stage=3, offload="cpu")]
+        return options
+
+    def option_for_run(self, strategy: str, job) -> Option:
+        """The stage and offload of the user's DeepSpeed JSON (``job.zero``) when there is one, else the preset's."""
+        stage, offload = _zero_of(strategy, job.zero)
+        if stage == 0:  # no ZeRO: every rank holds everything, as under DDP
+            return replicated(job)
+        return Option("zero", stage=stage, offload=offload if job.gpu else "none")
+
+    def strategy(self, option) -> str:
+        suffix = {"none": "", "cpu": "_offload", "nvme": "_offload_nvme"}[option.offload]
+        return f"deepspeed_stage_{option.stage}{suffix}"
+
+    def level(self, option) -> int:
+        return {1: 1, 2: 2, 3: 4}[option.stage]
+
+    def label(self, option, accumulate=None) -> str:
+        return f"zero-{option.stage}"
+
+    def short(self, option) -> str:
+        return f"ZeRO-{option.stage}"
+
+    def offloaded(self, option) -> str:
+        return "opt+params" if option.stage == 3 else "opt"
+
+    def sharding(self, option) -> str:
+        return f"zero-{option.stage}"
+
+    def estimate(self, estimator, option) -> Row:
+        return zero_row(estimator, option)
+
+    def step_time(self, estimator, option, hw):
+        trace = estimator.trace("zero", option.checkpoint)
+        return self.time_of(option, estimator.job, trace, estimator.num_blocks + 1, hw)
+
+    def time_of(self, option, job, trace, units: int, hw):
+        """The step of ``trace`` (the bare step in the engine's dtypes) with ``units`` stage-3 gather units."""
+        sent = self.collectives(option, job, trace, units)
+        gathers = 2 * job.accumulate if option.stage == 3 else 0  # stage 3's offloaded parameters, at each gather
+        return step_time(job, trace, sent, hw, 1 / job.world_size, option.offload != "none", gathers)
+
+    def collectives(self, option, job, trace, units: int) -> list[Collective]:
+        """Gradients reduced in the model's dtype, in reduce buckets; updated parameters all-gathered (stage 3:
+        gathered in forward and backward, by unit)."""
+        n, a = job.world_size, job.accumulate
+        if n == 1:
+            return []
+        params, grads, inter = trace.param_bytes, trace.grad_bytes, job.num_nodes > 1
+        bucket = _zero_bucket_bytes(job, trace)
+        if option.stage == 3:
+            return [
+                Collective("all_gather", params, n, 2 * a, units, inter, True),
+                Collective("reduce_scatter", grads, n, a, buckets(grads, bucket), inter, True),
+            ]
+        reductions = a if option.stage == 2 else 1  # stage 2 reduces in every micro-batch's backward
+        return [
+            Collective("reduce_scatter", grads, n, reductions, buckets(grads, bucket), inter, True),
+            Collective("all_gather", params, n, 1, buckets(params, bucket), inter, True),
+        ]
+
+
+def _zero_bucket_bytes(job, trace) -> float:
+    zero = job.zero.get("zero_optimization", job.zero) if job.zero else {}
+    size = zero.get("reduce_bucket_size", 200_000_000)
+    elements = float(size) if isinstance(size, (int, float)) else 200_000_000.0
+    bytes_per = trace.grad_bytes / max(1, trace.elements)
+    return elements * bytes_per
+
+
+def _zero_of(strategy: str, user: dict | None) -> tuple[int, str]:
+    """(stage, where its state is offloaded) of a DeepSpeed run: the user's config, else the preset."""
+    from distrain.strategies.deepspeed_config import PRESETS, zero_stage
+
+    if user:
+        zero = user.get("zero_optimization", {})
+        devices = {zero.get(k, {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
+        return zero_stage(user), "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
+    preset = PRESETS.get(strategy, {"stage": 2})
+    return preset["stage"], "nvme" if "nvme" in strategy else "cpu" if preset.get("offload_optimizer") else "none"
+
+
+MODELS = (Zero(),)

@@ -1,0 +1,153 @@
+"""Each strategy's cost model: what the planner knows of the runs one strategy file starts.
+
+A strategy's registration names the module of its cost model (``register(..., cost_model="distrain.planner.models.
+fsdp")``), imported only when something is planned. That module lists its models in ``MODELS``; each prices the
+options of its ``kinds`` (``Option.family``) and answers the same few questions: the layouts it offers a job, the
+option a run of one of its strategies takes, its names in a table, each rank's memory, and the step's time. The
+planner asks these and nothing else, so a new strategy is its file plus its model's file (the plug-in test adds
+both, and nothing here or in ``plan.py`` changes).
+
+The models here: ``replicated`` (one process, DDP and its replica groups), ``fsdp``, ``zero`` (DeepSpeed), ``tensor``
+(tensor and context parallel, FSDP over the ranks that remain) and ``pipeline``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+class CostModel:
+    """One family of options and how the planner prices them. The defaults are a replicated model's; each answer
+    is about one ``option`` of this model's kinds."""
+
+    kinds: tuple[str, ...] = ()
+    """The ``Option.family`` values it prices."""
+    shares_samples = False
+    """Its ranks share samples (tensor, context or pipeline ranks): planned at the accumulation that keeps the
+    job's global batch (``Planner.model_parallel_planners``)."""
+    spans_replica_groups = False
+    """It runs over replica groups (``ddp_torchft``): the only options a job of several groups is offered."""
+    extrapolates_depth = True
+    """A deep model is estimated at two shallow depths and extrapolated (a pipeline's stages are traced at full
+    depth instead)."""
+    sharded_dtypes = False
+    """The model's parameters are kept (or gathered) in the compute dtype (FSDP's mixed-precision policy,
+    DeepSpeed's bf16 copy); else fp32 under autocast."""
+    reentrant_checkpointing = False
+    """Its activation checkpointing is the reentrant kind (DeepSpeed's)."""
+    replaces_optimizer = False
+    """The engine steps its own optimizer, not the user's: ranked after an option that shards as much, and never
+    chosen by ``auto``."""
+    defaults: dict[str, Any] = {}
+    """The strategy options a run takes unless told (``settings`` left out of advice when they are these)."""
+
+    # ---- the layouts it offers, and the run's ---------------------------------------------------------------
+    def offered(self, job) -> list:
+        """The options ``distrain plan`` and ``auto`` look at for ``job`` (without activation checkpointing)."""
+        return []
+
+    def option_for_run(self, strategy: str, job):
+        """The option a run of ``strategy`` (one of the strategies that name this model) takes, as ``distrain
+        train`` would start it; None for what it does not model. A size the run would refuse raises its error."""
+        return None
+
+    def auto_may_choose(self, option) -> bool:
+        """``strategy: auto`` chooses among the same training as DDP's, only laid out another way."""
+        return not self.replaces_optimizer
+
+    # ---- names ------------------------------------------------------------------------------------------
+    def strategy(self, option) -> str:
+        """The strategy name the option runs as (``--strategy``)."""
+        return option.family
+
+    def settings(self, option) -> dict[str, Any]:
+        """The strategy's options (beyond its name) that make a run this option, e.g. FSDP's sharding."""
+        return {}
+
+    def level(self, option) -> int:
+        """What is sharded (the ranking's first key): 0 nothing, 1 optimizer state, 2 and gradients, 3 and
+        parameters within a node, 4 and parameters across every rank, 5 the model split."""
+        return 0
+
+    def label(self, option, accumulate: int | None = None) -> str:
+        """The table's name of the option (before checkpointing, offload and replica groups), as it runs at
+        ``accumulate`` micro-batches per step."""
+        return option.family
+
+    def short(self, option) -> str:
+        """The name in one-line reasons (``DDP``, ``FSDP``, ``ZeRO-3``)."""
+        return option.family
+
+    def offloaded(self, option) -> str:
+        """What its offload moves to the host (``opt``, ``opt+params``)."""
+        return "opt"
+
+    def sharding(self, option) -> str | None:
+        """The sharding a JSON row names (``FULL_SHARD``, ``zero-3``)."""
+        return option.sharding
+
+    # ---- memory and time ----------------------------------------------------------------------------------
+    def estimate(self, estimator, option):
+        """Each rank's bytes, by part (``options.Row``), at the job's depth (or a shallow one: see
+        ``extrapolates_depth``)."""
+        raise NotImplementedError
+
+    def activation_slope(self, estimator, option) -> float:
+        """Peak bytes per extra sample of micro-batch: the traced activations at twice the batch."""
+        b = estimator.job.micro_batch
+        kind = self.kinds[0]
+        single = estimator.trace(kind, option.checkpoint).activations
+        double = estimator.trace(kind, option.checkpoint, 2 * b).activations
+        return max(0.0, (double - single) / b)
+
+    def step_time(self, estimator, option, hw):
+        """Predicted seconds per optimizer step, by part (``timing.StepTime``)."""
+        raise NotImplementedError
+
+    def seconds_at_least(self, estimator, planner, option, hw) -> float:
+        """A bound below ``planner``'s step time of the option that costs no simulation (``estimator``: the
+        job's at its own accumulation): the step time itself unless the model has a cheaper bound."""
+        return planner.seconds(option)
+
+
+_MODELS: dict[str, CostModel] = {}
+_MODULE_OF_STRATEGY: dict[str, str | None] = {}
+
+
+def _load() -> None:
+    """Import the cost model of every registered strategy (once): each registration names its module."""
+    if _MODULE_OF_STRATEGY:
+        return
+    from distrain.strategies import registry
+
+    for name, entry in registry.entries().items():
+        _MODULE_OF_STRATEGY[name] = entry.cost_model
+    for path in dict.fromkeys(p for p in _MODULE_OF_STRATEGY.values() if p):
+        for model in importlib.import_module(path).MODELS:
+            for kind in model.kinds:
+                if kind in _MODELS and _MODELS[kind] is not model:
+                    raise ValueError(f"cost model kind {kind!r} is defined twice ({path})")
+                _MODELS[kind] = model
+
+
+def model_of(option_or_kind) -> CostModel:
+    """The cost model that prices an option (or an ``Option.family``)."""
+    kind = option_or_kind if isinstance(option_or_kind, str) else option_or_kind.family
+    _load()
+    if kind not in _MODELS:
+        raise ValueError(f"no cost model prices options of kind {kind!r}")
+    return _MODELS[kind]
+
+
+def models() -> list[CostModel]:
+    """Every registered strategy's cost models, each once."""
+    _load()
+    return list(dict.fromkeys(_MODELS.values()))
+
+
+def model_for_strategy(strategy: str) -> CostModel | None:
+    """The cost model a strategy's registration names (its first, where its module has several), or None."""
+    _load()
+    path = _MODULE_OF_STRATEGY.get(strategy)
+    return importlib.import_module(path).MODELS[0] if path else None

@@ -1,0 +1,131 @@
+"""The cost model of ``fsdp`` and ``fsdp_cpu_offload``: FSDP2 itself, simulated on a fake process group
+(``simulate.py``, measured by ``FSDPMemTracker``), and its gathers and reductions per step."""
+
+from __future__ import annotations
+
+from distrain.planner.models import CostModel
+from distrain.planner.models.replicated import replicated
+from distrain.planner.options import Option, Row
+from distrain.planner.timing import Collective, step_time
+
+LEVELS = {"SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "FULL_SHARD": 4}
+
+
+class FSDP(CostModel):
+    kinds = ("fsdp",)
+    sharded_dtypes = True
+    defaults = {"sharding_strategy": "FULL_SHARD"}
+
+    def offered(self, job) -> list[Option]:
+        if job.world_size == 1:
+            return []
+        options = [Option("fsdp", sharding="SHARD_GRAD_OP"), Option("fsdp", sharding="FULL_SHARD")]
+        if job.num_nodes > 1 and job.world_size > job.num_nodes:
+            options.append(Option("fsdp", sharding="HYBRID_SHARD"))
+        if job.gpu:
+            options.append(Option("fsdp", sharding="FULL_SHARD", offload="cpu"))
+        return options
+
+    def option_for_run(self, strategy: str, job) -> Option:
+        """The config's sharding and offload (``fsdp_cpu_offload`` offloads whatever it says; offload needs a GPU)."""
+        asked = job.fsdp_cpu_offload or strategy == "fsdp_cpu_offload"
+        offload = "cpu" if asked and job.gpu else "none"
+        sharding = job.fsdp_sharding
+        if sharding == "NO_SHARD" and offload == "none":  # replicated on every rank: DDP's memory
+            return replicated(job)
+        return Option("fsdp", sharding="FULL_SHARD" if sharding == "NO_SHARD" else sharding, offload=offload)
+
+    def strategy(self, option) -> str:
+        return "fsdp_cpu_offload" if option.offload == "cpu" else "fsdp"
+
+    def settings(self, option) -> dict:
+        return {"sharding_strategy": option.sharding}
+
+    def level(self, option) -> int:
+        return LEVELS[option.sharding]
+
+    def label(self, option, accumulate=None) -> str:
+        return f"fsdp {option.sharding}"
+
+    def short(self, option) -> str:
+        return "FSDP" + {"SHARD_GRAD_OP": " grad-op", "HYBRID_SHARD": " hybrid"}.get(option.sharding, "")
+
+    def offloaded(self, option) -> str:
+        return "params+grads+opt"
+
+    def estimate(self, estimator, option) -> Row:
+        from distrain.planner.simulate import simulate_fsdp
+
+        job = estimator.job
+        p = estimator.memo(
+            ("fsdp", option.sharding, option.checkpoint, job.micro_batch),
+            lambda: simulate_fsdp(
+                job.spec,
+                job.micro_batch,
+                world_size=job.world_size,
+                num_nodes=job.num_nodes,
+                sharding=option.sharding,
+                precision=job.precision,
+                checkpoint=option.checkpoint,
+                accumulate=job.accumulate,
+                foreach=job.gpu,
+                options=job.fsdp_options,
+            ),
+        )
+        # the activations column means the same for every row: the traced peak at this micro-batch (the
+        # simulation's own kinds at its peak moment mix in the optimizer step's temporaries)
+        activations = estimator.trace("fsdp", option.checkpoint).activations
+        if option.offload == "none":
+            return Row(option, p.params, p.grads, p.optimizer, activations, p.buffers, p.peak, sharded=p.sharded_state)
+        # CPU offload keeps the sharded parameters, gradients and optimizer state in host memory (the
+        # optimizer steps there); the device holds what is unsharded for compute
+        return Row(
+            option,
+            p.params,
+            p.grads,
+            p.optimizer,
+            activations,
+            p.buffers,
+            p.peak - p.sharded_state,
+            host=p.sharded_state,
+            note="device peak: the simulated one less the sharded state moved to the host",
+        )
+
+    def step_time(self, estimator, option, hw):
+        trace = estimator.trace("fsdp", option.checkpoint)
+        return self.time_of(option, estimator.job, trace, estimator.num_blocks + 1, hw)
+
+    def time_of(self, option, job, trace, units: int, hw):
+        """The step of ``trace`` (the bare step in FSDP's dtypes) with ``units`` gather units."""
+        sent = self.collectives(option, job, trace, units)
+        gathers = job.accumulate * _gathers(option)  # offloaded parameters are copied in at each gather
+        offload = option.offload != "none"
+        return step_time(job, trace, sent, hw, 1 / job.world_size, offload, gathers)
+
+    def collectives(self, option, job, trace, units: int) -> list[Collective]:
+        """Each unit's parameters gathered (in the compute dtype) in forward, and again in backward when resharded;
+        gradients reduce-scattered in fp32 (``FSDPStrategy``'s policy); hybrid: within a node, then across."""
+        n, a = job.world_size, job.accumulate
+        if n == 1:
+            return []
+        params, reduce, inter = trace.param_bytes, trace.elements * 4, job.num_nodes > 1
+        gathers = _gathers(option)
+        if option.sharding == "HYBRID_SHARD" and job.num_nodes > 1:
+            per_node = job.per_node
+            return [
+                Collective("all_gather", params, per_node, gathers * a, units, copied=True),
+                Collective("reduce_scatter", reduce, per_node, 1, units, copied=True),
+                Collective("all_reduce", reduce / per_node, job.num_nodes, 1, units, True),
+            ]
+        return [
+            Collective("all_gather", params, n, gathers * a, units, inter, True),
+            Collective("reduce_scatter", reduce, n, 1, units, inter, True),
+        ]
+
+
+def _gathers(option) -> int:
+    """Gathers per micro-batch: forward, and again in backward when resharded."""
+    return 1 if option.sharding == "SHARD_GRAD_OP" else 2
+
+
+MODELS = (FSDP(),)

@@ -1,0 +1,100 @@
+"""The cost model of the strategies whose every rank holds everything: one process, DDP (spawn, fork, notebook)
+and DDP over replica groups (``ddp_torchft``, meeting every step or every ``sync_every`` steps)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from distrain.planner.models import CostModel
+from distrain.planner.options import Option, Row
+from distrain.planner.timing import DDP_BUCKET_BYTES, Collective, buckets, step_time
+from distrain.strategies import registry
+
+
+class Replicated(CostModel):
+    kinds = ("single", "ddp")
+    spans_replica_groups = True
+
+    def offered(self, job) -> list[Option]:
+        if job.world_size == 1:
+            return [Option("single")]
+        semi = [Option("ddp", semi_sync=m, sync_every=job.sync_every) for m in ("local_sgd", "diloco")]
+        return [Option("ddp"), *(semi if job.replica_groups > 1 else [])]
+
+    def option_for_run(self, strategy: str, job) -> Option:
+        if registry.starts_replica_groups(strategy) and job.semi_sync and job.replica_groups > 1:
+            return Option("ddp", semi_sync=job.semi_sync, sync_every=job.sync_every)
+        return replicated(job) if not registry.runs_one_process(strategy) else Option("single")
+
+    def auto_may_choose(self, option) -> bool:
+        return not option.semi_sync  # a replica group meeting every H steps trains another way: shown, never chosen
+
+    def label(self, option, accumulate=None) -> str:
+        return "single process" if option.family == "single" else "ddp"
+
+    def short(self, option) -> str:
+        return "1 process" if option.family == "single" else "DDP"
+
+    def estimate(self, estimator, option) -> Row:
+        t = estimator.trace(option.family, option.checkpoint)
+        job = estimator.job
+        params = t.param_bytes + t.buffer_bytes
+        grads, opt = t.grad_bytes, t.optimizer_bytes
+        if option.family == "single":
+            # gradients appear one by one in backward, beside the activations still alive
+            forward_backward = params + opt + t.activations_and_grads
+            buffers = 0
+        else:
+            # DDP allocates its gradient buckets up front (with gradient_as_bucket_view they are the .grad
+            # tensors); without bucket views the gradients and the buckets are separate copies
+            buffers = 0 if job.gradient_as_bucket_view else grads
+            forward_backward = params + grads + buffers + opt + t.activations
+        if option.semi_sync == "diloco":  # the parameters as of the last meeting, and the outer SGD's momentum
+            outer = t.elements * 4 * (2 if job.outer_momentum else 1)
+            opt += outer
+            forward_backward += outer
+        step = params + grads + buffers + opt + t.input_bytes + t.step_extra
+        return Row(option, params, grads, opt, t.activations, buffers, max(forward_backward, step))
+
+    def step_time(self, estimator, option, hw):
+        trace = estimator.trace(option.family, option.checkpoint)
+        return self.time_of(option, estimator.job, trace, estimator.num_blocks + 1, hw)
+
+    def time_of(self, option, job, trace, units: int, hw):
+        """The step of ``trace`` (the bare step in the option's dtypes) with this option's collectives."""
+        return step_time(job, trace, self.collectives(option, job, trace, units), hw)
+
+    def collectives(self, option, job, trace, units: int = 0) -> list[Collective]:
+        """One all-reduce of the gradients per step (no_sync while accumulating), in 25 MiB buckets; over replica
+        groups, within each group and then between the groups."""
+        n = job.world_size
+        if n == 1 or option.family == "single":
+            return []
+        grads = trace.grad_bytes
+        copied = not job.gradient_as_bucket_view
+        if job.replica_groups > 1:
+            return _replica_group_collectives(option, job, grads, trace.elements)
+        return [Collective("all_reduce", grads, n, 1, buckets(grads, DDP_BUCKET_BYTES), job.num_nodes > 1, copied)]
+
+
+def replicated(job) -> Option:
+    """What a run that replicates everything is: DDP, or one process."""
+    return Option("ddp") if job.world_size > 1 else Option("single")
+
+
+def _replica_group_collectives(option, job, grads: float, elements: int) -> list[Collective]:
+    """``ddp_torchft``: gradients averaged within each group every step, and between the groups over the link
+    that joins them (the inter-node one: ``--inter-node-bandwidth``): every step, or, semi-synchronously, the
+    fp32 parameters (local SGD) or pseudo-gradients (DiLoCo) once every ``sync_every`` steps."""
+    per_group = job.world_size // job.replica_groups
+    copied = not job.gradient_as_bucket_view
+    chunks = buckets(grads, DDP_BUCKET_BYTES)
+    within = [Collective("all_reduce", grads, per_group, 1, chunks, job.num_nodes > 1, copied)]
+    if option.semi_sync is None:
+        return [*within, Collective("all_reduce", grads, job.replica_groups, 1, chunks, True, copied)]
+    outer = elements * 4  # fp32, whatever the training precision: the outer step runs on fp32 copies
+    meeting = Collective("all_reduce", outer, job.replica_groups, 1, buckets(outer, DDP_BUCKET_BYTES), True, False)
+    return [*within, replace(meeting, every=option.sync_every)]
+
+
+MODELS = (Replicated(),)

@@ -1,0 +1,208 @@
+"""The cost model of ``model_parallel``: tensor parallel (each layer split over ``tensor`` ranks) and context
+parallel (each sequence over ``context`` ranks), with FSDP over the ranks that remain; simulated on a fake process
+group (``simulate.py``: distrain's ``ModelParallelStrategy`` itself). A ``model_parallel`` run with pipeline stages
+is the pipeline model's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from distrain.planner.models import CostModel
+from distrain.planner.models.pipeline import pipeline_option
+from distrain.planner.options import Option, Row
+from distrain.planner.timing import Collective, Hardware, StepTime, collective_seconds, copy_seconds, work_seconds
+
+#: sequences from this many tokens make ``auto`` and ``distrain plan`` look at context parallelism too (below, its
+#: all-to-alls cost more than the activations it saves are worth)
+LONG_SEQUENCE = 8192
+
+
+class ModelParallel(CostModel):
+    kinds = ("tp", "cp")
+    shares_samples = True
+
+    def offered(self, job) -> list[Option]:
+        tensor = tensor_parallel_option(job)
+        return [*([tensor] if tensor else []), *context_parallel_options(job)]
+
+    def option_for_run(self, strategy: str, job) -> Option | None:
+        if job.pipeline_stages not in (None, "auto", 1):
+            return pipeline_option(job, strict=True, strategy=strategy)
+        if job.context_parallel > 1:
+            return context_parallel_option(job, job.context_parallel, strict=True)
+        return tensor_parallel_option(job, strict=True)
+
+    def strategy(self, option) -> str:
+        return "model_parallel"
+
+    def level(self, option) -> int:
+        return 5
+
+    def label(self, option, accumulate=None) -> str:
+        if option.family == "cp":
+            return (
+                f"context parallel {option.context}"
+                + (f" × tensor {option.tensor}" if option.tensor > 1 else "")
+                + (" × fsdp" if option.sharding else "")
+            )
+        return (
+            f"tensor parallel {option.tensor}"
+            + (" + SP" if option.sequence_parallel else "")
+            + (" × fsdp" if option.sharding else "")
+        )
+
+    def short(self, option) -> str:
+        if option.family == "cp":
+            return (
+                f"CP{option.context}"
+                + (f"×TP{option.tensor}" if option.tensor > 1 else "")
+                + ("×FSDP" if option.sharding else "")
+            )
+        return f"TP{option.tensor}" + ("+SP" if option.sequence_parallel else "") + ("×FSDP" if option.sharding else "")
+
+    def estimate(self, estimator, option) -> Row:
+        p = _simulated(estimator, option)
+        sharded = p.params + p.grads + p.optimizer if option.sharding else 0
+        return Row(option, p.params, p.grads, p.optimizer, p.activations, 0, p.peak, sharded=sharded)
+
+    def activation_slope(self, estimator, option) -> float:
+        """Each rank holds its part of every layer (of every sequence): the whole model's activations, split so."""
+        whole = replace(option, family=_dtypes_of(option), tensor=1, context=1)
+        return estimator.activation_slope(whole) / (option.tensor * option.context)
+
+    def step_time(self, estimator, option, hw) -> StepTime:
+        trace = estimator.trace(_dtypes_of(option), option.checkpoint)
+        return tensor_parallel_step_time(option, estimator.job, trace, _simulated(estimator, option), hw)
+
+    def seconds_at_least(self, estimator, planner, option, hw) -> float:
+        """Without the optimizer step: a context-parallel rank computes 1/N of every operation's work; a
+        tensor-parallel rank computes 1/T of every operation's FLOPs and bytes yet runs every operation, and waits
+        for a collective in each block's forward and backward (Megatron's layout: two each)."""
+        work = estimator.trace(_dtypes_of(option), option.checkpoint).work.forward_backward
+        micro_batches = planner.job.accumulate
+        if option.family == "cp":
+            return micro_batches * work_seconds(work.scaled(1 / (option.context * option.tensor)), hw)
+        waits = 2 * estimator.job.spec.num_blocks * (hw.blocking_collective_seconds or hw.collective_seconds)
+        return micro_batches * (work_seconds(work.scaled(1 / option.tensor), hw) + waits)
+
+
+def _dtypes_of(option) -> str:
+    """The kind whose dtypes the ranks compute in: FSDP's over the data-parallel ranks, else DDP's."""
+    return "fsdp" if option.sharding else "ddp"
+
+
+def _simulated(estimator, option):
+    from distrain.planner.simulate import simulate_tensor_parallel
+
+    job = estimator.job
+    key = ("tp", option.tensor, option.context, option.sequence_parallel, option.checkpoint, job.micro_batch)
+    return estimator.memo(
+        key,
+        lambda: simulate_tensor_parallel(
+            job.spec,
+            job.micro_batch,
+            world_size=job.world_size,
+            tensor=option.tensor,
+            context=option.context,
+            sequence_parallel=option.sequence_parallel,
+            precision=job.precision,
+            checkpoint=option.checkpoint,
+            accumulate=job.accumulate,
+            foreach=job.gpu,
+        ),
+    )
+
+
+def tensor_parallel_step_time(option, job, trace, simulated, hw: Hardware) -> StepTime:
+    """One optimizer step under tensor parallelism (``simulated``: ``simulate.TensorParallelStep``).
+    Each rank computes 1/T of every layer's FLOPs and bytes, yet runs every operation; the
+    collectives are the ones the simulated step issued (each layer's, per micro-batch; FSDP's over
+    the data-parallel ranks in 2-D). A layer's collective sits between two computations that need
+    it, so none is counted as hidden behind compute, on a GPU either."""
+    t = option.tensor * option.context  # context parallel: each rank 1/N of the tokens (attention: of the heads)
+    compute = job.accumulate * work_seconds(trace.work.forward_backward.scaled(1 / t), hw)
+    optimizer = work_seconds(trace.work.step, hw, 1 / job.world_size)  # the state is split over every rank
+    grouped: dict[tuple[str, int, bool], list[float]] = {}
+    for kind, size, ranks, fsdp in simulated.collectives:
+        grouped.setdefault((kind, ranks, fsdp), []).append(size)
+    # tensor-parallel groups stay within a node; FSDP's data-parallel ones cross nodes, through flat buffers
+    sent = [
+        Collective(kind, sum(sizes), ranks, job.accumulate, len(sizes), fsdp and job.num_nodes > 1, fsdp)
+        for (kind, ranks, fsdp), sizes in grouped.items()
+    ]
+    sent += [
+        Collective(kind, size, ranks, 1, 1, fsdp and job.num_nodes > 1, fsdp)
+        for kind, size, ranks, fsdp in simulated.step_collectives
+    ]
+    compute += sum(copy_seconds(c, hw) for c in sent)
+    comm = sum(collective_seconds(c, hw, blocking=not c.copied) for c in sent)  # FSDP's (copied) are prefetched
+    return StepTime(compute, optimizer, comm, compute + optimizer + comm)
+
+
+def context_parallel_option(job, context: int, strict: bool = False) -> Option | None:
+    """The layout ``strategy: model_parallel`` with ``context_parallel_size=context`` runs (tensor parallel over what
+    it leaves of a node unless set, when ``strict``; FSDP over data × context). None when the model cannot split its
+    sequences or its heads; that raises the run's own error when ``strict``."""
+    from distrain.parallel.context_parallel import attention_heads, check_heads, no_support_message
+    from distrain.parallel.layout import layout_for
+
+    if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1):
+        return None
+    try:
+        tensor = job.tensor_parallel if strict else 1
+        layout = layout_for(job.world_size, job.per_node, False, tensor, "auto", None, 1, context)
+        module = job.spec.build()
+        heads = attention_heads(module)
+        if heads is None:
+            raise ValueError(no_support_message(module))
+        for count in heads:
+            check_heads(count, layout.context, layout.tensor, job.spec.name)
+    except ValueError:
+        if strict:
+            raise
+        return None
+    return Option("cp", sharding="FULL_SHARD", tensor=layout.tensor, context=layout.context)
+
+
+def context_parallel_options(job) -> list[Option]:
+    """What ``auto`` and ``all`` look at for a long sequence (``LONG_SEQUENCE``): each size that divides one node's
+    devices (and the world) and the model's heads, from 2 to the whole node, FSDP over the ranks that remain. A
+    larger size holds less of each sequence and sends more all-to-alls: which one is fastest is the planner's to
+    say."""
+    if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1) or job.spec.seq_len < LONG_SEQUENCE:
+        return []
+    sizes = [c for c in range(2, job.per_node + 1) if job.per_node % c == 0 and job.world_size % c == 0]
+    return [option for c in sizes if (option := context_parallel_option(job, c)) is not None]
+
+
+def tensor_parallel_option(job, strict: bool = False) -> Option | None:
+    """The layout ``strategy: model_parallel`` runs with the job's sizes (tensor parallel over one node's
+    devices unless set; FSDP over the ranks that remain), or None when there is nothing to split, the
+    model has no built-in plan, or a pipeline is asked for (not modelled). A size the run would refuse
+    (one that does not divide the heads) raises when ``strict`` (the strategy was named), else is left out."""
+    from distrain.parallel.layout import layout_for
+    from distrain.parallel.tensor_parallel import built_in_targets, no_plan_message
+
+    if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1):
+        return None
+    try:
+        layout = layout_for(job.world_size, job.per_node, False, job.tensor_parallel, "auto", None)
+        if layout.tensor < 2:  # nothing split: FSDP alone, which any model runs
+            return None
+        module = job.spec.build()
+        targets = built_in_targets(module)
+        if not targets:
+            raise ValueError(no_plan_message(module))  # what the run would say
+        for model, plan in targets:
+            plan(model, layout.tensor, job.sequence_parallel)  # checks that the size divides the model's
+        if not strict and job.sequence_parallel and job.spec.seq_len % layout.tensor:
+            return None  # sequences split over the ranks: auto takes no layout a batch of this length cannot run
+    except ValueError:
+        if strict:
+            raise
+        return None
+    sharding = "FULL_SHARD" if layout.data > 1 else None
+    return Option("tp", sharding=sharding, tensor=layout.tensor, sequence_parallel=job.sequence_parallel)
+
+
+MODELS = (ModelParallel(),)
