@@ -13,7 +13,7 @@ import pytest
 import torch.multiprocessing as mp
 
 import distrain
-from distrain.distributed.watch import _describe, _ranks
+from distrain.distributed.watch import StackDumps, _describe, _ranks
 from helpers import TinyGPT, console_of_a_faulty_rank, env_without_rank, loader, make_trainer, run_ranks
 
 pytestmark = pytest.mark.alone  # collective timeouts of seconds: a busy neighbour would be a stall (tests/conftest.py)
@@ -227,3 +227,44 @@ def test_the_console_names_a_stuck_rank_and_shows_where_it_is(tmp_path):
     assert "rank 1 is here" in console and "in stuck_in_user_code" in console, console
     assert "train.py" in console and "in training_step" in console, console
     assert elapsed < 90, elapsed
+
+
+STACK_CHILD = """
+import sys, time
+from distrain.distributed.watch import StackDumps
+
+def waiting_in_the_users_code():
+    dumps = StackDumps()
+    print(dumps.address, flush=True)
+    if sys.argv[1] == "close":
+        dumps.close()
+        print("closed", flush=True)
+    time.sleep(120)
+
+waiting_in_the_users_code()
+"""
+
+
+@pytest.mark.parametrize("ending", ["close", "SIGKILL"])
+def test_a_ranks_stack_file_is_readable_while_it_lives_and_gone_however_it_ends(tmp_path, ending):
+    """Another process reads a live rank's stack through its file; the file is gone after ``close`` and after a
+    SIGKILL too (a rank killed or crashed must not leave one behind per run)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    child = subprocess.Popen([sys.executable, "-c", STACK_CHILD, ending], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        address = child.stdout.readline().strip()
+        if ending == "close":
+            assert child.stdout.readline().strip() == "closed"
+            assert list(tmp.iterdir()) == []
+            return
+        time.sleep(0.5)  # in its sleep
+        shown = StackDumps.request(1, address)
+        assert shown[0].startswith("rank 1 is here") and any("waiting_in_the_users_code" in f for f in shown), shown
+        child.kill()
+        child.wait(timeout=30)
+        assert list(tmp.iterdir()) == []
+    finally:
+        child.kill()
+        child.wait(timeout=30)

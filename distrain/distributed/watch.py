@@ -340,6 +340,12 @@ class StackDumps:
             return
         fd, path = tempfile.mkstemp(prefix=f"distrain-stack-{os.getpid()}-", suffix=".txt")
         self.file = os.fdopen(fd, "a")  # appended to: a reader takes what came after its request
+        self.named: str | None = path  # removed by close()
+        if os.path.isdir(f"/proc/{os.getpid()}/fd"):
+            # Linux: the file has no name, and goes with the process however it ends (a SIGKILL, os._exit); another
+            # process of this user reads it through this process's descriptor
+            os.unlink(path)
+            self.named, path = None, f"/proc/{os.getpid()}/fd/{fd}"
         # a handler the program set for the signal still runs after the dump; the default one would end the process
         previous = signal.getsignal(self.SIGNAL)
         chain = callable(previous)
@@ -351,7 +357,8 @@ class StackDumps:
             with contextlib.suppress(Exception):
                 faulthandler.unregister(self.SIGNAL)
                 self.file.close()
-                os.unlink(self.file.name)
+                if self.named:
+                    os.unlink(self.named)
             self.file = None
 
     @classmethod
@@ -378,9 +385,7 @@ class StackDumps:
             return []
         # where it is (the innermost frame, a library's too), then the user's own frames around it
         shown = frames[:1] + [f for f in frames[1:] if not _library_frame(f)][:4]
-        return [f"rank {rank} is here (its main thread, innermost call first; all threads: {path}):"] + [
-            f"  {frame}" for frame in shown
-        ]
+        return [f"rank {rank} is here (its main thread, innermost call first):"] + [f"  {frame}" for frame in shown]
 
 
 _LIBRARIES = tuple(
