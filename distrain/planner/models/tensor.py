@@ -139,11 +139,11 @@ def tensor_parallel_step_time(option, job, trace, simulated, hw: Hardware) -> St
     return StepTime(compute, optimizer, comm, compute + optimizer + comm)
 
 
-def context_parallel_option(job, context: int, strict: bool = False) -> Option | None:
+def context_parallel_option(job, context: int, strict: bool = False, heads: list[int] | None = None) -> Option | None:
     """The layout ``strategy: model_parallel`` with ``context_parallel_size=context`` runs (tensor parallel over what
     it leaves of a node unless set, when ``strict``; FSDP over data × context). None when the model cannot split its
-    sequences or its heads; that raises the run's own error when ``strict``."""
-    from distrain.parallel.context_parallel import attention_heads, check_heads, no_support_message
+    sequences or its heads; that raises the run's own error when ``strict``. ``heads``: the model's, when known."""
+    from distrain.parallel.context_parallel import check_heads
     from distrain.parallel.layout import layout_for
 
     if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1):
@@ -151,11 +151,7 @@ def context_parallel_option(job, context: int, strict: bool = False) -> Option |
     try:
         tensor = job.tensor_parallel if strict else 1
         layout = layout_for(job.world_size, job.per_node, False, tensor, "auto", None, 1, context)
-        module = job.spec.build()
-        heads = attention_heads(module)
-        if heads is None:
-            raise ValueError(no_support_message(module))
-        for count in heads:
+        for count in _attention_heads(job) if heads is None else heads:
             check_heads(count, layout.context, layout.tensor, job.spec.name)
     except ValueError:
         if strict:
@@ -164,15 +160,31 @@ def context_parallel_option(job, context: int, strict: bool = False) -> Option |
     return Option("cp", sharding="FULL_SHARD", tensor=layout.tensor, context=layout.context)
 
 
+def _attention_heads(job) -> list[int]:
+    """The heads of each attention layer of the job's model (built on the meta device); the run's own error when it
+    cannot split its sequences."""
+    from distrain.parallel.context_parallel import attention_heads, no_support_message
+
+    module = job.spec.build()
+    heads = attention_heads(module)
+    if heads is None:
+        raise ValueError(no_support_message(module))
+    return heads
+
+
 def context_parallel_options(job) -> list[Option]:
     """What ``auto`` and ``all`` look at for a long sequence (``LONG_SEQUENCE``): each size that divides one node's
     devices (and the world) and the model's heads, from 2 to the whole node, FSDP over the ranks that remain. A
     larger size holds less of each sequence and sends more all-to-alls: which one is fastest is the planner's to
-    say."""
+    say. The model is built once for every size."""
     if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1) or job.spec.seq_len < LONG_SEQUENCE:
         return []
+    try:
+        heads = _attention_heads(job)
+    except ValueError:
+        return []
     sizes = [c for c in range(2, job.per_node + 1) if job.per_node % c == 0 and job.world_size % c == 0]
-    return [option for c in sizes if (option := context_parallel_option(job, c)) is not None]
+    return [option for c in sizes if (option := context_parallel_option(job, c, heads=heads)) is not None]
 
 
 def tensor_parallel_option(job, strict: bool = False) -> Option | None:
