@@ -85,6 +85,10 @@ def register(
     check: Callable[[Any], None] | None = None,
     cost_model: str | None = None,
 ) -> None:
+    """Make ``name`` a strategy: ``build(**options)`` makes it, ``description`` is its line in ``distrain
+    strategies``, ``options_from_config(config, block_classes)`` turns the config file's ``config_section`` into
+    its options, ``check(config)`` refuses what it cannot run, and ``cost_model`` names the module of its cost model
+    (``planner/models/``) for ``distrain plan`` and ``strategy: auto``."""
     if name in _ENTRIES:
         raise ValueError(f"strategy name {name!r} is registered twice")
     _ENTRIES[name] = StrategyEntry(name, build, description, options_from_config, config_section, check, cost_model)
