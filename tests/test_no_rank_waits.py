@@ -190,3 +190,51 @@ def test_an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path, c
         assert scaler == "ShardedGradScaler", (rank, scaler)
         assert changed == [True, False, True], (rank, changed)  # step 2 skipped on both ranks
         assert scales == [256.0, 128.0, 128.0], (rank, scales)
+
+
+# ---- the one way a failure reaches the others: shared_outcome -----------------------------------------------------
+def _outcomes(rank):
+    from datetime import timedelta
+
+    from distrain.distributed import SharedFailure, init_process_group, shared_outcome
+
+    init_process_group("gloo", timedelta(seconds=30), timedelta(seconds=30))
+
+    class Local(Exception):  # defined here: no other process can unpickle it
+        pass
+
+    seen = {"results": shared_outcome(lambda: rank * 10)}
+
+    def fail_on(ranks, error):
+        def action():
+            if rank in ranks:
+                raise error
+            return rank
+
+        return action
+
+    for name, ranks, error in (("one", {1}, ValueError("bad value")), ("two", {0, 2}, Local("mine"))):
+        start = time.monotonic()
+        try:
+            shared_outcome(fail_on(ranks, error))
+            seen[name] = "returned"
+        except SharedFailure as failure:
+            local = type(failure.local).__name__ if failure.local else None
+            seen[name] = ([(r, cls.__name__, text) for r, cls, text in failure.failures], local, str(failure))
+        seen[name + " seconds"] = time.monotonic() - start
+    return seen
+
+
+def test_a_failure_on_some_ranks_is_raised_on_every_rank_naming_each():
+    """Every rank gets every rank's result, or every rank raises naming the ranks that failed and why (a class the
+    others cannot unpickle arrives as RuntimeError, its description kept); this rank's own error rides along."""
+    seen = run_ranks(_outcomes, 3)
+    for rank, s in enumerate(seen):
+        assert s["results"] == [0, 10, 20]
+        failures, local, text = s["one"]
+        assert failures == [(1, "ValueError", "bad value")] and text == "rank 1 failed: ValueError: bad value"
+        assert local == ("ValueError" if rank == 1 else None)
+        failures, local, _ = s["two"]
+        assert failures == [(0, "RuntimeError", "mine"), (2, "RuntimeError", "mine")], failures
+        assert local == ("Local" if rank in (0, 2) else None)
+        assert s["one seconds"] < 10 and s["two seconds"] < 10

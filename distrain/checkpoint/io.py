@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from distrain.checkpoint import CheckpointError, safe_load
+from distrain.distributed.collectives import SharedFailure, shared_outcome
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.pt"
@@ -139,31 +140,25 @@ def write_checkpoint(
 
 def _agree(action, what: str, path: Path, tmp: Path, is_global_zero: bool, gather) -> None:
     """Run ``action`` here, then learn how it went on every rank; any failure fails all of them."""
-    error = None
-    if action is not None:
-        try:
-            action()
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # noqa: BLE001 — reported on every rank below (DCP's error is a BaseException)
-            error = _describe(e)
-            free = shutil.disk_usage(path.parent).free if path.parent.exists() else None
-            if free is not None and free < 1 << 20:  # torch's zip writer hides ENOSPC behind "unexpected pos"
-                error += f" (the disk is full: {free} bytes free under {path.parent})"
-    failed = [(rank, e) for rank, e in enumerate(gather(error)) if e]
-    if failed:
+
+    def why(error: BaseException) -> str:
+        text = _describe(error)
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else None
+        if free is not None and free < 1 << 20:  # torch's zip writer hides ENOSPC behind "unexpected pos"
+            text += f" (the disk is full: {free} bytes free under {path.parent})"
+        return text
+
+    try:
+        shared_outcome(action, gather, why)
+    except SharedFailure as failure:
         if is_global_zero:
             shutil.rmtree(tmp, ignore_errors=True)
-        rank, cause = failed[0]
-        others = (
-            f" (and on rank{'s' if len(failed) > 2 else ''} {', '.join(str(r) for r, _ in failed[1:])})"
-            if len(failed) > 1
-            else ""
-        )
+        (rank, _, cause), rest = failure.failures[0], failure.failures[1:]
+        others = f" (and on rank{'s' if len(rest) > 1 else ''} {', '.join(str(r) for r, _, _ in rest)})" if rest else ""
         raise CheckpointError(
             f"checkpoint {path} was not written: rank {rank} failed while {what} it{others}: "
             f"{cause}; the previous checkpoint there, if any, is intact"
-        )
+        ) from None
 
 
 def _describe(error: BaseException) -> str:

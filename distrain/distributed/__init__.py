@@ -3,6 +3,7 @@ and how it ends (one path). Strategies, the runtime and the launchers all use th
 uses none of them."""
 
 from distrain.distributed.collectives import (
+    SharedFailure,
     all_gather,
     all_gather_object,
     all_reduce,
@@ -10,6 +11,7 @@ from distrain.distributed.collectives import (
     barrier,
     broadcast,
     decided_on_rank_zero,
+    shared_outcome,
 )
 from distrain.distributed.process_group import (
     decide_before_strategy,
@@ -31,5 +33,7 @@ __all__ = [
     "broadcast",
     "barrier",
     "decided_on_rank_zero",
+    "shared_outcome",
+    "SharedFailure",
     "CollectiveHangError",
 ]

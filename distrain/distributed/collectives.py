@@ -4,6 +4,7 @@ device; inputs are never modified."""
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -84,25 +85,66 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+class SharedFailure(Exception):
+    """Raised on every rank by ``shared_outcome`` when the action failed on one rank or more."""
+
+    def __init__(self, failures: list[tuple[int, type, str]], local: BaseException | None):
+        self.failures = failures
+        """(rank, error class, its description) of each rank whose action failed, in rank order."""
+        self.local = local
+        """This rank's own error, when its action was one of them."""
+        rank, cls, text = failures[0]
+        super().__init__(f"rank {rank} failed: {cls.__name__}: {text}")
+
+
+def shared_outcome(
+    action: Callable[[], Any] | None,
+    gather: Callable[[Any], list] | None = None,
+    describe: Callable[[BaseException], str] = str,
+) -> list:
+    """How a failure on one rank reaches the others, for any step every rank waits on: ``action`` runs here (None:
+    this rank has nothing to do), then every rank learns how it went on every rank. Returns each rank's result; when
+    it failed anywhere, every rank raises ``SharedFailure`` naming the ranks and their errors (``describe``d where
+    they happened), so no rank is left waiting for one that failed. ``gather``: ``all_gather_object`` over the
+    ranks concerned (the default group's by default). Call it on every rank together."""
+    outcome, local = ("ok", None), None
+    if action is not None:
+        try:
+            outcome = ("ok", action())
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as error:  # noqa: BLE001 — shared below, then raised on every rank
+            outcome, local = ("error", (_picklable(type(error)), describe(error))), error
+    outcomes = (gather or all_gather_object)(outcome)
+    failures = [(rank, *value) for rank, (kind, value) in enumerate(outcomes) if kind == "error"]
+    if failures:
+        raise SharedFailure(failures, local)
+    return [value for _, value in outcomes]
+
+
+def _picklable(cls: type) -> type:
+    """The class itself when the other ranks can unpickle it (one defined inside a function cannot), else
+    RuntimeError: the description says what it was."""
+    try:
+        pickle.loads(pickle.dumps(cls))
+    except Exception:  # noqa: BLE001
+        return RuntimeError
+    return cls
+
+
 def decided_on_rank_zero(decide: Callable[[], Any]) -> Any:
-    """``decide()`` run on rank 0 alone, its result handed to every rank. When it raises, every rank
-    raises it (rank 0 the original, the others a copy that says it came from rank 0): a decision that
-    fails must never leave the other ranks waiting for it. Call it on every rank together."""
+    """``decide()`` run on rank 0 alone, its result handed to every rank (``shared_outcome``). When it raises, every
+    rank raises it (rank 0 the original, the others a copy that says it came from rank 0): a decision that fails
+    must never leave the other ranks waiting for it. Call it on every rank together."""
     if not _active():
         return decide()
-    outcome = None
-    if dist.get_rank() == 0:
-        try:
-            outcome = ("ok", decide())
-        except Exception as error:  # noqa: BLE001 — shared below, then raised on every rank
-            outcome = ("error", (type(error), str(error)))
-            failure = error
-    kind, value = broadcast(outcome)
-    if kind == "ok":
-        return value
-    if dist.get_rank() == 0:
-        raise failure
-    raise _copy_of(*value)
+    try:
+        return shared_outcome(decide if dist.get_rank() == 0 else None)[0]
+    except SharedFailure as failure:
+        if failure.local is not None:
+            raise failure.local from None
+        _, cls, message = failure.failures[0]
+        raise _copy_of(cls, message) from None
 
 
 def _copy_of(cls: type, message: str) -> Exception:
