@@ -405,12 +405,16 @@ def hf_causal_mask(config, inputs_embeds, attention_mask, position_ids):
     runs some of its layers: ``transformers.masking_utils.create_causal_mask(config, inputs_embeds,
     attention_mask, past_key_values, position_ids)`` (transformers 5.x; may return None for SDPA's
     own causal path)."""
+    import inspect
+
     from transformers.masking_utils import create_causal_mask
 
+    # no cache: named ``cache`` since transformers 5.2x (``past_key_values`` is deprecated there, and warns)
+    no_cache = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
     return create_causal_mask(
         config=config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
-        past_key_values=None,
         position_ids=position_ids,
+        **{no_cache: None},
     )

@@ -25,6 +25,7 @@ from distrain.planner.model_stats import (
 )
 from distrain.planner.models import model_of
 from distrain.planner.options import _BYTE_FIELDS, Option, Row
+from distrain.planner.simulate import Started
 from distrain.planner.timing import Hardware, StepTime
 
 
@@ -147,10 +148,35 @@ class Estimator:
         return self._traces[key]
 
     def memo(self, key: tuple, make):
-        """``make()``, once per key: a cost model's simulations and traces, kept with this estimator."""
+        """``make()``, once per key: a cost model's simulations and traces, kept with this estimator (one that
+        ``start`` began is waited for here)."""
         if key not in self._memo:
             self._memo[key] = make()
-        return self._memo[key]
+        value = self._memo[key]
+        if isinstance(value, Started):
+            value = self._memo[key] = value.result()
+        return value
+
+    def start(self, key: tuple, begin) -> None:
+        """``begin()`` (a simulation started in a child process, ``simulate.Started``), unless the key is known:
+        what ``memo`` returns for it later."""
+        if key not in self._memo:
+            self._memo[key] = begin()
+
+    def prefetch(self, option: Option) -> None:
+        """Start the simulations ``estimate(option)`` will need, to run beside the others ``prefetch`` starts (one
+        child process each): the depths and checkpointing counts it is made of, as ``estimate`` walks them."""
+        blocks = self.num_blocks
+        if option.checkpoint not in (0, 1, None) and blocks > 1:
+            for checkpoint in (0, 1, None):
+                self.prefetch(_replace(option, checkpoint=checkpoint))
+            return
+        model = option.model
+        if self._shallow is not None and model.extrapolates_depth:
+            for estimator in self._shallow.values():
+                estimator.prefetch(option)
+            return
+        model.prefetch(self, option)
 
     @property
     def deepest(self) -> Estimator:

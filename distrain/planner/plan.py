@@ -428,11 +428,13 @@ class Planner:
     def plan(self, strategy: str = "all", checkpoint: bool | str = "both") -> Plan:
         """``strategy="all"``: every option for the job's global batch (tensor-parallel and pipeline layouts
         with the accumulation that keeps it), the recommendation as ``auto`` would choose."""
-        rows = [self.row(o) for o in candidate_options(self.job, strategy, checkpoint)]
+        options = [(self, o) for o in candidate_options(self.job, strategy, checkpoint)]
         if strategy == "all":
             variants = _checkpoint_variants(checkpoint)
-            mp = [(p, replace(o, checkpoint=c)) for p, o in self.model_parallel_planners() for c in variants]
-            rows = sorted(rows + [p.row(o) for p, o in mp], key=lambda r: rank_key(r.option))
+            options += [(p, replace(o, checkpoint=c)) for p, o in self.model_parallel_planners() for c in variants]
+        for planner, option in options:  # every row's simulations side by side, one child process each
+            planner.estimator.prefetch(option)
+        rows = sorted((p.row(o) for p, o in options), key=lambda r: rank_key(r.option))
         eligible = [r for r in rows if auto_may_choose(r.option)] if strategy == "all" else rows
         if self.hardware is not None:
             eligible = sorted(eligible, key=lambda r: r.step.seconds)

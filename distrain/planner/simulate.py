@@ -12,6 +12,7 @@ torchtitan's memory estimator, applied to every sharding and to distrain's own s
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -50,34 +51,67 @@ def simulate_fsdp(*args, **kwargs) -> FSDPPeak:
     process that ran it (DTensors built afterwards on a real group placed their shards as the fake
     group's rank 0 — every rank the same shard — and checkpoints failed), and the process that
     plans is the one that trains (rank 0 of ``distrain train``)."""
-    return _in_forked_child(_simulate_fsdp, args, kwargs)
+    return start_fsdp_simulation(*args, **kwargs).result()
+
+
+def start_fsdp_simulation(*args, **kwargs) -> Started:
+    """``simulate_fsdp`` started, its result read later: simulations started together run side by side."""
+    return Started(_simulate_fsdp, args, kwargs)
 
 
 def simulate_tensor_parallel(*args, **kwargs) -> TensorParallelStep:
     """One rank's memory and communication in a training step under tensor parallelism (alone, or
     in 2-D with FSDP over the data-parallel ranks), simulated in a forked child as FSDP's is."""
-    return _in_forked_child(_simulate_tensor_parallel, args, kwargs)
+    return start_tensor_parallel_simulation(*args, **kwargs).result()
 
 
-def _in_forked_child(simulation, args, kwargs):
-    import multiprocessing
+def start_tensor_parallel_simulation(*args, **kwargs) -> Started:
+    """``simulate_tensor_parallel`` started, its result read later."""
+    return Started(_simulate_tensor_parallel, args, kwargs)
 
-    if "fork" not in multiprocessing.get_all_start_methods():
-        raise RuntimeError("simulating a sharded layout needs os.fork (Linux, macOS)")
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(send, simulation, args, kwargs), daemon=True)
-    with distributed.inherited_never_collected():
-        child.start()
-    send.close()
-    try:
-        ok, value = receive.recv()
-    except EOFError:
-        ok, value = False, RuntimeError(f"the simulation died (exit code {child.exitcode})")
-    child.join()
-    if not ok:
-        raise value
-    return value
+
+class Started:
+    """A simulation running in a forked child; ``result()`` waits for it. At most one child per core runs at once:
+    starting another first waits for the oldest."""
+
+    running: list[Started] = []
+
+    def __init__(self, simulation, args, kwargs):
+        import multiprocessing
+
+        if "fork" not in multiprocessing.get_all_start_methods():
+            raise RuntimeError("simulating a sharded layout needs os.fork (Linux, macOS)")
+        while len(Started.running) >= _cores():
+            Started.running[0]._collect()
+        context = multiprocessing.get_context("fork")
+        self._receive, send = context.Pipe(duplex=False)
+        self._child = context.Process(target=_child, args=(send, simulation, args, kwargs), daemon=True)
+        self._outcome = None
+        with distributed.inherited_never_collected():
+            self._child.start()
+        send.close()
+        Started.running.append(self)
+
+    def _collect(self) -> None:
+        try:
+            self._outcome = self._receive.recv()
+        except EOFError:
+            self._outcome = (False, RuntimeError(f"the simulation died (exit code {self._child.exitcode})"))
+        self._receive.close()
+        self._child.join()
+        Started.running.remove(self)
+
+    def result(self):
+        if self._outcome is None:
+            self._collect()
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _child(send, simulation, args, kwargs) -> None:

@@ -93,6 +93,10 @@ class CostModel:
         ``extrapolates_depth``)."""
         raise NotImplementedError
 
+    def prefetch(self, estimator, option) -> None:
+        """Start what ``estimate`` will wait for (``estimator.start``), so that the simulations of many options run
+        side by side; nothing for a model that simulates nothing."""
+
     def activation_slope(self, estimator, option) -> float:
         """Peak bytes per extra sample of micro-batch: the traced activations at twice the batch."""
         b = estimator.job.micro_batch

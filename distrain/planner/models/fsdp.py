@@ -53,25 +53,15 @@ class FSDP(CostModel):
     def offloaded(self, option) -> str:
         return "params+grads+opt"
 
+    def prefetch(self, estimator, option) -> None:
+        from distrain.planner.simulate import start_fsdp_simulation
+
+        estimator.start(_key(estimator, option), lambda: start_fsdp_simulation(**_simulation(estimator, option)))
+
     def estimate(self, estimator, option) -> Row:
         from distrain.planner.simulate import simulate_fsdp
 
-        job = estimator.job
-        p = estimator.memo(
-            ("fsdp", option.sharding, option.checkpoint, job.micro_batch),
-            lambda: simulate_fsdp(
-                job.spec,
-                job.micro_batch,
-                world_size=job.world_size,
-                num_nodes=job.num_nodes,
-                sharding=option.sharding,
-                precision=job.precision,
-                checkpoint=option.checkpoint,
-                accumulate=job.accumulate,
-                foreach=job.gpu,
-                options=job.fsdp_options,
-            ),
-        )
+        p = estimator.memo(_key(estimator, option), lambda: simulate_fsdp(**_simulation(estimator, option)))
         # the activations column means the same for every row: the traced peak at this micro-batch (the
         # simulation's own kinds at its peak moment mix in the optimizer step's temporaries)
         activations = estimator.trace("fsdp", option.checkpoint).activations
@@ -121,6 +111,27 @@ class FSDP(CostModel):
             Collective("all_gather", params, n, gathers * a, units, inter, True),
             Collective("reduce_scatter", reduce, n, 1, units, inter, True),
         ]
+
+
+def _key(estimator, option) -> tuple:
+    return ("fsdp", option.sharding, option.checkpoint, estimator.job.micro_batch)
+
+
+def _simulation(estimator, option) -> dict:
+    """The arguments of the option's simulation (``simulate.simulate_fsdp``)."""
+    job = estimator.job
+    return dict(
+        spec=job.spec,
+        micro_batch=job.micro_batch,
+        world_size=job.world_size,
+        num_nodes=job.num_nodes,
+        sharding=option.sharding,
+        precision=job.precision,
+        checkpoint=option.checkpoint,
+        accumulate=job.accumulate,
+        foreach=job.gpu,
+        options=job.fsdp_options,
+    )
 
 
 def _gathers(option) -> int:

@@ -60,6 +60,12 @@ class ModelParallel(CostModel):
             )
         return f"TP{option.tensor}" + ("+SP" if option.sequence_parallel else "") + ("×FSDP" if option.sharding else "")
 
+    def prefetch(self, estimator, option) -> None:
+        from distrain.planner.simulate import start_tensor_parallel_simulation
+
+        begin = lambda: start_tensor_parallel_simulation(**_simulation(estimator, option))  # noqa: E731
+        estimator.start(_key(estimator, option), begin)
+
     def estimate(self, estimator, option) -> Row:
         p = _simulated(estimator, option)
         sharded = p.params + p.grads + p.optimizer if option.sharding else 0
@@ -94,22 +100,28 @@ def _dtypes_of(option) -> str:
 def _simulated(estimator, option):
     from distrain.planner.simulate import simulate_tensor_parallel
 
+    return estimator.memo(_key(estimator, option), lambda: simulate_tensor_parallel(**_simulation(estimator, option)))
+
+
+def _key(estimator, option) -> tuple:
+    o = option
+    return ("tp", o.tensor, o.context, o.sequence_parallel, o.checkpoint, estimator.job.micro_batch)
+
+
+def _simulation(estimator, option) -> dict:
+    """The arguments of the option's simulation (``simulate.simulate_tensor_parallel``)."""
     job = estimator.job
-    key = ("tp", option.tensor, option.context, option.sequence_parallel, option.checkpoint, job.micro_batch)
-    return estimator.memo(
-        key,
-        lambda: simulate_tensor_parallel(
-            job.spec,
-            job.micro_batch,
-            world_size=job.world_size,
-            tensor=option.tensor,
-            context=option.context,
-            sequence_parallel=option.sequence_parallel,
-            precision=job.precision,
-            checkpoint=option.checkpoint,
-            accumulate=job.accumulate,
-            foreach=job.gpu,
-        ),
+    return dict(
+        spec=job.spec,
+        micro_batch=job.micro_batch,
+        world_size=job.world_size,
+        tensor=option.tensor,
+        context=option.context,
+        sequence_parallel=option.sequence_parallel,
+        precision=job.precision,
+        checkpoint=option.checkpoint,
+        accumulate=job.accumulate,
+        foreach=job.gpu,
     )
 
 
