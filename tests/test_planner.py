@@ -165,6 +165,7 @@ def _run_plan(*args: str) -> tuple[dict, float, int]:
     )
     seconds = time.perf_counter() - start
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "Warning" not in out.stderr, out.stderr[-3000:]  # the console is the plan, not a library's noise
     rss_kib = int(out.stderr.rsplit("maxrss ", 1)[1].split()[0])
     return json.loads(out.stdout), seconds, rss_kib
 
