@@ -120,3 +120,9 @@ def test_its_cost_model_puts_it_in_the_plan_beside_the_built_in_ones(tmp_path):
     assert rows["tiny"]["label"] == "tiny one process"
     assert rows["tiny"]["peak_bytes"] == rows["single"]["peak_bytes"] > 0
     assert shown["recommendation"] == "single", shown["reason"]
+    # a cost model that cannot load is named, with the strategy that names it, in one line
+    (tmp_path / "plugin" / "tiny_plan.py").write_text("import no_such_module_here\n")
+    broken = _train(tmp_path, "--model-name", "gpt-tiny", "--no-time", command="plan", strategy="all")
+    assert broken.returncode != 0
+    last = broken.stderr.strip().splitlines()[-1]
+    assert "'tiny_plan' of strategy tiny could not be loaded" in last and "no_such_module_here" in last, broken.stderr

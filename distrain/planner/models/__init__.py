@@ -120,19 +120,36 @@ _MODULE_OF_STRATEGY: dict[str, str | None] = {}
 
 
 def _load() -> None:
-    """Import the cost model of every registered strategy (once): each registration names its module."""
+    """Import the cost model of every registered strategy (once): each registration names its module. Nothing is
+    kept when one fails (the next call says so again)."""
     if _MODULE_OF_STRATEGY:
         return
     from distrain.strategies import registry
 
-    for name, entry in registry.entries().items():
-        _MODULE_OF_STRATEGY[name] = entry.cost_model
-    for path in dict.fromkeys(p for p in _MODULE_OF_STRATEGY.values() if p):
-        for model in importlib.import_module(path).MODELS:
+    modules = {name: entry.cost_model for name, entry in registry.entries().items()}
+    kinds: dict[str, CostModel] = {}
+    for path in dict.fromkeys(p for p in modules.values() if p):
+        named_by = ", ".join(sorted(n for n, p in modules.items() if p == path))
+        for model in _models_in(path, named_by):
             for kind in model.kinds:
-                if kind in _MODELS and _MODELS[kind] is not model:
-                    raise ValueError(f"cost model kind {kind!r} is defined twice ({path})")
-                _MODELS[kind] = model
+                if kind in kinds and kinds[kind] is not model:
+                    raise ValueError(f"cost model kind {kind!r} is defined twice ({path}, of strategy {named_by})")
+                kinds[kind] = model
+    _MODELS.update(kinds)
+    _MODULE_OF_STRATEGY.update(modules)
+
+
+def _models_in(path: str, named_by: str) -> tuple[CostModel, ...]:
+    """The ``MODELS`` of a cost model's module, or an error that names the module and the strategies that name it."""
+    try:
+        found = importlib.import_module(path).MODELS
+    except Exception as e:  # noqa: BLE001 — a plug-in's mistake, named
+        raise ValueError(
+            f"the cost model {path!r} of strategy {named_by} could not be loaded: {type(e).__name__}: {e}"
+        ) from None
+    if not all(isinstance(m, CostModel) for m in found):
+        raise ValueError(f"the cost model {path!r} of strategy {named_by}: MODELS must hold CostModel instances")
+    return tuple(found)
 
 
 def model_of(option_or_kind) -> CostModel:
