@@ -100,9 +100,8 @@ class CostModel:
     def activation_slope(self, estimator, option) -> float:
         """Peak bytes per extra sample of micro-batch: the traced activations at twice the batch."""
         b = estimator.job.micro_batch
-        kind = self.kinds[0]
-        single = estimator.trace(kind, option.checkpoint).activations
-        double = estimator.trace(kind, option.checkpoint, 2 * b).activations
+        single = estimator.trace(option.family, option.checkpoint).activations
+        double = estimator.trace(option.family, option.checkpoint, 2 * b).activations
         return max(0.0, (double - single) / b)
 
     def step_time(self, estimator, option, hw):
@@ -113,6 +112,12 @@ class CostModel:
         """A bound below ``planner``'s step time of the option that costs no simulation (``estimator``: the
         job's at its own accumulation): the step time itself unless the model has a cheaper bound."""
         return planner.seconds(option)
+
+
+def data_parallel_kind(option) -> str:
+    """The kind whose dtypes a layout that splits the model computes in: FSDP's when it shards over data-parallel
+    replicas, else DDP's."""
+    return "fsdp" if option.sharding else "ddp"
 
 
 _MODELS: dict[str, CostModel] = {}

@@ -39,7 +39,7 @@ from distrain.planner.model_stats import (
     checkpoint_policy,
     to_empty_keeping_ties,
 )
-from distrain.planner.models import CostModel
+from distrain.planner.models import CostModel, data_parallel_kind
 from distrain.planner.options import Option, Row
 from distrain.planner.timing import Collective, StepTime, collective_seconds, work_seconds
 from distrain.planner.work import PhaseWork, WorkCounter
@@ -396,20 +396,15 @@ class Pipeline(CostModel):
     def seconds_at_least(self, estimator, planner, option, hw) -> float:
         """With no communication, a pipeline runs its micro-batches at its slowest rank's pace, at least 1/P of the
         whole, plus the fill (less a tenth: its stages are traced one by one)."""
-        work = estimator.trace(_dtypes_of(option), option.checkpoint).work.forward_backward
+        work = estimator.trace(data_parallel_kind(option), option.checkpoint).work.forward_backward
         p, v = option.pipeline, option.stages_per_rank
         return 0.9 * (planner.job.accumulate + (p - 1) / v) * work_seconds(work, hw) / p
-
-
-def _dtypes_of(option) -> str:
-    """The kind whose dtypes the stages compute in: FSDP's over data-parallel replicas, else DDP's."""
-    return "fsdp" if option.sharding else "ddp"
 
 
 def _pipeline_trace(estimator, option, micro_batch: int | None = None) -> PipelineTrace:
     b = micro_batch or estimator.job.micro_batch
     stages = option.pipeline * option.stages_per_rank
-    kind = _dtypes_of(option)
+    kind = data_parallel_kind(option)
 
     def trace() -> PipelineTrace:
         param_dtype, autocast = estimator.dtypes(kind)
@@ -436,7 +431,7 @@ def pipeline_ranks(estimator, option, micro_batch: int | None = None) -> list[Ra
 def _whole_step(estimator, option, micro_batch: int | None = None):
     """A traced whole-model step in the option's dtypes, for bytes and work per parameter element: a deep model's
     at its deeper shallow depth."""
-    return estimator.deepest.trace(_dtypes_of(option), option.checkpoint, micro_batch)
+    return estimator.deepest.trace(data_parallel_kind(option), option.checkpoint, micro_batch)
 
 
 def pipeline_option(job, strict: bool = False, strategy: str = "pipeline") -> Option | None:

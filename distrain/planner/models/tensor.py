@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from distrain.planner.models import CostModel
+from distrain.planner.models import CostModel, data_parallel_kind
 from distrain.planner.models.pipeline import pipeline_option
 from distrain.planner.options import Option, Row
 from distrain.planner.timing import Collective, Hardware, StepTime, collective_seconds, copy_seconds, work_seconds
@@ -73,28 +73,23 @@ class ModelParallel(CostModel):
 
     def activation_slope(self, estimator, option) -> float:
         """Each rank holds its part of every layer (of every sequence): the whole model's activations, split so."""
-        whole = replace(option, family=_dtypes_of(option), tensor=1, context=1)
+        whole = replace(option, family=data_parallel_kind(option), tensor=1, context=1)
         return estimator.activation_slope(whole) / (option.tensor * option.context)
 
     def step_time(self, estimator, option, hw) -> StepTime:
-        trace = estimator.trace(_dtypes_of(option), option.checkpoint)
+        trace = estimator.trace(data_parallel_kind(option), option.checkpoint)
         return tensor_parallel_step_time(option, estimator.job, trace, _simulated(estimator, option), hw)
 
     def seconds_at_least(self, estimator, planner, option, hw) -> float:
         """Without the optimizer step: a context-parallel rank computes 1/N of every operation's work; a
         tensor-parallel rank computes 1/T of every operation's FLOPs and bytes yet runs every operation, and waits
         for a collective in each block's forward and backward (Megatron's layout: two each)."""
-        work = estimator.trace(_dtypes_of(option), option.checkpoint).work.forward_backward
+        work = estimator.trace(data_parallel_kind(option), option.checkpoint).work.forward_backward
         micro_batches = planner.job.accumulate
         if option.family == "cp":
             return micro_batches * work_seconds(work.scaled(1 / (option.context * option.tensor)), hw)
         waits = 2 * estimator.job.spec.num_blocks * (hw.blocking_collective_seconds or hw.collective_seconds)
         return micro_batches * (work_seconds(work.scaled(1 / option.tensor), hw) + waits)
-
-
-def _dtypes_of(option) -> str:
-    """The kind whose dtypes the ranks compute in: FSDP's over the data-parallel ranks, else DDP's."""
-    return "fsdp" if option.sharding else "ddp"
 
 
 def _simulated(estimator, option):
