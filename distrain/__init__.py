@@ -112,11 +112,11 @@ def __dir__() -> list[str]:
 
 def _strategy_checks(config) -> None:
     """Every config built is checked by the strategies' files too: ``registry.validate_config``, which
-    ``config.CHECKS`` gets when ``distrain.strategies`` is imported (config.py knows no strategy). That import needs
-    torch, so it happens here, when the first config is validated, rather than with the package: ``validate``'s loop
-    over ``CHECKS`` then reaches the check it appended, right after this one."""
-    if "distrain.strategies" not in sys.modules:
-        importlib.import_module("distrain.strategies")
+    ``config.CHECKS`` gets when ``distrain.strategies.registry`` is imported (config.py knows no strategy). Its checks
+    import the strategies, which need torch, so it happens here, when the first config is validated, rather than with
+    the package: ``validate``'s loop over ``CHECKS`` then reaches the check it appended, right after this one."""
+    if "distrain.strategies.registry" not in sys.modules:
+        importlib.import_module("distrain.strategies.registry")
 
 
 _config.CHECKS.insert(0, _strategy_checks)

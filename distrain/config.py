@@ -28,14 +28,6 @@ import yaml
 from distrain.run_dir import DEFAULT as DEFAULT_OUTPUT_DIR
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
-#: top-level keys of a DeepSpeed JSON (not distrain's sections): such a file given as the run's config
-DEEPSPEED_KEYS = {
-    "zero_optimization",
-    "train_micro_batch_size_per_gpu",
-    "train_batch_size",
-    "gradient_accumulation_steps",
-    "zero_allow_untested_optimizer",
-}
 #: checks of the strategies' own keys, each registered by its strategy's file (``registry.register``): config.py
 #: knows no strategy
 CHECKS: list = []
@@ -340,76 +332,15 @@ class DataConfig:
 
 
 @dataclass
-class ActivationCheckpointingConfig:
-    enabled: bool = False
-    every_n_layers: int = number(1, gt=0)
-
-
-@dataclass
-class MixedPrecisionConfig:
-    """dtype names (bf16, fp16, fp32); null → from ``training.precision`` (reduction in fp32)."""
-
-    param_dtype: str | None = None
-    reduce_dtype: str | None = None
-    buffer_dtype: str | None = None
-
-
-@dataclass
-class FSDPConfig:
-    """Used when ``distributed.strategy`` is ``fsdp``/``fsdp_cpu_offload``. FSDP1 names, mapped to FSDP2."""
-
-    sharding_strategy: str = "FULL_SHARD"
-    """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD."""
-    cpu_offload: bool = False
-    backward_prefetch: str | None = "BACKWARD_PRE"
-    """FSDP2 always prefetches in backward (BACKWARD_PRE); other values are explained, not applied."""
-    forward_prefetch: bool = False
-    auto_wrap_policy: str | None = "transformer_based"
-    """``transformer_based`` (the model's block class), ``size_based`` (min_num_params) or null (root only)."""
-    min_num_params: int = number(1_000_000, gt=0)
-    """size_based: wrap (shard as one unit) each module of at least this many parameters."""
-    use_orig_params: bool = True
-    sync_module_states: bool = True
-    """A model built in __init__ (not on the meta device) starts from rank 0's weights on every rank, as under DDP."""
-    state_dict_type: str = "sharded"
-    """``sharded`` (each rank writes its shards, DCP) or ``full`` (gathered to rank 0, on CPU)."""
-    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
-    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
-
-
-@dataclass
-class DeepSpeedSectionConfig:
-    """Used when ``distributed.strategy`` is ``deepspeed`` or a ``deepspeed_stage_*`` preset."""
-
-    config: str | None = None
-    """A DeepSpeed JSON config (its "auto" values are filled from this run); overrides the keys below.
-    ``--config ds_config.json`` sets it."""
-    stage: int = number(2, ge=0, le=3, means={0: "ZeRO off: DeepSpeed's plain data parallelism"})
-    """The ZeRO stage: 1 shards the optimizer state, 2 the gradients too, 3 the parameters too; 0: none."""
-    offload_optimizer: bool = False
-    offload_parameters: bool = False
-    offload_optimizer_device: str = "cpu"
-    offload_params_device: str = "cpu"
-    nvme_path: str = "/local_nvme"
-    partition_activations: bool = False
-    cpu_checkpointing: bool = False
-    save_full_weights: bool = False
-    """Also write a consolidated fp32 ``model.safetensors`` into each checkpoint."""
-
-
-@dataclass
-class RunConfig:
-    """A whole run's configuration, as the CLI runs it: one section per part (``training``, ``distributed``,
-    ``checkpointing``, ``logging``, ``data``, ``fsdp``, ``deepspeed``) and ``output_dir``. ``build_config`` makes
-    one from the defaults, a config file and overrides."""
+class CoreSections:
+    """The sections every run has, whatever its strategy: ``training``, ``distributed``, ``checkpointing``,
+    ``logging``, ``data`` and ``output_dir``. ``RunConfig`` adds the strategies' own (``sections``)."""
 
     training: TrainingConfig = field(default_factory=TrainingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    deepspeed: DeepSpeedSectionConfig = field(default_factory=DeepSpeedSectionConfig)
     output_dir: str = DEFAULT_OUTPUT_DIR
     """Where the run writes its config, metrics, TensorBoard events, checkpoints, plot and logs. A folder that holds
     an earlier run is refused unless --resume (go on with it) or --overwrite (remove its files)."""
@@ -417,6 +348,64 @@ class RunConfig:
     def to_dict(self) -> dict:
         """Every section and its fields as nested plain dicts (``dataclasses.asdict``)."""
         return dataclasses.asdict(self)
+
+
+#: the entry point group in which a package declares a config section of its own, ``name = "module:Dataclass"``:
+#: distrain's strategies declare theirs there (``pyproject.toml``) as a plug-in does, so config.py knows no strategy
+SECTION_GROUP = "distrain.config"
+_sections: dict[str, type] | None = None
+_run_config: type | None = None
+
+
+def sections() -> dict[str, type]:
+    """The config sections the installed packages declare (``SECTION_GROUP``), name → dataclass, by name. A
+    section's class may say where the spec's files put its keys (``spec_keys``) and adopt a file of its engine's
+    own format given as the run's config (``own_file``). One that cannot load, or is no section, is one line."""
+    global _sections
+    if _sections is None:
+        from importlib.metadata import entry_points
+
+        core = {f.name for f in dataclasses.fields(CoreSections)}
+        found: dict[str, type] = {}
+        for point in sorted(entry_points(group=SECTION_GROUP), key=lambda p: p.name):
+            where = f"config section {point.name!r} ({point.value}, entry point group {SECTION_GROUP})"
+            try:
+                section = point.load()
+            except Exception as e:
+                raise ConfigError(f"{where} could not be loaded: {type(e).__name__}: {e}") from None
+            if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
+                raise ConfigError(f"{where} is not a dataclass")
+            if point.name in core or not point.name.isidentifier() or found.get(point.name, section) is not section:
+                raise ConfigError(f"{where}: the name is taken, or is not a valid key")
+            found[point.name] = section
+        _sections = found
+    return _sections
+
+
+def run_config_class() -> type:
+    """``RunConfig``: the core sections, then each declared one (``sections``), made once per process."""
+    global _run_config
+    if _run_config is None:
+        declared = [(name, section, field(default_factory=section)) for name, section in sections().items()]
+        doc = (
+            "A whole run's configuration, as the CLI runs it: the core sections (``training``, ``distributed``, "
+            "``checkpointing``, ``logging``, ``data``, ``output_dir``) and the strategies' own ("
+            + ", ".join(f"``{name}``" for name in sections())
+            + "). ``build_config`` makes one from the defaults, a config file and overrides."
+        )
+        namespace = {"__module__": __name__, "__doc__": doc}
+        _run_config = dataclasses.make_dataclass("RunConfig", declared, bases=(CoreSections,), namespace=namespace)
+    return _run_config
+
+
+if typing.TYPE_CHECKING:  # the core sections are what a type checker can know of it
+    RunConfig = CoreSections
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RunConfig":  # made on first use: the strategies' sections are read from the installed packages
+        return run_config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,12 +456,15 @@ def build_config(
     cli_items: list[str] | None = None,
 ) -> RunConfig:
     """Defaults ← file ← ``overrides`` (dotted keys from CLI flags) ← ``key=value`` items."""
-    config = RunConfig()
+    config = run_config_class()()
     config.mapped_keys = []  # spec-style keys and where they went, for --print-config
     if file is not None:
         tree = load_config_file(file)
-        if tree.keys() & DEEPSPEED_KEYS:  # the spec's deepspeed_config.json, given as the run's config
-            tree = {"distributed": {"strategy": "deepspeed"}, "deepspeed": {"config": str(Path(file).resolve())}}
+        for section in sections().values():  # a file in an engine's own format (DeepSpeed's JSON) as the config
+            adopted = section.own_file(tree, Path(file)) if hasattr(section, "own_file") else None
+            if adopted is not None:
+                tree = adopted
+                break
         tree = map_spec_keys(tree, config.mapped_keys)
         apply_tree(config, tree, source=str(file))
     flag_tree: dict = {}
@@ -488,26 +480,23 @@ def build_config(
     return config
 
 
-#: where keys written as the spec's config files write them live in this schema. The spec's FSDP file
-#: lost its indentation, so its activation_checkpointing/mixed_precision sections may stand at the top
-#: level or under fsdp:; both land in the fsdp section.
-SPEC_KEYS = {
-    "training.max_length": "data.max_length",
-    "activation_checkpointing": "fsdp.activation_checkpointing",
-    "mixed_precision": "fsdp.mixed_precision",
-    "fsdp.activation_checkpointing.checkpoint_every_n_layers": "fsdp.activation_checkpointing.every_n_layers",
-}
+#: where keys written as the spec's config files write them live in this schema (the strategies' sections add
+#: their own: ``spec_keys``)
+SPEC_KEYS = {"training.max_length": "data.max_length"}
 
 
 def map_spec_keys(tree: dict, notes: list[str]) -> dict:
-    """``tree`` with the spec's key names moved to this schema's (``SPEC_KEYS``); ``notes`` records
-    each move as ``from → to``. A key given both ways is an error: which one was meant?"""
+    """``tree`` with the spec's key names moved to this schema's (``SPEC_KEYS``, each section's ``spec_keys``);
+    ``notes`` records each move as ``from → to``. A key given both ways is an error: which one was meant?"""
+    moves = {**SPEC_KEYS}
+    for section in sections().values():
+        moves.update(getattr(section, "spec_keys", {}))
     flat = _flatten(tree)
     out: dict = {}
     moved: dict[str, str] = {}
     for key, value in flat.items():
         target = key
-        for old, new in SPEC_KEYS.items():  # applied in order: a section first, then its renamed keys
+        for old, new in moves.items():  # applied in order: a section first, then its renamed keys
             if target == old or target.startswith(f"{old}."):
                 target = new + target[len(old) :]
         if target != key:
@@ -537,7 +526,7 @@ def apply_tree(obj: Any, tree: dict, source: str, prefix: str = "") -> None:
         dotted = f"{prefix}{key}"
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" (did you mean {prefix}{close[0]!r}?)" if close else f" (known: {', '.join(fields)})"
+            hint = f" (did you mean {prefix + close[0]!r}?)" if close else f" (known: {', '.join(fields)})"
             raise ConfigError(f"unknown key {dotted!r} in {source}{hint}")
         hint_type = hints[key]
         if dataclasses.is_dataclass(hint_type):
@@ -702,9 +691,10 @@ class KeyDoc:
         return re.split(r"(?<=\.)(?<!e\.g\.)(?<!i\.e\.)\s+(?=[A-Z`])", text, maxsplit=1)[0]
 
 
-def config_keys(cls: type = RunConfig, prefix: str = "") -> list[KeyDoc]:
+def config_keys(cls: type | None = None, prefix: str = "") -> list[KeyDoc]:
     """Every key of ``cls`` (a section's keys, its subsections' too) in declaration order, with its type, default,
-    doc and range."""
+    doc and range (``cls`` None: ``RunConfig``)."""
+    cls = run_config_class() if cls is None else cls
     docs = _field_docs(cls)
     hints = typing.get_type_hints(cls)
     keys = []
@@ -732,24 +722,25 @@ def _key_type(tp: Any) -> str:
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """The string literal under each field of a dataclass (the fields' docs here), read from its source."""
+    """The string literal under each field of a dataclass and of the dataclasses it derives from (the fields' docs
+    here), read from their source."""
     import ast
     import inspect
     import textwrap
 
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):  # no source (a frozen build): keys without docs
-        return {}
-    body = tree.body[0].body
     docs = {}
-    for node, after in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    for base in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(base))).body[0].body
+        except (OSError, TypeError):  # no source (a frozen build, a class made at run time): keys without docs
+            continue
+        for node, after in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = inspect.cleandoc(after.value.value)
     return docs

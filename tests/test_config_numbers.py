@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import sys
 import tracemalloc
 import types
 import typing
@@ -43,10 +44,10 @@ KEYS = numeric_keys()
 
 
 def _field_docstrings() -> dict[str, str]:
-    """``Section.field`` → the docstring written under the field in config.py."""
-    tree = ast.parse(inspect.getsource(cfg))
+    """``Section.field`` → the docstring written under the field, in config.py or the file of a strategy's section."""
+    modules = {sys.modules[section.__module__] for section in _sections()} - {None}
     docs = {}
-    for node in tree.body:
+    for node in (node for module in modules for node in ast.parse(inspect.getsource(module)).body):
         if isinstance(node, ast.ClassDef):
             body = node.body
             for stmt, nxt in zip(body, body[1:]):

@@ -9,30 +9,52 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from helpers import env_without_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 
 TINY = '''
+from dataclasses import dataclass
+
 from distrain.config import ConfigError
 from distrain.strategies.registry import register
 from distrain.strategies.single import SingleDeviceStrategy
 
 
+@dataclass
+class TinyConfig:
+    """The tiny strategy's own section of the config."""
+
+    word: str = "step"
+    """What the strategy says at each optimizer step."""
+
+
 class TinyStrategy(SingleDeviceStrategy):
     """One process that says each optimizer step it takes."""
 
+    def __init__(self, word="step", **options):
+        super().__init__(**options)
+        self.word = word
+
     def optimizer_step(self, optimizer, module=None):
-        print("tiny strategy: step", flush=True)
+        print(f"tiny strategy: {self.word}", flush=True)
         super().optimizer_step(optimizer, module)
 
 
 def check(config):
     if config.distributed.strategy == "tiny" and config.training.compile:
         raise ConfigError("training.compile is not supported with distributed.strategy 'tiny'")
+    if not config.tiny.word.isalpha():
+        raise ConfigError(f"tiny.word must be letters, got {config.tiny.word!r}")
 
 
-register("tiny", TinyStrategy, "one process, from a plugin", check=check, cost_model="tiny_plan")
+def options_from_config(config, block_classes):
+    return {"word": config.tiny.word}
+
+
+register("tiny", TinyStrategy, "one process, from a plugin", options_from_config, "tiny", check, cost_model="tiny_plan")
 '''
 
 TINY_PLAN = '''
@@ -80,7 +102,9 @@ def _plugin(root: Path) -> None:
     info = root / "tiny_strategy-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tiny-strategy\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[distrain.strategies]\ntiny = tiny_strategy\n")
+    (info / "entry_points.txt").write_text(
+        "[distrain.strategies]\ntiny = tiny_strategy\n\n[distrain.config]\ntiny = tiny_strategy:TinyConfig\n"
+    )
 
 
 def _train(tmp: Path, *args: str, command: str = "train", strategy: str = "tiny") -> subprocess.CompletedProcess:
@@ -90,15 +114,29 @@ def _train(tmp: Path, *args: str, command: str = "train", strategy: str = "tiny"
 
 
 def test_a_strategy_in_one_file_trains_and_checks_its_config(tmp_path):
+    """Its own config section too: set from the command line, saved with the run, listed by ``distrain config``
+    with its doc, its keys checked by the schema (a misspelt one named) and by the strategy's file."""
     (tmp_path / "plugin").mkdir()
     _plugin(tmp_path / "plugin")
-    proc = _train(tmp_path, "--max-steps", "2", "--output-dir", "run", "logging.progress_bar=false")
+    proc = _train(tmp_path, "--max-steps", "2", "--output-dir", "run", "logging.progress_bar=false", "tiny.word=hop")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("tiny strategy: step") == 2, proc.stdout
+    assert proc.stdout.count("tiny strategy: hop") == 2, proc.stdout
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["tiny"] == {"word": "hop"}
+    env = {**env_without_rank(), "PYTHONPATH": f"{tmp_path / 'plugin'}:{ROOT}"}
+    argv = [sys.executable, "-m", "distrain.cli", "config", "tiny"]
+    listed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60).stdout.splitlines()
+    assert [line.split()[:3] for line in listed[1:]] == [["tiny.word", "str", "step"]], listed
+    assert "What the strategy says at each optimizer step." in listed[1]
     refused = _train(tmp_path, "--output-dir", "run2", "training.compile=true")
     assert refused.returncode == 2 and refused.stderr.strip() == (
         "distrain: error: training.compile is not supported with distributed.strategy 'tiny'"
     ), refused.stderr
+    misspelt = _train(tmp_path, "--output-dir", "run2", "tiny.wrd=hop")
+    assert misspelt.returncode == 2 and "unknown key 'tiny.wrd'" in misspelt.stderr, misspelt.stderr
+    assert "did you mean 'tiny.word'?" in misspelt.stderr
+    wrong = _train(tmp_path, "--output-dir", "run2", "tiny.word=h0p")
+    assert wrong.returncode == 2 and "tiny.word must be letters, got 'h0p'" in wrong.stderr, wrong.stderr
+    assert not (tmp_path / "run2").exists()
     unknown = _train(tmp_path.parent, "--output-dir", str(tmp_path / "run3"))  # without the plugin on the path
     assert unknown.returncode == 2
 

@@ -1,29 +1,35 @@
-"""Parallel strategies, one file each. Importing this package imports every file in it, and each file
-registers its names (``registry.register``): a new strategy is one new file."""
+"""Parallel strategies, one file each. Each file registers its names (``registry.register``) when it is imported,
+and ``registry.entries()`` imports every file here the first time a strategy is looked up: a new strategy is one new
+file. Importing the package itself imports none of them, so a file without torch (a strategy's config section,
+``fsdp_config.py``) is read without torch."""
 
 import importlib
 import pkgutil
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+#: the package's public classes, each imported from its file the first time it is asked for
+_EXPORTS = {
+    "Strategy": "base",
+    "LoopFacts": "base",
+    "DDPStrategy": "ddp",
+    "DeepSpeedStrategy": "deepspeed",
+    "FSDPStrategy": "fsdp",
+    "ModelParallelStrategy": "model_parallel",
+    "PipelineStrategy": "pipeline",
+    "SingleDeviceStrategy": "single",
+    "make_strategy": "registry",
+}
+__all__ = list(_EXPORTS)
 
-from distrain.strategies.base import LoopFacts, Strategy  # noqa: E402
-from distrain.strategies.ddp import DDPStrategy  # noqa: E402
-from distrain.strategies.deepspeed import DeepSpeedStrategy  # noqa: E402
-from distrain.strategies.fsdp import FSDPStrategy  # noqa: E402
-from distrain.strategies.model_parallel import ModelParallelStrategy  # noqa: E402
-from distrain.strategies.pipeline import PipelineStrategy  # noqa: E402
-from distrain.strategies.registry import make_strategy  # noqa: E402
-from distrain.strategies.single import SingleDeviceStrategy  # noqa: E402
 
-__all__ = [
-    "Strategy",
-    "LoopFacts",
-    "DDPStrategy",
-    "DeepSpeedStrategy",
-    "FSDPStrategy",
-    "ModelParallelStrategy",
-    "PipelineStrategy",
-    "SingleDeviceStrategy",
-    "make_strategy",
-]
+def import_all() -> None:
+    """Import every file of the package: each registers the strategies it defines."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

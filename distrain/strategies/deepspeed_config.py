@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distrain.config import number
+
 logger = logging.getLogger("distrain")
 
 CONFIG_ENV = "DISTRAIN_DEEPSPEED_CONFIG_PATH"
@@ -36,6 +38,46 @@ PRESETS: dict[str, dict[str, Any]] = {
         "offload_optimizer_device": "nvme",
     },
 }
+
+
+#: top-level keys of a DeepSpeed JSON (not distrain's sections): such a file given as the run's config
+DEEPSPEED_KEYS = {
+    "zero_optimization",
+    "train_micro_batch_size_per_gpu",
+    "train_batch_size",
+    "gradient_accumulation_steps",
+    "zero_allow_untested_optimizer",
+}
+
+
+@dataclass
+class DeepSpeedSectionConfig:
+    """The ``deepspeed:`` section of a run's config, used when ``distributed.strategy`` is ``deepspeed`` or a
+    ``deepspeed_stage_*`` preset; declared by this package (``pyproject.toml``, the ``distrain.config`` entry point
+    group) as a plug-in's section would be."""
+
+    config: str | None = None
+    """A DeepSpeed JSON config (its "auto" values are filled from this run); overrides the keys below.
+    ``--config ds_config.json`` sets it."""
+    stage: int = number(2, ge=0, le=3, means={0: "ZeRO off: DeepSpeed's plain data parallelism"})
+    """The ZeRO stage: 1 shards the optimizer state, 2 the gradients too, 3 the parameters too; 0: none."""
+    offload_optimizer: bool = False
+    offload_parameters: bool = False
+    offload_optimizer_device: str = "cpu"
+    offload_params_device: str = "cpu"
+    nvme_path: str = "/local_nvme"
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    save_full_weights: bool = False
+    """Also write a consolidated fp32 ``model.safetensors`` into each checkpoint."""
+
+    @classmethod
+    def own_file(cls, tree: dict, path: Path) -> dict | None:
+        """A DeepSpeed JSON given as the run's whole config (the spec's ``deepspeed_config.json``): the config of a
+        run of strategy ``deepspeed`` that reads it. None: ``tree`` is distrain's own sections."""
+        if not tree.keys() & DEEPSPEED_KEYS:
+            return None
+        return {"distributed": {"strategy": "deepspeed"}, "deepspeed": {"config": str(Path(path).resolve())}}
 
 
 @dataclass

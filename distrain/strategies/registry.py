@@ -8,7 +8,7 @@ registers through the ``distrain.strategies`` entry point group (``pyproject.tom
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from distrain import config as run_config
@@ -91,12 +91,17 @@ def register(
     (``planner/models/``) for ``distrain plan`` and ``strategy: auto``."""
     if name in _ENTRIES:
         raise ValueError(f"strategy name {name!r} is registered twice")
+    if config_section is not None and config_section not in {f.name for f in fields(run_config.run_config_class())}:
+        raise ValueError(
+            f"strategy {name!r} takes its options from config section {config_section!r}, which no installed package "
+            f"declares (entry point group {run_config.SECTION_GROUP!r}; a checkout of distrain: pip install -e .)"
+        )
     _ENTRIES[name] = StrategyEntry(name, build, description, options_from_config, config_section, check, cost_model)
 
 
 def entries() -> dict[str, StrategyEntry]:
-    """Every registered strategy: this package's (importing this module imported ``distrain.strategies``
-    first, whose modules register themselves) and those of installed plugins."""
+    """Every registered strategy: this package's (each file registers itself when imported, and the first call
+    imports them all) and those of installed plugins."""
     _load_plugins()
     return dict(_ENTRIES)
 
@@ -105,13 +110,17 @@ _plugins_loaded = False
 
 
 def _load_plugins() -> None:
-    """Import the modules installed packages name under the ``distrain.strategies`` entry point group;
-    each registers its strategies as this package's files do."""
+    """Import this package's files, then the modules installed packages name under the ``distrain.strategies``
+    entry point group; each registers its strategies."""
     global _plugins_loaded
     if _plugins_loaded:
         return
     _plugins_loaded = True
     from importlib.metadata import entry_points
+
+    from distrain import strategies
+
+    strategies.import_all()
 
     for point in entry_points(group="distrain.strategies"):
         point.load()
