@@ -230,8 +230,8 @@ class ModelParallelStrategy(Strategy):
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         build = None
         if lay.pipeline > 1:
-            from distrain.parallel.pipeline import PipelineBuild, PipelineRunner
             from distrain.parallel.pipeline_split import split_for
+            from distrain.parallel.pipeline_stages import PipelineBuild, PipelineRunner
 
             build = PipelineBuild.create(user, split_for(user), lay, self._coords()[0], self.split_points)
             runner = PipelineRunner(user, build, lay, mesh, self.schedule, self.root_device, self.precision)
@@ -246,7 +246,7 @@ class ModelParallelStrategy(Strategy):
             self._materialize(roots, build.keep if build else [module])
             retie(ties)
             if not skip_init:
-                blocks = build.plan.blocks if build else units
+                blocks = build.split.blocks if build else units
                 unit_of = sharded_init.units_of_parameters(module, list(blocks))
                 self.init_peak_bytes = sharded_init.replay_initialization(
                     module, rng, _StageShards(self.root_device), unit_of
@@ -436,7 +436,7 @@ class _ParallelModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch.utils._pytree import tree_map
 
-        from distrain.parallel.pipeline import _plain, _plain_tree
+        from distrain.parallel.pipeline_stages import _plain, _plain_tree
 
         strategy = self.strategy
         step_name = args[0] if args and isinstance(args[0], str) else None  # None: a loop of your own calls it

@@ -4,7 +4,7 @@ The model's blocks are split into ``stages`` runs, one per rank (``torch.distrib
 ranks left over (a multiple of the stages) are data-parallel replicas of the pipeline, each stage
 sharded over them with FSDP2. ``tensor_parallel_size`` splits each stage's layers as well (3-D).
 It is ``ModelParallelStrategy`` with a pipeline and no tensor parallelism by default; see
-``distrain/parallel/pipeline.py`` for how a step runs.
+``distrain/parallel/pipeline_stages.py`` for how a step runs.
 """
 
 from __future__ import annotations

@@ -91,8 +91,8 @@ def trace_pipeline(
     sent). Stages with the same blocks count and position (neither first nor last) are traced once: their
     layers are the same."""
     from distrain.parallel.layout import ParallelLayout
-    from distrain.parallel.pipeline import PipelineBuild
     from distrain.parallel.pipeline_split import split_for
+    from distrain.parallel.pipeline_stages import PipelineBuild
 
     module = spec.build()
     if param_dtype != torch.float32:
@@ -100,8 +100,8 @@ def trace_pipeline(
     apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint))
     with _fake_mode() as mode, compat.transformers_masks_as_in_eager():
         to_empty_keeping_ties(module)
-        plan = split_for(module)
-        build = PipelineBuild.create(module, plan, ParallelLayout(pipeline=num_stages), 0, split_points)
+        split = split_for(module)
+        build = PipelineBuild.create(module, split, ParallelLayout(pipeline=num_stages), 0, split_points)
         batch = tree_map_only(torch.Tensor, mode.from_tensor, spec.make_batch(micro_batch))
         build.local = list(range(num_stages))
         stage_modules = build.stage_modules(None)
@@ -114,7 +114,7 @@ def trace_pipeline(
             if key in cache:
                 stages.append(replace(cache[key], index=s))
                 continue  # its output is the same shape as its input: the next stage receives the same
-            trace, received_next = _trace_stage(module, plan, stage, s, batch, received, autocast)
+            trace, received_next = _trace_stage(module, split, stage, s, batch, received, autocast)
             if key is not None:
                 cache[key] = trace
             stages.append(trace)
@@ -127,7 +127,7 @@ def trace_pipeline(
     return PipelineTrace(stages, ties)
 
 
-def _trace_stage(module, plan, stage, index: int, batch, received, autocast):
+def _trace_stage(module, split, stage, index: int, batch, received, autocast):
     """Forward and backward of one micro-batch through ``stage``; returns its trace and what it sends on."""
     held = {id(p): p for p in stage.parameters() if p.requires_grad}
     held_params = list(held.values())
@@ -142,7 +142,7 @@ def _trace_stage(module, plan, stage, index: int, batch, received, autocast):
         with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
             out = stage.run(batch, *args)
             if stage.is_last:
-                out = _loss(module, plan, out, batch)
+                out = _loss(module, split, out, batch)
             saved = phases.timeline[-1][0] if phases.timeline else 0
             phases.phase = counter.phase = "backward"
             if stage.is_last:
@@ -174,14 +174,14 @@ def _trace_stage(module, plan, stage, index: int, batch, received, autocast):
     return trace, sent
 
 
-def _loss(module, plan, head_output, batch) -> torch.Tensor:
+def _loss(module, split, head_output, batch) -> torch.Tensor:
     """The user's ``training_step`` on the last stage, its model call answered by the head's output (as
     ``PipelineRunner`` does)."""
-    plan.model.forward = lambda *args, **kwargs: plan.answer(head_output, *args, **kwargs)
+    split.model.forward = lambda *args, **kwargs: split.answer(head_output, *args, **kwargs)
     try:
         return loss_of(run_step(module, "training_step", batch, 0))
     finally:
-        del plan.model.forward
+        del split.model.forward
 
 
 # ---- the schedule's arithmetic ------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Running a model as a pipeline on ``torch.distributed.pipelining`` (``PipelineStage`` + schedules).
 
-Set-up (``PipelineBuild``): the plan's blocks are split into stages; this rank's stages become
+Set-up (``PipelineBuild``): the PipelineSplit's blocks are divided into stages; this rank's stages become
 ``StageModule``s (the same layer objects as the user's model, so names, checkpoints and the
 optimizer see one model); layers of other stages are dropped from the model once it is
 initialized. A parameter two stages share (an output layer tied to the embedding) is held by both,
@@ -42,14 +42,14 @@ class StageModule(nn.Module):
     """One pipeline stage: ``embed`` (first stage), a run of blocks, ``head`` (last stage). Its
     children are the user's own layers, so a stage holds no copy of anything."""
 
-    def __init__(self, plan: PipelineSplit, index: int, num_stages: int, blocks: range, runner: PipelineRunner | None):
+    def __init__(self, split: PipelineSplit, index: int, num_stages: int, blocks: range, runner: PipelineRunner | None):
         super().__init__()
         self.index, self.is_first, self.is_last = index, index == 0, index == num_stages - 1
-        self.first_layers = nn.ModuleList(plan.first if self.is_first else [])
-        self.blocks = nn.ModuleList(plan.blocks[i] for i in blocks)
-        self.last_layers = nn.ModuleList(plan.last if self.is_last else [])
-        self.shared_layers = nn.ModuleList(plan.every_stage)
-        object.__setattr__(self, "plan", plan)  # not submodules: the plan's functions reach the layers above
+        self.first_layers = nn.ModuleList(split.first if self.is_first else [])
+        self.blocks = nn.ModuleList(split.blocks[i] for i in blocks)
+        self.last_layers = nn.ModuleList(split.last if self.is_last else [])
+        self.shared_layers = nn.ModuleList(split.every_stage)
+        object.__setattr__(self, "split", split)  # not submodules: the split's functions reach the layers above
         object.__setattr__(self, "runner", runner)
 
     def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
@@ -57,30 +57,30 @@ class StageModule(nn.Module):
 
     def run(self, batch: Any, *received: torch.Tensor) -> torch.Tensor:
         """This stage on a micro-batch (the planner traces stages through this too)."""
-        x = self.plan.embed(batch) if self.is_first else received[0]
-        context = self.plan.context(batch, x)
+        x = self.split.embed(batch) if self.is_first else received[0]
+        context = self.split.context(batch, x)
         for block in self.blocks:
             x = block(x, **context)
-        return self.plan.head(x) if self.is_last else x
+        return self.split.head(x) if self.is_last else x
 
 
 @dataclass
 class PipelineBuild:
     """Which blocks each stage holds, which stages this rank runs, what it keeps of the model."""
 
-    plan: PipelineSplit
+    split: PipelineSplit
     ranges: list[range]
     local: list[int]  # this rank's stage indices (several for interleaved schedules)
-    keep: list[nn.Module]  # the plan's layers this rank holds (its stages', and holders of tied weights)
+    keep: list[nn.Module]  # the split's layers this rank holds (its stages', and holders of tied weights)
     ties: list[tuple[str, list[int]]]  # tied parameters held by several stages: (name, the stages holding it)
 
     @classmethod
-    def create(cls, module: nn.Module, plan: PipelineSplit, layout: ParallelLayout, pp_rank: int, split_points=None):
+    def create(cls, module: nn.Module, split: PipelineSplit, layout: ParallelLayout, pp_rank: int, split_points=None):
         num_stages = layout.num_stages
-        ranges = split_blocks(plan, num_stages, split_points, root=module)
+        ranges = split_blocks(split, num_stages, split_points, root=module)
         local = [s for s in range(num_stages) if s % layout.pipeline == pp_rank]  # torch's loop-style placement
-        _check_plan_covers(module, plan)
-        owned = {s: _stage_layers(plan, ranges, s) for s in range(num_stages)}
+        _check_split_covers(module, split)
+        owned = {s: _stage_layers(split, ranges, s) for s in range(num_stages)}
         groups = shared_parameters(module)
         names = {id(p): n for n, p in module.named_parameters()}  # the first name of each (tied) parameter
         ties: list[tuple[str, list[int]]] = []
@@ -93,17 +93,17 @@ class PipelineBuild:
                 ties.append((name, stages))
             if any(s in local for s in stages):  # keep every holder: the parameter keeps all its names
                 keep.extend(h for h in holders if h not in keep)
-        return cls(plan, ranges, local, keep, ties)
+        return cls(split, ranges, local, keep, ties)
 
     def stage_modules(self, runner: PipelineRunner | None) -> list[StageModule]:
         n = len(self.ranges)
-        return [StageModule(self.plan, s, n, self.ranges[s], runner) for s in self.local]
+        return [StageModule(self.split, s, n, self.ranges[s], runner) for s in self.local]
 
     def prune(self, module: nn.Module) -> list[str]:
-        """Drop the plan's layers this rank does not hold from ``module`` (after initialization, which
+        """Drop the split's layers this rank does not hold from ``module`` (after initialization, which
         runs on the whole model so every rank draws the same random numbers). Returns their names."""
         kept = {id(m) for root in self.keep for m in root.modules()}
-        parts = [*self.plan.first, *self.plan.last, *self.plan.every_stage, *self.plan.blocks]
+        parts = [*self.split.first, *self.split.last, *self.split.every_stage, *self.split.blocks]
         where = {id(child): (parent, name) for parent in module.modules() for name, child in parent.named_children()}
         names = {id(m): n for n, m in module.named_modules()}
         dropped = []
@@ -115,12 +115,12 @@ class PipelineBuild:
         return dropped
 
 
-def _stage_layers(plan: PipelineSplit, ranges: list[range], stage: int) -> list[nn.Module]:
-    layers = [plan.blocks[i] for i in ranges[stage]] + list(plan.every_stage)
+def _stage_layers(split: PipelineSplit, ranges: list[range], stage: int) -> list[nn.Module]:
+    layers = [split.blocks[i] for i in ranges[stage]] + list(split.every_stage)
     if stage == 0:
-        layers += list(plan.first)
+        layers += list(split.first)
     if stage == len(ranges) - 1:
-        layers += list(plan.last)
+        layers += list(split.last)
     return layers
 
 
@@ -128,15 +128,15 @@ def _inside(module: nn.Module, roots: list[nn.Module]) -> bool:
     return any(module is m for root in roots for m in root.modules())
 
 
-def _check_plan_covers(module: nn.Module, plan: PipelineSplit) -> None:
+def _check_split_covers(module: nn.Module, split: PipelineSplit) -> None:
     """Every parameter must belong to some stage, or it would never be trained."""
-    parts = [*plan.first, *plan.last, *plan.every_stage, *plan.blocks]
+    parts = [*split.first, *split.last, *split.every_stage, *split.blocks]
     covered = {id(p) for part in parts for p in part.parameters()}
     stray = [n for n, p in module.named_parameters() if id(p) not in covered]
     if stray:
         raise ValueError(
-            f"the pipeline plan of {type(module).__name__} places {', '.join(stray[:4])}"
-            f"{' …' if len(stray) > 4 else ''} on no stage; add their layers to the plan's first/last/every_stage"
+            f"the pipeline split of {type(module).__name__} places {', '.join(stray[:4])}"
+            f"{' …' if len(stray) > 4 else ''} on no stage; add their layers to the split's first/last/every_stage"
         )
 
 
@@ -146,7 +146,7 @@ class PipelineRunner:
     def __init__(
         self, module: nn.Module, build: PipelineBuild, layout: ParallelLayout, mesh, schedule: str, device, precision
     ):
-        self.module, self.plan, self.build, self.layout, self.mesh = module, build.plan, build, layout, mesh
+        self.module, self.split, self.build, self.layout, self.mesh = module, build.split, build, layout, mesh
         self.schedule_name = schedule
         self.device, self.precision = device, precision
         self.group = mesh.get_group(PP)
@@ -235,8 +235,8 @@ class PipelineRunner:
     # ---- the schedule -------------------------------------------------------------------------------------------
     def _prepare(self, micro_batches: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
         batches = [b for _, b in micro_batches]
-        if self.plan.pad_window is not None and len({_shapes(b) for b in batches}) > 1:
-            batches = self.plan.pad_window(batches)
+        if self.split.pad_window is not None and len({_shapes(b) for b in batches}) > 1:
+            batches = self.split.pad_window(batches)
         self._window = [(i, b) for (i, _), b in zip(micro_batches, batches)]
         return self._window
 
@@ -302,8 +302,8 @@ class PipelineRunner:
     # ---- the model call the user's step makes on the last stage ------------------------------------------------
     @contextlib.contextmanager
     def _answering(self, output: Any, batch: Any):
-        plan, calls = self.plan, []
-        name = type(plan.model).__name__
+        split, calls = self.split, []
+        name = type(split.model).__name__
 
         def forward(*args, **kwargs):
             if calls:
@@ -312,19 +312,19 @@ class PipelineRunner:
                     "last stage); this step called it twice"
                 )
             calls.append(True)
-            given, expected = plan.call_inputs(*args, **kwargs), plan.batch_inputs(batch)
+            given, expected = split.call_inputs(*args, **kwargs), split.batch_inputs(batch)
             if given is not expected and not (given.shape == expected.shape and torch.equal(given, expected)):
                 raise RuntimeError(
                     f"under the pipeline strategy the step must call {name} on its micro-batch's own inputs (the "
                     "pipeline's first stage embedded those); it passed other inputs"
                 )
-            return plan.answer(output, *args, **kwargs)
+            return split.answer(output, *args, **kwargs)
 
-        plan.model.forward = forward  # an instance attribute shadows the class's forward for this call only
+        split.model.forward = forward  # an instance attribute shadows the class's forward for this call only
         try:
             yield
         finally:
-            del plan.model.forward
+            del split.model.forward
         if not calls:
             raise RuntimeError(
                 f"under the pipeline strategy the step's result must come from calling {name} (the pipeline's "
