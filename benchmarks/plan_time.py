@@ -8,6 +8,7 @@ mean: on a machine that drifts within a run, a row measured later runs slower (G
 10% between the first position and the last), and one order alone would charge that to the model.
 
     python benchmarks/plan_time.py [--sizes gpt-mini gpt-small ./gpt2-config-dir] [--devices 2] [--batch-size 8]
+                                   [--measure]
 
 A size may be a folder holding a Hugging Face causal LM's ``config.json`` (``--sizes``): a model none of the
 built-in sizes is, planned from its config and measured with its weights initialized.
@@ -23,9 +24,9 @@ import torch
 
 from distrain.bench import _hf_config_dir, _run_row, bench_parser
 from distrain.planner.estimate import Estimator, Job
+from distrain.planner.machine import resolve_hardware
 from distrain.planner.model_stats import ModelSpec
 from distrain.planner.plan import option_for_run
-from distrain.planner.timing import cpu_hardware, gpu_hardware
 
 STRATEGIES = (
     "single", "ddp", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "model_parallel", "pipeline"
@@ -48,6 +49,7 @@ def main() -> int:
         default=2,
         help="passes over the strategies, every other one in reverse order; each measured step time is their mean",
     )
+    p.add_argument("--measure", action="store_true", help="measure this machine's rates again (and keep them)")
     a = p.parse_args()
     gpu = torch.cuda.is_available()
     precision = "bf16-mixed" if gpu else "32-true"
@@ -57,7 +59,7 @@ def main() -> int:
     )
     rates = {}
     for ranks in sorted({1 if s == "single" else a.devices for s in a.strategies}):  # threads per rank differ
-        hw = gpu_hardware(torch.cuda.get_device_name(), precision) if gpu else cpu_hardware(ranks)
+        hw = resolve_hardware(gpu, precision, ranks, measure=a.measure)
         rates[ranks] = hw
         busy = ""
         if hw.blocking_collective_seconds:  # what a collective costs between computations (tensor parallel's)
