@@ -15,8 +15,12 @@ import shlex
 import sys
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from distrain.config import ConfigError, RunConfig, build_config, config_keys, redacted
+from distrain.config import ConfigError, build_config, config_keys, redacted
+
+if TYPE_CHECKING:
+    from distrain.config import RunConfig
 
 # CLI flag → the config key it sets (one name per knob; aliases live in argparse below)
 FLAG_KEYS = {
@@ -602,6 +606,9 @@ def version() -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
+    except ConfigError as e:  # any command's (``distrain config`` reading the strategies' sections, too): one line
+        print(f"distrain: error: {e}", file=sys.stderr)
+        return 2
     finally:
         if argv is None:  # the program, not a call from Python: it ends now, without the final garbage collection
             from distrain.cluster import end_fast_at_exit

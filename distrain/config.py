@@ -366,8 +366,11 @@ def sections() -> dict[str, type]:
         from importlib.metadata import entry_points
 
         core = {f.name for f in dataclasses.fields(CoreSections)}
+        points = sorted(entry_points(group=SECTION_GROUP), key=lambda p: p.name)
+        if not any(point.dist is not None and point.dist.name == "distrain" for point in points):
+            raise ConfigError(_stale_metadata())
         found: dict[str, type] = {}
-        for point in sorted(entry_points(group=SECTION_GROUP), key=lambda p: p.name):
+        for point in points:
             where = f"config section {point.name!r} ({point.value}, entry point group {SECTION_GROUP})"
             try:
                 section = point.load()
@@ -380,6 +383,22 @@ def sections() -> dict[str, type]:
             found[point.name] = section
         _sections = found
     return _sections
+
+
+def _stale_metadata() -> str:
+    """What to do when distrain's own metadata declares no section: where that metadata is, and how to renew it."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        found = Path(str(distribution("distrain").locate_file(""))).resolve()
+        where = f"its metadata in {found} is older than this code"
+    except PackageNotFoundError:
+        where = "it is not installed"
+    return (
+        f"distrain's strategies declare their config sections in its package metadata (entry point group "
+        f"{SECTION_GROUP}), but {where}: install it again (./install.sh, or pip install -e . in a checkout; a "
+        "distrain.egg-info folder left in the checkout by an old install shadows the new one: remove it)"
+    )
 
 
 def run_config_class() -> type:

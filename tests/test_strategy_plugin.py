@@ -164,3 +164,39 @@ def test_its_cost_model_puts_it_in_the_plan_beside_the_built_in_ones(tmp_path):
     assert broken.returncode != 0
     last = broken.stderr.strip().splitlines()[-1]
     assert "'tiny_plan' of strategy tiny could not be loaded" in last and "no_such_module_here" in last, broken.stderr
+
+
+def _distrain(path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**env_without_rank(), "PYTHONPATH": f"{path}:{ROOT}"}
+    argv = [sys.executable, "-m", "distrain.cli", *args]
+    return subprocess.run(argv, capture_output=True, text=True, cwd=path, env=env, timeout=120)
+
+
+def test_a_config_section_that_cannot_be_one_is_one_line_naming_its_entry_point(tmp_path):
+    """A plug-in's section whose module is missing, that is no dataclass, or that takes a core section's name; and
+    distrain's own metadata older than the code (a stale ``distrain.egg-info`` first on the path): every command
+    that reads the config says so in one line, before anything starts."""
+    cases = {
+        "gone = no_such_module_here:Section": "config section 'gone' (no_such_module_here:Section",
+        "notdc = json:dumps": "config section 'notdc' (json:dumps, entry point group distrain.config) is not a",
+        "training = tiny_strategy:TinyConfig": "config section 'training' (tiny_strategy:TinyConfig",
+    }
+    for n, (line, said) in enumerate(cases.items()):
+        root = tmp_path / f"case{n}"
+        root.mkdir()
+        _plugin(root)
+        (root / "tiny_strategy-0.1.dist-info" / "entry_points.txt").write_text(f"[distrain.config]\n{line}\n")
+        for args in (("config",), ("train", "--max-steps", "1", "--output-dir", "run")):
+            proc = _distrain(root, *args)
+            assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (line, args, proc.stderr)
+            assert said in proc.stderr, (line, args, proc.stderr)
+        assert not (root / "run").exists()
+    stale = tmp_path / "stale"
+    (stale / "distrain.egg-info").mkdir(parents=True)
+    (stale / "distrain.egg-info" / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: distrain\nVersion: 0.0.1\n")
+    (stale / "distrain.egg-info" / "entry_points.txt").write_text("[console_scripts]\ndistrain = distrain.cli:main\n")
+    for args in (("config",), ("train", "--max-steps", "1", "--output-dir", "run"), ("plan",)):
+        proc = _distrain(stale, *args)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert f"its metadata in {stale} is older than this code" in proc.stderr and "install it again" in proc.stderr
+    assert not (stale / "run").exists()

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from distrain.config import RunConfig, save_config
+from distrain.config import save_config
+
+if TYPE_CHECKING:
+    from distrain.config import RunConfig
 
 
 class Workload(Protocol):

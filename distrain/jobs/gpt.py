@@ -3,12 +3,16 @@ standard-library source by default)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch.utils.data import DataLoader
 
 from distrain.batch import BatchLayout
-from distrain.config import RunConfig
 from distrain.jobs.common import announce
 from distrain.models.gpt import Block
+
+if TYPE_CHECKING:
+    from distrain.config import RunConfig
 
 
 class GPTJob:

@@ -8,16 +8,20 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch.utils.data import DataLoader
 
 from distrain.batch import BatchLayout
-from distrain.config import ConfigError, RunConfig
+from distrain.config import ConfigError
 from distrain.hf import data as hf_data
 from distrain.hf import models
 from distrain.hf.tasks import TASK_MODULES, config_dict
 from distrain.jobs.common import announce
 from distrain.strategies.layers import block_classes
+
+if TYPE_CHECKING:
+    from distrain.config import RunConfig
 
 
 class HFJob:

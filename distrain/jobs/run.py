@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from distrain.config import RunConfig
 from distrain.jobs.common import Workload, build_trainer
+
+if TYPE_CHECKING:
+    from distrain.config import RunConfig
 
 
 def job_for(config: RunConfig) -> Workload:

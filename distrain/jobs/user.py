@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from distrain.config import ConfigError, RunConfig
+from distrain.config import ConfigError
 from distrain.jobs.common import announce
+
+if TYPE_CHECKING:
+    from distrain.config import RunConfig
 
 
 class UserModuleJob:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from distrain.batch import BatchLayout, keep_global_batch
-from distrain.config import RunConfig
 from distrain.planner.estimate import Job, Row
 from distrain.planner.from_config import (
     budget_from_config,
@@ -20,6 +20,9 @@ from distrain.planner.machine import resolve_hardware
 from distrain.planner.plan import Planner, option_for_run
 from distrain.planner.timing import Hardware
 from distrain.units import format_rate, format_seconds
+
+if TYPE_CHECKING:
+    from distrain.config import RunConfig
 
 
 # ---- the rates a plan is timed with ---------------------------------------------------------------------------

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
-from distrain.config import RunConfig
+from typing import TYPE_CHECKING
+
 from distrain.planner.estimate import Job
 from distrain.planner.model_stats import ModelSpec
 from distrain.planner.plan import Budget
 from distrain.strategies import registry
+
+if TYPE_CHECKING:
+    from distrain.config import RunConfig
 
 
 def plans_for_gpu(config: RunConfig) -> bool:
