@@ -134,7 +134,8 @@ def predict(case: Case, world_size: int, hf: dict[str, str]):
 def job_of(case: Case, world_size: int, hf: dict[str, str]):
     from distrain.planner.estimate import Job
 
-    job = Job(spec_of(case, hf), case.micro_batch, case.precision, world_size, zero=_zero_config(case))
+    configured = {"zero": {"json": _zero_config(case)}}
+    job = Job(spec_of(case, hf), case.micro_batch, case.precision, world_size, configured=configured)
     return replace(job, accumulate=case.accumulate)
 
 

@@ -42,14 +42,11 @@ class Job:
     clip: float | None = None
     gpu: bool = False
     """Plan for CUDA devices: the optimizer runs torch's multi-tensor (foreach) kernels, offload applies."""
-    zero: dict = field(default_factory=dict)
-    """The DeepSpeed ``zero_optimization`` section a run would use (bucket sizes, thresholds)."""
     gradient_as_bucket_view: bool = True
-    fsdp_options: dict = field(default_factory=dict)
-    """FSDPStrategy options the run sets (``mixed_precision``, ``forward_prefetch``), for the simulation."""
-    fsdp_sharding: str = "FULL_SHARD"
-    fsdp_cpu_offload: bool = False
-    """What a run named ``fsdp`` shards and offloads (the config's ``fsdp`` section)."""
+    configured: dict[str, dict] = field(default_factory=dict)
+    """What the run's config says to the cost models that read one (their strategy's own section), by each model's
+    first kind, as its ``from_config`` found it (``fsdp``: sharding, offload, options; ``zero``: the DeepSpeed
+    JSON). A model with nothing here prices its strategy's defaults."""
     tensor_parallel: int | str = "auto"
     sequence_parallel: bool = True
     context_parallel: int = 1

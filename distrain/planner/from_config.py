@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from distrain.planner.estimate import Job
 from distrain.planner.model_stats import ModelSpec
+from distrain.planner.models import models
 from distrain.planner.plan import Budget
 from distrain.strategies import registry
 
@@ -51,16 +52,6 @@ def spec_from_config(config: RunConfig, job=None) -> ModelSpec:
     return ModelSpec.huggingface(t.model_name, data.max_length or data.seq_len, t.task, t.num_labels)
 
 
-def zero_config(config: RunConfig) -> dict | None:
-    """The DeepSpeed config a ZeRO run would use: the user's JSON, if given."""
-    path = config.deepspeed.config
-    if path is None:
-        return None
-    from distrain.strategies.deepspeed_config import read_user_config
-
-    return read_user_config(path)[0]
-
-
 def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
     t, d = config.training, config.distributed
     # ddp_torchft: replica_groups groups of `devices` ranks each, all on this machine; DDP over all of them
@@ -74,14 +65,8 @@ def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
         accumulate=t.gradient_accumulation_steps,
         clip=t.max_grad_norm or None,
         gpu=gpu,
-        zero=zero_config(config) or {},
         gradient_as_bucket_view=d.gradient_as_bucket_view,
-        fsdp_options={
-            "forward_prefetch": config.fsdp.forward_prefetch,
-            "mixed_precision": {k: v for k, v in vars(config.fsdp.mixed_precision).items() if v} or None,
-        },
-        fsdp_sharding=config.fsdp.sharding_strategy,
-        fsdp_cpu_offload=config.fsdp.cpu_offload,
+        configured={model.kinds[0]: said for model in models() if (said := model.from_config(config))},
         tensor_parallel=d.tensor_parallel_size,
         sequence_parallel=d.sequence_parallel,
         context_parallel=d.context_parallel_size,
@@ -103,13 +88,14 @@ def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
 
 
 def runs_activation_checkpointing(config: RunConfig) -> bool:
-    """Whether ``distrain train`` checkpoints every block: ``training.activation_checkpointing: true``, the
-    spec's ``activation_checkpointing.enabled``, or a DeepSpeed JSON that says how activations are
-    checkpointed (partitioned, on the CPU)."""
-    if config.training.activation_checkpointing is True or config.fsdp.activation_checkpointing.enabled:
+    """Whether ``distrain train`` checkpoints every block: ``training.activation_checkpointing: true``, or a
+    strategy's section that asks for it (``checkpoints_every_block``: the spec's ``activation_checkpointing.enabled``
+    in ``fsdp:``, a DeepSpeed JSON that says how activations are checkpointed)."""
+    if config.training.activation_checkpointing is True:
         return True
-    section = (zero_config(config) or {}).get("activation_checkpointing") or {}
-    return any(section.get(k) for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"))
+    from distrain.config import sections
+
+    return any(getattr(getattr(config, name), "checkpoints_every_block", lambda: False)() for name in sections())
 
 
 def budget_from_config(config: RunConfig, gpu: bool, per_node: int) -> Budget:

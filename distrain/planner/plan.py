@@ -141,9 +141,9 @@ def _checkpoint_variants(checkpoint: str | bool) -> list[int | None]:
 
 def option_for_run(strategy: str, job: Job) -> Option | None:
     """The option an explicitly named strategy runs, as ``distrain train`` would start it (its cost model's
-    answer: the FSDP sharding and offload of the config, the ZeRO stage and offload of the user's DeepSpeed JSON
-    ``job.zero``, the layout of the job's sizes). None for what no model prices (a pipeline of tensor-parallel
-    stages, a strategy registered without a cost model)."""
+    answer: what the config's section of the strategy says, ``job.configured``, such as FSDP's sharding and offload
+    or the ZeRO stage of the user's DeepSpeed JSON; the layout of the job's sizes). None for what no model prices (a
+    pipeline of tensor-parallel stages, a strategy registered without a cost model)."""
     model = model_for_strategy(strategy)
     return model.option_for_run(strategy, job) if model is not None else None
 

@@ -121,7 +121,8 @@ class DeepSpeedStrategy(Strategy):
 
     @property
     def planned_as(self) -> tuple[str, dict[str, Any]]:
-        return "deepspeed", {"zero": self.config}  # its stage and offload, as the planner reads a user's JSON
+        # its stage and offload, as the planner reads a user's JSON (``planner/models/zero.py``)
+        return "deepspeed", {"configured": {"zero": {"json": self.config}}}
 
     @property
     def traits(self) -> Traits:

@@ -71,6 +71,14 @@ class DeepSpeedSectionConfig:
     save_full_weights: bool = False
     """Also write a consolidated fp32 ``model.safetensors`` into each checkpoint."""
 
+    def checkpoints_every_block(self) -> bool:
+        """The DeepSpeed JSON says how activations are checkpointed (partitioned, on the CPU): every block is."""
+        if self.config is None:
+            return False
+        section = (read_user_config(self.config)[0] or {}).get("activation_checkpointing") or {}
+        keys = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+        return any(section.get(k) for k in keys)
+
     @classmethod
     def own_file(cls, tree: dict, path: Path) -> dict | None:
         """A DeepSpeed JSON given as the run's whole config (the spec's ``deepspeed_config.json``): the config of a

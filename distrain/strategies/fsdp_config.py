@@ -55,3 +55,7 @@ class FSDPConfig:
     """``sharded`` (each rank writes its shards, DCP) or ``full`` (gathered to rank 0, on CPU)."""
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+
+    def checkpoints_every_block(self) -> bool:
+        """The spec's ``activation_checkpointing.enabled``: every block recomputed, whatever the strategy."""
+        return self.activation_checkpointing.enabled

@@ -61,6 +61,15 @@ class CostModel:
         """The strategy name the option runs as (``--strategy``)."""
         return option.family
 
+    def from_config(self, config) -> dict:
+        """What a run's config says to this model (its strategy's own section: FSDP's sharding, the DeepSpeed
+        JSON), kept in ``Job.configured``: the one place a model reads a config."""
+        return {}
+
+    def configured(self, job) -> dict:
+        """What ``from_config`` found for ``job``; {}: the strategy's defaults."""
+        return job.configured.get(self.kinds[0], {})
+
     def settings(self, option) -> dict[str, Any]:
         """The strategy's options (beyond its name) that make a run this option, e.g. FSDP's sharding."""
         return {}

@@ -26,11 +26,24 @@ class FSDP(CostModel):
             options.append(Option("fsdp", sharding="FULL_SHARD", offload="cpu"))
         return options
 
+    def from_config(self, config) -> dict:
+        """The ``fsdp:`` section: what a run shards and offloads, and the options its simulation takes."""
+        f = config.fsdp
+        return {
+            "sharding": f.sharding_strategy,
+            "cpu_offload": f.cpu_offload,
+            "options": {
+                "forward_prefetch": f.forward_prefetch,
+                "mixed_precision": {k: v for k, v in vars(f.mixed_precision).items() if v} or None,
+            },
+        }
+
     def option_for_run(self, strategy: str, job) -> Option:
         """The config's sharding and offload (``fsdp_cpu_offload`` offloads whatever it says; offload needs a GPU)."""
-        asked = job.fsdp_cpu_offload or strategy == "fsdp_cpu_offload"
+        configured = self.configured(job)
+        asked = configured.get("cpu_offload", False) or strategy == "fsdp_cpu_offload"
         offload = "cpu" if asked and job.gpu else "none"
-        sharding = job.fsdp_sharding
+        sharding = configured.get("sharding", "FULL_SHARD")
         if sharding == "NO_SHARD" and offload == "none":  # replicated on every rank: DDP's memory
             return replicated(job)
         return Option("fsdp", sharding="FULL_SHARD" if sharding == "NO_SHARD" else sharding, offload=offload)
@@ -130,7 +143,7 @@ def _simulation(estimator, option) -> dict:
         checkpoint=option.checkpoint,
         accumulate=job.accumulate,
         foreach=job.gpu,
-        options=job.fsdp_options,
+        options=job.configured.get("fsdp", {}).get("options", {}),
     )
 
 

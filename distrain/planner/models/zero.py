@@ -232,7 +232,7 @@ class ZeroStates:
 def zero_states(est: Estimates, option: Option) -> ZeroStates:
     job = est.job
     world, stats = job.world_size, est.stats
-    zero = zero_settings(job.zero or None, option.stage, job.spec.hidden_size)
+    zero = zero_settings(_user_json(job) or None, option.stage, job.spec.hidden_size)
     pb = ELEMENT_BYTES[est.dtypes("zero")[0]]
     opt = flat_optimizer(est, on_gpu_fused=job.gpu and option.offload == "none")
     frozen = (stats.numel - stats.trainable) * pb + stats.buffer_bytes
@@ -282,7 +282,7 @@ def zero_states(est: Estimates, option: Option) -> ZeroStates:
 
 def zero_row(est: Estimates, option: Option) -> Row:
     job = est.job
-    zero = zero_settings(job.zero or None, option.stage, job.spec.hidden_size)
+    zero = zero_settings(_user_json(job) or None, option.stage, job.spec.hidden_size)
     states = zero_states(est, option)
     trace = est.trace("zero", option.checkpoint)
     pb = ELEMENT_BYTES[est.dtypes("zero")[0]]
@@ -360,9 +360,18 @@ class Zero(CostModel):
             options += [Option("zero", stage=2, offload="cpu"), Option("zero", stage=3, offload="cpu")]
         return options
 
+    def from_config(self, config) -> dict:
+        """The ``deepspeed:`` section's DeepSpeed JSON, if it names one (its stage, offload and bucket sizes)."""
+        if config.deepspeed.config is None:
+            return {}
+        from distrain.strategies.deepspeed_config import read_user_config
+
+        return {"json": read_user_config(config.deepspeed.config)[0]}
+
     def option_for_run(self, strategy: str, job) -> Option:
-        """The stage and offload of the user's DeepSpeed JSON (``job.zero``) when there is one, else the preset's."""
-        stage, offload = _zero_of(strategy, job.zero)
+        """The stage and offload of the user's DeepSpeed JSON (``from_config``) when there is one, else the
+        preset's."""
+        stage, offload = _zero_of(strategy, _user_json(job))
         if stage == 0:  # no ZeRO: every rank holds everything, as under DDP
             return replicated(job)
         return Option("zero", stage=stage, offload=offload if job.gpu else "none")
@@ -419,8 +428,14 @@ class Zero(CostModel):
         ]
 
 
+def _user_json(job) -> dict:
+    """The user's DeepSpeed JSON (``Zero.from_config``), or {}."""
+    return job.configured.get("zero", {}).get("json") or {}
+
+
 def _zero_bucket_bytes(job, trace) -> float:
-    zero = job.zero.get("zero_optimization", job.zero) if job.zero else {}
+    user = _user_json(job)
+    zero = user.get("zero_optimization", user) if user else {}
     size = zero.get("reduce_bucket_size", 200_000_000)
     elements = float(size) if isinstance(size, (int, float)) else 200_000_000.0
     bytes_per = trace.grad_bytes / max(1, trace.elements)
