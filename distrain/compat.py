@@ -336,13 +336,6 @@ class _DropImportNoise(logging.Filter):
         return not (cpu_kernels or "is an Enum subclass and is now natively supported by torch.compile" in message)
 
 
-def quiet_torchao_import() -> None:
-    for name in ("torchao", "torch.utils._pytree"):
-        log = logging.getLogger(name)
-        if not any(isinstance(f, _DropImportNoise) for f in log.filters):
-            log.addFilter(_DropImportNoise())
-
-
 def deepspeed_model_state_estimates(
     total_params: int, largest_layer_params: int, gpus_per_node: int, num_nodes: int
 ) -> dict[str, tuple[int, int]]:
