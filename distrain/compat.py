@@ -278,6 +278,30 @@ def deepspeed_without_shm_op():
             ops["deepspeed_shm_comm"] = before
 
 
+def cpu_info_asked_once() -> None:
+    """py-cpuinfo's ``get_cpu_info()`` answers from a new Python process on every call (about 1 s on this machine's
+    2 cores, more when they are busy), and DeepSpeed asks it for each CPU Adam it builds and for each op it checks
+    (``deepspeed.ops.adam.cpu_adam``, ``op_builder.builder``: three or four times as an offloaded run starts, on every
+    rank). The answer does not change while a process lives: kept after the first call. DeepSpeed imports the
+    function where it calls it (deepspeed 0.19.8), so the module's attribute is the one to replace."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    if getattr(cpuinfo.get_cpu_info, "asked_once", False):
+        return
+    import copy
+    import functools
+
+    first = functools.cache(cpuinfo.get_cpu_info)
+
+    def get_cpu_info() -> dict:
+        return copy.deepcopy(first())  # each caller its own copy, as from the real function
+
+    get_cpu_info.asked_once = True
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
 @contextlib.contextmanager
 def deepspeed_universal_loading(engine):
     """Load the next checkpoint in DeepSpeed's universal format (resharded to this world size).

@@ -18,6 +18,19 @@ from helpers import TinyGPT, loader, make_trainer, run_ranks
 PREVIOUS = Path(__file__).parent / "data" / "previous"
 
 
+def test_the_cpu_is_described_once_per_process(monkeypatch):
+    import cpuinfo
+
+    asked = []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: asked.append(1) or {"flags": ["avx2"], "arch": "X86_64"})
+    compat.cpu_info_asked_once()
+    compat.cpu_info_asked_once()  # a second strategy's set-up wraps nothing again
+    first, second = cpuinfo.get_cpu_info(), cpuinfo.get_cpu_info()
+    assert len(asked) == 1 and first == second == {"flags": ["avx2"], "arch": "X86_64"}
+    first["flags"].append("mutated")  # each caller has its own copy, as from the real function
+    assert cpuinfo.get_cpu_info()["flags"] == ["avx2"]
+
+
 def _group_calls(rank):
     distrain.Runtime(strategy="ddp", devices=2, accelerator="cpu").setup_environment()
     store = compat.default_store()

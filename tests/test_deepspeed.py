@@ -84,13 +84,19 @@ def test_zero_stages_reproduce_ddp_losses(tmp_path):
 
 
 def _offload_stage3(rank, tmp):
-    return _train(tmp, "deepspeed_stage_3_offload", 2, 4, steps=8)[0]
+    import cpuinfo
+
+    asked, ask = [], cpuinfo.get_cpu_info  # how often the CPU's description is really asked for (a process each)
+    cpuinfo.get_cpu_info = lambda: asked.append(1) or ask()
+    return _train(tmp, "deepspeed_stage_3_offload", 2, 4, steps=8)[0], len(asked)
 
 
 @pytest.mark.slow
 def test_stage3_with_parameter_and_optimizer_offload_trains(tmp_path):
-    losses = run_ranks(_offload_stage3, 2, tmp_path)[0]
+    """And each rank asks py-cpuinfo once, where DeepSpeed's CPU Adam and op checks ask three or four times."""
+    (losses, asked), (_, asked_1) = run_ranks(_offload_stage3, 2, tmp_path)
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.05, losses
+    assert asked == asked_1 == 1
 
 
 # ---- checkpoints ----------------------------------------------------------------------------

@@ -154,6 +154,7 @@ class DeepSpeedStrategy(Strategy):
         # one process run no launcher started has none. It stays, as the process group does: alone it makes no
         # later run in this process look launched (detect_cluster wants RANK, WORLD_SIZE and MASTER_* too).
         os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
+        compat.cpu_info_asked_once()
         import deepspeed
 
         with compat.deepspeed_without_shm_op():  # adopts the existing group
