@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 import pickle
 import subprocess
@@ -51,6 +53,10 @@ def _entry(rank, fn, world_size, port, out, args, here=None):
     import faulthandler
 
     faulthandler.enable(all_threads=True)  # a native abort in a rank still shows its Python stack
+    # what the rank inherited from the fork server (torch, distrain: millions of objects) is never garbage: frozen,
+    # the collector skips it (a full collection walked all of it, ~0.5 s each, and wrote to every page it shares
+    # with the server); what the rank makes itself is collected as before
+    gc.freeze()
     if here is not None:
         environ, cwd = here
         os.environ.clear()
@@ -70,6 +76,46 @@ def _entry(rank, fn, world_size, port, out, args, here=None):
     from distrain.distributed import shutdown
 
     shutdown()
+
+
+def _cpu_info_once() -> None:
+    """py-cpuinfo's ``get_cpu_info()`` answers from a new Python process each call (1 to 2.5 s on 2 busy cores), and
+    DeepSpeed asks it three times for each CPU Adam (offloaded optimizer) and again for each NVMe swapper: half of an
+    NVMe-offload cell's time went there. The answer, the same on this machine for the whole session, is kept after its
+    first call: in this process, and in the session's shared folder (tests/conftest.py) for the ranks forked from the
+    server that imported this module."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    ask = cpuinfo.get_cpu_info
+    if getattr(ask, "kept_for_the_session", False):
+        return
+    known: list[dict] = []
+
+    def get_cpu_info() -> dict:
+        if known:
+            return known[0]
+        shared = os.environ.get("DISTRAIN_TEST_SHARED")
+        kept = Path(shared) / "cpuinfo.json" if shared else None
+        try:
+            info = json.loads(kept.read_text()) if kept else ask()
+        except (OSError, ValueError):
+            info = ask()
+            fresh = kept.with_name(f"{kept.name}.{os.getpid()}")
+            try:
+                fresh.write_text(json.dumps(info))
+                os.replace(fresh, kept)
+            except OSError:
+                pass
+        known.append(info)
+        return info
+
+    get_cpu_info.kept_for_the_session = True
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
+_cpu_info_once()
 
 
 class IndexedTokens(Dataset):
