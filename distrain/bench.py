@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -119,8 +120,17 @@ def _run_row(args, size: str, strategy: str, precision: str, ranks: int) -> dict
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
         if done.returncode != 0 or not result.is_file():
             lines = [ln for ln in (done.stderr or done.stdout).strip().splitlines() if ln.strip()]
-            return {"size": size, "strategy": strategy, "ranks": ranks, "error": lines[-1] if lines else "no output"}
+            error = lines[-1] if lines else f"ended with {_exit_status(done.returncode)} and no output"
+            return {"size": size, "strategy": strategy, "ranks": ranks, "error": error}
         return json.loads(result.read_text())
+
+
+def _exit_status(code: int) -> str:
+    """``exit code 1``, or ``SIGKILL`` with what usually sends it."""
+    if code >= 0:
+        return f"exit code {code}"
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    return name + (" (killed: the machine ran out of memory? see dmesg)" if name == "SIGKILL" else "")
 
 
 class _StepTimer:

@@ -62,3 +62,11 @@ def test_bench_unknown_size_is_one_line():
         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2 and out.stderr.startswith("distrain: error: unknown size 'gpt-huge'")
+
+
+def test_a_row_that_ended_silently_says_how():
+    """A row whose processes died without a word (the out-of-memory killer sends SIGKILL) names the signal."""
+    from distrain.bench import _exit_status
+
+    assert _exit_status(-9).startswith("SIGKILL (killed: the machine ran out of memory?")
+    assert _exit_status(-15) == "SIGTERM" and _exit_status(3) == "exit code 3"
