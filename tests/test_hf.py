@@ -113,6 +113,17 @@ def test_local_datasets_load_and_hub_names_offline_fail_clearly(tiny, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "data.dataset" in proc.stderr and "some-org/some-reviews" in proc.stderr and "local" in proc.stderr
     assert not (tmp_path / "o" / "checkpoints").exists()
+    # data that cannot be, told before the plan and the ranks, in one line: the built-in byte corpus (the default)
+    # under a Hugging Face model, and a dataset or evaluation file written as a path that is not there
+    for items, said in (
+        ((), "data.dataset: the built-in corpus (builtin:stdlib"),
+        (("data.dataset=./missing/data.jsonl",), "data.dataset: no such file or directory: './missing/data.jsonl'"),
+        ((f"data.dataset={tiny['counting']}", "data.eval_split=/no/eval.txt"), "data.eval_split: no such file"),
+    ):
+        proc = _cli("train", "--model_name", tiny["llama"], "--output-dir", str(tmp_path / "never"), *items)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and said in proc.stderr, (items, proc.stderr)
+        assert "strategy" not in proc.stdout + proc.stderr  # nothing was planned
+    assert not (tmp_path / "never").exists()
 
 
 # ---- causal LM: FSDP + activation checkpointing on 2 ranks == one process; export ---------------

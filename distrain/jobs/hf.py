@@ -46,6 +46,7 @@ class HFJob:
         self.block_classes = block_classes(skeleton)
         self.parameter_count = sum(p.numel() for p in skeleton.parameters())
         self.data = self._data_config()
+        self._check_data()
 
     def fit(self, trainer, resume: str | None) -> None:
         """Runs in every rank: data (tokenized once), the task module, fit, export."""
@@ -125,6 +126,21 @@ class HFJob:
                 f"max_position_embeddings={limit}"
             )
         return data
+
+    def _check_data(self) -> None:
+        """What can be told of the data before the plan and the ranks: the built-in corpus is bytes for the built-in
+        GPT, which no tokenizer reads, and a dataset written as a path must exist (a hub name is looked up by the
+        ranks, which load it)."""
+        data, model = self.config.data, self.config.training.model_name
+        if data.dataset == "builtin:stdlib":
+            raise ConfigError(
+                f"data.dataset: the built-in corpus (builtin:stdlib, Python's source as bytes) trains the built-in GPT "
+                f"sizes; {model} is a Hugging Face model and needs text its tokenizer reads: data.dataset=<a hub "
+                "dataset name, or a local .txt, .json, .jsonl, .csv or .parquet file, or a directory>"
+            )
+        for key, source in (("data.dataset", data.dataset), ("data.eval_split", data.eval_split)):
+            if source and models.looks_local(source) and not Path(source).expanduser().exists():
+                raise ConfigError(f"{key}: no such file or directory: {source!r}")
 
     def _config_for(self, prepared: hf_data.Prepared, tokenizer):
         """The model's config with what the data decides: classes (and their names), the pad token."""
