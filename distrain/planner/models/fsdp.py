@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from distrain.planner.models import CostModel
+from distrain.planner.models import CostModel, model_of
 from distrain.planner.models.replicated import replicated
 from distrain.planner.options import Option, Row
 from distrain.planner.timing import Collective, step_time
@@ -143,7 +143,7 @@ def _simulation(estimator, option) -> dict:
         checkpoint=option.checkpoint,
         accumulate=job.accumulate,
         foreach=job.gpu,
-        options=job.configured.get("fsdp", {}).get("options", {}),
+        options=model_of("fsdp").configured(job).get("options", {}),
     )
 
 

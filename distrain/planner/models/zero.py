@@ -39,7 +39,7 @@ import torch
 
 from distrain import compat
 from distrain.planner.model_stats import ELEMENT_BYTES, create_optimizer_state, first_optimizer
-from distrain.planner.models import CostModel
+from distrain.planner.models import CostModel, model_of
 from distrain.planner.models.replicated import replicated
 from distrain.planner.options import Option, Row
 from distrain.planner.timing import Collective, buckets, step_time
@@ -430,7 +430,7 @@ class Zero(CostModel):
 
 def _user_json(job) -> dict:
     """The user's DeepSpeed JSON (``Zero.from_config``), or {}."""
-    return job.configured.get("zero", {}).get("json") or {}
+    return model_of("zero").configured(job).get("json") or {}
 
 
 def _zero_bucket_bytes(job, trace) -> float:
