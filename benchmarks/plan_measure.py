@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from distrain import compat
+from distrain.planner import fake
 
 #: the models measured: the built-in GPT sizes and the tiny Hugging Face models of distrain.hf.tiny
 HF_TINY = ("tiny-llama", "tiny-bert")
@@ -269,7 +269,7 @@ def measure(case: Case, world_size: int, hf: dict[str, str], workdir: str, steps
     spec = spec_of(case, hf)
     # MemTracker's backward hooks break torch.distributed.pipelining's autograd.grad: a pipeline's peak is
     # counted by storage instead
-    tracker = StoragePeak() if case.strategy.startswith("pp") else compat.peak_memory_tracker()
+    tracker = StoragePeak() if case.strategy.startswith("pp") else fake.peak_memory_tracker()
     data = torch.utils.data.DataLoader(
         _Samples(spec.make_batch(1), case.micro_batch * world_size * steps * case.accumulate),
         batch_size=case.micro_batch,

@@ -2,14 +2,15 @@
 
 Each function names what it relies on and the versions it was checked against; each has a test in
 ``tests/test_compat.py`` that exercises the real call, so an upgrade that moves one fails there,
-by name, instead of deep inside a training run. Supported torch: see ``pyproject.toml``.
+by name, instead of deep inside a training run. Supported torch: see ``pyproject.toml``. The planner's own
+private calls (fake tensors, memory trackers, the fake process group) are in ``distrain/planner/fake.py``, under
+the same rule.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 from datetime import timedelta
 from typing import Any
 
@@ -95,70 +96,7 @@ def all_gather_differentiable(tensor: torch.Tensor, dim: int, group) -> torch.Te
     return wait_tensor(all_gather_single_autograd(tensor.contiguous(), dim, group))
 
 
-# ---- memory planning (torch.distributed._tools, fake tensors, the fake process group) --------------------
-
-
-def memory_tracker_class() -> type:
-    """torch's ``MemTracker``: a dispatch mode that attributes live tensor memory to parameters,
-    gradients, activations, temporaries and optimizer states, and keeps the peak. Public class in a
-    private package (``torch.distributed._tools``): checked on torch 2.13.0."""
-    from torch.distributed._tools import MemTracker
-
-    return MemTracker
-
-
-def timeline_memory_tracker(on_sample):
-    """A ``MemTracker`` that hands its current snapshot (``{device: {kind: bytes}}``, kinds being
-    ``_MemRefType`` members and ``"Total"``) to ``on_sample`` after every operation, instead of
-    keeping per-module peaks: MemTracker scans every module it has seen after every operation
-    (ops × modules: minutes for a 7B model), and the planner needs only the running totals.
-    Overrides ``_update_peak_stats`` and reads ``_curr_mem_snap``: checked on torch 2.13.0."""
-    MemTracker = memory_tracker_class()
-
-    class TimelineTracker(MemTracker):
-        def _update_peak_stats(self, peak_state) -> None:
-            on_sample(self._curr_mem_snap)
-
-    return TimelineTracker()
-
-
-def peak_memory_tracker():
-    """A ``MemTracker`` for whole training runs: MemTracker refuses to see a root module run a
-    second time ("does not support memory tracking for multiple iterative calls") unless its
-    per-module statistics are reset in between; this one resets them itself, so it can wrap
-    ``Trainer.fit``. Overrides ``_pre_fw_hook``: checked on torch 2.13.0."""
-    MemTracker = memory_tracker_class()
-
-    class PeakTracker(MemTracker):
-        def _pre_fw_hook(self, module, inputs) -> None:
-            try:
-                super()._pre_fw_hook(module, inputs)
-            except NotImplementedError:  # the next iteration: only the module statistics start over
-                self.reset_mod_stats()
-                super()._pre_fw_hook(module, inputs)
-
-        def peak_bytes(self) -> int:
-            """The peak of tensor memory on real devices (meta tensors take none)."""
-            snapshot = self.get_tracker_snapshot("peak")
-            return sum(per_device["Total"] for device, per_device in snapshot.items() if device.type != "meta")
-
-    return PeakTracker()
-
-
-def fsdp_memory_tracker_class() -> type:
-    """torch's ``FSDPMemTracker`` (the same, aware of FSDP2's sharded/unsharded parameters and its
-    all-gather/reduce-scatter buffers); ``torch.distributed._tools``, checked on torch 2.13.0."""
-    from torch.distributed._tools import FSDPMemTracker
-
-    return FSDPMemTracker
-
-
-def fake_tensor_mode(**kwargs: Any):
-    """``FakeTensorMode``: tensors with shapes, dtypes and devices but no storage, so a forward and
-    backward of a 70B model runs in a few MB. ``torch._subclasses.fake_tensor``: checked on torch 2.13.0."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(**kwargs)
+# ---- fake tensors ------------------------------------------------------------------------------------
 
 
 def is_fake(tensor: torch.Tensor) -> bool:
@@ -167,89 +105,6 @@ def is_fake(tensor: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake as _is_fake
 
     return _is_fake(getattr(tensor, "_local_tensor", tensor))
-
-
-@contextlib.contextmanager
-def fake_process_group(world_size: int, forked_child: bool = False):
-    """A default process group of ``world_size`` ranks in this one process that communicates
-    nothing (we are rank 0): FSDP2 shards, all-gathers and reduce-scatters as on a real group.
-    The "fake" backend registers itself when ``torch.testing._internal.distributed.fake_pg`` is
-    imported (checked on torch 2.13.0; torchtitan's memory estimator does the same).
-
-    ``forked_child``: a child forked from a process that holds a group (planning inside a rank, or after a
-    run in a notebook) forgets that group — a fresh ``distributed_c10d._World()`` (torch 2.13.0) — and never
-    destroys anything: destroying joins the inherited group's threads, which did not survive the fork."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-
-    c10d = dist.distributed_c10d
-    inherited = dist.is_initialized()
-    if inherited and not forked_child:
-        raise RuntimeError("a process group already exists in this process; the fake one needs a process of its own")
-    if inherited:
-        c10d._world = c10d._World()
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        if not inherited:
-            dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def device_meshes_outside_fake_mode():
-    """FSDP2 over a tensor-parallel mesh builds a 2-D ``DeviceMesh`` while it shards; a mesh computes
-    this rank's coordinates from its rank tensor (``nonzero``), which fake tensors cannot answer. While
-    a simulation runs, meshes are built with fake mode off (their rank tensors are small and real).
-    ``DeviceMesh.__init__`` and ``unset_fake_temporarily``: checked on torch 2.13.0."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-
-    original = DeviceMesh.__init__
-
-    def init(self, *args, **kwargs):
-        with unset_fake_temporarily():
-            original(self, *args, **kwargs)
-
-    DeviceMesh.__init__ = init
-    try:
-        yield
-    finally:
-        DeviceMesh.__init__ = original
-
-
-@contextlib.contextmanager
-def transformers_masks_as_in_eager():
-    """Under fake tensors, transformers' causal-mask code cannot read the values it reads in eager
-    mode (are the positions one packed sequence? ``find_packed_sequence_indices``; is the offset a
-    traced tensor? ``_ignore_causal_mask_sdpa``), assumes the worst and builds an explicit 4-D mask
-    that an eager run of a batch without padding or packing skips (it uses SDPA's ``is_causal``).
-    While the planner traces such a batch, both answer as eager does, so the traced step allocates
-    what the run will. ``transformers.masking_utils``: checked on transformers 5.x. A model that did not import
-    transformers runs none of it: nothing to patch (importing it costs seconds)."""
-    if "transformers" not in sys.modules:
-        yield
-        return
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        yield
-        return
-    original = masking_utils._ignore_causal_mask_sdpa
-
-    def eager_answer(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
-        no_window = local_attention_size is None or kv_length < local_attention_size
-        if padding_mask is None and no_window and (q_length == 1 or kv_length == q_length):
-            return True
-        return original(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size)
-
-    packed = masking_utils.find_packed_sequence_indices
-    masking_utils._ignore_causal_mask_sdpa = eager_answer
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None  # positions 0..T-1: one sequence
-    try:
-        yield
-    finally:
-        masking_utils._ignore_causal_mask_sdpa = original
-        masking_utils.find_packed_sequence_indices = packed
 
 
 # ---- DeepSpeed ----------------------------------------------------------------------------------------
@@ -358,38 +213,6 @@ class _DropImportNoise(logging.Filter):
         message = record.getMessage()
         cpu_kernels = message.startswith("Failed to load") and ".so" in message and not torch.cuda.is_available()
         return not (cpu_kernels or "is an Enum subclass and is now natively supported by torch.compile" in message)
-
-
-def deepspeed_model_state_estimates(
-    total_params: int, largest_layer_params: int, gpus_per_node: int, num_nodes: int
-) -> dict[str, tuple[int, int]]:
-    """DeepSpeed's own estimators of ZeRO-2/3 model-state memory (fp16/bf16 params + Adam), as
-    ``{option: (host bytes, device bytes)}``, for cross-checking the planner. The functions live
-    in ``deepspeed.runtime.zero.stage_1_and_2`` / ``stage3`` (deepspeed 0.19.8); their
-    ``additional_buffer_factor`` pads the host figure only, and is left at 1 here."""
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-    out = {}
-    for offload in (False, True):
-        host, device = estimate_zero2_model_states_mem_needs(
-            total_params, gpus_per_node, num_nodes, cpu_offload=offload, additional_buffer_factor=1
-        )
-        out[f"zero2{'_offload' if offload else ''}"] = (host, device)
-    for offload, offload_params in ((False, False), (True, False), (True, True)):
-        host, device, _ = estimate_zero3_model_states_mem_needs(
-            total_params,
-            largest_layer_params,
-            gpus_per_node,
-            num_nodes,
-            cpu_offload=offload,
-            cpu_offload_params=offload_params,
-            zero_init=True,
-            additional_buffer_factor=1,
-        )
-        name = "zero3" + ("_offload_params" if offload_params else "_offload" if offload else "")
-        out[name] = (host, device)
-    return out
 
 
 # ---- torch.distributed.pipelining -----------------------------------------------------------------------------

@@ -288,3 +288,35 @@ def run_cli(argv: list[str], cwd: str | os.PathLike | None = None) -> subprocess
 def cli_rank(rank: int, argv: list[str], cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
     """``run_cli`` in a rank of ``run_ranks``: ``run_ranks(cli_rank, 2, argv, cwd)``."""
     return run_cli(argv, cwd)
+
+
+def deepspeed_model_state_estimates(
+    total_params: int, largest_layer_params: int, gpus_per_node: int, num_nodes: int
+) -> dict[str, tuple[int, int]]:
+    """DeepSpeed's own estimators of ZeRO-2/3 model-state memory (fp16/bf16 params + Adam), as
+    ``{option: (host bytes, device bytes)}``, for cross-checking the planner. The functions live
+    in ``deepspeed.runtime.zero.stage_1_and_2`` / ``stage3`` (deepspeed 0.19.8); their
+    ``additional_buffer_factor`` pads the host figure only, and is left at 1 here."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    out = {}
+    for offload in (False, True):
+        host, device = estimate_zero2_model_states_mem_needs(
+            total_params, gpus_per_node, num_nodes, cpu_offload=offload, additional_buffer_factor=1
+        )
+        out[f"zero2{'_offload' if offload else ''}"] = (host, device)
+    for offload, offload_params in ((False, False), (True, False), (True, True)):
+        host, device, _ = estimate_zero3_model_states_mem_needs(
+            total_params,
+            largest_layer_params,
+            gpus_per_node,
+            num_nodes,
+            cpu_offload=offload,
+            cpu_offload_params=offload_params,
+            zero_init=True,
+            additional_buffer_factor=1,
+        )
+        name = "zero3" + ("_offload_params" if offload_params else "_offload" if offload else "")
+        out[name] = (host, device)
+    return out

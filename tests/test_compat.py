@@ -1,4 +1,4 @@
-"""Each private or version-sensitive call in distrain/compat.py, exercised for real; and
+"""Each private or version-sensitive call in distrain/compat.py and distrain/planner/fake.py, exercised for real; and
 checkpoints written by an earlier distrain (tests/data/previous/) still resume."""
 
 import shutil
@@ -13,6 +13,7 @@ from torch.utils.data import RandomSampler
 
 import distrain
 from distrain import compat
+from distrain.planner import fake
 from helpers import TinyGPT, loader, make_trainer, run_ranks
 
 PREVIOUS = Path(__file__).parent / "data" / "previous"
@@ -209,24 +210,24 @@ def test_importing_torchao_through_transformers_is_quiet():
 
 # ---- memory planning: torch.distributed._tools, fake tensors and process groups, transformers masks ----------
 def test_fake_tensors_fake_process_group_and_memory_trackers():
-    with compat.fake_tensor_mode():
+    with fake.fake_tensor_mode():
         huge = torch.empty(2**40)  # a TiB: shapes and dtypes only
         assert huge.numel() == 2**40
-    with compat.fake_process_group(4):
+    with fake.fake_process_group(4):
         assert dist.get_world_size() == 4 and dist.get_rank() == 0
     assert not dist.is_initialized()
     samples = []
     model = nn.Linear(64, 64)
-    with compat.timeline_memory_tracker(samples.append):
+    with fake.timeline_memory_tracker(samples.append):
         model(torch.ones(8, 64)).sum().backward()
     totals = [sum(per_device["Total"] for per_device in s.values()) for s in samples]
     assert max(totals) >= 8 * 64 * 4  # at least the output was alive
-    tracker = compat.peak_memory_tracker()
+    tracker = fake.peak_memory_tracker()
     with tracker:
         for _ in range(2):  # MemTracker alone refuses the second iteration
             model(torch.ones(8, 64)).sum().backward()
     assert tracker.peak_bytes() >= 8 * 64 * 4 + 64 * 65 * 4  # the output and the new gradients
-    assert issubclass(compat.fsdp_memory_tracker_class(), compat.memory_tracker_class())
+    assert issubclass(fake.fsdp_memory_tracker_class(), fake.memory_tracker_class())
 
 
 def test_transformers_masks_as_in_eager_under_fake_tensors(tmp_path, monkeypatch):
@@ -252,7 +253,7 @@ def test_transformers_masks_as_in_eager_under_fake_tensors(tmp_path, monkeypatch
     batch = spec.make_batch(4)
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])  # what real data has
     phases = _Phases()
-    tracker = compat.timeline_memory_tracker(phases.sample)
+    tracker = fake.timeline_memory_tracker(phases.sample)
     tracker.track_external(module, optimizer, *batch.values())
     with tracker:
         loss = module.training_step(batch, 0)
@@ -261,14 +262,16 @@ def test_transformers_masks_as_in_eager_under_fake_tensors(tmp_path, monkeypatch
     assert traced.activations == pytest.approx(phases.act, rel=0.01)
     import contextlib
 
-    monkeypatch.setattr(compat, "transformers_masks_as_in_eager", contextlib.nullcontext)
+    monkeypatch.setattr(fake, "transformers_masks_as_in_eager", contextlib.nullcontext)
     assert trace_step(spec, 4).activations > 1.05 * phases.act  # the explicit-mask path the eager run skips
 
 
 def test_deepspeed_model_state_estimates():
     pytest.importorskip("deepspeed")
+    from helpers import deepspeed_model_state_estimates
+
     psi, layer = 7_000_000_000, 200_000_000
-    estimates = compat.deepspeed_model_state_estimates(psi, layer, 8, 1)
+    estimates = deepspeed_model_state_estimates(psi, layer, 8, 1)
     assert estimates["zero2"][1] == 2 * psi + 18 * psi // 8  # 2Ψ + 18Ψ/N on each GPU
     assert estimates["zero2_offload"][1] == 2 * psi
     assert estimates["zero3"][1] == 4 * layer + 18 * psi // 8

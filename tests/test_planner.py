@@ -35,7 +35,7 @@ def test_sizes():
 def test_traced_step_matches_the_same_step_run_for_real():
     """Fake tensors allocate nothing but account for every byte: the traced step of gpt-tiny holds
     the activations the real one does (MemTracker in real mode, same code)."""
-    from distrain import compat
+    from distrain.planner import fake
     from distrain.planner.model_stats import _Phases, create_optimizer_state, first_optimizer, to_empty_keeping_ties
 
     spec = ModelSpec.builtin_gpt("gpt-tiny", 64)
@@ -46,7 +46,7 @@ def test_traced_step_matches_the_same_step_run_for_real():
     create_optimizer_state(module, optimizer)
     batch = spec.make_batch(4)
     phases = _Phases()
-    tracker = compat.timeline_memory_tracker(phases.sample)
+    tracker = fake.timeline_memory_tracker(phases.sample)
     tracker.track_external(module, optimizer, *batch)
     with tracker:
         loss = module.training_step(batch, 0)
@@ -94,13 +94,13 @@ def test_zero_model_states_against_deepspeed_and_published_figures():
     the source holds 16 at rest and 20 during the step, when the gradient partition is also copied
     to fp32. ZeRO-2: DeepSpeed's 2Ψ + 18Ψ/N is exactly what its step holds."""
     pytest.importorskip("deepspeed")
-    from distrain import compat
     from distrain.planner.models.zero import zero_states
+    from helpers import deepspeed_model_state_estimates
 
     world = 8
     est = Estimator(Job(ModelSpec.builtin_gpt("gpt-7b", 2048), 1, "bf16-mixed", world_size=world, gpu=True))
     psi = est.stats.trainable
-    deepspeed = compat.deepspeed_model_state_estimates(psi, est.stats.largest_layer, world, 1)
+    deepspeed = deepspeed_model_state_estimates(psi, est.stats.largest_layer, world, 1)
     three = zero_states(est, Option("zero", stage=3))
     assert three.resident * world == pytest.approx(16 * psi, rel=0.01)
     ds3 = deepspeed["zero3"][1] - 4 * est.stats.largest_layer
@@ -368,7 +368,8 @@ def test_trainer_strategy_auto_chooses_ddp_for_gpt_tiny_on_two_cpu_ranks(tmp_pat
 
 
 def _train_within_budget(rank, tmp, node_memory):
-    from distrain import cli, compat
+    from distrain import cli
+    from distrain.planner import fake
 
     os.environ.pop("DISTRAIN_PLANNED", None)
     config = build_config(
@@ -393,7 +394,7 @@ def _train_within_budget(rank, tmp, node_memory):
 
     decision = decide_for_training(config)
     os.environ["DISTRAIN_LAUNCHED"] = "1"  # train() takes this decision, as ranks our launcher starts do
-    tracker = compat.peak_memory_tracker()
+    tracker = fake.peak_memory_tracker()
     with tracker:
         assert cli.train(config) == 0
     return decision.strategy, decision.sharding, decision.checkpoint, tracker.peak_bytes()

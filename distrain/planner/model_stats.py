@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from distrain import compat
 from distrain.module import Module, loss_of, run_step
+from distrain.planner import fake
 from distrain.planner.work import StepWork, WorkCounter
 from distrain.strategies import layers
 from distrain.strategies.layers import apply_activation_checkpointing
@@ -359,7 +359,7 @@ def trace_step(
     if param_dtype != torch.float32:
         module.to(param_dtype)
     apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint), reentrant)
-    with _fake_mode() as mode, compat.transformers_masks_as_in_eager():
+    with _fake_mode() as mode, fake.transformers_masks_as_in_eager():
         to_empty_keeping_ties(module)
         optimizer = first_optimizer(module.configure_optimizers())
         if foreach:
@@ -377,7 +377,7 @@ def trace_step(
                 p.register_post_accumulate_grad_hook(
                     lambda _p, g=g, i=i: grad_events.append((len(phases.timeline), g, i))
                 )
-        tracker = compat.timeline_memory_tracker(phases.sample)
+        tracker = fake.timeline_memory_tracker(phases.sample)
         tracker.track_external(module, optimizer, *inputs)
         counter = WorkCounter()
         with tracker, counter:
@@ -436,7 +436,7 @@ def to_empty_keeping_ties(module: nn.Module, device: str = "cpu") -> None:
 
 def _fake_mode():
     # non-fake inputs: the meta parameters that ``to_empty`` turns into fake ones
-    return compat.fake_tensor_mode(allow_non_fake_inputs=True)
+    return fake.fake_tensor_mode(allow_non_fake_inputs=True)
 
 
 # ---- deep models: estimate two shallow copies, extrapolate by depth ---------------------------------------

@@ -19,7 +19,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from distrain import compat, distributed
+from distrain import distributed
+from distrain.planner import fake
 from distrain.planner.model_stats import (
     ModelSpec,
     checkpoint_policy,
@@ -141,7 +142,7 @@ def _simulate_fsdp(
 
     from distrain.strategies.fsdp import FSDPStrategy
 
-    with compat.fake_process_group(world_size, forked_child=True):
+    with fake.fake_process_group(world_size, forked_child=True):
         if sharding == "HYBRID_SHARD":
             mesh = init_device_mesh("cpu", (num_nodes, world_size // num_nodes), mesh_dim_names=("replicate", "shard"))
         else:
@@ -155,7 +156,7 @@ def _simulate_fsdp(
         )
         _connect(strategy, precision, world_size, num_nodes)
         with _set_up(strategy, spec, micro_batch, foreach) as (model, optimizer, batch):
-            tracker = compat.fsdp_memory_tracker_class()(model, optimizer)
+            tracker = fake.fsdp_memory_tracker_class()(model, optimizer)
             tracker.track_inputs(tuple(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)))
             with tracker:
                 # with accumulation, the micro-steps before the last keep unsharded gradients (no
@@ -198,8 +199,8 @@ def _set_up(strategy, spec: ModelSpec, micro_batch: int, foreach: bool):
     module = spec.build()
     # the weights' values do not matter: skip every loader a module may run at materialization
     object.__setattr__(module, "reset_parameters", lambda: None)
-    fake = compat.fake_tensor_mode(allow_non_fake_inputs=True)
-    with fake as mode, compat.transformers_masks_as_in_eager(), compat.device_meshes_outside_fake_mode():
+    fake_mode = fake.fake_tensor_mode(allow_non_fake_inputs=True)
+    with fake_mode as mode, fake.transformers_masks_as_in_eager(), fake.device_meshes_outside_fake_mode():
         model = strategy.setup(StepRouter(module)).model
         optimizer = first_optimizer(module.configure_optimizers())
         if foreach:
@@ -305,7 +306,7 @@ def _simulate_tensor_parallel(
     outputs that a real run updates in place."""
     from distrain.strategies.model_parallel import ModelParallelStrategy
 
-    with compat.fake_process_group(world_size, forked_child=True):
+    with fake.fake_process_group(world_size, forked_child=True):
         strategy = ModelParallelStrategy(
             tensor_parallel_size=tensor,
             data_parallel_size=world_size // (tensor * context),
@@ -316,7 +317,7 @@ def _simulate_tensor_parallel(
         _connect(strategy, precision, world_size, 1)
         strategy.device_mesh = strategy.layout.mesh("cpu")  # as a rank's setup_environment builds it
         with _set_up(strategy, spec, micro_batch, foreach) as (model, optimizer, batch):
-            tracker = compat.peak_memory_tracker()
+            tracker = fake.peak_memory_tracker()
             tracker.track_external(model, optimizer)
             log = _CollectiveLog()
             micro_steps = min(accumulate, 2)  # the second shows what accumulation holds

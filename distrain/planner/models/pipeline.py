@@ -29,8 +29,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from distrain import compat
 from distrain.module import loss_of, run_step
+from distrain.planner import fake
 from distrain.planner.model_stats import (
     ModelSpec,
     _fake_mode,
@@ -98,7 +98,7 @@ def trace_pipeline(
     if param_dtype != torch.float32:
         module.to(param_dtype)
     apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint))
-    with _fake_mode() as mode, compat.transformers_masks_as_in_eager():
+    with _fake_mode() as mode, fake.transformers_masks_as_in_eager():
         to_empty_keeping_ties(module)
         split = split_for(module)
         build = PipelineBuild.create(module, split, ParallelLayout(pipeline=num_stages), 0, split_points)
@@ -134,7 +134,7 @@ def _trace_stage(module, split, stage, index: int, batch, received, autocast):
     inputs = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
     args = () if received is None else (received.detach().requires_grad_(True),)
     phases, counter = _Phases(), WorkCounter()
-    tracker = compat.timeline_memory_tracker(phases.sample)
+    tracker = fake.timeline_memory_tracker(phases.sample)
     tracker.track_external(module, *inputs, *args)
     with tracker, counter:
         # the schedule runs inside one autocast region: its cache of low-precision weight copies, made in the

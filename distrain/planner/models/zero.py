@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from distrain import compat
+from distrain.planner import fake
 from distrain.planner.model_stats import ELEMENT_BYTES, create_optimizer_state, first_optimizer
 from distrain.planner.models import CostModel, model_of
 from distrain.planner.models.replicated import replicated
@@ -113,7 +113,7 @@ def flat_optimizer(est: Estimates, on_gpu_fused: bool) -> FlatOptimizer:
     module = est.job.spec.build()
     prototype = first_optimizer(module.configure_optimizers())
     fused = on_gpu_fused and type(prototype) in (torch.optim.Adam, torch.optim.AdamW)
-    with compat.fake_tensor_mode(allow_non_fake_inputs=True):
+    with fake.fake_tensor_mode(allow_non_fake_inputs=True):
         flat = torch.nn.Parameter(torch.zeros(numel))
         group = {k: v for k, v in prototype.param_groups[0].items() if k != "params"}
         optimizer = type(prototype)([{**group, "params": [flat]}])
@@ -127,7 +127,7 @@ def flat_optimizer(est: Estimates, on_gpu_fused: bool) -> FlatOptimizer:
         flat.grad = torch.zeros_like(flat)
         phases = _Phases()
         phases.phase = "step"
-        tracker = compat.timeline_memory_tracker(phases.sample)
+        tracker = fake.timeline_memory_tracker(phases.sample)
         tracker.track_external(holder, optimizer, flat.grad)
         with tracker:
             optimizer.step()
