@@ -102,10 +102,10 @@ def test_bytes_each_option_communicates(traces):
     shape = lambda c: (c.kind, c.size, c.passes, c.calls_per_pass, c.copied)  # noqa: E731
     (ddp,) = collectives(Option("ddp"), job, trace, units)
     assert shape(ddp) == ("all_reduce", grads, 1, 1, False)  # no_sync while accumulating; buckets are views
-    gather, reduce = collectives(Option("fsdp", "FULL_SHARD"), job, trace, units)
+    gather, reduce = collectives(Option("fsdp", sharding="FULL_SHARD"), job, trace, units)
     assert shape(gather) == ("all_gather", params, 2 * 3, units, True)  # forward + backward, each micro-batch
     assert shape(reduce) == ("reduce_scatter", grads, 1, units, True)  # fp32, at the last micro-batch's backward
-    gather_once, _ = collectives(Option("fsdp", "SHARD_GRAD_OP"), job, trace, units)
+    gather_once, _ = collectives(Option("fsdp", sharding="SHARD_GRAD_OP"), job, trace, units)
     assert gather_once.passes == 3
     stage1 = collectives(Option("zero", stage=1), job, trace, units)
     stage2 = collectives(Option("zero", stage=2), job, trace, units)
@@ -113,7 +113,7 @@ def test_bytes_each_option_communicates(traces):
     assert [(c.kind, c.passes) for c in stage1] == [("reduce_scatter", 1), ("all_gather", 1)]
     assert [(c.kind, c.passes) for c in stage2] == [("reduce_scatter", 3), ("all_gather", 1)]  # every backward
     assert [(c.kind, c.passes) for c in stage3] == [("all_gather", 6), ("reduce_scatter", 3)]
-    hybrid = collectives(Option("fsdp", "HYBRID_SHARD"), _job(8, nodes=2), trace, units)
+    hybrid = collectives(Option("fsdp", sharding="HYBRID_SHARD"), _job(8, nodes=2), trace, units)
     assert [(c.kind, c.ranks, c.inter_node) for c in hybrid] == [
         ("all_gather", 4, False),
         ("reduce_scatter", 4, False),
@@ -147,13 +147,13 @@ def test_step_time_on_given_rates(traces):
     fb = trace.work.forward_backward
     assert ddp_slow.compute == pytest.approx(2 * (fb.flops / 1e9 + fb.bytes / 1e9 + fb.ops * 1e-6))
     # the sharded optimizer steps on half the state
-    fsdp = step_time(Option("fsdp", "FULL_SHARD"), job, trace, L + 1, slow)
+    fsdp = step_time(Option("fsdp", sharding="FULL_SHARD"), job, trace, L + 1, slow)
     assert fsdp.optimizer == pytest.approx(ddp_slow.optimizer - trace.work.step.bytes / 2 / 1e9, rel=1e-6)
     # on a CPU communication takes the cores (adds up); on a GPU it runs beside compute
     assert ddp_slow.seconds == pytest.approx(ddp_slow.compute + ddp_slow.communication + ddp_slow.optimizer)
     gpu = replace(slow, overlap=True)
-    overlapped = step_time(Option("fsdp", "FULL_SHARD"), job, trace, L + 1, gpu)
-    parts = collectives(Option("fsdp", "FULL_SHARD"), job, trace, L + 1)
+    overlapped = step_time(Option("fsdp", sharding="FULL_SHARD"), job, trace, L + 1, gpu)
+    parts = collectives(Option("fsdp", sharding="FULL_SHARD"), job, trace, L + 1)
     exposed = sum(collective_seconds(c, gpu) / c.calls for c in parts)  # the first gather, the last reduction
     expected = max(overlapped.compute, overlapped.communication) + exposed + overlapped.optimizer
     assert overlapped.seconds == pytest.approx(expected)
@@ -168,7 +168,7 @@ def _planner(hw: Hardware) -> Planner:
 def test_auto_prefers_the_fastest_prediction_and_breaks_near_ties_by_the_ranking():
     """Within 10% the simpler option wins (less sharding first); beyond, the faster one."""
     planner = _planner(Hardware(1e12, 1e11, 1e-6, intra_bandwidth=1e9, inter_bandwidth=1e9, collective_seconds=0.0))
-    ddp, fsdp = planner.row(Option("ddp")), planner.row(Option("fsdp", "FULL_SHARD"))
+    ddp, fsdp = planner.row(Option("ddp")), planner.row(Option("fsdp", sharding="FULL_SHARD"))
     timed = lambda row, s: replace(row, step=StepTime(s, 0.0, 0.0, s))  # noqa: E731
     assert Planner.prefer([timed(fsdp, 1.0), timed(ddp, 1.09)]).option == ddp.option
     assert Planner.prefer([timed(fsdp, 1.0), timed(ddp, 1.2)]).option == fsdp.option
@@ -192,7 +192,7 @@ def test_auto_takes_what_the_plan_predicts_fastest():
     assert chosen.accumulate == 2 and "accumulation 2 instead of 1" in plan.reason
     assert chosen.tokens_per_step == planner.job.tokens_per_step  # the same global batch as DDP's
     comm = {r.option: r.step.communication for r in eligible if r.option.checkpoint == 0}
-    assert comm[chosen.option] < comm[Option("ddp")] < comm[Option("fsdp", "FULL_SHARD")]
+    assert comm[chosen.option] < comm[Option("ddp")] < comm[Option("fsdp", sharding="FULL_SHARD")]
     ddp_peak = planner.row(Option("ddp")).peak
     tight = Planner(planner.job, Budget(int(ddp_peak * 0.95 / 0.9), 8 << 30, False, "test"), link_bound)
     chosen, _ = tight.choose("auto", "auto")

@@ -447,7 +447,9 @@ def _option_of_live_strategy(strategy, gpu: bool, world: int) -> Option | None:
             if layout.tensor > 1:
                 return None
             per_rank = s.stages_per_rank
-            return Option("pp", sharding, pipeline=layout.pipeline, schedule=s.schedule, stages_per_rank=per_rank)
+            return Option(
+                "pp", sharding=sharding, pipeline=layout.pipeline, schedule=s.schedule, stages_per_rank=per_rank
+            )
         return Option("tp", sharding=sharding, tensor=layout.tensor, sequence_parallel=s.sequence_parallel)
     if isinstance(strategy, distrain.FSDPStrategy):
         offload = "cpu" if strategy.cpu_offload and gpu else "none"
@@ -581,3 +583,4 @@ def test_fsdp_is_simulated_from_a_process_that_holds_a_process_group():
     exists in this process", and auto fell back to DDP)."""
     peak = run_ranks(_fsdp_estimate_inside_a_rank, 2)[0]
     assert peak > 0
+

@@ -65,21 +65,25 @@ from distrain.planner.options import Option
 
 
 class Tiny(CostModel):
-    """Priced as one process (which it is), shown beside it, never chosen for the user."""
+    """Priced as one process (which it is), shown beside it, never chosen for the user. Its options carry a
+    setting of its own (the word its section configures), which nothing in the planner knows of."""
 
     kinds = ("tiny",)
 
+    def from_config(self, config):
+        return {"word": config.tiny.word}
+
     def offered(self, job):
-        return [Option("tiny")] if job.world_size == 1 else []
+        return [self.option_for_run("tiny", job)] if job.world_size == 1 else []
 
     def option_for_run(self, strategy, job):
-        return Option("tiny")
+        return Option("tiny", word=self.configured(job).get("word", "step"))
 
     def auto_may_choose(self, option):
         return False
 
     def label(self, option, accumulate=None):
-        return "tiny one process"
+        return f"tiny one process saying {option.get('word')}"
 
     def short(self, option):
         return "Tiny"
@@ -142,20 +146,21 @@ def test_a_strategy_in_one_file_trains_and_checks_its_config(tmp_path):
 
 
 def test_its_cost_model_puts_it_in_the_plan_beside_the_built_in_ones(tmp_path):
-    """``distrain plan --strategy tiny`` plans the plug-in's run; ``--strategy all`` shows it beside one process,
+    """``distrain plan --strategy tiny`` plans the plug-in's run, with the setting its model read from the plug-in's
+    own section; ``--strategy all`` shows it beside one process,
     priced the same (it is one process), and the recommendation is still one process (its model never lets
     ``auto`` choose it)."""
     (tmp_path / "plugin").mkdir()
     _plugin(tmp_path / "plugin")
-    plan = _train(tmp_path, "--model-name", "gpt-tiny", "--no-time", command="plan")
+    plan = _train(tmp_path, "--model-name", "gpt-tiny", "--no-time", "tiny.word=hop", command="plan")
     assert plan.returncode == 0, plan.stderr[-2000:]
-    (mine,) = [line for line in plan.stdout.splitlines() if line.split("  ")[0] == "tiny one process"]
+    (mine,) = [line for line in plan.stdout.splitlines() if line.split("  ")[0] == "tiny one process saying hop"]
     assert mine.endswith("← this run"), plan.stdout
     every = _train(tmp_path, "--model-name", "gpt-tiny", "--no-time", "--json", command="plan", strategy="all")
     assert every.returncode == 0, every.stderr[-2000:]
     shown = json.loads(every.stdout)
     rows = {r["strategy"]: r for r in shown["rows"] if r["activation_checkpointing"] == 0}
-    assert rows["tiny"]["label"] == "tiny one process"
+    assert rows["tiny"]["label"] == "tiny one process saying step"  # the section's default
     assert rows["tiny"]["peak_bytes"] == rows["single"]["peak_bytes"] > 0
     assert shown["recommendation"] == "single", shown["reason"]
     # a cost model that cannot load is named, with the strategy that names it, in one line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from distrain.planner.models import model_of
 from distrain.planner.timing import StepTime
@@ -11,40 +12,70 @@ from distrain.planner.timing import StepTime
 _BYTE_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "peak", "host", "sharded")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False, repr=False)
 class Option:
-    """One way to train: a strategy with its sharding, activation checkpointing and offload."""
+    """One way to train: a kind of option (which names its cost model), activation checkpointing, offload, the
+    layout's model-parallel sizes, and whatever else its cost model needs (``settings``: FSDP's sharding, a ZeRO
+    stage, a pipeline schedule, a replica group's meeting) — only that model reads those, so a new model brings
+    its own: ``Option("zero", stage=3)``, ``option.get("stage")``."""
 
     family: str
     """The kind of option, which names the cost model that prices it (``planner/models/``): ``single``, ``ddp``,
     ``fsdp``, ``zero``, ``tp`` (tensor parallel; FSDP over the remaining ranks), ``cp`` (context parallel, each
     sequence split over ``context`` ranks, optionally × ``tensor``; FSDP over data × context), ``pp`` (pipeline
     stages; FSDP over the remaining ranks), or a plug-in's own."""
-    sharding: str | None = None
-    """FSDP: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD; ``tp``: FULL_SHARD when FSDP shards over the
-    data-parallel ranks (the ranks beyond ``tensor``), else None."""
-    stage: int | None = None
-    """ZeRO stage."""
     checkpoint: int | None = 0
     """Blocks whose activations are recomputed: 0 none, ``None`` every block."""
     offload: str = "none"
     """``none``, ``cpu`` or ``nvme``: where sharded state (ZeRO: optimizer, and parameters at stage 3) lives."""
     tensor: int = 1
-    """Ranks that split each layer (``tp``)."""
-    sequence_parallel: bool = False
-    """``tp``: the norms and the residual stream split along the sequence too."""
+    """Ranks that split each layer."""
     context: int = 1
-    """Ranks that split each sequence (``cp``)."""
+    """Ranks that split each sequence."""
     pipeline: int = 1
-    """Pipeline ranks (``pp``)."""
-    schedule: str | None = None
-    """``pp``: 1F1B, GPipe or Interleaved1F1B."""
-    stages_per_rank: int = 1
-    """``pp``: stages each pipeline rank runs (Interleaved1F1B's virtual stages)."""
-    semi_sync: str | None = None
-    """``ddp`` of replica groups (``ddp_torchft``): ``local_sgd`` or ``diloco``, the groups meeting every
-    ``sync_every`` steps instead of averaging gradients every step."""
-    sync_every: int = 1
+    """Pipeline ranks."""
+    settings: tuple[tuple[str, Any], ...] = ()
+    """The cost model's own keys and values, sorted by key (hashable, so an option keys a cache); None is never
+    kept (it is what ``get`` answers for a key not set)."""
+
+    def __init__(
+        self,
+        family: str,
+        *,
+        checkpoint: int | None = 0,
+        offload: str = "none",
+        tensor: int = 1,
+        context: int = 1,
+        pipeline: int = 1,
+        settings: tuple = (),
+        **more: Any,
+    ) -> None:
+        for name, value in (
+            ("family", family),
+            ("checkpoint", checkpoint),
+            ("offload", offload),
+            ("tensor", tensor),
+            ("context", context),
+            ("pipeline", pipeline),
+        ):
+            object.__setattr__(self, name, value)
+        given = {**dict(settings), **more}
+        # a setting of None is one not set: ``Option("tp", sharding=None)`` is ``Option("tp")``
+        object.__setattr__(self, "settings", tuple(sorted((k, v) for k, v in given.items() if v is not None)))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """One of ``settings`` (``default`` when the option has none of that name)."""
+        return dict(self.settings).get(key, default)
+
+    def __repr__(self) -> str:
+        fields = [repr(self.family)]
+        fields += [
+            f"{k}={getattr(self, k)!r}"
+            for k in ("checkpoint", "offload", "tensor", "context", "pipeline")
+            if getattr(self, k) != Option.__dataclass_fields__[k].default
+        ]
+        fields += [f"{k}={v!r}" for k, v in self.settings]
+        return f"Option({', '.join(fields)})"
 
     @property
     def model(self):
@@ -67,8 +98,6 @@ class Option:
     def label_at(self, accumulate: int | None = None) -> str:
         """The table's label, as the option runs at ``accumulate`` micro-batches per step."""
         parts = [self.model.label(self, accumulate)]
-        if self.semi_sync:
-            parts.append(f"{self.semi_sync} every {self.sync_every} steps")
         if self.checkpoint is None:
             parts.append("AC")
         elif self.checkpoint:
@@ -89,8 +118,6 @@ class Option:
             base += "+AC" if self.checkpoint is None else f"+AC{self.checkpoint}"
         if self.offload != "none":
             base += "+offload"
-        if self.semi_sync:
-            base += f" {self.semi_sync}/{self.sync_every}"
         return base
 
 
@@ -137,11 +164,11 @@ class Row:
             "sharding": o.model.sharding(o),
             "tensor_parallel_size": o.tensor,
             "context_parallel_size": o.context,
-            "sequence_parallel": o.sequence_parallel,
+            "sequence_parallel": o.get("sequence_parallel", False),
             "pipeline_stages": o.pipeline,
-            "pipeline_schedule": o.schedule,
-            "semi_sync": o.semi_sync,
-            "sync_every": o.sync_every,
+            "pipeline_schedule": o.get("schedule"),
+            "semi_sync": o.get("semi_sync"),
+            "sync_every": o.get("sync_every", 1),
             "activation_checkpointing": "all" if o.checkpoint is None else o.checkpoint,
             "offload": o.offload,
             "params_bytes": self.params,

@@ -453,7 +453,7 @@ class Planner:
     def _semi_sync_note(chosen: Row | None, rows: list[Row]) -> str:
         """Replica groups: what meeting every ``sync_every`` steps would gain over this link (never chosen for the
         user: it trains another way, whose loss they should check)."""
-        semi = [r for r in rows if r.option.semi_sync and r.fits and r.step and r.option.checkpoint == 0]
+        semi = [r for r in rows if r.option.get("semi_sync") and r.fits and r.step and r.option.checkpoint == 0]
         if chosen is None or chosen.step is None or not semi:
             return ""
         best = min(semi, key=lambda r: r.step.seconds)

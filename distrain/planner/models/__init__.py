@@ -94,7 +94,7 @@ class CostModel:
 
     def sharding(self, option) -> str | None:
         """The sharding a JSON row names (``FULL_SHARD``, ``zero-3``)."""
-        return option.sharding
+        return option.get("sharding")
 
     # ---- memory and time ----------------------------------------------------------------------------------
     def estimate(self, estimator, option):
@@ -126,7 +126,7 @@ class CostModel:
 def data_parallel_kind(option) -> str:
     """The kind whose dtypes a layout that splits the model computes in: FSDP's when it shards over data-parallel
     replicas, else DDP's."""
-    return "fsdp" if option.sharding else "ddp"
+    return "fsdp" if option.get("sharding") else "ddp"
 
 
 _MODELS: dict[str, CostModel] = {}

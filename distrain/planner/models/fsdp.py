@@ -52,16 +52,16 @@ class FSDP(CostModel):
         return "fsdp_cpu_offload" if option.offload == "cpu" else "fsdp"
 
     def settings(self, option) -> dict:
-        return {"sharding_strategy": option.sharding}
+        return {"sharding_strategy": option.get("sharding")}
 
     def level(self, option) -> int:
-        return LEVELS[option.sharding]
+        return LEVELS[option.get("sharding")]
 
     def label(self, option, accumulate=None) -> str:
-        return f"fsdp {option.sharding}"
+        return f"fsdp {option.get('sharding')}"
 
     def short(self, option) -> str:
-        return "FSDP" + {"SHARD_GRAD_OP": " grad-op", "HYBRID_SHARD": " hybrid"}.get(option.sharding, "")
+        return "FSDP" + {"SHARD_GRAD_OP": " grad-op", "HYBRID_SHARD": " hybrid"}.get(option.get("sharding"), "")
 
     def offloaded(self, option) -> str:
         return "params+grads+opt"
@@ -113,7 +113,7 @@ class FSDP(CostModel):
             return []
         params, reduce, inter = trace.param_bytes, trace.elements * 4, job.num_nodes > 1
         gathers = _gathers(option)
-        if option.sharding == "HYBRID_SHARD" and job.num_nodes > 1:
+        if option.get("sharding") == "HYBRID_SHARD" and job.num_nodes > 1:
             per_node = job.per_node
             return [
                 Collective("all_gather", params, per_node, gathers * a, units, copied=True),
@@ -127,7 +127,7 @@ class FSDP(CostModel):
 
 
 def _key(estimator, option) -> tuple:
-    return ("fsdp", option.sharding, option.checkpoint, estimator.job.micro_batch)
+    return ("fsdp", option.get("sharding"), option.checkpoint, estimator.job.micro_batch)
 
 
 def _simulation(estimator, option) -> dict:
@@ -138,7 +138,7 @@ def _simulation(estimator, option) -> dict:
         micro_batch=job.micro_batch,
         world_size=job.world_size,
         num_nodes=job.num_nodes,
-        sharding=option.sharding,
+        sharding=option.get("sharding"),
         precision=job.precision,
         checkpoint=option.checkpoint,
         accumulate=job.accumulate,
@@ -149,7 +149,7 @@ def _simulation(estimator, option) -> dict:
 
 def _gathers(option) -> int:
     """Gathers per micro-batch: forward, and again in backward when resharded."""
-    return 1 if option.sharding == "SHARD_GRAD_OP" else 2
+    return 1 if option.get("sharding") == "SHARD_GRAD_OP" else 2
 
 
 MODELS = (FSDP(),)

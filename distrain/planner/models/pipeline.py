@@ -264,14 +264,14 @@ class RankLoad:
 def rank_loads(option, job, trace: PipelineTrace, full) -> list[RankLoad]:
     """Each pipeline rank's bytes (``full``: a traced whole-model step, for the optimizer's and gradients'
     bytes per element)."""
-    p, v, a = option.pipeline, option.stages_per_rank, job.accumulate
+    p, v, a = option.pipeline, option.get("stages_per_rank", 1), job.accumulate
     data = max(1, job.world_size // (p * option.tensor))
     stages = trace.stages
     loads = []
     for r in range(p):
         mine = [stages[s] for s in rank_stages(r, p, v)]
         share = sum(s.param_elements for s in mine) / max(1, sum(map(sum, full.groups)))
-        activations, with_grads = activations_in_flight(rank_order(option.schedule, r, p, v, a), stages)
+        activations, with_grads = activations_in_flight(rank_order(option.get("schedule"), r, p, v, a), stages)
         # torch allocates a receive buffer per micro-batch: activations from the stage before, gradients from
         # the stage after
         after = [stages[s.index + 1].received if s.index + 1 < len(stages) else 0 for s in mine]
@@ -310,7 +310,7 @@ def pipeline_row(option, loads: list[RankLoad]):
 
 def pipeline_step_time(option, job, trace: PipelineTrace, full, hw):
     """Seconds of one optimizer step through the pipeline (see the module's docstring)."""
-    p, v, a = option.pipeline, option.stages_per_rank, job.accumulate
+    p, v, a = option.pipeline, option.get("stages_per_rank", 1), job.accumulate
     data = max(1, job.world_size // (p * option.tensor))
     stages = trace.stages
 
@@ -370,17 +370,17 @@ class Pipeline(CostModel):
         return 5
 
     def label(self, option, accumulate=None) -> str:
-        schedule = option.schedule
+        schedule = option.get("schedule")
         if schedule == "1F1B" and accumulate is not None and accumulate < option.pipeline:
             schedule = "GPipe"  # fewer micro-batches than stages: PipelineRunner runs GPipe, and it is planned so
         return (
             f"pipeline {option.pipeline} {schedule}"
-            + (f" ({option.stages_per_rank} stages/rank)" if option.stages_per_rank > 1 else "")
-            + (" × fsdp" if option.sharding else "")
+            + (f" ({option.get('stages_per_rank', 1)} stages/rank)" if option.get("stages_per_rank", 1) > 1 else "")
+            + (" × fsdp" if option.get("sharding") else "")
         )
 
     def short(self, option) -> str:
-        return f"PP{option.pipeline}" + ("×FSDP" if option.sharding else "")
+        return f"PP{option.pipeline}" + ("×FSDP" if option.get("sharding") else "")
 
     def estimate(self, estimator, option, micro_batch: int | None = None) -> Row:
         return pipeline_row(option, pipeline_ranks(estimator, option, micro_batch))
@@ -397,13 +397,13 @@ class Pipeline(CostModel):
         """With no communication, a pipeline runs its micro-batches at its slowest rank's pace, at least 1/P of the
         whole, plus the fill (less a tenth: its stages are traced one by one)."""
         work = estimator.trace(data_parallel_kind(option), option.checkpoint).work.forward_backward
-        p, v = option.pipeline, option.stages_per_rank
+        p, v = option.pipeline, option.get("stages_per_rank", 1)
         return 0.9 * (planner.job.accumulate + (p - 1) / v) * work_seconds(work, hw) / p
 
 
 def _pipeline_trace(estimator, option, micro_batch: int | None = None) -> PipelineTrace:
     b = micro_batch or estimator.job.micro_batch
-    stages = option.pipeline * option.stages_per_rank
+    stages = option.pipeline * option.get("stages_per_rank", 1)
     kind = data_parallel_kind(option)
 
     def trace() -> PipelineTrace:

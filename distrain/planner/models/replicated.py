@@ -27,13 +27,21 @@ class Replicated(CostModel):
         return replicated(job) if not registry.runs_one_process(strategy) else Option("single")
 
     def auto_may_choose(self, option) -> bool:
-        return not option.semi_sync  # a replica group meeting every H steps trains another way: shown, never chosen
+        return not option.get(
+            "semi_sync"
+        )  # a replica group meeting every H steps trains another way: shown, never chosen
 
     def label(self, option, accumulate=None) -> str:
-        return "single process" if option.family == "single" else "ddp"
+        if option.family == "single":
+            return "single process"
+        semi_sync = option.get("semi_sync")
+        return f"ddp + {semi_sync} every {option.get('sync_every', 1)} steps" if semi_sync else "ddp"
 
     def short(self, option) -> str:
-        return "1 process" if option.family == "single" else "DDP"
+        if option.family == "single":
+            return "1 process"
+        semi_sync = option.get("semi_sync")
+        return f"DDP {semi_sync}/{option.get('sync_every', 1)}" if semi_sync else "DDP"
 
     def estimate(self, estimator, option) -> Row:
         t = estimator.trace(option.family, option.checkpoint)
@@ -49,7 +57,7 @@ class Replicated(CostModel):
             # tensors); without bucket views the gradients and the buckets are separate copies
             buffers = 0 if job.gradient_as_bucket_view else grads
             forward_backward = params + grads + buffers + opt + t.activations
-        if option.semi_sync == "diloco":  # the parameters as of the last meeting, and the outer SGD's momentum
+        if option.get("semi_sync") == "diloco":  # the parameters as of the last meeting, and the outer SGD's momentum
             outer = t.elements * 4 * (2 if job.outer_momentum else 1)
             opt += outer
             forward_backward += outer
@@ -90,11 +98,11 @@ def _replica_group_collectives(option, job, grads: float, elements: int) -> list
     copied = not job.gradient_as_bucket_view
     chunks = buckets(grads, DDP_BUCKET_BYTES)
     within = [Collective("all_reduce", grads, per_group, 1, chunks, job.num_nodes > 1, copied)]
-    if option.semi_sync is None:
+    if option.get("semi_sync") is None:
         return [*within, Collective("all_reduce", grads, job.replica_groups, 1, chunks, True, copied)]
     outer = elements * 4  # fp32, whatever the training precision: the outer step runs on fp32 copies
     meeting = Collective("all_reduce", outer, job.replica_groups, 1, buckets(outer, DDP_BUCKET_BYTES), True, False)
-    return [*within, replace(meeting, every=option.sync_every)]
+    return [*within, replace(meeting, every=option.get("sync_every", 1))]
 
 
 MODELS = (Replicated(),)

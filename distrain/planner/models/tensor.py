@@ -43,12 +43,12 @@ class ModelParallel(CostModel):
             return (
                 f"context parallel {option.context}"
                 + (f" × tensor {option.tensor}" if option.tensor > 1 else "")
-                + (" × fsdp" if option.sharding else "")
+                + (" × fsdp" if option.get("sharding") else "")
             )
         return (
             f"tensor parallel {option.tensor}"
-            + (" + SP" if option.sequence_parallel else "")
-            + (" × fsdp" if option.sharding else "")
+            + (" + SP" if option.get("sequence_parallel", False) else "")
+            + (" × fsdp" if option.get("sharding") else "")
         )
 
     def short(self, option) -> str:
@@ -56,9 +56,13 @@ class ModelParallel(CostModel):
             return (
                 f"CP{option.context}"
                 + (f"×TP{option.tensor}" if option.tensor > 1 else "")
-                + ("×FSDP" if option.sharding else "")
+                + ("×FSDP" if option.get("sharding") else "")
             )
-        return f"TP{option.tensor}" + ("+SP" if option.sequence_parallel else "") + ("×FSDP" if option.sharding else "")
+        return (
+            f"TP{option.tensor}"
+            + ("+SP" if option.get("sequence_parallel", False) else "")
+            + ("×FSDP" if option.get("sharding") else "")
+        )
 
     def prefetch(self, estimator, option) -> None:
         from distrain.planner.simulate import start_tensor_parallel_simulation
@@ -68,7 +72,7 @@ class ModelParallel(CostModel):
 
     def estimate(self, estimator, option) -> Row:
         p = _simulated(estimator, option)
-        sharded = p.params + p.grads + p.optimizer if option.sharding else 0
+        sharded = p.params + p.grads + p.optimizer if option.get("sharding") else 0
         return Row(option, p.params, p.grads, p.optimizer, p.activations, 0, p.peak, sharded=sharded)
 
     def activation_slope(self, estimator, option) -> float:
@@ -100,7 +104,7 @@ def _simulated(estimator, option):
 
 def _key(estimator, option) -> tuple:
     o = option
-    return ("tp", o.tensor, o.context, o.sequence_parallel, o.checkpoint, estimator.job.micro_batch)
+    return ("tp", o.tensor, o.context, o.get("sequence_parallel", False), o.checkpoint, estimator.job.micro_batch)
 
 
 def _simulation(estimator, option) -> dict:
@@ -112,7 +116,7 @@ def _simulation(estimator, option) -> dict:
         world_size=job.world_size,
         tensor=option.tensor,
         context=option.context,
-        sequence_parallel=option.sequence_parallel,
+        sequence_parallel=option.get("sequence_parallel", False),
         precision=job.precision,
         checkpoint=option.checkpoint,
         accumulate=job.accumulate,

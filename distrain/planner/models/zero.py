@@ -232,14 +232,14 @@ class ZeroStates:
 def zero_states(est: Estimates, option: Option) -> ZeroStates:
     job = est.job
     world, stats = job.world_size, est.stats
-    zero = zero_settings(_user_json(job) or None, option.stage, job.spec.hidden_size)
+    zero = zero_settings(_user_json(job) or None, option.get("stage"), job.spec.hidden_size)
     pb = ELEMENT_BYTES[est.dtypes("zero")[0]]
     opt = flat_optimizer(est, on_gpu_fused=job.gpu and option.offload == "none")
     frozen = (stats.numel - stats.trainable) * pb + stats.buffer_bytes
     bucket = int(zero["reduce_bucket_size"])
-    copies = 2 if zero["overlap_comm"] and option.stage < 3 else 1
+    copies = 2 if zero["overlap_comm"] and option.get("stage") < 3 else 1
     buckets = copies * bucket * pb if zero["contiguous_gradients"] else 0
-    if option.stage in (1, 2):
+    if option.get("stage") in (1, 2):
         align = 2 * world  # nccl_start_alignment_factor × world size
         groups = optimizer_groups(est)
         flat = sum(math.ceil(sum(g) / align) * align for g in groups)
@@ -282,11 +282,11 @@ def zero_states(est: Estimates, option: Option) -> ZeroStates:
 
 def zero_row(est: Estimates, option: Option) -> Row:
     job = est.job
-    zero = zero_settings(_user_json(job) or None, option.stage, job.spec.hidden_size)
+    zero = zero_settings(_user_json(job) or None, option.get("stage"), job.spec.hidden_size)
     states = zero_states(est, option)
     trace = est.trace("zero", option.checkpoint)
     pb = ELEMENT_BYTES[est.dtypes("zero")[0]]
-    if option.stage in (1, 2):
+    if option.get("stage") in (1, 2):
         return _stage_1_2(est, option, states, trace, pb, int(zero["reduce_bucket_size"]))
     return _stage_3(est, option, states, trace, pb)
 
@@ -378,22 +378,22 @@ class Zero(CostModel):
 
     def strategy(self, option) -> str:
         suffix = {"none": "", "cpu": "_offload", "nvme": "_offload_nvme"}[option.offload]
-        return f"deepspeed_stage_{option.stage}{suffix}"
+        return f"deepspeed_stage_{option.get('stage')}{suffix}"
 
     def level(self, option) -> int:
-        return {1: 1, 2: 2, 3: 4}[option.stage]
+        return {1: 1, 2: 2, 3: 4}[option.get("stage")]
 
     def label(self, option, accumulate=None) -> str:
-        return f"zero-{option.stage}"
+        return f"zero-{option.get('stage')}"
 
     def short(self, option) -> str:
-        return f"ZeRO-{option.stage}"
+        return f"ZeRO-{option.get('stage')}"
 
     def offloaded(self, option) -> str:
-        return "opt+params" if option.stage == 3 else "opt"
+        return "opt+params" if option.get("stage") == 3 else "opt"
 
     def sharding(self, option) -> str:
-        return f"zero-{option.stage}"
+        return f"zero-{option.get('stage')}"
 
     def estimate(self, estimator, option) -> Row:
         return zero_row(estimator, option)
@@ -405,7 +405,9 @@ class Zero(CostModel):
     def time_of(self, option, job, trace, units: int, hw):
         """The step of ``trace`` (the bare step in the engine's dtypes) with ``units`` stage-3 gather units."""
         sent = self.collectives(option, job, trace, units)
-        gathers = 2 * job.accumulate if option.stage == 3 else 0  # stage 3's offloaded parameters, at each gather
+        gathers = (
+            2 * job.accumulate if option.get("stage") == 3 else 0
+        )  # stage 3's offloaded parameters, at each gather
         return step_time(job, trace, sent, hw, 1 / job.world_size, option.offload != "none", gathers)
 
     def collectives(self, option, job, trace, units: int) -> list[Collective]:
@@ -416,12 +418,12 @@ class Zero(CostModel):
             return []
         params, grads, inter = trace.param_bytes, trace.grad_bytes, job.num_nodes > 1
         bucket = _zero_bucket_bytes(job, trace)
-        if option.stage == 3:
+        if option.get("stage") == 3:
             return [
                 Collective("all_gather", params, n, 2 * a, units, inter, True),
                 Collective("reduce_scatter", grads, n, a, buckets(grads, bucket), inter, True),
             ]
-        reductions = a if option.stage == 2 else 1  # stage 2 reduces in every micro-batch's backward
+        reductions = a if option.get("stage") == 2 else 1  # stage 2 reduces in every micro-batch's backward
         return [
             Collective("reduce_scatter", grads, n, reductions, buckets(grads, bucket), inter, True),
             Collective("all_gather", params, n, 1, buckets(params, bucket), inter, True),
