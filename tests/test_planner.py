@@ -584,3 +584,25 @@ def test_fsdp_is_simulated_from_a_process_that_holds_a_process_group():
     peak = run_ranks(_fsdp_estimate_inside_a_rank, 2)[0]
     assert peak > 0
 
+
+def test_which_section_asks_for_activation_checkpointing_and_how_often(tmp_path):
+    """Each strategy's section says whether it asks for recomputation and how often; ``training`` asks for every
+    block; nothing asks: none. ``distrain train`` builds its policy from this one answer, for every strategy."""
+    from distrain.config import build_config
+    from distrain.planner.from_config import activation_checkpointing_every
+
+    def every(*items):
+        return activation_checkpointing_every(build_config(None, {}, ["training.model_name=gpt-tiny", *items]))
+
+    asks = tmp_path / "ds.json"
+    asks.write_text(json.dumps({"activation_checkpointing": {"partition_activations": True}}))
+    silent = tmp_path / "silent.json"
+    silent.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    assert every() is None
+    assert every("training.activation_checkpointing=true") == 1
+    assert every("fsdp.activation_checkpointing.every_n_layers=2") is None  # an interval alone asks for nothing
+    enabled = ["fsdp.activation_checkpointing.enabled=true", "fsdp.activation_checkpointing.every_n_layers=2"]
+    assert every(*enabled) == 2
+    assert every(*enabled, "distributed.strategy=ddp") == 2  # the spec's key governs every strategy
+    assert every("distributed.strategy=deepspeed", f"deepspeed.config={asks}") == 1
+    assert every("distributed.strategy=deepspeed", f"deepspeed.config={silent}") is None

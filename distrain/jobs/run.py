@@ -72,7 +72,7 @@ def _start(config: RunConfig, resume: str | None, job: Workload | None = None):
     from distrain import launch
     from distrain.cluster import replica_group, replica_run_dir
     from distrain.planner import decide
-    from distrain.planner.from_config import runs_activation_checkpointing
+    from distrain.planner.from_config import activation_checkpointing_every
     from distrain.strategies import registry
 
     t, d, c = config.training, config.distributed, config.checkpointing
@@ -101,10 +101,9 @@ def _start(config: RunConfig, resume: str | None, job: Workload | None = None):
         return 2
     if decision.accumulate:  # auto chose a layout whose ranks share samples: the same global batch
         t.gradient_accumulation_steps = decision.accumulate
-    ac = runs_activation_checkpointing(config)
-    every_n = config.fsdp.activation_checkpointing.every_n_layers
+    every_n = activation_checkpointing_every(config)
     options = {
-        "activation_checkpointing_policy": {"classes": job.block_classes, "every_n": every_n} if ac else None,
+        "activation_checkpointing_policy": {"classes": job.block_classes, "every_n": every_n} if every_n else None,
         **registry.options_from_config(decision.strategy, config, job.block_classes),
         **decision.strategy_options(job.block_classes),
     }

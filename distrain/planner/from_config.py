@@ -87,15 +87,23 @@ def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
     )
 
 
-def runs_activation_checkpointing(config: RunConfig) -> bool:
-    """Whether ``distrain train`` checkpoints every block: ``training.activation_checkpointing: true``, or a
-    strategy's section that asks for it (``checkpoints_every_block``: the spec's ``activation_checkpointing.enabled``
-    in ``fsdp:``, a DeepSpeed JSON that says how activations are checkpointed)."""
-    if config.training.activation_checkpointing is True:
-        return True
+def activation_checkpointing_every(config: RunConfig) -> int | None:
+    """Every how many blocks ``distrain train`` recomputes activations (1: every block); None: it does not. A
+    strategy's section may ask for it (``activation_checkpointing_every``: the spec's
+    ``activation_checkpointing.enabled`` in ``fsdp:`` with its ``every_n_layers``, a DeepSpeed JSON that says how
+    activations are checkpointed), else ``training.activation_checkpointing: true`` asks for every block."""
     from distrain.config import sections
 
-    return any(getattr(getattr(config, name), "checkpoints_every_block", lambda: False)() for name in sections())
+    for name in sections():
+        every = getattr(getattr(config, name), "activation_checkpointing_every", lambda: None)()
+        if every:
+            return every
+    return 1 if config.training.activation_checkpointing is True else None
+
+
+def runs_activation_checkpointing(config: RunConfig) -> bool:
+    """Whether ``distrain train`` recomputes activations (``activation_checkpointing_every``)."""
+    return activation_checkpointing_every(config) is not None
 
 
 def budget_from_config(config: RunConfig, gpu: bool, per_node: int) -> Budget:

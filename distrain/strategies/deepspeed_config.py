@@ -71,13 +71,14 @@ class DeepSpeedSectionConfig:
     save_full_weights: bool = False
     """Also write a consolidated fp32 ``model.safetensors`` into each checkpoint."""
 
-    def checkpoints_every_block(self) -> bool:
-        """The DeepSpeed JSON says how activations are checkpointed (partitioned, on the CPU): every block is."""
+    def activation_checkpointing_every(self) -> int | None:
+        """The DeepSpeed JSON says how activations are checkpointed (partitioned, on the CPU): every block is (1);
+        None when it says nothing of them."""
         if self.config is None:
-            return False
+            return None
         section = (read_user_config(self.config)[0] or {}).get("activation_checkpointing") or {}
         keys = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
-        return any(section.get(k) for k in keys)
+        return 1 if any(section.get(k) for k in keys) else None
 
     @classmethod
     def own_file(cls, tree: dict, path: Path) -> dict | None:

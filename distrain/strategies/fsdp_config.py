@@ -56,6 +56,8 @@ class FSDPConfig:
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
 
-    def checkpoints_every_block(self) -> bool:
-        """The spec's ``activation_checkpointing.enabled``: every block recomputed, whatever the strategy."""
-        return self.activation_checkpointing.enabled
+    def activation_checkpointing_every(self) -> int | None:
+        """The spec's ``activation_checkpointing.enabled``: blocks recomputed (every ``every_n_layers``-th),
+        whatever the strategy; None when not enabled."""
+        ac = self.activation_checkpointing
+        return ac.every_n_layers if ac.enabled else None
