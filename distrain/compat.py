@@ -133,6 +133,39 @@ def deepspeed_without_shm_op():
             ops["deepspeed_shm_comm"] = before
 
 
+#: ``deepspeed.utils.groups``' module globals that hold process groups, and their values before any is made
+_DEEPSPEED_GROUP_GLOBALS = {
+    **dict.fromkeys(("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP"), None),
+    **dict.fromkeys(("_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "mpu", "mesh_device"), None),
+    **dict.fromkeys(("_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", "_MPU_TENSOR_MODEL_PARALLEL_RANK"), None),
+    **dict.fromkeys(("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"), dict),
+    **dict.fromkeys(("_EXPERT_DATA_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP_RANKS"), dict),
+}
+
+
+def deepspeed_forget_ended_groups() -> bool:
+    """DeepSpeed keeps the process groups it makes (its copy of the world group, ZeRO's, the experts') in module
+    globals of ``deepspeed.utils.groups`` for the life of the process (deepspeed 0.19.8). When the process group
+    they were made from has ended and another begun in the same process (``verify`` then ``fit`` in one script, two
+    fits of one torchrun script, a notebook), the next engine broadcasts over a destroyed group: "Group ... is not
+    registered". Before an engine is made, if any of them belongs to no live group (``distributed_c10d._world.
+    pg_map``, torch 2.13.0), all of them are forgotten, and DeepSpeed makes them again. True when it forgot."""
+    from deepspeed.utils import groups
+
+    live = dist.distributed_c10d._world.pg_map
+
+    def ended(value) -> bool:
+        if isinstance(value, dict):
+            return any(ended(v) for v in value.values())
+        return isinstance(value, dist.ProcessGroup) and value not in live
+
+    if not any(ended(getattr(groups, name, None)) for name in _DEEPSPEED_GROUP_GLOBALS):
+        return False
+    for name, initial in _DEEPSPEED_GROUP_GLOBALS.items():
+        setattr(groups, name, initial() if initial is dict else initial)
+    return True
+
+
 def cpu_info_asked_once() -> None:
     """py-cpuinfo's ``get_cpu_info()`` answers from a new Python process on every call (about 1 s on this machine's
     2 cores, more when they are busy), and DeepSpeed asks it for each CPU Adam it builds and for each op it checks

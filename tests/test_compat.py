@@ -278,6 +278,38 @@ def test_deepspeed_model_state_estimates():
     assert estimates["zero3_offload_params"][1] == 4 * layer
 
 
+def test_deepspeed_groups_of_an_ended_process_group_are_forgotten():
+    """A second process group in one process (verify, then fit): DeepSpeed's copy of the first one's world group is
+    forgotten before the next engine, and made again from the live group; the live one is never forgotten."""
+    deepspeed = pytest.importorskip("deepspeed")
+    from deepspeed.utils import groups
+
+    def begin():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+        with compat.deepspeed_without_shm_op():
+            deepspeed.init_distributed("gloo", dist_init_required=False, verbose=False)
+
+    for _ in range(2):
+        begin()
+        try:
+            assert not compat.deepspeed_forget_ended_groups()  # nothing ended yet in this group's life
+            first = groups._clone_world_group()
+            assert not compat.deepspeed_forget_ended_groups() and groups._clone_world_group() is first
+            assert dist.get_global_rank(groups._get_data_parallel_group(), 0) == 0
+        finally:
+            dist.destroy_process_group()
+        begin()
+        try:
+            with pytest.raises(ValueError, match="not registered"):  # what the next engine's broadcast met
+                dist.get_global_rank(groups._clone_world_group(), 0)
+            assert compat.deepspeed_forget_ended_groups()
+            assert groups._clone_world_group() is not first
+            assert dist.get_global_rank(groups._get_data_parallel_group(), 0) == 0
+        finally:
+            dist.destroy_process_group()
+            compat.deepspeed_forget_ended_groups()
+
+
 def test_deepspeed_init_does_not_load_its_shm_op():
     """Loading it takes a file lock that a killed rank leaves behind (later runs then wait forever)."""
     pytest.importorskip("deepspeed")

@@ -155,6 +155,7 @@ class DeepSpeedStrategy(Strategy):
         # later run in this process look launched (detect_cluster wants RANK, WORLD_SIZE and MASTER_* too).
         os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
         compat.cpu_info_asked_once()
+        compat.deepspeed_forget_ended_groups()  # a group of an earlier run in this process is gone
         import deepspeed
 
         with compat.deepspeed_without_shm_op():  # adopts the existing group
