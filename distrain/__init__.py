@@ -40,7 +40,7 @@ _EXPORTS = {
     "wrap": "distrain.strategies.layers",
     "checkpoint_state_of": "distrain.checkpoint.state",
     "CollectiveHangError": "distrain.distributed.watch",
-    "NonFiniteError": "distrain.trainer",
+    "NonFiniteError": "distrain.training.nonfinite",
     "CheckpointError": "distrain.checkpoint.io",
 }
 
@@ -91,7 +91,8 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (nothing is 
         Strategy,
     )
     from distrain.strategies.layers import wrap
-    from distrain.trainer import NonFiniteError, Trainer
+    from distrain.trainer import Trainer
+    from distrain.training.nonfinite import NonFiniteError
 
 
 def __getattr__(name: str):

@@ -19,7 +19,6 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from distrain.batch import BatchLayout, keep_global_batch
-from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary, ProgressBar
+from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary
 from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.cluster import replica_run_dir
 from distrain.config import Bounds, redacted
@@ -40,7 +39,7 @@ from distrain.data import (
     tokens_in_batch,
 )
 from distrain.datamodule import STAGE_LOADERS, is_datamodule, one_loader, optional_loader, stage_loader
-from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
+from distrain.loggers import Logger, TensorBoardLogger
 from distrain.module import Module, StepRouter, loss_of, run_step, unsupported_hooks
 from distrain.run_dir import DEFAULT as DEFAULT_ROOT_DIR
 from distrain.run_dir import choose as choose_run_dir
@@ -50,13 +49,16 @@ from distrain.training import startup
 from distrain.training.anomalies import POLICIES as ANOMALY_POLICIES
 from distrain.training.anomalies import AnomalyError, AnomalyGuard
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
+from distrain.training.defaults import default_callbacks, default_loggers
 from distrain.training.evaluation import Evaluator
 from distrain.training.metrics import MetricsLogger, StepResult
+from distrain.training.nonfinite import POLICIES as NONFINITE_POLICIES
+from distrain.training.nonfinite import NonFiniteError, step_is_finite
+from distrain.training.optimizers import parse_optimizers
 from distrain.training.preemption import StopAgreement
 
 __all__ = ["Trainer", "CHECKPOINT_FORMAT", "NonFiniteError", "AnomalyError"]
 
-NONFINITE_POLICIES = ("stop", "skip", "ignore")
 #: what each numeric argument of ``Trainer`` accepts (None is always "not set"), as the config's keys declare theirs
 TRAINER_NUMBERS = {
     "num_nodes": Bounds(gt=0),
@@ -80,10 +82,6 @@ SKIPPED = object()
 ROLLED_BACK = object()
 #: ``on_train_batch_start`` returned -1 (Lightning's "skip the rest of this epoch"), on some rank
 SKIP_REST_OF_EPOCH = object()
-
-
-class NonFiniteError(RuntimeError):
-    """A loss or gradient norm was NaN or infinite (``on_nonfinite="stop"``)."""
 
 
 @dataclass
@@ -228,24 +226,12 @@ class Trainer:
         #: loss spikes and non-finite losses: re-run, recorded, then stopped at, skipped or rolled back from
         self.anomalies = AnomalyGuard(self, on_anomaly, anomaly_window, anomaly_zscore) if on_anomaly else None
         # what runs beside it
-        self.callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
-        if enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
-            self.callbacks.append(ModelCheckpoint())
-        for cb in self.callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
-                cb.dirpath = Path(replica_run_dir(str(cb.dirpath)))
-        if enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
-            self.callbacks.append(ProgressBar())
-        if enable_plots and not any(isinstance(c, PlotSummary) for c in self.callbacks):
-            self.callbacks.append(PlotSummary())  # <log_dir>/plots/summary.png when training ends
-        if histogram_every_n_steps is not None:  # weights and gradients, gathered one parameter at a time
-            from distrain.callbacks.histograms import ParameterHistograms
-
-            self.callbacks.append(ParameterHistograms(histogram_every_n_steps))
-        _check_state_keys(self.callbacks)
+        self.callbacks = default_callbacks(
+            callbacks, enable_checkpointing, enable_progress_bar, enable_plots, histogram_every_n_steps
+        )
         self.metrics = MetricsLogger(
             self.runtime,
-            _loggers(logger, self.log_dir),
+            default_loggers(logger, self.log_dir),
             log_every_n_steps,
             print_steps=not enable_progress_bar,
             straggler_threshold=straggler_threshold,
@@ -365,7 +351,7 @@ class Trainer:
             self.log_dir = path
             self._point_runtime_at_run_dir()
             if self._default_loggers:
-                self.metrics.loggers = _loggers(True, path)
+                self.metrics.loggers = default_loggers(True, path)
 
     def _point_runtime_at_run_dir(self) -> None:
         self.runtime.flight_recorder_dir = os.path.join(self.log_dir, "flight_recorder")  # NCCL only
@@ -848,30 +834,9 @@ class Trainer:
         return rt.strategy.gradient_norm(self.model, optimizer)
 
     def _finite(self, grad_norm: Any, step_loss: torch.Tensor) -> bool:
-        """False when the step's gradient norm is NaN or infinite (``skip``); ``stop`` raises instead,
-        naming the step, the rank(s) whose loss was bad, or the gradient norm."""
-        if grad_norm is None or self.loop.on_nonfinite == "ignore" or math.isfinite(float(grad_norm)):
-            return True
-        # every rank is here together (the norm is the same everywhere): find which losses were bad
-        losses = self.runtime.all_gather(step_loss.detach().float().reshape(1)).flatten().tolist()
-        bad = [r for r, v in enumerate(losses) if not math.isfinite(v)]
-        if bad:
-            what = f"the loss was {losses[bad[0]]} on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
-        else:
-            what = f"the gradient norm was {float(grad_norm)} (the loss was finite on every rank)"
-        step = self.global_step + 1
-        if self.loop.on_nonfinite == "stop":
-            last = self.checkpoints.last_path()
-            kept = f"; {last} still holds the newest checkpoint" if last.exists() else ""
-            raise NonFiniteError(
-                f"distrain: at step {step} {what}; training stopped before applying it (on_nonfinite='stop'){kept}. "
-                "on_nonfinite='skip' drops such steps instead"
-            )
-        if self.is_global_zero:
-            print(
-                f"distrain: at step {step} {what}; the step is skipped on every rank (on_nonfinite='skip')", flush=True
-            )
-        return False
+        """False when the step must be skipped (``training/nonfinite.py``)."""
+        policy, step = self.loop.on_nonfinite, self.global_step + 1
+        return step_is_finite(policy, grad_norm, step_loss, step, self.runtime, self.checkpoints)
 
     def _after_step(self, output: Any, last_micro_batch: tuple[int, Any], val_loader) -> None:
         rt = self.runtime
@@ -1018,7 +983,7 @@ class Trainer:
             live_state=(self.checkpoints.live_state, self.checkpoints.load_live_state),
         )
         manual = not module.automatic_optimization
-        configure = lambda: _parse_optimizers(module.configure_optimizers(), manual)  # noqa: E731
+        configure = lambda: parse_optimizers(module.configure_optimizers(), manual)  # noqa: E731
         self.model, self.optimizers, self.lr_schedulers = rt.strategy.setup(StepRouter(module), configure, loop)
         self._manual_optimizers = [ManualOptimizer(self, o) for o in self.optimizers] if manual else []
 
@@ -1141,14 +1106,6 @@ class ManualOptimizer:
         return getattr(self.optimizer, name)
 
 
-def _loggers(logger: bool | Logger | Iterable[Logger], root: str) -> list[Logger]:
-    if logger is True:
-        return [JSONLLogger(root), TensorBoardLogger(root)]
-    if not logger:
-        return []
-    return [logger] if isinstance(logger, Logger) else list(logger)
-
-
 def _overrides(module: Module, *names: str) -> bool:
     """``module``'s class defines one of ``names`` itself (not ``Module``'s default)."""
     return any(getattr(type(module), name) is not getattr(Module, name) for name in names)
@@ -1161,61 +1118,6 @@ def _as_module(module: nn.Module) -> Module:
         f"{type(module).__name__} is a plain nn.Module; wrap it: distrain.LossModule(model, learning_rate=...) "
         "(its forward must return a loss), or subclass distrain.Module"
     )
-
-
-def _parse_optimizers(conf: Any, manual: bool = False) -> tuple[list[torch.optim.Optimizer], list[dict]]:
-    """Every form of ``configure_optimizers`` Lightning accepts: an optimizer; a list or tuple of them;
-    ``([optimizers], [schedulers])``; ``{"optimizer": o, "lr_scheduler": s or {"scheduler": s, "interval",
-    "frequency", "monitor"}, "monitor": ...}``; a list of such dicts. Several optimizers need manual optimization
-    (as in Lightning 2.x)."""
-    schedulers: list = []
-    if isinstance(conf, torch.optim.Optimizer):
-        optimizers = [conf]
-    elif isinstance(conf, dict):
-        optimizers, schedulers = _parse_optimizer_dict(conf)
-    elif isinstance(conf, (list, tuple)) and len(conf) == 2 and all(isinstance(c, (list, tuple)) for c in conf):
-        optimizers, schedulers = list(conf[0]), list(conf[1])
-    elif isinstance(conf, (list, tuple)) and conf and all(isinstance(c, dict) for c in conf):
-        optimizers = []
-        for c in conf:
-            opts, scheds = _parse_optimizer_dict(c)
-            optimizers += opts
-            schedulers += scheds
-    elif isinstance(conf, (list, tuple)):
-        optimizers = list(conf)
-    else:
-        raise TypeError(
-            f"configure_optimizers returned {type(conf).__name__}; expected an optimizer, a list of them, "
-            "([optimizers], [schedulers]), or a dict with 'optimizer'"
-        )
-    if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
-        raise TypeError("configure_optimizers must give at least one torch.optim.Optimizer")
-    if len(optimizers) != 1 and not manual:
-        raise ValueError(
-            f"configure_optimizers gave {len(optimizers)} optimizers: several need manual optimization "
-            "(automatic_optimization = False and opt.step() in training_step), as in Lightning"
-        )
-    configs = []
-    for s in schedulers:
-        c = dict(s) if isinstance(s, dict) else {"scheduler": s}
-        c.setdefault("interval", "epoch")
-        c.setdefault("frequency", 1)
-        if c["interval"] not in ("step", "epoch"):
-            raise ValueError(f"lr_scheduler interval must be 'step' or 'epoch', got {c['interval']!r}")
-        configs.append(c)
-    return optimizers, configs
-
-
-def _parse_optimizer_dict(conf: dict) -> tuple[list, list]:
-    if "optimizer" not in conf:
-        raise KeyError(f"configure_optimizers returned a dict without 'optimizer' (keys: {', '.join(conf)})")
-    scheduler = conf.get("lr_scheduler")
-    if scheduler is None:
-        return [conf["optimizer"]], []
-    scheduler = dict(scheduler) if isinstance(scheduler, dict) else {"scheduler": scheduler}
-    if conf.get("monitor") is not None:
-        scheduler.setdefault("monitor", conf["monitor"])
-    return [conf["optimizer"]], [scheduler]
 
 
 def _accumulation_schedule(value: int | dict[int, int]) -> dict[int, int]:
@@ -1255,19 +1157,3 @@ def _flops_per_token(module: Module) -> float | None:
             stacklevel=2,
         )
         return None
-
-
-def _check_state_keys(callbacks: list[Callback]) -> None:
-    """Two callbacks with state under one key would overwrite each other's in every checkpoint (and a resume would
-    give both the survivor's): refused before anything runs, as Lightning refuses it."""
-    seen: dict[str, Callback] = {}
-    for cb in callbacks:
-        if type(cb).state_dict is Callback.state_dict:  # keeps no state
-            continue
-        if cb.state_key in seen:
-            raise ValueError(
-                f"two {type(cb).__name__} callbacks keep their state under one key ({cb.state_key!r}), so each "
-                "checkpoint would hold only one of them; make them differ in what the key is made of (for "
-                "ModelCheckpoint: monitor, mode, every_n_train_steps or every_n_epochs)"
-            )
-        seen[cb.state_key] = cb

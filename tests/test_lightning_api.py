@@ -592,7 +592,7 @@ def test_hparams_read_as_attributes_and_keys():
     ["optimizer", "list", "lists", "dict", "dict_monitor", "list_of_dicts"],
 )
 def test_configure_optimizers_forms(form):
-    from distrain.trainer import _parse_optimizers
+    from distrain.training.optimizers import parse_optimizers
 
     p = nn.Linear(2, 2)
     opt = torch.optim.SGD(p.parameters(), lr=0.1)
@@ -605,7 +605,7 @@ def test_configure_optimizers_forms(form):
         "dict_monitor": {"optimizer": opt, "lr_scheduler": sched, "monitor": "val_loss"},
         "list_of_dicts": [{"optimizer": opt, "lr_scheduler": sched}],
     }[form]
-    optimizers, schedulers = _parse_optimizers(conf)
+    optimizers, schedulers = parse_optimizers(conf)
     assert optimizers == [opt]
     if form == "dict":
         assert schedulers[0]["interval"] == "step" and schedulers[0]["frequency"] == 2

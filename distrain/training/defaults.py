@@ -1,0 +1,64 @@
+"""What a Trainer runs beside the loop unless told otherwise: its default callbacks (checkpoints, the progress bar,
+the summary plot, parameter histograms) and loggers (JSON lines, TensorBoard)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary, ProgressBar
+from distrain.cluster import replica_run_dir
+from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
+
+
+def default_callbacks(
+    callbacks: Iterable[Callback] | Callback | None,
+    checkpointing: bool,
+    progress_bar: bool,
+    plots: bool,
+    histogram_every_n_steps: int | None,
+) -> list[Callback]:
+    """The user's callbacks, and the defaults they did not give one of: a ``ModelCheckpoint`` (its folder in the
+    replica group's run directory of a fault-tolerant run), a ``ProgressBar``, a ``PlotSummary`` and, when asked,
+    ``ParameterHistograms``. Two that would keep their state under one key are refused."""
+    callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+    if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        callbacks.append(ModelCheckpoint())
+    for cb in callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
+            cb.dirpath = Path(replica_run_dir(str(cb.dirpath)))
+    if progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(ProgressBar())
+    if plots and not any(isinstance(c, PlotSummary) for c in callbacks):
+        callbacks.append(PlotSummary())  # <log_dir>/plots/summary.png when training ends
+    if histogram_every_n_steps is not None:  # weights and gradients, gathered one parameter at a time
+        from distrain.callbacks.histograms import ParameterHistograms
+
+        callbacks.append(ParameterHistograms(histogram_every_n_steps))
+    check_state_keys(callbacks)
+    return callbacks
+
+
+def default_loggers(logger: bool | Logger | Iterable[Logger], root: str) -> list[Logger]:
+    """``logger=True``: JSON lines and TensorBoard under ``root``; False: none; else the user's."""
+    if logger is True:
+        return [JSONLLogger(root), TensorBoardLogger(root)]
+    if not logger:
+        return []
+    return [logger] if isinstance(logger, Logger) else list(logger)
+
+
+def check_state_keys(callbacks: list[Callback]) -> None:
+    """Two callbacks with state under one key would overwrite each other's in every checkpoint (and a resume would
+    give both the survivor's): refused before anything runs, as Lightning refuses it."""
+    seen: dict[str, Callback] = {}
+    for cb in callbacks:
+        if type(cb).state_dict is Callback.state_dict:  # keeps no state
+            continue
+        if cb.state_key in seen:
+            raise ValueError(
+                f"two {type(cb).__name__} callbacks keep their state under one key ({cb.state_key!r}), so each "
+                "checkpoint would hold only one of them; make them differ in what the key is made of (for "
+                "ModelCheckpoint: monitor, mode, every_n_train_steps or every_n_epochs)"
+            )
+        seen[cb.state_key] = cb
