@@ -124,13 +124,13 @@ _config.CHECKS.insert(0, _strategy_checks)
 
 
 class _QuietImportNoise(logging.Filter):
-    """``compat._DropImportNoise`` (torchao's import noise on a CPU build of torch), imported only when torchao or
+    """``compat.DropImportNoise`` (torchao's import noise on a CPU build of torch), imported only when torchao or
     torch's pytree logs something: torch is loaded by then, and ``import distrain`` stays free of it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from distrain.compat import _DropImportNoise
+        from distrain.compat import DropImportNoise
 
-        return _DropImportNoise().filter(record)
+        return DropImportNoise().filter(record)
 
 
 for _name in ("torchao", "torch.utils._pytree"):  # before transformers (or distrain's fp8) imports torchao

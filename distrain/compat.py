@@ -237,7 +237,7 @@ def transformers_no_init_weights():
 
 
 # ---- torchao (precision="fp8") ------------------------------------------------------------------------------
-class _DropImportNoise(logging.Filter):
+class DropImportNoise(logging.Filter):
     """torchao 0.18 on a CPU build of torch: importing it (transformers does, for any model) warns that its
     CUDA kernels cannot load and makes torch warn about its enum registrations. Neither says anything a
     user can act on; only these two messages are dropped."""

@@ -277,3 +277,25 @@ def test_the_sniffing_checker_sees_each_kind():
     assert strategy_sniffing("trainer.strategy.full_parameter(p)") == []
     assert strategy_sniffing("if strategy == 'auto': pass") == []  # a request for the decision, not a strategy
     assert strategy_sniffing("mp.start_processes(f, start_method='fork') if start_method == 'fork' else 0") == []
+
+
+def private_imports(modules: dict[str, Path] | None = None) -> list[str]:
+    """``from distrain.x import _name`` in a module other than ``distrain.x``: one module reaching into another's
+    private names (the planner's cost models once read DeepSpeed's ``_fill_buckets`` and ``_hidden_size``)."""
+    found = []
+    for name, file in (modules or _modules()).items():
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distrain") and not node.level:
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private and node.module != name:
+                    found.append(f"{name}:{node.lineno} imports {', '.join(private)} from {node.module}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_names(tmp_path):
+    assert not private_imports(), "\n".join(private_imports())
+    reaching = tmp_path / "reaching.py"
+    reaching.write_text("from distrain.strategies.deepspeed_config import _secret, public\n")
+    assert private_imports({"distrain.reaching": reaching}) == [
+        "distrain.reaching:1 imports _secret from distrain.strategies.deepspeed_config"
+    ]

@@ -237,7 +237,7 @@ def test_transformers_masks_as_in_eager_under_fake_tensors(tmp_path, monkeypatch
     from distrain.hf.tiny import make_tiny_llama
     from distrain.planner.model_stats import (
         ModelSpec,
-        _Phases,
+        Phases,
         create_optimizer_state,
         first_optimizer,
         to_empty_keeping_ties,
@@ -252,7 +252,7 @@ def test_transformers_masks_as_in_eager_under_fake_tensors(tmp_path, monkeypatch
     create_optimizer_state(module, optimizer)
     batch = spec.make_batch(4)
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])  # what real data has
-    phases = _Phases()
+    phases = Phases()
     tracker = fake.timeline_memory_tracker(phases.sample)
     tracker.track_external(module, optimizer, *batch.values())
     with tracker:

@@ -36,7 +36,7 @@ def test_traced_step_matches_the_same_step_run_for_real():
     """Fake tensors allocate nothing but account for every byte: the traced step of gpt-tiny holds
     the activations the real one does (MemTracker in real mode, same code)."""
     from distrain.planner import fake
-    from distrain.planner.model_stats import _Phases, create_optimizer_state, first_optimizer, to_empty_keeping_ties
+    from distrain.planner.model_stats import Phases, create_optimizer_state, first_optimizer, to_empty_keeping_ties
 
     spec = ModelSpec.builtin_gpt("gpt-tiny", 64)
     traced = trace_step(spec, 4)
@@ -45,7 +45,7 @@ def test_traced_step_matches_the_same_step_run_for_real():
     optimizer = first_optimizer(module.configure_optimizers())
     create_optimizer_state(module, optimizer)
     batch = spec.make_batch(4)
-    phases = _Phases()
+    phases = Phases()
     tracker = fake.timeline_memory_tracker(phases.sample)
     tracker.track_external(module, optimizer, *batch)
     with tracker:

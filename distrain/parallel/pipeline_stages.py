@@ -203,7 +203,7 @@ class PipelineRunner:
             self._before_each(batch)
         with self._answering(output, batch):
             step_output = run_step(self.module, "training_step", batch, batch_idx)
-        loss = _plain(loss_of(step_output))
+        loss = whole_tensor(loss_of(step_output))
         self._losses[index] = loss.detach().float()
         self._output = step_output
         return self.precision.scale_loss(loss * self._scale)
@@ -229,7 +229,7 @@ class PipelineRunner:
         if index is not None:
             batch_idx, batch = self._window[index]
             with self._answering(output, batch):
-                self._eval_result = _plain_tree(getattr(self.module, self._eval_step)(batch, batch_idx))
+                self._eval_result = whole_tensors(getattr(self.module, self._eval_step)(batch, batch_idx))
         return torch.zeros((), device=self.device)
 
     # ---- the schedule -------------------------------------------------------------------------------------------
@@ -387,16 +387,16 @@ def _surrogate_loss(output: Any) -> torch.Tensor:
     """A loss of the right kind for torch's shape inference: gradients of the right shapes (zeros)."""
     from torch.utils._pytree import tree_leaves
 
-    tensors = [_plain(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    tensors = [whole_tensor(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return sum((t.float().sum() * 0.0 for t in tensors), torch.zeros(()))
 
 
-def _plain(x: Any) -> Any:
+def whole_tensor(x: Any) -> Any:
     """A DTensor as the whole tensor it stands for (differentiably); anything else as it is."""
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def _plain_tree(x: Any) -> Any:
+def whole_tensors(x: Any) -> Any:
     from torch.utils._pytree import tree_map
 
-    return tree_map(lambda t: _plain(t).detach() if isinstance(t, torch.Tensor) else t, x)
+    return tree_map(lambda t: whole_tensor(t).detach() if isinstance(t, torch.Tensor) else t, x)

@@ -24,7 +24,7 @@ from distrain.planner.model_stats import (
     trace_step,
 )
 from distrain.planner.models import model_of
-from distrain.planner.options import _BYTE_FIELDS, Option, Row
+from distrain.planner.options import BYTE_FIELDS, Option, Row
 from distrain.planner.simulate import Started
 from distrain.planner.timing import Hardware, StepTime
 
@@ -200,13 +200,13 @@ class Estimator:
             k = option.checkpoint
             values = {
                 f: max(int(getattr(none, f) + k * (getattr(one, f) - getattr(none, f))), getattr(every, f))
-                for f in _BYTE_FIELDS
+                for f in BYTE_FIELDS
             }
             return _replace(one, option=option, **values)
         model = option.model
         if self._shallow is not None and model.extrapolates_depth:
             rows = {d: est.estimate(option) for d, est in self._shallow.items()}
-            values = {f: affine({d: getattr(r, f) for d, r in rows.items()}, blocks) for f in _BYTE_FIELDS}
+            values = {f: affine({d: getattr(r, f) for d, r in rows.items()}, blocks) for f in BYTE_FIELDS}
             note = rows[max(rows)].note
             return _replace(rows[max(rows)], option=option, note=note, **values)
         return model.estimate(self, option)

@@ -161,7 +161,7 @@ class ModelSpec:
             make_batch=make_batch,
             seq_len=max(lengths, default=1),
             block_classes=blocks,
-            hidden_size=_hidden_size(probe),
+            hidden_size=layers.hidden_size_of(probe),
             num_blocks=sum(isinstance(m, blocks) for m in probe.modules()) if blocks else 0,
         )
 
@@ -174,12 +174,6 @@ def _meta_copy(module: nn.Module) -> nn.Module:
             meta = torch.empty_like(t, device="meta")
             memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
     return copy.deepcopy(module, memo)
-
-
-def _hidden_size(module: nn.Module) -> int | None:
-    from distrain.strategies.deepspeed import _hidden_size as hidden
-
-    return hidden(module)
 
 
 # ---- parameters ----------------------------------------------------------------------------------------
@@ -277,7 +271,7 @@ class StepTrace:
         return max((act for act, _ in self.timeline[index:]), default=0)
 
 
-class _Phases:
+class Phases:
     """Running maxima of MemTracker's current snapshot after every operation."""
 
     ACTIVATION_KINDS = ("Activation", "Temp", "Other")
@@ -359,7 +353,7 @@ def trace_step(
     if param_dtype != torch.float32:
         module.to(param_dtype)
     apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint), reentrant)
-    with _fake_mode() as mode, fake.transformers_masks_as_in_eager():
+    with fake_mode() as mode, fake.transformers_masks_as_in_eager():
         to_empty_keeping_ties(module)
         optimizer = first_optimizer(module.configure_optimizers())
         if foreach:
@@ -367,7 +361,7 @@ def trace_step(
         create_optimizer_state(module, optimizer)
         batch = tree_map_only(torch.Tensor, mode.from_tensor, spec.make_batch(micro_batch))
         inputs = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
-        phases = _Phases()
+        phases = Phases()
         grad_events: list[tuple[int, int, int]] = []
         groups = []
         for g, group in enumerate(optimizer.param_groups):
@@ -434,7 +428,7 @@ def to_empty_keeping_ties(module: nn.Module, device: str = "cpu") -> None:
             m._parameters[name] = shared
 
 
-def _fake_mode():
+def fake_mode():
     # non-fake inputs: the meta parameters that ``to_empty`` turns into fake ones
     return fake.fake_tensor_mode(allow_non_fake_inputs=True)
 

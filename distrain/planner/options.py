@@ -9,7 +9,7 @@ from distrain.planner.models import model_of
 from distrain.planner.timing import StepTime
 
 #: Row fields that are bytes (extrapolated and interpolated)
-_BYTE_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "peak", "host", "sharded")
+BYTE_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "peak", "host", "sharded")
 
 
 @dataclass(frozen=True, init=False, repr=False)

@@ -123,9 +123,9 @@ class Strategy:
         self.process_group_backend = process_group_backend
         self.activation_checkpointing_policy = activation_checkpointing_policy
         #: process-group init (and checkpoint IO) wait this long: nodes come up at different times
-        self.timeout = _as_timedelta(timeout)
+        self.timeout = as_timedelta(timeout)
         #: every other collective fails after this, naming the ranks that did not arrive (None: ``timeout``)
-        self.collective_timeout = _as_timedelta(collective_timeout)
+        self.collective_timeout = as_timedelta(collective_timeout)
         #: where NCCL's flight recorder dumps on a timeout (the Trainer sets its run dir)
         self.flight_recorder_dir: str | None = None
         self.accelerator: Accelerator | None = None
@@ -501,7 +501,7 @@ def _cuda_backend(backend: str) -> str:
     return pairs.get("cuda", "")
 
 
-def _as_timedelta(value: timedelta | float | None) -> timedelta | None:
+def as_timedelta(value: timedelta | float | None) -> timedelta | None:
     """Seconds (or a timedelta) as a timedelta: a positive, finite time (NaN or inf crashed later, inside a
     collective's set-up)."""
     if value is None or isinstance(value, timedelta):

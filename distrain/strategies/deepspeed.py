@@ -44,7 +44,7 @@ from distrain.strategies.deepspeed_config import (
     read_user_config,
     zero_stage,
 )
-from distrain.strategies.layers import selected_layers
+from distrain.strategies.layers import hidden_size_of, selected_layers
 from distrain.strategies.registry import register
 
 
@@ -258,7 +258,7 @@ class DeepSpeedStrategy(Strategy):
             precision=self.precision.name,
             on_cuda=self.root_device.type == "cuda",
             total_steps=loop.total_steps,
-            hidden_size=_hidden_size(module),
+            hidden_size=hidden_size_of(module),
             optimizer_defaults=_optimizer_settings(optimizers[0]) if optimizers else None,
         )
         self.filled_config = fill_config(
@@ -722,17 +722,6 @@ def _prefix_of(model: nn.Module | None, root: nn.Module) -> str:
         if m is model:
             return f"{name}." if name else ""
     return ""
-
-
-def _hidden_size(module: nn.Module) -> int | None:
-    """The width the bucket-size rules of thumb scale with: HF's config.hidden_size, GPT's n_embd."""
-    for m in module.modules():
-        for holder in (getattr(m, "config", None), getattr(m, "cfg", None)):
-            for key in ("hidden_size", "n_embd", "d_model"):
-                value = getattr(holder, key, None)
-                if isinstance(value, int):
-                    return value
-    return None
 
 
 def _values_from_hyperparameters(module: nn.Module) -> dict[str, Any]:

@@ -187,7 +187,7 @@ def fill_config(config: dict, facts: TrainingFacts, source: str, extra: dict[str
     _fill_batch(cfg, facts, source)
     _fill_clipping(cfg, facts, source)
     _fill_optimizer_and_scheduler(cfg, facts, source, extra)
-    _fill_buckets(cfg, facts, source)
+    fill_buckets(cfg, facts, source)
     leftover = [path for path, value in _leaves(cfg) if value == "auto"]
     if leftover:
         raise ValueError(
@@ -285,7 +285,7 @@ def _fill_optimizer_and_scheduler(cfg: dict, facts: TrainingFacts, source: str, 
             sched[key] = derived[key]
 
 
-def _fill_buckets(cfg: dict, facts: TrainingFacts, source: str) -> None:
+def fill_buckets(cfg: dict, facts: TrainingFacts, source: str) -> None:
     """Hugging Face's rules of thumb, from the model's hidden size."""
     zero = cfg.get("zero_optimization", {})
     h = facts.hidden_size

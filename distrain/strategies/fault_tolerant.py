@@ -43,7 +43,7 @@ from distrain import distributed
 from distrain.checkpoint import safe_load
 from distrain.cluster import JOB_SECRET, ReplicaGroup, is_loopback_address, job_secret, replica_group
 from distrain.config import ConfigError
-from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits, _as_timedelta
+from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits, as_timedelta
 from distrain.strategies.registry import register
 
 #: gradients are averaged in buckets of about this many bytes (one all-reduce each, within and across groups)
@@ -88,7 +88,7 @@ class TorchFTStrategy(Strategy):
         self._peer_in_meeting = False  # the state taken last came from a peer inside a semi-synchronous meeting
         self.replica_groups, self.min_replicas, self.max_restarts = replica_groups, min_replicas, max_restarts
         self.lighthouse = lighthouse
-        self.ft_timeout = _as_timedelta(ft_timeout)
+        self.ft_timeout = as_timedelta(ft_timeout)
         self.manager = None  # torchft's Manager, made in setup_environment
         self.group: ReplicaGroup | None = None
         self._rejoined = False  # the last quorum replaced this group's state with a peer's

@@ -182,7 +182,7 @@ class FSDPStrategy(Strategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         module = self.precision.convert_module(module)
-        on_meta = _built_on_meta(module)
+        on_meta = built_on_meta(module)
         if not on_meta:
             module = module.to(self.root_device)
             if self.sync_module_states:
@@ -224,7 +224,7 @@ class FSDPStrategy(Strategy):
         """Accumulate unsharded-free local gradients: no reduce-scatter until the last micro-step."""
         if not enabled or not hasattr(module, "set_requires_gradient_sync"):
             return contextlib.nullcontext()
-        return _gradient_sync_off(module)
+        return gradient_sync_off(module)
 
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """As ``Strategy.clip_gradients``, on the sharded (DTensor) gradients: the norm returned is the global one,
@@ -260,7 +260,7 @@ def live_reduce_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 @contextlib.contextmanager
-def _gradient_sync_off(module: nn.Module):
+def gradient_sync_off(module: nn.Module):
     module.set_requires_gradient_sync(False)
     try:
         yield
@@ -268,7 +268,7 @@ def _gradient_sync_off(module: nn.Module):
         module.set_requires_gradient_sync(True)
 
 
-def _built_on_meta(module: nn.Module) -> bool:
+def built_on_meta(module: nn.Module) -> bool:
     """Whether configure_model built the model on the meta device; a mix of meta and real tensors
     cannot be sharded faithfully (re-allocating the meta ones would wipe the real ones)."""
     tensors = [*module.parameters(), *module.buffers()]

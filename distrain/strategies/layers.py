@@ -24,6 +24,17 @@ def is_marked_unit(module: nn.Module) -> bool:
     return getattr(module, "_distrain_wrap", False)
 
 
+def hidden_size_of(module: nn.Module) -> int | None:
+    """The width the bucket-size rules of thumb scale with: HF's config.hidden_size, GPT's n_embd."""
+    for m in module.modules():
+        for holder in (getattr(m, "config", None), getattr(m, "cfg", None)):
+            for key in ("hidden_size", "n_embd", "d_model"):
+                value = getattr(holder, key, None)
+                if isinstance(value, int):
+                    return value
+    return None
+
+
 def block_classes(module: nn.Module) -> set[type]:
     """The model's repeated layer — what sharding strategies make their units, what activation checkpointing
     and per-block compilation select: distrain's ``block_class`` attribute, or transformers'

@@ -39,7 +39,7 @@ from distrain.module import StepRouter
 from distrain.parallel.layout import CP, DP, PP, SCHEDULES, TP, ParallelLayout, default_stages_per_rank, layout_for
 from distrain.strategies import sharded_init
 from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits
-from distrain.strategies.fsdp import _built_on_meta, _gradient_sync_off
+from distrain.strategies.fsdp import built_on_meta, gradient_sync_off
 from distrain.strategies.layers import apply_activation_checkpointing, block_classes, is_marked_unit
 from distrain.strategies.registry import register
 
@@ -217,7 +217,7 @@ class ModelParallelStrategy(Strategy):
             )
         module = self.precision.convert_module(module)
         user = getattr(module, "module", module)  # the user's Module inside the Trainer's step router
-        on_meta = _built_on_meta(module)
+        on_meta = built_on_meta(module)
         if not on_meta:  # built in __init__: every rank starts from rank 0's weights
             module.to(self.root_device)
             for t in [*module.parameters(), *module.buffers()]:
@@ -342,7 +342,7 @@ class ModelParallelStrategy(Strategy):
         root = self.unwrap(module)
         if not enabled or not hasattr(root, "set_requires_gradient_sync"):
             return contextlib.nullcontext()
-        return _gradient_sync_off(root)
+        return gradient_sync_off(root)
 
     def run_step(self, model: nn.Module, micro_batches: list[tuple[int, Any]], before_each=None):
         """A pipeline: its schedule runs the whole window through its stages."""
@@ -436,7 +436,7 @@ class _ParallelModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch.utils._pytree import tree_map
 
-        from distrain.parallel.pipeline_stages import _plain, _plain_tree
+        from distrain.parallel.pipeline_stages import whole_tensor, whole_tensors
 
         strategy = self.strategy
         step_name = args[0] if args and isinstance(args[0], str) else None  # None: a loop of your own calls it
@@ -446,10 +446,10 @@ class _ParallelModel(nn.Module):
         with strategy._loss_parallel():
             out = self.module(*args, **kwargs)
         if step_name == "training_step":  # the loss must stay differentiable
-            return {**out, "loss": _plain(out["loss"])} if isinstance(out, dict) else _plain(out)
+            return {**out, "loss": whole_tensor(out["loss"])} if isinstance(out, dict) else whole_tensor(out)
         if step_name is None and torch.is_grad_enabled():  # your loss, to call backward on: whole, differentiable
-            return tree_map(_plain, out)
-        return _plain_tree(out)
+            return tree_map(whole_tensor, out)
+        return whole_tensors(out)
 
 
 class _StageShards(sharded_init.ShardAccess):

@@ -33,10 +33,10 @@ from distrain.module import loss_of, run_step
 from distrain.planner import fake
 from distrain.planner.model_stats import (
     ModelSpec,
-    _fake_mode,
-    _Phases,
+    Phases,
     apply_activation_checkpointing,
     checkpoint_policy,
+    fake_mode,
     to_empty_keeping_ties,
 )
 from distrain.planner.models import CostModel, data_parallel_kind
@@ -98,7 +98,7 @@ def trace_pipeline(
     if param_dtype != torch.float32:
         module.to(param_dtype)
     apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint))
-    with _fake_mode() as mode, fake.transformers_masks_as_in_eager():
+    with fake_mode() as mode, fake.transformers_masks_as_in_eager():
         to_empty_keeping_ties(module)
         split = split_for(module)
         build = PipelineBuild.create(module, split, ParallelLayout(pipeline=num_stages), 0, split_points)
@@ -133,7 +133,7 @@ def _trace_stage(module, split, stage, index: int, batch, received, autocast):
     held_params = list(held.values())
     inputs = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
     args = () if received is None else (received.detach().requires_grad_(True),)
-    phases, counter = _Phases(), WorkCounter()
+    phases, counter = Phases(), WorkCounter()
     tracker = fake.timeline_memory_tracker(phases.sample)
     tracker.track_external(module, *inputs, *args)
     with tracker, counter:

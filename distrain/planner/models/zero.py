@@ -79,13 +79,13 @@ DEEPSPEED_DEFAULTS = {
 def zero_settings(user: dict | None, stage: int, hidden_size: int | None) -> dict:
     """The ``zero_optimization`` values a run would use: the user's DeepSpeed config section if
     given, else the one distrain's DeepSpeedStrategy builds; "auto" filled by the same rules."""
-    from distrain.strategies.deepspeed_config import TrainingFacts, _fill_buckets, options_config
+    from distrain.strategies.deepspeed_config import TrainingFacts, fill_buckets, options_config
 
     if user is None:
         user = options_config(stage, False, False, "cpu", "cpu", "/local_nvme", 2e8, 2e8, True, True, False, False)
     cfg = {"zero_optimization": dict(user.get("zero_optimization", user))}
     if hidden_size is not None:
-        _fill_buckets(cfg, TrainingFacts(hidden_size=hidden_size), "the DeepSpeed config")
+        fill_buckets(cfg, TrainingFacts(hidden_size=hidden_size), "the DeepSpeed config")
     zero = {**DEEPSPEED_DEFAULTS, **cfg["zero_optimization"]}
     for key in DEEPSPEED_DEFAULTS:
         if zero[key] == "auto":  # no hidden size to fill it from
@@ -107,7 +107,7 @@ def flat_optimizer(est: Estimates, on_gpu_fused: bool) -> FlatOptimizer:
     cached = _FLAT_OPTIMIZERS.get(est)
     if cached is not None:
         return cached
-    from distrain.planner.model_stats import _Phases
+    from distrain.planner.model_stats import Phases
 
     numel = 1 << 16
     module = est.job.spec.build()
@@ -125,7 +125,7 @@ def flat_optimizer(est: Estimates, on_gpu_fused: bool) -> FlatOptimizer:
         holder.flat = flat
         create_optimizer_state(holder, optimizer)
         flat.grad = torch.zeros_like(flat)
-        phases = _Phases()
+        phases = Phases()
         phases.phase = "step"
         tracker = fake.timeline_memory_tracker(phases.sample)
         tracker.track_external(holder, optimizer, flat.grad)
