@@ -248,6 +248,108 @@ class DropImportNoise(logging.Filter):
         return not (cpu_kernels or "is an Enum subclass and is now natively supported by torch.compile" in message)
 
 
+# ---- ring attention (torch.distributed.tensor.experimental._context_parallel) ----------------------------------
+# Checked against torch 2.13.0.
+
+
+def ring_attention(query, key, value, group, scale: float | None = None, balanced: bool = True):
+    """Causal attention of this rank's slice of a sequence against the whole sequence, the key/value slices passed
+    around the ``group`` (ring attention). ``query``/``key``/``value``: ``[batch, heads, local tokens, head_dim]``,
+    the same heads on every rank. ``balanced``: the rank holds chunks ``r`` and ``2N-1-r`` of ``2N`` (torch's
+    round-robin layout, which evens out the causal work); else one contiguous slice, chunk ``r`` of ``N``.
+
+    torch runs ring attention inside its DTensor dispatcher (``context_parallel``), on CUDA kernels only. Its
+    forward and backward are ``_templated_ring_attention`` and ``_templated_ring_attention_backward``, generic over
+    the attention kernel (``_context_parallel._attention``, torch 2.13.0): here they run under an autograd function
+    of our own, with CUDA's memory-efficient kernel (any dtype) or, on a CPU, ``_scaled_dot_product_flash_attention
+    _for_cpu`` and its backward, so the same ring is tested on gloo (``tests/test_context_parallel.py``: it needs
+    ranks). The layout flag the templates read (``_cp_options.enable_load_balance``) is set for the call only.
+
+    Not yet an engine of ``SequenceShard`` (which runs Ulysses): the building block of context parallelism's ring
+    engine, for heads that Ulysses cannot split."""
+    return _RingAttention.apply(query, key, value, group, scale, balanced)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, group, scale, balanced):
+        forward_kernel, _ = _ring_kernels(query)
+        with _ring_layout(balanced) as ring:
+            out, lse, *rest = ring._templated_ring_attention(
+                group, 2, forward_kernel, query, key, value, is_causal=True, **_ring_forward_kwargs(query, scale)
+            )
+        ctx.save_for_backward(query, key, value, out, lse, *rest)
+        ctx.group, ctx.scale, ctx.balanced = group, scale, balanced
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, *rest = ctx.saved_tensors
+        _, backward_kernel = _ring_kernels(query)
+        with _ring_layout(ctx.balanced) as ring:
+            grads = ring._templated_ring_attention_backward(
+                ctx.group,
+                2,
+                backward_kernel,
+                grad_out=grad_out.contiguous(),
+                query=query,
+                key=key,
+                value=value,
+                out=out,
+                logsumexp=lse,
+                is_causal=True,
+                **_ring_backward_kwargs(query, ctx.scale, rest),
+            )
+        return grads[0], grads[1], grads[2], None, None, None
+
+
+def _ring_kernels(query):
+    """(forward, backward) attention kernels of the query's device: CUDA's memory-efficient kernel (fp32, bf16 and
+    fp16 alike), else the CPU flash kernel."""
+    aten = torch.ops.aten
+    if query.device.type == "cuda":
+        return (
+            aten._scaled_dot_product_efficient_attention,
+            aten._scaled_dot_product_efficient_attention_backward.default,
+        )
+    return (
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    )
+
+
+def _ring_forward_kwargs(query, scale) -> dict:
+    if query.device.type == "cuda":  # the kernel's schema; the ring merges log-sum-exps, so it always computes them
+        return {"attn_bias": None, "compute_log_sumexp": True, "dropout_p": 0.0, "scale": scale}
+    return {"dropout_p": 0.0, "scale": scale}
+
+
+def _ring_backward_kwargs(query, scale, rest) -> dict:
+    if query.device.type == "cuda":  # rest: the forward's philox seed and offset (no dropout: unused)
+        return {
+            "grad_out_name": "grad_out_",
+            "attn_bias": None,
+            "philox_seed": rest[0],
+            "philox_offset": rest[1],
+            "dropout_p": 0.0,
+            "grad_input_mask": (True, True, True, False),
+            "scale": scale,
+        }
+    return {"grad_out_name": "grad_out", "dropout_p": 0.0, "scale": scale}
+
+
+@contextlib.contextmanager
+def _ring_layout(balanced: bool):
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    before = ring._cp_options.enable_load_balance
+    ring._cp_options.enable_load_balance = balanced
+    try:
+        yield ring
+    finally:
+        ring._cp_options.enable_load_balance = before
+
+
 # ---- torch.distributed.pipelining -----------------------------------------------------------------------------
 # Checked against torch 2.13.0.
 
