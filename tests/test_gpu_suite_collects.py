@@ -35,6 +35,7 @@ EXPECTED = {
     "test_distrain_bench_on_the_gpu",
     "test_flight_recorder_records_nccl_collectives_with_the_collective_timeout",
     "test_a_stuck_rank_leaves_flight_recorder_dumps_that_name_it",
+    "test_ring_attention_on_cuda_matches_whole_sequence_attention",
 }
 
 
@@ -62,8 +63,9 @@ def test_gpu_suite_collects_and_skips_for_want_of_cuda(tmp_path):
         outcomes[f"{case.get('classname')}::{case.get('name')}"] = None if skipped is None else skipped.get("message")
     names = {key.split("::")[1].split("[")[0] for key in outcomes}
     assert names == EXPECTED, (sorted(names - EXPECTED), sorted(EXPECTED - names))
-    # bf16/fp16 and clipping/no-clipping are two cases each, the two-rank test three (ddp, fsdp, model_parallel)
-    assert len(outcomes) == len(EXPECTED) + 2 + 2
+    # bf16/fp16, clipping/no-clipping and the ring's fp32/bf16 are two cases each, the two-rank test three (ddp,
+    # fsdp, model_parallel)
+    assert len(outcomes) == len(EXPECTED) + 2 + 2 + 1
     for key, message in outcomes.items():
         assert message is not None, f"{key} was not skipped"
         assert "CUDA is missing" in message, (key, message)
