@@ -146,10 +146,11 @@ _DEEPSPEED_GROUP_GLOBALS = {
 def deepspeed_forget_ended_groups() -> bool:
     """DeepSpeed keeps the process groups it makes (its copy of the world group, ZeRO's, the experts') in module
     globals of ``deepspeed.utils.groups`` for the life of the process (deepspeed 0.19.8). When the process group
-    they were made from has ended and another begun in the same process (``verify`` then ``fit`` in one script, two
-    fits of one torchrun script, a notebook), the next engine broadcasts over a destroyed group: "Group ... is not
-    registered". Before an engine is made, if any of them belongs to no live group (``distributed_c10d._world.
-    pg_map``, torch 2.13.0), all of them are forgotten, and DeepSpeed makes them again. True when it forgot."""
+    they were made from has ended and another begun in the same process (a second run after one that ended its
+    group: distrain verify's cells sharing their ranks, a notebook), the next engine broadcasts over a destroyed
+    group: "Group ... is not registered". Before an engine is made, if any of them belongs to no live group
+    (``distributed_c10d._world.pg_map``, torch 2.13.0), all of them are forgotten, and DeepSpeed makes them again.
+    True when it forgot."""
     from deepspeed.utils import groups
 
     live = dist.distributed_c10d._world.pg_map
@@ -273,24 +274,24 @@ def ring_attention(query, key, value, group, scale: float | None = None, balance
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, group, scale, balanced):
-        forward_kernel, _ = _ring_kernels(query)
+        kernel = _RingKernel.of(query, scale)
         with _ring_layout(balanced) as ring:
             out, lse, *rest = ring._templated_ring_attention(
-                group, 2, forward_kernel, query, key, value, is_causal=True, **_ring_forward_kwargs(query, scale)
+                group, 2, kernel.forward, query, key, value, is_causal=True, **kernel.forward_kwargs
             )
         ctx.save_for_backward(query, key, value, out, lse, *rest)
-        ctx.group, ctx.scale, ctx.balanced = group, scale, balanced
+        ctx.group, ctx.kernel, ctx.balanced = group, kernel, balanced
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse, *rest = ctx.saved_tensors
-        _, backward_kernel = _ring_kernels(query)
+        kernel = ctx.kernel
         with _ring_layout(ctx.balanced) as ring:
             grads = ring._templated_ring_attention_backward(
                 ctx.group,
                 2,
-                backward_kernel,
+                kernel.backward,
                 grad_out=grad_out.contiguous(),
                 query=query,
                 key=key,
@@ -298,44 +299,50 @@ class _RingAttention(torch.autograd.Function):
                 out=out,
                 logsumexp=lse,
                 is_causal=True,
-                **_ring_backward_kwargs(query, ctx.scale, rest),
+                **kernel.backward_kwargs(rest),
             )
         return grads[0], grads[1], grads[2], None, None, None
 
 
-def _ring_kernels(query):
-    """(forward, backward) attention kernels of the query's device: CUDA's memory-efficient kernel (fp32, bf16 and
-    fp16 alike), else the CPU flash kernel."""
-    aten = torch.ops.aten
-    if query.device.type == "cuda":
-        return (
-            aten._scaled_dot_product_efficient_attention,
-            aten._scaled_dot_product_efficient_attention_backward.default,
+class _RingKernel:
+    """The attention kernel the ring runs on the query's device, with its schema's keywords: CUDA's
+    memory-efficient kernel (fp32, bf16 and fp16 alike), else the CPU flash kernel. No dropout."""
+
+    def __init__(self, forward, backward, forward_kwargs: dict, backward_kwargs: dict, philox: bool):
+        self.forward, self.backward, self.forward_kwargs = forward, backward, forward_kwargs
+        self._backward_kwargs, self._philox = backward_kwargs, philox
+
+    @classmethod
+    def of(cls, query, scale: float | None) -> _RingKernel:
+        aten = torch.ops.aten
+        common = {"dropout_p": 0.0, "scale": scale}
+        if query.device.type == "cuda":  # the ring merges log-sum-exps, so the kernel always computes them
+            return cls(
+                aten._scaled_dot_product_efficient_attention,
+                aten._scaled_dot_product_efficient_attention_backward.default,
+                {**common, "attn_bias": None, "compute_log_sumexp": True},
+                {
+                    **common,
+                    "grad_out_name": "grad_out_",
+                    "attn_bias": None,
+                    "grad_input_mask": (True, True, True, False),
+                },
+                philox=True,
+            )
+        return cls(
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            common,
+            {**common, "grad_out_name": "grad_out"},
+            philox=False,
         )
-    return (
-        aten._scaled_dot_product_flash_attention_for_cpu,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    )
 
-
-def _ring_forward_kwargs(query, scale) -> dict:
-    if query.device.type == "cuda":  # the kernel's schema; the ring merges log-sum-exps, so it always computes them
-        return {"attn_bias": None, "compute_log_sumexp": True, "dropout_p": 0.0, "scale": scale}
-    return {"dropout_p": 0.0, "scale": scale}
-
-
-def _ring_backward_kwargs(query, scale, rest) -> dict:
-    if query.device.type == "cuda":  # rest: the forward's philox seed and offset (no dropout: unused)
-        return {
-            "grad_out_name": "grad_out_",
-            "attn_bias": None,
-            "philox_seed": rest[0],
-            "philox_offset": rest[1],
-            "dropout_p": 0.0,
-            "grad_input_mask": (True, True, True, False),
-            "scale": scale,
-        }
-    return {"grad_out_name": "grad_out", "dropout_p": 0.0, "scale": scale}
+    def backward_kwargs(self, rest: list) -> dict:
+        """``rest``: what the forward kernel returned beyond the output and its log-sum-exp (CUDA's philox seed and
+        offset, which its backward takes back)."""
+        if not self._philox:
+            return self._backward_kwargs
+        return {**self._backward_kwargs, "philox_seed": rest[0], "philox_offset": rest[1]}
 
 
 @contextlib.contextmanager

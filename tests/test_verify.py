@@ -81,8 +81,8 @@ def _verify_cells(rank, cells, tiny_dirs, root, ports):
 
 
 #: the cells share one pair of rank processes, one cell after the other: each verify ends its process group and
-#: the next one begins another in the same processes, as a script that verifies and then fits does (DeepSpeed's
-#: groups of the ended one are forgotten: ``compat.deepspeed_forget_ended_groups``)
+#: the next one begins another in the same processes, on a port of its own (DeepSpeed's groups of the ended one are
+#: forgotten: ``compat.deepspeed_forget_ended_groups``)
 VERIFY_SESSIONS = (tuple(s for s in STRATEGIES if s != "ddp_spawn"),)
 
 
