@@ -310,3 +310,44 @@ def test_kill_9_under_torchrun_restarts_and_resumes_exactly(tmp_path):
     a = torch.load(tmp_path / "ref" / "final.pt", weights_only=True)
     b = torch.load(tmp_path / "cut" / "final.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+TWO_GROUPS_IN_ONE_JOB = """
+import os, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from distrain import distributed
+
+rank = int(os.environ["RANK"])
+sums = []
+for group in range(3):
+    distributed.init_process_group("gloo", timedelta(seconds=20), None)
+    total = torch.tensor([float(rank + 1 + 10 * group)])
+    dist.all_reduce(total)
+    sums.append(int(total.item()))
+    if rank == 0:
+        time.sleep(1.5)  # rank 1 starts the next group while this one is still up, and its store with it
+    distributed.shutdown(barrier=False)
+print(*sums, flush=True)
+"""
+
+
+def test_one_job_starts_one_group_after_another_while_a_rank_still_ends_the_last(tmp_path):
+    """``verify`` then ``fit`` in one script: each starts a group on the job's port, and no barrier ends a group.
+    A rank quick to start the next one joined its peer's store of the last group, which the peer then closed and
+    opened again on the same port: the peer waited for that rank until the timeout (a verify-then-fit script hung 2
+    runs in 3). Each group of the job now meets in keys of its own, on the one store of the job."""
+    from distrain.cluster import find_free_port
+
+    script = tmp_path / "groups.py"
+    script.write_text(TWO_GROUPS_IN_ONE_JOB)
+    port = str(find_free_port())
+    procs = []
+    for rank in range(2):
+        env = env_without_rank()
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True, **pipes))
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert [out.split() for out, _ in outputs] == [["3", "23", "43"]] * 2

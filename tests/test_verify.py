@@ -18,7 +18,6 @@ from test_matrix import tiny as tiny  # noqa: F401  (the fixture)
 from torch import nn
 
 import distrain
-from distrain.cluster import find_free_port
 from helpers import env_without_rank, run_cli, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,29 +58,20 @@ def _cells():
     return chosen
 
 
-def _verify_cells(rank, cells, tiny_dirs, root, ports):
+def _verify_cells(rank, cells, tiny_dirs, root):
     import gc
-    import os
-    import time
 
     reports = {}
-    for (strategy, kind), port in zip(cells, ports):
-        # verify ends its process group; the next one meets on a port of its own (on the first one's port, a rank
-        # could find the earlier group's rendezvous keys and run ahead of the other)
-        os.environ["MASTER_PORT"] = str(port)
+    for strategy, kind in cells:
+        # verify ends its process group; the next one meets on the same port, in keys of its own (while rank 0 runs
+        # the one-process reference alone, rank 1 waits for it there)
         reports[strategy, kind] = _verify_cell(rank, strategy, kind, tiny_dirs, Path(root) / f"{strategy}-{kind}")
         gc.collect()  # the trainer, its engine and the module refer to each other
-        # rank 0 then runs the one-process reference alone: the next cell starts when both ranks are done (a file
-        # each; there is no group left to wait with)
-        done = Path(root) / f"{strategy}-{kind}.done"
-        (done.parent / f"{done.name}.{rank}").touch()
-        while not all((done.parent / f"{done.name}.{r}").exists() for r in range(2)):
-            time.sleep(0.1)
     return reports
 
 
 #: the cells share one pair of rank processes, one cell after the other: each verify ends its process group and
-#: the next one begins another in the same processes, on a port of its own (DeepSpeed's groups of the ended one are
+#: the next one begins another in the same processes, on the same port (DeepSpeed's groups of the ended one are
 #: forgotten: ``compat.deepspeed_forget_ended_groups``)
 VERIFY_SESSIONS = (tuple(s for s in STRATEGIES if s != "ddp_spawn"),)
 
@@ -101,8 +91,7 @@ def verified(tiny, tmp_path_factory):
                 session = next(s for s in VERIFY_SESSIONS if strategy in s)
                 cells = [c for c in _cells() if c[0] in session and c not in reports]
                 try:
-                    ports = [find_free_port() for _ in cells]
-                    reports.update(run_ranks(_verify_cells, 2, cells, tiny, root, ports)[0])
+                    reports.update(run_ranks(_verify_cells, 2, cells, tiny, root)[0])
                 except Exception as error:  # every cell of the pair fails with it (not run once more for each)
                     reports.update({c: error for c in cells})
         if isinstance(reports[strategy, kind], Exception):

@@ -42,8 +42,8 @@ def init_process_group(
         if "nccl" in backend:
             kwargs["device_id"] = device  # eager NCCL init: errors surface here, not mid-step
             watch.enable_nccl_flight_recorder(flight_recorder_dir)
-        if "TORCHELASTIC_RESTART_COUNT" in os.environ and "store" not in kwargs:
-            kwargs["store"] = _elastic_attempt_store(rank, world, timeout)
+        if "store" not in kwargs:
+            kwargs["store"] = _key_space_of_a_new_group(rank, world, timeout)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
         watch.start(rank, world, timeout)
         # No barrier at exit: a peer that crashed must not make the survivors hang.
@@ -122,17 +122,31 @@ def inherited_never_collected():
 _THREADS_SETTLE = 0.1
 
 
-def _elastic_attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
-    """torchrun's agent keeps one store for the whole job. After a restart, the keys the dead
-    attempt's ranks wrote (their gloo addresses) are still in it, and a new rank can read a dead
-    peer's address before the live peer overwrites it: "connectFullMesh failed ... Connection
-    refused". Each attempt gets its own key space."""
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=not agent_hosts_store and rank == 0,
-        timeout=timeout,
-    )
-    return dist.PrefixStore(f"distrain/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+def _key_space_of_a_new_group(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous keys of the group this process starts now, apart from every earlier group's of the same job.
+
+    One job can start several groups: ``verify`` and then ``fit`` in one script, two fits, a torchrun restart. Each
+    group's ranks publish their gloo/NCCL addresses under the same names, and no barrier ends a group (a crashed peer
+    must not hang the others): a rank that is quick to start the next group could read a peer's address of the last
+    one, or join a store that peer is about to close and reopen on the same port. Both hung, now and then, a
+    ``verify`` followed by a ``fit``. So the job's store is opened once per process and kept (its host keeps the
+    port), and each group gets keys of its own: the restart of the job (torchrun's) and how many groups this
+    process started, which every rank counts alike, as the ranks run the same script."""
+    global _job_store, _groups_started
+    address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, os.getpid())
+    if _job_store is None or _job_store[0] != address:
+        # torchrun's agent keeps the job's store itself (its ranks are clients); elsewhere rank 0 hosts it
+        agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            address[0], address[1], world, is_master=not agent_hosts_store and rank == 0, timeout=timeout
+        )
+        _job_store, _groups_started = (address, store), 0
+    _groups_started += 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"distrain/attempt{attempt}/group{_groups_started}", _job_store[1])
+
+
+#: the job's rendezvous store, opened by the first group this process started (and where it is), kept for the next
+_job_store: tuple[tuple, dist.Store] | None = None
+#: how many groups this process started on that store
+_groups_started = 0
