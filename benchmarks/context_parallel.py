@@ -1,15 +1,17 @@
 """Long sequences on this machine: what context parallelism buys one rank.
 
 For one process and for context parallelism over 2 and 4 ranks (``ModelParallelStrategy(context_parallel_size=N)``,
-DeepSpeed-Ulysses on gloo), each rank's measured peak of tensor memory over two optimizer steps (every storage alive
-at once, ``plan_measure.StoragePeak``) at a few sequence lengths, one sequence per step; from those, the longest
-sequence each layout trains within a fixed budget per rank (peak = a + b·T fitted through the two longest lengths
-measured: activations grow linearly with the tokens a rank holds, and CPU SDPA keeps no T×T matrix); and the tokens
-per second of the whole job at a length every layout fits (rank 0's wall time of the second step).
+DeepSpeed-Ulysses or the ring, whichever the heads take, on gloo), each rank's measured peak of tensor memory over two
+optimizer steps (every storage alive at once, ``plan_measure.StoragePeak``) at a few sequence lengths, one sequence per
+step; from those, the longest sequence each layout trains within a fixed budget per rank (peak = a + b·T fitted through
+the two longest lengths measured: activations grow linearly with the tokens a rank holds, and CPU SDPA keeps no T×T
+matrix); and the tokens per second of the whole job at a length every layout fits (rank 0's wall time of the second
+step).
 
-    python benchmarks/context_parallel.py [--budget-mib 96] [--lengths 1024 2048 4096]
+    python benchmarks/context_parallel.py [--budget-mib 96] [--lengths 1024 2048 4096] [--heads 4]
 
-The model is the built-in GPT at gpt-tiny's width (4 heads, 128 wide) with 2 blocks; fp32 on CPU.
+The model is the built-in GPT at gpt-tiny's width (128) with 2 blocks; fp32 on CPU. Its 4 heads split over 2 and 4
+ranks (Ulysses); ``--heads 1`` (the same parameters and attention FLOPs) splits over none: the ring runs it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class _Tokens(torch.utils.data.Dataset):
         return self.data[i, :-1], self.data[i, 1:]
 
 
-def _measure(length: int, context: int, workdir: str) -> tuple[int, float]:
+def _measure(length: int, context: int, workdir: str, heads: int) -> tuple[int, float]:
     """This rank's peak tensor bytes over two steps at ``length`` tokens, and the second step's seconds."""
     from plan_measure import StoragePeak
 
@@ -52,7 +54,7 @@ def _measure(length: int, context: int, workdir: str) -> tuple[int, float]:
 
         def configure_model(self):
             if self.gpt is None:
-                self.gpt = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=length))
+                self.gpt = GPT(GPTConfig(n_layer=2, n_head=heads, n_embd=128, block_size=length))
 
         def training_step(self, batch, batch_idx):
             return self.gpt(*batch)
@@ -91,7 +93,7 @@ def _measure(length: int, context: int, workdir: str) -> tuple[int, float]:
     return tracker.peak_bytes(), clock.ends[1] - clock.ends[0]
 
 
-def _rank(rank: int, context: int, lengths: list[int], port: int, out: str) -> None:
+def _rank(rank: int, context: int, lengths: list[int], port: int, out: str, heads: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(context)
     )
@@ -99,19 +101,20 @@ def _rank(rank: int, context: int, lengths: list[int], port: int, out: str) -> N
     results = []
     with tempfile.TemporaryDirectory() as work:
         for length in lengths:
-            results.append(_measure(length, context, work))
+            results.append(_measure(length, context, work, heads))
     torch.save(results, os.path.join(out, f"{rank}.pt"))
 
 
-def run(context: int, lengths: list[int]) -> list[tuple[int, float]]:
+def run(context: int, lengths: list[int], heads: int = 4) -> list[tuple[int, float]]:
     """Per length: the largest peak over the ranks, and rank 0's step seconds."""
     from distrain.cluster import find_free_port
 
     with tempfile.TemporaryDirectory() as out:
         if context == 1:
-            _rank_results = [[_measure(length, 1, out) for length in lengths]]
+            _rank_results = [[_measure(length, 1, out, heads) for length in lengths]]
         else:
-            mp.start_processes(_rank, (context, lengths, find_free_port(), out), nprocs=context, start_method="spawn")
+            arguments = (context, lengths, find_free_port(), out, heads)
+            mp.start_processes(_rank, arguments, nprocs=context, start_method="spawn")
             _rank_results = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(context)]
     return [(max(r[i][0] for r in _rank_results), _rank_results[0][i][1]) for i in range(len(lengths))]
 
@@ -128,12 +131,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-mib", type=float, default=96.0)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--heads", type=int, default=4, help="attention heads of the 128-wide model")
     args = parser.parse_args(argv)
+    from distrain.parallel.context_parallel import engine_for
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     budget = int(args.budget_mib * 2**20)
-    results = {n: run(n, args.lengths) for n in args.contexts}
+    results = {n: run(n, args.lengths, args.heads) for n in args.contexts}
 
-    print(f"peak tensor memory per rank (MiB) and tokens/s of the job, {os.cpu_count()} CPU cores, gloo, fp32")
+    print(
+        f"peak tensor memory per rank (MiB) and tokens/s of the job, {args.heads} head(s), {os.cpu_count()} CPU cores, "
+        "gloo, fp32"
+    )
     header = "| layout | " + " | ".join(f"{t} tokens" for t in args.lengths)
     print(header + f" | longest within {args.budget_mib:g} MiB/rank |")
     print("|---" * (len(args.lengths) + 2) + "|")
@@ -141,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     for n, rows in results.items():
         cells = [f"{peak / 2**20:.1f} MiB, {t / seconds:,.0f} tok/s" for t, (peak, seconds) in zip(args.lengths, rows)]
         longest = longest_within(args.lengths, [p for p, _ in rows], budget)
-        name = "one process" if n == 1 else f"CP={n} (Ulysses)"
+        name = "one process" if n == 1 else f"CP={n} ({engine_for([args.heads], n, 1, 'the model')})"
         print(f"| {name} | " + " | ".join(cells) + f" | {longest:,} tokens |")
     print()
     for n, rows in list(results.items())[1:]:

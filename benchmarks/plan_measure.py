@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 from distrain.planner import fake
 
 #: the models measured: the built-in GPT sizes and the tiny Hugging Face models of distrain.hf.tiny
-HF_TINY = ("tiny-llama", "tiny-bert")
+HF_TINY = ("tiny-llama", "tiny-llama-gqa", "tiny-bert")
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,8 @@ def hf_dirs(root: str) -> dict[str, str]:
 
     return {
         "tiny-llama": make_tiny_llama(os.path.join(root, "tiny-llama")),
+        # 3 query heads over 1 key/value head: context parallelism over 2 or 4 ranks runs the ring
+        "tiny-llama-gqa": make_tiny_llama(os.path.join(root, "tiny-llama-gqa"), heads=3, kv_heads=1),
         "tiny-bert": make_tiny_bert(os.path.join(root, "tiny-bert")),
     }
 

@@ -266,8 +266,7 @@ def ring_attention(query, key, value, group, scale: float | None = None, balance
     _for_cpu`` and its backward, so the same ring is tested on gloo (``tests/test_context_parallel.py``: it needs
     ranks). The layout flag the templates read (``_cp_options.enable_load_balance``) is set for the call only.
 
-    Not yet an engine of ``SequenceShard`` (which runs Ulysses): the building block of context parallelism's ring
-    engine, for heads that Ulysses cannot split."""
+    Context parallelism's ring engine (``SequenceShard``, for heads that Ulysses cannot split) calls it."""
     return _RingAttention.apply(query, key, value, group, scale, balanced)
 
 

@@ -1,7 +1,8 @@
-"""Context parallelism (``distributed.context_parallel_size``) on real gloo ranks: each sequence split over the
-ranks of a group, attention through DeepSpeed-Ulysses. A run matches one process on the same global batch (losses,
-gradient norms and every trained weight, within fp32 rounding), with sequences whose length is not a multiple of
-the group and targets that are padding; position ids and the loss mean are the whole sequence's, not a slice's."""
+"""Context parallelism (``distributed.context_parallel_size``) on real gloo ranks: each sequence split over the ranks of
+a group, attention through DeepSpeed-Ulysses (heads the group divides) or torch's ring. A run matches one process on
+the same global batch (losses, gradient norms and every trained weight, within fp32 rounding), with sequences whose
+length is not a multiple of the group and targets that are padding; position ids and the loss mean are the whole
+sequence's, not a slice's."""
 
 from __future__ import annotations
 
@@ -43,17 +44,17 @@ class Sequences(Dataset):
 
 
 class LongGPT(distrain.Module):
-    """The built-in GPT (4 heads, 32 wide), built in configure_model."""
+    """The built-in GPT (4 heads unless told, 8 wide each), built in configure_model."""
 
-    def __init__(self):
+    def __init__(self, heads: int = 4):
         super().__init__()
-        self.gpt = None
+        self.gpt, self.heads = None, heads
 
     def configure_model(self):
         if self.gpt is None:
             from distrain.models.gpt import GPT, GPTConfig
 
-            self.gpt = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16))
+            self.gpt = GPT(GPTConfig(n_layer=2, n_head=self.heads, n_embd=8 * self.heads, block_size=16))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -82,7 +83,15 @@ class Rows(distrain.Callback):
 
 
 def _fit(
-    tmp, strategy, devices: int, batch: int, steps: int = STEPS, resume: str | None = None, padding=True, llama=None
+    tmp,
+    strategy,
+    devices: int,
+    batch: int,
+    steps: int = STEPS,
+    resume: str | None = None,
+    padding=True,
+    llama=None,
+    heads: int = 4,
 ):
     """``steps`` steps (from ``resume``'s checkpoint if given, a checkpoint kept at the end); the per-step rows,
     the validation loss, the predictions, the whole trained weights and the engine that split the sequences."""
@@ -104,7 +113,7 @@ def _fit(
         callbacks=[rows],
     )
     if llama is None:
-        module = LongGPT()
+        module = LongGPT(heads)
         train = DataLoader(Sequences(24, padding=padding), batch_size=batch, shuffle=True)
         val = DataLoader(Sequences(6, seed=1, padding=padding), batch_size=3)
     else:  # a tiny Hugging Face Llama on right-padded samples of uneven lengths
@@ -120,6 +129,9 @@ def _fit(
         val = DataLoader(samples[:6], batch_size=3, collate_fn=collate)
     trainer.fit(module, train, val, ckpt_path=resume)
     predictions = [p if p.dtype == torch.long else p.argmax(-1) for p in trainer.predict(module, val)]
+    if llama is not None and trainer.strategy.data_parallel_size == 1:  # (replicas: each predicts its share)
+        # a pad's prediction depends on how its mask is made: only real tokens' are compared
+        predictions = [p.masked_fill(b["attention_mask"] == 0, -1) for p, b in zip(predictions, val)]
     predictions = [p.tolist() for p in predictions]
     model = module.gpt if llama is None else module.model
     weights = ckpt_state.get_model_state_dict(model, options=ckpt_state.FULL_EVERY_RANK)
@@ -138,14 +150,23 @@ def _every_block():
     return {Block}
 
 
-def _two_ranks(rank, tmp, llama):
-    gpt, hf_llama = _fit(tmp / "cp2", _cp(2), 2, 4), _fit(tmp / "cp2-llama", _cp(2), 2, 4, llama=llama)
-    # distrain verify of the layout, last: it ends the process group
-    trainer = distrain.Trainer(
-        accelerator="cpu", strategy=_cp(2), devices=2, seed=7, logger=False, default_root_dir=str(tmp / "verify")
-    )
-    report = trainer.verify(LongGPT(), DataLoader(Sequences(24), batch_size=4, shuffle=True), steps=2)
-    return gpt, hf_llama, None if report is None else report.to_json()
+def _two_ranks(rank, tmp, llama, llama_gqa):
+    """Ulysses (4 heads, 2 ranks) and the ring (3 heads; a Llama with 3 query heads sharing 1 key/value head),
+    each trained and verified."""
+    runs = {
+        "gpt": _fit(tmp / "cp2", _cp(2), 2, 4),
+        "llama": _fit(tmp / "cp2-llama", _cp(2), 2, 4, llama=llama),
+        "gpt-ring": _fit(tmp / "cp2-ring", _cp(2), 2, 4, heads=3),
+        "llama-ring": _fit(tmp / "cp2-llama-ring", _cp(2), 2, 4, llama=llama_gqa),
+    }
+    reports = {}
+    for heads in (4, 3):  # each verify starts a process group of its own, and ends it
+        trainer = distrain.Trainer(
+            accelerator="cpu", strategy=_cp(2), devices=2, seed=7, logger=False, default_root_dir=str(tmp / "verify")
+        )
+        report = trainer.verify(LongGPT(heads), DataLoader(Sequences(24), batch_size=4, shuffle=True), steps=2)
+        reports[heads] = None if report is None else report.to_json()
+    return runs, reports
 
 
 def _close(reference, result, what: str, first_step: int = 1) -> None:
@@ -173,19 +194,32 @@ def llama(tmp_path_factory):
     return tiny.make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
 
 
-def test_context_parallel_on_two_ranks_matches_one_process_and_resumes_on_one(tmp_path, llama):
-    results = run_ranks(_two_ranks, 2, tmp_path, llama)
-    reference = _fit(tmp_path / "single", "single", 1, 4)
-    reference_llama = _fit(tmp_path / "single-llama", "single", 1, 4, llama=llama)
-    verified = results[0][2]
-    assert verified["ok"], [c for c in verified["checks"] if not c["ok"]]
-    data = next(c["detail"] for c in verified["checks"] if c["name"] == "data")
-    assert "the 2 ranks of each replica share its samples, each sequence split into 2 slices that tile it" in data
+@pytest.fixture(scope="module")
+def llama_gqa(tmp_path_factory):
+    """3 query heads, 1 key/value head: no group of 2 splits them, so the ring runs it."""
+    pytest.importorskip("transformers")
+    from distrain.hf import tiny
+
+    return tiny.make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama-gqa", heads=3, kv_heads=1)
+
+
+def test_context_parallel_on_two_ranks_matches_one_process_and_resumes_on_one(tmp_path, llama, llama_gqa):
+    results = run_ranks(_two_ranks, 2, tmp_path, llama, llama_gqa)
+    references = {
+        "gpt": _fit(tmp_path / "single", "single", 1, 4),
+        "llama": _fit(tmp_path / "single-llama", "single", 1, 4, llama=llama),
+        "gpt-ring": _fit(tmp_path / "single-ring", "single", 1, 4, heads=3),
+        "llama-ring": _fit(tmp_path / "single-llama-ring", "single", 1, 4, llama=llama_gqa),
+    }
+    for heads, verified in results[0][1].items():
+        assert verified["ok"], (heads, [c for c in verified["checks"] if not c["ok"]])
+        data = next(c["detail"] for c in verified["checks"] if c["name"] == "data")
+        assert "the 2 ranks of each replica share its samples, each sequence split into 2 slices that tile it" in data
     for rank in range(2):
-        gpt, hf_llama, _ = results[rank]
-        assert gpt[4] == hf_llama[4] == "ulysses"
-        _close(reference, gpt, f"CP=2, rank {rank}")
-        _close(reference_llama, hf_llama, f"CP=2 Llama, rank {rank}")
+        runs = results[rank][0]
+        for name, reference in references.items():
+            assert runs[name][4] == ("ring" if "ring" in name else "ulysses"), name
+            _close(reference, runs[name], f"CP=2 {name}, rank {rank}")
     # its checkpoint resumes on one process (no context parallelism) where one process's own run goes on
     longer = _fit(tmp_path / "single-longer", "single", 1, 4, steps=STEPS + 2)
     last = next((tmp_path / "cp2").rglob(f"*step={STEPS}*"))
@@ -200,6 +234,7 @@ FOUR_RANKS = {  # name: (strategy, per-rank batch, replicas)
     "cp2xtp2": (lambda: _cp(2, tensor=2), 4, 1),
     "cp4+ac": (lambda: _cp(4, activation_checkpointing_policy=_every_block()), 4, 1),  # recomputed: the same
     "cp2xfsdp2-llama": (lambda: _cp(2), 2, 2),  # its loss is the mean over the step's tokens: padding is exact
+    "cp4-llama": (lambda: _cp(4), 4, 1),  # 2 heads on 4 ranks: the ring, its sequences cut into 8 pieces
 }
 
 
@@ -264,19 +299,50 @@ def test_a_rank_holds_a_contiguous_padded_slice_at_its_global_positions():
     assert not right_padded(torch.tensor([[1, 0, 1]]))  # a hole
     four = [SequenceShard(None, rank, 4).split(tokens[:, :4], 0) for rank in range(4)]
     assert torch.equal(torch.cat(four, dim=1), tokens[:, :4])  # an even length: no pad
+    # the ring's balanced layout: 2N pieces, rank c holds pieces c and 2N-1-c (as much causal work on each rank)
+    ring = [SequenceShard(None, rank, 2, engine="ring") for rank in range(2)]
+    assert ring[0].split(tokens, IGNORE).tolist() == [[0, 1, IGNORE, IGNORE], [5, 6, IGNORE, IGNORE]]
+    assert ring[1].split(tokens, IGNORE).tolist() == [[2, 3, 4, IGNORE], [7, 8, 9, IGNORE]]
+    assert ring[0].positions(4, torch.device("cpu")).tolist() == [0, 1, 6, 7]
+    assert ring[0].last_slice == ((0, 2, 8), (6, 8, 8))
+    assert ring[1].positions(4, torch.device("cpu")).tolist() == [2, 3, 4, 5]
+
+
+def test_the_ring_refuses_what_it_cannot_compute_in_one_line():
+    """The ring runs its own kernel: no attention dropout (the GPT's, refused when the engine is set; a Hugging Face
+    layer's, at its first call) and no sliding window. Ulysses runs the model's own attention, dropout included."""
+    from distrain.models.gpt import GPT, GPTConfig
+    from distrain.parallel.context_parallel import engine_for
+
+    assert engine_for([4], 2, 1, "m") == "ulysses" and engine_for([4, 2], 4, 1, "m") == "ring"  # kv heads too
+    assert engine_for([6], 3, 2, "m") == "ulysses" and engine_for([6], 2, 2, "m") == "ring"  # 3 heads per TP rank
+    assert engine_for(None, 3, 1, "m") == "ulysses"  # a model that does not say its heads
+    with pytest.raises(ValueError, match="m has 6 attention heads, which tensor_parallel_size=4 does not divide"):
+        engine_for([6], 2, 4, "m")
+    gpt = GPT(GPTConfig(n_layer=1, n_head=3, n_embd=24, block_size=8, dropout=0.1))
+    with pytest.raises(ValueError, match=r"ring engine .* cannot run attention dropout \(dropout=0.1\)"):
+        gpt.enable_context_parallel(SequenceShard(None, 0, 2, engine="ring"))
+    attend = SequenceShard(None, 0, 2, engine="ring").attention(None)
+    q = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(ValueError, match=r"cannot run attention dropout \(0.1\)"):
+        attend(q, q, q, scaling=None, dropout=0.1)
+    with pytest.raises(ValueError, match=r"cannot run a sliding window \(4096 tokens\)"):
+        attend(q, q, q, sliding_window=4096)
 
 
 def test_verify_fails_a_split_whose_slices_do_not_tile_the_sequence():
     from distrain.verify.report import _sequence_split
 
-    def ranks(*slices):
+    def ranks(*slices):  # each rank's pieces: one (Ulysses), or two (the ring)
         return [{"data_parallel_rank": 0, "sequence_slice": s} for s in slices]
 
-    assert _sequence_split(ranks((0, 8, 16), (8, 16, 16))) == []
-    assert _sequence_split(ranks((0, 8, 16), (0, 8, 16), (8, 16, 16))) == []  # tensor-parallel peers: one slice
-    assert "do not tile" in _sequence_split(ranks((0, 8, 16), (4, 12, 16)))[0]  # a token computed twice
-    assert "stop at 8 of 16" in _sequence_split(ranks((0, 8, 16)))[0]  # half the sequence left out
-    assert "do not tile" in _sequence_split(ranks((0, 8, 16), (12, 16, 16)))[0]  # a hole
+    assert _sequence_split(ranks([(0, 8, 16)], [(8, 16, 16)])) == []
+    assert _sequence_split(ranks([(0, 8, 16)], [(0, 8, 16)], [(8, 16, 16)])) == []  # tensor-parallel peers
+    assert _sequence_split(ranks([(0, 4, 16), (12, 16, 16)], [(4, 8, 16), (8, 12, 16)])) == []  # the ring's
+    assert "do not tile" in _sequence_split(ranks([(0, 8, 16)], [(4, 12, 16)]))[0]  # a token computed twice
+    assert "stop at 8 of 16" in _sequence_split(ranks([(0, 8, 16)]))[0]  # half the sequence left out
+    assert "do not tile" in _sequence_split(ranks([(0, 8, 16)], [(12, 16, 16)]))[0]  # a hole
+    assert "do not tile" in _sequence_split(ranks([(0, 4, 16), (12, 16, 16)], [(4, 8, 16), (10, 12, 16)]))[0]
 
 
 def test_ranks_are_numbered_tensor_then_context_then_data_then_pipeline():
@@ -317,39 +383,43 @@ def test_impossible_context_parallel_layouts_are_refused_in_one_line_before_any_
             ConfigError, match=r"distributed.context_parallel_size=2 applies to strategy model_parallel"
         ):
             build_config(None, {"distributed.strategy": strategy}, ["distributed.context_parallel_size=2"])
-    # heads Ulysses cannot split (gpt-tiny: 4 heads; 3 ranks), from the CLI in one line, with no rank started
+    # heads no engine takes (gpt-tiny's 4 over tensor_parallel_size=3), from the CLI in one line, no rank started
     code = cli.main(
-        ["train", "--strategy", "model_parallel", "--devices", "3", "--accelerator", "cpu"]
+        ["train", "--strategy", "model_parallel", "--devices", "6", "--accelerator", "cpu"]
         + [
             "--output-dir",
             "/nonexistent/x",
-            "distributed.tensor_parallel_size=1",
-            "distributed.context_parallel_size=3",
+            "distributed.tensor_parallel_size=3",
+            "distributed.context_parallel_size=2",
         ]
     )
     err = capsys.readouterr().err
-    assert code == 2 and "gpt-tiny has 4 attention heads, which context_parallel_size=3 does not divide" in err, err
+    assert code == 2 and "gpt-tiny has 4 attention heads, which tensor_parallel_size=3 does not divide" in err, err
     assert len(err.strip().splitlines()) == 1
-    # the planner refuses it with the run's own line; a size it can run is planned as the run takes it
-    plan = ["plan", "--strategy", "model_parallel", "--accelerator", "cpu", "distributed.tensor_parallel_size=1"]
-    assert cli.main([*plan, "--devices", "3", "distributed.context_parallel_size=3"]) == 2
-    assert "gpt-tiny has 4 attention heads, which context_parallel_size=3" in capsys.readouterr().err
-    assert cli.main([*plan, "--devices", "2", "distributed.context_parallel_size=2"]) == 0
-    table = capsys.readouterr().out
-    assert re.search(r"^context parallel 2 × fsdp .* ← this run$", table, re.M), table
+    # the planner refuses it with the run's own line; a size it can run is planned as the run takes it: heads
+    # that the size does not divide (4 over 3) take the ring, named in the row
+    plan = ["plan", "--strategy", "model_parallel", "--accelerator", "cpu"]
+    refused = ["--devices", "6", "distributed.tensor_parallel_size=3", "distributed.context_parallel_size=2"]
+    assert cli.main([*plan, *refused]) == 2
+    assert "gpt-tiny has 4 attention heads, which tensor_parallel_size=3" in capsys.readouterr().err
+    for size, engine in ((2, ""), (3, r" \(ring\)")):
+        asked = [f"--devices={size}", "distributed.tensor_parallel_size=1", f"distributed.context_parallel_size={size}"]
+        assert cli.main([*plan, *asked]) == 0
+        table = capsys.readouterr().out
+        assert re.search(rf"^context parallel {size}{engine} × fsdp .* ← this run$", table, re.M), table
     # models of the user's own: one that cannot split sequences, and a GPT whose heads TP × CP cannot split
     import matrix_models
 
     from distrain.models.gpt import GPT, GPTConfig
 
-    class TwoHeads(matrix_models.MLP):
+    class ThreeHeads(matrix_models.MLP):
         def __init__(self):
             super().__init__()
-            self.gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8))
+            self.gpt = GPT(GPTConfig(n_layer=1, n_head=3, n_embd=24, block_size=8))
 
     for module, strategy, says in (
         (matrix_models.MLP(), cp(2), "MLP has no enable_context_parallel"),
-        (TwoHeads(), cp(2, tensor=2), "TwoHeads has 2 attention heads, which context_parallel_size=2 × tensor_par"),
+        (ThreeHeads(), cp(2, tensor=2), "ThreeHeads has 3 attention heads, which tensor_parallel_size=2 does not"),
     ):
         trainer = distrain.Trainer(
             accelerator="cpu", devices=4 if "tensor" in says else 2, strategy=strategy, logger=False
@@ -366,7 +436,7 @@ def test_the_plan_of_context_parallelism_peaks_within_ten_percent_of_measured_on
     from plan_measure import Case, hf_dirs, measure_cases, predict
 
     cases = [Case("gpt-tiny", "cp", False, 2, seq_len=512), Case("gpt-tiny", "cp", True, 2, seq_len=512)]
-    cases.append(Case("tiny-llama", "cp", False, 4, seq_len=64))
+    cases += [Case("tiny-llama", "cp", False, 4, seq_len=64), Case("tiny-llama-gqa", "cp", False, 4, seq_len=64)]
     hf = hf_dirs(str(tmp_path))
     measured = run_ranks(measure_cases, 2, cases, 2, hf, str(tmp_path))
     for i, case in enumerate(cases):
@@ -401,11 +471,14 @@ def test_distrain_plan_has_context_parallel_rows_for_long_sequences_and_the_run_
     assert cp.activations < 0.6 * ddp.activations  # each rank holds half of every sequence
     assert cp.max_seq_len > 1.6 * ddp.max_seq_len  # so a longer sequence fits the same budget
     assert cp.to_json()["context_parallel_size"] == 2 and cp.to_json()["max_seq_len"] == cp.max_seq_len
-    # the run that names it: its own row, or the run's own error for heads Ulysses cannot split
+    # the run that names it: its own row, Ulysses's or (heads the size does not divide) the ring's
     asked = replace(job, context_parallel=2, spec=ModelSpec.builtin_gpt("gpt-tiny", 128))
-    assert option_for_run("model_parallel", asked).context == 2
-    with pytest.raises(ValueError, match="4 attention heads, which context_parallel_size=3"):
-        option_for_run("model_parallel", replace(asked, context_parallel=3, world_size=3))
+    assert (
+        option_for_run("model_parallel", asked).context == 2
+        and option_for_run("model_parallel", asked).get("engine") is None
+    )
+    ring = option_for_run("model_parallel", replace(asked, context_parallel=3, world_size=3))
+    assert (ring.context, ring.get("engine"), ring.label) == (3, "ring", "context parallel 3 (ring) × fsdp")
     # auto's choice of it reaches the strategy, and the ranks the launcher starts
     decision = Decision(strategy="model_parallel", context=2)
     assert decision.strategy_options(()) == {"context_parallel_size": 2, "tensor_parallel_size": 1}

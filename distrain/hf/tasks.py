@@ -109,10 +109,11 @@ class CausalLMModule(HFTaskModule):
 
     def enable_context_parallel(self, shard) -> None:
         """Split every sequence over a context-parallel group (``distrain.parallel.context_parallel``): each rank
-        runs the model on its slice at its global positions, attention through Ulysses; batches arrive whole."""
-        from distrain.parallel.context_parallel import use_ulysses_in_hf
+        runs the model on its slice at its global positions, attention through the group's engine; batches arrive
+        whole."""
+        from distrain.parallel.context_parallel import use_engine_in_hf
 
-        use_ulysses_in_hf(self.model, shard)
+        use_engine_in_hf(self.model, shard)
         self.sequence_shard = shard
 
     @staticmethod

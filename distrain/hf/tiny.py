@@ -144,18 +144,21 @@ def make_tiny_bert(out_dir: str | os.PathLike, num_labels: int = 2, seed: int = 
     return _write_atomically(out_dir, write)
 
 
-def make_tiny_llama(out_dir: str | os.PathLike, seed: int = 0, max_position_embeddings: int = 128) -> str:
-    """A 2-layer, 32-wide LlamaForCausalLM with its tokenizer (no pad token, as Llama's own)."""
+def make_tiny_llama(
+    out_dir: str | os.PathLike, seed: int = 0, max_position_embeddings: int = 128, heads: int = 2, kv_heads: int = 2
+) -> str:
+    """A 2-layer LlamaForCausalLM, 16 wide per head (32 wide as made by default), with its tokenizer (no pad token,
+    as Llama's own). ``kv_heads`` fewer than ``heads``: grouped-query attention."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     def write(tmp: Path) -> None:
         tokenizer = make_tokenizer({"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"})
         config = LlamaConfig(
             vocab_size=len(tokenizer),
-            hidden_size=32,
+            hidden_size=16 * heads,
             num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
             intermediate_size=64,
             max_position_embeddings=max_position_embeddings,
             bos_token_id=tokenizer.bos_token_id,

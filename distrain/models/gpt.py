@@ -138,6 +138,10 @@ class GPT(nn.Module):
     def enable_context_parallel(self, shard) -> None:
         """Split every sequence over a context-parallel group (``distrain.parallel.context_parallel``): the forward
         takes whole sequences and computes on this rank's slice; attention runs through the group's engine."""
+        if shard.engine == "ring" and self.cfg.dropout:
+            from distrain.parallel.context_parallel import RING_REFUSES
+
+            raise ValueError(RING_REFUSES.format(what=f"attention dropout (dropout={self.cfg.dropout})"))
         self.sequence_shard = shard
         for block in self.blocks:
             block.attn.attend = shard.attention(block.attn.causal_attention)

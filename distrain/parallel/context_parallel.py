@@ -1,22 +1,26 @@
 """Context parallelism: every sequence split over the ranks of one group, attention computed whole.
 
 The ranks of a context-parallel group receive the same samples (the data is split over the data-parallel
-dimension only) and each keeps one contiguous slice of every sequence: rank ``c`` of ``N`` holds tokens
-``[c·T/N, (c+1)·T/N)``. Everything but attention works on a token alone, so it runs on the slice. Attention
-needs every earlier token, and an engine provides it:
+dimension only) and each keeps its slice of every sequence. Everything but attention works on a token alone, so it
+runs on the slice. Attention needs every earlier token, and an engine provides it, chosen by the model's heads
+(``engine_for``):
 
 - ``ulysses``: DeepSpeed's ``DistributedAttention`` (DeepSpeed-Ulysses). An all-to-all trades the sequence split
   for a split of the heads, so each rank runs the ordinary causal attention (torch's SDPA) over the whole
-  sequence for ``heads/N`` heads, and a second all-to-all trades back. Needs heads divisible by N; runs on any
-  backend (gloo on a CPU included).
-- ``ring`` (CUDA only), torch's ring attention (``torch.distributed.tensor.experimental.context_parallel``), is
-  not wired yet.
+  sequence for ``heads/N`` heads, and a second all-to-all trades back. Taken when N divides the heads (each
+  rank's share of them, under tensor parallelism). Rank ``c`` of ``N`` holds tokens ``[c·T/N, (c+1)·T/N)``.
+- ``ring``: torch's ring attention (``compat.ring_attention``: the templates of
+  ``torch.distributed.tensor.experimental.context_parallel`` with CUDA's or the CPU's attention kernel). Every
+  rank computes all its heads for its own queries against the key/value slices of the others. Taken when the heads
+  do not split; any head count runs. Its layout is torch's load-balanced one: the sequence is cut into ``2N``
+  pieces and rank ``c`` holds pieces ``c`` and ``2N-1-c``, so each does as much of the causal work. Grouped-query
+  key/value heads are repeated to the query heads first; attention dropout and sliding windows are refused.
 
 What stays global, not per slice (``SequenceShard``):
 
-- position ids: rank ``c``'s first token is at position ``c·T/N``;
-- a sequence whose length is not a multiple of N is padded at its end, with targets that count for nothing
-  (``IGNORE``). Under a causal mask no real token attends to a pad, so the real tokens compute what one process
+- position ids: each token's position in the whole sequence (``c·T/N`` for Ulysses's rank ``c``'s first);
+- a sequence whose length is not a multiple of the pieces (N, or 2N) is padded at its end, with targets that count for
+  nothing (``IGNORE``). Under a causal mask no real token attends to a pad, so the real tokens compute what one process
   computes;
 - the loss is the mean over the group's real tokens: its value is the whole sequence's mean on every rank of the
   group (what one process logs), and its gradient is ``N ×`` this rank's share, because the data-parallel
@@ -43,33 +47,47 @@ class SequenceShard:
     rank: int
     size: int
     engine: str = "ulysses"
-    """What gives attention every earlier token (the only one so far; the strategy reports it)."""
+    """What gives attention every earlier token (``engine_for``; the strategy reports it)."""
     tensor: int = 1
     """Tensor-parallel ranks that split each attention's heads before Ulysses splits them again."""
-    last_slice: tuple[int, int, int] | None = None
-    """(start, stop, padded length) of the last sequence this rank computed: what ``distrain verify`` checks."""
+    last_slice: tuple[tuple[int, int, int], ...] | None = None
+    """The (start, stop, padded length) of each piece of the last sequence this rank computed: what ``distrain
+    verify`` checks."""
 
     # ---- the slice -----------------------------------------------------------------------------------------------
+    @property
+    def pieces(self) -> int:
+        """How many pieces a sequence is cut into: one per rank; two per rank for the ring's balanced layout."""
+        return 2 * self.size if self.engine == "ring" else self.size
+
     def padded_length(self, length: int) -> int:
-        """``length`` rounded up to a multiple of the group's size: every rank's slice is as long."""
-        return -(-length // self.size) * self.size
+        """``length`` rounded up to a multiple of the pieces: every rank's slice is as long."""
+        return -(-length // self.pieces) * self.pieces
+
+    def ranges(self, padded: int, rank: int | None = None) -> list[tuple[int, int]]:
+        """The [start, stop) of each piece that ``rank`` (this one) holds of a sequence padded to ``padded``."""
+        rank = self.rank if rank is None else rank
+        piece = padded // self.pieces
+        held = [rank, self.pieces - 1 - rank] if self.engine == "ring" else [rank]
+        return [(p * piece, (p + 1) * piece) for p in held]
 
     def split(self, tensor: torch.Tensor, pad_value: int | float) -> torch.Tensor:
-        """This rank's contiguous slice of dim 1 (the sequence), the sequence padded at its end with ``pad_value``
-        to a multiple of the group's size first."""
+        """This rank's slice of dim 1 (the sequence), the sequence padded at its end with ``pad_value`` to a
+        multiple of the pieces first."""
         length = tensor.shape[1]
         padded = self.padded_length(length)
         if padded != length:
             pad = [0, 0] * (tensor.dim() - 2) + [0, padded - length]
             tensor = F.pad(tensor, pad, value=pad_value)
-        local = padded // self.size
-        return tensor[:, self.rank * local : (self.rank + 1) * local]
+        parts = [tensor[:, start:stop] for start, stop in self.ranges(padded)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def positions(self, local_length: int, device: torch.device) -> torch.Tensor:
         """The global position ids of this rank's slice."""
-        start = self.rank * local_length
-        self.last_slice = (start, start + local_length, local_length * self.size)
-        return torch.arange(start, start + local_length, device=device)
+        padded = local_length * self.size
+        ranges = self.ranges(padded)
+        self.last_slice = tuple((start, stop, padded) for start, stop in ranges)
+        return torch.cat([torch.arange(start, stop, device=device) for start, stop in ranges])
 
     def gather(self, tensor: torch.Tensor, length: int) -> torch.Tensor:
         """The whole sequence (dim 1, ``length`` long, pads dropped) from every rank's slice; differentiable
@@ -78,18 +96,41 @@ class SequenceShard:
 
         if hasattr(tensor, "full_tensor"):  # tensor parallel: logits split by vocabulary (a DTensor)
             tensor = tensor.full_tensor()
-        return all_gather_differentiable(tensor, 1, self.group)[:, :length]
+        whole = all_gather_differentiable(tensor, 1, self.group)  # rank 0's pieces, then rank 1's, ...
+        if self.engine == "ring":  # back into the sequence's order
+            padded = whole.shape[1]
+            held = [torch.arange(a, b) for r in range(self.size) for a, b in self.ranges(padded, r)]
+            whole = whole.index_select(1, torch.argsort(torch.cat(held)).to(whole.device))
+        return whole[:, :length]
 
     # ---- attention -----------------------------------------------------------------------------------------------
     def attention(self, local_attention):
         """``local_attention(q, k, v)`` on ``[batch, sequence, heads, head_dim]`` tensors of the whole sequence →
-        the same on this rank's slice of the sequence (all heads)."""
+        the same on this rank's slice of the sequence (all heads). The ring runs its own kernel: it needs no
+        ``local_attention``."""
+        if self.engine == "ring":
+            return self._ring_attention
         _deepspeed_comm_ready()
         from deepspeed.sequence.layer import DistributedAttention
 
         # [B, T/N, H, d] → all-to-all: scatter the heads (dim 2), gather the sequence (dim 1) → [B, T, H/N, d]
         attend = DistributedAttention(local_attention, self.group, scatter_idx=2, gather_idx=1)
         return lambda q, k, v, **kwargs: attend(q, k, v, 0, None, **kwargs)
+
+    def _ring_attention(self, q, k, v, scaling: float | None = None, dropout: float = 0.0, **kwargs):
+        """Causal attention of this rank's pieces, ``[batch, sequence, heads, head_dim]`` in and out; keys and
+        values may have fewer heads (grouped-query attention). ``scaling``/``dropout``: a Hugging Face layer's."""
+        from distrain.compat import ring_attention
+
+        if dropout:
+            raise ValueError(RING_REFUSES.format(what=f"attention dropout ({dropout})"))
+        if kwargs.get("sliding_window") is not None:
+            raise ValueError(RING_REFUSES.format(what=f"a sliding window ({kwargs['sliding_window']} tokens)"))
+        if k.shape[2] != q.shape[2]:  # each key/value head serves a group of query heads (transformers' repeat_kv)
+            k, v = (x.repeat_interleave(q.shape[2] // x.shape[2], dim=2) for x in (k, v))
+        heads_first = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  ([B, H, T, d], the ring's)
+        out = ring_attention(heads_first(q), heads_first(k), heads_first(v), self.group, scaling, balanced=True)
+        return out.transpose(1, 2)
 
     # ---- the loss ------------------------------------------------------------------------------------------------
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +184,8 @@ def apply_context_parallel(module: torch.nn.Module, shard: SequenceShard) -> int
 
 
 def attention_heads(module: torch.nn.Module) -> list[int] | None:
-    """The head counts Ulysses must split in the first model inside ``module`` that can split its sequences: one
+    """The head counts context parallelism splits (``engine_for``) in the first model inside ``module`` that can split
+    its sequences: one
     that says them (``context_parallel_heads()``: distrain's GPT), or a Hugging Face model with Llama-style attention
     (its query and key/value heads); None when there is none."""
     for m in module.modules():
@@ -157,36 +199,40 @@ def attention_heads(module: torch.nn.Module) -> list[int] | None:
     return None
 
 
-def check_heads(heads: int, context: int, tensor: int, model: str) -> None:
-    """Ulysses gives each rank of a group ``heads / (tensor × context)`` whole heads; any other count is refused in
-    one line."""
-    per_tensor_rank, rest = divmod(heads, tensor)
-    if rest or per_tensor_rank % context:
-        tensor_note = f" × tensor_parallel_size={tensor}" if tensor > 1 else ""
-        raise ValueError(
-            f"{model} has {heads} attention heads, which context_parallel_size={context}{tensor_note} does not "
-            f"divide (distributed.context_parallel_size): Ulysses gives each rank whole heads; choose a size that "
-            f"divides {heads}"
-        )
+RING_REFUSES = (
+    "context parallelism's ring engine (heads that context_parallel_size does not divide) cannot run {what}: "
+    "choose a context_parallel_size that divides the heads (Ulysses), or turn it off"
+)
+
+
+def engine_for(heads: list[int] | None, context: int, tensor: int, model: str) -> str:
+    """Ulysses where it gives each rank of a group whole heads (``heads / (tensor × context)`` of every attention's
+    query and key/value heads), else the ring, which splits no head. Heads that tensor parallelism cannot split
+    are refused in one line. Unknown heads (a model of the user's own that does not say them): Ulysses."""
+    for count in heads or []:
+        if count % tensor:
+            raise ValueError(
+                f"{model} has {count} attention heads, which tensor_parallel_size={tensor} does not divide: tensor "
+                f"parallelism gives each rank whole heads; choose a size that divides {count}"
+            )
+    return "ulysses" if all((count // tensor) % context == 0 for count in heads or []) else "ring"
 
 
 # ---- Hugging Face models (Llama-, Qwen-, Mistral-style attention) ------------------------------------------------
-HF_ATTENTION = "distrain_ulysses"
+HF_ATTENTION = "distrain_context_parallel"
 
 
-def use_ulysses_in_hf(model: torch.nn.Module, shard: SequenceShard) -> None:
+def use_engine_in_hf(model: torch.nn.Module, shard: SequenceShard) -> None:
     """Route a Hugging Face model's attention through the group's engine: an attention implementation of its own
-    name (transformers' ``AttentionInterface``) that runs the model's SDPA attention inside Ulysses's all-to-alls.
-    The causal mask is SDPA's own: the callers pass right-padded sequences and no mask (``right_padded``)."""
+    name (transformers' ``AttentionInterface``) that runs the model's SDPA attention inside Ulysses's all-to-alls,
+    or the ring. The causal mask is the engine's own: the callers pass right-padded sequences and no mask
+    (``right_padded``)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    heads = attention_heads(model)
-    if heads is None:
+    if attention_heads(model) is None:
         raise ValueError(no_support_message(model))
-    for count in heads:
-        check_heads(count, shard.size, shard.tensor, type(model).__name__)
     AttentionInterface.register(HF_ATTENTION, _hf_attention)
     AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)  # pure causal: no mask built (SDPA's is_causal)
     attention_layers = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
@@ -201,7 +247,7 @@ def use_ulysses_in_hf(model: torch.nn.Module, shard: SequenceShard) -> None:
 
 
 def _hf_attention(module, query, key, value, attention_mask, **kwargs):
-    """transformers' attention call → Ulysses: [B, heads, T/N, d] in, ([B, T/N, heads, d], no weights) out."""
+    """transformers' attention call → the engine: [B, heads, T/N, d] in, ([B, T/N, heads, d], no weights) out."""
     kwargs.pop("is_causal", None)
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     return module.distrain_attend(t(query), t(key), t(value), **kwargs), None

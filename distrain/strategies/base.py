@@ -204,9 +204,9 @@ class Strategy:
         return self.global_rank
 
     @property
-    def sequence_slice(self) -> tuple[int, int, int] | None:
-        """Under context parallelism, the part of each sequence this rank computed last: (start, stop, the padded
-        length it was cut from); None where every rank computes whole sequences."""
+    def sequence_slice(self) -> tuple[tuple[int, int, int], ...] | None:
+        """Under context parallelism, the pieces of the last sequence this rank computed: (start, stop, the padded
+        length it was cut from) of each; None where every rank computes whole sequences."""
         return None
 
     @property

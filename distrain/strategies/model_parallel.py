@@ -143,7 +143,7 @@ class ModelParallelStrategy(Strategy):
         return pp, dp, tp
 
     @property
-    def sequence_slice(self) -> tuple[int, int, int] | None:
+    def sequence_slice(self) -> tuple[tuple[int, int, int], ...] | None:
         return self._sequence_shard.last_slice if self._sequence_shard is not None else None
 
     @property
@@ -284,9 +284,9 @@ class ModelParallelStrategy(Strategy):
     def _apply_context_parallel(self, user: nn.Module) -> None:
         from distrain.parallel.context_parallel import SequenceShard, apply_context_parallel, no_support_message
 
-        _check_context_parallel(user, self.layout)  # a model built in configure_model is seen only now
+        engine = _check_context_parallel(user, self.layout)  # a model built in configure_model is seen only now
         cp = self.layout.coordinates(self.global_rank)[2]
-        shard = SequenceShard(self.device_mesh.get_group(CP), cp, self.layout.context, tensor=self.layout.tensor)
+        shard = SequenceShard(self.device_mesh.get_group(CP), cp, self.layout.context, engine, self.layout.tensor)
         if not apply_context_parallel(user, shard):
             raise ValueError(no_support_message(user))
         self.context_engine, self._sequence_shard = shard.engine, shard
@@ -477,25 +477,26 @@ class _StageShards(sharded_init.ShardAccess):
             param.data.copy_(full)
 
 
-def _check_context_parallel(module: nn.Module, layout: ParallelLayout) -> None:
-    """Before any rank starts: the model splits sequences, and Ulysses can give each rank whole heads. A model
-    built in ``configure_model`` is checked in the ranks once built (the built-in job's size is known now)."""
+def _check_context_parallel(module: nn.Module, layout: ParallelLayout) -> str:
+    """Before any rank starts: the model splits sequences, and tensor parallelism can give each rank whole heads;
+    the engine its heads take (``engine_for``). A model built in ``configure_model`` is checked in the ranks once
+    built (the built-in job's size is known now)."""
     from distrain.models.gpt import GPT_SIZES
     from distrain.models.lm import GPTLanguageModel
     from distrain.module import Module
-    from distrain.parallel.context_parallel import attention_heads, check_heads, no_support_message
+    from distrain.parallel.context_parallel import attention_heads, engine_for, no_support_message
 
-    if isinstance(module, GPTLanguageModel):
+    heads, name = attention_heads(module), type(module).__name__
+    if isinstance(module, GPTLanguageModel):  # known by its name before configure_model builds it
         name = module.hparams["model_name"]
-        check_heads(GPT_SIZES[name]["n_head"], layout.context, layout.tensor, name)
-        return
-    for count in attention_heads(module) or []:
-        check_heads(count, layout.context, layout.tensor, type(module).__name__)
+        return engine_for(heads or [GPT_SIZES[name]["n_head"]], layout.context, layout.tensor, name)
+    engine = engine_for(heads, layout.context, layout.tensor, name)
     built_later = isinstance(module, Module) and type(module).configure_model is not Module.configure_model
     if not built_later and not any(
         callable(getattr(type(m), "enable_context_parallel", None)) for m in module.modules()
     ):
         raise ValueError(no_support_message(module))
+    return engine
 
 
 def _fsdp_applied(module: nn.Module) -> bool:

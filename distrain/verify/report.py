@@ -249,18 +249,18 @@ def _data(run: dict, reference: dict) -> Check:
             f"{len(ranks) // replicas} ranks of each replica share its samples"
         )
     if any(r.get("sequence_slice") for r in ranks):
-        parts = len({r["sequence_slice"] for r in ranks})
+        parts = len({tuple(map(tuple, r["sequence_slice"])) for r in ranks if r.get("sequence_slice")})
         detail += f", each sequence split into {parts} slices that tile it"
     return Check("data", not problems, problems[0] if problems else detail)
 
 
 def _sequence_split(ranks: list[dict]) -> list[str]:
-    """Context parallelism: within each replica, the ranks' slices of a sequence tile it — no token computed twice,
-    none left out (tensor-parallel peers compute the same slice)."""
+    """Context parallelism: within each replica, the pieces of a sequence its ranks computed tile it — no token
+    computed twice, none left out (tensor-parallel peers compute the same pieces)."""
     replicas: dict[int, set] = {}
     for r in ranks:
         if r.get("sequence_slice"):
-            replicas.setdefault(r["data_parallel_rank"], set()).add(tuple(r["sequence_slice"]))
+            replicas.setdefault(r["data_parallel_rank"], set()).update(tuple(p) for p in r["sequence_slice"])
     for replica, slices in sorted(replicas.items()):
         end = 0
         for start, stop, padded in sorted(slices):

@@ -42,6 +42,7 @@ class ModelParallel(CostModel):
         if option.family == "cp":
             return (
                 f"context parallel {option.context}"
+                + (f" ({option.get('engine')})" if option.get("engine") else "")
                 + (f" × tensor {option.tensor}" if option.tensor > 1 else "")
                 + (" × fsdp" if option.get("sharding") else "")
             )
@@ -55,6 +56,7 @@ class ModelParallel(CostModel):
         if option.family == "cp":
             return (
                 f"CP{option.context}"
+                + (f"({option.get('engine')})" if option.get("engine") else "")
                 + (f"×TP{option.tensor}" if option.tensor > 1 else "")
                 + ("×FSDP" if option.get("sharding") else "")
             )
@@ -153,8 +155,10 @@ def tensor_parallel_step_time(option, job, trace, simulated, hw: Hardware) -> St
 def context_parallel_option(job, context: int, strict: bool = False, heads: list[int] | None = None) -> Option | None:
     """The layout ``strategy: model_parallel`` with ``context_parallel_size=context`` runs (tensor parallel over what
     it leaves of a node unless set, when ``strict``; FSDP over data × context). None when the model cannot split its
-    sequences or its heads; that raises the run's own error when ``strict``. ``heads``: the model's, when known."""
-    from distrain.parallel.context_parallel import check_heads
+    sequences or tensor parallelism its heads; that raises the run's own error when ``strict``. ``heads``: the
+    model's, when known. Heads that the size does not divide take the ring (``engine_for``), named in the option;
+    Ulysses, the engine otherwise, is not."""
+    from distrain.parallel.context_parallel import engine_for
     from distrain.parallel.layout import layout_for
 
     if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1):
@@ -162,13 +166,14 @@ def context_parallel_option(job, context: int, strict: bool = False, heads: list
     try:
         tensor = job.tensor_parallel if strict else 1
         layout = layout_for(job.world_size, job.per_node, False, tensor, "auto", None, 1, context)
-        for count in _attention_heads(job) if heads is None else heads:
-            check_heads(count, layout.context, layout.tensor, job.spec.name)
+        heads = _attention_heads(job) if heads is None else heads
+        engine = engine_for(heads, layout.context, layout.tensor, job.spec.name)
     except ValueError:
         if strict:
             raise
         return None
-    return Option("cp", sharding="FULL_SHARD", tensor=layout.tensor, context=layout.context)
+    ring = "ring" if engine == "ring" else None
+    return Option("cp", sharding="FULL_SHARD", tensor=layout.tensor, context=layout.context, engine=ring)
 
 
 def _attention_heads(job) -> list[int]:
@@ -185,9 +190,9 @@ def _attention_heads(job) -> list[int]:
 
 def context_parallel_options(job) -> list[Option]:
     """What ``auto`` and ``all`` look at for a long sequence (``LONG_SEQUENCE``): each size that divides one node's
-    devices (and the world) and the model's heads, from 2 to the whole node, FSDP over the ranks that remain. A
-    larger size holds less of each sequence and sends more all-to-alls: which one is fastest is the planner's to
-    say. The model is built once for every size."""
+    devices (and the world), from 2 to the whole node, FSDP over the ranks that remain; Ulysses where it divides the
+    model's heads, else the ring. A larger size holds less of each sequence and sends more: which one is fastest is
+    the planner's to say. The model is built once for every size."""
     if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1) or job.spec.seq_len < LONG_SEQUENCE:
         return []
     try:
