@@ -229,9 +229,10 @@ def test_context_parallel_on_two_ranks_matches_one_process_and_resumes_on_one(tm
 
 # data parallelism averages the replicas' mean losses, which is one process's mean over tokens when every
 # replica has as many real tokens: these runs have no padded targets (the 2-rank one has)
-FOUR_RANKS = {  # name: (strategy, per-rank batch, replicas)
+FOUR_RANKS = {  # name: (strategy, per-rank batch, replicas); the GPT has 4 heads unless its name says
     "cp2xfsdp2": (lambda: _cp(2), 2, 2),
     "cp2xtp2": (lambda: _cp(2, tensor=2), 4, 1),
+    "cp2xtp2-6heads": (lambda: _cp(2, tensor=2), 4, 1),  # 3 heads per tensor-parallel rank: the ring
     "cp4+ac": (lambda: _cp(4, activation_checkpointing_policy=_every_block()), 4, 1),  # recomputed: the same
     "cp2xfsdp2-llama": (lambda: _cp(2), 2, 2),  # its loss is the mean over the step's tokens: padding is exact
     "cp4-llama": (lambda: _cp(4), 4, 1),  # 2 heads on 4 ranks: the ring, its sequences cut into 8 pieces
@@ -240,7 +241,9 @@ FOUR_RANKS = {  # name: (strategy, per-rank batch, replicas)
 
 def _four_ranks(rank, tmp, llama):
     out = {
-        name: _fit(tmp / name, make(), 4, batch, padding=False, llama=llama if "llama" in name else None)
+        name: _fit(
+            tmp / name, make(), 4, batch, padding=False, llama=llama if "llama" in name else None, heads=_heads(name)
+        )
         for name, (make, batch, _) in FOUR_RANKS.items()
     }
     # CP2 × FSDP2's checkpoint resumes under CP=4 (another context size, no replicas)
@@ -249,18 +252,24 @@ def _four_ranks(rank, tmp, llama):
     return out
 
 
+def _heads(name: str) -> int:
+    return 6 if "6heads" in name else 4
+
+
 @pytest.mark.slow
 def test_context_parallel_with_fsdp_and_with_tensor_parallel_on_four_ranks_matches_one_process(tmp_path, llama):
     results = run_ranks(_four_ranks, 4, tmp_path, llama)
     references = {
         "gpt": _fit(tmp_path / "single", "single", 1, 4, padding=False),
         "llama": _fit(tmp_path / "single-llama", "single", 1, 4, llama=llama),
+        "gpt-6heads": _fit(tmp_path / "single-6heads", "single", 1, 4, padding=False, heads=6),
     }
     for name, (_, batch, replicas) in FOUR_RANKS.items():
         assert batch * replicas == 4  # the global batch of the reference
-        reference = references["llama" if "llama" in name else "gpt"]
+        reference = references["llama" if "llama" in name else "gpt-6heads" if _heads(name) == 6 else "gpt"]
         for rank in range(4):
             result = results[rank][name]
+            assert result[4] == ("ring" if name in ("cp2xtp2-6heads", "cp4-llama") else "ulysses"), name
             if replicas > 1:  # a value logged without sync_dist is this replica's; it predicts its share
                 rows = [(loss, norm, ref[2]) for (loss, norm, _), ref in zip(result[0], reference[0])]
                 result = (rows, result[1], reference[2], *result[3:])
