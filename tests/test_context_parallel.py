@@ -150,15 +150,21 @@ def _every_block():
     return {Block}
 
 
-def _two_ranks(rank, tmp, llama, llama_gqa):
+def _two_ranks(rank, tmp, llama, llama_gqa, mistrals):
     """Ulysses (4 heads, 2 ranks) and the ring (3 heads; a Llama with 3 query heads sharing 1 key/value head),
-    each trained and verified."""
+    each trained and verified; Mistral's sliding window, wider than the sequences (exact) and narrower (refused)."""
     runs = {
         "gpt": _fit(tmp / "cp2", _cp(2), 2, 4),
         "llama": _fit(tmp / "cp2-llama", _cp(2), 2, 4, llama=llama),
         "gpt-ring": _fit(tmp / "cp2-ring", _cp(2), 2, 4, heads=3),
         "llama-ring": _fit(tmp / "cp2-llama-ring", _cp(2), 2, 4, llama=llama_gqa),
+        "mistral": _fit(tmp / "cp2-mistral", _cp(2), 2, 4, llama=mistrals["wide"]),
     }
+    try:
+        _fit(tmp / "cp2-mistral-narrow", _cp(2), 2, 4, llama=mistrals["narrow"])
+        runs["refused"] = None
+    except ValueError as error:
+        runs["refused"] = str(error)
     reports = {}
     for heads in (4, 3):  # each verify starts a process group of its own, and ends it
         trainer = distrain.Trainer(
@@ -195,6 +201,19 @@ def llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def mistrals(tmp_path_factory):
+    """Sliding windows of 64 tokens (wider than the samples: the window changes nothing) and of 4 (narrower)."""
+    pytest.importorskip("transformers")
+    from distrain.hf import tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "wide": tiny.make_tiny_llama(root / "mistral-64", sliding_window=64),
+        "narrow": tiny.make_tiny_llama(root / "mistral-4", sliding_window=4),
+    }
+
+
+@pytest.fixture(scope="module")
 def llama_gqa(tmp_path_factory):
     """3 query heads, 1 key/value head: no group of 2 splits them, so the ring runs it."""
     pytest.importorskip("transformers")
@@ -203,13 +222,14 @@ def llama_gqa(tmp_path_factory):
     return tiny.make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama-gqa", heads=3, kv_heads=1)
 
 
-def test_context_parallel_on_two_ranks_matches_one_process_and_resumes_on_one(tmp_path, llama, llama_gqa):
-    results = run_ranks(_two_ranks, 2, tmp_path, llama, llama_gqa)
+def test_context_parallel_on_two_ranks_matches_one_process_and_resumes_on_one(tmp_path, llama, llama_gqa, mistrals):
+    results = run_ranks(_two_ranks, 2, tmp_path, llama, llama_gqa, mistrals)
     references = {
         "gpt": _fit(tmp_path / "single", "single", 1, 4),
         "llama": _fit(tmp_path / "single-llama", "single", 1, 4, llama=llama),
         "gpt-ring": _fit(tmp_path / "single-ring", "single", 1, 4, heads=3),
         "llama-ring": _fit(tmp_path / "single-llama-ring", "single", 1, 4, llama=llama_gqa),
+        "mistral": _fit(tmp_path / "single-mistral", "single", 1, 4, llama=mistrals["wide"]),
     }
     for heads, verified in results[0][1].items():
         assert verified["ok"], (heads, [c for c in verified["checks"] if not c["ok"]])
@@ -217,6 +237,10 @@ def test_context_parallel_on_two_ranks_matches_one_process_and_resumes_on_one(tm
         assert "the 2 ranks of each replica share its samples, each sequence split into 2 slices that tile it" in data
     for rank in range(2):
         runs = results[rank][0]
+        # a window narrower than the sequences: refused, where the engine would attend past it
+        assert re.match(
+            r"context parallelism cannot run a sliding window of 4 tokens over sequences of \d+ ", runs["refused"] or ""
+        ), runs["refused"]
         for name, reference in references.items():
             assert runs[name][4] == ("ring" if "ring" in name else "ulysses"), name
             _close(reference, runs[name], f"CP=2 {name}, rank {rank}")
@@ -319,7 +343,8 @@ def test_a_rank_holds_a_contiguous_padded_slice_at_its_global_positions():
 
 def test_the_ring_refuses_what_it_cannot_compute_in_one_line():
     """The ring runs its own kernel: no attention dropout (the GPT's, refused when the engine is set; a Hugging Face
-    layer's, at its first call) and no sliding window. Ulysses runs the model's own attention, dropout included."""
+    layer's, at its first call). Ulysses runs the model's own attention, dropout included. Neither masks a sliding
+    window: a sequence longer than one is refused, one within it computes what the model does."""
     from distrain.models.gpt import GPT, GPTConfig
     from distrain.parallel.context_parallel import engine_for
 
@@ -335,8 +360,8 @@ def test_the_ring_refuses_what_it_cannot_compute_in_one_line():
     q = torch.zeros(1, 4, 3, 8)
     with pytest.raises(ValueError, match=r"cannot run attention dropout \(0.1\)"):
         attend(q, q, q, scaling=None, dropout=0.1)
-    with pytest.raises(ValueError, match=r"cannot run a sliding window \(4096 tokens\)"):
-        attend(q, q, q, sliding_window=4096)
+    with pytest.raises(ValueError, match=r"cannot run a sliding window of 6 tokens over sequences of 8 "):
+        attend(q, q, q, sliding_window=6)  # 4 tokens on each of 2 ranks
 
 
 def test_verify_fails_a_split_whose_slices_do_not_tile_the_sequence():

@@ -145,15 +145,21 @@ def make_tiny_bert(out_dir: str | os.PathLike, num_labels: int = 2, seed: int = 
 
 
 def make_tiny_llama(
-    out_dir: str | os.PathLike, seed: int = 0, max_position_embeddings: int = 128, heads: int = 2, kv_heads: int = 2
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    max_position_embeddings: int = 128,
+    heads: int = 2,
+    kv_heads: int = 2,
+    sliding_window: int | None = None,
 ) -> str:
     """A 2-layer LlamaForCausalLM, 16 wide per head (32 wide as made by default), with its tokenizer (no pad token,
-    as Llama's own). ``kv_heads`` fewer than ``heads``: grouped-query attention."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    as Llama's own). ``kv_heads`` fewer than ``heads``: grouped-query attention. A ``sliding_window``: a
+    MistralForCausalLM (Llama's layers, each token attending to the last ``sliding_window`` tokens only)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     def write(tmp: Path) -> None:
         tokenizer = make_tokenizer({"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"})
-        config = LlamaConfig(
+        config = dict(
             vocab_size=len(tokenizer),
             hidden_size=16 * heads,
             num_hidden_layers=2,
@@ -166,7 +172,10 @@ def make_tiny_llama(
             tie_word_embeddings=False,
         )
         torch.manual_seed(seed)
-        LlamaForCausalLM(config).save_pretrained(tmp)
+        if sliding_window is None:
+            LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(tmp)
+        else:
+            MistralForCausalLM(MistralConfig(**config, sliding_window=sliding_window)).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
     return _write_atomically(out_dir, write)

@@ -14,7 +14,10 @@ runs on the slice. Attention needs every earlier token, and an engine provides i
   rank computes all its heads for its own queries against the key/value slices of the others. Taken when the heads
   do not split; any head count runs. Its layout is torch's load-balanced one: the sequence is cut into ``2N``
   pieces and rank ``c`` holds pieces ``c`` and ``2N-1-c``, so each does as much of the causal work. Grouped-query
-  key/value heads are repeated to the query heads first; attention dropout and sliding windows are refused.
+  key/value heads are repeated to the query heads first; attention dropout is refused.
+
+Neither engine masks a sliding window (Mistral's): a sequence longer than the window is refused (``check_window``);
+one within it attends to every earlier token either way.
 
 What stays global, not per slice (``SequenceShard``):
 
@@ -124,8 +127,7 @@ class SequenceShard:
 
         if dropout:
             raise ValueError(RING_REFUSES.format(what=f"attention dropout ({dropout})"))
-        if kwargs.get("sliding_window") is not None:
-            raise ValueError(RING_REFUSES.format(what=f"a sliding window ({kwargs['sliding_window']} tokens)"))
+        check_window(kwargs.get("sliding_window"), q.shape[1] * self.size)
         if k.shape[2] != q.shape[2]:  # each key/value head serves a group of query heads (transformers' repeat_kv)
             k, v = (x.repeat_interleave(q.shape[2] // x.shape[2], dim=2) for x in (k, v))
         heads_first = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  ([B, H, T, d], the ring's)
@@ -205,6 +207,18 @@ RING_REFUSES = (
 )
 
 
+def check_window(window: int | None, length: int) -> None:
+    """A Hugging Face layer's sliding window (``sliding_window``: Mistral's, Qwen2's sliding layers) against the
+    length of the whole sequence: within the window it changes nothing, beyond it the engines (causal attention
+    over every earlier token) would compute another model."""
+    if window is not None and length > window:
+        raise ValueError(
+            f"context parallelism cannot run a sliding window of {window} tokens over sequences of {length} "
+            f"(distributed.context_parallel_size): its engines attend to every earlier token; keep sequences within "
+            f"{window} tokens (data.max_length), or train without context parallelism"
+        )
+
+
 def engine_for(heads: list[int] | None, context: int, tensor: int, model: str) -> str:
     """Ulysses where it gives each rank of a group whole heads (``heads / (tensor × context)`` of every attention's
     query and key/value heads), else the ring, which splits no head. Heads that tensor parallelism cannot split
@@ -239,6 +253,7 @@ def use_engine_in_hf(model: torch.nn.Module, shard: SequenceShard) -> None:
     for layer in attention_layers:
 
         def local(q, k, v, _layer=layer, **kwargs):  # [B, T, heads/N, d] → the same
+            check_window(kwargs.get("sliding_window"), q.shape[1])  # SDPA's causal mask has no window
             t = lambda x: x.transpose(1, 2)  # noqa: E731  (transformers' attention takes [B, heads, T, d])
             return sdpa_attention_forward(_layer, t(q), t(k), t(v), None, is_causal=True, **kwargs)[0]
 
