@@ -362,6 +362,9 @@ def test_the_ring_refuses_what_it_cannot_compute_in_one_line():
         attend(q, q, q, scaling=None, dropout=0.1)
     with pytest.raises(ValueError, match=r"cannot run a sliding window of 6 tokens over sequences of 8 "):
         attend(q, q, q, sliding_window=6)  # 4 tokens on each of 2 ranks
+    for extra, what in (("softcap", "logit soft-capping"), ("s_aux", "attention sinks")):  # Gemma's, gpt-oss's
+        with pytest.raises(ValueError, match=rf"cannot run this model's attention: it asks for {what} \({extra}\)"):
+            attend(q, q, q, **{extra: torch.zeros(3)})
 
 
 def test_verify_fails_a_split_whose_slices_do_not_tile_the_sequence():

@@ -128,6 +128,7 @@ class SequenceShard:
         if dropout:
             raise ValueError(RING_REFUSES.format(what=f"attention dropout ({dropout})"))
         check_window(kwargs.get("sliding_window"), q.shape[1] * self.size)
+        check_no_extras(kwargs)
         if k.shape[2] != q.shape[2]:  # each key/value head serves a group of query heads (transformers' repeat_kv)
             k, v = (x.repeat_interleave(q.shape[2] // x.shape[2], dim=2) for x in (k, v))
         heads_first = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  ([B, H, T, d], the ring's)
@@ -219,6 +220,21 @@ def check_window(window: int | None, length: int) -> None:
         )
 
 
+#: what a Hugging Face layer may hand its attention that neither engine applies: Gemma's logit soft-capping,
+#: gpt-oss's attention sinks, a relative position bias (over every head, where an engine's rank holds some)
+UNSUPPORTED_EXTRAS = {"softcap": "logit soft-capping", "s_aux": "attention sinks", "position_bias": "a position bias"}
+
+
+def check_no_extras(kwargs: dict) -> None:
+    """Refuse, in one line, an attention of a Hugging Face layer that the engines would compute without its extras."""
+    for key, what in UNSUPPORTED_EXTRAS.items():
+        if kwargs.get(key) is not None:
+            raise ValueError(
+                f"context parallelism (distributed.context_parallel_size) cannot run this model's attention: it asks "
+                f"for {what} ({key}), which neither engine applies; train it without context parallelism"
+            )
+
+
 def engine_for(heads: list[int] | None, context: int, tensor: int, model: str) -> str:
     """Ulysses where it gives each rank of a group whole heads (``heads / (tensor × context)`` of every attention's
     query and key/value heads), else the ring, which splits no head. Heads that tensor parallelism cannot split
@@ -254,6 +270,7 @@ def use_engine_in_hf(model: torch.nn.Module, shard: SequenceShard) -> None:
 
         def local(q, k, v, _layer=layer, **kwargs):  # [B, T, heads/N, d] → the same
             check_window(kwargs.get("sliding_window"), q.shape[1])  # SDPA's causal mask has no window
+            check_no_extras(kwargs)
             t = lambda x: x.transpose(1, 2)  # noqa: E731  (transformers' attention takes [B, heads, T, d])
             return sdpa_attention_forward(_layer, t(q), t(k), t(v), None, is_causal=True, **kwargs)[0]
 
