@@ -362,6 +362,14 @@ def test_the_ring_refuses_what_it_cannot_compute_in_one_line():
         attend(q, q, q, scaling=None, dropout=0.1)
     with pytest.raises(ValueError, match=r"cannot run a sliding window of 6 tokens over sequences of 8 "):
         attend(q, q, q, sliding_window=6)  # 4 tokens on each of 2 ranks
+    shard = SequenceShard(None, 0, 2, engine="ring")
+    shard.split(torch.zeros(1, 7), 0)  # 7 tokens, padded to 8: the pad is past every real token
+    with pytest.raises(ValueError, match=r"cannot run a sliding window of 6 tokens over sequences of 7 "):
+        shard.attention(None)(q, q, q, sliding_window=6)
+    shard.split(torch.zeros(1, 6), 0)  # 6 tokens, padded to 8, within a window of 7: on to the ring (no group here)
+    with pytest.raises(Exception) as info:
+        shard.attention(None)(q, q, q, sliding_window=7)
+    assert "sliding window" not in str(info.value)
     for extra, what in (("softcap", "logit soft-capping"), ("s_aux", "attention sinks")):  # Gemma's, gpt-oss's
         with pytest.raises(ValueError, match=rf"cannot run this model's attention: it asks for {what} \({extra}\)"):
             attend(q, q, q, **{extra: torch.zeros(3)})

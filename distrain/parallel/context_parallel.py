@@ -53,6 +53,8 @@ class SequenceShard:
     """What gives attention every earlier token (``engine_for``; the strategy reports it)."""
     tensor: int = 1
     """Tensor-parallel ranks that split each attention's heads before Ulysses splits them again."""
+    length: int | None = None
+    """The length of the last sequence split, before its padding (what a sliding window is held against)."""
     last_slice: tuple[tuple[int, int, int], ...] | None = None
     """The (start, stop, padded length) of each piece of the last sequence this rank computed: what ``distrain
     verify`` checks."""
@@ -77,7 +79,7 @@ class SequenceShard:
     def split(self, tensor: torch.Tensor, pad_value: int | float) -> torch.Tensor:
         """This rank's slice of dim 1 (the sequence), the sequence padded at its end with ``pad_value`` to a
         multiple of the pieces first."""
-        length = tensor.shape[1]
+        length = self.length = tensor.shape[1]
         padded = self.padded_length(length)
         if padded != length:
             pad = [0, 0] * (tensor.dim() - 2) + [0, padded - length]
@@ -127,7 +129,7 @@ class SequenceShard:
 
         if dropout:
             raise ValueError(RING_REFUSES.format(what=f"attention dropout ({dropout})"))
-        check_window(kwargs.get("sliding_window"), q.shape[1] * self.size)
+        check_window(kwargs.get("sliding_window"), self.length or q.shape[1] * self.size)
         check_no_extras(kwargs)
         if k.shape[2] != q.shape[2]:  # each key/value head serves a group of query heads (transformers' repeat_kv)
             k, v = (x.repeat_interleave(q.shape[2] // x.shape[2], dim=2) for x in (k, v))
@@ -187,8 +189,8 @@ def apply_context_parallel(module: torch.nn.Module, shard: SequenceShard) -> int
 
 
 def attention_heads(module: torch.nn.Module) -> list[int] | None:
-    """The head counts context parallelism splits (``engine_for``) in the first model inside ``module`` that can split
-    its sequences: one
+    """The head counts context parallelism splits (``engine_for``) in the first model inside ``module`` that can
+    split its sequences: one
     that says them (``context_parallel_heads()``: distrain's GPT), or a Hugging Face model with Llama-style attention
     (its query and key/value heads); None when there is none."""
     for m in module.modules():
@@ -269,7 +271,7 @@ def use_engine_in_hf(model: torch.nn.Module, shard: SequenceShard) -> None:
     for layer in attention_layers:
 
         def local(q, k, v, _layer=layer, **kwargs):  # [B, T, heads/N, d] → the same
-            check_window(kwargs.get("sliding_window"), q.shape[1])  # SDPA's causal mask has no window
+            check_window(kwargs.get("sliding_window"), shard.length or q.shape[1])  # SDPA's causal mask has none
             check_no_extras(kwargs)
             t = lambda x: x.transpose(1, 2)  # noqa: E731  (transformers' attention takes [B, heads, T, d])
             return sdpa_attention_forward(_layer, t(q), t(k), t(v), None, is_causal=True, **kwargs)[0]
