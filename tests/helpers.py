@@ -137,12 +137,12 @@ class IndexedTokens(Dataset):
 class TinyGPT(distrain.Module):
     """A 2-layer byte GPT that records the sample ids it trained on."""
 
-    def __init__(self, dropout: float = 0.0, lr: float = 3e-3, schedule: bool = True):
+    def __init__(self, dropout: float = 0.0, lr: float = 3e-3, schedule: bool = True, n_head: int = 2):
         super().__init__()
         self.save_hyperparameters()
         from distrain.models.gpt import GPT, GPTConfig
 
-        self.gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=dropout))
+        self.gpt = GPT(GPTConfig(n_layer=2, n_head=n_head, n_embd=32, block_size=16, dropout=dropout))
         self.seen: list[int] = []
 
     def training_step(self, batch, batch_idx):
@@ -221,21 +221,29 @@ def stuck_in_user_code():
 trainer = distrain.Trainer(accelerator="cpu", strategy={strategy}, devices=2, max_steps=6, collective_timeout={timeout},
                            enable_progress_bar=False, logger=False, enable_checkpointing=False,
                            default_root_dir={root!r})
-trainer.fit(Faulty(), loader(4))
+trainer.fit(Faulty(**{module_kwargs}), loader(4))
 """
 
 
 def console_of_a_faulty_rank(
-    tmp_path, fault: str, collective_timeout: float, strategy: str = '"ddp"'
+    tmp_path, fault: str, collective_timeout: float, strategy: str = '"ddp"', module_kwargs: str = "{}"
 ) -> tuple[str, float]:
     """A user's script, run as a user runs it (distrain's own launcher starts rank 1 from it), training 2 ranks (DDP;
-    ``strategy``: the Trainer's argument as Python source) of which rank 1 runs ``fault`` (a line of Python) at the
-    start of its third step: the console's ``[distrain]`` lines, and the seconds the script took."""
+    ``strategy``: the Trainer's argument as Python source; ``module_kwargs``: TinyGPT's, the same) of which rank 1
+    runs ``fault`` (a line of Python) at the start of its third step: the console's ``[distrain]`` lines, and the
+    seconds the script took."""
     script = tmp_path / "train.py"
     root = str(tmp_path / "run")
     tests = os.path.dirname(__file__)
     script.write_text(
-        FAULTY_RANK_SCRIPT.format(tests=tests, timeout=collective_timeout, fault=fault, root=root, strategy=strategy)
+        FAULTY_RANK_SCRIPT.format(
+            tests=tests,
+            timeout=collective_timeout,
+            fault=fault,
+            root=root,
+            strategy=strategy,
+            module_kwargs=module_kwargs,
+        )
     )
     start = time.time()
     proc = subprocess.run(

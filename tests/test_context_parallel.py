@@ -306,12 +306,14 @@ def test_context_parallel_with_fsdp_and_with_tensor_parallel_on_four_ranks_match
 # ---- in one process: the slice, the layout, and what is refused before any rank starts ------------------------------
 @pytest.mark.slow
 @pytest.mark.alone  # the console within a collective timeout of seconds
-def test_the_console_names_a_context_parallel_rank_that_dies_while_its_peer_waits_in_the_all_to_all(tmp_path):
+@pytest.mark.parametrize("heads", [2, 1], ids=["ulysses", "ring"])
+def test_the_console_names_a_context_parallel_rank_that_dies_while_its_peer_waits_in_the_engine(tmp_path, heads):
     """Rank 1 of a CP=2 group dies (exit 137, as the OOM killer ends a process) at the start of its third step;
-    rank 0 is inside attention's all-to-all, waiting for the slice rank 1 never sends. The console's first line
-    names rank 1, its exit and step; rank 0 is the one that waited, never the culprit."""
+    rank 0 is inside attention's collective (Ulysses's all-to-all; the ring's all-gather for the 1 head that 2 ranks
+    cannot split), waiting for the slice rank 1 never sends. The console's first line names rank 1, its exit and
+    step; rank 0 is the one that waited, never the culprit."""
     strategy = "distrain.ModelParallelStrategy(context_parallel_size=2)"
-    console, elapsed = console_of_a_faulty_rank(tmp_path, "os._exit(137)", 3.0, strategy)
+    console, elapsed = console_of_a_faulty_rank(tmp_path, "os._exit(137)", 3.0, strategy, f"{{'n_head': {heads}}}")
     first = console.splitlines()[0]
     assert first.startswith("[distrain] rank 1 failed first at step 3 (in forward/backward): exited with code 137"), (
         console
