@@ -30,12 +30,12 @@ import torch
 import torch.multiprocessing as mp
 
 from distrain import distributed
-from distrain.cluster import find_free_port
+from distrain.cluster import find_free_port, is_loopback_address
 from distrain.distributed import watch
 
 
 def _rank_env(rank: int, nprocs: int, node_rank: int, num_nodes: int, addr: str, port: int) -> dict[str, str]:
-    return {
+    env = {
         "MASTER_ADDR": addr,
         "MASTER_PORT": str(port),
         "RANK": str(node_rank * nprocs + rank),
@@ -45,6 +45,23 @@ def _rank_env(rank: int, nprocs: int, node_rank: int, num_nodes: int, addr: str,
         "NODE_RANK": str(node_rank),
         "DISTRAIN_LAUNCHED": "1",
     }
+    # every rank on this machine: gloo listens on loopback (by default, where the host name resolves: maybe every
+    # network the machine is on); a choice of the user's own stands
+    host = f"[{addr}]" if ":" in addr else addr
+    loopback = loopback_interface() if is_loopback_address(f"tcp://{host}:0") else None
+    if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = loopback
+    return env
+
+
+def loopback_interface() -> str | None:
+    """The name of the interface that holds 127.0.0.1 (gloo is given an interface, not an address)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addresses):
+            return name
+    return None
 
 
 def _master(num_nodes: int) -> tuple[str, int]:
@@ -302,7 +319,7 @@ class ReplicaGroupLauncher:
     def launch(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         import secrets
 
-        from distrain.cluster import JOB_SECRET, LIGHTHOUSE, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID, is_loopback_address
+        from distrain.cluster import JOB_SECRET, LIGHTHOUSE, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID
 
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at INFO
         server, address = None, self.lighthouse
@@ -318,7 +335,7 @@ class ReplicaGroupLauncher:
             )
             address = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"  # address() names the hostname
         secret = secrets.token_urlsafe(32)  # this job's; a group serves its live state only to requests that carry it
-        loopback = self._loopback_interface() if is_loopback_address(address) else None
+        loopback = loopback_interface() if is_loopback_address(address) else None
         python, *command = _command_of_this_process()
         torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nprocs}"]
         torchrun.append(f"--max-restarts={self.max_restarts}")
@@ -366,16 +383,6 @@ class ReplicaGroupLauncher:
         if failed:
             print(f"[distrain] replica groups that failed (after their restarts): {'; '.join(failed)}", file=sys.stderr)
         raise SystemExit(max((c for c in codes if c > 0), default=1 if failed else 0))
-
-    @staticmethod
-    def _loopback_interface() -> str | None:
-        """The name of the interface that holds 127.0.0.1 (gloo is given an interface, not an address)."""
-        import psutil
-
-        for name, addresses in psutil.net_if_addrs().items():
-            if any(a.address == "127.0.0.1" for a in addresses):
-                return name
-        return None
 
 
 # ---- each rank's output and failure, kept in <run dir>/logs ------------------------------------------------

@@ -351,3 +351,40 @@ def test_one_job_starts_one_group_after_another_while_a_rank_still_ends_the_last
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
     assert [out.split() for out, _ in outputs] == [["3", "23", "43"]] * 2
+
+
+LISTENING = """
+import json, os, sys, psutil
+sys.path.insert(0, {tests!r})
+import distrain
+from helpers import TinyGPT, loader
+
+class Listening(distrain.Callback):  # every socket this rank listens on, mid-run
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == 1:
+            found = [c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN]
+            with open(os.path.join({out!r}, f"listening-{{trainer.global_rank}}.json"), "w") as f:
+                json.dump(found, f)
+
+trainer = distrain.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=2, enable_progress_bar=False,
+                           logger=False, enable_checkpointing=False, default_root_dir={out!r}, callbacks=[Listening()])
+trainer.fit(TinyGPT(), loader(4))
+"""
+
+
+def test_a_job_on_one_machine_listens_on_loopback_only(tmp_path):
+    """The rendezvous store (torch's TCPStore answers whoever connects) and gloo's sockets of a job whose ranks are all
+    on this machine listen on loopback, not on every network the machine is on (the store did: '::')."""
+    import ipaddress
+    import json
+
+    script = tmp_path / "train.py"
+    script.write_text(LISTENING.format(tests=os.path.dirname(__file__), out=str(tmp_path)))
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env_without_rank(), timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    listening = {rank: json.loads((tmp_path / f"listening-{rank}.json").read_text()) for rank in range(2)}
+    assert listening[0], listening  # rank 0 hosts the store, and each rank listens for gloo's peers
+    for rank, addresses in listening.items():
+        assert all(ipaddress.ip_address(a).is_loopback for a in addresses), (rank, addresses)

@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import gc
 import os
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -136,17 +137,43 @@ def _key_space_of_a_new_group(rank: int, world: int, timeout: timedelta) -> dist
     address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, os.getpid())
     if _job_store is None or _job_store[0] != address:
         # torchrun's agent keeps the job's store itself (its ranks are clients); elsewhere rank 0 hosts it
-        agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+        listener = _loopback_listener(address[0], address[1]) if hosts else None
         store = dist.TCPStore(
-            address[0], address[1], world, is_master=not agent_hosts_store and rank == 0, timeout=timeout
+            address[0],
+            address[1],
+            world,
+            is_master=hosts,
+            timeout=timeout,
+            master_listen_fd=None if listener is None else listener.fileno(),
         )
-        _job_store, _groups_started = (address, store), 0
+        _job_store, _groups_started = (address, store, listener), 0
     _groups_started += 1
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"distrain/attempt{attempt}/group{_groups_started}", _job_store[1])
 
 
-#: the job's rendezvous store, opened by the first group this process started (and where it is), kept for the next
-_job_store: tuple[tuple, dist.Store] | None = None
+def _loopback_listener(host: str, port: int) -> socket.socket | None:
+    """Where the store listens when every rank is on this machine (a loopback ``MASTER_ADDR``): on that address
+    only. Given a host, torch's store still listens on every interface, and it answers whoever connects (it has no
+    authentication): anyone on the network could read the ranks' addresses or write false ones. A job across
+    machines (any other address) keeps torch's default: which of this machine's addresses the others reach is
+    theirs to know."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return None
+    if not loopback:
+        return None
+    host = "127.0.0.1" if host == "localhost" else host  # (a client tries each address "localhost" names)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)
+
+
+#: the job's rendezvous store, opened by the first group this process started (and where it is; and the socket it
+#: listens on, when this process made it), kept for the next
+_job_store: tuple[tuple, dist.Store, socket.socket | None] | None = None
 #: how many groups this process started on that store
 _groups_started = 0
