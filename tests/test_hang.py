@@ -120,7 +120,10 @@ def test_under_distrains_own_launcher_the_job_ends_with_the_diagnosis(tmp_path):
     script.write_text(HUNG_SCRIPT.format(tests=os.path.dirname(__file__), timeout=TIMEOUT))
     env = env_without_rank()
     start = time.time()
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    # in its own folder: the script names no default_root_dir, so its run goes to ./runs/distrain
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     elapsed = time.time() - start
     assert proc.returncode != 0
     assert "rank 1 stopped at step 3 (in optimizer step)" in proc.stderr, proc.stderr[-3000:]
