@@ -220,10 +220,15 @@ def job_secret(env: dict | None = None) -> str:
 def is_loopback_address(address: str) -> bool:
     """Whether the host of ``address`` (``http://host:port``) is this machine's loopback: a service there can be
     reached from this machine only, so every group that reaches it runs here."""
-    import ipaddress
     from urllib.parse import urlsplit
 
-    host = urlsplit(address).hostname or ""
+    return is_loopback_host(urlsplit(address).hostname or "")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 without brackets) is this machine's loopback."""
+    import ipaddress
+
     if host == "localhost":
         return True
     try:

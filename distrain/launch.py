@@ -30,7 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from distrain import distributed
-from distrain.cluster import find_free_port, is_loopback_address
+from distrain.cluster import find_free_port, is_loopback_address, is_loopback_host
 from distrain.distributed import watch
 
 
@@ -47,8 +47,7 @@ def _rank_env(rank: int, nprocs: int, node_rank: int, num_nodes: int, addr: str,
     }
     # every rank on this machine: gloo listens on loopback (by default, where the host name resolves: maybe every
     # network the machine is on); a choice of the user's own stands
-    host = f"[{addr}]" if ":" in addr else addr
-    loopback = loopback_interface() if is_loopback_address(f"tcp://{host}:0") else None
+    loopback = loopback_interface() if is_loopback_host(addr) else None
     if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = loopback
     return env

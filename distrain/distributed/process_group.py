@@ -159,13 +159,9 @@ def _loopback_listener(host: str, port: int) -> socket.socket | None:
     authentication): anyone on the network could read the ranks' addresses or write false ones. A job across
     machines (any other address) keeps torch's default: which of this machine's addresses the others reach is
     theirs to know."""
-    import ipaddress
+    from distrain.cluster import is_loopback_host
 
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return None
-    if not loopback:
+    if not is_loopback_host(host):
         return None
     host = "127.0.0.1" if host == "localhost" else host  # (a client tries each address "localhost" names)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
