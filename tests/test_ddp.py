@@ -217,19 +217,30 @@ def test_ddp_refuses_to_relaunch_without_a_script(tmp_path):
     assert proc.returncode != 0 and "ddp_fork" in proc.stderr
 
 
-@pytest.mark.slow
-def test_ranks_started_by_srun_form_one_group(tmp_path):
-    """Under srun only SLURM_* variables exist: the two tasks must still join one group of 2."""
+def _two_ranks_by_hand(script, code: str, env_of_rank) -> list[str]:
+    """``code`` written to ``script`` and run as two ranks started by hand, as a cluster's launcher would (each
+    with ``env_of_rank(rank, port)`` added); each must end with success. Their outputs."""
     from distrain.cluster import find_free_port
 
-    code = SCRIPT.format(tests=os.path.dirname(__file__), strategy="ddp", out=str(tmp_path))
-    script = tmp_path / "train.py"
     script.write_text(code)
     port = str(find_free_port())
     procs = []
     for rank in range(2):
-        env = env_without_rank()
-        env.update(
+        env = {**env_without_rank(), **env_of_rank(rank, port)}
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True, **pipes))
+    outputs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outputs]
+    return [out for out, _ in outputs]
+
+
+@pytest.mark.slow
+def test_ranks_started_by_srun_form_one_group(tmp_path):
+    """Under srun only SLURM_* variables exist: the two tasks must still join one group of 2."""
+    code = SCRIPT.format(tests=os.path.dirname(__file__), strategy="ddp", out=str(tmp_path))
+
+    def slurm(rank: int, port: str) -> dict[str, str]:
+        return dict(
             SLURM_NTASKS="2",
             SLURM_PROCID=str(rank),
             SLURM_LOCALID=str(rank),
@@ -241,9 +252,8 @@ def test_ranks_started_by_srun_form_one_group(tmp_path):
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
         )
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True))
-    for p in procs:
-        assert p.wait(timeout=180) == 0, p.stderr.read()[-3000:]
+
+    _two_ranks_by_hand(tmp_path / "train.py", code, slurm)
     results = sorted(f.read_text().split() for f in tmp_path.glob("result-*"))
     assert results == [["0", "2", "2", "True"], ["1", "2", "2", "True"]]
 
@@ -337,20 +347,12 @@ def test_one_job_starts_one_group_after_another_while_a_rank_still_ends_the_last
     A rank quick to start the next one joined its peer's store of the last group, which the peer then closed and
     opened again on the same port: the peer waited for that rank until the timeout (a verify-then-fit script hung 2
     runs in 3). Each group of the job now meets in keys of its own, on the one store of the job."""
-    from distrain.cluster import find_free_port
 
-    script = tmp_path / "groups.py"
-    script.write_text(TWO_GROUPS_IN_ONE_JOB)
-    port = str(find_free_port())
-    procs = []
-    for rank in range(2):
-        env = env_without_rank()
-        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True, **pipes))
-    outputs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
-    assert [out.split() for out, _ in outputs] == [["3", "23", "43"]] * 2
+    def torch_env(rank: int, port: str) -> dict[str, str]:
+        return dict(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+
+    outputs = _two_ranks_by_hand(tmp_path / "groups.py", TWO_GROUPS_IN_ONE_JOB, torch_env)
+    assert [out.split() for out in outputs] == [["3", "23", "43"]] * 2
 
 
 LISTENING = """
