@@ -1,6 +1,7 @@
 """Speed switches keep the numbers: torch.compile (whole model under DDP, per block under FSDP with
-activation checkpointing outside the compiled region) and fused AdamW agree with eager / for-each
-runs; fp8 converts the model's linears through torchao and is refused without an fp8 GPU."""
+activation checkpointing outside the compiled region, and under tensor, pipeline and context parallelism)
+and fused AdamW agree with eager / for-each runs; fp8 converts the model's linears through torchao and is
+refused without an fp8 GPU."""
 
 import pytest
 import torch
@@ -47,6 +48,44 @@ def test_compile_matches_eager_under_ddp_and_fsdp():
     assert fsdp_compiled == ["gpt.blocks.0._checkpoint_wrapped_module", "gpt.blocks.1._checkpoint_wrapped_module"]
     assert _close(ddp, eager) and _close(ddp_norms, eager_norms), (ddp, eager)
     assert _close(fsdp, eager) and _close(fsdp_norms, eager_norms), (fsdp, eager)
+
+
+def _model_parallel_runs(rank):
+    """Each layout eager and compiled, in one pair of rank processes: losses, gradient norms, what was compiled."""
+    layouts = {
+        "tp": lambda: distrain.ModelParallelStrategy(tensor_parallel_size=2),
+        "pp": lambda: "pipeline",
+        "cp-ring": lambda: distrain.ModelParallelStrategy(context_parallel_size=2),  # one head: the ring engine
+    }
+    out = {}
+    for name, strategy in layouts.items():
+        for compile in (False, True):
+            trainer, rec = make_trainer(
+                "/tmp/unused", strategy=strategy(), devices=2, max_steps=STEPS, enable_checkpointing=False,
+                logger=False, gradient_clip_val=1.0, compile=compile,
+            )  # fmt: skip
+            torch.manual_seed(0)
+            module = BlockGPT(schedule=False, n_head=1 if name == "cp-ring" else 2)
+            trainer.fit(module, loader(4))
+            compiled = [n for n, m in module.named_modules() if hasattr(m.forward, "__wrapped__")]
+            out[name, compile] = rec.losses, rec.grad_norms, compiled, trainer.strategy.context_engine
+    return out
+
+
+@pytest.mark.slow
+def test_compile_under_tensor_pipeline_and_context_parallelism_compiles_each_block_and_matches_eager():
+    first, last = run_ranks(_model_parallel_runs, 2)
+    assert first["cp-ring", True][3] == "ring"
+    for name in ("tp", "pp", "cp-ring"):
+        results = last if name == "pp" else first  # a pipeline's losses live on its last stage
+        eager, eager_norms, none, _ = results[name, False]
+        losses, norms, compiled, _ = results[name, True]
+        assert none == [] and len(losses) == STEPS, name
+        assert _close(losses, eager) and _close(norms, eager_norms), (name, losses, eager)
+        if name == "pp":  # each stage compiled the block it runs
+            assert (first[name, True][2], compiled) == (["gpt.blocks.0"], ["gpt.blocks.1"])
+        else:
+            assert compiled == ["gpt.blocks.0", "gpt.blocks.1"], name
 
 
 def test_compile_is_refused_where_unsupported():

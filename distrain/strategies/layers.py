@@ -82,7 +82,9 @@ def apply_activation_checkpointing(module: nn.Module, policy: Any, reentrant: bo
     api.apply_activation_checkpointing(module, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen)
 
 
-def apply_compile(module: nn.Module, options: bool | dict | None, per_block: bool) -> list[nn.Module]:
+def apply_compile(
+    module: nn.Module, options: bool | dict | None, per_block: bool, blocks: list[nn.Module] | None = None
+) -> list[nn.Module]:
     """``torch.compile`` the model's compute: each transformer block (``per_block``, the torchtitan
     way for sharded strategies; a block's ``forward`` is one graph, reused by every block) or each
     network the module holds (the whole model, for single and DDP). Returns what was compiled.
@@ -90,13 +92,13 @@ def apply_compile(module: nn.Module, options: bool | dict | None, per_block: boo
     Only ``forward`` is compiled, in place: hooks on the module (FSDP's all-gather, activation
     checkpointing's wrapper, applied after this) stay outside the compiled region, and parameter
     names — hence checkpoints — do not change. ``options``: True, or ``torch.compile`` keyword
-    arguments (``{"mode": "max-autotune"}``). Compilation itself happens at the first step."""
+    arguments (``{"mode": "max-autotune"}``). ``blocks``: the blocks, where the strategy knows them (a pipeline's
+    split, FSDP units marked with ``wrap``). Compilation itself happens at the first step."""
     if not options:
         return []
     kwargs = {} if options is True else dict(options)
-    targets = _blocks(module) if per_block else []
-    if not targets:
-        targets = _networks(module)
+    targets = (_blocks(module) if blocks is None else blocks) if per_block else []
+    targets = targets or _networks(module)
     for target in targets:
         target.forward = torch.compile(target.forward, **kwargs)
     return targets

@@ -40,7 +40,7 @@ from distrain.parallel.layout import CP, DP, PP, SCHEDULES, TP, ParallelLayout, 
 from distrain.strategies import sharded_init
 from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits
 from distrain.strategies.fsdp import built_on_meta, gradient_sync_off
-from distrain.strategies.layers import apply_activation_checkpointing, block_classes, is_marked_unit
+from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, block_classes, is_marked_unit
 from distrain.strategies.registry import register
 
 
@@ -227,13 +227,20 @@ class ModelParallelStrategy(Strategy):
             self.tensor_plan = apply_tensor_parallel(user, mesh[TP], self.sequence_parallel)
         if lay.context > 1:
             self._apply_context_parallel(user)
-        apply_activation_checkpointing(module, self.activation_checkpointing_policy)
-        build = None
+        split = None
         if lay.pipeline > 1:
             from distrain.parallel.pipeline_split import split_for
+
+            split = split_for(user)
+        # each block, after its layers are split and before AC (as FSDP): what a pipeline stage or FSDP unit runs
+        blocks = list(split.blocks) if split else self._fsdp_units(module)
+        apply_compile(user, self.compile, per_block=True, blocks=blocks)
+        apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        build = None
+        if split is not None:
             from distrain.parallel.pipeline_stages import PipelineBuild, PipelineRunner
 
-            build = PipelineBuild.create(user, split_for(user), lay, self._coords()[0], self.split_points)
+            build = PipelineBuild.create(user, split, lay, self._coords()[0], self.split_points)
             runner = PipelineRunner(user, build, lay, mesh, self.schedule, self.root_device, self.precision)
             roots, units = runner.stage_modules, [b for m in runner.stage_modules for b in m.blocks]
         else:
