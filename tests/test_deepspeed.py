@@ -289,6 +289,24 @@ def test_conflict_and_fp16_on_cpu_through_the_cli(tmp_path):
     assert proc.returncode != 0 and "fp16, which needs a CUDA GPU" in proc.stderr, proc.stderr[-3000:]
 
 
+def test_nvme_offload_is_refused_where_it_runs_and_planned_anywhere(tmp_path):
+    """A missing NVMe directory is refused when the run is built, before any rank starts; `distrain plan` on a
+    machine without the run's drive still plans it (the planner reads the strategy's config)."""
+    from distrain.config import build_config
+    from distrain.planner.from_config import job_from_config
+    from distrain.planner.plan import Option, option_for_run
+
+    missing = str(tmp_path / "no-drive")
+    nvme = dict(offload_parameters=True, offload_params_device="nvme", nvme_path=missing)
+    refusal = rf"^NVMe offload: nvme_path '{missing}' \(in the strategy's options\) is not a writable directory"
+    with pytest.raises(ValueError, match=refusal):
+        distrain.Trainer(accelerator="cpu", devices=2, strategy=distrain.DeepSpeedStrategy(stage=3, **nvme))
+    overrides = ["distributed.strategy=deepspeed", "deepspeed.stage=3"]
+    overrides += [f"deepspeed.{k}={v}" for k, v in nvme.items()]
+    config = build_config(None, {"distributed.devices": 2, "distributed.gpu_memory": "80GB"}, overrides)
+    assert option_for_run("deepspeed", job_from_config(config, gpu=True)) == Option("zero", stage=3, offload="nvme")
+
+
 def _nvme_run(rank, tmp, resume):
     (tmp / "nvme").mkdir(parents=True, exist_ok=True)
     strategy = distrain.DeepSpeedStrategy(

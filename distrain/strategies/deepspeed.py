@@ -107,7 +107,6 @@ class DeepSpeedStrategy(Strategy):
             raise ValueError(
                 f"zero_optimization.stage must be 0, 1, 2 or 3 (in {self.config_source}), got {self.stage}"
             )
-        _check_nvme_offload(user, self.config_source)
         self.remote_device = remote_device
         self.save_full_weights = save_full_weights
         self.logging_level = logging_level
@@ -118,6 +117,10 @@ class DeepSpeedStrategy(Strategy):
         self.engine = None
         self._trains = False  # the engine has an optimizer (not set up for evaluation only)
         self._rng_before_init: dict | None = None
+
+    def connect(self, accelerator, precision, cluster, nprocs: int, num_nodes: int):
+        super().connect(accelerator, precision, cluster, nprocs, num_nodes)
+        _check_nvme_offload(self.config, self.config_source)  # on the machine that runs it, not one that plans it
 
     @property
     def planned_as(self) -> tuple[str, dict[str, Any]]:

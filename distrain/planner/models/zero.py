@@ -79,10 +79,11 @@ DEEPSPEED_DEFAULTS = {
 def zero_settings(user: dict | None, stage: int, hidden_size: int | None) -> dict:
     """The ``zero_optimization`` values a run would use: the user's DeepSpeed config section if
     given, else the one distrain's DeepSpeedStrategy builds; "auto" filled by the same rules."""
-    from distrain.strategies.deepspeed_config import TrainingFacts, fill_buckets, options_config
+    from distrain.strategies.deepspeed import DeepSpeedStrategy
+    from distrain.strategies.deepspeed_config import TrainingFacts, fill_buckets
 
     if user is None:
-        user = options_config(stage, False, False, "cpu", "cpu", "/local_nvme", 2e8, 2e8, True, True, False, False)
+        user = DeepSpeedStrategy(stage=stage).config
     cfg = {"zero_optimization": dict(user.get("zero_optimization", user))}
     if hidden_size is not None:
         fill_buckets(cfg, TrainingFacts(hidden_size=hidden_size), "the DeepSpeed config")
@@ -361,12 +362,16 @@ class Zero(CostModel):
         return options
 
     def from_config(self, config) -> dict:
-        """The ``deepspeed:`` section's DeepSpeed JSON, if it names one (its stage, offload and bucket sizes)."""
-        if config.deepspeed.config is None:
-            return {}
-        from distrain.strategies.deepspeed_config import read_user_config
+        """The DeepSpeed config the run's strategy builds from the ``deepspeed:`` section (its stage, offload and
+        bucket sizes): the section's JSON file, or the stage and offload that the plain ``deepspeed`` takes from the
+        section. A preset (``deepspeed_stage_3_offload``) fixes its own: ``option_for_run`` reads its name."""
+        from distrain.strategies import registry
 
-        return {"json": read_user_config(config.deepspeed.config)[0]}
+        name = config.distributed.strategy
+        if config.deepspeed.config is None and name != "deepspeed":
+            return {}
+        strategy = registry.make_strategy(name, 2, **registry.options_from_config(name, config, set()))
+        return {"json": strategy.config}
 
     def option_for_run(self, strategy: str, job) -> Option:
         """The stage and offload of the user's DeepSpeed JSON (``from_config``) when there is one, else the
