@@ -518,6 +518,15 @@ def test_distrain_plan_has_context_parallel_rows_for_long_sequences_and_the_run_
     assert cp.activations < 0.6 * ddp.activations  # each rank holds half of every sequence
     assert cp.max_seq_len > 1.6 * ddp.max_seq_len  # so a longer sequence fits the same budget
     assert cp.to_json()["context_parallel_size"] == 2 and cp.to_json()["max_seq_len"] == cp.max_seq_len
+    # a what-if row (`distrain plan --num-nodes 1,2`) that takes it keeps the global batch: micro × accumulate ×
+    # data-parallel, where the two context-parallel ranks are one data-parallel rank
+    from distrain.batch import BatchLayout
+    from distrain.planner.cli import TimingArgs, _shape_row
+
+    timing = TimingArgs()
+    timed = Planner(cp_planner.job, cp_planner.budget, timing.hardware(job)).row(cp_option)
+    shape = _shape_row(job, BatchLayout(job.micro_batch, job.accumulate, job.world_size), timed, timing)
+    assert (shape["micro_batch"], shape["accumulate"], shape["data_parallel_size"]) == (1, 2, 1), shape
     # the run that names it: its own row, Ulysses's or (heads the size does not divide) the ring's
     asked = replace(job, context_parallel=2, spec=ModelSpec.builtin_gpt("gpt-tiny", 128))
     assert (

@@ -171,9 +171,9 @@ def _shape_row(job: Job, layout, row: Row | None, timing: TimingArgs) -> dict:
         return out
     tokens_per_second = row.tokens_per_step / row.step.seconds
     out.update(option=row.label, strategy=row.option.strategy, step_seconds=row.step.seconds)
-    # a tensor-parallel or pipeline layout: its ranks share samples, so more micro-batches keep the global batch
-    shared = row.option.tensor * row.option.pipeline
-    out.update(accumulate=row.accumulate, data_parallel_size=job.world_size // shared)
+    # a tensor-, context-parallel or pipeline layout: its ranks share samples, so more micro-batches keep the
+    # global batch
+    out.update(accumulate=row.accumulate, data_parallel_size=job.world_size // row.option.sharing_a_sample)
     out["tokens_per_second"] = tokens_per_second
     if timing.tokens:
         out["seconds_for_tokens"] = timing.tokens / tokens_per_second

@@ -76,7 +76,7 @@ class Job:
     def tokens_per_step_of(self, option: Option) -> int:
         """The same under ``option``: tensor- and context-parallel ranks and pipeline stages share their samples
         (the micro-batch is per data-parallel rank)."""
-        return self.tokens_per_step // max(1, option.tensor * option.pipeline * option.context)
+        return self.tokens_per_step // option.sharing_a_sample
 
 
 class Estimator:

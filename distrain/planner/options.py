@@ -78,6 +78,12 @@ class Option:
         return f"Option({', '.join(fields)})"
 
     @property
+    def sharing_a_sample(self) -> int:
+        """Ranks that share each sample, all splitting its work: tensor × context × pipeline. A micro-batch is per
+        data-parallel rank, so the data-parallel size is the world over this."""
+        return self.tensor * self.context * self.pipeline
+
+    @property
     def model(self):
         """The cost model that prices this option."""
         return model_of(self.family)

@@ -383,8 +383,7 @@ class Planner:
         if self._model_parallel is None:
             self._model_parallel = []
             for option in _offered(self.job, shares_samples=True):
-                shared = option.tensor * option.pipeline * option.context
-                job = replace(self.job, accumulate=self.job.accumulate * shared)
+                job = replace(self.job, accumulate=self.job.accumulate * option.sharing_a_sample)
                 self._model_parallel.append((Planner(job, self.budget, self.hardware), option))
         return self._model_parallel
 
