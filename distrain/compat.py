@@ -385,8 +385,8 @@ def run_pipeline_schedule(schedule, stages, arg_mbs, kwarg_mbs, target_mbs, back
 def hf_causal_mask(config, inputs_embeds, attention_mask, position_ids):
     """The causal (and padding) mask a Llama-style model builds in its forward, for a pipeline stage that
     runs some of its layers: ``transformers.masking_utils.create_causal_mask(config, inputs_embeds,
-    attention_mask, past_key_values, position_ids)`` (transformers 5.x; may return None for SDPA's
-    own causal path)."""
+    attention_mask, past_key_values, position_ids)`` (transformers 5.4+, pyproject's floor: 5.0–5.3 name the
+    embeddings ``input_embeds`` and need ``cache_position``; may return None for SDPA's own causal path)."""
     import inspect
 
     from transformers.masking_utils import create_causal_mask
