@@ -51,8 +51,6 @@ class SequenceShard:
     size: int
     engine: str = "ulysses"
     """What gives attention every earlier token (``engine_for``; the strategy reports it)."""
-    tensor: int = 1
-    """Tensor-parallel ranks that split each attention's heads before Ulysses splits them again."""
     length: int | None = None
     """The length of the last sequence split, before its padding (what a sliding window is held against)."""
     last_slice: tuple[tuple[int, int, int], ...] | None = None

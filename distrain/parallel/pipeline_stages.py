@@ -99,20 +99,16 @@ class PipelineBuild:
         n = len(self.ranges)
         return [StageModule(self.split, s, n, self.ranges[s], runner) for s in self.local]
 
-    def prune(self, module: nn.Module) -> list[str]:
+    def prune(self, module: nn.Module) -> None:
         """Drop the split's layers this rank does not hold from ``module`` (after initialization, which
-        runs on the whole model so every rank draws the same random numbers). Returns their names."""
+        runs on the whole model so every rank draws the same random numbers)."""
         kept = {id(m) for root in self.keep for m in root.modules()}
         parts = [*self.split.first, *self.split.last, *self.split.every_stage, *self.split.blocks]
         where = {id(child): (parent, name) for parent in module.modules() for name, child in parent.named_children()}
-        names = {id(m): n for n, m in module.named_modules()}
-        dropped = []
         for part in parts:
             if id(part) not in kept and id(part) in where:
                 parent, name = where[id(part)]
                 parent._modules[name] = None
-                dropped.append(names[id(part)])
-        return dropped
 
 
 def _stage_layers(split: PipelineSplit, ranges: list[range], stage: int) -> list[nn.Module]:

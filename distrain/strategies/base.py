@@ -359,10 +359,11 @@ class Strategy:
 
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Unscale ``optimizer``'s gradients and clip them to a global norm of ``max_norm``; returns the norm they had
-        before clipping."""
+        before clipping, as a plain tensor."""
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # of DTensor gradients: over every shard
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def gradient_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """The global norm of the gradients about to be applied, without clipping them."""

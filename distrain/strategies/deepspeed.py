@@ -794,8 +794,6 @@ def check(config) -> None:
     from distrain.strategies.registry import section_of
 
     ds, t, strategy = config.deepspeed, config.training, config.distributed.strategy
-    if ds.stage not in (0, 1, 2, 3):
-        raise ConfigError(f"deepspeed.stage must be 0, 1, 2 or 3, got {ds.stage}")
     for name in ("offload_optimizer_device", "offload_params_device"):
         if getattr(ds, name) not in ("cpu", "nvme"):
             raise ConfigError(f"deepspeed.{name} must be cpu or nvme, got {getattr(ds, name)!r}")
@@ -815,14 +813,10 @@ def check(config) -> None:
             raise ConfigError(f"{key} is not supported with distributed.strategy {strategy!r} (DeepSpeed)")
 
 
-def _preset(preset: dict, **options: Any) -> DeepSpeedStrategy:
-    return DeepSpeedStrategy(**{**preset, **options})
-
-
 for _name, _preset_options in PRESETS.items():
     register(
         _name,
-        functools.partial(_preset, _preset_options),
+        functools.partial(DeepSpeedStrategy, **_preset_options),  # a run's own keywords override
         f"DeepSpeed ZeRO {_preset_options}",
         options_from_config,
         "deepspeed",

@@ -118,10 +118,7 @@ class TorchFTStrategy(Strategy):
 
         return ReplicaGroupLauncher(nprocs, self.replica_groups, self.min_replicas, self.lighthouse, self.max_restarts)
 
-    @property
-    def traits(self) -> Traits:
-        """The defaults, except that steps are not re-run: each replica group would decide alone."""
-        return Traits(reruns_steps=False)  # each replica group would decide alone whether to re-run or roll back
+    traits = Traits(reruns_steps=False)  # each replica group would decide alone whether to re-run or roll back
 
     # ---- which data this rank reads: its group's share, then its own within the group --------------------------
     @property

@@ -226,13 +226,6 @@ class FSDPStrategy(Strategy):
             return contextlib.nullcontext()
         return gradient_sync_off(module)
 
-    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """As ``Strategy.clip_gradients``, on the sharded (DTensor) gradients: the norm returned is the global one,
-        over every shard, as a plain tensor."""
-        # clip_grad_norm_ on DTensor gradients computes the global norm across shards
-        norm = super().clip_gradients(module, optimizer, max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
     def reduce_dtype(self, model: nn.Module, module: nn.Module) -> torch.dtype:
         return live_reduce_dtype(model) or super().reduce_dtype(model, module)
 

@@ -39,7 +39,7 @@ from distrain.module import StepRouter
 from distrain.parallel.layout import CP, DP, PP, SCHEDULES, TP, ParallelLayout, default_stages_per_rank, layout_for
 from distrain.strategies import sharded_init
 from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits
-from distrain.strategies.fsdp import built_on_meta, gradient_sync_off
+from distrain.strategies.fsdp import built_on_meta, gradient_sync_off, live_reduce_dtype
 from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, block_classes, is_marked_unit
 from distrain.strategies.registry import register
 
@@ -137,18 +137,13 @@ class ModelParallelStrategy(Strategy):
     def data_parallel_size(self) -> int:
         return self.layout.data if self.layout else self.world_size
 
-    def _coords(self) -> tuple[int, int, int]:
-        """(pipeline, data, tensor) position of this rank: tensor innermost, pipeline outermost."""
-        pp, dp, _, tp = self.layout.coordinates(self.global_rank)
-        return pp, dp, tp
-
     @property
     def sequence_slice(self) -> tuple[tuple[int, int, int], ...] | None:
         return self._sequence_shard.last_slice if self._sequence_shard is not None else None
 
     @property
     def data_parallel_rank(self) -> int:
-        return self._coords()[1] if self.layout else self.global_rank
+        return self.layout.coordinates(self.global_rank)[1] if self.layout else self.global_rank
 
     @property
     def traits(self) -> Traits:
@@ -172,8 +167,7 @@ class ModelParallelStrategy(Strategy):
         self.device_mesh = self.layout.mesh(self.root_device.type)
 
     def reduce_dtype(self, model: nn.Module, module: nn.Module) -> torch.dtype:
-        from distrain.strategies.fsdp import live_reduce_dtype  # the data-parallel dimension is FSDP2's
-
+        # the data-parallel dimension is FSDP2's
         return live_reduce_dtype(model) or super().reduce_dtype(model, module)
 
     # ---- building the model ----------------------------------------------------------------------------------------
@@ -240,7 +234,7 @@ class ModelParallelStrategy(Strategy):
         if split is not None:
             from distrain.parallel.pipeline_stages import PipelineBuild, PipelineRunner
 
-            build = PipelineBuild.create(user, split, lay, self._coords()[0], self.split_points)
+            build = PipelineBuild.create(user, split, lay, lay.coordinates(self.global_rank)[0], self.split_points)
             runner = PipelineRunner(user, build, lay, mesh, self.schedule, self.root_device, self.precision)
             roots, units = runner.stage_modules, [b for m in runner.stage_modules for b in m.blocks]
         else:
@@ -256,7 +250,7 @@ class ModelParallelStrategy(Strategy):
                 blocks = build.split.blocks if build else units
                 unit_of = sharded_init.units_of_parameters(module, list(blocks))
                 self.init_peak_bytes = sharded_init.replay_initialization(
-                    module, rng, _StageShards(self.root_device), unit_of
+                    module, rng, sharded_init.DTensorShards(self.root_device), unit_of
                 )
         if build is not None:
             build.prune(user)  # after initialization: other stages' layers drew their random numbers too
@@ -293,7 +287,7 @@ class ModelParallelStrategy(Strategy):
 
         engine = _check_context_parallel(user, self.layout)  # a model built in configure_model is seen only now
         cp = self.layout.coordinates(self.global_rank)[2]
-        shard = SequenceShard(self.device_mesh.get_group(CP), cp, self.layout.context, engine, self.layout.tensor)
+        shard = SequenceShard(self.device_mesh.get_group(CP), cp, self.layout.context, engine)
         if not apply_context_parallel(user, shard):
             raise ValueError(no_support_message(user))
         self.context_engine, self._sequence_shard = shard.engine, shard
@@ -459,31 +453,6 @@ class _ParallelModel(nn.Module):
         return whole_tensors(out)
 
 
-class _StageShards(sharded_init.ShardAccess):
-    """Initialization on the whole model's structure: this rank's parameters (DTensor shards or plain
-    tensors) receive their values; another stage's (still on the meta device) get a temporary that is
-    drawn into and dropped, so every rank draws the same random numbers in the same order."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.dtensors = sharded_init.DTensorShards(device)
-
-    def full(self, param, overwritten):
-        if param.is_meta:
-            return torch.empty(param.shape, dtype=param.dtype, device=self.device)
-        if hasattr(param, "device_mesh"):
-            return self.dtensors.full(param, overwritten)
-        return param
-
-    def commit(self, param, full):
-        if param.is_meta or full is param:
-            return
-        if hasattr(param, "device_mesh"):
-            self.dtensors.commit(param, full)
-        else:
-            param.data.copy_(full)
-
-
 def _check_context_parallel(module: nn.Module, layout: ParallelLayout) -> str:
     """Before any rank starts: the model splits sequences, and tensor parallelism can give each rank whole heads;
     the engine its heads take (``engine_for``). A model built in ``configure_model`` is checked in the ranks once
@@ -547,10 +516,6 @@ def check(config) -> None:
         value = getattr(d, name)
         if value != "auto" and (not isinstance(value, int) or value < 1):
             raise ConfigError(f"distributed.{name} must be a positive integer or 'auto', got {value!r}")
-    for name in ("pipeline_stages", "pipeline_microbatches", "pipeline_stages_per_rank"):
-        value = getattr(d, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"distributed.{name} must be a positive integer or null, got {value}")
     if d.pipeline_schedule not in SCHEDULES:
         raise ConfigError(
             f"distributed.pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {d.pipeline_schedule!r}"

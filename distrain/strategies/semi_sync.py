@@ -33,7 +33,6 @@ class SemiSync:
         from torchft.local_sgd import DiLoCo, LocalSGD
 
         self.mode = mode
-        self.model = model
         if mode == "diloco":
             # SGD with Nesterov momentum over the pseudo-gradients: the outer optimizer of the DiLoCo paper
             nesterov = outer_momentum > 0

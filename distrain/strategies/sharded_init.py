@@ -23,7 +23,6 @@ model, whose weights come from files or from the library's own initializer) sets
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -125,18 +124,23 @@ class PlainTensors(ShardAccess):
 
 
 class DTensorShards(ShardAccess):
-    """FSDP2: parameters are DTensors; the temporary lives on ``device`` (where an eager build would
-    have drawn its random numbers)."""
+    """FSDP2 and model parallelism: parameters are DTensors; the temporary lives on ``device`` (where an eager build
+    would have drawn its random numbers). On the whole model's structure, under pipeline stages: another stage's
+    parameters (still on the meta device) get a temporary that is drawn into and dropped, so every rank draws the
+    same random numbers in the same order; a plain (replicated) parameter receives its values in place."""
 
     def __init__(self, device: torch.device):
         self.device = device
 
     def full(self, param, overwritten):
-        if overwritten:
+        sharded = hasattr(param, "device_mesh")
+        if param.is_meta or (overwritten and sharded):
             return torch.empty(param.shape, dtype=param.dtype, device=self.device)
-        return param.full_tensor().to(self.device)  # an all-gather: every rank runs the same init code
+        return param.full_tensor().to(self.device) if sharded else param  # an all-gather: every rank runs it
 
     def commit(self, param, full):
+        if param.is_meta or full is param:
+            return
         from torch.distributed.tensor import distribute_tensor
 
         # src_data_rank=None: every rank cuts its own piece of the identical full tensor (no communication)
@@ -291,13 +295,6 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-@contextlib.contextmanager
-def recording_rng(record: Callable[[dict[str, Any]], None]):
-    """A context that hands the RNG state at its entry to ``record`` (for the replay)."""
-    record(record_rng())
-    yield
-
-
 class DeferredBuild:
     """What a sharding strategy's ``configure_model`` context leaves for its set-up: the RNG state the build
     started from (the replay draws from it) and whether to skip initialization (``empty_init=True``)."""
@@ -310,14 +307,11 @@ class DeferredBuild:
         """Layers built on the meta device, their initialization deferred to the replay, the RNG state at
         entry recorded."""
         self.skip = bool(empty_init)
+        self.rng = record_rng()  # now: the stack's contexts are entered as they are added, here
         stack = contextlib.ExitStack()
-        stack.enter_context(recording_rng(self._record))
         stack.enter_context(deferred())
         stack.enter_context(torch.device("meta"))
         return stack
-
-    def _record(self, state: dict[str, Any]) -> None:
-        self.rng = state
 
     def take(self) -> tuple[dict[str, Any], bool]:
         """(the RNG state to replay from — now's, for a model the caller built on meta itself — and whether
