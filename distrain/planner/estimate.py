@@ -20,7 +20,6 @@ from distrain.planner.model_stats import (
     StepTrace,
     affine,
     is_deep,
-    param_stats,
     trace_step,
 )
 from distrain.planner.models import model_of
@@ -107,7 +106,7 @@ class Estimator:
     @property
     def stats(self) -> ParamStats:
         if self._stats is None:
-            self._stats = param_stats(self.job.spec)
+            self._stats = ParamStats.of(self.job.spec.build())
         return self._stats
 
     def dtypes(self, kind: str) -> tuple[torch.dtype, torch.dtype | None]:
@@ -207,8 +206,7 @@ class Estimator:
         if self._shallow is not None and model.extrapolates_depth:
             rows = {d: est.estimate(option) for d, est in self._shallow.items()}
             values = {f: affine({d: getattr(r, f) for d, r in rows.items()}, blocks) for f in BYTE_FIELDS}
-            note = rows[max(rows)].note
-            return _replace(rows[max(rows)], option=option, note=note, **values)
+            return _replace(rows[max(rows)], option=option, **values)
         return model.estimate(self, option)
 
     def activation_slope(self, option: Option) -> float:

@@ -14,7 +14,6 @@ import contextlib
 import copy
 import itertools
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +27,6 @@ from distrain.planner import fake
 from distrain.planner.work import StepWork, WorkCounter
 from distrain.strategies import layers
 from distrain.strategies.layers import apply_activation_checkpointing
-
-#: bytes of one element, by dtype
-ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
 @dataclass
@@ -196,14 +192,12 @@ class ParamStats:
     largest_param: int
     largest_layer: int
     """The module with the most parameters of its own (DeepSpeed's ``largest_layer_params``)."""
-    num_blocks: int
     buffer_bytes: int
 
     @classmethod
-    def of(cls, module: nn.Module, block_classes: tuple[type, ...] = ()) -> ParamStats:
+    def of(cls, module: nn.Module) -> ParamStats:
         unique = {id(p): p for p in module.parameters()}.values()
         trainable = [p for p in unique if p.requires_grad]
-        blocks = [m for m in module.modules() if block_classes and isinstance(m, block_classes)]
         return cls(
             numel=sum(p.numel() for p in unique),
             trainable=sum(p.numel() for p in trainable),
@@ -212,13 +206,8 @@ class ParamStats:
             largest_layer=max(
                 (sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0
             ),
-            num_blocks=len(blocks),
             buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
         )
-
-
-def param_stats(spec: ModelSpec) -> ParamStats:
-    return ParamStats.of(spec.build(), spec.block_classes)
 
 
 # ---- activation checkpointing: which blocks --------------------------------------------------------------
@@ -240,7 +229,6 @@ def checkpoint_policy(block_classes: tuple[type, ...], blocks: int | None) -> di
 class StepTrace:
     """Bytes alive during one training step of the bare (unwrapped, one-process) model."""
 
-    micro_batch: int
     param_bytes: int
     buffer_bytes: int
     grad_bytes: int
@@ -257,7 +245,6 @@ class StepTrace:
     every full gradient as it is produced)."""
     step_extra: int
     """The optimizer step's (and clipping's) temporaries on the full parameter set."""
-    seconds: float = 0.0
     timeline: list[tuple[int, int]] = field(default_factory=list, repr=False)
     """(activation bytes, parameter-gradient bytes stored so far) after each forward/backward operation."""
     grad_events: list[tuple[int, int, int]] = field(default_factory=list, repr=False)
@@ -355,12 +342,12 @@ def trace_step(
     autocast when given), backward, gradient clipping, the module's own optimizer step.
     ``checkpoint``: blocks whose activations are recomputed (``None``: all), with torch's
     reentrant checkpoint if ``reentrant`` (DeepSpeed's activation checkpointing is reentrant)."""
-    start = time.perf_counter()
     module = spec.build()
     if param_dtype != torch.float32:
         module.to(param_dtype)
     apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint), reentrant)
-    with fake_mode() as mode, fake.transformers_masks_as_in_eager():
+    # non-fake inputs: the meta parameters that ``to_empty`` turns into fake ones
+    with fake.fake_tensor_mode(allow_non_fake_inputs=True) as mode, fake.transformers_masks_as_in_eager():
         to_empty_keeping_ties(module)
         optimizer = first_optimizer(module.configure_optimizers())
         if foreach:
@@ -402,7 +389,6 @@ def trace_step(
             if isinstance(v, torch.Tensor)
         )
     return StepTrace(
-        micro_batch=micro_batch,
         param_bytes=sum(p.numel() * p.element_size() for p in unique),
         buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
         grad_bytes=grad_bytes,
@@ -411,7 +397,6 @@ def trace_step(
         activations=phases.act,
         activations_and_grads=phases.act_grad,
         step_extra=phases.step_extra,
-        seconds=time.perf_counter() - start,
         timeline=phases.timeline,
         grad_events=grad_events,
         groups=groups,
@@ -433,11 +418,6 @@ def to_empty_keeping_ties(module: nn.Module, device: str = "cpu") -> None:
         shared = first_module._parameters[first_name]
         for m, name in places[1:]:
             m._parameters[name] = shared
-
-
-def fake_mode():
-    # non-fake inputs: the meta parameters that ``to_empty`` turns into fake ones
-    return fake.fake_tensor_mode(allow_non_fake_inputs=True)
 
 
 # ---- deep models: estimate two shallow copies, extrapolate by depth ---------------------------------------

@@ -96,13 +96,6 @@ class Budget:
 
 
 # ---- options and their order ---------------------------------------------------------------------------
-def auto_may_choose(option: Option) -> bool:
-    """What ``strategy: auto`` chooses among: the same training as DDP's, only laid out another way (its cost
-    model says: an engine that steps its own optimizer, or replica groups meeting every H steps, train another
-    way, so they are shown but never chosen)."""
-    return option.model.auto_may_choose(option)
-
-
 def rank_key(option: Option) -> tuple:
     ac = 0 if option.checkpoint == 0 else 2 if option.checkpoint is None else 1
     offload = {"none": 0, "cpu": 1, "nvme": 2}[option.offload]
@@ -126,7 +119,7 @@ def candidate_options(job: Job, strategy: str = "all", checkpoint: str | bool = 
     or a strategy name; ``checkpoint``: ``both`` (with and without), True, False."""
     options = _offered(job, shares_samples=False)
     if strategy == "auto":
-        options = [o for o in options if auto_may_choose(o)]
+        options = [o for o in options if o.model.auto_may_choose(o)]
     elif strategy != "all":  # the option that strategy runs, as the run would start it
         run = option_for_run(strategy, job)
         options = [run] if run is not None else []
@@ -434,7 +427,7 @@ class Planner:
         for planner, option in options:  # every row's simulations side by side, one child process each
             planner.estimator.prefetch(option)
         rows = sorted((p.row(o) for p, o in options), key=lambda r: rank_key(r.option))
-        eligible = [r for r in rows if auto_may_choose(r.option)] if strategy == "all" else rows
+        eligible = [r for r in rows if r.option.model.auto_may_choose(r.option)] if strategy == "all" else rows
         if self.hardware is not None:
             eligible = sorted(eligible, key=lambda r: r.step.seconds)
             fitting = [r for r in eligible if r.fits]
@@ -472,7 +465,8 @@ class Planner:
             best = max(smaller, key=lambda r: (r.max_micro_batch, [-x for x in rank_key(r.option)]))
             out.append(f"a micro-batch of {best.max_micro_batch} (training.batch_size_per_gpu) with {best.label}")
         # what shrinks as 1/N with more ranks: every state sharded across every rank, by an engine auto may choose
-        sharded = [r for r in rows if r.option.level == 4 and auto_may_choose(r.option) and r.option.offload == "none"]
+        sharded = [r for r in rows if r.option.level == 4 and r.option.offload == "none"]
+        sharded = [r for r in sharded if r.option.model.auto_may_choose(r.option)]
         if sharded:
             best = min(sharded, key=lambda r: r.peak)
             devices = self._devices_needed(best)

@@ -38,7 +38,6 @@ class FSDPPeak:
     params: int
     grads: int
     optimizer: int
-    activations: int
     buffers: int
     """All-gather outputs and reduce-scatter inputs."""
     peak: int
@@ -46,17 +45,13 @@ class FSDPPeak:
     """Sharded parameters, sharded gradients and optimizer state: what CPU offload moves to the host."""
 
 
-def simulate_fsdp(*args, **kwargs) -> FSDPPeak:
+def start_fsdp_simulation(*args, **kwargs) -> Started:
     """One rank's peak during a training step under FSDP2 (``sharding``: FULL_SHARD, SHARD_GRAD_OP
     or HYBRID_SHARD), simulated in a forked child process: a simulation leaves state behind in the
     process that ran it (DTensors built afterwards on a real group placed their shards as the fake
     group's rank 0 — every rank the same shard — and checkpoints failed), and the process that
-    plans is the one that trains (rank 0 of ``distrain train``)."""
-    return start_fsdp_simulation(*args, **kwargs).result()
-
-
-def start_fsdp_simulation(*args, **kwargs) -> Started:
-    """``simulate_fsdp`` started, its result read later: simulations started together run side by side."""
+    plans is the one that trains (rank 0 of ``distrain train``). Started now, its result read later
+    (``Started.result``): simulations started together run side by side."""
     return Started(_simulate_fsdp, args, kwargs)
 
 
@@ -222,7 +217,6 @@ def _peak_of(snapshot: dict) -> FSDPPeak:
         params=k("Sharded Param", "Unsharded Param", "Buffer"),
         grads=k("Sharded Grad", "Unsharded Grad"),
         optimizer=k("OptState"),
-        activations=k("Activation", "Temp", "Inputs"),
         buffers=k("All Gather", "Reduce Scatter"),
         peak=k("Total"),
         sharded_state=k("Sharded Param", "Sharded Grad", "OptState"),

@@ -114,7 +114,14 @@ class CostModel:
         return max(0.0, (double - single) / b)
 
     def step_time(self, estimator, option, hw):
-        """Predicted seconds per optimizer step, by part (``timing.StepTime``)."""
+        """Predicted seconds per optimizer step, by part (``timing.StepTime``): the traced bare step of the option's
+        kind, as ``time_of`` times it with one gather unit per block and one for the rest."""
+        trace = estimator.trace(option.family, option.checkpoint)
+        return self.time_of(option, estimator.job, trace, estimator.num_blocks + 1, hw)
+
+    def time_of(self, option, job, trace, units: int, hw):
+        """The step of ``trace`` with this option's collectives over ``units`` gather units (what the default
+        ``step_time`` asks; a model that overrides ``step_time`` needs none)."""
         raise NotImplementedError
 
     def seconds_at_least(self, estimator, planner, option, hw) -> float:

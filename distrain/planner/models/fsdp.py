@@ -72,9 +72,9 @@ class FSDP(CostModel):
         estimator.start(_key(estimator, option), lambda: start_fsdp_simulation(**_simulation(estimator, option)))
 
     def estimate(self, estimator, option) -> Row:
-        from distrain.planner.simulate import simulate_fsdp
+        from distrain.planner.simulate import start_fsdp_simulation
 
-        p = estimator.memo(_key(estimator, option), lambda: simulate_fsdp(**_simulation(estimator, option)))
+        p = estimator.memo(_key(estimator, option), lambda: start_fsdp_simulation(**_simulation(estimator, option)))
         # the activations column means the same for every row: the traced peak at this micro-batch (the
         # simulation's own kinds at its peak moment mix in the optimizer step's temporaries)
         activations = estimator.trace("fsdp", option.checkpoint).activations
@@ -93,10 +93,6 @@ class FSDP(CostModel):
             host=p.sharded_state,
             note="device peak: the simulated one less the sharded state moved to the host",
         )
-
-    def step_time(self, estimator, option, hw):
-        trace = estimator.trace("fsdp", option.checkpoint)
-        return self.time_of(option, estimator.job, trace, estimator.num_blocks + 1, hw)
 
     def time_of(self, option, job, trace, units: int, hw):
         """The step of ``trace`` (the bare step in FSDP's dtypes) with ``units`` gather units."""
@@ -131,7 +127,7 @@ def _key(estimator, option) -> tuple:
 
 
 def _simulation(estimator, option) -> dict:
-    """The arguments of the option's simulation (``simulate.simulate_fsdp``)."""
+    """The arguments of the option's simulation (``simulate.start_fsdp_simulation``)."""
     job = estimator.job
     return dict(
         spec=job.spec,

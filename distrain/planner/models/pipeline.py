@@ -36,7 +36,6 @@ from distrain.planner.model_stats import (
     Phases,
     apply_activation_checkpointing,
     checkpoint_policy,
-    fake_mode,
     to_empty_keeping_ties,
 )
 from distrain.planner.models import CostModel, data_parallel_kind
@@ -98,7 +97,7 @@ def trace_pipeline(
     if param_dtype != torch.float32:
         module.to(param_dtype)
     apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint))
-    with fake_mode() as mode, fake.transformers_masks_as_in_eager():
+    with fake.fake_tensor_mode(allow_non_fake_inputs=True) as mode, fake.transformers_masks_as_in_eager():
         to_empty_keeping_ties(module)
         split = split_for(module)
         build = PipelineBuild.create(module, split, ParallelLayout(pipeline=num_stages), 0, split_points)

@@ -64,10 +64,6 @@ class Replicated(CostModel):
         step = params + grads + buffers + opt + t.input_bytes + t.step_extra
         return Row(option, params, grads, opt, t.activations, buffers, max(forward_backward, step))
 
-    def step_time(self, estimator, option, hw):
-        trace = estimator.trace(option.family, option.checkpoint)
-        return self.time_of(option, estimator.job, trace, estimator.num_blocks + 1, hw)
-
     def time_of(self, option, job, trace, units: int, hw):
         """The step of ``trace`` (the bare step in the option's dtypes) with this option's collectives."""
         return step_time(job, trace, self.collectives(option, job, trace, units), hw)

@@ -31,36 +31,16 @@ stage 3:
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 
 from distrain.planner import fake
-from distrain.planner.model_stats import ELEMENT_BYTES, create_optimizer_state, first_optimizer
+from distrain.planner.model_stats import create_optimizer_state, first_optimizer
 from distrain.planner.models import CostModel, model_of
 from distrain.planner.models.replicated import replicated
 from distrain.planner.options import Option, Row
 from distrain.planner.timing import Collective, buckets, step_time
-
-
-class Estimates(Protocol):
-    """What the ZeRO model reads of the planner's estimator (``estimate.Estimator``): the job, the parameters'
-    statistics, the dtypes and the traced step of a kind of option. A protocol: a cost model never imports the
-    estimator, which asks it."""
-
-    job: Any
-    stats: Any
-
-    def dtypes(self, family: str) -> tuple: ...
-
-    def trace(self, family: str, checkpoint: Any, micro_batch: int | None = None) -> Any: ...
-
-
-#: what is traced once per estimator (its flat optimizer, its parameter groups), kept beside it, not on it
-_FLAT_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_OPTIMIZER_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 #: DeepSpeed's own defaults for what distrain's config leaves unset (deepspeed 0.19.8 ``DeepSpeedZeroConfig``)
 DEEPSPEED_DEFAULTS = {
@@ -102,12 +82,10 @@ class FlatOptimizer:
     step_extra_per_element: float
 
 
-def flat_optimizer(est: Estimates, on_gpu_fused: bool) -> FlatOptimizer:
-    """Traced once on a fake flat tensor: state bytes and step temporaries per element. On CUDA,
-    DeepSpeed swaps torch's Adam/AdamW for its FusedAdam (in-place kernels, no temporaries)."""
-    cached = _FLAT_OPTIMIZERS.get(est)
-    if cached is not None:
-        return cached
+def flat_optimizer(est, on_gpu_fused: bool) -> FlatOptimizer:
+    """Traced on a fake flat tensor (once per estimator: ``zero_states`` keeps it): state bytes and step
+    temporaries per element. On CUDA, DeepSpeed swaps torch's Adam/AdamW for its FusedAdam (in-place kernels,
+    no temporaries)."""
     from distrain.planner.model_stats import Phases
 
     numel = 1 << 16
@@ -138,9 +116,7 @@ def flat_optimizer(est: Estimates, on_gpu_fused: bool) -> FlatOptimizer:
             for v in s.values()
             if isinstance(v, torch.Tensor) and v.dim()
         )
-    result = FlatOptimizer(state / numel, 0.0 if fused else phases.step_extra / numel)
-    _FLAT_OPTIMIZERS[est] = result
-    return result
+    return FlatOptimizer(state / numel, 0.0 if fused else phases.step_extra / numel)
 
 
 def _owners(group: list[int], world: int, align: int) -> list[set[int]]:
@@ -185,14 +161,12 @@ def _partition_grad_elements(group: list[int], world: int, align: int, rank: int
     return sum(n for n, ranks in zip(group, owners) if rank in ranks)
 
 
-def optimizer_groups(est: Estimates) -> list[list[int]]:
+def optimizer_groups(est) -> list[list[int]]:
     """The optimizer's parameter groups (trainable element counts, in order), from the meta model:
     ZeRO flattens and partitions each group on its own."""
-    if est not in _OPTIMIZER_GROUPS:
-        optimizer = first_optimizer(est.job.spec.build().configure_optimizers())
-        groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
-        _OPTIMIZER_GROUPS[est] = [g for g in groups if g]
-    return _OPTIMIZER_GROUPS[est]
+    optimizer = first_optimizer(est.job.spec.build().configure_optimizers())
+    groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+    return [g for g in groups if g]
 
 
 @dataclass
@@ -230,19 +204,20 @@ class ZeroStates:
         return self.resident + self.step_grad + self.step_extra
 
 
-def zero_states(est: Estimates, option: Option) -> ZeroStates:
+def zero_states(est, option: Option) -> ZeroStates:
     job = est.job
     world, stats = job.world_size, est.stats
     zero = zero_settings(_user_json(job) or None, option.get("stage"), job.spec.hidden_size)
-    pb = ELEMENT_BYTES[est.dtypes("zero")[0]]
-    opt = flat_optimizer(est, on_gpu_fused=job.gpu and option.offload == "none")
+    pb = est.dtypes("zero")[0].itemsize
+    fused = job.gpu and option.offload == "none"
+    opt = est.memo(("zero-flat-optimizer", fused), lambda: flat_optimizer(est, on_gpu_fused=fused))
     frozen = (stats.numel - stats.trainable) * pb + stats.buffer_bytes
     bucket = int(zero["reduce_bucket_size"])
     copies = 2 if zero["overlap_comm"] and option.get("stage") < 3 else 1
     buckets = copies * bucket * pb if zero["contiguous_gradients"] else 0
     if option.get("stage") in (1, 2):
         align = 2 * world  # nccl_start_alignment_factor × world size
-        groups = optimizer_groups(est)
+        groups = est.memo(("zero-optimizer-groups",), lambda: optimizer_groups(est))
         flat = sum(math.ceil(sum(g) / align) * align for g in groups)
         part = flat // world
         per_rank = {r: sum(_partition_grad_elements(g, world, align, r) for g in groups) * pb for r in range(world)}
@@ -281,12 +256,12 @@ def zero_states(est: Estimates, option: Option) -> ZeroStates:
     )
 
 
-def zero_row(est: Estimates, option: Option) -> Row:
+def zero_row(est, option: Option) -> Row:
     job = est.job
     zero = zero_settings(_user_json(job) or None, option.get("stage"), job.spec.hidden_size)
     states = zero_states(est, option)
     trace = est.trace("zero", option.checkpoint)
-    pb = ELEMENT_BYTES[est.dtypes("zero")[0]]
+    pb = est.dtypes("zero")[0].itemsize
     if option.get("stage") in (1, 2):
         return _stage_1_2(est, option, states, trace, pb, int(zero["reduce_bucket_size"]))
     return _stage_3(est, option, states, trace, pb)
@@ -402,10 +377,6 @@ class Zero(CostModel):
 
     def estimate(self, estimator, option) -> Row:
         return zero_row(estimator, option)
-
-    def step_time(self, estimator, option, hw):
-        trace = estimator.trace("zero", option.checkpoint)
-        return self.time_of(option, estimator.job, trace, estimator.num_blocks + 1, hw)
 
     def time_of(self, option, job, trace, units: int, hw):
         """The step of ``trace`` (the bare step in the engine's dtypes) with ``units`` stage-3 gather units."""
