@@ -23,7 +23,6 @@ matmuls: on a CPU gloo's threads then wait for cores the ranks' compute holds.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -32,6 +31,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+
+from distrain.planner import kept
 
 #: what a GPU achieves of its listed rates in a training step (stated in docs/plan.md; to be checked
 #: against benchmarks/gpu_bench.py whenever a GPU is lent)
@@ -245,21 +246,14 @@ def gloo_allreduce(ranks: int, size: int = 16 << 20) -> tuple[float, float, floa
 
 def measured_links() -> dict | None:
     """``distrain doctor``'s last measurement on this machine, or None."""
-    try:
-        return json.loads(measured_file().read_text())
-    except (OSError, ValueError):
-        return None
+    links = kept.read_json(measured_file(), 2**16)
+    return links if isinstance(links, dict) else None
 
 
 def save_measured_links(backend: str, world: int, bus_bandwidth: float, latency: float) -> Path | None:
-    path = measured_file()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"backend": backend, "world": world, "bus_bandwidth": bus_bandwidth, "latency": latency}
-        path.write_text(json.dumps(data))
-        return path
-    except OSError:  # a read-only home: the plan measures or assumes instead
-        return None
+    data = {"backend": backend, "world": world, "bus_bandwidth": bus_bandwidth, "latency": latency}
+    # None: a read-only home, where the plan measures or assumes instead
+    return measured_file() if kept.write_json(measured_file(), data) else None
 
 
 # ---- the step -----------------------------------------------------------------------------------------
