@@ -57,6 +57,12 @@ def checkpoint_wrapper_api():
     return checkpoint_wrapper
 
 
+def unwrapped_name(name: str) -> str:
+    """A parameter's name without what torch's wrappers insert: activation checkpointing's
+    ``_checkpoint_wrapped_module.`` and ``torch.compile``'s ``_orig_mod.`` (checked on torch 2.13.0)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
 def optimizer_load_options(stored: dict, options):
     """``set_optimizer_state_dict`` with a full state dict asserts ("Expected device to be set", torch
     2.13.0) when the stored state holds no tensor at all — plain SGD, say. There is nothing to

@@ -57,6 +57,8 @@ def test_checkpoint_wrapper_and_random_sampler():
     model = nn.Sequential(nn.Linear(2, 2))
     api.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Linear))
     assert isinstance(model[0], api.CheckpointWrapper)
+    wrapped = [n for n, _ in torch.compile(model).named_parameters()]  # what both wrappers insert into the names
+    assert [compat.unwrapped_name(n) for n in wrapped] == ["0.weight", "0.bias"] != wrapped
     assert compat.plain_random_sampler(RandomSampler(range(4)))
     assert not compat.plain_random_sampler(RandomSampler(range(4), replacement=True))
     assert not compat.plain_random_sampler(RandomSampler(range(4), num_samples=2))

@@ -14,11 +14,8 @@ from pathlib import Path
 
 import torch
 
+from distrain import compat
 from distrain.hf import models
-
-# what wrappers add to parameter names: the task module's attribute, activation checkpointing, compile
-_PREFIXES = ("model.",)
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def export_checkpoint(
@@ -60,7 +57,8 @@ def export_weights(
     out = Path(out_dir)
     config = models.config_from_dict(hparams["hf_config"])
     model = models.build_skeleton(hparams["task"], config)  # meta: the weights below are the only copy
-    state = {_hf_name(k): v.detach().cpu().contiguous() for k, v in weights.items()}
+    # without what wrappers add to parameter names: activation checkpointing, compile, the task module's attribute
+    state = {compat.unwrapped_name(k).removeprefix("model."): v.detach().cpu().contiguous() for k, v in weights.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = {name for name, _ in _tied_names(model)}
     missing = [k for k in missing if k not in tied]
@@ -73,15 +71,6 @@ def export_weights(
     model.save_pretrained(out, max_shard_size=max_shard_size)
     _save_tokenizer(hparams.get("tokenizer") if "tokenizer" in hparams else hparams.get("model_name"), out)
     return out
-
-
-def _hf_name(key: str) -> str:
-    for part in _WRAPPER_PARTS:
-        key = key.replace(part, "")
-    for prefix in _PREFIXES:
-        if key.startswith(prefix):
-            return key[len(prefix) :]
-    return key
 
 
 def _tied_names(model) -> list[tuple[str, str]]:

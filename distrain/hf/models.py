@@ -147,7 +147,9 @@ def initialize(model: nn.Module, name: str, pretrained: bool, seed: int) -> None
         torch.manual_seed(seed)
         loaded = _load_pretrained(model, name) if pretrained else set()
         for path, module in model.named_modules():
-            own = [_plain_name(f"{path}.{n}" if path else n) for n, _ in module.named_parameters(recurse=False)]
+            own = [
+                compat.unwrapped_name(f"{path}.{n}" if path else n) for n, _ in module.named_parameters(recurse=False)
+            ]
             has_buffers = any(b is not None for b in module.buffers(recurse=False))
             if has_buffers or any(key not in loaded for key in own):
                 model._init_weights(module)
@@ -158,7 +160,7 @@ def _load_pretrained(model: nn.Module, name: str) -> set[str]:
     Names are matched as Hugging Face does for the common cases: exactly, with or without the base
     model's prefix (``bert.``), and LayerNorm's old ``gamma``/``beta``."""
     directory = _local_model_dir(name)
-    targets = {_plain_name(k): t for k, t in model.state_dict(keep_vars=True).items()}
+    targets = {compat.unwrapped_name(k): t for k, t in model.state_dict(keep_vars=True).items()}
     prefix = getattr(model, "base_model_prefix", "") or ""
     loaded: set[str] = set()
     unexpected = []
@@ -179,13 +181,6 @@ def _load_pretrained(model: nn.Module, name: str) -> set[str]:
             f"such as {', '.join(unexpected[:3])}; the model's: {', '.join(list(targets)[:3])})"
         )
     return loaded
-
-
-def _plain_name(key: str) -> str:
-    """A parameter's name without what wrappers insert (activation checkpointing, torch.compile)."""
-    for part in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        key = key.replace(part, "")
-    return key
 
 
 def _match_key(key: str, targets: dict, prefix: str) -> str | None:

@@ -17,17 +17,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from distrain import compat
 from distrain.callbacks.base import Callback
 from distrain.data import batch_size_of
-
-#: wrapper names that are not the user's (activation checkpointing, torch.compile)
-_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def plain_name(name: str) -> str:
-    for part in _WRAPPERS:
-        name = name.replace(part, "")
-    return name
 
 
 def sample_ids(batch: Any) -> list[str]:
@@ -162,7 +154,7 @@ def _missing_from_optimizer(strategy, module: nn.Module, optimizers: list) -> li
     held = {id(p) for o in optimizers for g in getattr(o, "param_groups", []) for p in g["params"]}
     if not strategy.traits.optimizer_holds_parameters or not held:
         return []
-    return [plain_name(n) for n, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+    return [compat.unwrapped_name(n) for n, p in module.named_parameters() if p.requires_grad and id(p) not in held]
 
 
 def _replica_hashes(strategy, module: nn.Module) -> dict[str, str]:
@@ -170,7 +162,7 @@ def _replica_hashes(strategy, module: nn.Module) -> dict[str, str]:
     out = {}
     for name, p in module.named_parameters():
         if strategy.holds_whole(p):
-            out[plain_name(name)] = hashlib.sha1(p.detach().float().cpu().numpy().tobytes()).hexdigest()[:16]
+            out[compat.unwrapped_name(name)] = hashlib.sha1(p.detach().float().cpu().numpy().tobytes()).hexdigest()[:16]
     return out
 
 
@@ -181,7 +173,7 @@ def whole(trainer, grads: bool) -> dict[str, torch.Tensor]:
     for name, p in trainer.module.named_parameters():
         t = strategy.full_gradient(p) if grads else strategy.full_parameter(p)
         if t is not None:
-            out[plain_name(name)] = t.detach().float().cpu().clone()
+            out[compat.unwrapped_name(name)] = t.detach().float().cpu().clone()
     if strategy.traits.stages_hold_own_parameters:  # a pipeline: each stage gathers its own, and then the stages
         merged: dict[str, torch.Tensor] = {}
         for part in trainer.runtime.all_gather_object(out):
