@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from distrain import jobscripts
 from distrain.config import ConfigError, build_config, config_keys, redacted
 
 if TYPE_CHECKING:
@@ -326,7 +327,7 @@ def launch_parser() -> argparse.ArgumentParser:
     sky = sub.add_parser("sky", help="write a SkyPilot task (AWS, GCP, Azure, Kubernetes, ...); --run launches it")
     sky.add_argument("--nodes", type=int, required=True)
     sky.add_argument("--gpus", required=True, metavar="NAME:COUNT", help="per node, e.g. A100:8 or H100:8")
-    sky.add_argument("--cloud", choices=jobscripts_clouds(), help="default: wherever SkyPilot finds the GPUs")
+    sky.add_argument("--cloud", choices=jobscripts.SKY_CLOUDS, help="default: wherever SkyPilot finds the GPUs")
     sky.add_argument("--spot", action="store_true", help="spot instances; a preempted job resumes (--resume auto)")
     sky.add_argument("--bucket", help="a storage bucket mounted at /checkpoints (where a recovered job finds them)")
     sky.add_argument("--name", default="distrain", help="the task and cluster name")
@@ -339,23 +340,13 @@ def launch_parser() -> argparse.ArgumentParser:
 
 
 def _slurm_time(value: str) -> str:
-    from distrain.jobscripts import check_slurm_time
-
     try:
-        return check_slurm_time(value)
+        return jobscripts.check_slurm_time(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def jobscripts_clouds() -> tuple[str, ...]:
-    from distrain.jobscripts import SKY_CLOUDS
-
-    return SKY_CLOUDS
-
-
 def launch(argv: list[str]) -> int:
-    from distrain import jobscripts
-
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = launch_parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.engine == "sky":
@@ -400,7 +391,6 @@ def _check_job(args, train_args: list[str]) -> None:
     """The run a job file will start, resolved and checked here as ``distrain train`` will resolve it on the
     cluster (the launcher's node and device counts included): a wrong key, value or layout is one line now, not
     a failed job after the allocation was granted."""
-    from distrain.jobscripts import parse_gpus
     from distrain.strategies import registry
 
     train = train_parser().parse_intermixed_args(train_args)
@@ -411,7 +401,7 @@ def _check_job(args, train_args: list[str]) -> None:
     if args.engine == "torchrun":
         nodes, devices = int(str(args.nnodes).split(":")[-1]), args.nproc_per_node
     else:
-        nodes, devices = args.nodes, parse_gpus(args.gpus)[1] if args.engine == "sky" else args.gpus_per_node
+        nodes, devices = args.nodes, jobscripts.parse_gpus(args.gpus)[1] if args.engine == "sky" else args.gpus_per_node
     flags.update({"distributed.num_nodes": nodes, "distributed.devices": devices})
     config = build_config(train.config, flags, train.overrides)
     # srun, or torchrun, starts every rank of these jobs; a PyTorchJob's pod runs distrain, which starts its own
@@ -426,8 +416,6 @@ def _check_job(args, train_args: list[str]) -> None:
 
 
 def launch_sky(args, train_args: list[str]) -> int:
-    from distrain import jobscripts
-
     try:
         text = jobscripts.skypilot_task(
             args.nodes, args.gpus, train_args, cloud=args.cloud, spot=args.spot, bucket=args.bucket, name=args.name
