@@ -352,16 +352,11 @@ def launch(argv: list[str]) -> int:
     if args.engine == "sky":
         args.output = args.output or f"{args.name}.sky.yaml"
     if args.engine != "torchrun" and Path(args.output).exists() and not args.force:
-        print(
-            f"distrain: error: {args.output} exists; --force overwrites it, or --output names another file",
-            file=sys.stderr,
-        )
-        return 2
+        return _error(f"{args.output} exists; --force overwrites it, or --output names another file")
     try:
         _check_job(args, train_args)
     except (ConfigError, ValueError) as e:
-        print(f"distrain: error: {e}; no job file written", file=sys.stderr)
-        return 2
+        return _error(f"{e}; no job file written")
     if args.engine == "torchrun":
         cmd = jobscripts.torchrun_command(
             args.nnodes, args.nproc_per_node, args.rdzv_endpoint, train_args, max_restarts=args.max_restarts
@@ -421,8 +416,7 @@ def launch_sky(args, train_args: list[str]) -> int:
             args.nodes, args.gpus, train_args, cloud=args.cloud, spot=args.spot, bucket=args.bucket, name=args.name
         )
     except ValueError as e:
-        print(f"distrain: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     output = args.output
     Path(output).write_text(text)
     command = jobscripts.sky_launch_command(output, args.spot, args.name)
@@ -439,8 +433,7 @@ def launch_sky(args, train_args: list[str]) -> int:
     import subprocess
 
     if shutil.which("sky") is None:
-        print("distrain: error: the `sky` command is not installed: pip install 'distrain[sky]'", file=sys.stderr)
-        return 2
+        return _error("the `sky` command is not installed: pip install 'distrain[sky]'")
     print(f"distrain: wrote {output}; running: {shlex.join(command)}", flush=True)
     return subprocess.call(command)
 
@@ -595,13 +588,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except ConfigError as e:  # any command's (``distrain config`` reading the strategies' sections, too): one line
-        print(f"distrain: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     finally:
         if argv is None:  # the program, not a call from Python: it ends now, without the final garbage collection
             from distrain.cluster import end_fast_at_exit
 
             end_fast_at_exit()
+
+
+def _error(message: object) -> int:
+    """``distrain: error: MESSAGE`` on stderr, one line; returns 2, the exit code of a refused command."""
+    print(f"distrain: error: {message}", file=sys.stderr)
+    return 2
 
 
 def _main(argv: list[str] | None) -> int:
@@ -620,8 +618,7 @@ def _main(argv: list[str] | None) -> int:
     else:
         close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        print(f"distrain: error: unknown command {argv[0]!r}{hint} (`distrain --help` lists them)", file=sys.stderr)
-        return 2
+        return _error(f"unknown command {argv[0]!r}{hint} (`distrain --help` lists them)")
     if command == "launch":  # its own grammar: `-- <train args>` passes through untouched
         return launch(argv)
     if command == "config":
@@ -645,25 +642,19 @@ def _main(argv: list[str] | None) -> int:
         try:
             return convert(args.checkpoint, args.output, args.to, args.tokenizer)
         except (FileNotFoundError, RuntimeError) as e:
-            print(f"distrain: error: {e}", file=sys.stderr)
-            return 2
+            return _error(e)
     shapes = None
     if command == "plan":  # a list of node or device counts: one plan per cluster shape (what-if)
         lists = [flag for flag in ("num_nodes", "devices") if isinstance(getattr(args, flag), list)]
         if len(lists) > 1:
-            print("distrain: error: give a list to --num-nodes or to --devices, not both", file=sys.stderr)
-            return 2
+            return _error("give a list to --num-nodes or to --devices, not both")
         if lists:
             shapes = [(lists[0], v) for v in getattr(args, lists[0])]
             setattr(args, lists[0], None)
-    try:
-        flags = _flag_values(args)
-        if command == "plan" and args.strategy == "all":  # every option: the plan's own value, not a strategy
-            flags.pop("distributed.strategy", None)
-        config = build_config(args.config, flags, args.overrides)
-    except ConfigError as e:
-        print(f"distrain: error: {e}", file=sys.stderr)
-        return 2
+    flags = _flag_values(args)
+    if command == "plan" and args.strategy == "all":  # every option: the plan's own value, not a strategy
+        flags.pop("distributed.strategy", None)
+    config = build_config(args.config, flags, args.overrides)  # a ConfigError: main's one line
     if command == "plan":
         from distrain.planner.cli import TimingArgs, plan_command, what_if_command
 
@@ -673,8 +664,7 @@ def _main(argv: list[str] | None) -> int:
                 return what_if_command(config, shapes, timing, args.json)
             return plan_command(config, args.strategy, args.json, timing)
         except (ConfigError, FileNotFoundError, ValueError) as e:
-            print(f"distrain: error: {e}", file=sys.stderr)
-            return 2
+            return _error(e)
     if args.print_config:
         import yaml
 
@@ -694,8 +684,7 @@ def _main(argv: list[str] | None) -> int:
         if getattr(e, "distrain_reported", False):  # the launcher already named the rank and the log
             return 1
         if _is_distrain_message(e):  # a problem distrain names itself (a config key, a file): one line
-            print(f"distrain: error: {e}", file=sys.stderr)
-            return 2
+            return _error(e)
         # anything else (torch's, a library's, a bug): its traceback in this rank's log, one line here
         from distrain.launch import rank_log, record_failure
 
@@ -736,13 +725,11 @@ def plot(runs: list[str], output: str, labels: list[str] | None, title: str | No
     from distrain.plotting import plot_runs
 
     if labels and len(labels) != len(runs):
-        print(f"distrain: error: {len(labels)} --labels for {len(runs)} runs", file=sys.stderr)
-        return 2
+        return _error(f"{len(labels)} --labels for {len(runs)} runs")
     try:
         path = plot_runs(runs, output, labels, title)
     except (FileNotFoundError, ValueError) as e:
-        print(f"distrain: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     print(f"distrain: wrote {path}")
     return 0
 
