@@ -12,19 +12,12 @@ import os
 import warnings
 from pathlib import Path
 
-import torch
-
 from distrain import compat
 from distrain.hf import models
 
 
-def export_checkpoint(
-    checkpoint: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    max_shard_size: str | int = "5GB",
-    tokenizer: str | None = None,
-) -> Path:
-    """Write ``config.json``, ``model.safetensors`` (sharded with an index above ``max_shard_size``)
+def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokenizer: str | None = None) -> Path:
+    """Write ``config.json``, ``model.safetensors`` (sharded with an index above 5 GB)
     and the tokenizer files of the model in ``checkpoint`` to ``out_dir``.
 
     ``tokenizer``: where its tokenizer is (a Hub id or a local directory). None: the one the checkpoint names, but only
@@ -47,13 +40,7 @@ def export_checkpoint(
                 "pass it yourself (`distrain convert --tokenizer PATH`) to include its files",
                 stacklevel=2,
             )
-    return export_weights(read_model_weights(checkpoint), {**hparams, "tokenizer": tokenizer}, out_dir, max_shard_size)
-
-
-def export_weights(
-    weights: dict[str, torch.Tensor], hparams: dict, out_dir: str | os.PathLike, max_shard_size: str | int = "5GB"
-) -> Path:
-    """The same from weights in hand (the task module's state dict) and its hyperparameters."""
+    weights = read_model_weights(checkpoint)  # the task module's state dict
     out = Path(out_dir)
     config = models.config_from_dict(hparams["hf_config"])
     model = models.build_skeleton(hparams["task"], config)  # meta: the weights below are the only copy
@@ -68,8 +55,8 @@ def export_weights(
             f"unexpected {unexpected[:5]}"
         )
     model.tie_weights()
-    model.save_pretrained(out, max_shard_size=max_shard_size)
-    _save_tokenizer(hparams.get("tokenizer") if "tokenizer" in hparams else hparams.get("model_name"), out)
+    model.save_pretrained(out, max_shard_size="5GB")  # transformers' own default is 50GB
+    _save_tokenizer(tokenizer, out)
     return out
 
 
