@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +42,7 @@ class TrainProgress:
     skipped steps they do not count in ``global_step``."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "global_step": self.global_step,
-            "epoch": self.epoch,
-            "samples_in_epoch": self.samples_in_epoch,
-            "epoch_done": self.epoch_done,
-            "skipped_steps": self.skipped_steps,
-            "dropped_steps": self.dropped_steps,
-        }
+        return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A checkpoint's (or a peer's) progress: counts only — they become this run's step, epoch and data position."""
