@@ -235,11 +235,9 @@ def deepspeed_to_universal(input_folder: str, output_folder: str) -> None:
 
 def transformers_no_init_weights():
     """Build a model without running its initializers (``transformers.initialization.no_init_weights``
-    in 5.x; ``modeling_utils.no_init_weights`` before)."""
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:
-        from transformers.modeling_utils import no_init_weights
+    in 5.x)."""
+    from transformers.initialization import no_init_weights
+
     return no_init_weights()
 
 

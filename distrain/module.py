@@ -446,10 +446,7 @@ class Module(nn.Module):
         return module.eval()
 
     def __getstate__(self):  # the trainer never travels with the module (spawn pickles it)
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        state = dict(state)
-        state["_trainer"] = None
-        return state
+        return {**super().__getstate__(), "_trainer": None}
 
 
 class LossModule(Module):

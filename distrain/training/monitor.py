@@ -28,17 +28,12 @@ class SystemMonitor:
     reading that is unavailable is NaN and is left out of the logged record."""
 
     def __init__(self, device: torch.device, announce: bool = True):
-        try:
-            import psutil
-        except ImportError:  # a dependency of distrain, but an environment may predate it
-            psutil = None
-            if announce:
-                warnings.warn("distrain: host readings are not logged: pip install psutil", stacklevel=2)
+        import psutil
+
         self.device = device
         self._psutil = psutil
-        self._process = psutil.Process() if psutil else None
-        if self._process is not None:
-            self._process.cpu_percent(None)  # the first call only starts the measurement window
+        self._process = psutil.Process()
+        self._process.cpu_percent(None)  # the first call only starts the measurement window
         self.nvml_error: str | None = None
         self.keys: tuple[str, ...] = HOST_KEYS
         if device.type == "cuda":
@@ -53,12 +48,10 @@ class SystemMonitor:
 
     def sample(self) -> dict[str, float]:
         """This rank's readings now: ``keys`` in order, NaN where unavailable."""
-        out = dict.fromkeys(HOST_KEYS, math.nan)
-        if self._process is not None:
-            out["host_rss_mb"] = self._process.memory_info().rss / _MB
-            # this process's CPU time over the wall time since the last sample (100 = one core busy)
-            out["host_cpu_percent"] = self._process.cpu_percent(None)
-            out["host_mem_available_mb"] = self._psutil.virtual_memory().available / _MB
+        out = {"host_rss_mb": self._process.memory_info().rss / _MB}
+        # this process's CPU time over the wall time since the last sample (100 = one core busy)
+        out["host_cpu_percent"] = self._process.cpu_percent(None)
+        out["host_mem_available_mb"] = self._psutil.virtual_memory().available / _MB
         if self.device.type == "cuda":
             out.update(dict.fromkeys(NVML_KEYS, math.nan))
             if self.nvml_error is None:
