@@ -257,7 +257,6 @@ class DropImportNoise(logging.Filter):
 # Checked against torch 2.13.0.
 
 
-@torch.compiler.disable  # its Python ring (group calls, a layout flag) stays eager; a compiled block breaks here
 def ring_attention(query, key, value, group, scale: float | None = None, balanced: bool = True):
     """Causal attention of this rank's slice of a sequence against the whole sequence, the key/value slices passed
     around the ``group`` (ring attention). ``query``/``key``/``value``: ``[batch, heads, local tokens, head_dim]``,

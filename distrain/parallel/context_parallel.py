@@ -57,6 +57,15 @@ class SequenceShard:
     """The (start, stop, padded length) of each piece of the last sequence this rank computed: what ``distrain
     verify`` checks."""
 
+    def __post_init__(self):
+        if self.engine == "ring":
+            from distrain.compat import ring_attention
+
+            # eager inside a compiled block (dynamo fails on the ring's Python: group calls, a layout flag). Made
+            # here, not where compat defines it: disabling imports torch._dynamo, and a process that imports it
+            # resumes torchft's DiLoCo inexactly (tests/test_semi_sync.py, 2 runs in 3; not understood yet)
+            self._ring = torch.compiler.disable(ring_attention)
+
     # ---- the slice -----------------------------------------------------------------------------------------------
     @property
     def pieces(self) -> int:
@@ -123,8 +132,6 @@ class SequenceShard:
     def _ring_attention(self, q, k, v, scaling: float | None = None, dropout: float = 0.0, **kwargs):
         """Causal attention of this rank's pieces, ``[batch, sequence, heads, head_dim]`` in and out; keys and
         values may have fewer heads (grouped-query attention). ``scaling``/``dropout``: a Hugging Face layer's."""
-        from distrain.compat import ring_attention
-
         if dropout:
             raise ValueError(RING_REFUSES.format(what=f"attention dropout ({dropout})"))
         check_window(kwargs.get("sliding_window"), self.length or q.shape[1] * self.size)
@@ -132,7 +139,7 @@ class SequenceShard:
         if k.shape[2] != q.shape[2]:  # each key/value head serves a group of query heads (transformers' repeat_kv)
             k, v = (x.repeat_interleave(q.shape[2] // x.shape[2], dim=2) for x in (k, v))
         heads_first = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  ([B, H, T, d], the ring's)
-        out = ring_attention(heads_first(q), heads_first(k), heads_first(v), self.group, scaling, balanced=True)
+        out = self._ring(heads_first(q), heads_first(k), heads_first(v), self.group, scaling, balanced=True)
         return out.transpose(1, 2)
 
     # ---- the loss ------------------------------------------------------------------------------------------------
