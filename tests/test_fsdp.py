@@ -301,3 +301,11 @@ def test_cli_fsdp_sharded_run_resumes_on_one_process(tmp_path):
         if "loss" in json.loads(line)
     ]
     assert steps == [2, 4, 6]
+
+
+def test_a_start_method_no_launcher_knows_is_refused_where_it_is_given():
+    """FSDP took any string and its launch fell through to multiprocessing with it; DDP refused. One check now."""
+    for strategy in (distrain.DDPStrategy, distrain.FSDPStrategy):
+        with pytest.raises(ValueError, match=r"^start_method must be popen, spawn or fork, got 'forkserver'$"):
+            strategy(start_method="forkserver")
+        assert strategy(start_method="spawn").start_method == "spawn"

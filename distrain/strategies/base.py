@@ -92,6 +92,14 @@ class SetUp(NamedTuple):
 OptimizerFactory = Callable[[], tuple[list, list]]
 
 
+def checked_start_method(value: str) -> str:
+    """How a multi-process strategy's own launcher starts its ranks (``launcher``): "popen" (re-run the script per
+    rank), "spawn" or "fork"; anything else is refused here, where it is given, not at launch."""
+    if value not in ("popen", "spawn", "fork"):
+        raise ValueError(f"start_method must be popen, spawn or fork, got {value!r}")
+    return value
+
+
 class Strategy:
     """The base of every parallel strategy: one process on one device, with no wrapping, as it stands. A subclass
     overrides the parts it changes: how the model is set up (``_setup_module``, ``_setup_training``), the step

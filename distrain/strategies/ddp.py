@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain import compat, distributed
 from distrain.config import ConfigError
-from distrain.strategies.base import LoopFacts, SetUp, Strategy
+from distrain.strategies.base import LoopFacts, SetUp, Strategy, checked_start_method
 from distrain.strategies.registry import register
 
 COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd", "post_localsgd")
@@ -42,11 +42,9 @@ class DDPStrategy(Strategy):
         **ddp_kwargs: Any,
     ):
         super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
-        if start_method not in ("popen", "spawn", "fork"):
-            raise ValueError(f"start_method must be popen, spawn or fork, got {start_method!r}")
         if isinstance(ddp_comm_hook, str) and ddp_comm_hook not in COMM_HOOKS:
             raise ValueError(f"ddp_comm_hook {ddp_comm_hook!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
-        self.start_method = start_method
+        self.start_method = checked_start_method(start_method)
         self.ddp_kwargs = dict(
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,

@@ -22,7 +22,7 @@ from torch import nn
 from distrain.checkpoint import state as ckpt_state
 from distrain.config import ConfigError
 from distrain.strategies import sharded_init
-from distrain.strategies.base import Strategy, Traits
+from distrain.strategies.base import Strategy, Traits, checked_start_method
 from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, block_classes, is_marked_unit
 from distrain.strategies.registry import register
 
@@ -78,7 +78,7 @@ class FSDPStrategy(Strategy):
             )
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}")
-        self.start_method = start_method
+        self.start_method = checked_start_method(start_method)
         self.sharding_strategy = sharding_strategy
         self.cpu_offload = cpu_offload
         self.auto_wrap_policy = auto_wrap_policy
