@@ -54,6 +54,9 @@ def runs(tmp_path_factory):
     steps = [f"training.max_steps={STEPS}", "training.num_epochs=10"]
     # a milder outer momentum than the paper's 0.9, which overshoots on a model this small over 6 rounds
     diloco = ["distributed.semi_sync=diloco", f"distributed.sync_every={H}", "distributed.outer_momentum=0.5"]
+    # every meeting waits for both groups: with the default of 1, a group whose resumed process starts later misses
+    # the first meeting after the resume, and the other meets alone (torchft's elasticity, not the checkpoint's)
+    diloco += ["distributed.min_replicas=2"]
     diloco += [f"checkpointing.save_every_n_steps={LEG}"]
     first = [
         _train(root / "ddp", "ddp", *steps, devices=2),

@@ -62,8 +62,8 @@ class SequenceShard:
             from distrain.compat import ring_attention
 
             # eager inside a compiled block (dynamo fails on the ring's Python: group calls, a layout flag). Made
-            # here, not where compat defines it: disabling imports torch._dynamo, and a process that imports it
-            # resumes torchft's DiLoCo inexactly (tests/test_semi_sync.py, 2 runs in 3; not understood yet)
+            # here, not where compat defines it: disabling imports torch._dynamo (seconds), which no run without a
+            # ring should pay
             self._ring = torch.compiler.disable(ring_attention)
 
     # ---- the slice -----------------------------------------------------------------------------------------------
