@@ -36,6 +36,7 @@ EXPECTED = {
     "test_flight_recorder_records_nccl_collectives_with_the_collective_timeout",
     "test_a_stuck_rank_leaves_flight_recorder_dumps_that_name_it",
     "test_ring_attention_on_cuda_matches_whole_sequence_attention",
+    "test_the_planner_simulates_fsdp_and_tensor_parallelism_in_a_process_that_has_used_cuda",
 }
 
 

@@ -588,6 +588,45 @@ def test_fsdp_is_simulated_from_a_process_that_holds_a_process_group():
     assert peak > 0
 
 
+def test_a_fresh_child_simulates_as_a_forked_one_and_refuses_a_class_it_cannot_import(monkeypatch):
+    """Where a GPU is present the simulations run in a fresh interpreter that sees none: a child forked after the
+    parent had touched CUDA failed at its first CUDA call ("CUDA error: initialization error", so FSDP was never
+    planned on a GPU). A fresh child gives the forked one's numbers for a built-in model and a user's module (built
+    here on the meta device and pickled with its micro-batch), under FSDP and tensor parallelism; a module class
+    defined in ``__main__``, which it cannot import, is refused in one line."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from distrain.models.lm import GPTLanguageModel
+    from distrain.planner import simulate
+
+    tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    module = GPTLanguageModel("gpt-tiny", block_size=32)
+    specs = [ModelSpec.builtin_gpt("gpt-tiny", 64), ModelSpec.from_module(module, loader)]
+
+    def simulated():
+        started = [simulate.start_fsdp_simulation(spec=s, micro_batch=4, world_size=2) for s in specs]
+        started.append(simulate.start_tensor_parallel_simulation(spec=specs[0], micro_batch=4, world_size=2, tensor=2))
+        return [s.result() for s in started]
+
+    forked = simulated()
+    fresh_children = []
+
+    class Counted(simulate._FreshChild):
+        def __init__(self, *args):
+            fresh_children.append(self)
+            super().__init__(*args)
+
+    monkeypatch.setattr(simulate.Started, "fresh", True)
+    monkeypatch.setattr(simulate, "_FreshChild", Counted)
+    assert simulated() == forked
+    assert len(fresh_children) == 3
+
+    scripted = type("Scripted", (GPTLanguageModel,), {"__module__": "__main__"})("gpt-tiny", block_size=32)
+    with pytest.raises(RuntimeError, match="Scripted is defined in the script that runs"):
+        simulate.start_fsdp_simulation(spec=ModelSpec.from_module(scripted, loader), micro_batch=4, world_size=2)
+
+
 def test_which_section_asks_for_activation_checkpointing_and_how_often(tmp_path):
     """Each strategy's section says whether it asks for recomputation and how often; ``training`` asks for every
     block; nothing asks: none. ``distrain train`` builds its policy from this one answer, for every strategy."""

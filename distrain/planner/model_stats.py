@@ -161,6 +161,58 @@ class ModelSpec:
             num_blocks=sum(isinstance(m, blocks) for m in probe.modules()) if blocks else 0,
         )
 
+    def portable(self, micro_batch: int) -> ModelSpec:
+        """This spec for a process that did not fork from this one (``simulate.Started``): ``build`` and
+        ``make_batch`` are closures over this process's objects (a user's module, a loader), so the module is built
+        here, on the meta device, and travels pickled with the one micro-batch a simulation reads. Its classes must
+        be importable there: a class defined in the script that runs (``__main__``) is refused in one line."""
+        import functools
+
+        template = self.build()
+        in_main = sorted({type(m).__name__ for m in template.modules() if type(m).__module__ == "__main__"})
+        if in_main:
+            raise RuntimeError(
+                f"{', '.join(in_main)} is defined in the script that runs (__main__): on a machine with a GPU the "
+                "planner simulates in a fresh process, which imports a model's classes from their modules; move "
+                "it into a module of its own to have it planned"
+            )
+        return ModelSpec(
+            name=self.name,
+            build=functools.partial(copy.deepcopy, template),
+            make_batch=_PortableBatch(micro_batch, self.make_batch(micro_batch)),
+            seq_len=self.seq_len,
+            block_classes=self.block_classes,
+            hidden_size=self.hidden_size,
+            num_blocks=self.num_blocks,
+        )
+
+
+class _PortableBatch:
+    """A portable spec's one micro-batch (``ModelSpec.portable``). It pickles as ``torch.save`` writes it, and is
+    loaded when unpickled (not later, under fake tensors): tensors that share storage (``x[:, :-1]`` and
+    ``x[:, 1:]``) still share it, so a simulation counts the batch's bytes as a forked one does."""
+
+    def __init__(self, micro_batch: int, batch):
+        self.micro_batch, self.batch = micro_batch, batch
+
+    def __call__(self, b: int):
+        if b != self.micro_batch:
+            raise ValueError(f"this spec carries a micro-batch of {self.micro_batch} samples, not {b}")
+        return self.batch
+
+    def __getstate__(self):
+        import io
+
+        buffer = io.BytesIO()
+        torch.save(self.batch, buffer)
+        return self.micro_batch, buffer.getvalue()
+
+    def __setstate__(self, state):
+        import io
+
+        self.micro_batch, saved = state
+        self.batch = torch.load(io.BytesIO(saved), weights_only=True)
+
 
 def _meta_copy(module: nn.Module) -> nn.Module:
     """A deep copy whose parameters and buffers are meta tensors: nothing is allocated, ties stay tied."""

@@ -67,34 +67,29 @@ def start_tensor_parallel_simulation(*args, **kwargs) -> Started:
 
 
 class Started:
-    """A simulation running in a forked child; ``result()`` waits for it. At most one child per core runs at once:
-    starting another first waits for the oldest."""
+    """A simulation running in a child process; ``result()`` waits for it. At most one child per core runs at once:
+    starting another first waits for the oldest.
+
+    The child is forked (nothing to import, nothing to pickle) on a machine without a GPU. Where a GPU is present it
+    is a fresh interpreter that sees none (``CUDA_VISIBLE_DEVICES=""``): a child forked from a process that has
+    touched CUDA (asking whether a GPU exists is enough) fails at its first CUDA call with "CUDA error:
+    initialization error", and on a GPU machine torch's fake tensors and FSDP2 make such calls. A fresh child
+    receives the spec made portable (``ModelSpec.portable``) and runs the same CPU code as a forked one."""
 
     running: list[Started] = []
+    fresh: bool | None = None
+    """A fresh interpreter rather than a fork; None: where a GPU is present (tests set True to run that path)."""
 
     def __init__(self, simulation, args, kwargs):
-        import multiprocessing
-
-        if "fork" not in multiprocessing.get_all_start_methods():
-            raise RuntimeError("simulating a sharded layout needs os.fork (Linux, macOS)")
         while len(Started.running) >= _cores():
             Started.running[0]._collect()
-        context = multiprocessing.get_context("fork")
-        self._receive, send = context.Pipe(duplex=False)
-        self._child = context.Process(target=_child, args=(send, simulation, args, kwargs), daemon=True)
+        fresh = _machine_has_gpu() if Started.fresh is None else Started.fresh
+        self._child = _FreshChild(simulation, args, kwargs) if fresh else _ForkedChild(simulation, args, kwargs)
         self._outcome = None
-        with distributed.inherited_never_collected():
-            self._child.start()
-        send.close()
         Started.running.append(self)
 
     def _collect(self) -> None:
-        try:
-            self._outcome = self._receive.recv()
-        except EOFError:
-            self._outcome = (False, RuntimeError(f"the simulation died (exit code {self._child.exitcode})"))
-        self._receive.close()
-        self._child.join()
+        self._outcome = self._child.outcome()
         Started.running.remove(self)
 
     def result(self):
@@ -106,17 +101,94 @@ class Started:
         return value
 
 
+class _ForkedChild:
+    def __init__(self, simulation, args, kwargs):
+        import multiprocessing
+
+        if "fork" not in multiprocessing.get_all_start_methods():
+            raise RuntimeError("simulating a sharded layout needs os.fork (Linux, macOS) where there is no GPU")
+        context = multiprocessing.get_context("fork")
+        self._receive, send = context.Pipe(duplex=False)
+        self._process = context.Process(target=_forked_main, args=(send, simulation, args, kwargs), daemon=True)
+        with distributed.inherited_never_collected():
+            self._process.start()
+        send.close()
+
+    def outcome(self) -> tuple[bool, object]:
+        try:
+            outcome = self._receive.recv()
+        except EOFError:
+            outcome = (False, RuntimeError(f"the simulation died (exit code {self._process.exitcode})"))
+        self._receive.close()
+        self._process.join()
+        return outcome
+
+
+class _FreshChild:
+    def __init__(self, simulation, args, kwargs):
+        import inspect
+        import pickle
+        import subprocess
+        import sys
+
+        bound = inspect.signature(simulation).bind(*args, **kwargs)
+        bound.arguments["spec"] = bound.arguments["spec"].portable(bound.arguments["micro_batch"])
+        payload = pickle.dumps((simulation, bound.args, bound.kwargs))
+        env = {
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": "",
+            # this process's import path: the script's folder and the model's modules, as a forked child has them
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        }
+        command = [sys.executable, "-c", "from distrain.planner.simulate import _fresh_main; _fresh_main()"]
+        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._process.stdin.write(payload)
+        self._process.stdin.close()
+
+    def outcome(self) -> tuple[bool, object]:
+        import pickle
+
+        data = self._process.stdout.read()
+        self._process.stdout.close()
+        code = self._process.wait()
+        try:
+            return pickle.loads(data)
+        except Exception:  # noqa: BLE001 — nothing (or half) was written: the child died
+            return False, RuntimeError(f"the simulation died (exit code {code})")
+
+
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _child(send, simulation, args, kwargs) -> None:
+def _machine_has_gpu() -> bool:
+    """Whether a CUDA GPU is visible, asked without initialising CUDA here (``device_count`` asks NVML first)."""
+    return torch.cuda._is_compiled() and torch.cuda.device_count() > 0
+
+
+def _outcome_of(simulation, args, kwargs) -> tuple[bool, object]:
     try:
-        result = (True, simulation(*args, **kwargs))
+        return True, simulation(*args, **kwargs)
     except BaseException as e:  # sent back and raised in the parent
-        result = (False, RuntimeError(f"{type(e).__name__}: {e}"))
-    send.send(result)
+        return False, RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _forked_main(send, simulation, args, kwargs) -> None:
+    send.send(_outcome_of(simulation, args, kwargs))
     send.close()
+
+
+def _fresh_main() -> None:
+    """A fresh child (``_FreshChild``): the simulation from standard input, its outcome to standard output; whatever
+    else the child prints goes to standard error, so only the outcome travels on that pipe."""
+    import pickle
+    import sys
+
+    result = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    simulation, args, kwargs = pickle.loads(sys.stdin.buffer.read())
+    pickle.dump(_outcome_of(simulation, args, kwargs), result)
+    result.close()
 
 
 def _simulate_fsdp(

@@ -545,3 +545,20 @@ def test_ring_attention_on_cuda_matches_whole_sequence_attention(dtype, toleranc
     world = 2 if GPUS >= 2 else 1
     for rank, errors in enumerate(run_ranks(_ring_against_whole_attention, world, world, True, "cuda", dtype)):
         assert max(errors) < tolerance, (rank, errors)
+
+
+def test_the_planner_simulates_fsdp_and_tensor_parallelism_in_a_process_that_has_used_cuda():
+    """``distrain verify --strategy fsdp`` on a GPU printed "the memory planner could not plan this run
+    (AcceleratorError: CUDA error: initialization error)": the simulation's child was forked from a process that had
+    touched CUDA. Where a GPU is present the child is a fresh interpreter that sees none; here, after this process
+    has run a CUDA kernel, FSDP's and tensor parallelism's simulations give the numbers a CPU machine's do."""
+    from distrain.planner import Estimator, Job, ModelSpec, Option
+    from distrain.planner.simulate import Started, _machine_has_gpu
+
+    assert torch.ones(2, device="cuda").sum().item() == 2
+    assert _machine_has_gpu() and Started.fresh is None
+    estimator = Estimator(Job(ModelSpec.builtin_gpt("gpt-tiny", 64), 2, world_size=2, gpu=True))
+    fsdp = estimator.estimate(Option("fsdp", sharding="FULL_SHARD"))
+    tensor = estimator.estimate(Option("tp", tensor=2, sequence_parallel=True))
+    whole = estimator.estimate(Option("ddp"))
+    assert 0 < fsdp.params < whole.params and 0 < tensor.params < whole.params, (fsdp, tensor, whole)
