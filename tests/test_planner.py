@@ -588,12 +588,12 @@ def test_fsdp_is_simulated_from_a_process_that_holds_a_process_group():
     assert peak > 0
 
 
-def test_a_fresh_child_simulates_as_a_forked_one_and_refuses_a_class_it_cannot_import(monkeypatch):
+def test_a_fresh_child_simulates_as_a_forked_one_even_a_module_defined_in_the_script(monkeypatch):
     """Where a GPU is present the simulations run in a fresh interpreter that sees none: a child forked after the
     parent had touched CUDA failed at its first CUDA call ("CUDA error: initialization error", so FSDP was never
     planned on a GPU). A fresh child gives the forked one's numbers for a built-in model and a user's module (built
-    here on the meta device and pickled with its micro-batch), under FSDP and tensor parallelism; a module class
-    defined in ``__main__``, which it cannot import, is refused in one line."""
+    here on the meta device and pickled with its micro-batch), under FSDP and tensor parallelism, and for a module
+    class defined in the running script (``__main__``), which it cannot import."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from distrain.models.lm import GPTLanguageModel
@@ -622,9 +622,11 @@ def test_a_fresh_child_simulates_as_a_forked_one_and_refuses_a_class_it_cannot_i
     assert simulated() == forked
     assert len(fresh_children) == 3
 
+    # a module class defined in the running script (``__main__``), which the fresh child cannot import: sent by value
     scripted = type("Scripted", (GPTLanguageModel,), {"__module__": "__main__"})("gpt-tiny", block_size=32)
-    with pytest.raises(RuntimeError, match="Scripted is defined in the script that runs"):
-        simulate.start_fsdp_simulation(spec=ModelSpec.from_module(scripted, loader), micro_batch=4, world_size=2)
+    spec = ModelSpec.from_module(scripted, loader)
+    assert simulate.start_fsdp_simulation(spec=spec, micro_batch=4, world_size=2).result() == forked[1]
+    assert len(fresh_children) == 4
 
 
 def test_which_section_asks_for_activation_checkpointing_and_how_often(tmp_path):

@@ -164,18 +164,10 @@ class ModelSpec:
     def portable(self, micro_batch: int) -> ModelSpec:
         """This spec for a process that did not fork from this one (``simulate.Started``): ``build`` and
         ``make_batch`` are closures over this process's objects (a user's module, a loader), so the module is built
-        here, on the meta device, and travels pickled with the one micro-batch a simulation reads. Its classes must
-        be importable there: a class defined in the script that runs (``__main__``) is refused in one line."""
+        here, on the meta device, and travels pickled with the one micro-batch a simulation reads."""
         import functools
 
         template = self.build()
-        in_main = sorted({type(m).__name__ for m in template.modules() if type(m).__module__ == "__main__"})
-        if in_main:
-            raise RuntimeError(
-                f"{', '.join(in_main)} is defined in the script that runs (__main__): on a machine with a GPU the "
-                "planner simulates in a fresh process, which imports a model's classes from their modules; move "
-                "it into a module of its own to have it planned"
-            )
         return ModelSpec(
             name=self.name,
             build=functools.partial(copy.deepcopy, template),

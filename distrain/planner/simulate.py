@@ -127,13 +127,16 @@ class _ForkedChild:
 class _FreshChild:
     def __init__(self, simulation, args, kwargs):
         import inspect
-        import pickle
         import subprocess
         import sys
 
+        import cloudpickle
+
         bound = inspect.signature(simulation).bind(*args, **kwargs)
         bound.arguments["spec"] = bound.arguments["spec"].portable(bound.arguments["micro_batch"])
-        payload = pickle.dumps((simulation, bound.args, bound.kwargs))
+        # cloudpickle: a module class defined in the running script (``__main__``, a notebook) travels by value, as
+        # the fresh interpreter cannot import it; everything else by reference, as pickle does
+        payload = cloudpickle.dumps((simulation, bound.args, bound.kwargs))
         env = {
             **os.environ,
             "CUDA_VISIBLE_DEVICES": "",
