@@ -35,6 +35,13 @@ class Precision:
         dtypes = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
         return {**dtypes, "fp8": torch.bfloat16}.get(self.name, torch.float32)
 
+    @property
+    def gathered_param_dtype(self) -> torch.dtype | None:
+        """The dtype FSDP2 gathers parameters in for compute (``MixedPrecisionPolicy.param_dtype``), under FSDP and
+        model parallelism alike: the compute dtype under mixed precision and fp8 (its float8 linears cast their own
+        weights), None (as stored) otherwise."""
+        return self.compute_dtype if self.name in ("bf16-mixed", "16-mixed", "fp8") else None
+
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.name == "fp8":
             convert_to_float8(module, fsdp_float8_all_gather=self.float8_all_gather)

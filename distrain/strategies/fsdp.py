@@ -145,9 +145,7 @@ class FSDPStrategy(Strategy):
         mp = self.mixed_precision
         if isinstance(mp, MixedPrecisionPolicy):
             return mp
-        default_param = (
-            self.precision.compute_dtype if self.precision.name in ("bf16-mixed", "16-mixed", "fp8") else None
-        )
+        default_param = self.precision.gathered_param_dtype
         if isinstance(mp, dict):
             dt = {k: _DTYPES[v] if isinstance(v, str) else v for k, v in mp.items() if v is not None}
             if dt.get("buffer_dtype", torch.float32) != torch.float32:
