@@ -169,28 +169,33 @@ def _machine_has_gpu() -> bool:
     return torch.cuda._is_compiled() and torch.cuda.device_count() > 0
 
 
-def _outcome_of(simulation, args, kwargs) -> tuple[bool, object]:
+def _outcome_of(run) -> tuple[bool, object]:
     try:
-        return True, simulation(*args, **kwargs)
+        return True, run()
     except BaseException as e:  # sent back and raised in the parent
         return False, RuntimeError(f"{type(e).__name__}: {e}")
 
 
 def _forked_main(send, simulation, args, kwargs) -> None:
-    send.send(_outcome_of(simulation, args, kwargs))
+    send.send(_outcome_of(lambda: simulation(*args, **kwargs)))
     send.close()
 
 
 def _fresh_main() -> None:
     """A fresh child (``_FreshChild``): the simulation from standard input, its outcome to standard output; whatever
-    else the child prints goes to standard error, so only the outcome travels on that pipe."""
+    else the child prints goes to standard error, so only the outcome travels on that pipe. What fails to unpickle
+    (a class the child cannot rebuild) is an outcome too: the plan's one line names it."""
     import pickle
     import sys
 
     result = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    simulation, args, kwargs = pickle.loads(sys.stdin.buffer.read())
-    pickle.dump(_outcome_of(simulation, args, kwargs), result)
+
+    def run():
+        simulation, args, kwargs = pickle.loads(sys.stdin.buffer.read())
+        return simulation(*args, **kwargs)
+
+    pickle.dump(_outcome_of(run), result)
     result.close()
 
 
