@@ -129,6 +129,7 @@ class _FreshChild:
         import inspect
         import subprocess
         import sys
+        import tempfile
 
         import cloudpickle
 
@@ -144,9 +145,12 @@ class _FreshChild:
             "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
         }
         command = [sys.executable, "-c", "from distrain.planner.simulate import _fresh_main; _fresh_main()"]
-        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._process.stdin.write(payload)
-        self._process.stdin.close()
+        # the payload from a file, not a pipe: writing more than a pipe holds would wait for the child's imports, and
+        # the children started together would start one after another
+        with tempfile.TemporaryFile() as stdin:
+            stdin.write(payload)
+            stdin.seek(0)
+            self._process = subprocess.Popen(command, stdin=stdin, stdout=subprocess.PIPE, env=env)
 
     def outcome(self) -> tuple[bool, object]:
         import pickle

@@ -265,7 +265,7 @@ class ModelParallelStrategy(Strategy):
     def _fully_shard(self, roots: list[nn.Module], units: list[nn.Module]) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        param_dtype = self.precision.gathered_param_dtype  # fp8 included, as FSDP's (it gathered fp32 under fp8)
+        param_dtype = self.precision.gathered_param_dtype  # as FSDPStrategy's, fp8 included
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         kwargs = dict(mesh=self._data_mesh(), mp_policy=policy)
         for unit in reversed(units):
