@@ -49,12 +49,14 @@ class DataModule:
         training failed."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Lightning's hook, here so a Lightning datamodule runs unchanged; empty. distrain does not call it: a
-        checkpoint keeps the data position itself."""
+        """What this datamodule needs to resume (a curriculum's level, a stream's shard), as Lightning's: kept in
+        every checkpoint when not empty (rank 0's; plain values and tensors). The position in the data is the
+        checkpoint's own concern, not this."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Lightning's hook, the counterpart of ``state_dict``; distrain does not call it."""
+        """``state_dict``'s counterpart: on a resume, in every rank, after ``setup("fit")`` and before
+        ``train_dataloader()`` (Lightning's order), with what the checkpoint kept."""
 
 
 def is_datamodule(obj: Any) -> bool:
@@ -78,9 +80,10 @@ def prepare(obj: Any, runtime) -> None:
         runtime.barrier("prepare_data")
 
 
-def stage_loader(stage: str, trainer, module, dataloaders, datamodule) -> Any:
+def stage_loader(stage: str, trainer, module, dataloaders, datamodule, datamodule_state=None) -> Any:
     """In a rank, before the module is set up: ``prepare_data`` (module's and datamodule's), the datamodule's and the
-    module's ``setup(stage)``, then the loader given, else the datamodule's, else the module's own (as Lightning)."""
+    module's ``setup(stage)``, the datamodule's ``load_state_dict(datamodule_state)`` on a resume, then the loader
+    given, else the datamodule's, else the module's own (as Lightning)."""
     method = STAGE_LOADERS[stage]
     trainer.datamodule = datamodule  # self.trainer.datamodule, as Lightning modules read it
     for source in (datamodule, module):
@@ -91,6 +94,9 @@ def stage_loader(stage: str, trainer, module, dataloaders, datamodule) -> Any:
             datamodule.trainer = trainer
         datamodule.setup(stage)
     module.setup(stage)
+    load_state = getattr(datamodule, "load_state_dict", None)  # a datamodule of Lightning's shape may lack the hook
+    if callable(load_state) and datamodule_state is not None:
+        load_state(datamodule_state)
     if dataloaders is not None:
         return one_loader(dataloaders, method)
     for source in (datamodule, module):

@@ -523,12 +523,14 @@ class Trainer:
         rt = self.runtime
         train_loader, val_loader, datamodule = data
         rt.seed_everything(self.seed)  # setup(stage) may build layers: alike on every rank
-        train_loader = stage_loader("fit", self, module, train_loader, datamodule)
+        checkpoint = self.checkpoints.resolve(ckpt_path) if ckpt_path is not None else None
+        # what the loaders depend on, read before they are made: the datamodule's state, the global batch
+        saved = rt.decided_on_rank_zero(lambda: _loader_state(checkpoint)) if checkpoint is not None else {}
+        train_loader = stage_loader("fit", self, module, train_loader, datamodule, saved.get("datamodule"))
         if val_loader is None:
             val_loader = optional_loader(datamodule if datamodule is not None else module, "val_dataloader")
         val_loader = one_loader(val_loader, "val_dataloaders")
-        checkpoint = self.checkpoints.resolve(ckpt_path) if ckpt_path is not None else None
-        micro_batch = self._keep_global_batch(checkpoint, train_loader)  # a resume on another number of ranks
+        micro_batch = self._keep_global_batch(checkpoint, saved.get("batch_layout"), train_loader)
         train_loader = self._setup_loader(train_loader, shuffle_seed=self.seed, batch_size=micro_batch)
         val_loader = self._setup_loader(val_loader, even=False) if val_loader is not None else None
         self._num_batches = _length(train_loader)
@@ -592,16 +594,14 @@ class Trainer:
         }
         print(self.metrics.summary(ended, seconds, paths), flush=True)
 
-    def _keep_global_batch(self, checkpoint, loader) -> int | None:
-        """A checkpoint trained on another number of data-parallel ranks: the micro-batch and accumulation that keep
-        its global batch here (``batch.py``); the micro-batch to load with, or None to keep the loader's."""
+    def _keep_global_batch(self, checkpoint, saved: dict | None, loader) -> int | None:
+        """A checkpoint trained on another number of data-parallel ranks (``saved``: its batch layout): the
+        micro-batch and accumulation that keep its global batch here (``batch.py``); the micro-batch to load with, or
+        None to keep the loader's."""
         micro = micro_batch_size(loader)
-        if checkpoint is None or not micro or not self.loop.use_distributed_sampler:
+        if not saved or not micro or not self.loop.use_distributed_sampler:
             return None
-        saved = self.runtime.decided_on_rank_zero(lambda: read_checkpoint_meta(checkpoint).get("batch_layout"))
         dp = self.data_parallel_size
-        if not saved:
-            return None
         saved = BatchLayout.from_checkpoint(saved, checkpoint)
         if saved.data_parallel == dp:
             return None
@@ -1137,6 +1137,13 @@ def _own_memory(module: nn.Module) -> None:
         for tensor in [*module.parameters(), *module.buffers()]:
             if tensor.is_shared():
                 tensor.data = tensor.data.clone()
+
+
+def _loader_state(checkpoint) -> dict[str, Any]:
+    """The checkpoint's entries the loaders of a resumed fit are made from: the datamodule's state and the batch
+    layout."""
+    meta = read_checkpoint_meta(checkpoint)
+    return {key: meta.get(key) for key in ("datamodule", "batch_layout")}
 
 
 def _length(loader) -> int | None:

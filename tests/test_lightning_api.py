@@ -240,6 +240,30 @@ class FileDataModule(L.DataModule):  # was: L.LightningDataModule
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
 
 
+class CountingDataModule(L.DataModule):
+    """A datamodule with state of its own (Lightning's ``state_dict``/``load_state_dict``): how many training loaders
+    it has made, which a resumed run must go on counting from."""
+
+    def __init__(self, batch_size: int = 4):
+        super().__init__()
+        self.batch_size, self.loaders_made, self.events = batch_size, 0, []
+
+    def setup(self, stage):
+        self.events.append(f"setup {stage}")
+
+    def train_dataloader(self):
+        self.loaders_made += 1
+        self.events.append(f"train_dataloader {self.loaders_made}")
+        return DataLoader(regression_data(32), batch_size=self.batch_size)
+
+    def state_dict(self):
+        return {"loaders_made": self.loaders_made}
+
+    def load_state_dict(self, state):
+        self.events.append(f"load_state_dict {state}")
+        self.loaders_made = state["loaders_made"]
+
+
 # ---- a batch sampler of the user's own, a step without batch_idx, on_train_batch_start returning -1 ---------------
 class PairsFirst(Sampler):
     """A batch sampler with torch's BatchSampler signature that sorts each batch's indices (a user's own kind)."""
@@ -369,6 +393,16 @@ def _cases(rank, tmp, batch):
     rows = sum(len(p) for p in trainer.predict(model, None, dm))  # Lightning's order: dataloaders, datamodule
     prepared = (tmp / "dm" / "prepared.log").read_text().count("prepared")
     out["dm"] = (rec.losses, dm.stages, prepared, rows, seen_by_module)
+    # a datamodule's own state: in the checkpoint, given back on resume after setup and before its loader
+    _fit(tmp / "dmstate", LitRegressor(batch_size=batch), "ddp", 2, CountingDataModule(batch), max_steps=3,
+         enable_checkpointing=True)  # fmt: skip
+    resumed_dm = CountingDataModule(batch)
+    again, _ = make_trainer(tmp / "dmstate", strategy="ddp", devices=2, logger=False, max_steps=5)
+    again.fit(LitRegressor(batch_size=batch), resumed_dm, ckpt_path="last")
+    from distrain.checkpoint.state import read_checkpoint_meta
+
+    kept = read_checkpoint_meta(again.checkpoints.last_path()).get("datamodule")
+    out["dm_state"] = (resumed_dm.events, kept, "datamodule" in read_checkpoint_meta(last))
     out["short"] = _short_epochs(tmp / "short", 1, batch)
     return out
 
@@ -516,6 +550,16 @@ def test_datamodule_prepares_once_per_node_and_sets_up_every_rank(two_ranks):
         assert stages == ["fit", "validate", "test", "predict"]
         assert len(losses) == 3 and rows == 4  # 24 training samples, 4 per rank; 8 to predict, 4 per rank
     assert two_ranks[0]["dm"][2] == 4  # prepare_data: on local rank 0 only, once per stage
+
+
+def test_a_datamodules_own_state_is_kept_and_given_back_before_its_loader_on_resume(two_ranks):
+    """Lightning's ``DataModule.state_dict`` goes into the checkpoint; a resumed run's fresh datamodule gets it in
+    ``load_state_dict`` after ``setup("fit")`` and before ``train_dataloader()``, on every rank (distrain used to call
+    neither). A datamodule without state (the regressor's own loaders) adds nothing to a checkpoint."""
+    for rank in (0, 1):
+        events, kept, without_datamodule = two_ranks[rank]["dm_state"]
+        assert events == ["setup fit", "load_state_dict {'loaders_made': 1}", "train_dataloader 2"], rank
+        assert kept == {"loaders_made": 2} and without_datamodule is False
 
 
 # ---- what is not supported: refused before any rank starts, in one line -------------------------------------------
