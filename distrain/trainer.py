@@ -569,10 +569,7 @@ class Trainer:
             self.stop.finish()  # no collective may be left in flight
             self.stop.uninstall()
             self.metrics.finalize()
-            self._call("teardown", "fit")
-            module.teardown("fit")
-            if datamodule is not None:
-                datamodule.teardown("fit")
+            self._teardown("fit", module, datamodule)
         if self.is_global_zero and self.metrics.summarize:
             self._print_summary(first_step, time.perf_counter() - started)
         return self.callback_metrics
@@ -930,13 +927,13 @@ class Trainer:
         loader = self._setup_loader(loader, even=False)
         if ckpt_path is not None:
             self.checkpoints.restore(self.checkpoints.resolve(ckpt_path), weights_only=True)
-        with self._diagnosing_hangs():
-            metrics = self.evaluator.run(module, self.model, step_name, loader, None)
-        self.metrics.publish(metrics, self.global_step)
-        self.metrics.finalize()
-        module.teardown(stage)
-        if datamodule is not None:
-            datamodule.teardown(stage)
+        try:
+            with self._diagnosing_hangs():
+                metrics = self.evaluator.run(module, self.model, step_name, loader, None)
+            self.metrics.publish(metrics, self.global_step)
+            self.metrics.finalize()
+        finally:
+            self._teardown(stage, module, datamodule)
         return [metrics]
 
     def _predict(self, module: Module, data: tuple, ckpt_path) -> list:
@@ -947,12 +944,20 @@ class Trainer:
         loader = self._setup_loader(loader, even=False)
         if ckpt_path is not None:
             self.checkpoints.restore(self.checkpoints.resolve(ckpt_path), weights_only=True)
-        with self._diagnosing_hangs():
-            predictions = self.evaluator.predict(module, self.model, loader)
-        module.teardown("predict")
-        if datamodule is not None:
-            datamodule.teardown("predict")
+        try:
+            with self._diagnosing_hangs():
+                predictions = self.evaluator.predict(module, self.model, loader)
+        finally:
+            self._teardown("predict", module, datamodule)
         return predictions
+
+    def _teardown(self, stage: str, module: Module, datamodule) -> None:
+        """Last in every stage, whether it finished or failed: the callbacks', the module's and the datamodule's
+        ``teardown(stage)``, as each ``setup(stage)`` was called."""
+        self._call("teardown", stage)
+        module.teardown(stage)
+        if datamodule is not None:
+            datamodule.teardown(stage)
 
     # ---- set-up -----------------------------------------------------------------------------------
     def _attach(self, module: Module, stage: str, train_loader=None) -> None:

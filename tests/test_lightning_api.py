@@ -240,6 +240,19 @@ class FileDataModule(L.DataModule):  # was: L.LightningDataModule
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
 
 
+class StageRecorder(L.Callback):
+    """Each stage's ``setup`` and ``teardown``, as the callback sees them."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def setup(self, trainer, module, stage):
+        self.calls.append(f"setup {stage}")
+
+    def teardown(self, trainer, module, stage):
+        self.calls.append(f"teardown {stage}")
+
+
 class CountingDataModule(L.DataModule):
     """A datamodule with state of its own (Lightning's ``state_dict``/``load_state_dict``): how many training loaders
     it has made, which a resumed run must go on counting from."""
@@ -385,7 +398,8 @@ def _cases(rank, tmp, batch):
     L.seed_everything(0)
     dm = FileDataModule(str(tmp / "dm"), batch_size=batch)
     model = LitRegressor(batch_size=batch)
-    trainer, rec = _fit(tmp / "dmrun", model, "ddp", 2, dm, max_epochs=1)
+    stages = StageRecorder()
+    trainer, rec = _fit(tmp / "dmrun", model, "ddp", 2, dm, max_epochs=1, callbacks=[stages])
     seen = model.trainer
     seen_by_module = (seen.datamodule is dm, len(seen.train_dataloader), seen.sanity_checking)
     trainer.validate(model, datamodule=dm, verbose=False)
@@ -393,6 +407,7 @@ def _cases(rank, tmp, batch):
     rows = sum(len(p) for p in trainer.predict(model, None, dm))  # Lightning's order: dataloaders, datamodule
     prepared = (tmp / "dm" / "prepared.log").read_text().count("prepared")
     out["dm"] = (rec.losses, dm.stages, prepared, rows, seen_by_module)
+    out["callback_stages"] = stages.calls
     # a datamodule's own state: in the checkpoint, given back on resume after setup and before its loader
     _fit(tmp / "dmstate", LitRegressor(batch_size=batch), "ddp", 2, CountingDataModule(batch), max_steps=3,
          enable_checkpointing=True)  # fmt: skip
@@ -550,6 +565,14 @@ def test_datamodule_prepares_once_per_node_and_sets_up_every_rank(two_ranks):
         assert stages == ["fit", "validate", "test", "predict"]
         assert len(losses) == 3 and rows == 4  # 24 training samples, 4 per rank; 8 to predict, 4 per rank
     assert two_ranks[0]["dm"][2] == 4  # prepare_data: on local rank 0 only, once per stage
+
+
+def test_a_callback_is_torn_down_after_every_stage_it_was_set_up_for(two_ranks):
+    """Lightning calls a callback's ``teardown(stage)`` after fit, validate, test and predict alike; distrain called
+    it after fit only, so what a callback opened in ``setup("validate")`` stayed open."""
+    stages = ["fit", "validate", "test", "predict"]
+    for rank in (0, 1):
+        assert two_ranks[rank]["callback_stages"] == [f"{hook} {s}" for s in stages for hook in ("setup", "teardown")]
 
 
 def test_a_datamodules_own_state_is_kept_and_given_back_before_its_loader_on_resume(two_ranks):

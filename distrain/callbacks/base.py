@@ -50,8 +50,8 @@ class Callback:
         hung). ``teardown`` follows."""
 
     def teardown(self, trainer, module, stage: str) -> None:
-        """Last in ``fit`` (``stage`` is "fit"), whether it finished or failed; ``validate``, ``test`` and ``predict``
-        do not call it."""
+        """Last in every stage (``stage`` as in ``setup``), whether it finished or failed, before the module's
+        ``teardown``."""
 
     @property
     def state_key(self) -> str:
