@@ -274,6 +274,18 @@ def test_a_resume_from_another_run_deletes_nothing_of_it(tmp_path):
     assert Path(b.checkpoint_callback.best_model_path).parent == tmp_path / "b" / "checkpoints"
 
 
+def test_a_resumed_run_goes_on_ranking_the_checkpoint_it_resumed_from(tmp_path):
+    """A checkpoint's record of the kept checkpoints holds itself: resumed from the newest of two kept (steps 2 and
+    3), the run removes both as steps 4 and 5 take their places. The record used to be taken before its own entry was
+    added, so step 3 was never ranked again and stayed on disk for good."""
+    _fit(tmp_path, 3, keep=2)
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=0-step=2", "epoch=0-step=3", "last"]
+    trainer = _fit(tmp_path, 5, ckpt_path="last", keep=2)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=0-step=4", "epoch=0-step=5", "last"]
+    assert trainer.checkpoint_callback.best_model_path == str(ckpts / "epoch=0-step=5")
+
+
 def _crafted_callback_state(checkpoint: Path, saved: list, best) -> None:
     state = torch.load(checkpoint / "state.pt", weights_only=True)
     (key,) = [k for k in state["callbacks"] if "ModelCheckpoint" in k]

@@ -42,6 +42,7 @@ class ModelCheckpoint(Callback):
         self.saved: list[tuple[float, str]] = []  # (score, path) of kept checkpoints
         self.best_model_path: str | None = None
         self.last_model_path: str | None = None
+        self._saving: tuple[float, str] | None = None  # (score, path) of the checkpoint being written
         self._last_saved_step = -1
         self._warned = False
         self._warned_names = False
@@ -106,7 +107,12 @@ class ModelCheckpoint(Callback):
         # differ per rank (step time, tokens/s), and a sharded checkpoint needs every rank's shards.
         # A name that cannot be made (a bad format) fails on every rank, not on rank 0 alone.
         path = self.dirpath / trainer.runtime.decided_on_rank_zero(lambda: self.format_name(trainer))
-        trainer.checkpoints.save(path, then=lambda finite: self._committed(trainer, path, score, finite))
+        # the checkpoint's own record of the kept ones (``state_dict``) counts it: resumed from, it is still ranked
+        self._saving = (score, str(path))
+        try:
+            trainer.checkpoints.save(path, then=lambda finite: self._committed(trainer, path, score, finite))
+        finally:
+            self._saving = None
 
     def _committed(self, trainer, path: Path, score: float, finite: bool) -> None:
         """Once the checkpoint is on disk under its name: ``last`` moves to it, and only then are older ones removed."""
@@ -159,8 +165,7 @@ class ModelCheckpoint(Callback):
         return name
 
     def _keep_top_k(self, score: float, path: str) -> None:
-        self.saved = [(s, p) for s, p in self.saved if p != path] + [(score, path)]
-        self.saved.sort(key=lambda sp: sp[0], reverse=True)
+        self.saved = _ranked(self.saved, score, path)
         if self.save_top_k >= 0:
             for _, stale in self.saved[self.save_top_k :]:
                 if stale != self.last_model_path:  # never delete what `last` points to
@@ -171,12 +176,16 @@ class ModelCheckpoint(Callback):
         self.best_model_path = self.saved[0][1] if self.saved else None
 
     def state_dict(self) -> dict:
-        """The kept checkpoints with their scores, and the best one: by name, inside ``dirpath``."""
+        """The kept checkpoints with their scores, and the best one: by name, inside ``dirpath``. Taken while a
+        checkpoint of this callback is being written, the list holds that one too: a run resumed from it goes on
+        ranking it (it was left on disk, never deleted, and the best could point past it). What was removed after
+        the save is not there on a resume, and is dropped then (``load_state_dict``)."""
+        saved, best = self.saved, self.best_model_path
+        if self._saving is not None:
+            saved = _ranked(saved, *self._saving)
+            best = saved[0][1]
         # names, not paths: the list means something only inside this run's own checkpoint directory
-        return {
-            "saved": [[s, Path(p).name] for s, p in self.saved],
-            "best_model_path": Path(self.best_model_path).name if self.best_model_path else None,
-        }
+        return {"saved": [[s, Path(p).name] for s, p in saved], "best_model_path": Path(best).name if best else None}
 
     def load_state_dict(self, state: dict) -> None:
         """The checkpoints this callback goes on ranking — and later deletes — are only checkpoint directories inside
@@ -205,6 +214,12 @@ class ModelCheckpoint(Callback):
         if not is_checkpoint_name(name) or not is_checkpoint_dir(candidate):
             return None
         return str(candidate)
+
+
+def _ranked(saved: list[tuple[float, str]], score: float, path: str) -> list[tuple[float, str]]:
+    """``saved`` with ``path`` (once) at ``score``, best first."""
+    ranked = [(s, p) for s, p in saved if p != path] + [(score, path)]
+    return sorted(ranked, key=lambda sp: sp[0], reverse=True)
 
 
 __all__ = ["ModelCheckpoint", "LAST"]
