@@ -182,8 +182,8 @@ class CheckpointManager:
             "batch_layout": vars(t.batch_layout) if getattr(t, "batch_layout", None) else None,
             "strategy": type(t.strategy).__name__,
         }
-        datamodule = getattr(t.datamodule, "state_dict", None)  # Lightning's hook: given back before its loader
-        if datamodule is not None and (datamodule_state := datamodule()):
+        datamodule_state_dict = getattr(t.datamodule, "state_dict", None)  # Lightning's hook: back before its loader
+        if datamodule_state_dict is not None and (datamodule_state := datamodule_state_dict()):
             checkpoint["datamodule"] = datamodule_state
         strategy_state = t.strategy.state_dict()  # its own training state (semi-synchronous replica groups)
         if strategy_state:
