@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import distrain
-from distrain.training.monitor import NVML_KEYS, SystemMonitor
+from distrain.training.monitor import NVML_KEYS, SystemMonitor, across_ranks
 from helpers import TinyGPT, loader, make_trainer, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +40,18 @@ def test_host_readings_are_summarized_over_ranks(tmp_path):
     assert 0 < last["host_mem_available_mb"] <= total_mb
     assert last["host_cpu_percent"] > 0  # the ranks computed during the window
     assert len(last["mem_per_rank_mb"]) == 2
+
+
+def test_the_mean_over_ranks_lies_between_their_min_and_max_even_where_rounding_would_move_it():
+    # the values CI met (two ranks waited the same 0.000429263 s: the mean rounded to 6 places fell below
+    # both), a sum's own rounding (three 0.1s average to 0.10000000000000002), NaN readings left out
+    per_rank = [[0.0004292627527320292, 0.1, 5.0, float("nan")]] * 3 + [[0.0004292627527320292, 0.1, 7.25, 1.0]]
+    out = across_ranks(["wait_s", "tenth", "mb", "partly"], per_rank)
+    for name in ("wait_s", "tenth", "mb", "partly"):
+        assert out[f"{name}_min"] <= out[f"{name}_mean"] <= out[name], (name, out)
+    assert out["wait_s"] == out["wait_s_mean"] == 0.0004292627527320292
+    assert out["mb_mean"] == 5.5625 and (out["mb_min"], out["mb"]) == (5.0, 7.25)
+    assert out["partly"] == out["partly_min"] == out["partly_mean"] == 1.0
 
 
 def test_single_process_readings_and_no_gpu_keys_on_cpu():

@@ -89,7 +89,9 @@ def across_ranks(names: list[str], per_rank: list[list[float]]) -> dict[str, flo
     for i, name in enumerate(names):
         values = [r[i] for r in per_rank if not math.isnan(r[i])]
         if values:
-            out[name] = max(values)
-            out[f"{name}_min"] = min(values)
-            out[f"{name}_mean"] = round(sum(values) / len(values), 6)  # seconds as well as megabytes
+            out[name] = highest = max(values)
+            out[f"{name}_min"] = lowest = min(values)
+            # rounded (seconds as well as megabytes), then kept between the two: rounding, or a sum's own
+            # rounding, could put the mean of equal readings just outside them
+            out[f"{name}_mean"] = min(max(round(sum(values) / len(values), 6), lowest), highest)
     return out
