@@ -952,12 +952,12 @@ class Trainer:
         return predictions
 
     def _teardown(self, stage: str, module: Module, datamodule) -> None:
-        """Last in every stage, whether it finished or failed: the callbacks', the module's and the datamodule's
-        ``teardown(stage)``, as each ``setup(stage)`` was called."""
-        self._call("teardown", stage)
-        module.teardown(stage)
+        """Last in every stage, whether it finished or failed: the datamodule's, the callbacks' and the module's
+        ``teardown(stage)``, in Lightning's order, as each ``setup(stage)`` was called."""
         if datamodule is not None:
             datamodule.teardown(stage)
+        self._call("teardown", stage)
+        module.teardown(stage)
 
     # ---- set-up -----------------------------------------------------------------------------------
     def _attach(self, module: Module, stage: str, train_loader=None) -> None:

@@ -215,6 +215,7 @@ class FileDataModule(L.DataModule):  # was: L.LightningDataModule
         self.save_hyperparameters(ignore="root")
         self.root = Path(root)
         self.stages: list[str] = []
+        self.torn_down: list[str] = []
 
     def prepare_data(self):
         self.root.mkdir(parents=True, exist_ok=True)
@@ -226,6 +227,9 @@ class FileDataModule(L.DataModule):  # was: L.LightningDataModule
         self.stages.append(stage)
         data = torch.load(self.root / "data.pt", weights_only=False)
         self.train_set, self.val_set = torch.utils.data.random_split(data, [24, 8], torch.Generator().manual_seed(0))
+
+    def teardown(self, stage):
+        self.torn_down.append("datamodule")
 
     def train_dataloader(self):
         return DataLoader(self.train_set, batch_size=self.hparams.batch_size)
@@ -245,12 +249,25 @@ class StageRecorder(L.Callback):
 
     def __init__(self):
         self.calls: list[str] = []
+        self.torn_down: list[str] = []  # shared with a TornDownRegressor and a FileDataModule: who went first
 
     def setup(self, trainer, module, stage):
         self.calls.append(f"setup {stage}")
 
     def teardown(self, trainer, module, stage):
         self.calls.append(f"teardown {stage}")
+        self.torn_down.append("callback")
+
+
+class TornDownRegressor(LitRegressor):
+    """Notes its ``teardown`` in the list it shares with a callback and a datamodule."""
+
+    def __init__(self, **hparams):
+        super().__init__(**hparams)
+        self.torn_down: list[str] = []
+
+    def teardown(self, stage):
+        self.torn_down.append("module")
 
 
 class CountingDataModule(L.DataModule):
@@ -397,8 +414,9 @@ def _cases(rank, tmp, batch):
     # a DataModule: positionally, then as datamodule= for validate/test/predict
     L.seed_everything(0)
     dm = FileDataModule(str(tmp / "dm"), batch_size=batch)
-    model = LitRegressor(batch_size=batch)
+    model = TornDownRegressor(batch_size=batch)
     stages = StageRecorder()
+    dm.torn_down = model.torn_down = stages.torn_down
     trainer, rec = _fit(tmp / "dmrun", model, "ddp", 2, dm, max_epochs=1, callbacks=[stages])
     seen = model.trainer
     seen_by_module = (seen.datamodule is dm, len(seen.train_dataloader), seen.sanity_checking)
@@ -408,6 +426,7 @@ def _cases(rank, tmp, batch):
     prepared = (tmp / "dm" / "prepared.log").read_text().count("prepared")
     out["dm"] = (rec.losses, dm.stages, prepared, rows, seen_by_module)
     out["callback_stages"] = stages.calls
+    out["torn_down"] = stages.torn_down
     # a datamodule's own state: in the checkpoint, given back on resume after setup and before its loader
     _fit(tmp / "dmstate", LitRegressor(batch_size=batch), "ddp", 2, CountingDataModule(batch), max_steps=3,
          enable_checkpointing=True)  # fmt: skip
@@ -573,6 +592,8 @@ def test_a_callback_is_torn_down_after_every_stage_it_was_set_up_for(two_ranks):
     stages = ["fit", "validate", "test", "predict"]
     for rank in (0, 1):
         assert two_ranks[rank]["callback_stages"] == [f"{hook} {s}" for s in stages for hook in ("setup", "teardown")]
+        # Lightning's order in each stage: the datamodule, the callbacks, then the module
+        assert two_ranks[rank]["torn_down"] == ["datamodule", "callback", "module"] * len(stages)
 
 
 def test_a_datamodules_own_state_is_kept_and_given_back_before_its_loader_on_resume(two_ranks):
