@@ -81,11 +81,13 @@ def prepare(obj: Any, runtime) -> None:
 
 
 def stage_loader(stage: str, trainer, module, dataloaders, datamodule, datamodule_state=None) -> Any:
-    """In a rank, before the module is set up: ``prepare_data`` (module's and datamodule's), the datamodule's and the
-    module's ``setup(stage)``, the datamodule's ``load_state_dict(datamodule_state)`` on a resume, then the loader
-    given, else the datamodule's, else the module's own (as Lightning)."""
+    """In a rank, before the module is set up: ``prepare_data`` (module's and datamodule's), then ``setup(stage)`` of
+    the datamodule, the callbacks and the module, the datamodule's ``load_state_dict(datamodule_state)`` on a resume,
+    then the loader given, else the datamodule's, else the module's own (all as Lightning)."""
     method = STAGE_LOADERS[stage]
     trainer.datamodule = datamodule  # self.trainer.datamodule, as Lightning modules read it
+    trainer.module = module  # self.trainer in every hook from here on, setup(stage) included
+    object.__setattr__(module, "_trainer", trainer)
     for source in (datamodule, module):
         if source is not None:
             prepare(source, trainer.runtime)
@@ -93,6 +95,8 @@ def stage_loader(stage: str, trainer, module, dataloaders, datamodule, datamodul
         if not isinstance(getattr(type(datamodule), "trainer", None), property):  # a distrain.Module has its own
             datamodule.trainer = trainer
         datamodule.setup(stage)
+    for callback in trainer.callbacks:
+        callback.setup(trainer, module, stage)
     module.setup(stage)
     load_state = getattr(datamodule, "load_state_dict", None)  # a datamodule of Lightning's shape may lack the hook
     if callable(load_state) and datamodule_state is not None:

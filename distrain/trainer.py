@@ -963,13 +963,9 @@ class Trainer:
     def _attach(self, module: Module, stage: str, train_loader=None) -> None:
         rt = self.runtime
         rt.seed_everything(self.seed)  # same seed everywhere: every rank builds identical weights
-        object.__setattr__(module, "_trainer", self)
-        self.module = module
         rt.memory_plan = self._memory_plan if stage == "fit" else None  # asked only once a rank ran out of memory
         _own_memory(module)
         self._configure(module)
-        for cb in self.callbacks:
-            cb.setup(self, module, stage)
         if stage != "fit":
             if not rt.strategy.traits.collective_forward:
                 self.model = None

@@ -215,7 +215,7 @@ class FileDataModule(L.DataModule):  # was: L.LightningDataModule
         self.save_hyperparameters(ignore="root")
         self.root = Path(root)
         self.stages: list[str] = []
-        self.torn_down: list[str] = []
+        self.order: list[str] = []  # its setup and teardown among the callbacks' and the module's (StageRecorder)
 
     def prepare_data(self):
         self.root.mkdir(parents=True, exist_ok=True)
@@ -225,11 +225,12 @@ class FileDataModule(L.DataModule):  # was: L.LightningDataModule
 
     def setup(self, stage):
         self.stages.append(stage)
+        self.order.append("setup datamodule")
         data = torch.load(self.root / "data.pt", weights_only=False)
         self.train_set, self.val_set = torch.utils.data.random_split(data, [24, 8], torch.Generator().manual_seed(0))
 
     def teardown(self, stage):
-        self.torn_down.append("datamodule")
+        self.order.append("teardown datamodule")
 
     def train_dataloader(self):
         return DataLoader(self.train_set, batch_size=self.hparams.batch_size)
@@ -249,25 +250,30 @@ class StageRecorder(L.Callback):
 
     def __init__(self):
         self.calls: list[str] = []
-        self.torn_down: list[str] = []  # shared with a TornDownRegressor and a FileDataModule: who went first
+        self.order: list[str] = []  # shared with an OrderedRegressor and a FileDataModule: who went first
 
     def setup(self, trainer, module, stage):
         self.calls.append(f"setup {stage}")
+        self.order.append("setup callback")
 
     def teardown(self, trainer, module, stage):
         self.calls.append(f"teardown {stage}")
-        self.torn_down.append("callback")
+        self.order.append("teardown callback")
 
 
-class TornDownRegressor(LitRegressor):
-    """Notes its ``teardown`` in the list it shares with a callback and a datamodule."""
+class OrderedRegressor(LitRegressor):
+    """Notes its ``setup`` and ``teardown`` in the list it shares with a callback and a datamodule; its ``setup``
+    reads ``self.trainer``, as Lightning's docs do (``self.trainer.datamodule`` there)."""
 
     def __init__(self, **hparams):
         super().__init__(**hparams)
-        self.torn_down: list[str] = []
+        self.order: list[str] = []
+
+    def setup(self, stage):
+        self.order.append(f"setup module of {self.trainer.world_size} ranks")
 
     def teardown(self, stage):
-        self.torn_down.append("module")
+        self.order.append("teardown module")
 
 
 class CountingDataModule(L.DataModule):
@@ -414,9 +420,9 @@ def _cases(rank, tmp, batch):
     # a DataModule: positionally, then as datamodule= for validate/test/predict
     L.seed_everything(0)
     dm = FileDataModule(str(tmp / "dm"), batch_size=batch)
-    model = TornDownRegressor(batch_size=batch)
+    model = OrderedRegressor(batch_size=batch)
     stages = StageRecorder()
-    dm.torn_down = model.torn_down = stages.torn_down
+    dm.order = model.order = stages.order
     trainer, rec = _fit(tmp / "dmrun", model, "ddp", 2, dm, max_epochs=1, callbacks=[stages])
     seen = model.trainer
     seen_by_module = (seen.datamodule is dm, len(seen.train_dataloader), seen.sanity_checking)
@@ -426,7 +432,7 @@ def _cases(rank, tmp, batch):
     prepared = (tmp / "dm" / "prepared.log").read_text().count("prepared")
     out["dm"] = (rec.losses, dm.stages, prepared, rows, seen_by_module)
     out["callback_stages"] = stages.calls
-    out["torn_down"] = stages.torn_down
+    out["setup_teardown_order"] = stages.order
     # a datamodule's own state: in the checkpoint, given back on resume after setup and before its loader
     _fit(tmp / "dmstate", LitRegressor(batch_size=batch), "ddp", 2, CountingDataModule(batch), max_steps=3,
          enable_checkpointing=True)  # fmt: skip
@@ -592,8 +598,16 @@ def test_a_callback_is_torn_down_after_every_stage_it_was_set_up_for(two_ranks):
     stages = ["fit", "validate", "test", "predict"]
     for rank in (0, 1):
         assert two_ranks[rank]["callback_stages"] == [f"{hook} {s}" for s in stages for hook in ("setup", "teardown")]
-        # Lightning's order in each stage: the datamodule, the callbacks, then the module
-        assert two_ranks[rank]["torn_down"] == ["datamodule", "callback", "module"] * len(stages)
+
+
+def test_setup_and_teardown_go_datamodule_callbacks_module_and_setup_sees_the_trainer(two_ranks):
+    """Lightning's order in every stage, both ways: the datamodule, the callbacks, then the module. distrain set the
+    callbacks up after the module, tore the datamodule down last, and a module's ``setup`` that read ``self.trainer``
+    failed ("not attached to a Trainer")."""
+    each_stage = ["setup datamodule", "setup callback", "setup module of 2 ranks"]
+    each_stage += ["teardown datamodule", "teardown callback", "teardown module"]
+    for rank in (0, 1):
+        assert two_ranks[rank]["setup_teardown_order"] == each_stage * 4  # fit, validate, test, predict
 
 
 def test_a_datamodules_own_state_is_kept_and_given_back_before_its_loader_on_resume(two_ranks):
