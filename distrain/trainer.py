@@ -236,7 +236,7 @@ class Trainer:
             print_steps=not enable_progress_bar,
             straggler_threshold=straggler_threshold,
         )
-        self.evaluator = Evaluator(self.runtime, self.metrics)
+        self.evaluator = Evaluator(self.runtime, self.metrics, self._call)
         self.checkpoints = CheckpointManager(self)
         self.checkpoints.async_save = async_save  # checkpoints written while training goes on
         self.stop = StopAgreement(self.runtime)
@@ -550,9 +550,8 @@ class Trainer:
         first_step = self.global_step
         self.metrics.start_fit(_flops_per_token(module), self.run_config)
         self.metrics.timer.watch_gradients(module.parameters())  # each rank's own part of the backward (stragglers)
-        self._call("on_fit_start")
-        module.on_fit_start()
-        module.on_train_start()
+        self._hook("on_fit_start")
+        self._hook("on_train_start")
         self.stop.install()
         try:
             with self._diagnosing_hangs(on_error=self._on_fit_error):
@@ -560,10 +559,9 @@ class Trainer:
                 rt.mark_phase(None, "end of training")
                 if val_loader is not None and self._last_val_step != self.global_step and not self.preempted:
                     self._validate_during_fit(val_loader)  # the run always ends with a val score
-                self._call("on_train_end")
-                module.on_train_end()
+                self._hook("on_train_end")
                 self.checkpoints.complete_pending()  # one written in the background: on disk before fit returns
-                module.on_fit_end()
+                self._hook("on_fit_end")
         finally:
             self.metrics.timer.unwatch()
             self.stop.finish()  # no collective may be left in flight
@@ -691,8 +689,7 @@ class Trainer:
                 "sampler); resume from an epoch-end checkpoint, or let distrain shard the data"
             )
         per_step = (micro_batch_size(loader) or 1) * self.data_parallel_size
-        self._call("on_train_epoch_start")
-        self.module.on_train_epoch_start()
+        self._hook("on_train_epoch_start")
         return enumerate(loader, start=self.progress.samples_in_epoch // per_step)
 
     def train_step(self, micro_batches: list[tuple[int, Any]]) -> Any:
@@ -727,7 +724,7 @@ class Trainer:
             batch_idx = next(indices, None)  # None: a pipeline's schedule calls it per piece of a micro-batch
             if batch_idx is None or batch_idx == first_idx:  # the first batch's hook ran before the step
                 return
-            if self.module.on_train_batch_start(batch, batch_idx) == -1:
+            if self._hook("on_train_batch_start", batch, batch_idx) == -1:
                 raise ValueError(
                     f"on_train_batch_start returned -1 (skip the rest of the epoch) at batch {batch_idx}, inside an "
                     "accumulation window; return it at the first batch of an optimizer step (batch_idx % "
@@ -735,8 +732,7 @@ class Trainer:
                 )
 
         step_loss, output = rt.strategy.run_step(self.model, micro_batches, before_each=before_each)
-        self._call("on_after_backward")
-        self.module.on_after_backward()
+        self._hook("on_after_backward")
         samples = tokens = 0
         for _, batch in micro_batches:
             samples += batch_size_of(batch)
@@ -813,8 +809,7 @@ class Trainer:
         if scaler is None and not engine_checks and not self._finite(grad_norm, step_loss):
             return False
         scale = scaler.get_scale() if scaler is not None else None
-        self._call("on_before_optimizer_step", optimizer)
-        self.module.on_before_optimizer_step(optimizer)
+        self._hook("on_before_optimizer_step", optimizer)
         rt.optimizer_step(optimizer, self.model)
         if scaler is not None:
             return scaler.get_scale() >= scale
@@ -842,8 +837,7 @@ class Trainer:
             self._validate_during_fit(val_loader)  # before the callbacks, so checkpoints can monitor it
         rt.mark_phase(None, "callbacks after the step (checkpointing)")
         batch_idx, batch = last_micro_batch
-        self._call("on_train_batch_end", output, batch, batch_idx)
-        self.module.on_train_batch_end(output, batch, batch_idx)
+        self._hook("on_train_batch_end", output, batch, batch_idx)
         rt.mark_phase(None, "stop-signal check")
         # A signal, or a callback's should_stop, on any rank: every rank stops at the same step (on
         # several ranks the step after the request; on_train_end writes the checkpoint)
@@ -913,9 +907,9 @@ class Trainer:
     def _validate_during_fit(self, loader) -> None:
         self.runtime.mark_phase(None, "validation")
         self._last_val_step = self.global_step
-        metrics = self.evaluator.run(self.module, self.model, "validation_step", loader, self.loop.limit_val_batches)
-        self.metrics.validation_done(metrics, self.global_step, self.loop.max_steps)
-        self._call("on_validation_end")
+        limit = self.loop.limit_val_batches
+        publish = lambda metrics: self.metrics.validation_done(metrics, self.global_step, self.loop.max_steps)  # noqa: E731
+        self.evaluator.run(self.module, self.model, "validation_step", loader, limit, publish)
 
     # ---- validate / test / predict -----------------------------------------------------------------
     def _evaluate(self, module: Module, step_name: str, data: tuple, ckpt_path) -> list[dict]:
@@ -929,8 +923,8 @@ class Trainer:
             self.checkpoints.restore(self.checkpoints.resolve(ckpt_path), weights_only=True)
         try:
             with self._diagnosing_hangs():
-                metrics = self.evaluator.run(module, self.model, step_name, loader, None)
-            self.metrics.publish(metrics, self.global_step)
+                publish = lambda metrics: self.metrics.publish(metrics, self.global_step)  # noqa: E731
+                metrics = self.evaluator.run(module, self.model, step_name, loader, None, publish)
             self.metrics.finalize()
         finally:
             self._teardown(stage, module, datamodule)
@@ -1005,14 +999,14 @@ class Trainer:
             self.metrics.timer.forward_ended()
         if self._first_micro_batch:
             self._first_micro_batch = False
-            self.module.on_before_zero_grad(self.optimizers[0])
-        self.module.on_before_backward(loss_of(output))
+            self._hook("on_before_zero_grad", self.optimizers[0])
+        self._hook("on_before_backward", loss_of(output))
 
     def _skips_rest_of_epoch(self, batch_idx: int, batch: Any) -> bool:
         """Runs ``on_train_batch_start`` of a step's first batch. -1 there skips the rest of the epoch, as in
         Lightning, on every rank: where the module overrides the hook, the ranks agree (one small all-reduce a
         step), so a rank that returns -1 never leaves the others waiting in the step's collectives."""
-        skip = self.module.on_train_batch_start(batch, batch_idx) == -1
+        skip = self._hook("on_train_batch_start", batch, batch_idx) == -1
         if type(self.module).on_train_batch_start is not Module.on_train_batch_start and self.world_size > 1:
             skip = bool(self.runtime.all_reduce(torch.tensor(int(skip)), op="max"))
         return skip
@@ -1070,8 +1064,16 @@ class Trainer:
         return with_distributed_sampler(loader, dp_size, dp_rank, shuffle_seed, even=even, batch_size=batch_size)
 
     def _call(self, hook: str, *args: Any) -> None:
+        """The callbacks' ``hook``, in their order (one that is not a ``Callback`` may lack it)."""
         for cb in self.callbacks:
-            getattr(cb, hook)(self, self.module, *args)
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(self, self.module, *args)
+
+    def _hook(self, hook: str, *args: Any) -> Any:
+        """Lightning's ``hook``: the callbacks', then the module's, whose result it returns."""
+        self._call(hook, *args)
+        return getattr(self.module, hook)(*args)
 
 
 class ManualOptimizer:
@@ -1087,14 +1089,14 @@ class ManualOptimizer:
         trainer = self._trainer
         result = closure() if closure is not None else None
         trainer._sync_gradients(self.optimizer)
-        trainer.module.on_before_optimizer_step(self.optimizer)
+        trainer._hook("on_before_optimizer_step", self.optimizer)
         trainer.runtime.optimizer_step(self.optimizer, trainer.model)
         self.optimizer._distrain_synced = False
         trainer.progress.global_step += 1
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._trainer.module.on_before_zero_grad(self.optimizer)
+        self._trainer._hook("on_before_zero_grad", self.optimizer)
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self.optimizer._distrain_synced = False
 

@@ -116,6 +116,62 @@ for _name in RECORDED:
     setattr(HookRecorder, _name, _recording(_name))
 
 
+class CallbackRecorder(L.Callback):
+    """Notes each Lightning callback hook it gets (``cb.`` before the name) in the module's own record of its hooks,
+    so the two orders can be read together."""
+
+    def __init__(self, calls: list[str]):
+        self.calls = calls
+
+
+def _callback_recording(name):
+    def hook(self, trainer, module, *args):
+        self.calls.append(f"cb.{name}({args[0]})" if name in ("setup", "teardown") else f"cb.{name}")
+
+    return hook
+
+
+#: every hook of Lightning 2.x's Callback but the sanity check's (distrain runs none) and state_dict's pair
+LIGHTNING_CALLBACK_HOOKS = ["setup", "teardown", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end"]
+LIGHTNING_CALLBACK_HOOKS += ["on_exception", "on_save_checkpoint", "on_load_checkpoint", "on_train_epoch_start"]
+LIGHTNING_CALLBACK_HOOKS += ["on_train_epoch_end", "on_train_batch_start", "on_train_batch_end", "on_before_backward"]
+LIGHTNING_CALLBACK_HOOKS += ["on_after_backward", "on_before_optimizer_step", "on_before_zero_grad"]
+for _stage in ("validation", "test", "predict"):
+    for _when in ("start", "epoch_start", "batch_start", "batch_end", "epoch_end", "end"):
+        LIGHTNING_CALLBACK_HOOKS.append(f"on_{_stage}_{_when}")
+for _name in LIGHTNING_CALLBACK_HOOKS:
+    setattr(CallbackRecorder, _name, _callback_recording(_name))
+
+
+def with_callback_hooks(module_calls: list[str]) -> list[str]:
+    """Lightning's order of a callback's hooks among the module's: each just before the module's hook of the same
+    name, but ``on_train_epoch_end`` (distrain calls it after the module's: a checkpoint saved there resumes at the
+    next epoch); the module's own steps and ``configure_*`` have none."""
+    has_hook = {name.split("(")[0] for name in module_calls} & set(LIGHTNING_CALLBACK_HOOKS)
+    out = []
+    for call in module_calls:
+        name = call.split("(")[0]
+        if name == "on_train_epoch_end":
+            out += [call, f"cb.{call}"]
+        else:
+            out += [f"cb.{call}", call] if name in has_hook else [call]
+    return out
+
+
+class NotesTheStep(L.Callback):
+    """Adds a key of its own to each checkpoint (Lightning's ``Callback.on_save_checkpoint``) and reads it back on
+    resume (``on_load_checkpoint``)."""
+
+    def __init__(self):
+        self.loaded = None
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        checkpoint["noted"] = {"step": trainer.global_step, "rank": trainer.global_rank}
+
+    def on_load_checkpoint(self, trainer, module, checkpoint):
+        self.loaded = checkpoint.get("noted")
+
+
 def lightning_fit_order(epochs: int, batches: int, val_batches: int) -> list[str]:
     """Lightning's "Hooks" pseudo-code (LightningModule docs), with no sanity check and validation at epoch end:
 
@@ -379,7 +435,7 @@ def _cases(rank, tmp, batch):
     # hook order, loss dicts, the module's own loaders (fit(model) with none given), one name on the progress bar
     L.seed_everything(0)
     model = HookRecorder(batch_size=batch)
-    trainer, rec = _fit(tmp / "hooks", model, "ddp", 2, max_epochs=2)
+    trainer, rec = _fit(tmp / "hooks", model, "ddp", 2, max_epochs=2, callbacks=[CallbackRecorder(model.calls)])
     out["hooks"] = (model.calls, rec.losses, dict(trainer.progress_bar_metrics), dict(trainer.callback_metrics))
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -423,7 +479,9 @@ def _cases(rank, tmp, batch):
     model = OrderedRegressor(batch_size=batch)
     stages = StageRecorder()
     dm.order = model.order = stages.order
-    trainer, rec = _fit(tmp / "dmrun", model, "ddp", 2, dm, max_epochs=1, callbacks=[stages])
+    evaluating = CallbackRecorder([])
+    trainer, rec = _fit(tmp / "dmrun", model, "ddp", 2, dm, max_epochs=1, callbacks=[stages, evaluating])
+    evaluating.calls.clear()  # from here: validate, test and predict
     seen = model.trainer
     seen_by_module = (seen.datamodule is dm, len(seen.train_dataloader), seen.sanity_checking)
     trainer.validate(model, datamodule=dm, verbose=False)
@@ -433,12 +491,15 @@ def _cases(rank, tmp, batch):
     out["dm"] = (rec.losses, dm.stages, prepared, rows, seen_by_module)
     out["callback_stages"] = stages.calls
     out["setup_teardown_order"] = stages.order
+    out["evaluation_callback_hooks"] = evaluating.calls
     # a datamodule's own state: in the checkpoint, given back on resume after setup and before its loader
     _fit(tmp / "dmstate", LitRegressor(batch_size=batch), "ddp", 2, CountingDataModule(batch), max_steps=3,
-         enable_checkpointing=True)  # fmt: skip
+         enable_checkpointing=True, callbacks=[NotesTheStep()])  # fmt: skip
     resumed_dm = CountingDataModule(batch)
-    again, _ = make_trainer(tmp / "dmstate", strategy="ddp", devices=2, logger=False, max_steps=5)
+    note = NotesTheStep()
+    again, _ = make_trainer(tmp / "dmstate", strategy="ddp", devices=2, logger=False, max_steps=5, callbacks=[note])
     again.fit(LitRegressor(batch_size=batch), resumed_dm, ckpt_path="last")
+    out["callback_checkpoint_note"] = note.loaded
     from distrain.checkpoint.state import read_checkpoint_meta
 
     kept = read_checkpoint_meta(again.checkpoints.last_path()).get("datamodule")
@@ -462,8 +523,30 @@ def _close(a: list[float], b: list[float]) -> None:
 def test_hook_order_matches_lightning(two_ranks):
     calls, _, _, _ = two_ranks[0]["hooks"]
     # 32 samples, 4 per rank: 4 steps an epoch; validation: 16 samples, 2 batches a rank
-    assert calls == lightning_fit_order(epochs=2, batches=4, val_batches=2)
+    assert [c for c in calls if not c.startswith("cb.")] == lightning_fit_order(epochs=2, batches=4, val_batches=2)
     assert "prepare_data" not in two_ranks[1]["hooks"][0]  # local rank 0 of the node only
+
+
+def test_a_callback_gets_every_lightning_hook_of_fit_beside_the_modules(two_ranks):
+    """Lightning's docs' first callback overrides ``on_train_start``, which distrain never called on a callback, nor
+    ``on_fit_end``, ``on_train_batch_start``, ``on_before_backward``, ``on_before_zero_grad`` or any validation hook
+    but ``on_validation_end``: the callback ran without a word."""
+    calls, _, _, _ = two_ranks[0]["hooks"]
+    assert calls == with_callback_hooks(lightning_fit_order(epochs=2, batches=4, val_batches=2))
+
+
+def test_a_callback_gets_the_hooks_of_validate_test_and_predict_and_of_checkpoints(two_ranks):
+    """The evaluation stages' hooks and the checkpoint pair reach a callback as they reach the module (distrain
+    called none of them on a callback; ``on_validation_end`` only inside ``fit``)."""
+    expected = []
+    for stage, hooks in (("validate", "validation"), ("test", "test"), ("predict", "predict")):
+        batch = [f"cb.on_{hooks}_batch_start", f"cb.on_{hooks}_batch_end"]  # 8 samples, 4 a batch, 2 ranks
+        expected += [f"cb.setup({stage})", f"cb.on_{hooks}_start", f"cb.on_{hooks}_epoch_start", *batch]
+        expected += [f"cb.on_{hooks}_epoch_end", f"cb.on_{hooks}_end", f"cb.teardown({stage})"]
+    for rank in (0, 1):
+        assert two_ranks[rank]["evaluation_callback_hooks"] == expected
+        # the checkpoint of step 3 (rank 0 writes what is not sharded) came back to every rank
+        assert two_ranks[rank]["callback_checkpoint_note"] == {"step": 3, "rank": 0}
 
 
 def test_loss_dicts_step_schedulers_and_parity_with_one_process(two_ranks, tmp_path):

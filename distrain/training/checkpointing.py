@@ -188,7 +188,8 @@ class CheckpointManager:
         strategy_state = t.strategy.state_dict()  # its own training state (semi-synchronous replica groups)
         if strategy_state:
             checkpoint["strategy_state"] = strategy_state
-        if t.module is not None:  # Lightning's hook: the module adds keys of its own (on_load_checkpoint gets them)
+        t._call("on_save_checkpoint", checkpoint)  # Lightning's hooks: the callbacks', then the module's, add keys
+        if t.module is not None:  # of their own (on_load_checkpoint gets them back)
             t.module.on_save_checkpoint(checkpoint)
         return checkpoint
 
@@ -267,7 +268,8 @@ class CheckpointManager:
             )
         self.load_progress_state(state["progress"], source=path)
         t.strategy.load_state_dict(extra.pop("strategy_state", {}), str(path))  # {}: the checkpoint has none
-        t.module.on_load_checkpoint(extra)  # the checkpoint's other keys: those the module's on_save_checkpoint added
+        t.module.on_load_checkpoint(extra)  # the checkpoint's other keys: those on_save_checkpoint added
+        t._call("on_load_checkpoint", extra)
         saved = state["callbacks"]
         for cb in t.callbacks:
             key = cb.state_key

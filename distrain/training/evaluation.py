@@ -9,7 +9,7 @@ from the dataset's first sample) with its results dropped, so each sample still 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,22 +23,27 @@ DEFAULT_LOSS_NAMES = {"validation_step": "val_loss", "test_step": "test_loss"}
 HOOK_PREFIXES = {"validation_step": "validation", "test_step": "test", "predict_step": "predict"}
 
 
-def _hook(module, step_name: str, when: str, *args: Any) -> None:
-    """The module's ``on_<stage>_<when>`` hook, where it has one."""
-    fn = getattr(module, f"on_{HOOK_PREFIXES[step_name]}_{when}", None)
-    if callable(fn):
-        fn(*args)
-
-
 class Evaluator:
-    def __init__(self, runtime, metrics: MetricsLogger):
+    def __init__(self, runtime, metrics: MetricsLogger, call_callbacks: Callable[..., None]):
         self.runtime = runtime
         self.metrics = metrics
+        self.call_callbacks = call_callbacks  # (hook name, *args): each callback's hook, with the trainer and module
 
-    def run(self, module, model, step_name: str, loader, limit: int | None) -> dict[str, float]:
+    def _hook(self, module, step_name: str, when: str, *args: Any) -> None:
+        """Lightning's ``on_<stage>_<when>``: the callbacks', then the module's, where it has one."""
+        name = f"on_{HOOK_PREFIXES[step_name]}_{when}"
+        self.call_callbacks(name, *args)
+        fn = getattr(module, name, None)
+        if callable(fn):
+            fn(*args)
+
+    def run(
+        self, module, model, step_name: str, loader, limit: int | None, publish: Callable[[dict], None]
+    ) -> dict[str, float]:
         """``step_name`` (validation_step or test_step) over ``loader``: the epoch metrics, reduced
-        over every rank's samples. ``model`` is the strategy-wrapped module, or None to call
-        ``module`` directly."""
+        over every rank's samples, handed to ``publish`` before the ``on_<stage>_end`` hooks (they read
+        ``trainer.callback_metrics``, as in Lightning). ``model`` is the strategy-wrapped module, or None
+        to call ``module`` directly."""
         rt = self.runtime
         collector = self.metrics.collector
         was_training = module.training
@@ -47,25 +52,26 @@ class Evaluator:
         training_epoch = collector.stash_epoch()  # validation inside a training epoch: the epoch's values wait
         default_name = DEFAULT_LOSS_NAMES[step_name]
         step, collective = self._step_function(module, model, step_name)
-        _hook(module, step_name, "start")
-        _hook(module, step_name, "epoch_start")
+        self._hook(module, step_name, "start")
+        self._hook(module, step_name, "epoch_start")
         with torch.no_grad():
             for batch_idx, batch, padding in self._lockstep(loader, limit, collective):
                 collector.muted = padding
                 collector.current_batch_size = batch_size_of(batch)
                 batch = move_to_device(batch, rt.device)
                 if not padding:
-                    _hook(module, step_name, "batch_start", batch, batch_idx)
+                    self._hook(module, step_name, "batch_start", batch, batch_idx)
                 with rt.autocast():
                     output = step(batch, batch_idx)
                 if isinstance(output, torch.Tensor) and output.dim() == 0 and default_name not in collector.epoch_sums:
                     collector.log(default_name, output, sync_dist=True)
                 if not padding:
-                    _hook(module, step_name, "batch_end", output, batch, batch_idx)
+                    self._hook(module, step_name, "batch_end", output, batch, batch_idx)
         collector.muted = False
-        _hook(module, step_name, "epoch_end")  # what it logs is in this epoch's metrics
+        self._hook(module, step_name, "epoch_end")  # what it logs is in this epoch's metrics
         metrics = collector.pop_epoch_metrics()
-        _hook(module, step_name, "end")
+        publish(metrics)
+        self._hook(module, step_name, "end")
         collector.restore_epoch(training_epoch)
         collector.stage = stage
         module.train(was_training)
@@ -76,19 +82,19 @@ class Evaluator:
         module.eval()
         step, collective = self._step_function(module, model, "predict_step")
         predictions = []
-        _hook(module, "predict_step", "start")
-        _hook(module, "predict_step", "epoch_start")
+        self._hook(module, "predict_step", "start")
+        self._hook(module, "predict_step", "epoch_start")
         with torch.no_grad(), self.runtime.autocast():
             for batch_idx, batch, padding in self._lockstep(loader, None, collective):
                 batch = move_to_device(batch, self.runtime.device)
                 if not padding:
-                    _hook(module, "predict_step", "batch_start", batch, batch_idx)
+                    self._hook(module, "predict_step", "batch_start", batch, batch_idx)
                 output = step(batch, batch_idx)
                 if not padding:
                     predictions.append(output)
-                    _hook(module, "predict_step", "batch_end", output, batch, batch_idx)
-        _hook(module, "predict_step", "epoch_end")
-        _hook(module, "predict_step", "end")
+                    self._hook(module, "predict_step", "batch_end", output, batch, batch_idx)
+        self._hook(module, "predict_step", "epoch_end")
+        self._hook(module, "predict_step", "end")
         return predictions
 
     def _step_function(self, module, model, step_name: str):
