@@ -33,6 +33,7 @@ _EXPORTS = {
     "SingleDeviceStrategy": "distrain.strategies",
     "Callback": "distrain.callbacks",
     "ModelCheckpoint": "distrain.callbacks",
+    "EarlyStopping": "distrain.callbacks",
     "ProgressBar": "distrain.callbacks",
     "RunConfig": "distrain.config",
     "build_config": "distrain.config",
@@ -60,6 +61,7 @@ __all__ = [
     "SingleDeviceStrategy",
     "Callback",
     "ModelCheckpoint",
+    "EarlyStopping",
     "ProgressBar",
     "RunConfig",
     "build_config",
@@ -72,7 +74,7 @@ __all__ = [
 ]  # = _EXPORTS' names (tests/test_cli_front_door.py checks)
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (nothing is imported at run time)
-    from distrain.callbacks import Callback, ModelCheckpoint, ProgressBar
+    from distrain.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBar
     from distrain.checkpoint.io import CheckpointError
     from distrain.checkpoint.state import checkpoint_state_of
     from distrain.config import RunConfig, build_config

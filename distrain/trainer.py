@@ -85,6 +85,15 @@ SKIP_REST_OF_EPOCH = object()
 
 
 @dataclass
+class TrainerState:
+    """What runs now, as Lightning's ``trainer.state``: ``fn`` is the entry point (``fit``, ``validate``, ``test``,
+    ``predict``), ``stage`` what that entry point is doing (``train``, ``validate``, ``test``, ``predict``)."""
+
+    fn: str | None = None
+    stage: str | None = None
+
+
+@dataclass
 class LoopOptions:
     """How long to train and how each optimizer step is made."""
 
@@ -248,7 +257,8 @@ class Trainer:
         self.lr_schedulers = []
         self._manual_optimizers: list = []  # under manual optimization: what module.optimizers() hands out
         self._first_micro_batch = False  # on_before_zero_grad: once per optimizer step
-        self.should_stop = False  # a callback may set it: the run ends (on every rank) at a step boundary
+        self.should_stop = False  # a callback may set it: the run ends (on every rank) at a step or epoch boundary
+        self.state = TrainerState()
         self._stopping = False
         self._last_val_step = -1
         self._announce_start = False  # fit resumed or restarted: say how long the first step took to come
@@ -286,6 +296,13 @@ class Trainer:
     )
     max_epochs = property(
         lambda self: self.loop.max_epochs, doc="The most epochs the run takes (None: ``max_steps`` decides)."
+    )
+    log_every_n_steps = property(
+        lambda self: self.metrics.log_every_n_steps, doc="How often the step's metrics go to the loggers."
+    )
+    val_check_interval = property(
+        lambda self: self.loop.val_check_interval,
+        doc="How often fit validates: steps, a fraction of an epoch, or None (once an epoch).",
     )
     # the config that checkpoints store and loggers get as hyperparameters: kept redacted (no credentials)
     run_config = property(
@@ -522,6 +539,7 @@ class Trainer:
         started = time.perf_counter()
         rt = self.runtime
         train_loader, val_loader, datamodule = data
+        self.state = TrainerState("fit", "train")
         rt.seed_everything(self.seed)  # setup(stage) may build layers: alike on every rank
         checkpoint = self.checkpoints.resolve(ckpt_path) if ckpt_path is not None else None
         # what the loaders depend on, read before they are made: the datamodule's state, the global batch
@@ -861,6 +879,8 @@ class Trainer:
         self._step_schedulers("epoch")  # after validation: a scheduler may monitor its metric (ReduceLROnPlateau)
         self.progress.epoch_done = True  # a checkpoint saved in the hooks below resumes at the next epoch
         self._call("on_train_epoch_end")
+        # a stop asked in this epoch's validation or end hooks (early stopping) ends the run here, on every rank
+        self._stopping = self.stop.requested_now(local=self.should_stop) or self._stopping
         self._next_epoch()
 
     def _next_epoch(self) -> None:
@@ -909,12 +929,17 @@ class Trainer:
         self._last_val_step = self.global_step
         limit = self.loop.limit_val_batches
         publish = lambda metrics: self.metrics.validation_done(metrics, self.global_step, self.loop.max_steps)  # noqa: E731
-        self.evaluator.run(self.module, self.model, "validation_step", loader, limit, publish)
+        self.state.stage = "validate"
+        try:
+            self.evaluator.run(self.module, self.model, "validation_step", loader, limit, publish)
+        finally:
+            self.state.stage = "train"
 
     # ---- validate / test / predict -----------------------------------------------------------------
     def _evaluate(self, module: Module, step_name: str, data: tuple, ckpt_path) -> list[dict]:
         stage = "validate" if step_name == "validation_step" else "test"
         dataloaders, datamodule = data
+        self.state = TrainerState(stage, stage)
         self.runtime.seed_everything(self.seed)
         loader = stage_loader(stage, self, module, dataloaders, datamodule)
         self._attach(module, stage)
@@ -932,6 +957,7 @@ class Trainer:
 
     def _predict(self, module: Module, data: tuple, ckpt_path) -> list:
         dataloaders, datamodule = data
+        self.state = TrainerState("predict", "predict")
         self.runtime.seed_everything(self.seed)
         loader = stage_loader("predict", self, module, dataloaders, datamodule)
         self._attach(module, "predict")

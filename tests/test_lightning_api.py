@@ -158,6 +158,28 @@ def with_callback_hooks(module_calls: list[str]) -> list[str]:
     return out
 
 
+#: the validation score of each epoch: better (lower) by more than 0.01 only at epochs 1 and 5
+SCORES = [5.0, 4.0, 4.0, 3.9999, 4.5, 1.0, 1.0]
+
+
+class ScoredRegressor(LitRegressor):
+    """Logs the epoch's score from ``SCORES`` as its validation metric, so when early stopping stops is known."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_score", torch.tensor(SCORES[self.current_epoch]), sync_dist=True)
+
+
+def _stopped_early(tmp, max_epochs: int, **kw):
+    L.seed_everything(0)
+    stopping = L.EarlyStopping("val_score", patience=2, min_delta=0.01)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer, _ = _fit(
+            tmp, ScoredRegressor(batch_size=4), "ddp", 2, max_epochs=max_epochs, callbacks=[stopping], **kw
+        )
+    return trainer.global_step, trainer.current_epoch, stopping.state_dict(), printed.getvalue()
+
+
 class NotesTheStep(L.Callback):
     """Adds a key of its own to each checkpoint (Lightning's ``Callback.on_save_checkpoint``) and reads it back on
     resume (``on_load_checkpoint``)."""
@@ -415,12 +437,12 @@ def _short_epochs(tmp, rank_that_stops: int, batch: int):
 
 
 # ---- the runs ------------------------------------------------------------------------------------------------------
-def _fit(tmp, module, strategy, devices, loader=None, **kw):
+def _fit(tmp, module, strategy, devices, loader=None, ckpt_path=None, **kw):
     kw.setdefault("enable_checkpointing", False)
     trainer, rec = make_trainer(tmp, strategy=strategy, devices=devices, logger=False, **kw)
     if not module.automatic_optimization:  # no "loss" to record: training_step returns nothing
         trainer.callbacks.remove(rec)
-    trainer.fit(module, loader)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
     return trainer, rec
 
 
@@ -505,6 +527,10 @@ def _cases(rank, tmp, batch):
     kept = read_checkpoint_meta(again.checkpoints.last_path()).get("datamodule")
     out["dm_state"] = (resumed_dm.events, kept, "datamodule" in read_checkpoint_meta(last))
     out["short"] = _short_epochs(tmp / "short", 1, batch)
+    # early stopping: in one go, and over a resume that must go on counting
+    out["early"] = _stopped_early(tmp / "early", 7)
+    leg = _stopped_early(tmp / "early-legs", 3, enable_checkpointing=True)
+    out["early_legs"] = (leg, _stopped_early(tmp / "early-legs", 7, enable_checkpointing=True, ckpt_path="last"))
     return out
 
 
@@ -547,6 +573,23 @@ def test_a_callback_gets_the_hooks_of_validate_test_and_predict_and_of_checkpoin
         assert two_ranks[rank]["evaluation_callback_hooks"] == expected
         # the checkpoint of step 3 (rank 0 writes what is not sharded) came back to every rank
         assert two_ranks[rank]["callback_checkpoint_note"] == {"step": 3, "rank": 0}
+
+
+def test_early_stopping_ends_every_rank_at_the_epoch_its_patience_runs_out_and_a_resume_goes_on_counting(two_ranks):
+    """``SCORES`` improve by more than 0.01 at epochs 1 and 5 only: with patience 2 the run stops at the end of epoch
+    3 (4 epochs of 4 steps), on both ranks, with no step of epoch 4. A run that stops after epoch 2 and resumes keeps
+    the count (1 check without improvement, best 4.0) and stops at the same place; counting afresh, it would find
+    3.9999 an improvement on nothing and train all 7 epochs."""
+    for rank in (0, 1):
+        step, epoch, state, printed = two_ranks[rank]["early"]
+        assert (step, epoch) == (16, 4)
+        assert state == {"wait_count": 2, "stopped_epoch": 3, "best_score": 4.0, "patience": 2}
+        first_leg, resumed = two_ranks[rank]["early_legs"]
+        assert first_leg[:3] == (12, 3, {"wait_count": 1, "stopped_epoch": 0, "best_score": 4.0, "patience": 2})
+        assert resumed[:3] == (step, epoch, state)
+    said = "distrain: EarlyStopping: val_score did not improve in the last 2 checks (best 4): stopping"
+    assert said in two_ranks[0]["early"][3] and said in two_ranks[0]["early_legs"][1][3]
+    assert "EarlyStopping" not in two_ranks[1]["early"][3]  # said once, by rank 0
 
 
 def test_loss_dicts_step_schedulers_and_parity_with_one_process(two_ranks, tmp_path):

@@ -1,6 +1,8 @@
 from distrain.callbacks.base import Callback
 from distrain.callbacks.checkpoint import ModelCheckpoint
+from distrain.callbacks.early_stopping import EarlyStopping
+from distrain.callbacks.lr_monitor import LearningRateMonitor
 from distrain.callbacks.plot import PlotSummary
 from distrain.callbacks.progress import ProgressBar
 
-__all__ = ["Callback", "ModelCheckpoint", "PlotSummary", "ProgressBar"]
+__all__ = ["Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "PlotSummary", "ProgressBar"]

@@ -20,7 +20,8 @@ def default_callbacks(
 ) -> list[Callback]:
     """The user's callbacks, and the defaults they did not give one of: a ``ModelCheckpoint`` (its folder in the
     replica group's run directory of a fault-tolerant run), a ``ProgressBar``, a ``PlotSummary`` and, when asked,
-    ``ParameterHistograms``. Two that would keep their state under one key are refused."""
+    ``ParameterHistograms``; the checkpoint callbacks last. Two that would keep their state under one key are
+    refused."""
     callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
         callbacks.append(ModelCheckpoint())
@@ -36,7 +37,11 @@ def default_callbacks(
 
         callbacks.append(ParameterHistograms(histogram_every_n_steps))
     check_state_keys(callbacks)
-    return callbacks
+    # checkpoints last, as Lightning orders them: a checkpoint saved in a hook holds what the other callbacks did in
+    # it (EarlyStopping's count at an epoch's end), so a run resumed from it goes on from there
+    return [c for c in callbacks if not isinstance(c, ModelCheckpoint)] + [
+        c for c in callbacks if isinstance(c, ModelCheckpoint)
+    ]
 
 
 def default_loggers(logger: bool | Logger | Iterable[Logger], root: str) -> list[Logger]:

@@ -54,6 +54,13 @@ class StopAgreement:
         self._pending = agreed
         return flag
 
+    def requested_now(self, local: bool = False) -> bool:
+        """At an epoch's end, on every rank: as ``requested``, but waits for this agreement instead of reading it a
+        step later, so a stop asked after the epoch's last step (early stopping on its validation) ends the run at
+        this boundary. Replica groups agree only with a step's gradients (torchft): they stop one step later."""
+        flag = self.requested(local)
+        return self._collect() or flag
+
     def finish(self) -> None:
         """Collect the reduction still in flight: no collective may be left behind."""
         self._collect()

@@ -1,0 +1,161 @@
+"""Lightning's stock callbacks. EarlyStopping: its rule on sequences of scores, a check after each validation
+mid-epoch, a metric never logged, counts read from a hostile checkpoint (stopping on two ranks, at an epoch's end and
+over a resume, is in test_lightning_api's shared run). LearningRateMonitor: Lightning's names, at each logging step
+and each epoch's start, following the schedule."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import distrain as L
+from distrain.callbacks import EarlyStopping, LearningRateMonitor
+from helpers import make_trainer
+
+
+def _checks_until_stop(stopping: EarlyStopping, scores: list[float]) -> int | None:
+    """The 0-based check at which ``stopping`` asks to stop, or None."""
+    for i, score in enumerate(scores):
+        if stopping._evaluate(score)[0]:
+            return i
+    return None
+
+
+@pytest.mark.parametrize(
+    "kwargs, scores, stops_at",
+    [
+        (dict(mode="min", patience=2), [3.0, 2.0, 2.0, 2.0], 3),  # equal is no improvement
+        (dict(mode="min", patience=2, min_delta=0.5), [3.0, 2.6, 2.7, 2.0], 2),  # 2.6, 2.7: by less than 0.5
+        (dict(mode="min", patience=2, min_delta=0.5), [3.0, 2.4, 1.8, 1.2], None),  # by more each time
+        (dict(mode="max", patience=1), [0.1, 0.5, 0.4], 2),
+        (dict(mode="max", patience=3), [0.1, 0.5, 0.4, 0.6, 0.6, 0.6], None),  # 0.6 resets the count
+        (dict(mode="min", patience=0), [3.0, 3.0], 1),  # patience 0: the first check that does not improve
+        (dict(mode="min", patience=9, stopping_threshold=1.0), [3.0, 1.5, 0.99], 2),
+        (dict(mode="max", patience=9, stopping_threshold=0.9), [0.5, 0.91], 1),
+        (dict(mode="min", patience=9, divergence_threshold=10.0), [3.0, 9.0, 10.5], 2),
+        (dict(mode="min", patience=9), [3.0, math.nan], 1),  # not finite: at once
+        (dict(mode="min", patience=9, check_finite=False), [3.0, math.inf, 2.0], None),
+    ],
+)
+def test_the_stopping_rule_is_lightnings(kwargs, scores, stops_at):
+    assert _checks_until_stop(EarlyStopping("m", **kwargs), scores) == stops_at
+
+
+def test_bad_arguments_are_one_line_each():
+    with pytest.raises(ValueError, match="mode must be 'min' or 'max', got 'lowest'"):
+        EarlyStopping("val_loss", mode="lowest")
+    with pytest.raises(ValueError, match="patience must be an integer >= 0, got -1"):
+        EarlyStopping("val_loss", patience=-1)
+    with pytest.raises(ValueError, match="min_delta must be a finite number"):
+        EarlyStopping("val_loss", min_delta=math.nan)
+
+
+def test_counts_from_a_hostile_checkpoint_are_taken_only_when_they_are_numbers_of_the_right_kind():
+    stopping = EarlyStopping("val_loss", patience=4)
+    stopping.load_state_dict({"wait_count": 2, "stopped_epoch": 1, "best_score": 0.5, "patience": 99})
+    assert (stopping.wait_count, stopping.stopped_epoch, stopping.best_score, stopping.patience) == (2, 1, 0.5, 4)
+    for hostile in ({"wait_count": -5, "best_score": math.nan}, {"wait_count": True, "best_score": "0"}, [1, 2], None):
+        fresh = EarlyStopping("val_loss", patience=4)
+        fresh.load_state_dict(hostile)
+        assert (fresh.wait_count, fresh.best_score) == (0, math.inf)
+
+
+class Plateau(L.Module):
+    """Its validation score gets worse at every validation: 1, 2, 3, ..."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.validations = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_score", float(self.validations + 1))
+
+    def on_validation_end(self):
+        self.validations += 1
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=4)  # 8 steps an epoch
+
+
+def test_a_check_after_each_validation_mid_epoch_stops_at_that_step(tmp_path, capsys):
+    stopping = EarlyStopping("val_score", patience=2)
+    trainer, _ = make_trainer(
+        tmp_path, devices=1, max_epochs=3, val_check_interval=2, callbacks=[stopping], logger=False
+    )
+    trainer.fit(Plateau(), _loader(), _loader())
+    # validations at steps 2, 4, 6: the first sets the best, the next two do not improve on it
+    assert (trainer.global_step, trainer.current_epoch, stopping.stopped_epoch) == (6, 0, 0)
+    assert "distrain: EarlyStopping: val_score did not improve in the last 2 checks (best 1): stopping" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_metric_never_logged_is_one_line_naming_those_that_were(tmp_path):
+    trainer, _ = make_trainer(tmp_path, devices=1, max_epochs=2, callbacks=[EarlyStopping("val_los")], logger=False)
+    with pytest.raises(RuntimeError, match=r"EarlyStopping monitors 'val_los', which was never logged \(logged: .*"):
+        trainer.fit(Plateau(), _loader(), _loader())
+    lenient = EarlyStopping("val_los", strict=False)
+    trainer, _ = make_trainer(tmp_path / "lenient", devices=1, max_epochs=2, callbacks=[lenient], logger=False)
+    trainer.fit(Plateau(), _loader(), _loader())
+    assert trainer.current_epoch == 2 and lenient.wait_count == 0
+
+
+class TwoGroups(Plateau):
+    """SGD with two parameter groups (the second named ``head``, with momentum) under a StepLR halving each 4 steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.net(x)), y)
+
+    def configure_optimizers(self):
+        groups = [{"params": self.net.parameters()}, {"params": self.head.parameters(), "lr": 0.2, "name": "head"}]
+        optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@pytest.mark.parametrize("interval", [None, "step", "epoch"])
+def test_learning_rates_reach_the_loggers_under_lightnings_names_as_the_schedule_moves(tmp_path, interval):
+    monitor = LearningRateMonitor(logging_interval=interval, log_momentum=True, log_weight_decay=True)
+    trainer, recorder = make_trainer(tmp_path, devices=1, max_epochs=2, log_every_n_steps=3, callbacks=[monitor])
+    trainer.callbacks.remove(recorder)  # it reads a loss at every step: here there is one every third
+    trainer.fit(TwoGroups(), _loader())  # 8 steps an epoch, the rate halved after steps 4, 8, 12
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [(r["step"], r["lr-SGD/pg1"], r["lr-SGD/head"]) for r in records if "lr-SGD/pg1" in r]
+    at_steps = [(step, 0.1 * 0.5 ** (step // 4), 0.2 * 0.5 ** (step // 4)) for step in range(3, 17, 3)]
+    at_epochs = [(0, 0.1, 0.2), (8, 0.025, 0.05)]  # when each epoch starts
+    expected = {None: sorted(at_steps + at_epochs), "step": at_steps, "epoch": at_epochs}[interval]
+    assert sorted(logged) == pytest.approx(expected)
+    last = [r for r in records if "lr-SGD/pg1" in r][-1]
+    assert last["lr-SGD/pg1-momentum"] == last["lr-SGD/head-momentum"] == 0.9
+    assert last["lr-SGD/pg1-weight_decay"] == 0.01
+
+
+def test_a_second_optimizer_of_one_class_and_a_named_scheduler_take_lightnings_names(tmp_path):
+    trainer, _ = make_trainer(tmp_path, devices=1, max_steps=1, logger=False)
+    trainer.fit(Plateau(), _loader())
+    a, b = (torch.optim.Adam(nn.Linear(1, 1).parameters(), lr=lr) for lr in (0.1, 0.2))
+    c = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.3)
+    trainer.optimizers = [a, b, c]
+    trainer.lr_schedulers = [{"scheduler": torch.optim.lr_scheduler.StepLR(c, 1), "name": "warmup"}]
+    assert LearningRateMonitor().stats(trainer) == {"lr-Adam": 0.1, "lr-Adam-1": 0.2, "warmup": 0.3}
+    with pytest.raises(ValueError, match="logging_interval must be 'step', 'epoch' or None, got 'batch'"):
+        LearningRateMonitor(logging_interval="batch")
