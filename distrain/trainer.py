@@ -12,6 +12,7 @@ metrics and stop-signal agreement are components it holds (``distrain/training/`
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import math
 import os
@@ -19,6 +20,7 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from distrain.batch import BatchLayout, keep_global_batch
-from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary
+from distrain.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint, PlotSummary, Timer
 from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.cluster import replica_run_dir
 from distrain.config import Bounds, redacted
@@ -48,6 +50,7 @@ from distrain.strategies.base import LoopFacts, Strategy
 from distrain.training import startup
 from distrain.training.anomalies import POLICIES as ANOMALY_POLICIES
 from distrain.training.anomalies import AnomalyError, AnomalyGuard
+from distrain.training.arguments import NOT_RUN, ProcessSettings, check_keywords
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
 from distrain.training.defaults import default_callbacks, default_loggers
 from distrain.training.evaluation import Evaluator
@@ -68,12 +71,21 @@ TRAINER_NUMBERS = {
     "val_check_interval": Bounds(gt=0),
     "log_every_n_steps": Bounds(gt=0),
     "seed": Bounds(ge=0),
+    "limit_train_batches": Bounds(gt=0),
     "limit_val_batches": Bounds(ge=0, means={0: "no validation"}),
+    "limit_test_batches": Bounds(ge=0),
+    "limit_predict_batches": Bounds(ge=0),
+    "check_val_every_n_epoch": Bounds(gt=0),
+    "num_sanity_val_steps": Bounds(ge=0, means={-1: "every validation batch"}),
+    "min_epochs": Bounds(ge=0),
+    "min_steps": Bounds(ge=0),
     "histogram_every_n_steps": Bounds(gt=0),
     "straggler_threshold": Bounds(gt=0, means={0: "no straggler check"}),
     "anomaly_zscore": Bounds(gt=0),
     "anomaly_window": Bounds(gt=0),
 }
+#: the callbacks ``fast_dev_run`` leaves out, as Lightning does: they write files, log or end the run
+WRITES_OR_STOPS = (ModelCheckpoint, EarlyStopping, LearningRateMonitor, Timer)
 #: what ``train_step`` returns for a step the strategy did not commit (``Strategy.commit_step``)
 DROPPED = object()
 #: what ``train_step`` returns for a step whose data was found at fault before a rollback (``on_anomaly``): not run
@@ -103,7 +115,18 @@ class LoopOptions:
     """epoch → micro-batches per optimizer step (from that epoch on)."""
     gradient_clip_val: float | None
     val_check_interval: int | float | None
-    limit_val_batches: int | None
+    check_val_every_n_epoch: int
+    limit_train_batches: int | float | None
+    """Batches of each training epoch: a count, or a fraction of the loader (None: all); as the ``limit_*`` of the
+    other stages."""
+    limit_val_batches: int | float | None
+    limit_test_batches: int | float | None
+    limit_predict_batches: int | float | None
+    num_sanity_val_steps: int
+    """Validation batches run before training, their metrics dropped (-1: all of them)."""
+    min_epochs: int | None
+    min_steps: int | None
+    """A stop a callback asks for (``should_stop``: early stopping, ``max_time``) waits until both are reached."""
     use_distributed_sampler: bool
     on_nonfinite: str
     """A non-finite loss or gradient norm: ``stop`` the run (the default), ``skip`` the step on every
@@ -123,12 +146,18 @@ class Trainer:
     fits; ``ddp``, ``ddp_spawn``, ``fsdp``, ``deepspeed_stage_1``..``_3_offload``, ``model_parallel``,
     ``pipeline``, ``ddp_torchft``, or a ``Strategy``), ``precision`` (``32-true``, ``16-mixed``, ``bf16-mixed``,
     ``bf16-true``, ``fp8``); any other keyword goes to the strategy (``sharding_strategy=``, ``cpu_offload=``,
-    ``replica_groups=`` ...).
+    ``replica_groups=`` ...), and one no strategy takes is refused in one line. ``deterministic``, ``benchmark``,
+    ``detect_anomaly``: torch's flags, set in every rank.
 
-    How long and how each step is made: ``max_epochs``, ``max_steps`` (-1: no limit), ``accumulate_grad_batches``
-    (an int, or ``{epoch: n}``), ``gradient_clip_val``, ``val_check_interval`` (steps, or a fraction of an epoch),
-    ``limit_val_batches``, ``use_distributed_sampler`` (shard the loaders over the data-parallel ranks; resumable
-    mid-epoch), ``seed`` (every rank builds the same weights), ``compile``.
+    How long and how each step is made: ``max_epochs``, ``max_steps`` (-1: no limit), ``min_epochs``/``min_steps``
+    (a stop a callback asks for waits for them), ``max_time`` (``"DD:HH:MM:SS"``, a timedelta or a dict),
+    ``accumulate_grad_batches`` (an int, or ``{epoch: n}``), ``gradient_clip_val`` (by norm), ``val_check_interval``
+    (steps, or a fraction of an epoch), ``check_val_every_n_epoch``, ``num_sanity_val_steps`` (0 here: no sanity
+    check unless asked), ``limit_train/val/test/predict_batches`` (a count or a fraction), ``fast_dev_run`` (n
+    batches of each stage, nothing written), ``use_distributed_sampler`` (shard the loaders over the data-parallel
+    ranks; resumable mid-epoch), ``seed`` (every rank builds the same weights), ``compile``. ``inference_mode`` and
+    ``enable_model_summary`` are accepted: evaluation runs under ``torch.no_grad`` either way, and no model summary
+    is printed.
 
     When something goes wrong: ``on_nonfinite`` (a NaN/inf loss or gradient norm: ``stop``, ``skip``,
     ``ignore``), ``on_anomaly`` (a loss spike or non-finite loss re-run to tell data from hardware, then ``stop``,
@@ -165,7 +194,13 @@ class Trainer:
         max_steps: int = -1,
         accumulate_grad_batches: int | dict[int, int] = 1,
         gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
         val_check_interval: int | float | None = None,
+        check_val_every_n_epoch: int | None = 1,
+        num_sanity_val_steps: int = 0,
+        min_epochs: int | None = None,
+        min_steps: int | None = None,
+        max_time: str | timedelta | dict | None = None,
         log_every_n_steps: int = 50,
         default_root_dir: str | os.PathLike | None = None,
         callbacks: Iterable[Callback] | Callback | None = None,
@@ -174,7 +209,16 @@ class Trainer:
         enable_progress_bar: bool = True,
         enable_checkpointing: bool = True,
         use_distributed_sampler: bool = True,
-        limit_val_batches: int | None = None,
+        limit_train_batches: int | float | None = None,
+        limit_val_batches: int | float | None = None,
+        limit_test_batches: int | float | None = None,
+        limit_predict_batches: int | float | None = None,
+        fast_dev_run: bool | int = False,
+        deterministic: bool | str | None = None,
+        benchmark: bool | None = None,
+        detect_anomaly: bool = False,
+        inference_mode: bool = True,
+        enable_model_summary: bool | None = None,
         on_nonfinite: str = "stop",
         on_anomaly: str | None = None,
         anomaly_zscore: float = 6.0,
@@ -195,6 +239,28 @@ class Trainer:
             raise ValueError(f"on_anomaly must be one of {', '.join(ANOMALY_POLICIES)} or None, got {on_anomaly!r}")
         if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be a positive integer, got {log_every_n_steps!r}")
+        for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
+            if isinstance(arguments[name], float) and arguments[name] > 1:
+                raise ValueError(f"{name} is a number of batches or a fraction in (0, 1], got {arguments[name]!r}")
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(
+                f"gradient_clip_algorithm={gradient_clip_algorithm!r}: distrain clips by the gradients' norm "
+                "(gradient_clip_val); for 'value', clamp them yourself in on_before_optimizer_step"
+            )
+        if fast_dev_run:  # Lightning's smoke test: n batches of each stage, nothing written
+            fast_dev_run = 1 if fast_dev_run is True else fast_dev_run
+            if isinstance(fast_dev_run, bool) or not isinstance(fast_dev_run, int) or fast_dev_run < 1:
+                raise ValueError(f"fast_dev_run is True, False or a number of batches >= 1, got {fast_dev_run!r}")
+            max_steps, max_epochs, val_check_interval, num_sanity_val_steps = fast_dev_run, 1, None, 0
+            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = fast_dev_run
+            logger, enable_checkpointing, enable_plots, max_time = False, False, False, None
+            callbacks = [c for c in _callback_list(callbacks) if not isinstance(c, WRITES_OR_STOPS)]
+        if max_time is not None:  # Lightning's Trainer(max_time=...): its Timer callback
+            callbacks = [*_callback_list(callbacks), Timer(max_time)]
+        self._process_settings = ProcessSettings(deterministic, benchmark, detect_anomaly)
+        # Lightning's arguments distrain runs without, at their "not used" values; the rest are the strategy's options
+        check_keywords(strategy, strategy_kwargs, set(inspect.signature(Trainer).parameters) - {"strategy_kwargs"})
+        strategy_kwargs = {k: v for k, v in strategy_kwargs.items() if k not in NOT_RUN}
         # where and how the ranks run
         self.runtime = Runtime(accelerator, strategy, devices, num_nodes, precision, **strategy_kwargs)
         # each replica group of a fault-tolerant run keeps its own run directory (replica_<id>/)
@@ -222,7 +288,14 @@ class Trainer:
             accumulation=_accumulation_schedule(accumulate_grad_batches),
             gradient_clip_val=gradient_clip_val,
             val_check_interval=val_check_interval,
+            check_val_every_n_epoch=check_val_every_n_epoch or 1,
+            limit_train_batches=limit_train_batches,
             limit_val_batches=limit_val_batches,
+            limit_test_batches=limit_test_batches,
+            limit_predict_batches=limit_predict_batches,
+            num_sanity_val_steps=num_sanity_val_steps,
+            min_epochs=min_epochs,
+            min_steps=min_steps,
             use_distributed_sampler=use_distributed_sampler,
             on_nonfinite=on_nonfinite,
         )
@@ -260,6 +333,7 @@ class Trainer:
         self.should_stop = False  # a callback may set it: the run ends (on every rank) at a step or epoch boundary
         self.state = TrainerState()
         self._stopping = False
+        self._told_minimum = False  # a stop asked before min_epochs/min_steps: said once
         self._last_val_step = -1
         self._announce_start = False  # fit resumed or restarted: say how long the first step took to come
         self._num_batches: int | None = None  # the train loader's length, when it has one
@@ -268,7 +342,7 @@ class Trainer:
         self.datamodule = None
         self.train_dataloader = None  # this rank's train loader, as fit set it up
         self.val_dataloaders = None
-        self.sanity_checking = False  # distrain runs no sanity-check validation before training
+        self.sanity_checking = False  # True while the sanity check runs (num_sanity_val_steps)
 
     # ---- where am I, and views that callbacks read ---------------------------------------------
     is_global_zero = property(lambda self: self.runtime.is_global_zero, doc="Whether this process is global rank 0.")
@@ -551,7 +625,7 @@ class Trainer:
         micro_batch = self._keep_global_batch(checkpoint, saved.get("batch_layout"), train_loader)
         train_loader = self._setup_loader(train_loader, shuffle_seed=self.seed, batch_size=micro_batch)
         val_loader = self._setup_loader(val_loader, even=False) if val_loader is not None else None
-        self._num_batches = _length(train_loader)
+        self._num_batches = _limited(_length(train_loader), self.loop.limit_train_batches, "limit_train_batches")
         self.train_dataloader, self.val_dataloaders = train_loader, val_loader
         self.batch_layout = BatchLayout(
             micro_batch_size(train_loader) or 1, self.loop.accumulate_for(0), self.data_parallel_size
@@ -569,6 +643,8 @@ class Trainer:
         self.metrics.start_fit(_flops_per_token(module), self.run_config)
         self.metrics.timer.watch_gradients(module.parameters())  # each rank's own part of the backward (stragglers)
         self._hook("on_fit_start")
+        if val_loader is not None and self.loop.num_sanity_val_steps:
+            self._sanity_check(val_loader)
         self._hook("on_train_start")
         self.stop.install()
         try:
@@ -708,7 +784,9 @@ class Trainer:
             )
         per_step = (micro_batch_size(loader) or 1) * self.data_parallel_size
         self._hook("on_train_epoch_start")
-        return enumerate(loader, start=self.progress.samples_in_epoch // per_step)
+        start = self.progress.samples_in_epoch // per_step
+        batches = enumerate(loader, start=start)
+        return batches if self._num_batches is None else itertools.islice(batches, max(0, self._num_batches - start))
 
     def train_step(self, micro_batches: list[tuple[int, Any]]) -> Any:
         """One optimizer step over this rank's micro-batches: forward/backward each (gradients
@@ -851,7 +929,7 @@ class Trainer:
     def _after_step(self, output: Any, last_micro_batch: tuple[int, Any], val_loader) -> None:
         rt = self.runtime
         val_every = self._val_every_steps()
-        if val_loader is not None and val_every and self.global_step % val_every == 0:
+        if val_loader is not None and val_every and self.global_step % val_every == 0 and self._validates_this_epoch():
             self._validate_during_fit(val_loader)  # before the callbacks, so checkpoints can monitor it
         rt.mark_phase(None, "callbacks after the step (checkpointing)")
         batch_idx, batch = last_micro_batch
@@ -859,14 +937,14 @@ class Trainer:
         rt.mark_phase(None, "stop-signal check")
         # A signal, or a callback's should_stop, on any rank: every rank stops at the same step (on
         # several ranks the step after the request; on_train_end writes the checkpoint)
-        self._stopping = self.stop.requested(local=self.should_stop)
+        self._stopping = self._stop_agreed(self.stop.requested(local=self.should_stop), self.current_epoch)
 
     def _end_epoch(self, val_loader) -> None:
         self.runtime.mark_phase(None, "end of epoch")
         if self.progress.epoch_done:  # resumed from a checkpoint written at this epoch's end: already done
             self._next_epoch()
             return
-        if val_loader is not None and not self._val_every_steps():
+        if val_loader is not None and not self._val_every_steps() and self._validates_this_epoch():
             self._validate_during_fit(val_loader)
         collector = self.metrics.collector
         collector.stage = "epoch end"  # what on_train_epoch_end logs is an epoch value (as in Lightning)
@@ -880,13 +958,34 @@ class Trainer:
         self.progress.epoch_done = True  # a checkpoint saved in the hooks below resumes at the next epoch
         self._call("on_train_epoch_end")
         # a stop asked in this epoch's validation or end hooks (early stopping) ends the run here, on every rank
-        self._stopping = self.stop.requested_now(local=self.should_stop) or self._stopping
+        self._stopping = self._stop_agreed(self.stop.requested_now(local=self.should_stop), self.current_epoch + 1)
         self._next_epoch()
 
     def _next_epoch(self) -> None:
         self.progress.epoch_done = False
         self.progress.epoch += 1
         self.progress.samples_in_epoch = 0
+
+    def _validates_this_epoch(self) -> bool:
+        return (self.current_epoch + 1) % self.loop.check_val_every_n_epoch == 0
+
+    def _stop_agreed(self, agreed: bool, epochs_done: int) -> bool:
+        """Whether the run stops, every rank having ``agreed`` on a stop: a signal always stops it; a stop the code
+        asked for (``should_stop``: early stopping, ``max_time``) waits for ``min_epochs`` and ``min_steps``, as in
+        Lightning, and is asked again after them if it still holds."""
+        if not agreed or self.stop.preempted is not None:
+            return agreed
+        if self.global_step >= (self.loop.min_steps or 0) and epochs_done >= (self.loop.min_epochs or 0):
+            return True
+        if self.should_stop and self.is_global_zero and not self._told_minimum:
+            self._told_minimum = True
+            print(
+                f"distrain: a stop was asked at step {self.global_step}, before min_epochs={self.loop.min_epochs} / "
+                f"min_steps={self.loop.min_steps}: training goes on until both are reached",
+                flush=True,
+            )
+        self.should_stop = False
+        return False
 
     def _done(self) -> bool:
         return self._stopping or (self.loop.max_steps != -1 and self.global_step >= self.loop.max_steps)
@@ -924,10 +1023,23 @@ class Trainer:
             return max(1, int(self._num_batches * v / self.loop.accumulate_for(0)))
         return int(v)
 
+    def _sanity_check(self, loader) -> None:
+        """Lightning's sanity check: a few validation batches before training (``num_sanity_val_steps``; -1: all),
+        so a broken ``validation_step`` fails in seconds; its metrics are dropped."""
+        steps = self.loop.num_sanity_val_steps
+        self.sanity_checking, self.state.stage = True, "sanity_check"
+        self._call("on_sanity_check_start")
+        try:
+            limit = None if steps == -1 else steps
+            self.evaluator.run(self.module, self.model, "validation_step", loader, limit, publish=lambda metrics: None)
+        finally:
+            self.sanity_checking, self.state.stage = False, "train"
+        self._call("on_sanity_check_end")
+
     def _validate_during_fit(self, loader) -> None:
         self.runtime.mark_phase(None, "validation")
         self._last_val_step = self.global_step
-        limit = self.loop.limit_val_batches
+        limit = _limited(_length(loader), self.loop.limit_val_batches, "limit_val_batches")
         publish = lambda metrics: self.metrics.validation_done(metrics, self.global_step, self.loop.max_steps)  # noqa: E731
         self.state.stage = "validate"
         try:
@@ -949,7 +1061,9 @@ class Trainer:
         try:
             with self._diagnosing_hangs():
                 publish = lambda metrics: self.metrics.publish(metrics, self.global_step)  # noqa: E731
-                metrics = self.evaluator.run(module, self.model, step_name, loader, None, publish)
+                name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
+                limit = _limited(_length(loader), getattr(self.loop, name), name)
+                metrics = self.evaluator.run(module, self.model, step_name, loader, limit, publish)
             self.metrics.finalize()
         finally:
             self._teardown(stage, module, datamodule)
@@ -966,7 +1080,8 @@ class Trainer:
             self.checkpoints.restore(self.checkpoints.resolve(ckpt_path), weights_only=True)
         try:
             with self._diagnosing_hangs():
-                predictions = self.evaluator.predict(module, self.model, loader)
+                limit = _limited(_length(loader), self.loop.limit_predict_batches, "limit_predict_batches")
+                predictions = self.evaluator.predict(module, self.model, loader, limit)
         finally:
             self._teardown("predict", module, datamodule)
         return predictions
@@ -983,6 +1098,7 @@ class Trainer:
     def _attach(self, module: Module, stage: str, train_loader=None) -> None:
         rt = self.runtime
         rt.seed_everything(self.seed)  # same seed everywhere: every rank builds identical weights
+        self._process_settings.apply()
         rt.memory_plan = self._memory_plan if stage == "fit" else None  # asked only once a rank ran out of memory
         _own_memory(module)
         self._configure(module)
@@ -1147,6 +1263,22 @@ def _as_module(module: nn.Module) -> Module:
         f"{type(module).__name__} is a plain nn.Module; wrap it: distrain.LossModule(model, learning_rate=...) "
         "(its forward must return a loss), or subclass distrain.Module"
     )
+
+
+def _limited(batches: int | None, limit: int | float | None, name: str) -> int | None:
+    """How many of a loader's ``batches`` (None: unknown) a stage reads: ``limit`` is a count, or a fraction of the
+    loader (which then needs a length), as Lightning's ``limit_*_batches``; None: all."""
+    if limit is None or (isinstance(limit, float) and limit == 1.0):
+        return batches
+    if isinstance(limit, float):
+        if batches is None:
+            raise ValueError(f"{name}={limit} is a fraction of the loader, which has no length: give a number")
+        return int(batches * limit)
+    return limit if batches is None else min(batches, limit)
+
+
+def _callback_list(callbacks: Iterable[Callback] | Callback | None) -> list[Callback]:
+    return [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
 
 
 def _accumulation_schedule(value: int | dict[int, int]) -> dict[int, int]:

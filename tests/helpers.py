@@ -218,7 +218,7 @@ def stuck_in_user_code():
     while True:  # busy in Python: a loop that never ends
         time.sleep(0.01)
 
-trainer = distrain.Trainer(accelerator="cpu", strategy={strategy}, devices=2, max_steps=6, collective_timeout={timeout},
+trainer = distrain.Trainer(accelerator="cpu", strategy={strategy}, devices=2, max_steps=6, {timeout_option}
                            enable_progress_bar=False, logger=False, enable_checkpointing=False,
                            default_root_dir={root!r})
 trainer.fit(Faulty(**{module_kwargs}), loader(4))
@@ -229,19 +229,23 @@ def console_of_a_faulty_rank(
     tmp_path, fault: str, collective_timeout: float, strategy: str = '"ddp"', module_kwargs: str = "{}"
 ) -> tuple[str, float]:
     """A user's script, run as a user runs it (distrain's own launcher starts rank 1 from it), training 2 ranks (DDP;
-    ``strategy``: the Trainer's argument as Python source; ``module_kwargs``: TinyGPT's, the same) of which rank 1
-    runs ``fault`` (a line of Python) at the start of its third step: the console's ``[distrain]`` lines, and the
-    seconds the script took."""
+    ``strategy``: the Trainer's argument as Python source, a name or a constructor call; ``module_kwargs``:
+    TinyGPT's, the same) of which rank 1 runs ``fault`` (a line of Python) at the start of its third step: the
+    console's ``[distrain]`` lines, and the seconds the script took. ``collective_timeout`` goes to the Trainer with a
+    strategy's name, and into the call that makes an instance."""
     script = tmp_path / "train.py"
     root = str(tmp_path / "run")
+    instance = strategy.endswith(")")
     tests = os.path.dirname(__file__)
     script.write_text(
         FAULTY_RANK_SCRIPT.format(
             tests=tests,
-            timeout=collective_timeout,
+            timeout_option="" if instance else f"collective_timeout={collective_timeout},",
             fault=fault,
             root=root,
-            strategy=strategy,
+            strategy=f"{strategy[:-1]}, collective_timeout={collective_timeout})"
+            if strategy.endswith(")")
+            else strategy,
             module_kwargs=module_kwargs,
         )
     )

@@ -4,5 +4,6 @@ from distrain.callbacks.early_stopping import EarlyStopping
 from distrain.callbacks.lr_monitor import LearningRateMonitor
 from distrain.callbacks.plot import PlotSummary
 from distrain.callbacks.progress import ProgressBar
+from distrain.callbacks.timer import Timer
 
-__all__ = ["Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "PlotSummary", "ProgressBar"]
+__all__ = ["Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "PlotSummary", "ProgressBar", "Timer"]

@@ -10,8 +10,7 @@ class Callback:
     it, on every rank, with the trainer and the module (in the order of ``trainer.callbacks``). A callback's hook
     runs before the module's hook of the same name, except ``on_train_step_start`` and ``on_train_epoch_end``,
     which run after it. A callback sets ``trainer.should_stop`` to end the run, on every rank: at the next step
-    boundary, or at the end of the epoch when it asks in an epoch-end or validation hook. There is no sanity-check
-    validation, so ``on_sanity_check_start``/``_end`` are never called."""
+    boundary, or at the end of the epoch when it asks in an epoch-end or validation hook."""
 
     # ---- every stage ----------------------------------------------------------------------------------
     def setup(self, trainer, module, stage: str) -> None:
@@ -29,6 +28,13 @@ class Callback:
     # ---- fit ----------------------------------------------------------------------------------------
     def on_fit_start(self, trainer, module) -> None:
         """Once the model, the optimizers and a resumed checkpoint are set up, before the first step."""
+
+    def on_sanity_check_start(self, trainer, module) -> None:
+        """Before the sanity check's validation batches (``num_sanity_val_steps``), after ``on_fit_start``; the
+        validation hooks run during it, with ``trainer.sanity_checking`` True."""
+
+    def on_sanity_check_end(self, trainer, module) -> None:
+        """After the sanity check, its metrics dropped."""
 
     def on_train_start(self, trainer, module) -> None:
         """After ``on_fit_start``, before the first epoch."""

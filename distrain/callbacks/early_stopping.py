@@ -79,8 +79,8 @@ class EarlyStopping(Callback):
 
     # ---- the check --------------------------------------------------------------------------------------
     def _check(self, trainer) -> None:
-        if trainer.should_stop:  # the run is ending already (the last validation of a run that stops mid-epoch)
-            return
+        if trainer.should_stop or trainer.sanity_checking:  # the run is ending already; a sanity check's metrics
+            return  # are dropped
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             if self.strict:

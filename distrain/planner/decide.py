@@ -315,7 +315,7 @@ def for_trainer(runtime, module, loader, accumulate: int, clip: float | None, kw
     """(the strategy to train ``module`` with, or None to keep the runtime's; the micro-batches per step when the
     choice changes them, else None). Prints the decision and why; raises when nothing fits."""
     from distrain.planner.model_stats import ModelSpec
-    from distrain.strategies.registry import GENERIC_OPTIONS, make_strategy
+    from distrain.strategies.registry import lookup, make_strategy, options_of
 
     world = runtime.nprocs * runtime.num_nodes
     if world == 1:
@@ -330,7 +330,11 @@ def for_trainer(runtime, module, loader, accumulate: int, clip: float | None, kw
         raise RuntimeError(decision.messages[-1].removeprefix("distrain: "))
     # the module's block classes only when the plan checkpoints them (finding them builds its spec)
     blocks = ModelSpec.from_module(module, loader).block_classes if decision.planned_checkpoint else ()
-    options = {k: v for k, v in kwargs.items() if k in GENERIC_OPTIONS} | decision.strategy_options(blocks)
+    takes = options_of(lookup(decision.strategy)) or kwargs.keys()
+    not_taken = sorted(kwargs.keys() - takes)
+    if not_taken:  # options for a strategy auto did not choose
+        runtime.print(f"distrain: strategy auto chose {decision.strategy}, which does not take {', '.join(not_taken)}")
+    options = {k: v for k, v in kwargs.items() if k in takes} | decision.strategy_options(blocks)
     return make_strategy(decision.strategy, world, **options), decision.accumulate
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -42,6 +43,12 @@ class DDPStrategy(Strategy):
         **ddp_kwargs: Any,
     ):
         super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
+        unknown = sorted(ddp_kwargs.keys() - self.passes_options_to())
+        if unknown:
+            raise ValueError(
+                f"DDPStrategy: {', '.join(unknown)} is not an option of DDPStrategy nor of torch's "
+                "DistributedDataParallel"
+            )
         if isinstance(ddp_comm_hook, str) and ddp_comm_hook not in COMM_HOOKS:
             raise ValueError(f"ddp_comm_hook {ddp_comm_hook!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
         self.start_method = checked_start_method(start_method)
@@ -56,6 +63,12 @@ class DDPStrategy(Strategy):
         self.ddp_comm_wrapper = ddp_comm_wrapper
         self.model_averaging_period = model_averaging_period
         self._model_averager = None
+
+    @staticmethod
+    def passes_options_to() -> set[str]:
+        """The options it hands to ``DistributedDataParallel`` as they are (``**ddp_kwargs``): all but those it sets."""
+        taken = set(inspect.signature(DistributedDataParallel.__init__).parameters)
+        return taken - {"self", "module", "device_ids", "output_device", "process_group", "device_mesh"}
 
     @property
     def planned_as(self) -> tuple[str, dict[str, Any]]:

@@ -7,15 +7,16 @@ registers through the ``distrain.strategies`` entry point group (``pyproject.tom
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+import functools
+import inspect
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
 from distrain import config as run_config
 from distrain.config import ConfigError
 
-#: options every strategy takes (``Trainer(**kwargs)`` and the CLI pass them through)
-GENERIC_OPTIONS = ("process_group_backend", "timeout", "collective_timeout", "activation_checkpointing_policy")
 #: how the ranks are arranged: options only the model-parallel strategies take (another would ignore them, or hand
 #: them to DistributedDataParallel, and the run would not be the layout asked for), and which take each
 LAYOUT_OPTIONS = {
@@ -184,28 +185,76 @@ def runs_one_process(strategy: str) -> bool:
     return resolve_auto(strategy, 2) == "single"
 
 
-def make_strategy(name: Any, world_size: int, **kwargs: Any):
+def options_of(entry: StrategyEntry) -> set[str] | None:
+    """The keyword options a strategy's ``build`` takes: its ``__init__``'s, and where that hands ``**kwargs`` on,
+    its base classes' (a plugin's ``__init__(self, word, **options)``) and those a class names in
+    ``passes_options_to`` (DDP: ``DistributedDataParallel``'s). None: a plain function with ``**kwargs``, which
+    takes any."""
+    target = entry.build.func if isinstance(entry.build, functools.partial) else entry.build
+    names: set[str] = set()
+    for cls in target.__mro__ if isinstance(target, type) else (target,):
+        init = cls.__init__ if isinstance(target, type) else cls
+        if init is object.__init__:
+            break
+        params = inspect.signature(init).parameters.values()
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+        if "passes_options_to" in vars(cls):
+            names |= cls.passes_options_to()
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return names
+        if not isinstance(target, type):
+            return None
+    return names
+
+
+def check_options(name: Any, options: Iterable[str], also_meant: Iterable[str] = ()) -> None:
+    """Each of ``options`` is one the strategy takes (``auto``: one any strategy takes, since it may choose any),
+    else a ValueError naming it and what it may have meant (an option, or one of ``also_meant``). A ``Strategy``
+    instance takes none here: its options go to its constructor."""
     from distrain.strategies.base import Strategy
 
+    options = sorted(options)
+    if not options:
+        return
     if isinstance(name, Strategy):
-        return name
-    resolved = resolve_auto(name, world_size)
-    entry = lookup(resolved)
-    for option, takers in LAYOUT_OPTIONS.items():
-        if option in kwargs and resolved not in takers:
+        raise ValueError(
+            f"{', '.join(options)}: options of a {type(name).__name__} instance go to its constructor, not here"
+        )
+    for option in options:
+        takers = LAYOUT_OPTIONS.get(option, (name,))
+        if name not in takers:  # another would ignore it, or hand it to DistributedDataParallel
             raise ValueError(
                 f"{option} applies to strategy={' or '.join(map(repr, takers))}, but the strategy is {name!r}; "
                 f"pass strategy={takers[0]!r}"
             )
-    if resolved == "single":
-        if world_size > 1:
-            raise ValueError(f"strategy='single' runs one process, but {world_size} were requested")
-        extra = kwargs.keys() - set(GENERIC_OPTIONS)
-        if extra:
-            if name == "auto":  # options for the multi-process strategies do not apply to one process
-                kwargs = {k: v for k, v in kwargs.items() if k in GENERIC_OPTIONS}
-            else:
-                raise ValueError(f"strategy='single' does not take {', '.join(sorted(extra))}")
+    by_strategy = {strategy: options_of(entry) for strategy, entry in entries().items()}
+    known = by_strategy[lookup(name).name] if name != "auto" else set().union(*filter(None, by_strategy.values()))
+    for option in options:
+        if known is None or option in known:
+            continue
+        whose = "any strategy" if name == "auto" else f"strategy {name!r}"
+        takers = [strategy for strategy, taken in by_strategy.items() if taken and option in taken]
+        near = difflib.get_close_matches(option, sorted(known | set(also_meant)), n=1, cutoff=0.8)
+        hint = f"; it is an option of {', '.join(map(repr, takers))}" if takers else ""
+        hint = hint or (f"; did you mean {near[0]}?" if near else "")
+        raise ValueError(f"{option} is not an option of {whose} (nor an argument here){hint}")
+
+
+def make_strategy(name: Any, world_size: int, **kwargs: Any):
+    """The strategy ``name`` names, built with ``kwargs``. ``auto`` stands for what it resolves to until the planner
+    chooses (``planner/decide.py``, which gets every option): it is built with the options it takes."""
+    from distrain.strategies.base import Strategy
+
+    check_options(name, kwargs)
+    if isinstance(name, Strategy):
+        return name
+    resolved = resolve_auto(name, world_size)
+    entry = lookup(resolved)
+    if resolved == "single" and world_size > 1:
+        raise ValueError(f"strategy='single' runs one process, but {world_size} were requested")
+    takes = options_of(entry)
+    if name == "auto" and takes is not None:
+        kwargs = {k: v for k, v in kwargs.items() if k in takes}
     return entry.build(**kwargs)
 
 

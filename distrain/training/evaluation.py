@@ -77,15 +77,15 @@ class Evaluator:
         module.train(was_training)
         return metrics
 
-    def predict(self, module, model, loader) -> list:
-        """This rank's predictions, in its sampler order."""
+    def predict(self, module, model, loader, limit: int | None = None) -> list:
+        """This rank's predictions, in its sampler order (of its first ``limit`` batches)."""
         module.eval()
         step, collective = self._step_function(module, model, "predict_step")
         predictions = []
         self._hook(module, "predict_step", "start")
         self._hook(module, "predict_step", "epoch_start")
         with torch.no_grad(), self.runtime.autocast():
-            for batch_idx, batch, padding in self._lockstep(loader, None, collective):
+            for batch_idx, batch, padding in self._lockstep(loader, limit, collective):
                 batch = move_to_device(batch, self.runtime.device)
                 if not padding:
                     self._hook(module, "predict_step", "batch_start", batch, batch_idx)
