@@ -643,12 +643,12 @@ class Trainer:
         self.metrics.start_fit(_flops_per_token(module), self.run_config)
         self.metrics.timer.watch_gradients(module.parameters())  # each rank's own part of the backward (stragglers)
         self._hook("on_fit_start")
-        if val_loader is not None and self.loop.num_sanity_val_steps:
-            self._sanity_check(val_loader)
-        self._hook("on_train_start")
         self.stop.install()
         try:
             with self._diagnosing_hangs(on_error=self._on_fit_error):
+                if val_loader is not None and self.loop.num_sanity_val_steps:
+                    self._sanity_check(val_loader)
+                self._hook("on_train_start")
                 self._fit_loop(train_loader, val_loader)
                 rt.mark_phase(None, "end of training")
                 if val_loader is not None and self._last_val_step != self.global_step and not self.preempted:

@@ -227,3 +227,27 @@ def test_deterministic_and_detect_anomaly_are_set_in_the_rank(tmp_path, determin
         torch.use_deterministic_algorithms(False)
         torch.autograd.set_detect_anomaly(False)
     assert module.flags == {"deterministic": True, "warn_only": deterministic == "warn", "anomaly": True}
+
+
+class BrokenValidation(Counted):
+    def validation_step(self, batch, batch_idx):
+        raise ValueError("validation_step is broken")
+
+
+class EndsSeen(L.Callback):
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def on_exception(self, trainer, module, exception):
+        self.calls.append(f"exception {type(exception).__name__}")
+
+    def teardown(self, trainer, module, stage):
+        self.calls.append(f"teardown {stage}")
+
+
+def test_a_sanity_check_that_fails_stops_before_training_through_on_exception_and_teardown(tmp_path):
+    module, ends = BrokenValidation(), EndsSeen()
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=1, callbacks=[ends])
+    with pytest.raises(ValueError, match="validation_step is broken"):
+        trainer.fit(module, _loader(), _loader(8))
+    assert module.seen["train"] == [] and ends.calls == ["exception ValueError", "teardown fit"]
