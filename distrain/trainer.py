@@ -52,7 +52,7 @@ from distrain.training.anomalies import POLICIES as ANOMALY_POLICIES
 from distrain.training.anomalies import AnomalyError, AnomalyGuard
 from distrain.training.arguments import NOT_RUN, ProcessSettings, check_keywords
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
-from distrain.training.defaults import default_callbacks, default_loggers
+from distrain.training.defaults import callback_list, default_callbacks, default_loggers
 from distrain.training.evaluation import Evaluator
 from distrain.training.metrics import MetricsLogger, StepResult
 from distrain.training.nonfinite import POLICIES as NONFINITE_POLICIES
@@ -254,9 +254,9 @@ class Trainer:
             max_steps, max_epochs, val_check_interval, num_sanity_val_steps = fast_dev_run, 1, None, 0
             limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = fast_dev_run
             logger, enable_checkpointing, enable_plots, max_time = False, False, False, None
-            callbacks = [c for c in _callback_list(callbacks) if not isinstance(c, WRITES_OR_STOPS)]
+            callbacks = [c for c in callback_list(callbacks) if not isinstance(c, WRITES_OR_STOPS)]
         if max_time is not None:  # Lightning's Trainer(max_time=...): its Timer callback
-            callbacks = [*_callback_list(callbacks), Timer(max_time)]
+            callbacks = [*callback_list(callbacks), Timer(max_time)]
         self._process_settings = ProcessSettings(deterministic, benchmark, detect_anomaly)
         # Lightning's arguments distrain runs without, at their "not used" values; the rest are the strategy's options
         check_keywords(strategy, strategy_kwargs, set(inspect.signature(Trainer).parameters) - {"strategy_kwargs"})
@@ -1275,10 +1275,6 @@ def _limited(batches: int | None, limit: int | float | None, name: str) -> int |
             raise ValueError(f"{name}={limit} is a fraction of the loader, which has no length: give a number")
         return int(batches * limit)
     return limit if batches is None else min(batches, limit)
-
-
-def _callback_list(callbacks: Iterable[Callback] | Callback | None) -> list[Callback]:
-    return [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
 
 
 def _accumulation_schedule(value: int | dict[int, int]) -> dict[int, int]:

@@ -55,7 +55,6 @@ class EarlyStopping(Callback):
         self.wait_count = 0
         self.stopped_epoch = 0
         self.best_score = math.inf if mode == "min" else -math.inf
-        self.stopping_reason: str | None = None  # why the run stopped, once it did
 
     @property
     def state_key(self) -> str:
@@ -92,14 +91,11 @@ class EarlyStopping(Callback):
             return
         current = float(metrics[self.monitor])
         stop, reason = self._evaluate(current)
-        if self.verbose and reason and trainer.is_global_zero:
+        if reason and (stop or self.verbose) and trainer.is_global_zero:
             print(f"distrain: EarlyStopping: {reason}", flush=True)
         if stop:
             trainer.should_stop = True
             self.stopped_epoch = trainer.current_epoch
-            self.stopping_reason = reason
-            if not self.verbose and trainer.is_global_zero:
-                print(f"distrain: EarlyStopping: {reason}", flush=True)
 
     def _evaluate(self, current: float) -> tuple[bool, str | None]:
         better = _BETTER[self.mode]

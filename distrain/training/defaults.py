@@ -11,6 +11,11 @@ from distrain.cluster import replica_run_dir
 from distrain.loggers import JSONLLogger, Logger, TensorBoardLogger
 
 
+def callback_list(callbacks: Iterable[Callback] | Callback | None) -> list[Callback]:
+    """A callback, an iterable of them, or None, as a new list."""
+    return [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+
+
 def default_callbacks(
     callbacks: Iterable[Callback] | Callback | None,
     checkpointing: bool,
@@ -22,7 +27,7 @@ def default_callbacks(
     replica group's run directory of a fault-tolerant run), a ``ProgressBar``, a ``PlotSummary`` and, when asked,
     ``ParameterHistograms``; the checkpoint callbacks last. Two that would keep their state under one key are
     refused."""
-    callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+    callbacks = callback_list(callbacks)
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
         callbacks.append(ModelCheckpoint())
     for cb in callbacks:
