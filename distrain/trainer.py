@@ -374,6 +374,9 @@ class Trainer:
     log_every_n_steps = property(
         lambda self: self.metrics.log_every_n_steps, doc="How often the step's metrics go to the loggers."
     )
+    check_val_every_n_epoch = property(
+        lambda self: self.loop.check_val_every_n_epoch, doc="Fit validates in every n-th epoch."
+    )
     val_check_interval = property(
         lambda self: self.loop.val_check_interval,
         doc="How often fit validates: steps, a fraction of an epoch, or None (once an epoch).",

@@ -159,3 +159,16 @@ def test_a_second_optimizer_of_one_class_and_a_named_scheduler_take_lightnings_n
     assert LearningRateMonitor().stats(trainer) == {"lr-Adam": 0.1, "lr-Adam-1": 0.2, "warmup": 0.3}
     with pytest.raises(ValueError, match="logging_interval must be 'step', 'epoch' or None, got 'batch'"):
         LearningRateMonitor(logging_interval="batch")
+
+
+def test_with_validation_every_other_epoch_early_stopping_checks_after_validation(tmp_path):
+    """Lightning checks at an epoch's end only when every epoch validates; with check_val_every_n_epoch=2 it checks
+    after each validation. Checked at every epoch's end, epoch 0 had no score yet (strict: an error), and a score
+    read again without a new validation counted as one more check without improvement."""
+    stopping = EarlyStopping("val_score", patience=2)
+    trainer, _ = make_trainer(
+        tmp_path, devices=1, max_epochs=12, check_val_every_n_epoch=2, callbacks=[stopping], logger=False
+    )
+    trainer.fit(Plateau(), _loader(), _loader())
+    # validations after epochs 1, 3, 5: the first sets the best, the next two do not improve on it
+    assert (trainer.current_epoch, stopping.stopped_epoch, stopping.wait_count) == (6, 5, 2)

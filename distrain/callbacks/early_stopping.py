@@ -16,10 +16,10 @@ class EarlyStopping(Callback):
     ``stopping_threshold`` or goes past ``divergence_threshold``. ``mode``: ``min`` or ``max``.
 
     It checks after each validation, or at each training epoch's end (``check_on_train_epoch_end``; by default when
-    validation runs once an epoch, after it, as Lightning does). A stop asked at an epoch's end ends the run there,
-    on every rank; one asked mid-epoch (``val_check_interval`` in steps), at the next step boundary. Its counts are
-    saved in each checkpoint, so a resumed run goes on counting. ``strict``: a metric never logged is an error
-    naming those that were (else the check is skipped). The reason for a stop is printed on rank 0; ``verbose``
+    validation runs once in every epoch, after it, as Lightning does). A stop asked at an epoch's end ends the run
+    there, on every rank; one asked mid-epoch (``val_check_interval`` in steps), at the next step boundary. Its
+    counts are saved in each checkpoint, so a resumed run goes on counting. ``strict``: a metric never logged is an
+    error naming those that were (else the check is skipped). The reason for a stop is printed on rank 0; ``verbose``
     prints each improvement too."""
 
     def __init__(
@@ -62,9 +62,9 @@ class EarlyStopping(Callback):
 
     # ---- when to check --------------------------------------------------------------------------------------
     def setup(self, trainer, module, stage: str) -> None:
-        if self.check_on_train_epoch_end is None:  # validation once an epoch: after it, at the epoch's end
+        if self.check_on_train_epoch_end is None:  # validation once every epoch: after it, at the epoch's end
             interval = trainer.val_check_interval
-            self._at_epoch_end = interval is None or interval == 1.0
+            self._at_epoch_end = (interval is None or interval == 1.0) and trainer.check_val_every_n_epoch == 1
         else:
             self._at_epoch_end = self.check_on_train_epoch_end
 
