@@ -22,6 +22,8 @@ _EXPORTS = {
     "Module": "distrain.module",
     "LossModule": "distrain.module",
     "DataModule": "distrain.datamodule",
+    "LightningModule": "distrain.lightning.core",  # `import lightning as L` → `import distrain as L`: L.LightningModule
+    "LightningDataModule": "distrain.lightning.core",
     "Runtime": "distrain.runtime",
     "Strategy": "distrain.strategies",
     "DDPStrategy": "distrain.strategies",
@@ -50,6 +52,8 @@ __all__ = [
     "Module",
     "LossModule",
     "DataModule",
+    "LightningModule",
+    "LightningDataModule",
     "Runtime",
     "Strategy",
     "DDPStrategy",
@@ -80,6 +84,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (nothing is 
     from distrain.config import RunConfig, build_config
     from distrain.datamodule import DataModule
     from distrain.distributed.watch import CollectiveHangError
+    from distrain.lightning.core import LightningDataModule, LightningModule
     from distrain.module import LossModule, Module
     from distrain.parallel.pipeline_split import PipelineSplit
     from distrain.runtime import Runtime, seed_everything
@@ -101,6 +106,8 @@ def __getattr__(name: str):
     """A public name (``_EXPORTS``) or a submodule, imported the first time it is asked for."""
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name == "pytorch":  # `import lightning as L` → `import distrain as L`: L.pytorch is Lightning's namespace
+        value = importlib.import_module(f"{__name__}.lightning")
     elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         value = importlib.import_module(f"{__name__}.{name}")
     else:

@@ -81,7 +81,13 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 def with_distributed_sampler(
-    loader: DataLoader, num_replicas: int, rank: int, seed: int, even: bool = True, batch_size: int | None = None
+    loader: DataLoader,
+    num_replicas: int,
+    rank: int,
+    seed: int,
+    even: bool = True,
+    batch_size: int | None = None,
+    shuffle: bool | None = None,
 ) -> DataLoader:
     """The same DataLoader, re-built around a ResumableDistributedSampler.
 
@@ -89,7 +95,7 @@ def with_distributed_sampler(
     is re-created around the distributed sampler, as Lightning does: ``cls(sampler, batch_size=…,
     drop_last=…)``, torch's BatchSampler signature. Iterable datasets are returned unchanged — they own
     their own sharding. ``batch_size``: another micro-batch than the loader's (an elastic resume keeping the
-    global batch).
+    global batch). ``shuffle``: shuffle (True) or not (False) whatever the loader says; None: as it says.
     """
     if isinstance(loader.dataset, IterableDataset) or distributed_sampler(loader) is not None:
         return loader
@@ -114,7 +120,8 @@ def with_distributed_sampler(
             f"the DataLoader uses a {type(sampler).__name__}, which distrain cannot shard across {num_replicas} ranks "
             "without changing what it samples; shard it yourself and pass use_distributed_sampler=False"
         )
-    shuffle = isinstance(sampler, (RandomSampler, DistributedSampler)) and getattr(sampler, "shuffle", True)
+    if shuffle is None:
+        shuffle = isinstance(sampler, (RandomSampler, DistributedSampler)) and getattr(sampler, "shuffle", True)
     drop_last = getattr(loader.batch_sampler, "drop_last", False) if own_batches else loader.drop_last
     sampler = ResumableDistributedSampler(
         loader.dataset,

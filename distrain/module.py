@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -16,10 +17,6 @@ UNSUPPORTED_HOOKS = {
     "on_before_batch_transfer": "change the batch in the DataLoader's collate_fn",
     "transfer_batch_to_device": "distrain moves tensors (and dicts/lists/tuples of them) itself; use collate_fn",
     "on_after_batch_transfer": "change the batch at the top of training_step",
-    "configure_gradient_clipping": "use Trainer(gradient_clip_val=...), or self.clip_gradients in manual optimization",
-    "optimizer_step": "use manual optimization (automatic_optimization = False) to step by hand",
-    "optimizer_zero_grad": "use manual optimization (automatic_optimization = False) to zero by hand",
-    "lr_scheduler_step": "return the scheduler from configure_optimizers, or step it by hand in manual optimization",
     "backward": "use on_before_backward/on_after_backward, or manual optimization with self.manual_backward",
     "configure_callbacks": "pass the callbacks to Trainer(callbacks=[...])",
     "configure_sharded_model": "rename it configure_model",
@@ -337,10 +334,11 @@ class Module(nn.Module):
         return self.trainer.runtime.all_gather(tensor)
 
     def optimizers(self, use_pl_optimizer: bool = True) -> Any:
-        """The optimizer ``configure_optimizers`` returned (a list when it returned several). Under manual
-        optimization, wrapped: ``step()`` averages the gradients over the ranks first (distrain's manual
-        optimization syncs gradients at the step, so accumulating by hand communicates once)."""
-        opts = self.trainer._manual_optimizers if use_pl_optimizer else self.trainer.optimizers
+        """The optimizer ``configure_optimizers`` returned (a list when it returned several), wrapped as Lightning
+        wraps it: still an instance of its class, with a ``step()`` that goes through the strategy and the precision
+        plugin. Under manual optimization ``step()`` averages the gradients over the ranks first (distrain syncs
+        gradients at the step, so accumulating by hand communicates once). ``use_pl_optimizer=False``: unwrapped."""
+        opts = self.trainer._loop_optimizers if use_pl_optimizer else self.trainer.optimizers
         opts = opts or self.trainer.optimizers
         return opts[0] if len(opts) == 1 else list(opts)
 
@@ -371,7 +369,7 @@ class Module(nn.Module):
             return None
         optimizer = getattr(optimizer, "optimizer", optimizer)
         trainer = self.trainer
-        if trainer._manual_optimizers:
+        if not self.automatic_optimization:
             trainer._sync_gradients(optimizer)
         if gradient_clip_algorithm in (None, "norm"):
             return trainer.runtime.clip_gradients(trainer.model, optimizer, gradient_clip_val)
@@ -379,6 +377,64 @@ class Module(nn.Module):
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             return torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
         raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}")
+
+    # ---- the optimizer step's hooks, as Lightning's: override one to change how the loop steps ----------------
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Clips the gradients before each optimizer step; the Trainer's ``gradient_clip_val`` comes in."""
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Steps the optimizer; the step's forward and backward have run. Override it to change the step (a
+        warm-up of the learning rate, say) and call ``optimizer.step(closure=optimizer_closure)`` in it: a step it
+        leaves out is not applied."""
+        optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Clears the gradients after each optimizer step."""
+        optimizer.zero_grad()
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Steps a scheduler when it is due (``interval``, ``frequency``), with its monitored metric if it has one."""
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Only ``optimizer``'s parameters take gradients until ``untoggle_optimizer``: the other optimizers'
+        parameters get ``requires_grad=False`` (a GAN's generator step leaves the discriminator's alone)."""
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        saved: dict[nn.Parameter, bool] = {}
+        for other in self.trainer.optimizers:
+            if other is optimizer:
+                continue
+            for group in other.param_groups:
+                for param in group["params"]:
+                    if param not in saved:
+                        saved[param] = param.requires_grad
+                        param.requires_grad = False
+        for group in optimizer.param_groups:  # a parameter both optimizers hold keeps its own setting
+            for param in group["params"]:
+                if param in saved:
+                    param.requires_grad = saved[param]
+        object.__setattr__(self, "_param_requires_grad_state", saved)
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Gives back the ``requires_grad`` that ``toggle_optimizer`` changed."""
+        for param, requires_grad in getattr(self, "_param_requires_grad_state", {}).items():
+            param.requires_grad = requires_grad
+        object.__setattr__(self, "_param_requires_grad_state", {})
+
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Any):
+        """``toggle_optimizer`` for the ``with`` block, then ``untoggle_optimizer``."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
 
     def log(
         self,

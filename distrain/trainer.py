@@ -12,6 +12,7 @@ metrics and stop-signal agreement are components it holds (``distrain/training/`
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import math
@@ -328,7 +329,7 @@ class Trainer:
         self.model = None
         self.optimizers = []
         self.lr_schedulers = []
-        self._manual_optimizers: list = []  # under manual optimization: what module.optimizers() hands out
+        self._loop_optimizers: list = []  # what the module's hooks and self.optimizers() hand out (LoopOptimizer)
         self._first_micro_batch = False  # on_before_zero_grad: once per optimizer step
         self.should_stop = False  # a callback may set it: the run ends (on every rank) at a step or epoch boundary
         self.state = TrainerState()
@@ -361,6 +362,10 @@ class Trainer:
     )
     current_epoch = property(lambda self: self.progress.epoch, doc="The epoch the loop is in, counted from 0.")
     loggers = property(lambda self: self.metrics.loggers, doc="The loggers metrics go to (from rank 0).")
+    logger = property(
+        lambda self: next(iter(self.metrics.loggers), None),
+        doc="The first of ``loggers`` (TensorBoard, by default), or None.",
+    )
     preempted = property(
         lambda self: self.stop.preempted, doc="The signal that stopped the run, if one did (None otherwise)."
     )
@@ -452,11 +457,11 @@ class Trainer:
         self.runtime.log_dir = os.path.join(self.log_dir, "logs")  # rank_N.log: every rank's output
 
     # ---- public entry points: each launches the ranks, then runs the stage in every rank -------
-    def fit(self, module: nn.Module, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
-        """Train ``module`` on the loaders given, else ``datamodule``'s (also passed in ``train_dataloaders``'
+    def fit(self, model: nn.Module, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
+        """Train ``model`` on the loaders given, else ``datamodule``'s (also passed in ``train_dataloaders``'
         place, as Lightning allows), else the module's own ``train_dataloader()``/``val_dataloader()``. A datamodule
         or module's loaders are made in every rank, after ``prepare_data`` and ``setup("fit")``."""
-        module = _as_module(module)
+        module = _as_module(model)
         if datamodule is None and is_datamodule(train_dataloaders):
             train_dataloaders, datamodule = None, train_dataloaders
         if datamodule is module:  # a module that is its own datamodule (the CLI's training.module): its hooks once
@@ -547,24 +552,26 @@ class Trainer:
             print(report.table(), flush=True)
         return report
 
-    # validate / test / predict take Lightning's arguments, in Lightning's order
+    # validate / test / predict take Lightning's arguments, in Lightning's order. ``model=None``: the module fit
+    # trained, from its best checkpoint unless ``ckpt_path`` says otherwise (Lightning's rule); ``ckpt_path``: None
+    # (the weights as they are), "best", "last" or a checkpoint's path
     def validate(
-        self, module: nn.Module, dataloaders=None, ckpt_path=None, verbose: bool = True, datamodule=None
+        self, model: nn.Module | None = None, dataloaders=None, ckpt_path=None, verbose: bool = True, datamodule=None
     ) -> list[dict]:
         """The validation metrics (``verbose``: also printed, on rank 0)."""
         return self._report(
-            "validate", self._evaluate_stage("validate", module, dataloaders, ckpt_path, datamodule), verbose
+            "validate", self._evaluate_stage("validate", model, dataloaders, ckpt_path, datamodule), verbose
         )
 
     def test(
-        self, module: nn.Module, dataloaders=None, ckpt_path=None, verbose: bool = True, datamodule=None
+        self, model: nn.Module | None = None, dataloaders=None, ckpt_path=None, verbose: bool = True, datamodule=None
     ) -> list[dict]:
         """The test metrics (``verbose``: also printed, on rank 0)."""
-        return self._report("test", self._evaluate_stage("test", module, dataloaders, ckpt_path, datamodule), verbose)
+        return self._report("test", self._evaluate_stage("test", model, dataloaders, ckpt_path, datamodule), verbose)
 
     def predict(
         self,
-        module: nn.Module,
+        model: nn.Module | None = None,
         dataloaders=None,
         datamodule=None,
         return_predictions: bool | None = None,
@@ -572,7 +579,7 @@ class Trainer:
     ) -> list | None:
         """Returns this rank's predictions, in its sampler order (rank 0's for spawn/fork); None with
         ``return_predictions=False``."""
-        predictions = self._evaluate_stage("predict", module, dataloaders, ckpt_path, datamodule)
+        predictions = self._evaluate_stage("predict", model, dataloaders, ckpt_path, datamodule)
         return None if return_predictions is False else predictions
 
     def _report(self, stage: str, results: list[dict], verbose: bool) -> list[dict]:
@@ -581,10 +588,16 @@ class Trainer:
             print(f"distrain: {stage}: {shown or 'nothing logged'}", flush=True)
         return results
 
-    def _evaluate_stage(self, stage: str, module, dataloaders, ckpt_path, datamodule):
+    def _evaluate_stage(self, stage: str, model, dataloaders, ckpt_path, datamodule):
         """The loaders given, else the datamodule's (also in ``dataloaders``' place), else the module's own: made in
         every rank after ``prepare_data`` and ``setup(stage)``."""
-        module = _as_module(module)
+        if model is None:
+            if self.module is None:
+                raise ValueError(f"{stage}() needs a model: pass one, or call fit() first (model=None is fit's)")
+            model = self.module
+            if ckpt_path is None:
+                ckpt_path = self.checkpoints.best_or_current(stage)
+        module = _as_module(model)
         if datamodule is None and is_datamodule(dataloaders):
             dataloaders, datamodule = None, dataloaders
         if datamodule is module:
@@ -626,7 +639,8 @@ class Trainer:
             val_loader = optional_loader(datamodule if datamodule is not None else module, "val_dataloader")
         val_loader = one_loader(val_loader, "val_dataloaders")
         micro_batch = self._keep_global_batch(checkpoint, saved.get("batch_layout"), train_loader)
-        train_loader = self._setup_loader(train_loader, shuffle_seed=self.seed, batch_size=micro_batch)
+        shuffle, shuffle_seed = self._train_order()
+        train_loader = self._setup_loader(train_loader, shuffle_seed, batch_size=micro_batch, shuffle=shuffle)
         val_loader = self._setup_loader(val_loader, even=False) if val_loader is not None else None
         self._num_batches = _limited(_length(train_loader), self.loop.limit_train_batches, "limit_train_batches")
         self.train_dataloader, self.val_dataloaders = train_loader, val_loader
@@ -643,7 +657,7 @@ class Trainer:
         # a rank that resumes or was restarted says how long it took to train again (training/startup.py)
         self._announce_start = checkpoint is not None or startup.restarted()
         first_step = self.global_step
-        self.metrics.start_fit(_flops_per_token(module), self.run_config)
+        self.metrics.start_fit(_flops_per_token(module), self.run_config, module)
         self.metrics.timer.watch_gradients(module.parameters())  # each rank's own part of the backward (stragglers)
         self._hook("on_fit_start")
         self.stop.install()
@@ -865,9 +879,10 @@ class Trainer:
                 return ROLLED_BACK
         rt.mark_phase(None, "optimizer step")
         grad_norm = self._gradient_norm(optimizer) if action == "apply" else None
-        if action != "apply" or not self._apply_step(optimizer, grad_norm, step_loss):
+        last_idx = micro_batches[-1][0]
+        if action != "apply" or not self._apply_step(optimizer, grad_norm, step_loss, last_idx):
             self.progress.skipped_steps += 1
-        optimizer.zero_grad(set_to_none=True)
+        self.module.optimizer_zero_grad(self.current_epoch, last_idx, self._loop_optimizers[0])
         self._step_schedulers("step")
         self.progress.global_step += 1
 
@@ -895,7 +910,7 @@ class Trainer:
             )
         return SKIPPED
 
-    def _apply_step(self, optimizer, grad_norm: Any, step_loss: torch.Tensor) -> bool:
+    def _apply_step(self, optimizer, grad_norm: Any, step_loss: torch.Tensor, batch_idx: int) -> bool:
         """Step the optimizer unless the step must be skipped; returns whether it was applied.
         - fp16's GradScaler skips an overflowed step itself and lowers its scale (that is how it finds its
           scale; the overflow flag is agreed across ranks): a non-finite norm there is not an error;
@@ -909,7 +924,8 @@ class Trainer:
             return False
         scale = scaler.get_scale() if scaler is not None else None
         self._hook("on_before_optimizer_step", optimizer)
-        rt.optimizer_step(optimizer, self.model)
+        closure = lambda: step_loss  # noqa: E731  (Lightning's closure: here forward and backward have run)
+        self.module.optimizer_step(self.current_epoch, batch_idx, self._loop_optimizers[0], closure)
         if scaler is not None:
             return scaler.get_scale() >= scale
         return not engine_checks or self._finite(grad_norm, step_loss)
@@ -918,7 +934,9 @@ class Trainer:
         """The global gradient norm: clipped to ``gradient_clip_val`` when set; else measured only to
         check it is finite."""
         rt = self.runtime
-        if self.loop.gradient_clip_val:
+        if _overrides(self.module, "configure_gradient_clipping"):  # the module clips; the loop measures after
+            self.module.configure_gradient_clipping(optimizer, self.loop.gradient_clip_val, "norm")
+        elif self.loop.gradient_clip_val:
             return rt.clip_gradients(self.model, optimizer, self.loop.gradient_clip_val)
         if self.loop.on_nonfinite == "ignore" or rt.precision.scaler is not None:
             return None  # fp16's GradScaler skips overflowed steps itself: that is how it finds its scale
@@ -1008,13 +1026,11 @@ class Trainer:
                     "configure_optimizers: a ReduceLROnPlateau scheduler needs a metric to monitor: return "
                     '{"optimizer": opt, "lr_scheduler": {"scheduler": s, "monitor": "val_loss"}}'
                 )
-            if monitor is None:
-                config["scheduler"].step()
-            elif monitor not in self.callback_metrics:
+            if monitor is not None and monitor not in self.callback_metrics:
                 known = ", ".join(sorted(self.callback_metrics)) or "none yet"
                 raise KeyError(f"lr_scheduler monitors {monitor!r}, which was never logged (logged: {known})")
-            else:
-                config["scheduler"].step(self.callback_metrics[monitor])
+            metric = self.callback_metrics[monitor] if monitor is not None else None
+            self.module.lr_scheduler_step(config["scheduler"], metric)
 
     def _val_every_steps(self) -> int | None:
         v = self.loop.val_check_interval
@@ -1125,7 +1141,7 @@ class Trainer:
         manual = not module.automatic_optimization
         configure = lambda: parse_optimizers(module.configure_optimizers(), manual)  # noqa: E731
         self.model, self.optimizers, self.lr_schedulers = rt.strategy.setup(StepRouter(module), configure, loop)
-        self._manual_optimizers = [ManualOptimizer(self, o) for o in self.optimizers] if manual else []
+        self._loop_optimizers = [(ManualOptimizer if manual else LoopOptimizer)(self, o) for o in self.optimizers]
 
     def _memory_plan(self, host: bool) -> str:
         """``Runtime.memory_plan`` for fit: what the memory planner says of this module and micro-batch under the
@@ -1199,14 +1215,20 @@ class Trainer:
                 module.configure_model()
             object.__setattr__(module, "_distrain_configured", True)
 
-    def _setup_loader(self, loader, shuffle_seed: int = 0, even: bool = True, batch_size: int | None = None):
+    def _train_order(self) -> tuple[bool | None, int]:
+        """Whether the training data is shuffled (None: as its loader says) and the seed of its order."""
+        return None, self.seed
+
+    def _setup_loader(
+        self, loader, shuffle_seed: int = 0, even: bool = True, batch_size: int | None = None, shuffle=None
+    ):
         if not self.loop.use_distributed_sampler or not isinstance(loader, DataLoader):
             return loader
         from distrain.data import with_distributed_sampler
 
         # sharded over the ranks that see different data: a tensor-parallel group or a pipeline shares its batches
         dp_size, dp_rank = self.runtime.strategy.data_parallel_size, self.runtime.strategy.data_parallel_rank
-        return with_distributed_sampler(loader, dp_size, dp_rank, shuffle_seed, even=even, batch_size=batch_size)
+        return with_distributed_sampler(loader, dp_size, dp_rank, shuffle_seed, even, batch_size, shuffle)
 
     def _call(self, hook: str, *args: Any) -> None:
         """The callbacks' ``hook``, in their order (one that is not a ``Callback`` may lack it)."""
@@ -1221,14 +1243,41 @@ class Trainer:
         return getattr(self.module, hook)(*args)
 
 
-class ManualOptimizer:
-    """What ``self.optimizers()`` hands out under manual optimization, as Lightning's ``LightningOptimizer``:
-    ``step()`` averages the gradients over the ranks (once, however many ``manual_backward`` calls made them),
-    steps through the precision plugin and counts the step in ``global_step``; the rest is the optimizer's."""
+class LoopOptimizer:
+    """An optimizer as the module's hooks get it (Lightning's ``LightningOptimizer``): ``step()`` goes through the
+    strategy and the precision plugin (a grad scaler, DeepSpeed's engine); the rest is the optimizer's. It is an
+    instance of the optimizer's class too, so ``isinstance(opt, torch.optim.Optimizer)`` holds and torch's LR
+    schedulers take it."""
 
     def __init__(self, trainer: Trainer, optimizer: torch.optim.Optimizer):
+        self.__class__ = _loop_optimizer_class(type(self), type(optimizer))
         self._trainer = trainer
         self.optimizer = optimizer
+
+    def step(self, closure=None) -> Any:
+        """The step's forward and backward have run: the closure only returns what it computed."""
+        result = closure() if closure is not None else None
+        self._trainer.runtime.optimizer_step(self.optimizer, self._trainer.model)
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:  # param_groups, state, state_dict, ...
+        if name == "optimizer":  # not set yet
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+
+@functools.cache
+def _loop_optimizer_class(wrapper: type, optimizer: type) -> type:
+    return type(f"{wrapper.__name__}[{optimizer.__name__}]", (wrapper, optimizer), {})
+
+
+class ManualOptimizer(LoopOptimizer):
+    """What ``self.optimizers()`` hands out under manual optimization: ``step()`` averages the gradients over the
+    ranks (once, however many ``manual_backward`` calls made them), steps through the precision plugin and counts
+    the step in ``global_step``."""
 
     def step(self, closure=None) -> Any:
         trainer = self._trainer
@@ -1249,9 +1298,6 @@ class ManualOptimizer:
     def toggle_model(self, sync_grad: bool = True):
         """Lightning's accumulation helper: here gradients are synced at ``step()`` only, so nothing to do."""
         yield
-
-    def __getattr__(self, name: str) -> Any:  # param_groups, state, state_dict, ...
-        return getattr(self.optimizer, name)
 
 
 def _overrides(module: Module, *names: str) -> bool:

@@ -2,10 +2,34 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
+class DummyExperiment:
+    """What ``Logger.experiment`` is on ranks other than global rank 0, as in Lightning (only rank 0 writes), and for
+    a logger with no place for what it is handed (an image, in a JSON-lines file): every call does nothing."""
+
+    def _nothing(self, *args: Any, **kwargs: Any) -> DummyExperiment:
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        return self._nothing
+
+    def __getitem__(self, key: Any) -> DummyExperiment:
+        return self
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
 class Logger:
+    #: where it writes (Lightning's names): set by loggers that write files
+    save_dir: str | None = None
+    log_dir: str | None = None
+    name: str | None = None
+    version: int | str | None = None
+
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
         raise NotImplementedError
 
@@ -13,6 +37,18 @@ class Logger:
 
     def log_histogram(self, name: str, values: Any, step: int) -> None:
         """A tensor's values as a histogram (loggers that cannot show one ignore it)."""
+
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        """The model's graph (loggers that cannot show one ignore it)."""
+
+    @property
+    def experiment(self) -> Any:
+        """The tracker's own object on global rank 0 (TensorBoard's ``SummaryWriter``, a W&B run, an MLflow client),
+        for what the loggers' methods do not cover (``add_image``...); a ``DummyExperiment`` on the other ranks."""
+        return self._experiment() if _global_rank() == 0 else DummyExperiment()
+
+    def _experiment(self) -> Any:
+        return DummyExperiment()
 
     def finalize(self) -> None: ...
 
@@ -25,3 +61,12 @@ class Logger:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _global_rank() -> int:
+    """This process's global rank: the process group's once it exists, else the launcher's ``RANK``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))

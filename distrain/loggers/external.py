@@ -92,6 +92,9 @@ class WandbLogger(Logger):
             self._run = wandb.init(id=self.id, resume="allow", **self.init_kwargs)
         return self._run
 
+    def _experiment(self):
+        return self.run
+
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
         self.run.log(_numeric(metrics), step=step)
 
@@ -159,6 +162,9 @@ class MLFlowLogger(Logger):
                 client.update_run(self.run_id, status="RUNNING")
             self._client = client
         return self._client
+
+    def _experiment(self):
+        return self.client
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
         from mlflow.entities import Metric

@@ -11,7 +11,10 @@ from distrain.loggers.base import Logger
 
 
 class JSONLLogger(Logger):
+    """Its ``experiment`` is a ``DummyExperiment``: a JSON-lines file has no place for images or graphs."""
+
     def __init__(self, save_dir: str, filename: str = "metrics.jsonl"):
+        self.save_dir = self.log_dir = str(save_dir)
         self.path = Path(save_dir) / filename
         self._file = None
 

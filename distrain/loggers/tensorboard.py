@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from numbers import Number
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,18 @@ from distrain.loggers.base import Logger
 
 
 class TensorBoardLogger(Logger):
-    def __init__(self, save_dir: str, name: str = "tensorboard"):
+    """Event files in ``save_dir/name`` (``/version`` when one is given). ``log_graph``: the module's graph, from
+    its ``example_input_array``, when fit starts. ``experiment`` is torch's ``SummaryWriter`` (on rank 0)."""
+
+    def __init__(
+        self, save_dir: str, name: str = "tensorboard", version: int | str | None = None, log_graph: bool = False
+    ):
+        self.save_dir, self.name, self.version = str(save_dir), name, version
         self.log_dir = Path(save_dir) / name
+        if version is not None:
+            self.log_dir = self.log_dir / (version if isinstance(version, str) else f"version_{version}")
+        self._log_graph = log_graph  # Lightning's names: tutorials set them on trainer.logger
+        self._default_hp_metric = None
         self._writer = None
 
     @property
@@ -22,6 +33,23 @@ class TensorBoardLogger(Logger):
 
             self._writer = SummaryWriter(log_dir=str(self.log_dir))
         return self._writer
+
+    def _experiment(self):
+        return self.writer
+
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        """The graph ``model`` traces on ``input_array`` (default: its ``example_input_array``), with ``log_graph``
+        on (fit calls it when it starts); as Lightning's, nothing otherwise."""
+        if not self._log_graph:
+            return
+        if input_array is None:
+            input_array = getattr(model, "example_input_array", None)
+        if input_array is None:
+            warnings.warn(
+                "distrain: log_graph needs an input: pass input_array or set example_input_array", stacklevel=2
+            )
+            return
+        self.writer.add_graph(model, input_array)
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
         for name, value in metrics.items():

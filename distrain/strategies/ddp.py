@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distrain import compat, distributed
 from distrain.config import ConfigError
 from distrain.strategies.base import LoopFacts, SetUp, Strategy, checked_start_method
-from distrain.strategies.registry import register
+from distrain.strategies.registry import alias, register
 
 COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd", "post_localsgd")
 
@@ -222,3 +222,6 @@ for _name, _method, _about in (
         check,
         cost_model="distrain.planner.models.replicated",
     )
+    # Lightning's names for the same start with find_unused_parameters set (ddp_find_unused_parameters_true ...)
+    for _flag in (False, True):
+        alias(f"{_name}_find_unused_parameters_{str(_flag).lower()}", _name, find_unused_parameters=_flag)

@@ -47,6 +47,11 @@ class StrategyEntry:
 
 _ENTRIES: dict[str, StrategyEntry] = {}
 
+#: names other libraries give a strategy with options set (Lightning's ``ddp_find_unused_parameters_true``): the
+#: registered strategy each means and those options. The strategy's file declares them (``alias``); they are not
+#: listed among the strategies, so the planner and ``distrain strategies`` see each strategy once.
+_ALIASES: dict[str, tuple[str, dict[str, Any]]] = {}
+
 #: strategies other libraries (and the spec) name that distrain does not run, and what replaces each
 REPLACED = {
     "dp": "DataParallel ('dp', DataParallelStrategy) runs one process over threads and is deprecated by PyTorch; "
@@ -62,6 +67,7 @@ REPLACED = {
     "hivemind": "Hivemind ('hivemind', HivemindStrategy) is not supported; for training that goes on when a "
     "machine is lost or joins late, use 'ddp_torchft' (replica groups that leave and rejoin a running job, torchft)",
     "ddp2": "'ddp2' was removed from Lightning; use 'ddp'",
+    "xla": "XLA ('xla', XLAStrategy: TPUs) is not supported; distrain runs on CUDA GPUs and CPUs ('ddp', 'fsdp')",
     "ddp_sharded": "'ddp_sharded' (FairScale) is replaced by 'fsdp' (FSDP2: parameters, gradients and optimizer "
     "state sharded) or 'deepspeed_stage_2'",
 }
@@ -73,6 +79,10 @@ REPLACED.update(
         "ColossalAIStrategy": REPLACED["colossalai"],
         "HivemindStrategy": REPLACED["hivemind"],
         "DDPShardedStrategy": REPLACED["ddp_sharded"],
+        "single_xla": REPLACED["xla"],
+        "xla_debug": REPLACED["xla"],
+        "xla_fsdp": REPLACED["xla"],
+        "XLAStrategy": REPLACED["xla"],
     }
 )
 
@@ -98,6 +108,22 @@ def register(
             f"declares (entry point group {run_config.SECTION_GROUP!r}; a checkout of distrain: pip install -e .)"
         )
     _ENTRIES[name] = StrategyEntry(name, build, description, options_from_config, config_section, check, cost_model)
+
+
+def alias(name: str, strategy: str, **options: Any) -> None:
+    """Make ``name`` another name for ``strategy`` built with ``options`` (a run's own keywords override them)."""
+    if name in _ENTRIES or name in _ALIASES:
+        raise ValueError(f"strategy name {name!r} is registered twice")
+    _ALIASES[name] = (strategy, options)
+
+
+def unalias(name: Any, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The registered strategy an alias means, with its options under ``options``; any other name as it is."""
+    entries()  # the files that declare aliases are imported
+    if isinstance(name, str) and name in _ALIASES:
+        strategy, preset = _ALIASES[name]
+        return strategy, {**preset, **options}
+    return name, options
 
 
 def entries() -> dict[str, StrategyEntry]:
@@ -153,6 +179,7 @@ def names() -> list[str]:
 
 def lookup(name: str) -> StrategyEntry:
     known = entries()
+    name, _ = unalias(name, {})
     if name in REPLACED:
         raise ValueError(f"strategy {name!r}: {REPLACED[name]}")
     if name not in known:
@@ -245,6 +272,7 @@ def make_strategy(name: Any, world_size: int, **kwargs: Any):
     chooses (``planner/decide.py``, which gets every option): it is built with the options it takes."""
     from distrain.strategies.base import Strategy
 
+    name, kwargs = unalias(name, kwargs)
     check_options(name, kwargs)
     if isinstance(name, Strategy):
         return name
@@ -260,5 +288,6 @@ def make_strategy(name: Any, world_size: int, **kwargs: Any):
 
 def options_from_config(strategy: str, config: Any, block_classes: set) -> dict:
     """The config file's options for ``strategy`` (``auto`` takes those of what it resolves to)."""
+    strategy, preset = unalias(strategy, {})
     entry = lookup(resolve_auto(strategy, 2 if strategy == "auto" else 1))
-    return entry.options_from_config(config, block_classes) if entry.options_from_config else {}
+    return {**(entry.options_from_config(config, block_classes) if entry.options_from_config else {}), **preset}

@@ -10,6 +10,7 @@ strategy decides how that is written (one file, DCP shards, DeepSpeed's engine f
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -85,7 +86,28 @@ class CheckpointManager:
             raise ckpt_io.CheckpointError(value)
         return Path(value) if value is not None else None
 
+    def best_or_current(self, stage: str) -> str | None:
+        """What ``validate``/``test``/``predict`` with no model evaluate: the best checkpoint of the fit before, as
+        Lightning does (said once, on rank 0), or the weights as fit left them where it kept none."""
+        cb = self.trainer.checkpoint_callback
+        if cb is None or not cb.best_model_path:
+            return None
+        if self.trainer.is_global_zero:
+            warnings.warn(
+                f"distrain: {stage}() with no model evaluates the best checkpoint of the previous fit "
+                f"({cb.best_model_path}); pass ckpt_path='last', a path, or the model itself to choose",
+                stacklevel=3,
+            )
+        return "best"
+
     def _decide(self, ckpt_path: str | os.PathLike) -> tuple[str, str | None]:
+        if ckpt_path == "best":  # Lightning's: the first ModelCheckpoint's best
+            cb = self.trainer.checkpoint_callback
+            if cb is None:
+                return "missing", "ckpt_path='best' needs a ModelCheckpoint (enable_checkpointing, or one in callbacks)"
+            if not cb.best_model_path:
+                return "missing", "ckpt_path='best': no checkpoint was saved yet (fit first, or give a path)"
+            ckpt_path = cb.best_model_path
         if ckpt_path in ("last", "auto"):
             last = self.last_path()
             ckpt_io.recover(last.parent)  # a commit a crash interrupted: its checkpoint back under its name
@@ -296,6 +318,9 @@ class CheckpointManager:
         t = self.trainer
         weights = {k: v.detach().cpu() for k, v in t.module.state_dict().items()}
         payload = {"model": weights, "progress": self.progress_state()}
+        cb = t.checkpoint_callback
+        if cb is not None:  # what ckpt_path="best" and "last" of a later stage in the parent mean
+            payload["checkpoint_paths"] = (cb.best_model_path, cb.last_model_path)
         if t.optimizers:
             payload["checkpoint"] = ckpt_state.state_of(self.state(), t.strategy.unwrap, ckpt_state.FULL)
         return payload
@@ -305,3 +330,6 @@ class CheckpointManager:
         self.load_progress_state(state["progress"])
         self.trainer.module = module
         self.parent_checkpoint = state.get("checkpoint")
+        cb = self.trainer.checkpoint_callback
+        if cb is not None and "checkpoint_paths" in state:
+            cb.best_model_path, cb.last_model_path = state["checkpoint_paths"]

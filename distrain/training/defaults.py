@@ -50,9 +50,10 @@ def default_callbacks(
 
 
 def default_loggers(logger: bool | Logger | Iterable[Logger], root: str) -> list[Logger]:
-    """``logger=True``: JSON lines and TensorBoard under ``root``; False: none; else the user's."""
+    """``logger=True``: TensorBoard (first: ``trainer.logger``, as Lightning's default) and JSON lines under ``root``;
+    False: none; else the user's."""
     if logger is True:
-        return [JSONLLogger(root), TensorBoardLogger(root)]
+        return [TensorBoardLogger(root), JSONLLogger(root)]
     if not logger:
         return []
     return [logger] if isinstance(logger, Logger) else list(logger)

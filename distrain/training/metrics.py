@@ -249,16 +249,19 @@ class MetricsLogger:
         self.validation: dict[str, float] = {}  # the latest validation during fit, for the closing summary
         self.summarize = True  # the closing summary (``distrain verify``'s runs have their report instead)
 
-    def start_fit(self, flops_per_token: float | None, run_config: dict | None) -> None:
+    def start_fit(self, flops_per_token: float | None, run_config: dict | None, module=None) -> None:
         rt = self.runtime
         peak = rt.accelerator.peak_flops(rt.device, rt.precision.compute_dtype)
         if self.monitor is None:  # now: its CPU-utilization window starts with training
             self.monitor = SystemMonitor(rt.device, announce=rt.is_global_zero)
         self.throughput = Throughput(rt.world_size, flops_per_token, peak, rt.strategy.data_parallel_size)
         self.timer = StepTimer(rt.device)
-        if run_config and rt.is_global_zero:
+        if rt.is_global_zero:
             for lg in self.loggers:
-                lg.log_hyperparams(run_config)
+                if run_config:
+                    lg.log_hyperparams(run_config)
+                if module is not None:
+                    lg.log_graph(module)  # a logger asked to (TensorBoardLogger(log_graph=True)) draws it
 
     def step_done(self, result: StepResult, final: bool, max_steps: int) -> None:
         """After each optimizer step. Values are reduced across ranks only on logging steps (and the

@@ -1,0 +1,17 @@
+"""A Lightning name this namespace does not have is refused where it is imported, in one line that says so."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def refusing(module: str) -> Callable[[str], object]:
+    """A module's ``__getattr__``: an ImportError naming the missing Lightning name (Python's own attributes, such
+    as ``__path__``, stay plain AttributeErrors: the import machinery asks for them)."""
+
+    def __getattr__(name: str) -> object:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise ImportError(f"{module}.{name}: distrain has no counterpart of Lightning's {name} (docs/migrating.md)")
+
+    return __getattr__

@@ -1,0 +1,53 @@
+"""``lightning.pytorch.trainer``: distrain's Trainer with Lightning's ``PL_TRAINER_*`` environment defaults."""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from distrain.trainer import Trainer as _Trainer
+
+__all__ = ["Trainer", "env_defaults", "seed_everything"]
+
+
+def env_defaults(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """Lightning's ``PL_TRAINER_<ARGUMENT>`` variables (``PL_TRAINER_DEVICES=2``) as Trainer keywords: a Python
+    literal where the value reads as one, else the string. An argument the Trainer does not take is refused there,
+    named as the keyword."""
+    defaults = {}
+    for key, raw in environ.items():
+        if key.startswith("PL_TRAINER_") and len(key) > len("PL_TRAINER_"):
+            try:
+                value = ast.literal_eval(raw)
+            except (ValueError, SyntaxError):
+                value = raw
+            defaults[key[len("PL_TRAINER_") :].lower()] = value
+    return defaults
+
+
+class Trainer(_Trainer):
+    """distrain's ``Trainer`` as Lightning's behaves, for scripts that move by their imports alone:
+    - its arguments are keywords (Lightning's are keyword-only), with Lightning's ``PL_TRAINER_*`` environment
+      variables as defaults: a keyword given in the script wins, as in Lightning;
+    - the training data sharded over several ranks is shuffled, whatever its loader says, in the order Lightning's
+      sampler gives it (seeded by ``PL_GLOBAL_SEED``, which ``seed_everything`` sets, else 0); ``distrain.Trainer``
+      keeps the loader's own order."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**{**env_defaults(), **kwargs})
+
+    def _train_order(self) -> tuple[bool | None, int]:
+        return (True if self.data_parallel_size > 1 else None), int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+    """Lightning's: seeds Python, NumPy and torch, and keeps the seed in ``PL_GLOBAL_SEED`` (the training sampler's
+    seed, and the ranks a launcher starts read it). None: ``PL_GLOBAL_SEED``'s, else 0."""
+    from distrain.runtime import seed_everything as seed_process
+
+    if seed is None:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
+    return seed_process(seed, workers)

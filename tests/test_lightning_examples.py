@@ -1,0 +1,40 @@
+"""Lightning's own example scripts (``tests/lightning_examples/``, verbatim) run under distrain with only their imports
+switched (``distrain.lightning.migrate``), and every backward pass's loss equals the stored Lightning run's, on 1
+process and on 2 DDP ranks (the layout in Lightning's own ``PL_TRAINER_*`` variables: the scripts set none)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lightning_examples.make_reference import EXAMPLES as SCRIPTS
+from lightning_examples.make_reference import UPSTREAM, example_env
+
+from distrain.lightning import migrate
+
+EXAMPLES = Path(__file__).resolve().parent / "lightning_examples"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_lightning_example_runs_with_its_imports_switched_and_logs_lightnings_losses(tmp_path, script, devices):
+    source = (UPSTREAM / script).read_text()
+    migrated = migrate(source)
+    assert "lightning.pytorch" not in migrated and "distrain.lightning" in migrated
+    (tmp_path / script).write_text(migrated)
+    env = example_env(tmp_path / script, str(tmp_path / "out"), devices)
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLES / "run_example.py")], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    reference = json.loads((EXAMPLES / "reference" / script.replace(".py", ".json")).read_text())
+    expected = reference["losses"][str(devices)]
+    for rank in range(devices):
+        got = json.loads((tmp_path / "out" / f"losses_rank{rank}.json").read_text())
+        want = expected[str(rank)]
+        assert len(got) == len(want) and got, (rank, got, want)
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (rank, got, want)

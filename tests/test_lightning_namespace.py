@@ -1,0 +1,335 @@
+"""``distrain.lightning``: Lightning's module paths, names, strategy names and overridable hooks, so that a Lightning
+script moves by its imports alone. One process each (the 2-rank runs: tests/test_lightning_examples.py)."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import distrain
+import distrain.lightning as pl
+from distrain.strategies import registry
+from helpers import make_trainer
+
+
+def _data(n: int = 32, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]))
+
+
+def _loader(n: int = 32, batch_size: int = 4) -> DataLoader:
+    return DataLoader(_data(n), batch_size=batch_size)
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, lr: float = 0.05):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.lr = lr
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x), y))
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+# ---- the namespace ---------------------------------------------------------------------------------------------------
+def test_the_import_edit_is_mechanical_and_leaves_other_words_alone():
+    source = (
+        "import lightning as L\nimport lightning.pytorch as pl\nimport pytorch_lightning\n"
+        "from lightning.pytorch.callbacks import ModelCheckpoint\nfrom pytorch_lightning.loggers import CSVLogger\n"
+        "logs = 'lightning_logs'  # lightning_fabric stays\n"
+    )
+    assert pl.migrate(source) == (
+        "import distrain as L\nimport distrain.lightning as pl\nimport distrain.lightning\n"
+        "from distrain.lightning.callbacks import ModelCheckpoint\nfrom distrain.lightning.loggers import CSVLogger\n"
+        "logs = 'lightning_logs'  # lightning_fabric stays\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "path, names",
+    [
+        (
+            "distrain.lightning",
+            "Trainer LightningModule LightningDataModule Callback seed_everything cli_lightning_logo",
+        ),
+        ("distrain.lightning.core", "LightningModule LightningDataModule"),
+        ("distrain.lightning.trainer", "Trainer"),
+        (
+            "distrain.lightning.callbacks",
+            "Callback ModelCheckpoint EarlyStopping LearningRateMonitor Timer TQDMProgressBar RichProgressBar",
+        ),
+        ("distrain.lightning.loggers", "Logger TensorBoardLogger CSVLogger WandbLogger MLFlowLogger"),
+        ("distrain.lightning.strategies", "DDPStrategy FSDPStrategy DeepSpeedStrategy ModelParallelStrategy Strategy"),
+        ("distrain.lightning.utilities", "rank_zero_only rank_zero_info rank_zero_warn grad_norm AttributeDict"),
+        ("distrain.lightning.utilities.imports", "_TORCHVISION_AVAILABLE"),
+    ],
+)
+def test_lightnings_names_are_at_lightnings_paths(path, names):
+    module = importlib.import_module(path)
+    for name in names.split():
+        assert getattr(module, name) is not None, (path, name)
+    assert pl.LightningModule is distrain.LightningModule is distrain.Module
+    assert distrain.pytorch is pl and issubclass(pl.Trainer, distrain.Trainer)
+
+
+def test_a_lightning_name_distrain_lacks_is_refused_in_one_line_where_it_is_imported():
+    with pytest.raises(ImportError, match=r"callbacks\.StochasticWeightAveraging: distrain has no counterpart"):
+        from distrain.lightning.callbacks import StochasticWeightAveraging  # noqa: F401
+    with pytest.raises(ImportError, match=r"loggers\.NeptuneLogger"):
+        from distrain.lightning.loggers import NeptuneLogger  # noqa: F401
+
+
+# ---- strategy names --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("start", ["ddp", "ddp_spawn", "ddp_fork", "ddp_notebook"])
+@pytest.mark.parametrize("flag", [True, False])
+def test_lightnings_find_unused_parameters_names_build_the_ddp_they_mean(start, flag):
+    strategy = registry.make_strategy(f"{start}_find_unused_parameters_{str(flag).lower()}", 2)
+    plain = registry.make_strategy(start, 2)
+    assert type(strategy) is type(plain) and strategy.start_method == plain.start_method
+    assert strategy.ddp_kwargs["find_unused_parameters"] is flag
+    explicit = registry.make_strategy("ddp_find_unused_parameters_true", 2, find_unused_parameters=False)
+    assert explicit.ddp_kwargs["find_unused_parameters"] is False  # a keyword of the run's own wins
+    assert f"{start}_find_unused_parameters_true" not in registry.names()  # listed once, under its own name
+
+
+def test_an_alias_in_a_config_file_means_the_same_and_xla_is_refused_in_one_line():
+    config = distrain.build_config(cli_items=["distributed.strategy=ddp_spawn_find_unused_parameters_true"])
+    options = registry.options_from_config(config.distributed.strategy, config, set())
+    assert options["find_unused_parameters"] is True
+    for name in ("xla", "single_xla", "xla_fsdp"):
+        with pytest.raises(ValueError, match="XLA .* is not supported"):
+            registry.make_strategy(name, 2)
+
+
+# ---- the Trainer's Lightning defaults --------------------------------------------------------------------------------
+def test_pl_trainer_variables_are_defaults_and_the_scripts_own_keyword_wins(monkeypatch, tmp_path):
+    monkeypatch.setenv("PL_TRAINER_DEVICES", "1")
+    monkeypatch.setenv("PL_TRAINER_MAX_EPOCHS", "3")
+    monkeypatch.setenv("PL_TRAINER_ACCELERATOR", "cpu")
+    trainer = pl.Trainer(max_epochs=2, default_root_dir=str(tmp_path))
+    assert trainer.world_size == 1 and trainer.max_epochs == 2
+    monkeypatch.setenv("PL_TRAINER_MAX_EPOCS", "3")
+    with pytest.raises(ValueError, match="max_epocs"):
+        pl.Trainer(default_root_dir=str(tmp_path))
+
+
+def test_seed_everything_keeps_the_seed_for_the_ranks_and_the_sampler(monkeypatch):
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    assert pl.seed_everything(123) == 123
+    import os
+
+    assert os.environ["PL_GLOBAL_SEED"] == "123"
+    a = torch.rand(3)
+    pl.seed_everything()
+    assert torch.equal(a, torch.rand(3))
+
+
+# ---- the hooks a user overrides --------------------------------------------------------------------------------------
+class WarmUp(Regressor):
+    """Lightning's docs' learning-rate warm-up in ``optimizer_step``, a counted ``optimizer_zero_grad`` and
+    ``lr_scheduler_step``, and value clipping in ``configure_gradient_clipping``."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"zero_grad": 0, "scheduler": 0}
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)}
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        assert isinstance(optimizer, torch.optim.SGD)
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr * min(1.0, (self.trainer.global_step + 1) / 4)
+        optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        self.calls["zero_grad"] += 1
+        optimizer.zero_grad()
+
+    def lr_scheduler_step(self, scheduler, metric):
+        self.calls["scheduler"] += 1
+        scheduler.step()
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="value")
+
+
+def _by_hand(module: WarmUp, epochs: int) -> nn.Module:
+    net = copy.deepcopy(module.net)
+    opt = torch.optim.SGD(net.parameters(), lr=module.lr)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    step = 0
+    for _ in range(epochs):
+        for x, y in _loader():
+            F.mse_loss(net(x), y).backward()
+            torch.nn.utils.clip_grad_value_(net.parameters(), 0.5)
+            for group in opt.param_groups:
+                group["lr"] = module.lr * min(1.0, (step + 1) / 4)
+            opt.step()
+            opt.zero_grad()
+            step += 1
+        schedule.step()  # an epoch's scheduler
+    return net
+
+
+def test_overridden_step_hooks_run_and_train_as_the_same_loop_written_by_hand(tmp_path):
+    module = WarmUp()
+    expected = _by_hand(module, epochs=2)
+    trainer, _ = make_trainer(tmp_path, devices=1, max_epochs=2, logger=False, enable_checkpointing=False)
+    trainer.fit(module, _loader())
+    assert module.calls == {"zero_grad": 16, "scheduler": 2}
+    for got, want in zip(module.net.parameters(), expected.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+class SkipsOddSteps(Regressor):
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if batch_idx % 2 == 0:
+            optimizer.step(closure=optimizer_closure)
+
+
+def test_a_step_the_override_leaves_out_is_not_applied(tmp_path):
+    module = SkipsOddSteps()
+    net = copy.deepcopy(module.net)
+    opt = torch.optim.SGD(net.parameters(), lr=module.lr)
+    for i, (x, y) in enumerate(_loader()):
+        F.mse_loss(net(x), y).backward()
+        if i % 2 == 0:
+            opt.step()
+        opt.zero_grad()
+    trainer, _ = make_trainer(tmp_path, devices=1, max_epochs=1, logger=False, enable_checkpointing=False)
+    trainer.fit(module, _loader())
+    torch.testing.assert_close(module.net.weight, net.weight)
+
+
+class GAN(pl.LightningModule):
+    """Lightning's GAN example's shape: two optimizers toggled in turn, an LR scheduler built on
+    ``self.optimizers()`` (torch's schedulers check ``isinstance(..., Optimizer)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator, self.discriminator = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.seen: list[tuple[bool, bool]] = []
+
+    def on_train_start(self):
+        opt_g, _ = self.optimizers()
+        self.schedule = torch.optim.lr_scheduler.StepLR(opt_g, 1, 0.5)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        assert isinstance(opt_g, torch.optim.Optimizer) and isinstance(opt_d, torch.optim.Adam)
+        self.toggle_optimizer(opt_g)
+        self.seen.append((self.generator.weight.requires_grad, self.discriminator.weight.requires_grad))
+        g_loss = self.discriminator(self.generator(x)).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+        with self.toggled_optimizer(opt_d):
+            self.seen.append((self.generator.weight.requires_grad, self.discriminator.weight.requires_grad))
+            d_loss = self.discriminator(x).mean() - self.discriminator(self.generator(x).detach()).mean()
+            opt_d.zero_grad()
+            self.manual_backward(d_loss)
+            opt_d.step()
+        self.schedule.step()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.generator.parameters(), 0.01), torch.optim.Adam(self.discriminator.parameters())
+
+
+def test_toggled_optimizers_and_a_scheduler_on_self_optimizers(tmp_path):
+    module = GAN()
+    trainer, recorder = make_trainer(tmp_path, devices=1, max_steps=6, logger=False, enable_checkpointing=False)
+    trainer.callbacks.remove(recorder)  # it reads a loss the loop has not: training_step returns none
+    trainer.fit(module, _loader())
+    assert module.seen[:2] == [(True, False), (False, True)] and len(set(module.seen[::2])) == 1
+    assert module.generator.weight.requires_grad and module.discriminator.weight.requires_grad  # given back
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**3)  # 3 batches, 2 steps each
+
+
+# ---- validate / test / predict as Lightning's ------------------------------------------------------------------------
+def test_test_with_no_model_evaluates_the_best_checkpoint_of_the_fit(tmp_path):
+    checkpoint = pl.callbacks.ModelCheckpoint(monitor="val_loss", mode="max", save_top_k=1, save_last=False)
+    trainer, _ = make_trainer(tmp_path, devices=1, max_epochs=3, logger=False, callbacks=[checkpoint])
+    module = Regressor()
+    trainer.fit(module, _loader(), _loader(16))
+    assert checkpoint.best_model_path and "epoch=0" in checkpoint.best_model_path  # the worst loss: the first epoch
+    current = trainer.test(module, _loader(16))[0]["test_loss"]  # a model given, no ckpt_path: as it is
+    with pytest.warns(UserWarning, match="evaluates the best checkpoint"):
+        best = trainer.test(dataloaders=_loader(16))[0]["test_loss"]
+    fresh = Regressor()
+    expected = trainer.test(fresh, _loader(16), ckpt_path=checkpoint.best_model_path)[0]["test_loss"]
+    assert best == pytest.approx(expected)
+    assert current < best
+    torch.testing.assert_close(module.net.weight, fresh.net.weight)  # the best weights went into the fitted model
+    assert trainer.validate(ckpt_path="best", dataloaders=_loader(16))[0]["val_loss"] == pytest.approx(best)
+
+
+def test_stage_methods_say_what_they_lack(tmp_path):
+    trainer, _ = make_trainer(tmp_path, devices=1, max_steps=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=r"test\(\) needs a model: pass one, or call fit\(\) first"):
+        trainer.test(dataloaders=_loader())
+    trainer.fit(Regressor(), _loader())
+    with pytest.raises(FileNotFoundError, match="ckpt_path='best' needs a ModelCheckpoint"):
+        trainer.validate(ckpt_path="best", dataloaders=_loader())
+    assert trainer.validate(dataloaders=_loader(8))[0]["val_loss"] >= 0  # no checkpoint kept: the weights as they are
+
+
+# ---- loggers and utilities -------------------------------------------------------------------------------------------
+def test_trainer_logger_is_tensorboard_with_its_writer_and_the_graph_when_asked(tmp_path, monkeypatch):
+    from torch.utils.tensorboard import SummaryWriter
+
+    trainer, _ = make_trainer(tmp_path, devices=1, max_steps=2, enable_checkpointing=False)
+    assert isinstance(trainer.logger, pl.loggers.TensorBoardLogger) and trainer.logger is trainer.loggers[0]
+    trainer.logger._log_graph = True  # as Lightning's tutorials set it
+    module = Regressor()
+    module.example_input_array = torch.zeros(2, 4)
+    trainer.fit(module, _loader())
+    assert isinstance(module.logger.experiment, SummaryWriter)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(trainer.logger.log_dir))
+    events.Reload()
+    assert events.Graph() is not None
+    monkeypatch.setenv("RANK", "1")  # another rank: Lightning's stand-in, which does nothing
+    assert isinstance(trainer.logger.experiment, pl.loggers.DummyExperiment)
+    trainer.logger.experiment.add_image("x", torch.zeros(3, 2, 2), 0)
+    assert pl.utilities.rank_zero_only(lambda: 1)() is None
+
+
+def test_csv_logger_paths_and_grad_norm(tmp_path):
+    csv = pl.loggers.CSVLogger(str(tmp_path), name="runs", version=3)
+    assert csv.log_dir == str(tmp_path / "runs" / "version_3") and csv.save_dir == str(tmp_path)
+    csv.log_metrics({"loss": 1.5}, step=2)
+    assert (tmp_path / "runs" / "version_3" / "metrics.jsonl").read_text() == '{"step": 2, "loss": 1.5}\n'
+    net = nn.Linear(3, 2)
+    net(torch.ones(1, 3)).sum().backward()
+    norms = pl.utilities.grad_norm(net, norm_type=2)
+    assert norms["grad_2.0_norm/weight"] == pytest.approx(float(net.weight.grad.norm()))
+    total = torch.cat([net.weight.grad.flatten(), net.bias.grad.flatten()]).norm()
+    assert norms["grad_2.0_norm_total"] == pytest.approx(float(total))
