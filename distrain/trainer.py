@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from distrain.batch import BatchLayout, keep_global_batch
 from distrain.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint, PlotSummary, Timer
+from distrain.checkpoint.io import CheckpointError
 from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.cluster import replica_run_dir
 from distrain.config import Bounds, redacted
@@ -634,6 +635,12 @@ class Trainer:
         checkpoint = self.checkpoints.resolve(ckpt_path) if ckpt_path is not None else None
         # what the loaders depend on, read before they are made: the datamodule's state, the global batch
         saved = rt.decided_on_rank_zero(lambda: _loader_state(checkpoint)) if checkpoint is not None else {}
+        if saved.get("weights_only"):
+            raise CheckpointError(
+                f"{checkpoint} holds the weights only (ModelCheckpoint(save_weights_only=True)), so fit cannot resume "
+                "from it: evaluate it (validate/test/predict with ckpt_path), or start from its weights "
+                "(Module.load_from_checkpoint) without ckpt_path"
+            )
         train_loader = stage_loader("fit", self, module, train_loader, datamodule, saved.get("datamodule"))
         if val_loader is None:
             val_loader = optional_loader(datamodule if datamodule is not None else module, "val_dataloader")
@@ -1346,10 +1353,10 @@ def _own_memory(module: nn.Module) -> None:
 
 
 def _loader_state(checkpoint) -> dict[str, Any]:
-    """The checkpoint's entries the loaders of a resumed fit are made from: the datamodule's state and the batch
-    layout."""
+    """The checkpoint's entries read before a resumed fit makes its loaders: the datamodule's state, the batch
+    layout, and whether it can be resumed from at all (``weights_only``)."""
     meta = read_checkpoint_meta(checkpoint)
-    return {key: meta.get(key) for key in ("datamodule", "batch_layout")}
+    return {key: meta.get(key) for key in ("datamodule", "batch_layout", "weights_only")}
 
 
 def _length(loader) -> int | None:

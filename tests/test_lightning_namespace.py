@@ -333,3 +333,111 @@ def test_csv_logger_paths_and_grad_norm(tmp_path):
     assert norms["grad_2.0_norm/weight"] == pytest.approx(float(net.weight.grad.norm()))
     total = torch.cat([net.weight.grad.flatten(), net.bias.grad.flatten()]).norm()
     assert norms["grad_2.0_norm_total"] == pytest.approx(float(total))
+
+
+# ---- ModelCheckpoint with Lightning's arguments ----------------------------------------------------------------------
+def test_lightnings_checkpoint_names_weights_only_and_versions(tmp_path):
+    from distrain.checkpoint.io import CheckpointError
+    from distrain.checkpoint.state import read_checkpoint_meta
+
+    def run(max_epochs, **kwargs):
+        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val_loss", **kwargs)
+        trainer, _ = make_trainer(tmp_path, devices=1, max_epochs=max_epochs, logger=False, callbacks=[checkpoint])
+        trainer.fit(Regressor(), _loader(), _loader(8))
+        return trainer, checkpoint
+
+    trainer, checkpoint = run(2, filename="{epoch}-{val_loss:.2f}", save_weights_only=True, save_top_k=-1)
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name != "last")
+    assert [n.split("-val_loss=")[0] for n in names] == ["epoch=0", "epoch=1"], names
+    meta = read_checkpoint_meta(checkpoint.best_model_path)
+    assert meta["weights_only"] is True and "optimizers" not in meta and "lr_schedulers" not in meta
+    assert trainer.test(Regressor(), _loader(8), ckpt_path=checkpoint.best_model_path)[0]["test_loss"] >= 0
+    again, _ = make_trainer(tmp_path / "again", devices=1, max_epochs=3, logger=False)
+    with pytest.raises(CheckpointError, match=r"holds the weights only .* fit cannot resume from it"):
+        again.fit(Regressor(), _loader(), ckpt_path=checkpoint.best_model_path)
+    run(1, save_top_k=-1)  # the default name, Lightning's, twice in one folder: the second is versioned
+    run(1, save_top_k=-1)
+    assert {"epoch=0-step=8", "epoch=0-step=8-v1"} <= {p.name for p in (tmp_path / "ckpt").iterdir()}
+
+
+def test_checkpoints_after_each_validation_and_by_time(tmp_path):
+    from datetime import timedelta
+
+    after_validation = pl.callbacks.ModelCheckpoint(save_on_train_epoch_end=False, save_top_k=-1, save_last=False)
+    trainer, _ = make_trainer(
+        tmp_path / "v", devices=1, max_epochs=1, val_check_interval=4, logger=False, callbacks=[after_validation]
+    )
+    trainer.fit(Regressor(), _loader(), _loader(8))
+    assert sorted(p.name for p in (tmp_path / "v" / "checkpoints").iterdir()) == ["epoch=0-step=4", "epoch=0-step=8"]
+    by_time = pl.callbacks.ModelCheckpoint(train_time_interval=timedelta(0), save_top_k=-1, verbose=True)
+    trainer, _ = make_trainer(tmp_path / "t", devices=1, max_steps=3, logger=False, callbacks=[by_time])
+    trainer.fit(Regressor(), _loader())
+    assert {f"epoch=0-step={s}" for s in (1, 2, 3)} <= {p.name for p in (tmp_path / "t" / "checkpoints").iterdir()}
+    with pytest.raises(ValueError, match="train_time_interval must be a timedelta"):
+        pl.callbacks.ModelCheckpoint(train_time_interval=60)
+
+
+# ---- LightningCLI --------------------------------------------------------------------------------------------------
+class CLIData(pl.LightningDataModule):
+    def __init__(self, batch_size: int = 4):
+        super().__init__()
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return _loader(batch_size=self.batch_size)
+
+    def test_dataloader(self):
+        return _loader(8, batch_size=self.batch_size)
+
+
+CLI_SCRIPT = """
+import json, os, sys
+import torch
+sys.path.insert(0, {tests!r})
+from distrain.lightning.cli import LightningCLI
+from test_lightning_namespace import CLIData, Regressor
+
+cli = LightningCLI(Regressor, CLIData, run=False)
+cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+with open(os.path.join({out!r}, f"rank{{cli.trainer.global_rank}}.json"), "w") as f:
+    json.dump({{"seed": cli.config["seed_everything"], "lr": cli.model.lr}}, f)
+"""
+
+
+def test_lightning_cli_parses_the_command_line_runs_the_subcommand_and_keeps_its_config(tmp_path, capsys):
+    from distrain.lightning.cli import LightningCLI
+
+    common = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.enable_progress_bar=false"]
+    root = f"--trainer.default_root_dir={tmp_path / 'run'}"
+    cli = LightningCLI(Regressor, CLIData, args=["fit", *common, root, "--model.lr=0.2", "--trainer.max_steps=3"])
+    assert cli.subcommand == "fit" and cli.model.lr == 0.2 and cli.trainer.global_step == 3
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "lr: 0.2" in saved and "max_steps: 3" in saved and "seed_everything: " in saved
+    # the saved config runs again, and a stage from it evaluates the run's last checkpoint
+    config = str(tmp_path / "run" / "config.yaml")
+    tested = LightningCLI(Regressor, CLIData, args=["test", "--config", config, "--ckpt_path", "last"])
+    assert tested.model.lr == 0.2 and tested.trainer.callback_metrics["test_loss"] >= 0
+    with pytest.raises(SystemExit):
+        LightningCLI(Regressor, CLIData, args=["fit", "--model.lr=0.3", "--print_config"])
+    assert "lr: 0.3" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # jsonargparse's one-line refusal names the key
+        LightningCLI(Regressor, CLIData, args=["fit", "--model.learning_rate=0.3"])
+    assert "learning_rate" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_lightning_cli_ranks_agree_on_the_random_seed(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "train.py"
+    script.write_text(CLI_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path)))
+    args = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp", "--model.lr=0.01"]
+    args += ["--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path / 'run'}"]
+    run = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0]["lr"] == 0.01 and isinstance(ranks[0]["seed"], int)

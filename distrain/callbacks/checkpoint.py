@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
 import string
+import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 from distrain.callbacks.base import Callback
@@ -15,28 +18,52 @@ class ModelCheckpoint(Callback):
     """Checkpoints are directories ``dirpath/<filename>``; ``dirpath/last`` links to the newest.
 
     ``save_top_k``: keep the k best by ``monitor`` (or, with no monitor, the k newest); -1 keeps all.
-    ``filename`` may use ``{epoch}``, ``{step}`` and any logged metric, e.g. ``"{epoch}-{val_loss:.3f}"``.
+    ``filename`` may use ``{epoch}``, ``{step}`` and any logged metric, e.g. ``"{epoch}-{val_loss:.3f}"``;
+    ``auto_insert_metric_name``: each field written as ``name=value`` (Lightning's default, there).
+
+    Lightning's other arguments: ``save_weights_only`` (the model's weights and the run's records, without the
+    optimizer and scheduler states: such a checkpoint is evaluated or fine-tuned from, never resumed),
+    ``every_n_epochs``, ``save_on_train_epoch_end`` (False: save after each validation of fit instead),
+    ``train_time_interval`` (a ``timedelta``: save when that much time passed since the last save, rank 0's clock),
+    ``enable_version_counter`` (a name that exists gets ``-v1``, ``-v2``... rather than replacing it), ``verbose``.
     """
 
     def __init__(
         self,
         dirpath: str | None = None,
-        filename: str = "epoch={epoch}-step={step}",
+        filename: str | None = "epoch={epoch}-step={step}",
         monitor: str | None = None,
         mode: str = "min",
         save_top_k: int = 1,
-        save_last: bool = True,
+        save_last: bool | str = True,
         every_n_train_steps: int | None = None,
         every_n_epochs: int | None = None,
+        save_weights_only: bool = False,
+        auto_insert_metric_name: bool = False,
+        save_on_train_epoch_end: bool | None = None,
+        train_time_interval: timedelta | None = None,
+        enable_version_counter: bool = False,
+        verbose: bool = False,
     ):
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint mode must be 'min' or 'max', got {mode!r}")
+        if save_last not in (True, False, None, "link"):
+            raise ValueError(f"ModelCheckpoint save_last must be True, False, None or 'link', got {save_last!r}")
+        if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
+            raise ValueError(f"ModelCheckpoint train_time_interval must be a timedelta, got {train_time_interval!r}")
         self.dirpath = Path(dirpath) if dirpath else None
-        self.filename = filename
+        filename = filename or "{epoch}-{step}"  # Lightning's None
+        self.filename = _with_metric_names(filename) if auto_insert_metric_name else filename
+        self.save_weights_only = save_weights_only
+        self.save_on_train_epoch_end = save_on_train_epoch_end
+        self.train_time_interval = train_time_interval
+        self.enable_version_counter = enable_version_counter
+        self.verbose = verbose
+        self._last_time_save = time.monotonic()
         self.monitor = monitor
         self.mode = mode
         self.save_top_k = save_top_k
-        self.save_last = save_last
+        self.save_last = bool(save_last)  # "link": distrain's ``last`` is a link already
         self.every_n_train_steps = every_n_train_steps
         self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (None if every_n_train_steps else 1)
         self.saved: list[tuple[float, str]] = []  # (score, path) of kept checkpoints
@@ -63,15 +90,27 @@ class ModelCheckpoint(Callback):
             self.dirpath = Path(trainer.log_dir) / "checkpoints"
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        """Saves every ``every_n_train_steps`` optimizer steps."""
+        """Saves every ``every_n_train_steps`` optimizer steps, and when ``train_time_interval`` has passed."""
         if self.every_n_train_steps and trainer.global_step % self.every_n_train_steps == 0:
             self.save(trainer)
+        elif self.train_time_interval is not None:  # rank 0's clock decides for all: the ranks save together
+            due = lambda: time.monotonic() - self._last_time_save >= self.train_time_interval.total_seconds()  # noqa: E731
+            if trainer.runtime.decided_on_rank_zero(due):
+                self.save(trainer)
 
     def on_train_epoch_end(self, trainer, module) -> None:
         """Saves at the end of every ``every_n_epochs``-th epoch (each epoch unless ``every_n_train_steps`` is
-        given)."""
-        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+        given); with ``save_on_train_epoch_end=False``, after each validation of fit instead."""
+        if self.save_on_train_epoch_end is not False and self._epoch_due(trainer):
             self.save(trainer)
+
+    def on_validation_end(self, trainer, module) -> None:
+        if self.save_on_train_epoch_end is False and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            if self._epoch_due(trainer):
+                self.save(trainer)
+
+    def _epoch_due(self, trainer) -> bool:
+        return bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
 
     def on_train_end(self, trainer, module) -> None:
         """Saves when training ends, with ``save_last``: a finished run can be resumed or inspected."""
@@ -106,13 +145,17 @@ class ModelCheckpoint(Callback):
         # Rank 0 names the checkpoint and every rank writes there: a name may use metrics that
         # differ per rank (step time, tokens/s), and a sharded checkpoint needs every rank's shards.
         # A name that cannot be made (a bad format) fails on every rank, not on rank 0 alone.
-        path = self.dirpath / trainer.runtime.decided_on_rank_zero(lambda: self.format_name(trainer))
+        path = self.dirpath / trainer.runtime.decided_on_rank_zero(lambda: self._new_name(trainer))
         # the checkpoint's own record of the kept ones (``state_dict``) counts it: resumed from, it is still ranked
         self._saving = (score, str(path))
         try:
-            trainer.checkpoints.save(path, then=lambda finite: self._committed(trainer, path, score, finite))
+            then = lambda finite: self._committed(trainer, path, score, finite)  # noqa: E731
+            trainer.checkpoints.save(path, then=then, weights_only=self.save_weights_only)
         finally:
             self._saving = None
+        self._last_time_save = time.monotonic()
+        if self.verbose and trainer.is_global_zero:
+            print(f"distrain: step {trainer.global_step}: checkpoint saved to {path}", flush=True)
 
     def _committed(self, trainer, path: Path, score: float, finite: bool) -> None:
         """Once the checkpoint is on disk under its name: ``last`` moves to it, and only then are older ones removed."""
@@ -135,6 +178,14 @@ class ModelCheckpoint(Callback):
         # rank 0 alone moves `last` and removes stale checkpoints; a failure there (a full disk, a `last` that a
         # sync made a directory) reaches every rank at once instead of leaving them in a barrier until the timeout
         self.best_model_path = trainer.runtime.decided_on_rank_zero(after_commit)
+
+    def _new_name(self, trainer) -> str:
+        """``format_name``'s; with ``enable_version_counter``, a name that exists already gets ``-v1``, ``-v2``..."""
+        name = base = self.format_name(trainer)
+        version = 1
+        while self.enable_version_counter and (self.dirpath / name).exists():
+            name, version = f"{base}-v{version}", version + 1
+        return name
 
     def format_name(self, trainer) -> str:
         """The checkpoint's name from ``filename``. A metric it uses that is not logged yet (``{val_loss}``
@@ -214,6 +265,11 @@ class ModelCheckpoint(Callback):
         if not is_checkpoint_name(name) or not is_checkpoint_dir(candidate):
             return None
         return str(candidate)
+
+
+def _with_metric_names(filename: str) -> str:
+    """Lightning's ``auto_insert_metric_name``: each ``{name...}`` field of ``filename`` as ``name={name...}``."""
+    return re.sub(r"\{([^{}:!\[.]+)([^{}]*)\}", lambda m: f"{m.group(1)}={{{m.group(1)}{m.group(2)}}}", filename)
 
 
 def _ranked(saved: list[tuple[float, str]], score: float, path: str) -> list[tuple[float, str]]:

@@ -1,7 +1,34 @@
 """``lightning.pytorch.callbacks``: the stock callbacks distrain has, under Lightning's names."""
 
-from distrain.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint, ProgressBar, Timer
+from distrain.callbacks import Callback, EarlyStopping, LearningRateMonitor, ProgressBar, Timer
+from distrain.callbacks import ModelCheckpoint as _ModelCheckpoint
 from distrain.lightning._refuse import refusing
+
+
+class ModelCheckpoint(_ModelCheckpoint):
+    """distrain's ``ModelCheckpoint`` with Lightning's defaults: ``filename`` ``{epoch}-{step}`` with each field's name
+    inserted (``epoch=3-step=120``, ``epoch=3-val_loss=0.25``), and a name that exists already versioned (``-v1``)
+    rather than replaced."""
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        *,  # Lightning's next positional argument is verbose, distrain's mode: keywords only past here
+        auto_insert_metric_name: bool = True,
+        enable_version_counter: bool = True,
+        **kwargs,
+    ):
+        super().__init__(
+            dirpath,
+            filename,
+            monitor,
+            auto_insert_metric_name=auto_insert_metric_name,
+            enable_version_counter=enable_version_counter,
+            **kwargs,
+        )
+
 
 #: Lightning's progress bars: distrain draws its own, one line per logging step where the output is not a terminal
 TQDMProgressBar = RichProgressBar = ProgressBar

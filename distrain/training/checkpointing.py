@@ -189,11 +189,14 @@ class CheckpointManager:
         ckpt_state.load_into(state, loaded, unwrap, ckpt_state.FULL)
         self.load_progress_state(state["progress"])
 
-    def state(self) -> dict[str, Any]:
+    def state(self, weights_only: bool = False) -> dict[str, Any]:
         t = self.trainer
+        live = self._live_objects()
+        if weights_only:
+            live = {k: v for k, v in live.items() if k not in ("optimizers", "lr_schedulers")} | {"weights_only": True}
         checkpoint = {
             "format": CHECKPOINT_FORMAT,
-            **self._live_objects(),
+            **live,
             "progress": self.progress_state(),
             "rng": t.runtime.all_gather_object(rng_state()),  # every rank's streams
             "callbacks": {cb.state_key: cb.state_dict() for cb in t.callbacks},
@@ -226,11 +229,18 @@ class CheckpointManager:
                 lg.load_state_dict(states[lg.state_key])
 
     # ---- save and restore -------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike, then: Callable[[bool], None] | None = None, background: bool | None = None):
+    def save(
+        self,
+        path: str | os.PathLike,
+        then: Callable[[bool], None] | None = None,
+        background: bool | None = None,
+        weights_only: bool = False,
+    ):
         """Write a checkpoint directory (all ranks call this together). ``then(finite)`` runs once it is committed:
         now, or — written in the background (``async_save``) — when the next save or the end of fit completes it;
         ``finite``: every weight is finite (agreed across ranks): a checkpoint that is not must never become
-        ``last``. Returns that."""
+        ``last``. Returns that. ``weights_only``: without the optimizers' and schedulers' states (DeepSpeed's engine
+        writes its own either way), marked so that no fit resumes from it."""
         self.complete_pending()
         if background is None:  # strategy="auto" may have chosen DeepSpeed, whose engine writes synchronously
             background = self.async_save and self.trainer.strategy.traits.saves_in_background
@@ -249,7 +259,7 @@ class CheckpointManager:
                 then(finite)
             return finite
         finite = self.weights_finite()  # of the weights being saved: now, before the run changes them
-        self._pending = (self.trainer.runtime.save(path, self.state(), background), then, finite)
+        self._pending = (self.trainer.runtime.save(path, self.state(weights_only), background), then, finite)
         if not background:
             self.complete_pending()
         return finite
