@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import itertools
 import math
 import os
 import time
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -29,11 +27,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from distrain.batch import BatchLayout, keep_global_batch
-from distrain.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint, PlotSummary, Timer
+from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary
 from distrain.checkpoint.io import CheckpointError
 from distrain.checkpoint.state import read_checkpoint_meta
-from distrain.cluster import replica_run_dir
-from distrain.config import Bounds, redacted
+from distrain.config import redacted
 from distrain.data import (
     batch_size_of,
     distributed_sampler,
@@ -45,49 +42,23 @@ from distrain.data import (
 from distrain.datamodule import STAGE_LOADERS, is_datamodule, one_loader, optional_loader, stage_loader
 from distrain.loggers import Logger, TensorBoardLogger
 from distrain.module import Module, StepRouter, loss_of, run_step, unsupported_hooks
-from distrain.run_dir import DEFAULT as DEFAULT_ROOT_DIR
 from distrain.run_dir import choose as choose_run_dir
 from distrain.runtime import Runtime, rng_state, set_rng_state
 from distrain.strategies.base import LoopFacts, Strategy
 from distrain.training import startup
-from distrain.training.anomalies import POLICIES as ANOMALY_POLICIES
-from distrain.training.anomalies import AnomalyError, AnomalyGuard
-from distrain.training.arguments import NOT_RUN, ProcessSettings, check_keywords
+from distrain.training.anomalies import AnomalyError
+from distrain.training.arguments import LoopOptions, TrainerState, checked_arguments
+from distrain.training.assembly import assemble
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
-from distrain.training.defaults import callback_list, default_callbacks, default_loggers
+from distrain.training.defaults import default_loggers
 from distrain.training.evaluation import Evaluator
 from distrain.training.metrics import MetricsLogger, StepResult
-from distrain.training.nonfinite import POLICIES as NONFINITE_POLICIES
 from distrain.training.nonfinite import NonFiniteError, step_is_finite
 from distrain.training.optimizers import parse_optimizers
 from distrain.training.preemption import StopAgreement
 
 __all__ = ["Trainer", "CHECKPOINT_FORMAT", "NonFiniteError", "AnomalyError"]
 
-#: what each numeric argument of ``Trainer`` accepts (None is always "not set"), as the config's keys declare theirs
-TRAINER_NUMBERS = {
-    "num_nodes": Bounds(gt=0),
-    "max_epochs": Bounds(gt=0),
-    "max_steps": Bounds(gt=0, means={-1: "no limit: max_epochs decides"}),
-    "gradient_clip_val": Bounds(ge=0, means={0: "no clipping"}),
-    "val_check_interval": Bounds(gt=0),
-    "log_every_n_steps": Bounds(gt=0),
-    "seed": Bounds(ge=0),
-    "limit_train_batches": Bounds(gt=0),
-    "limit_val_batches": Bounds(ge=0, means={0: "no validation"}),
-    "limit_test_batches": Bounds(ge=0),
-    "limit_predict_batches": Bounds(ge=0),
-    "check_val_every_n_epoch": Bounds(gt=0),
-    "num_sanity_val_steps": Bounds(ge=0, means={-1: "every validation batch"}),
-    "min_epochs": Bounds(ge=0),
-    "min_steps": Bounds(ge=0),
-    "histogram_every_n_steps": Bounds(gt=0),
-    "straggler_threshold": Bounds(gt=0, means={0: "no straggler check"}),
-    "anomaly_zscore": Bounds(gt=0),
-    "anomaly_window": Bounds(gt=0),
-}
-#: the callbacks ``fast_dev_run`` leaves out, as Lightning does: they write files, log or end the run
-WRITES_OR_STOPS = (ModelCheckpoint, EarlyStopping, LearningRateMonitor, Timer)
 #: what ``train_step`` returns for a step the strategy did not commit (``Strategy.commit_step``)
 DROPPED = object()
 #: what ``train_step`` returns for a step whose data was found at fault before a rollback (``on_anomaly``): not run
@@ -96,46 +67,6 @@ SKIPPED = object()
 ROLLED_BACK = object()
 #: ``on_train_batch_start`` returned -1 (Lightning's "skip the rest of this epoch"), on some rank
 SKIP_REST_OF_EPOCH = object()
-
-
-@dataclass
-class TrainerState:
-    """What runs now, as Lightning's ``trainer.state``: ``fn`` is the entry point (``fit``, ``validate``, ``test``,
-    ``predict``), ``stage`` what that entry point is doing (``train``, ``validate``, ``test``, ``predict``)."""
-
-    fn: str | None = None
-    stage: str | None = None
-
-
-@dataclass
-class LoopOptions:
-    """How long to train and how each optimizer step is made."""
-
-    max_epochs: int | None
-    max_steps: int
-    accumulation: dict[int, int]
-    """epoch → micro-batches per optimizer step (from that epoch on)."""
-    gradient_clip_val: float | None
-    val_check_interval: int | float | None
-    check_val_every_n_epoch: int
-    limit_train_batches: int | float | None
-    """Batches of each training epoch: a count, or a fraction of the loader (None: all); as the ``limit_*`` of the
-    other stages."""
-    limit_val_batches: int | float | None
-    limit_test_batches: int | float | None
-    limit_predict_batches: int | float | None
-    num_sanity_val_steps: int
-    """Validation batches run before training, their metrics dropped (-1: all of them)."""
-    min_epochs: int | None
-    min_steps: int | None
-    """A stop a callback asks for (``should_stop``: early stopping, ``max_time``) waits until both are reached."""
-    use_distributed_sampler: bool
-    on_nonfinite: str
-    """A non-finite loss or gradient norm: ``stop`` the run (the default), ``skip`` the step on every
-    rank, or ``ignore`` it (no check, no host sync per step)."""
-
-    def accumulate_for(self, epoch: int) -> int:
-        return self.accumulation[max(e for e in self.accumulation if e <= epoch)]
 
 
 class Trainer:
@@ -232,119 +163,9 @@ class Trainer:
         async_save: bool = False,
         **strategy_kwargs: Any,
     ):
-        arguments = locals()
-        for name, bounds in TRAINER_NUMBERS.items():  # NaN, ±inf and numbers that mean nothing: one line each
-            bounds.check(f"Trainer's {name}", arguments[name])
-        if on_nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
-        if on_anomaly is not None and on_anomaly not in ANOMALY_POLICIES:
-            raise ValueError(f"on_anomaly must be one of {', '.join(ANOMALY_POLICIES)} or None, got {on_anomaly!r}")
-        if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps must be a positive integer, got {log_every_n_steps!r}")
-        for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
-            if isinstance(arguments[name], float) and arguments[name] > 1:
-                raise ValueError(f"{name} is a number of batches or a fraction in (0, 1], got {arguments[name]!r}")
-        if gradient_clip_algorithm not in (None, "norm"):
-            raise ValueError(
-                f"gradient_clip_algorithm={gradient_clip_algorithm!r}: distrain clips by the gradients' norm "
-                "(gradient_clip_val); for 'value', clamp them yourself in on_before_optimizer_step"
-            )
-        if fast_dev_run:  # Lightning's smoke test: n batches of each stage, nothing written
-            fast_dev_run = 1 if fast_dev_run is True else fast_dev_run
-            if isinstance(fast_dev_run, bool) or not isinstance(fast_dev_run, int) or fast_dev_run < 1:
-                raise ValueError(f"fast_dev_run is True, False or a number of batches >= 1, got {fast_dev_run!r}")
-            max_steps, max_epochs, val_check_interval, num_sanity_val_steps = fast_dev_run, 1, None, 0
-            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = fast_dev_run
-            logger, enable_checkpointing, enable_plots, max_time = False, False, False, None
-            callbacks = [c for c in callback_list(callbacks) if not isinstance(c, WRITES_OR_STOPS)]
-        if max_time is not None:  # Lightning's Trainer(max_time=...): its Timer callback
-            callbacks = [*callback_list(callbacks), Timer(max_time)]
-        self._process_settings = ProcessSettings(deterministic, benchmark, detect_anomaly)
-        # Lightning's arguments distrain runs without, at their "not used" values; the rest are the strategy's options
-        check_keywords(strategy, strategy_kwargs, set(inspect.signature(Trainer).parameters) - {"strategy_kwargs"})
-        strategy_kwargs = {k: v for k, v in strategy_kwargs.items() if k not in NOT_RUN}
-        # where and how the ranks run
-        self.runtime = Runtime(accelerator, strategy, devices, num_nodes, precision, **strategy_kwargs)
-        # each replica group of a fault-tolerant run keeps its own run directory (replica_<id>/)
-        self.default_root_dir = replica_run_dir(str(default_root_dir or os.path.join(os.getcwd(), DEFAULT_ROOT_DIR)))
-        #: the run's folder (Lightning's name): metrics, TensorBoard, checkpoints, plots, logs. Final once the first
-        #: stage starts (``_choose_run_dir``); ``distrain train`` checked its own (``run_dir.claim``) and keeps it
-        self.log_dir = self.default_root_dir
-        self._run_dir_chosen = False
-        self._default_loggers = logger is True
-        self._point_runtime_at_run_dir()
-        if compile:  # torch.compile when the strategy sets the model up (strategies/layers.py: apply_compile)
-            if not self.runtime.strategy.traits.compiles:
-                raise ValueError(f"compile=True is not supported with {type(self.runtime.strategy).__name__}")
-            self.runtime.strategy.compile = compile
-        if async_save and not self.runtime.strategy.traits.saves_in_background:
-            raise ValueError(
-                f"async_save=True (checkpointing.async_save) is not supported with "
-                f"{type(self.runtime.strategy).__name__}"
-            )
-        self.seed = seed
-        # what the loop does
-        self.loop = LoopOptions(
-            max_epochs=max_epochs if max_epochs is not None else (1000 if max_steps == -1 else None),
-            max_steps=max_steps,
-            accumulation=_accumulation_schedule(accumulate_grad_batches),
-            gradient_clip_val=gradient_clip_val,
-            val_check_interval=val_check_interval,
-            check_val_every_n_epoch=check_val_every_n_epoch or 1,
-            limit_train_batches=limit_train_batches,
-            limit_val_batches=limit_val_batches,
-            limit_test_batches=limit_test_batches,
-            limit_predict_batches=limit_predict_batches,
-            num_sanity_val_steps=num_sanity_val_steps,
-            min_epochs=min_epochs,
-            min_steps=min_steps,
-            use_distributed_sampler=use_distributed_sampler,
-            on_nonfinite=on_nonfinite,
-        )
-        self.progress = TrainProgress()
-        if on_anomaly is not None and not self.runtime.strategy.traits.reruns_steps:
-            raise ValueError(
-                f"on_anomaly is not supported with {type(self.runtime.strategy).__name__}: it re-runs an anomalous "
-                "step before deciding, on every rank alike (single, ddp, fsdp and tensor parallelism do)"
-            )
-        #: loss spikes and non-finite losses: re-run, recorded, then stopped at, skipped or rolled back from
-        self.anomalies = AnomalyGuard(self, on_anomaly, anomaly_window, anomaly_zscore) if on_anomaly else None
-        # what runs beside it
-        self.callbacks = default_callbacks(
-            callbacks, enable_checkpointing, enable_progress_bar, enable_plots, histogram_every_n_steps
-        )
-        self.metrics = MetricsLogger(
-            self.runtime,
-            default_loggers(logger, self.log_dir),
-            log_every_n_steps,
-            print_steps=not enable_progress_bar,
-            straggler_threshold=straggler_threshold,
-        )
-        self.evaluator = Evaluator(self.runtime, self.metrics, self._call)
-        self.checkpoints = CheckpointManager(self)
-        self.checkpoints.async_save = async_save  # checkpoints written while training goes on
-        self.stop = StopAgreement(self.runtime)
-        self.run_config: dict | None = None  # the resolved config, stored in checkpoints (the CLI sets it)
-        # what it trains (set by fit/validate/test/predict)
-        self.module = None
-        self.model = None
-        self.optimizers = []
-        self.lr_schedulers = []
-        self._loop_optimizers: list = []  # what the module's hooks and self.optimizers() hand out (LoopOptimizer)
-        self._first_micro_batch = False  # on_before_zero_grad: once per optimizer step
-        self.should_stop = False  # a callback may set it: the run ends (on every rank) at a step or epoch boundary
-        self.state = TrainerState()
-        self._stopping = False
-        self._told_minimum = False  # a stop asked before min_epochs/min_steps: said once
-        self._last_val_step = -1
-        self._announce_start = False  # fit resumed or restarted: say how long the first step took to come
-        self._num_batches: int | None = None  # the train loader's length, when it has one
-        self.batch_layout: BatchLayout | None = None  # micro-batch × accumulation × data-parallel ranks, set by fit
-        # what a Lightning module reads from its trainer (self.trainer.datamodule, ...), set in the ranks
-        self.datamodule = None
-        self.train_dataloader = None  # this rank's train loader, as fit set it up
-        self.val_dataloaders = None
-        self.sanity_checking = False  # True while the sanity check runs (num_sanity_val_steps)
+        # each argument checked (one line for one at fault) and made what the loop reads (training/arguments.py),
+        # then the parts it runs with (training/assembly.py)
+        assemble(self, checked_arguments(locals()))
 
     # ---- where am I, and views that callbacks read ---------------------------------------------
     is_global_zero = property(lambda self: self.runtime.is_global_zero, doc="Whether this process is global rank 0.")
@@ -1278,7 +1099,10 @@ class LoopOptimizer:
 
 @functools.cache
 def _loop_optimizer_class(wrapper: type, optimizer: type) -> type:
-    return type(f"{wrapper.__name__}[{optimizer.__name__}]", (wrapper, optimizer), {})
+    try:
+        return type(f"{wrapper.__name__}[{optimizer.__name__}]", (wrapper, optimizer), {})
+    except TypeError:  # an engine's optimizer class that cannot be mixed in (a metaclass, a layout): the wrapper alone
+        return wrapper
 
 
 class ManualOptimizer(LoopOptimizer):
@@ -1331,15 +1155,6 @@ def _limited(batches: int | None, limit: int | float | None, name: str) -> int |
             raise ValueError(f"{name}={limit} is a fraction of the loader, which has no length: give a number")
         return int(batches * limit)
     return limit if batches is None else min(batches, limit)
-
-
-def _accumulation_schedule(value: int | dict[int, int]) -> dict[int, int]:
-    schedule = dict(value) if isinstance(value, dict) else {0: value}
-    schedule.setdefault(0, 1)
-    for epoch, n in schedule.items():
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"accumulate_grad_batches[{epoch}] must be a positive integer, got {n!r}")
-    return schedule
 
 
 def _own_memory(module: nn.Module) -> None:

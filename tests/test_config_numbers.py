@@ -186,7 +186,7 @@ def test_builtin_corpus_is_the_start_of_the_stdlib_modules():
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1, 0])
 def test_every_numeric_trainer_argument_refuses_what_it_cannot_mean(tmp_path, value):
     import distrain
-    from distrain.trainer import TRAINER_NUMBERS
+    from distrain.training.arguments import TRAINER_NUMBERS
 
     for name, bounds in TRAINER_NUMBERS.items():
         arguments = dict(accelerator="cpu", strategy="single", devices=1, default_root_dir=str(tmp_path))

@@ -1,5 +1,6 @@
-"""Lightning's ``Trainer`` arguments beyond the loop's: those distrain does not run, the keywords that are neither
-the Trainer's nor the strategy's, and torch's process-wide flags.
+"""The ``Trainer``'s arguments, checked and made what the loop reads (``checked_arguments``, ``LoopOptions``): the
+numbers' bounds, the policies' names, Lightning's ``fast_dev_run`` and ``max_time``; Lightning's arguments distrain
+does not run, the keywords that are neither the Trainer's nor the strategy's, and torch's process-wide flags.
 
 Each keyword is taken or refused in one line before anything starts; none is dropped without a word (an option of
 the multi-process strategies was, on one process; a typo went on to DistributedDataParallel and failed in the
@@ -12,6 +13,37 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from distrain.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, Timer
+from distrain.config import Bounds
+from distrain.training.anomalies import POLICIES as ANOMALY_POLICIES
+from distrain.training.defaults import callback_list
+from distrain.training.nonfinite import POLICIES as NONFINITE_POLICIES
+
+#: what each numeric argument of ``Trainer`` accepts (None is always "not set"), as the config's keys declare theirs
+TRAINER_NUMBERS = {
+    "num_nodes": Bounds(gt=0),
+    "max_epochs": Bounds(gt=0),
+    "max_steps": Bounds(gt=0, means={-1: "no limit: max_epochs decides"}),
+    "gradient_clip_val": Bounds(ge=0, means={0: "no clipping"}),
+    "val_check_interval": Bounds(gt=0),
+    "log_every_n_steps": Bounds(gt=0),
+    "seed": Bounds(ge=0),
+    "limit_train_batches": Bounds(gt=0),
+    "limit_val_batches": Bounds(ge=0, means={0: "no validation"}),
+    "limit_test_batches": Bounds(ge=0),
+    "limit_predict_batches": Bounds(ge=0),
+    "check_val_every_n_epoch": Bounds(gt=0),
+    "num_sanity_val_steps": Bounds(ge=0, means={-1: "every validation batch"}),
+    "min_epochs": Bounds(ge=0),
+    "min_steps": Bounds(ge=0),
+    "histogram_every_n_steps": Bounds(gt=0),
+    "straggler_threshold": Bounds(gt=0, means={0: "no straggler check"}),
+    "anomaly_zscore": Bounds(gt=0),
+    "anomaly_window": Bounds(gt=0),
+}
+#: the callbacks ``fast_dev_run`` leaves out, as Lightning does: they write files, log or end the run
+WRITES_OR_STOPS = (ModelCheckpoint, EarlyStopping, LearningRateMonitor, Timer)
 
 #: Lightning ``Trainer`` arguments distrain does not run: the value that means "not used" (accepted), and what to
 #: do instead of any other
@@ -64,3 +96,103 @@ class ProcessSettings:
             torch.backends.cudnn.benchmark = benchmark
         if self.detect_anomaly:
             torch.autograd.set_detect_anomaly(True)
+
+
+@dataclass
+class TrainerState:
+    """What runs now, as Lightning's ``trainer.state``: ``fn`` is the entry point (``fit``, ``validate``, ``test``,
+    ``predict``), ``stage`` what that entry point is doing (``train``, ``validate``, ``test``, ``predict``)."""
+
+    fn: str | None = None
+    stage: str | None = None
+
+
+@dataclass
+class LoopOptions:
+    """How long to train and how each optimizer step is made."""
+
+    max_epochs: int | None
+    max_steps: int
+    accumulation: dict[int, int]
+    """epoch → micro-batches per optimizer step (from that epoch on)."""
+    gradient_clip_val: float | None
+    val_check_interval: int | float | None
+    check_val_every_n_epoch: int
+    limit_train_batches: int | float | None
+    """Batches of each training epoch: a count, or a fraction of the loader (None: all); as the ``limit_*`` of the
+    other stages."""
+    limit_val_batches: int | float | None
+    limit_test_batches: int | float | None
+    limit_predict_batches: int | float | None
+    num_sanity_val_steps: int
+    """Validation batches run before training, their metrics dropped (-1: all of them)."""
+    min_epochs: int | None
+    min_steps: int | None
+    """A stop a callback asks for (``should_stop``: early stopping, ``max_time``) waits until both are reached."""
+    use_distributed_sampler: bool
+    on_nonfinite: str
+    """A non-finite loss or gradient norm: ``stop`` the run (the default), ``skip`` the step on every
+    rank, or ``ignore`` it (no check, no host sync per step)."""
+
+    def accumulate_for(self, epoch: int) -> int:
+        return self.accumulation[max(e for e in self.accumulation if e <= epoch)]
+
+
+def checked_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer's arguments (``locals()`` of its ``__init__``), each checked, with what Lightning's shortcuts mean
+    spelled out: ``fast_dev_run`` (n batches of each stage, nothing written) and ``max_time`` (a ``Timer``
+    callback); ``loop``: the ``LoopOptions`` they make. A ValueError names the argument at fault."""
+    a = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
+    for name, bounds in TRAINER_NUMBERS.items():  # NaN, ±inf and numbers that mean nothing: one line each
+        bounds.check(f"Trainer's {name}", a[name])
+    if a["on_nonfinite"] not in NONFINITE_POLICIES:
+        raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {a['on_nonfinite']!r}")
+    if a["on_anomaly"] is not None and a["on_anomaly"] not in ANOMALY_POLICIES:
+        raise ValueError(f"on_anomaly must be one of {', '.join(ANOMALY_POLICIES)} or None, got {a['on_anomaly']!r}")
+    if not isinstance(a["log_every_n_steps"], int) or a["log_every_n_steps"] < 1:
+        raise ValueError(f"log_every_n_steps must be a positive integer, got {a['log_every_n_steps']!r}")
+    for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
+        if isinstance(a[name], float) and a[name] > 1:
+            raise ValueError(f"{name} is a number of batches or a fraction in (0, 1], got {a[name]!r}")
+    if a["gradient_clip_algorithm"] not in (None, "norm"):
+        raise ValueError(
+            f"gradient_clip_algorithm={a['gradient_clip_algorithm']!r}: distrain clips by the gradients' norm "
+            "(gradient_clip_val); for 'value', clamp them yourself in on_before_optimizer_step"
+        )
+    if a["fast_dev_run"]:  # Lightning's smoke test: n batches of each stage, nothing written
+        n = 1 if a["fast_dev_run"] is True else a["fast_dev_run"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"fast_dev_run is True, False or a number of batches >= 1, got {n!r}")
+        a.update(max_steps=n, max_epochs=1, val_check_interval=None, num_sanity_val_steps=0)
+        a.update(limit_train_batches=n, limit_val_batches=n, limit_test_batches=n, limit_predict_batches=n)
+        a.update(logger=False, enable_checkpointing=False, enable_plots=False, max_time=None)
+        a["callbacks"] = [c for c in callback_list(a["callbacks"]) if not isinstance(c, WRITES_OR_STOPS)]
+    if a["max_time"] is not None:  # Lightning's Trainer(max_time=...): its Timer callback
+        a["callbacks"] = [*callback_list(a["callbacks"]), Timer(a["max_time"])]
+    a["loop"] = LoopOptions(
+        max_epochs=a["max_epochs"] if a["max_epochs"] is not None else (1000 if a["max_steps"] == -1 else None),
+        max_steps=a["max_steps"],
+        accumulation=_accumulation_schedule(a["accumulate_grad_batches"]),
+        gradient_clip_val=a["gradient_clip_val"],
+        val_check_interval=a["val_check_interval"],
+        check_val_every_n_epoch=a["check_val_every_n_epoch"] or 1,
+        limit_train_batches=a["limit_train_batches"],
+        limit_val_batches=a["limit_val_batches"],
+        limit_test_batches=a["limit_test_batches"],
+        limit_predict_batches=a["limit_predict_batches"],
+        num_sanity_val_steps=a["num_sanity_val_steps"],
+        min_epochs=a["min_epochs"],
+        min_steps=a["min_steps"],
+        use_distributed_sampler=a["use_distributed_sampler"],
+        on_nonfinite=a["on_nonfinite"],
+    )
+    return a
+
+
+def _accumulation_schedule(value: int | dict[int, int]) -> dict[int, int]:
+    schedule = dict(value) if isinstance(value, dict) else {0: value}
+    schedule.setdefault(0, 1)
+    for epoch, n in schedule.items():
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"accumulate_grad_batches[{epoch}] must be a positive integer, got {n!r}")
+    return schedule

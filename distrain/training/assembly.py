@@ -1,0 +1,109 @@
+"""What a ``Trainer`` is made of, built from its checked arguments (``training/arguments.py``): the runtime (where and
+how the ranks run), the run's folder, the loop's options, and the parts it holds (callbacks, metrics, evaluator,
+checkpoints, stop agreement, anomaly guard), with the loop's own state at its start."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+from distrain.cluster import replica_run_dir
+from distrain.run_dir import DEFAULT as DEFAULT_ROOT_DIR
+from distrain.runtime import Runtime
+from distrain.training.anomalies import AnomalyGuard
+from distrain.training.arguments import NOT_RUN, ProcessSettings, TrainerState, check_keywords
+from distrain.training.checkpointing import CheckpointManager, TrainProgress
+from distrain.training.defaults import default_callbacks, default_loggers
+from distrain.training.evaluation import Evaluator
+from distrain.training.metrics import MetricsLogger
+from distrain.training.preemption import StopAgreement
+
+
+def assemble(trainer, a: dict[str, Any]) -> None:
+    """Build ``trainer``'s parts from its checked arguments ``a`` (``checked_arguments``)."""
+    from distrain.trainer import Trainer  # its arguments' names, whatever subclass is built (circular at import)
+
+    trainer._process_settings = ProcessSettings(a["deterministic"], a["benchmark"], a["detect_anomaly"])
+    # Lightning's arguments distrain runs without, at their "not used" values; the rest are the strategy's options
+    strategy_kwargs = a["strategy_kwargs"]
+    check_keywords(a["strategy"], strategy_kwargs, set(inspect.signature(Trainer).parameters) - {"strategy_kwargs"})
+    strategy_kwargs = {k: v for k, v in strategy_kwargs.items() if k not in NOT_RUN}
+    # where and how the ranks run
+    rt = trainer.runtime = Runtime(
+        a["accelerator"], a["strategy"], a["devices"], a["num_nodes"], a["precision"], **strategy_kwargs
+    )
+    # each replica group of a fault-tolerant run keeps its own run directory (replica_<id>/)
+    root = a["default_root_dir"]
+    trainer.default_root_dir = replica_run_dir(str(root or os.path.join(os.getcwd(), DEFAULT_ROOT_DIR)))
+    #: the run's folder (Lightning's name): metrics, TensorBoard, checkpoints, plots, logs. Final once the first
+    #: stage starts (``_choose_run_dir``); ``distrain train`` checked its own (``run_dir.claim``) and keeps it
+    trainer.log_dir = trainer.default_root_dir
+    trainer._run_dir_chosen = False
+    trainer._default_loggers = a["logger"] is True
+    trainer._point_runtime_at_run_dir()
+    strategy_name = type(rt.strategy).__name__
+    if a["compile"]:  # torch.compile when the strategy sets the model up (strategies/layers.py: apply_compile)
+        if not rt.strategy.traits.compiles:
+            raise ValueError(f"compile=True is not supported with {strategy_name}")
+        rt.strategy.compile = a["compile"]
+    if a["async_save"] and not rt.strategy.traits.saves_in_background:
+        raise ValueError(f"async_save=True (checkpointing.async_save) is not supported with {strategy_name}")
+    trainer.seed = a["seed"]
+    # what the loop does
+    trainer.loop = a["loop"]
+    trainer.progress = TrainProgress()
+    if a["on_anomaly"] is not None and not rt.strategy.traits.reruns_steps:
+        raise ValueError(
+            f"on_anomaly is not supported with {strategy_name}: it re-runs an anomalous "
+            "step before deciding, on every rank alike (single, ddp, fsdp and tensor parallelism do)"
+        )
+    #: loss spikes and non-finite losses: re-run, recorded, then stopped at, skipped or rolled back from
+    trainer.anomalies = (
+        AnomalyGuard(trainer, a["on_anomaly"], a["anomaly_window"], a["anomaly_zscore"]) if a["on_anomaly"] else None
+    )
+    # what runs beside it
+    trainer.callbacks = default_callbacks(
+        a["callbacks"],
+        a["enable_checkpointing"],
+        a["enable_progress_bar"],
+        a["enable_plots"],
+        a["histogram_every_n_steps"],
+    )
+    trainer.metrics = MetricsLogger(
+        rt,
+        default_loggers(a["logger"], trainer.log_dir),
+        a["log_every_n_steps"],
+        print_steps=not a["enable_progress_bar"],
+        straggler_threshold=a["straggler_threshold"],
+    )
+    trainer.evaluator = Evaluator(rt, trainer.metrics, trainer._call)
+    trainer.checkpoints = CheckpointManager(trainer)
+    trainer.checkpoints.async_save = a["async_save"]  # checkpoints written while training goes on
+    trainer.stop = StopAgreement(rt)
+    trainer.run_config = None  # the resolved config, stored in checkpoints (the CLI sets it)
+    _start_state(trainer)
+
+
+def _start_state(trainer) -> None:
+    """What the loop keeps as it runs, as it is before any stage."""
+    # what it trains (set by fit/validate/test/predict)
+    trainer.module = None
+    trainer.model = None
+    trainer.optimizers = []
+    trainer.lr_schedulers = []
+    trainer._loop_optimizers = []  # what the module's hooks and self.optimizers() hand out (LoopOptimizer)
+    trainer._first_micro_batch = False  # on_before_zero_grad: once per optimizer step
+    trainer.should_stop = False  # a callback may set it: the run ends (on every rank) at a step or epoch boundary
+    trainer.state = TrainerState()
+    trainer._stopping = False
+    trainer._told_minimum = False  # a stop asked before min_epochs/min_steps: said once
+    trainer._last_val_step = -1
+    trainer._announce_start = False  # fit resumed or restarted: say how long the first step took to come
+    trainer._num_batches = None  # the train loader's length, when it has one
+    trainer.batch_layout = None  # micro-batch × accumulation × data-parallel ranks, set by fit
+    # what a Lightning module reads from its trainer (self.trainer.datamodule, ...), set in the ranks
+    trainer.datamodule = None
+    trainer.train_dataloader = None  # this rank's train loader, as fit set it up
+    trainer.val_dataloaders = None
+    trainer.sanity_checking = False  # True while the sanity check runs (num_sanity_val_steps)
