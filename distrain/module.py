@@ -370,7 +370,9 @@ class Module(nn.Module):
         optimizer = getattr(optimizer, "optimizer", optimizer)
         trainer = self.trainer
         if not self.automatic_optimization:
-            trainer._sync_gradients(optimizer)
+            from distrain.training.optimizers import sync_gradients
+
+            sync_gradients(trainer, optimizer)
         if gradient_clip_algorithm in (None, "norm"):
             return trainer.runtime.clip_gradients(trainer.model, optimizer, gradient_clip_val)
         if gradient_clip_algorithm == "value":

@@ -12,7 +12,6 @@ metrics and stop-signal agreement are components it holds (``distrain/training/`
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import math
 import os
@@ -54,7 +53,13 @@ from distrain.training.defaults import default_loggers
 from distrain.training.evaluation import Evaluator
 from distrain.training.metrics import MetricsLogger, StepResult
 from distrain.training.nonfinite import NonFiniteError, step_is_finite
-from distrain.training.optimizers import parse_optimizers
+from distrain.training.optimizers import (
+    LoopOptimizer,
+    ManualOptimizer,
+    check_manual_optimization,
+    parse_optimizers,
+    step_schedulers,
+)
 from distrain.training.preemption import StopAgreement
 
 __all__ = ["Trainer", "CHECKPOINT_FORMAT", "NonFiniteError", "AnomalyError"]
@@ -306,7 +311,7 @@ class Trainer:
             # else (a datamodule, or a module whose loader needs prepare_data/setup, which run in the ranks where
             # they can wait for each other): the planner gets no loader and keeps DDP, and says so
             self._choose_auto_strategy(module, planned)
-        self._check_manual_optimization(module)
+        check_manual_optimization(self, module)
         data = (train_dataloaders, val_dataloaders, datamodule)
         return self._launch(self._fit, module, data, ckpt_path)
 
@@ -316,31 +321,6 @@ class Trainer:
         problems = unsupported_hooks(module)
         if problems:
             raise NotImplementedError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
-
-    def _check_manual_optimization(self, module: Module) -> None:
-        """Manual optimization (``automatic_optimization = False``): what the loop would otherwise do for you is
-        refused in one line, as Lightning refuses it; so is a strategy it does not run under."""
-        if module.automatic_optimization:
-            return
-        if self.anomalies is not None:
-            raise ValueError("on_anomaly with automatic_optimization=False: the loop cannot re-run a step you step")
-        if max(self.loop.accumulation.values()) > 1:
-            raise ValueError(
-                "accumulate_grad_batches > 1 with automatic_optimization=False: accumulate by hand in training_step "
-                "(step the optimizer every N batches)"
-            )
-        if self.loop.gradient_clip_val:
-            raise ValueError(
-                "gradient_clip_val with automatic_optimization=False: call self.clip_gradients(opt, "
-                "gradient_clip_val=...) in training_step"
-            )
-        strategy = self.runtime.strategy
-        plain = type(strategy).backward is Strategy.backward and type(strategy).run_step is Strategy.run_step
-        if strategy.traits.collective_forward or strategy.traits.metrics_elsewhere or not plain:
-            raise NotImplementedError(
-                f"automatic_optimization=False is not supported with {type(strategy).__name__}: use DDP or one "
-                "process, or automatic optimization (return the loss from training_step)"
-            )
 
     def _choose_auto_strategy(self, module: Module, loader) -> None:
         """strategy="auto": before any rank starts, the memory planner picks the fastest strategy that fits
@@ -711,7 +691,7 @@ class Trainer:
         if action != "apply" or not self._apply_step(optimizer, grad_norm, step_loss, last_idx):
             self.progress.skipped_steps += 1
         self.module.optimizer_zero_grad(self.current_epoch, last_idx, self._loop_optimizers[0])
-        self._step_schedulers("step")
+        step_schedulers(self, "step")
         self.progress.global_step += 1
 
         rt.mark_phase(None, "logging")
@@ -729,7 +709,7 @@ class Trainer:
             self.progress.samples_in_epoch += batch_size_of(batch) * self.data_parallel_size
         self.progress.skipped_steps += 1
         self.progress.global_step += 1
-        self._step_schedulers("step")
+        step_schedulers(self, "step")
         if self.is_global_zero:
             print(
                 f"distrain: step {self.global_step} skipped: its samples were at fault before the rollback "
@@ -803,7 +783,7 @@ class Trainer:
             collector.stage = "train"
         epoch_metrics = collector.pop_epoch_metrics()
         self.metrics.publish(epoch_metrics, self.global_step, to_loggers=bool(epoch_metrics))
-        self._step_schedulers("epoch")  # after validation: a scheduler may monitor its metric (ReduceLROnPlateau)
+        step_schedulers(self, "epoch")  # after validation: a scheduler may monitor its metric (ReduceLROnPlateau)
         self.progress.epoch_done = True  # a checkpoint saved in the hooks below resumes at the next epoch
         self._call("on_train_epoch_end")
         # a stop asked in this epoch's validation or end hooks (early stopping) ends the run here, on every rank
@@ -838,27 +818,6 @@ class Trainer:
 
     def _done(self) -> bool:
         return self._stopping or (self.loop.max_steps != -1 and self.global_step >= self.loop.max_steps)
-
-    def _step_schedulers(self, interval: str) -> None:
-        """Step the schedulers of this ``interval`` that are due (``frequency``); one that monitors a metric
-        (``"monitor"``, e.g. ReduceLROnPlateau) steps with its latest value, and names it when it was never logged."""
-        if not self.module.automatic_optimization:
-            return  # manual optimization: the module steps its schedulers itself (self.lr_schedulers())
-        count = self.global_step + 1 if interval == "step" else self.current_epoch + 1
-        for config in self.lr_schedulers:
-            if config["interval"] != interval or count % config["frequency"]:
-                continue
-            monitor = config.get("monitor")
-            if monitor is None and isinstance(config["scheduler"], torch.optim.lr_scheduler.ReduceLROnPlateau):
-                raise ValueError(
-                    "configure_optimizers: a ReduceLROnPlateau scheduler needs a metric to monitor: return "
-                    '{"optimizer": opt, "lr_scheduler": {"scheduler": s, "monitor": "val_loss"}}'
-                )
-            if monitor is not None and monitor not in self.callback_metrics:
-                known = ", ".join(sorted(self.callback_metrics)) or "none yet"
-                raise KeyError(f"lr_scheduler monitors {monitor!r}, which was never logged (logged: {known})")
-            metric = self.callback_metrics[monitor] if monitor is not None else None
-            self.module.lr_scheduler_step(config["scheduler"], metric)
 
     def _val_every_steps(self) -> int | None:
         v = self.loop.val_check_interval
@@ -1025,18 +984,6 @@ class Trainer:
         self.metrics.step_done(result, final=self._done(), max_steps=self.loop.max_steps)
         return output
 
-    def _sync_gradients(self, optimizer) -> None:
-        """Average ``optimizer``'s gradients over the data-parallel ranks, once per step (manual optimization)."""
-        if self.data_parallel_size == 1 or getattr(optimizer, "_distrain_synced", False):
-            return
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            flat = self.runtime.all_reduce(flat, op="mean")
-            for g, synced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-                g.copy_(synced.view_as(g))
-        optimizer._distrain_synced = True
-
     def _configure(self, module: Module) -> None:
         if not getattr(module, "_distrain_configured", False):
             with self.runtime.init_module():
@@ -1069,66 +1016,6 @@ class Trainer:
         """Lightning's ``hook``: the callbacks', then the module's, whose result it returns."""
         self._call(hook, *args)
         return getattr(self.module, hook)(*args)
-
-
-class LoopOptimizer:
-    """An optimizer as the module's hooks get it (Lightning's ``LightningOptimizer``): ``step()`` goes through the
-    strategy and the precision plugin (a grad scaler, DeepSpeed's engine); the rest is the optimizer's. It is an
-    instance of the optimizer's class too, so ``isinstance(opt, torch.optim.Optimizer)`` holds and torch's LR
-    schedulers take it."""
-
-    def __init__(self, trainer: Trainer, optimizer: torch.optim.Optimizer):
-        self.__class__ = _loop_optimizer_class(type(self), type(optimizer))
-        self._trainer = trainer
-        self.optimizer = optimizer
-
-    def step(self, closure=None) -> Any:
-        """The step's forward and backward have run: the closure only returns what it computed."""
-        result = closure() if closure is not None else None
-        self._trainer.runtime.optimizer_step(self.optimizer, self._trainer.model)
-        return result
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def __getattr__(self, name: str) -> Any:  # param_groups, state, state_dict, ...
-        if name == "optimizer":  # not set yet
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
-
-
-@functools.cache
-def _loop_optimizer_class(wrapper: type, optimizer: type) -> type:
-    try:
-        return type(f"{wrapper.__name__}[{optimizer.__name__}]", (wrapper, optimizer), {})
-    except TypeError:  # an engine's optimizer class that cannot be mixed in (a metaclass, a layout): the wrapper alone
-        return wrapper
-
-
-class ManualOptimizer(LoopOptimizer):
-    """What ``self.optimizers()`` hands out under manual optimization: ``step()`` averages the gradients over the
-    ranks (once, however many ``manual_backward`` calls made them), steps through the precision plugin and counts
-    the step in ``global_step``."""
-
-    def step(self, closure=None) -> Any:
-        trainer = self._trainer
-        result = closure() if closure is not None else None
-        trainer._sync_gradients(self.optimizer)
-        trainer._hook("on_before_optimizer_step", self.optimizer)
-        trainer.runtime.optimizer_step(self.optimizer, trainer.model)
-        self.optimizer._distrain_synced = False
-        trainer.progress.global_step += 1
-        return result
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._trainer._hook("on_before_zero_grad", self.optimizer)
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-        self.optimizer._distrain_synced = False
-
-    @contextlib.contextmanager
-    def toggle_model(self, sync_grad: bool = True):
-        """Lightning's accumulation helper: here gradients are synced at ``step()`` only, so nothing to do."""
-        yield
 
 
 def _overrides(module: Module, *names: str) -> bool:

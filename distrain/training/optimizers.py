@@ -1,11 +1,17 @@
-"""What ``configure_optimizers`` returned, in every form Lightning accepts: the optimizers, and each LR scheduler's
-config (``interval``, ``frequency``, ``monitor``)."""
+"""The optimizers and their schedulers, as the loop and the module's hooks see them: what ``configure_optimizers``
+returned, in every form Lightning accepts (the optimizers, and each LR scheduler's config: ``interval``,
+``frequency``, ``monitor``); the optimizer the hooks get (``LoopOptimizer``, ``ManualOptimizer``); the schedulers
+stepped when due; and manual optimization's rules."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any
 
 import torch
+
+from distrain.strategies.base import Strategy
 
 
 def parse_optimizers(conf: Any, manual: bool = False) -> tuple[list[torch.optim.Optimizer], list[dict]]:
@@ -61,3 +67,124 @@ def _optimizer_dict(conf: dict) -> tuple[list, list]:
     if conf.get("monitor") is not None:
         scheduler.setdefault("monitor", conf["monitor"])
     return [conf["optimizer"]], [scheduler]
+
+
+class LoopOptimizer:
+    """An optimizer as the module's hooks get it (Lightning's ``LightningOptimizer``): ``step()`` goes through the
+    strategy and the precision plugin (a grad scaler, DeepSpeed's engine); the rest is the optimizer's. It is an
+    instance of the optimizer's class too, so ``isinstance(opt, torch.optim.Optimizer)`` holds and torch's LR
+    schedulers take it."""
+
+    def __init__(self, trainer, optimizer: torch.optim.Optimizer):
+        self.__class__ = _loop_optimizer_class(type(self), type(optimizer))
+        self._trainer = trainer
+        self.optimizer = optimizer
+
+    def step(self, closure=None) -> Any:
+        """The step's forward and backward have run: the closure only returns what it computed."""
+        result = closure() if closure is not None else None
+        self._trainer.runtime.optimizer_step(self.optimizer, self._trainer.model)
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:  # param_groups, state, state_dict, ...
+        if name == "optimizer":  # not set yet
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+
+@functools.cache
+def _loop_optimizer_class(wrapper: type, optimizer: type) -> type:
+    try:
+        return type(f"{wrapper.__name__}[{optimizer.__name__}]", (wrapper, optimizer), {})
+    except TypeError:  # an engine's optimizer class that cannot be mixed in (a metaclass, a layout): the wrapper alone
+        return wrapper
+
+
+class ManualOptimizer(LoopOptimizer):
+    """What ``self.optimizers()`` hands out under manual optimization: ``step()`` averages the gradients over the
+    ranks (once, however many ``manual_backward`` calls made them), steps through the precision plugin and counts
+    the step in ``global_step``."""
+
+    def step(self, closure=None) -> Any:
+        trainer = self._trainer
+        result = closure() if closure is not None else None
+        sync_gradients(trainer, self.optimizer)
+        trainer._hook("on_before_optimizer_step", self.optimizer)
+        trainer.runtime.optimizer_step(self.optimizer, trainer.model)
+        self.optimizer._distrain_synced = False
+        trainer.progress.global_step += 1
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._trainer._hook("on_before_zero_grad", self.optimizer)
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.optimizer._distrain_synced = False
+
+    @contextlib.contextmanager
+    def toggle_model(self, sync_grad: bool = True):
+        """Lightning's accumulation helper: here gradients are synced at ``step()`` only, so nothing to do."""
+        yield
+
+
+def sync_gradients(trainer, optimizer) -> None:
+    """Average ``optimizer``'s gradients over the data-parallel ranks, once per step (manual optimization)."""
+    if trainer.data_parallel_size == 1 or getattr(optimizer, "_distrain_synced", False):
+        return
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = trainer.runtime.all_reduce(flat, op="mean")
+        for g, synced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+            g.copy_(synced.view_as(g))
+    optimizer._distrain_synced = True
+
+
+def step_schedulers(trainer, interval: str) -> None:
+    """Step the schedulers of this ``interval`` that are due (``frequency``); one that monitors a metric
+    (``"monitor"``, e.g. ReduceLROnPlateau) steps with its latest value, and names it when it was never logged."""
+    if not trainer.module.automatic_optimization:
+        return  # manual optimization: the module steps its schedulers itself (trainer.lr_schedulers())
+    count = trainer.global_step + 1 if interval == "step" else trainer.current_epoch + 1
+    for config in trainer.lr_schedulers:
+        if config["interval"] != interval or count % config["frequency"]:
+            continue
+        monitor = config.get("monitor")
+        if monitor is None and isinstance(config["scheduler"], torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError(
+                "configure_optimizers: a ReduceLROnPlateau scheduler needs a metric to monitor: return "
+                '{"optimizer": opt, "lr_scheduler": {"scheduler": s, "monitor": "val_loss"}}'
+            )
+        if monitor is not None and monitor not in trainer.callback_metrics:
+            known = ", ".join(sorted(trainer.callback_metrics)) or "none yet"
+            raise KeyError(f"lr_scheduler monitors {monitor!r}, which was never logged (logged: {known})")
+        metric = trainer.callback_metrics[monitor] if monitor is not None else None
+        trainer.module.lr_scheduler_step(config["scheduler"], metric)
+
+
+def check_manual_optimization(trainer, module) -> None:
+    """Manual optimization (``automatic_optimization = False``): what the loop would otherwise do for you is
+    refused in one line, before any rank starts, as Lightning refuses it; so is a strategy it does not run under."""
+    if module.automatic_optimization:
+        return
+    if trainer.anomalies is not None:
+        raise ValueError("on_anomaly with automatic_optimization=False: the loop cannot re-run a step you step")
+    if max(trainer.loop.accumulation.values()) > 1:
+        raise ValueError(
+            "accumulate_grad_batches > 1 with automatic_optimization=False: accumulate by hand in training_step "
+            "(step the optimizer every N batches)"
+        )
+    if trainer.loop.gradient_clip_val:
+        raise ValueError(
+            "gradient_clip_val with automatic_optimization=False: call self.clip_gradients(opt, "
+            "gradient_clip_val=...) in training_step"
+        )
+    strategy = trainer.runtime.strategy
+    plain = type(strategy).backward is Strategy.backward and type(strategy).run_step is Strategy.run_step
+    if strategy.traits.collective_forward or strategy.traits.metrics_elsewhere or not plain:
+        raise NotImplementedError(
+            f"automatic_optimization=False is not supported with {type(strategy).__name__}: use DDP or one "
+            "process, or automatic optimization (return the loss from training_step)"
+        )
