@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
 import time
 import warnings
@@ -26,10 +25,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from distrain.batch import BatchLayout, keep_global_batch
-from distrain.callbacks import Callback, ModelCheckpoint, PlotSummary
+from distrain.callbacks import Callback, PlotSummary
 from distrain.checkpoint.io import CheckpointError
 from distrain.checkpoint.state import read_checkpoint_meta
-from distrain.config import redacted
 from distrain.data import (
     batch_size_of,
     distributed_sampler,
@@ -46,7 +44,7 @@ from distrain.runtime import Runtime, rng_state, set_rng_state
 from distrain.strategies.base import LoopFacts, Strategy
 from distrain.training import startup
 from distrain.training.anomalies import AnomalyError
-from distrain.training.arguments import LoopOptions, TrainerState, checked_arguments
+from distrain.training.arguments import LoopOptions, TrainerState, check_manual_optimization, checked_arguments
 from distrain.training.assembly import assemble
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
 from distrain.training.defaults import default_loggers
@@ -56,11 +54,11 @@ from distrain.training.nonfinite import NonFiniteError, step_is_finite
 from distrain.training.optimizers import (
     LoopOptimizer,
     ManualOptimizer,
-    check_manual_optimization,
     parse_optimizers,
     step_schedulers,
 )
 from distrain.training.preemption import StopAgreement
+from distrain.training.views import TrainerViews
 
 __all__ = ["Trainer", "CHECKPOINT_FORMAT", "NonFiniteError", "AnomalyError"]
 
@@ -74,7 +72,7 @@ ROLLED_BACK = object()
 SKIP_REST_OF_EPOCH = object()
 
 
-class Trainer:
+class Trainer(TrainerViews):
     """Trains a ``distrain.Module`` (or a Lightning-style module) on one process, N processes or N nodes: the
     parallel strategy is one argument. ``fit``, ``validate``, ``test``, ``predict`` and ``verify`` as in
     Lightning; the ranks are started here (or found, under torchrun, srun, mpirun, a PyTorchJob).
@@ -171,88 +169,6 @@ class Trainer:
         # each argument checked (one line for one at fault) and made what the loop reads (training/arguments.py),
         # then the parts it runs with (training/assembly.py)
         assemble(self, checked_arguments(locals()))
-
-    # ---- where am I, and views that callbacks read ---------------------------------------------
-    is_global_zero = property(lambda self: self.runtime.is_global_zero, doc="Whether this process is global rank 0.")
-    global_rank = property(lambda self: self.runtime.global_rank, doc="This process's rank among all ranks.")
-    local_rank = property(lambda self: self.runtime.local_rank, doc="This process's rank on its node.")
-    world_size = property(lambda self: self.runtime.world_size, doc="The number of ranks.")
-    num_devices = property(lambda self: self.runtime.nprocs, doc="Processes per node (Lightning's name).")
-    num_nodes = property(lambda self: self.runtime.num_nodes, doc="The number of nodes.")
-    data_parallel_size = property(
-        lambda self: self.runtime.strategy.data_parallel_size,
-        doc="How many ranks see different data: the data is sharded over them.",
-    )
-    strategy = property(lambda self: self.runtime.strategy, doc="The run's ``Strategy``.")
-    global_step = property(
-        lambda self: self.progress.global_step, doc="The optimizer steps taken so far (a resumed run's included)."
-    )
-    current_epoch = property(lambda self: self.progress.epoch, doc="The epoch the loop is in, counted from 0.")
-    loggers = property(lambda self: self.metrics.loggers, doc="The loggers metrics go to (from rank 0).")
-    logger = property(
-        lambda self: next(iter(self.metrics.loggers), None),
-        doc="The first of ``loggers`` (TensorBoard, by default), or None.",
-    )
-    preempted = property(
-        lambda self: self.stop.preempted, doc="The signal that stopped the run, if one did (None otherwise)."
-    )
-    max_steps = property(
-        lambda self: self.loop.max_steps,
-        doc="The most optimizer steps the run takes (-1: no limit, ``max_epochs`` decides).",
-    )
-    max_epochs = property(
-        lambda self: self.loop.max_epochs, doc="The most epochs the run takes (None: ``max_steps`` decides)."
-    )
-    log_every_n_steps = property(
-        lambda self: self.metrics.log_every_n_steps, doc="How often the step's metrics go to the loggers."
-    )
-    check_val_every_n_epoch = property(
-        lambda self: self.loop.check_val_every_n_epoch, doc="Fit validates in every n-th epoch."
-    )
-    val_check_interval = property(
-        lambda self: self.loop.val_check_interval,
-        doc="How often fit validates: steps, a fraction of an epoch, or None (once an epoch).",
-    )
-    # the config that checkpoints store and loggers get as hyperparameters: kept redacted (no credentials)
-    run_config = property(
-        lambda self: self._run_config,
-        lambda self, v: setattr(self, "_run_config", redacted(v)),
-        doc="The resolved config (the CLI sets it), redacted: checkpoints store it, loggers get it as hyperparameters.",
-    )
-
-    @property
-    def callback_metrics(self) -> dict[str, float]:
-        """The latest value of every metric logged (steps, epochs, validations), by name: what ``ModelCheckpoint``
-        monitors and a ``ReduceLROnPlateau`` scheduler reads."""
-        return self.metrics.callback_metrics
-
-    @property
-    def logged_metrics(self) -> dict[str, Any]:
-        """The last record sent to the loggers: a logging step's (loss, lr, throughput, memory, the module's
-        values), an epoch's or a validation's."""
-        return self.metrics.logged_metrics
-
-    @property
-    def progress_bar_metrics(self) -> dict[str, float]:
-        """What the progress bar shows, as of the last logging step: the loss (or the module's own loss logged with
-        ``prog_bar=True``), tokens per second, and the module's ``prog_bar=True`` values."""
-        return self.metrics.progress_bar_metrics
-
-    @property
-    def checkpoint_callback(self) -> ModelCheckpoint | None:
-        """The first ``ModelCheckpoint`` among the callbacks, or None."""
-        return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
-
-    @property
-    def estimated_stepping_batches(self) -> int | None:
-        """The optimizer steps the run will take: ``max_steps``, else the epochs' steps from the train loader's
-        length and the accumulation schedule; None when that is unknown (a loader with no length)."""
-        if self.loop.max_steps != -1:
-            return self.loop.max_steps
-        n = self._num_batches
-        if n is None or self.loop.max_epochs is None:
-            return None
-        return sum(math.ceil(n / self.loop.accumulate_for(e)) for e in range(self.loop.max_epochs))
 
     def init_module(self, empty_init: bool | None = None):
         """``with trainer.init_module(): model = Model()`` builds directly on the device (and in bf16

@@ -196,3 +196,31 @@ def _accumulation_schedule(value: int | dict[int, int]) -> dict[int, int]:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"accumulate_grad_batches[{epoch}] must be a positive integer, got {n!r}")
     return schedule
+
+
+def check_manual_optimization(trainer, module) -> None:
+    """Manual optimization (``automatic_optimization = False``): what the loop would otherwise do for you is
+    refused in one line, before any rank starts, as Lightning refuses it; so is a strategy it does not run under."""
+    if module.automatic_optimization:
+        return
+    if trainer.anomalies is not None:
+        raise ValueError("on_anomaly with automatic_optimization=False: the loop cannot re-run a step you step")
+    if max(trainer.loop.accumulation.values()) > 1:
+        raise ValueError(
+            "accumulate_grad_batches > 1 with automatic_optimization=False: accumulate by hand in training_step "
+            "(step the optimizer every N batches)"
+        )
+    if trainer.loop.gradient_clip_val:
+        raise ValueError(
+            "gradient_clip_val with automatic_optimization=False: call self.clip_gradients(opt, "
+            "gradient_clip_val=...) in training_step"
+        )
+    from distrain.strategies.base import Strategy
+
+    strategy = trainer.runtime.strategy
+    plain = type(strategy).backward is Strategy.backward and type(strategy).run_step is Strategy.run_step
+    if strategy.traits.collective_forward or strategy.traits.metrics_elsewhere or not plain:
+        raise NotImplementedError(
+            f"automatic_optimization=False is not supported with {type(strategy).__name__}: use DDP or one "
+            "process, or automatic optimization (return the loss from training_step)"
+        )

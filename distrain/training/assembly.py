@@ -4,7 +4,6 @@ checkpoints, stop agreement, anomaly guard), with the loop's own state at its st
 
 from __future__ import annotations
 
-import inspect
 import os
 from typing import Any
 
@@ -22,12 +21,10 @@ from distrain.training.preemption import StopAgreement
 
 def assemble(trainer, a: dict[str, Any]) -> None:
     """Build ``trainer``'s parts from its checked arguments ``a`` (``checked_arguments``)."""
-    from distrain.trainer import Trainer  # its arguments' names, whatever subclass is built (circular at import)
-
     trainer._process_settings = ProcessSettings(a["deterministic"], a["benchmark"], a["detect_anomaly"])
     # Lightning's arguments distrain runs without, at their "not used" values; the rest are the strategy's options
     strategy_kwargs = a["strategy_kwargs"]
-    check_keywords(a["strategy"], strategy_kwargs, set(inspect.signature(Trainer).parameters) - {"strategy_kwargs"})
+    check_keywords(a["strategy"], strategy_kwargs, set(a) - {"strategy_kwargs", "loop"})  # the Trainer's own names
     strategy_kwargs = {k: v for k, v in strategy_kwargs.items() if k not in NOT_RUN}
     # where and how the ranks run
     rt = trainer.runtime = Runtime(

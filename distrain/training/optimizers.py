@@ -1,7 +1,7 @@
 """The optimizers and their schedulers, as the loop and the module's hooks see them: what ``configure_optimizers``
 returned, in every form Lightning accepts (the optimizers, and each LR scheduler's config: ``interval``,
-``frequency``, ``monitor``); the optimizer the hooks get (``LoopOptimizer``, ``ManualOptimizer``); the schedulers
-stepped when due; and manual optimization's rules."""
+``frequency``, ``monitor``); the optimizer the hooks get (``LoopOptimizer``, ``ManualOptimizer``); and the schedulers
+stepped when due."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import functools
 from typing import Any
 
 import torch
-
-from distrain.strategies.base import Strategy
 
 
 def parse_optimizers(conf: Any, manual: bool = False) -> tuple[list[torch.optim.Optimizer], list[dict]]:
@@ -162,29 +160,3 @@ def step_schedulers(trainer, interval: str) -> None:
             raise KeyError(f"lr_scheduler monitors {monitor!r}, which was never logged (logged: {known})")
         metric = trainer.callback_metrics[monitor] if monitor is not None else None
         trainer.module.lr_scheduler_step(config["scheduler"], metric)
-
-
-def check_manual_optimization(trainer, module) -> None:
-    """Manual optimization (``automatic_optimization = False``): what the loop would otherwise do for you is
-    refused in one line, before any rank starts, as Lightning refuses it; so is a strategy it does not run under."""
-    if module.automatic_optimization:
-        return
-    if trainer.anomalies is not None:
-        raise ValueError("on_anomaly with automatic_optimization=False: the loop cannot re-run a step you step")
-    if max(trainer.loop.accumulation.values()) > 1:
-        raise ValueError(
-            "accumulate_grad_batches > 1 with automatic_optimization=False: accumulate by hand in training_step "
-            "(step the optimizer every N batches)"
-        )
-    if trainer.loop.gradient_clip_val:
-        raise ValueError(
-            "gradient_clip_val with automatic_optimization=False: call self.clip_gradients(opt, "
-            "gradient_clip_val=...) in training_step"
-        )
-    strategy = trainer.runtime.strategy
-    plain = type(strategy).backward is Strategy.backward and type(strategy).run_step is Strategy.run_step
-    if strategy.traits.collective_forward or strategy.traits.metrics_elsewhere or not plain:
-        raise NotImplementedError(
-            f"automatic_optimization=False is not supported with {type(strategy).__name__}: use DDP or one "
-            "process, or automatic optimization (return the loss from training_step)"
-        )
