@@ -64,3 +64,23 @@ def keep_global_batch(saved: BatchLayout, micro_batch: int, data_parallel: int) 
             f"{layout.global_batch} is the nearest that does)"
         )
     return layout, note
+
+
+def resumed_micro_batch(trainer, checkpoint, saved: dict | None, loader) -> int | None:
+    """A Trainer's fit resumed from a checkpoint trained on another number of data-parallel ranks (``saved``: its
+    batch layout): the micro-batch and accumulation that keep its global batch here (``keep_global_batch``); the
+    micro-batch to load with, or None to keep the loader's."""
+    from distrain.data import micro_batch_size  # torch: only when a fit resumes
+
+    micro = micro_batch_size(loader)
+    if not saved or not micro or not trainer.loop.use_distributed_sampler:
+        return None
+    dp = trainer.data_parallel_size
+    saved = BatchLayout.from_checkpoint(saved, checkpoint)
+    if saved.data_parallel == dp:
+        return None
+    layout, note = keep_global_batch(saved, micro, dp)
+    if trainer.is_global_zero:
+        print(note, flush=True)
+    trainer.loop.accumulation = {0: layout.accumulate}
+    return layout.micro_batch

@@ -610,3 +610,13 @@ def loss_of(output: Any) -> torch.Tensor:
     if isinstance(output, dict) and "loss" in output:
         return output["loss"]
     raise TypeError(f"training_step must return a loss tensor or a dict with 'loss', got {type(output).__name__}")
+
+
+def as_module(module: nn.Module) -> Module:
+    """``module`` as the Trainer takes it: a ``Module``; a plain ``nn.Module`` is refused, saying how to wrap it."""
+    if isinstance(module, Module):
+        return module
+    raise TypeError(
+        f"{type(module).__name__} is a plain nn.Module; wrap it: distrain.LossModule(model, learning_rate=...) "
+        "(its forward must return a loss), or subclass distrain.Module"
+    )

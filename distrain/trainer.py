@@ -12,6 +12,7 @@ metrics and stop-signal agreement are components it holds (``distrain/training/`
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import time
@@ -24,8 +25,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from distrain.batch import BatchLayout, keep_global_batch
-from distrain.callbacks import Callback, PlotSummary
+from distrain.batch import BatchLayout, resumed_micro_batch
+from distrain.callbacks import Callback
 from distrain.checkpoint.io import CheckpointError
 from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.data import (
@@ -36,9 +37,9 @@ from distrain.data import (
     seed_workers,
     tokens_in_batch,
 )
-from distrain.datamodule import STAGE_LOADERS, is_datamodule, one_loader, optional_loader, stage_loader
-from distrain.loggers import Logger, TensorBoardLogger
-from distrain.module import Module, StepRouter, loss_of, run_step, unsupported_hooks
+from distrain.datamodule import is_datamodule, one_loader, optional_loader, stage_loader
+from distrain.loggers import Logger
+from distrain.module import Module, StepRouter, as_module, loss_of, run_step, unsupported_hooks
 from distrain.run_dir import choose as choose_run_dir
 from distrain.runtime import Runtime, rng_state, set_rng_state
 from distrain.strategies.base import LoopFacts, Strategy
@@ -48,8 +49,8 @@ from distrain.training.arguments import LoopOptions, TrainerState, check_manual_
 from distrain.training.assembly import assemble
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
 from distrain.training.defaults import default_loggers
-from distrain.training.evaluation import Evaluator
-from distrain.training.metrics import MetricsLogger, StepResult
+from distrain.training.evaluation import Evaluator, length, limited
+from distrain.training.metrics import MetricsLogger, StepResult, print_fit_summary
 from distrain.training.nonfinite import NonFiniteError, step_is_finite
 from distrain.training.optimizers import (
     LoopOptimizer,
@@ -58,6 +59,7 @@ from distrain.training.optimizers import (
     step_schedulers,
 )
 from distrain.training.preemption import StopAgreement
+from distrain.training.stages import report, run_stage
 from distrain.training.views import TrainerViews
 
 __all__ = ["Trainer", "CHECKPOINT_FORMAT", "NonFiniteError", "AnomalyError"]
@@ -204,7 +206,7 @@ class Trainer(TrainerViews):
         """Train ``model`` on the loaders given, else ``datamodule``'s (also passed in ``train_dataloaders``'
         place, as Lightning allows), else the module's own ``train_dataloader()``/``val_dataloader()``. A datamodule
         or module's loaders are made in every rank, after ``prepare_data`` and ``setup("fit")``."""
-        module = _as_module(model)
+        module = as_module(model)
         if datamodule is None and is_datamodule(train_dataloaders):
             train_dataloaders, datamodule = None, train_dataloaders
         if datamodule is module:  # a module that is its own datamodule (the CLI's training.module): its hooks once
@@ -226,7 +228,9 @@ class Trainer(TrainerViews):
                 planned = module.train_dataloader()  # the planner reads a batch; this loader needs no set-up first
             # else (a datamodule, or a module whose loader needs prepare_data/setup, which run in the ranks where
             # they can wait for each other): the planner gets no loader and keeps DDP, and says so
-            self._choose_auto_strategy(module, planned)
+            from distrain.planner.decide import decide_auto_strategy
+
+            decide_auto_strategy(self, module, planned)
         check_manual_optimization(self, module)
         data = (train_dataloaders, val_dataloaders, datamodule)
         return self._launch(self._fit, module, data, ckpt_path)
@@ -238,26 +242,6 @@ class Trainer(TrainerViews):
         if problems:
             raise NotImplementedError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 
-    def _choose_auto_strategy(self, module: Module, loader) -> None:
-        """strategy="auto": before any rank starts, the memory planner picks the fastest strategy that fits
-        this module and micro-batch in the device's memory (DDP, FSDP, with activation checkpointing or
-        offload), and says why (``planner/decide.py``). Any other strategy is left alone."""
-        rt = self.runtime
-        if rt.auto_options is None or rt.environment_ready:
-            return
-        from distrain.planner import decide
-
-        options = rt.auto_options
-        rt.auto_options = None  # plan once
-        strategy, accumulate = decide.for_trainer(
-            rt, module, loader, self.loop.accumulate_for(0), self.loop.gradient_clip_val, options
-        )
-        if strategy is not None:
-            rt.use_strategy(strategy)
-        if accumulate:  # a layout whose ranks share samples: as many more micro-batches, the same global batch
-            factor = accumulate // self.loop.accumulate_for(0)
-            self.loop.accumulation = {epoch: n * factor for epoch, n in self.loop.accumulation.items()}
-
     def verify(self, module: nn.Module, train_dataloaders=None, datamodule=None, steps: int = 3):
         """A few steps of this configuration against one process on the same global batch, and the checks
         that need no reference (``distrain/verify``). Prints the report and returns it (None on ranks other
@@ -265,7 +249,7 @@ class Trainer(TrainerViews):
         from distrain.verify import verify
 
         loader = train_dataloaders if train_dataloaders is not None else datamodule.train_dataloader()
-        report = verify(self, _as_module(module), loader, steps)
+        report = verify(self, as_module(module), loader, steps)
         if report is not None:
             print(report.table(), flush=True)
         return report
@@ -277,15 +261,13 @@ class Trainer(TrainerViews):
         self, model: nn.Module | None = None, dataloaders=None, ckpt_path=None, verbose: bool = True, datamodule=None
     ) -> list[dict]:
         """The validation metrics (``verbose``: also printed, on rank 0)."""
-        return self._report(
-            "validate", self._evaluate_stage("validate", model, dataloaders, ckpt_path, datamodule), verbose
-        )
+        return report(self, "validate", run_stage(self, "validate", model, dataloaders, ckpt_path, datamodule), verbose)
 
     def test(
         self, model: nn.Module | None = None, dataloaders=None, ckpt_path=None, verbose: bool = True, datamodule=None
     ) -> list[dict]:
         """The test metrics (``verbose``: also printed, on rank 0)."""
-        return self._report("test", self._evaluate_stage("test", model, dataloaders, ckpt_path, datamodule), verbose)
+        return report(self, "test", run_stage(self, "test", model, dataloaders, ckpt_path, datamodule), verbose)
 
     def predict(
         self,
@@ -297,41 +279,8 @@ class Trainer(TrainerViews):
     ) -> list | None:
         """Returns this rank's predictions, in its sampler order (rank 0's for spawn/fork); None with
         ``return_predictions=False``."""
-        predictions = self._evaluate_stage("predict", model, dataloaders, ckpt_path, datamodule)
+        predictions = run_stage(self, "predict", model, dataloaders, ckpt_path, datamodule)
         return None if return_predictions is False else predictions
-
-    def _report(self, stage: str, results: list[dict], verbose: bool) -> list[dict]:
-        if verbose and self.is_global_zero and results:
-            shown = ", ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in results[0].items())
-            print(f"distrain: {stage}: {shown or 'nothing logged'}", flush=True)
-        return results
-
-    def _evaluate_stage(self, stage: str, model, dataloaders, ckpt_path, datamodule):
-        """The loaders given, else the datamodule's (also in ``dataloaders``' place), else the module's own: made in
-        every rank after ``prepare_data`` and ``setup(stage)``."""
-        if model is None:
-            if self.module is None:
-                raise ValueError(f"{stage}() needs a model: pass one, or call fit() first (model=None is fit's)")
-            model = self.module
-            if ckpt_path is None:
-                ckpt_path = self.checkpoints.best_or_current(stage)
-        module = _as_module(model)
-        if datamodule is None and is_datamodule(dataloaders):
-            dataloaders, datamodule = None, dataloaders
-        if datamodule is module:
-            datamodule = None
-        method = STAGE_LOADERS[stage]
-        source = datamodule if datamodule is not None else module
-        if dataloaders is None and not callable(getattr(source, method, None)):
-            raise ValueError(
-                f"{stage}() needs dataloaders, a datamodule with {method}(), or a module that defines {method}()"
-            )
-        self._check_lightning_module(module)
-        self._choose_run_dir(ckpt_path)
-        if stage == "predict":
-            return self._launch(self._predict, module, (dataloaders, datamodule), ckpt_path)
-        step_name = "validation_step" if stage == "validate" else "test_step"
-        return self._launch(self._evaluate, module, step_name, (dataloaders, datamodule), ckpt_path)
 
     def _launch(self, fn, module: Module, *args):
         self.runtime.strategy.check_module(module)
@@ -362,11 +311,11 @@ class Trainer(TrainerViews):
         if val_loader is None:
             val_loader = optional_loader(datamodule if datamodule is not None else module, "val_dataloader")
         val_loader = one_loader(val_loader, "val_dataloaders")
-        micro_batch = self._keep_global_batch(checkpoint, saved.get("batch_layout"), train_loader)
+        micro_batch = resumed_micro_batch(self, checkpoint, saved.get("batch_layout"), train_loader)
         shuffle, shuffle_seed = self._train_order()
         train_loader = self._setup_loader(train_loader, shuffle_seed, batch_size=micro_batch, shuffle=shuffle)
         val_loader = self._setup_loader(val_loader, even=False) if val_loader is not None else None
-        self._num_batches = _limited(_length(train_loader), self.loop.limit_train_batches, "limit_train_batches")
+        self._num_batches = limited(length(train_loader), self.loop.limit_train_batches, "limit_train_batches")
         self.train_dataloader, self.val_dataloaders = train_loader, val_loader
         self.batch_layout = BatchLayout(
             micro_batch_size(train_loader) or 1, self.loop.accumulate_for(0), self.data_parallel_size
@@ -404,42 +353,8 @@ class Trainer(TrainerViews):
             self.metrics.finalize()
             self._teardown("fit", module, datamodule)
         if self.is_global_zero and self.metrics.summarize:
-            self._print_summary(first_step, time.perf_counter() - started)
+            print_fit_summary(self, first_step, time.perf_counter() - started)
         return self.callback_metrics
-
-    def _print_summary(self, first_step: int, seconds: float) -> None:
-        """The end of a fit on the console: how it ended, its numbers, and where its files are."""
-        ended = f"done at step {self.global_step}"
-        if self.preempted:
-            ended = f"stopped by signal {self.preempted} at step {self.global_step} (`last` resumes it)"
-        if first_step:
-            ended += f" (resumed from step {first_step})"
-        checkpoint = self.checkpoint_callback
-        plot = next((c.last_path for c in self.callbacks if isinstance(c, PlotSummary)), None)
-        events = next((lg.log_dir for lg in self.loggers if isinstance(lg, TensorBoardLogger)), None)
-        paths = {
-            "checkpoint": checkpoint.last_model_path if checkpoint is not None else None,
-            "plot": plot,
-            "tensorboard": f"tensorboard --logdir {events}" if events is not None and events.is_dir() else None,
-        }
-        print(self.metrics.summary(ended, seconds, paths), flush=True)
-
-    def _keep_global_batch(self, checkpoint, saved: dict | None, loader) -> int | None:
-        """A checkpoint trained on another number of data-parallel ranks (``saved``: its batch layout): the
-        micro-batch and accumulation that keep its global batch here (``batch.py``); the micro-batch to load with, or
-        None to keep the loader's."""
-        micro = micro_batch_size(loader)
-        if not saved or not micro or not self.loop.use_distributed_sampler:
-            return None
-        dp = self.data_parallel_size
-        saved = BatchLayout.from_checkpoint(saved, checkpoint)
-        if saved.data_parallel == dp:
-            return None
-        layout, note = keep_global_batch(saved, micro, dp)
-        if self.is_global_zero:
-            print(note, flush=True)
-        self.loop.accumulation = {0: layout.accumulate}
-        return layout.micro_batch
 
     def _on_fit_error(self, error: BaseException, hang: Exception | None) -> None:
         self._call("on_exception", hang or error)
@@ -761,52 +676,13 @@ class Trainer(TrainerViews):
     def _validate_during_fit(self, loader) -> None:
         self.runtime.mark_phase(None, "validation")
         self._last_val_step = self.global_step
-        limit = _limited(_length(loader), self.loop.limit_val_batches, "limit_val_batches")
+        limit = limited(length(loader), self.loop.limit_val_batches, "limit_val_batches")
         publish = lambda metrics: self.metrics.validation_done(metrics, self.global_step, self.loop.max_steps)  # noqa: E731
         self.state.stage = "validate"
         try:
             self.evaluator.run(self.module, self.model, "validation_step", loader, limit, publish)
         finally:
             self.state.stage = "train"
-
-    # ---- validate / test / predict -----------------------------------------------------------------
-    def _evaluate(self, module: Module, step_name: str, data: tuple, ckpt_path) -> list[dict]:
-        stage = "validate" if step_name == "validation_step" else "test"
-        dataloaders, datamodule = data
-        self.state = TrainerState(stage, stage)
-        self.runtime.seed_everything(self.seed)
-        loader = stage_loader(stage, self, module, dataloaders, datamodule)
-        self._attach(module, stage)
-        loader = self._setup_loader(loader, even=False)
-        if ckpt_path is not None:
-            self.checkpoints.restore(self.checkpoints.resolve(ckpt_path), weights_only=True)
-        try:
-            with self._diagnosing_hangs():
-                publish = lambda metrics: self.metrics.publish(metrics, self.global_step)  # noqa: E731
-                name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
-                limit = _limited(_length(loader), getattr(self.loop, name), name)
-                metrics = self.evaluator.run(module, self.model, step_name, loader, limit, publish)
-            self.metrics.finalize()
-        finally:
-            self._teardown(stage, module, datamodule)
-        return [metrics]
-
-    def _predict(self, module: Module, data: tuple, ckpt_path) -> list:
-        dataloaders, datamodule = data
-        self.state = TrainerState("predict", "predict")
-        self.runtime.seed_everything(self.seed)
-        loader = stage_loader("predict", self, module, dataloaders, datamodule)
-        self._attach(module, "predict")
-        loader = self._setup_loader(loader, even=False)
-        if ckpt_path is not None:
-            self.checkpoints.restore(self.checkpoints.resolve(ckpt_path), weights_only=True)
-        try:
-            with self._diagnosing_hangs():
-                limit = _limited(_length(loader), self.loop.limit_predict_batches, "limit_predict_batches")
-                predictions = self.evaluator.predict(module, self.model, loader, limit)
-        finally:
-            self._teardown("predict", module, datamodule)
-        return predictions
 
     def _teardown(self, stage: str, module: Module, datamodule) -> None:
         """Last in every stage, whether it finished or failed: the datamodule's, the callbacks' and the module's
@@ -821,7 +697,8 @@ class Trainer(TrainerViews):
         rt = self.runtime
         rt.seed_everything(self.seed)  # same seed everywhere: every rank builds identical weights
         self._process_settings.apply()
-        rt.memory_plan = self._memory_plan if stage == "fit" else None  # asked only once a rank ran out of memory
+        # asked only once a rank ran out of memory
+        rt.memory_plan = functools.partial(_memory_plan_of_fit, self) if stage == "fit" else None
         _own_memory(module)
         self._configure(module)
         if stage != "fit":
@@ -845,15 +722,6 @@ class Trainer(TrainerViews):
         configure = lambda: parse_optimizers(module.configure_optimizers(), manual)  # noqa: E731
         self.model, self.optimizers, self.lr_schedulers = rt.strategy.setup(StepRouter(module), configure, loop)
         self._loop_optimizers = [(ManualOptimizer if manual else LoopOptimizer)(self, o) for o in self.optimizers]
-
-    def _memory_plan(self, host: bool) -> str:
-        """``Runtime.memory_plan`` for fit: what the memory planner says of this module and micro-batch under the
-        running strategy (``planner/oom.py``), planned on the error path only."""
-        from distrain.planner.oom import memory_plan
-
-        micro_batch = self.batch_layout.micro_batch if self.batch_layout else 1
-        accumulate, clip = self.loop.accumulate_for(self.current_epoch), self.loop.gradient_clip_val
-        return memory_plan(self.runtime, self.module, self.train_dataloader, micro_batch, accumulate, clip, host)
 
     # ---- Lightning's per-micro-batch hooks and manual optimization -------------------------------------
     def _before_backward(self, output: Any) -> None:
@@ -939,27 +807,6 @@ def _overrides(module: Module, *names: str) -> bool:
     return any(getattr(type(module), name) is not getattr(Module, name) for name in names)
 
 
-def _as_module(module: nn.Module) -> Module:
-    if isinstance(module, Module):
-        return module
-    raise TypeError(
-        f"{type(module).__name__} is a plain nn.Module; wrap it: distrain.LossModule(model, learning_rate=...) "
-        "(its forward must return a loss), or subclass distrain.Module"
-    )
-
-
-def _limited(batches: int | None, limit: int | float | None, name: str) -> int | None:
-    """How many of a loader's ``batches`` (None: unknown) a stage reads: ``limit`` is a count, or a fraction of the
-    loader (which then needs a length), as Lightning's ``limit_*_batches``; None: all."""
-    if limit is None or (isinstance(limit, float) and limit == 1.0):
-        return batches
-    if isinstance(limit, float):
-        if batches is None:
-            raise ValueError(f"{name}={limit} is a fraction of the loader, which has no length: give a number")
-        return int(batches * limit)
-    return limit if batches is None else min(batches, limit)
-
-
 def _own_memory(module: nn.Module) -> None:
     """Spawned ranks receive the module through torch.multiprocessing, which puts its tensors in shared
     memory: every rank would then update the same weights (each step applied once per rank). Each rank
@@ -977,13 +824,6 @@ def _loader_state(checkpoint) -> dict[str, Any]:
     return {key: meta.get(key) for key in ("datamodule", "batch_layout", "weights_only")}
 
 
-def _length(loader) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
-
-
 def _flops_per_token(module: Module) -> float | None:
     fn = getattr(module, "flops_per_token", None)
     try:
@@ -995,3 +835,10 @@ def _flops_per_token(module: Module) -> float | None:
             stacklevel=2,
         )
         return None
+
+
+def _memory_plan_of_fit(trainer: Trainer, host: bool) -> str:
+    """``planner/oom.py``'s plan of this fit, imported only once a rank ran out of memory."""
+    from distrain.planner.oom import memory_plan_of_fit
+
+    return memory_plan_of_fit(trainer, host)

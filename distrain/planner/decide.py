@@ -408,3 +408,23 @@ def _policy_classes(policy) -> tuple[type, ...] | None:
     if isinstance(policy, (set, list, tuple, frozenset)):
         return tuple(policy)
     return None
+
+
+def decide_auto_strategy(trainer, module, loader) -> None:
+    """A Trainer's strategy="auto": before any rank starts, the memory planner picks the fastest strategy that fits
+    this module and micro-batch in the device's memory (DDP, FSDP, with activation checkpointing or
+    offload), and says why (``planner/decide.py``). Any other strategy is left alone."""
+    rt = trainer.runtime
+    if rt.auto_options is None or rt.environment_ready:
+        return
+
+    options = rt.auto_options
+    rt.auto_options = None  # plan once
+    strategy, accumulate = for_trainer(
+        rt, module, loader, trainer.loop.accumulate_for(0), trainer.loop.gradient_clip_val, options
+    )
+    if strategy is not None:
+        rt.use_strategy(strategy)
+    if accumulate:  # a layout whose ranks share samples: as many more micro-batches, the same global batch
+        factor = accumulate // trainer.loop.accumulate_for(0)
+        trainer.loop.accumulation = {epoch: n * factor for epoch, n in trainer.loop.accumulation.items()}

@@ -151,3 +151,13 @@ def _how(option) -> str:
     elif option.checkpoint:
         how += f", activation checkpointing on the first {option.checkpoint} blocks"
     return how
+
+
+def memory_plan_of_fit(trainer, host: bool) -> str:
+    """``Runtime.memory_plan`` for a Trainer's fit: what the memory planner says of this module and micro-batch
+    under the running strategy, planned on the error path only."""
+    from distrain.planner.oom import memory_plan
+
+    micro_batch = trainer.batch_layout.micro_batch if trainer.batch_layout else 1
+    accumulate, clip = trainer.loop.accumulate_for(trainer.current_epoch), trainer.loop.gradient_clip_val
+    return memory_plan(trainer.runtime, trainer.module, trainer.train_dataloader, micro_batch, accumulate, clip, host)

@@ -112,7 +112,7 @@ class Evaluator:
         if not collective:
             yield from ((i, batch, False) for i, batch in enumerate(batches))
             return
-        local = _length(loader)
+        local = length(loader)
         if local is None:  # an iterable loader: count by reading (evaluation sets are small)
             batches = list(batches)
             local = len(batches)
@@ -128,11 +128,24 @@ class Evaluator:
             yield i, last, True
 
 
-def _length(loader) -> int | None:
+def length(loader) -> int | None:
+    """The loader's number of batches, or None when it has no length."""
     try:
         return len(loader)
     except TypeError:
         return None
+
+
+def limited(batches: int | None, limit: int | float | None, name: str) -> int | None:
+    """How many of a loader's ``batches`` (None: unknown) a stage reads: ``limit`` is a count, or a fraction of the
+    loader (which then needs a length), as Lightning's ``limit_*_batches``; None: all."""
+    if limit is None or (isinstance(limit, float) and limit == 1.0):
+        return batches
+    if isinstance(limit, float):
+        if batches is None:
+            raise ValueError(f"{name}={limit} is a fraction of the loader, which has no length: give a number")
+        return int(batches * limit)
+    return limit if batches is None else min(batches, limit)
 
 
 def _stand_in_batch(loader, rank: int):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from distrain.loggers import Logger
+from distrain.loggers import Logger, TensorBoardLogger
 from distrain.training.monitor import SystemMonitor, across_ranks
 from distrain.training.stragglers import PARTS, StepTimer, Straggler, find_straggler
 
@@ -372,3 +372,23 @@ class MetricsLogger:
         if self.runtime.is_global_zero:
             for lg in self.loggers:
                 lg.finalize()
+
+
+def print_fit_summary(trainer, first_step: int, seconds: float) -> None:
+    """The end of a fit on the console: how it ended, its numbers, and where its files are."""
+    from distrain.callbacks import PlotSummary
+
+    ended = f"done at step {trainer.global_step}"
+    if trainer.preempted:
+        ended = f"stopped by signal {trainer.preempted} at step {trainer.global_step} (`last` resumes it)"
+    if first_step:
+        ended += f" (resumed from step {first_step})"
+    checkpoint = trainer.checkpoint_callback
+    plot = next((c.last_path for c in trainer.callbacks if isinstance(c, PlotSummary)), None)
+    events = next((lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+    paths = {
+        "checkpoint": checkpoint.last_model_path if checkpoint is not None else None,
+        "plot": plot,
+        "tensorboard": f"tensorboard --logdir {events}" if events is not None and events.is_dir() else None,
+    }
+    print(trainer.metrics.summary(ended, seconds, paths), flush=True)
