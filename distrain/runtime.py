@@ -16,6 +16,7 @@ The Trainer is built on exactly this class and nothing beneath it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
@@ -296,6 +297,21 @@ class Runtime:
         """Context for a phase that may keep some ranks waiting long (checkpoint IO, rank 0
         tokenizing): its collectives get the process-group init timeout, not the collective one."""
         return watch.patient(phase)
+
+    @contextlib.contextmanager
+    def diagnosing_hangs(self, on_error=None):
+        """A collective that timed out or lost a peer becomes a CollectiveHangError naming the ranks
+        that were elsewhere, and where (fit, validate, test and predict alike); ``on_error(error, hang)`` sees either
+        first."""
+        try:
+            yield
+        except BaseException as error:
+            hang = self.explain_failure(error)
+            if on_error is not None:
+                on_error(error, hang)
+            if hang is None:
+                raise
+            raise hang from error
 
     def explain_failure(self, error: BaseException) -> Exception | None:
         """For an error raised by a collective that timed out or lost a peer: an error naming the

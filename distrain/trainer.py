@@ -11,7 +11,6 @@ metrics and stop-signal agreement are components it holds (``distrain/training/`
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import os
@@ -23,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from distrain.batch import BatchLayout, resumed_micro_batch
 from distrain.callbacks import Callback
@@ -39,39 +37,25 @@ from distrain.data import (
 )
 from distrain.datamodule import is_datamodule, one_loader, optional_loader, stage_loader
 from distrain.loggers import Logger
-from distrain.module import Module, StepRouter, as_module, loss_of, run_step, unsupported_hooks
-from distrain.run_dir import choose as choose_run_dir
-from distrain.runtime import Runtime, rng_state, set_rng_state
+from distrain.module import Module, StepRouter, as_module, loss_of, unsupported_hooks
+from distrain.runtime import Runtime, rng_state
 from distrain.strategies.base import LoopFacts, Strategy
 from distrain.training import startup
 from distrain.training.anomalies import AnomalyError
 from distrain.training.arguments import LoopOptions, TrainerState, check_manual_optimization, checked_arguments
-from distrain.training.assembly import assemble
+from distrain.training.assembly import assemble, choose_run_dir
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
-from distrain.training.defaults import default_loggers
 from distrain.training.evaluation import Evaluator, length, limited
+from distrain.training.manual import ManualOptimizer, manual_step
 from distrain.training.metrics import MetricsLogger, StepResult, print_fit_summary
 from distrain.training.nonfinite import NonFiniteError, step_is_finite
-from distrain.training.optimizers import (
-    LoopOptimizer,
-    ManualOptimizer,
-    parse_optimizers,
-    step_schedulers,
-)
+from distrain.training.optimizers import LoopOptimizer, parse_optimizers, step_schedulers
+from distrain.training.outcomes import DROPPED, ROLLED_BACK, SKIP_REST_OF_EPOCH, SKIPPED
 from distrain.training.preemption import StopAgreement
-from distrain.training.stages import report, run_stage
+from distrain.training.stages import report, run_stage, sanity_check, setup_loader, teardown, validate_during_fit
 from distrain.training.views import TrainerViews
 
 __all__ = ["Trainer", "CHECKPOINT_FORMAT", "NonFiniteError", "AnomalyError"]
-
-#: what ``train_step`` returns for a step the strategy did not commit (``Strategy.commit_step``)
-DROPPED = object()
-#: what ``train_step`` returns for a step whose data was found at fault before a rollback (``on_anomaly``): not run
-SKIPPED = object()
-#: what ``train_step`` returns when ``on_anomaly="rollback"`` loaded the newest checkpoint: read on from its position
-ROLLED_BACK = object()
-#: ``on_train_batch_start`` returned -1 (Lightning's "skip the rest of this epoch"), on some rank
-SKIP_REST_OF_EPOCH = object()
 
 
 class Trainer(TrainerViews):
@@ -183,24 +167,6 @@ class Trainer(TrainerViews):
         if not self.checkpoints.save(path, background=False) and self.is_global_zero:
             warnings.warn(f"distrain: the checkpoint {path} holds non-finite weights", stacklevel=2)
 
-    def _choose_run_dir(self, ckpt_path) -> None:
-        """Where this Trainer's run writes, chosen once, when its first stage starts and before any rank writes:
-        ``default_root_dir``, or the next ``version_N`` in it when it holds an earlier run; a resume goes on in the
-        run it resumes (``run_dir.choose``)."""
-        if self._run_dir_chosen:
-            return
-        self._run_dir_chosen = True
-        path = choose_run_dir(self.default_root_dir, ckpt_path)
-        if path != self.log_dir:
-            self.log_dir = path
-            self._point_runtime_at_run_dir()
-            if self._default_loggers:
-                self.metrics.loggers = default_loggers(True, path)
-
-    def _point_runtime_at_run_dir(self) -> None:
-        self.runtime.flight_recorder_dir = os.path.join(self.log_dir, "flight_recorder")  # NCCL only
-        self.runtime.log_dir = os.path.join(self.log_dir, "logs")  # rank_N.log: every rank's output
-
     # ---- public entry points: each launches the ranks, then runs the stage in every rank -------
     def fit(self, model: nn.Module, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
         """Train ``model`` on the loaders given, else ``datamodule``'s (also passed in ``train_dataloaders``'
@@ -221,7 +187,7 @@ class Trainer(TrainerViews):
         if ckpt_path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
             # torchrun restarted the group after a failure: continue from the newest intact checkpoint
             ckpt_path = "auto"
-        self._choose_run_dir(ckpt_path)
+        choose_run_dir(self, ckpt_path)
         if self.runtime.auto_options is not None and not self.runtime.environment_ready:
             planned = train_dataloaders
             if planned is None and datamodule is None and not _overrides(module, "prepare_data", "setup"):
@@ -313,8 +279,8 @@ class Trainer(TrainerViews):
         val_loader = one_loader(val_loader, "val_dataloaders")
         micro_batch = resumed_micro_batch(self, checkpoint, saved.get("batch_layout"), train_loader)
         shuffle, shuffle_seed = self._train_order()
-        train_loader = self._setup_loader(train_loader, shuffle_seed, batch_size=micro_batch, shuffle=shuffle)
-        val_loader = self._setup_loader(val_loader, even=False) if val_loader is not None else None
+        train_loader = setup_loader(self, train_loader, shuffle_seed, batch_size=micro_batch, shuffle=shuffle)
+        val_loader = setup_loader(self, val_loader, even=False) if val_loader is not None else None
         self._num_batches = limited(length(train_loader), self.loop.limit_train_batches, "limit_train_batches")
         self.train_dataloader, self.val_dataloaders = train_loader, val_loader
         self.batch_layout = BatchLayout(
@@ -335,14 +301,14 @@ class Trainer(TrainerViews):
         self._hook("on_fit_start")
         self.stop.install()
         try:
-            with self._diagnosing_hangs(on_error=self._on_fit_error):
+            with self.runtime.diagnosing_hangs(on_error=self._on_fit_error):
                 if val_loader is not None and self.loop.num_sanity_val_steps:
-                    self._sanity_check(val_loader)
+                    sanity_check(self, val_loader)
                 self._hook("on_train_start")
                 self._fit_loop(train_loader, val_loader)
                 rt.mark_phase(None, "end of training")
                 if val_loader is not None and self._last_val_step != self.global_step and not self.preempted:
-                    self._validate_during_fit(val_loader)  # the run always ends with a val score
+                    validate_during_fit(self, val_loader)  # the run always ends with a val score
                 self._hook("on_train_end")
                 self.checkpoints.complete_pending()  # one written in the background: on disk before fit returns
                 self._hook("on_fit_end")
@@ -351,7 +317,7 @@ class Trainer(TrainerViews):
             self.stop.finish()  # no collective may be left in flight
             self.stop.uninstall()
             self.metrics.finalize()
-            self._teardown("fit", module, datamodule)
+            teardown(self, "fit", module, datamodule)
         if self.is_global_zero and self.metrics.summarize:
             print_fit_summary(self, first_step, time.perf_counter() - started)
         return self.callback_metrics
@@ -360,20 +326,6 @@ class Trainer(TrainerViews):
         self._call("on_exception", hang or error)
         if hang is not None:
             self.stop.abandon()  # the stop-signal all-reduce in flight cannot finish either
-
-    @contextlib.contextmanager
-    def _diagnosing_hangs(self, on_error=None):
-        """A collective that timed out or lost a peer becomes a CollectiveHangError naming the ranks
-        that were elsewhere, and where (fit, validate, test and predict alike)."""
-        try:
-            yield
-        except BaseException as error:
-            hang = self.runtime.explain_failure(error)
-            if on_error is not None:
-                on_error(error, hang)
-            if hang is None:
-                raise
-            raise hang from error
 
     def _fit_loop(self, loader, val_loader) -> None:
         while not self._done() and (self.loop.max_epochs is None or self.current_epoch < self.loop.max_epochs):
@@ -451,7 +403,7 @@ class Trainer(TrainerViews):
         window) and over the ranks. Returns the last ``training_step`` output, or ``DROPPED`` when the strategy did not
         commit the step (nothing applied, the step not counted)."""
         if not self.module.automatic_optimization:
-            return self._manual_step(micro_batches)
+            return manual_step(self, micro_batches)
         rt, optimizer = self.runtime, self.optimizers[0]
         rt.mark_phase(self.global_step + 1, "forward/backward")  # where this rank is, if a collective hangs
         batches = [batch for _, batch in micro_batches]
@@ -467,7 +419,8 @@ class Trainer(TrainerViews):
             return SKIP_REST_OF_EPOCH
         position = self.progress.samples_in_epoch  # the step's first sample in the epoch's global order
         if self.anomalies is not None and self.anomalies.skips(self.current_epoch, position):
-            return self._skip_bad_data(micro_batches)
+            self.anomalies.skip_bad_data(micro_batches)
+            return SKIPPED
         rng = rng_state() if self.anomalies is not None else None  # a re-run starts from the same RNG state
 
         def before_each(batch):  # before each training_step of the step
@@ -502,19 +455,9 @@ class Trainer(TrainerViews):
             return DROPPED
 
         action = "apply"
-        if self.anomalies is not None:
-
-            def rerun() -> torch.Tensor:  # the same weights (nothing applied yet), batches and RNG state
-                optimizer.zero_grad(set_to_none=True)
-                set_rng_state(rng)
-                return rt.strategy.run_step(self.model, micro_batches)[0]
-
-            rt.mark_phase(None, "anomaly check")
-            action = self.anomalies.inspect(step_loss, micro_batches, position, rerun)
+        if self.anomalies is not None:  # a loss spike: re-run, then applied, skipped, rolled back from, or stopped at
+            action = self.anomalies.check(step_loss, micro_batches, position, rng)
             if action == "rollback":
-                optimizer.zero_grad(set_to_none=True)
-                self.checkpoints.complete_pending()
-                self.checkpoints.restore(self.checkpoints.resolve("last"))
                 return ROLLED_BACK
         rt.mark_phase(None, "optimizer step")
         grad_norm = self._gradient_norm(optimizer) if action == "apply" else None
@@ -532,22 +475,6 @@ class Trainer(TrainerViews):
         )
         self.metrics.step_done(result, final=self._done(), max_steps=self.loop.max_steps)
         return output
-
-    def _skip_bad_data(self, micro_batches: list[tuple[int, Any]]) -> Any:
-        """A step whose samples were found at fault before a rollback (``on_anomaly``): not run this time. It still
-        counts, as a skipped step does, and its samples are consumed."""
-        for _, batch in micro_batches:
-            self.progress.samples_in_epoch += batch_size_of(batch) * self.data_parallel_size
-        self.progress.skipped_steps += 1
-        self.progress.global_step += 1
-        step_schedulers(self, "step")
-        if self.is_global_zero:
-            print(
-                f"distrain: step {self.global_step} skipped: its samples were at fault before the rollback "
-                f"(on_anomaly, {self.anomalies.path})",
-                flush=True,
-            )
-        return SKIPPED
 
     def _apply_step(self, optimizer, grad_norm: Any, step_loss: torch.Tensor, batch_idx: int) -> bool:
         """Step the optimizer unless the step must be skipped; returns whether it was applied.
@@ -590,7 +517,7 @@ class Trainer(TrainerViews):
         rt = self.runtime
         val_every = self._val_every_steps()
         if val_loader is not None and val_every and self.global_step % val_every == 0 and self._validates_this_epoch():
-            self._validate_during_fit(val_loader)  # before the callbacks, so checkpoints can monitor it
+            validate_during_fit(self, val_loader)  # before the callbacks, so checkpoints can monitor it
         rt.mark_phase(None, "callbacks after the step (checkpointing)")
         batch_idx, batch = last_micro_batch
         self._hook("on_train_batch_end", output, batch, batch_idx)
@@ -605,7 +532,7 @@ class Trainer(TrainerViews):
             self._next_epoch()
             return
         if val_loader is not None and not self._val_every_steps() and self._validates_this_epoch():
-            self._validate_during_fit(val_loader)
+            validate_during_fit(self, val_loader)
         collector = self.metrics.collector
         collector.stage = "epoch end"  # what on_train_epoch_end logs is an epoch value (as in Lightning)
         try:
@@ -660,38 +587,6 @@ class Trainer(TrainerViews):
             return max(1, int(self._num_batches * v / self.loop.accumulate_for(0)))
         return int(v)
 
-    def _sanity_check(self, loader) -> None:
-        """Lightning's sanity check: a few validation batches before training (``num_sanity_val_steps``; -1: all),
-        so a broken ``validation_step`` fails in seconds; its metrics are dropped."""
-        steps = self.loop.num_sanity_val_steps
-        self.sanity_checking, self.state.stage = True, "sanity_check"
-        self._call("on_sanity_check_start")
-        try:
-            limit = None if steps == -1 else steps
-            self.evaluator.run(self.module, self.model, "validation_step", loader, limit, publish=lambda metrics: None)
-        finally:
-            self.sanity_checking, self.state.stage = False, "train"
-        self._call("on_sanity_check_end")
-
-    def _validate_during_fit(self, loader) -> None:
-        self.runtime.mark_phase(None, "validation")
-        self._last_val_step = self.global_step
-        limit = limited(length(loader), self.loop.limit_val_batches, "limit_val_batches")
-        publish = lambda metrics: self.metrics.validation_done(metrics, self.global_step, self.loop.max_steps)  # noqa: E731
-        self.state.stage = "validate"
-        try:
-            self.evaluator.run(self.module, self.model, "validation_step", loader, limit, publish)
-        finally:
-            self.state.stage = "train"
-
-    def _teardown(self, stage: str, module: Module, datamodule) -> None:
-        """Last in every stage, whether it finished or failed: the datamodule's, the callbacks' and the module's
-        ``teardown(stage)``, in Lightning's order, as each ``setup(stage)`` was called."""
-        if datamodule is not None:
-            datamodule.teardown(stage)
-        self._call("teardown", stage)
-        module.teardown(stage)
-
     # ---- set-up -----------------------------------------------------------------------------------
     def _attach(self, module: Module, stage: str, train_loader=None) -> None:
         rt = self.runtime
@@ -743,31 +638,6 @@ class Trainer(TrainerViews):
             skip = bool(self.runtime.all_reduce(torch.tensor(int(skip)), op="max"))
         return skip
 
-    def _manual_step(self, micro_batches: list[tuple[int, Any]]) -> Any:
-        """One batch under manual optimization: ``training_step`` steps the optimizers itself (each ``step()``
-        counts in ``global_step``, as in Lightning). It is called on the module, not through the strategy's
-        wrapper: the gradients stay local through any number of ``manual_backward`` calls and are averaged over
-        the ranks once, when an optimizer steps (``ManualOptimizer``)."""
-        rt = self.runtime
-        ((batch_idx, batch),) = micro_batches  # accumulate_grad_batches is 1 (checked when fit starts)
-        rt.mark_phase(self.global_step + 1, "manual training_step")
-        batch = move_to_device(batch, rt.device)
-        self.metrics.collector.current_batch_size = batch_size_of(batch)
-        if self._skips_rest_of_epoch(batch_idx, batch):
-            return SKIP_REST_OF_EPOCH
-        before = self.global_step
-        with rt.autocast():
-            output = run_step(self.module, "training_step", batch, batch_idx)
-        samples = batch_size_of(batch)
-        self.progress.samples_in_epoch += samples * self.data_parallel_size
-        if self.global_step == before:  # no optimizer stepped in this batch: still a logged step of the loop
-            return output
-        loss = loss_of(output).detach().float() if output is not None else None
-        lr = self.optimizers[0].param_groups[0]["lr"]
-        result = StepResult(self.global_step, self.current_epoch, loss, lr, None, samples, tokens_in_batch(batch) or 0)
-        self.metrics.step_done(result, final=self._done(), max_steps=self.loop.max_steps)
-        return output
-
     def _configure(self, module: Module) -> None:
         if not getattr(module, "_distrain_configured", False):
             with self.runtime.init_module():
@@ -777,17 +647,6 @@ class Trainer(TrainerViews):
     def _train_order(self) -> tuple[bool | None, int]:
         """Whether the training data is shuffled (None: as its loader says) and the seed of its order."""
         return None, self.seed
-
-    def _setup_loader(
-        self, loader, shuffle_seed: int = 0, even: bool = True, batch_size: int | None = None, shuffle=None
-    ):
-        if not self.loop.use_distributed_sampler or not isinstance(loader, DataLoader):
-            return loader
-        from distrain.data import with_distributed_sampler
-
-        # sharded over the ranks that see different data: a tensor-parallel group or a pipeline shares its batches
-        dp_size, dp_rank = self.runtime.strategy.data_parallel_size, self.runtime.strategy.data_parallel_rank
-        return with_distributed_sampler(loader, dp_size, dp_rank, shuffle_seed, even, batch_size, shuffle)
 
     def _call(self, hook: str, *args: Any) -> None:
         """The callbacks' ``hook``, in their order (one that is not a ``Callback`` may lack it)."""

@@ -31,6 +31,10 @@ from typing import Any
 
 import torch
 
+from distrain.data import batch_size_of
+from distrain.runtime import set_rng_state
+from distrain.training.optimizers import step_schedulers
+
 POLICIES = ("stop", "skip", "rollback")
 #: how far a re-run's loss may move and still be the same result (GPU kernels that add in another order)
 SAME_RESULT = 1e-4
@@ -120,6 +124,41 @@ class AnomalyGuard:
     def skips(self, epoch: int, position: int) -> bool:
         """The step that starts at this data position had bad data (found before a rollback): skip it."""
         return (epoch, position) in self._data_faults
+
+    def check(self, step_loss: torch.Tensor, micro_batches: list, position: int, rng: Any) -> str:
+        """``inspect`` for the step whose backward just ran from the RNG state ``rng``; a rollback is done here (the
+        newest checkpoint loaded) before it is returned."""
+        t = self.trainer
+        rt, optimizer = t.runtime, t.optimizers[0]
+
+        def rerun() -> torch.Tensor:  # the same weights (nothing applied yet), batches and RNG state
+            optimizer.zero_grad(set_to_none=True)
+            set_rng_state(rng)
+            return rt.strategy.run_step(t.model, micro_batches)[0]
+
+        rt.mark_phase(None, "anomaly check")
+        action = self.inspect(step_loss, micro_batches, position, rerun)
+        if action == "rollback":
+            optimizer.zero_grad(set_to_none=True)
+            t.checkpoints.complete_pending()
+            t.checkpoints.restore(t.checkpoints.resolve("last"))
+        return action
+
+    def skip_bad_data(self, micro_batches: list) -> None:
+        """A step whose samples were found at fault before a rollback: not run this time. It still counts, as a
+        skipped step does, and its samples are consumed."""
+        t = self.trainer
+        for _, batch in micro_batches:
+            t.progress.samples_in_epoch += batch_size_of(batch) * t.data_parallel_size
+        t.progress.skipped_steps += 1
+        t.progress.global_step += 1
+        step_schedulers(t, "step")
+        if t.is_global_zero:
+            print(
+                f"distrain: step {t.global_step} skipped: its samples were at fault before the rollback "
+                f"(on_anomaly, {self.path})",
+                flush=True,
+            )
 
     def inspect(
         self, step_loss: torch.Tensor, micro_batches: list, position: int, rerun: Callable[[], torch.Tensor]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from distrain import run_dir
 from distrain.cluster import replica_run_dir
 from distrain.run_dir import DEFAULT as DEFAULT_ROOT_DIR
 from distrain.runtime import Runtime
@@ -34,11 +35,11 @@ def assemble(trainer, a: dict[str, Any]) -> None:
     root = a["default_root_dir"]
     trainer.default_root_dir = replica_run_dir(str(root or os.path.join(os.getcwd(), DEFAULT_ROOT_DIR)))
     #: the run's folder (Lightning's name): metrics, TensorBoard, checkpoints, plots, logs. Final once the first
-    #: stage starts (``_choose_run_dir``); ``distrain train`` checked its own (``run_dir.claim``) and keeps it
+    #: stage starts (``choose_run_dir``); ``distrain train`` checked its own (``run_dir.claim``) and keeps it
     trainer.log_dir = trainer.default_root_dir
     trainer._run_dir_chosen = False
     trainer._default_loggers = a["logger"] is True
-    trainer._point_runtime_at_run_dir()
+    point_runtime_at_run_dir(trainer)
     strategy_name = type(rt.strategy).__name__
     if a["compile"]:  # torch.compile when the strategy sets the model up (strategies/layers.py: apply_compile)
         if not rt.strategy.traits.compiles:
@@ -80,6 +81,27 @@ def assemble(trainer, a: dict[str, Any]) -> None:
     trainer.stop = StopAgreement(rt)
     trainer.run_config = None  # the resolved config, stored in checkpoints (the CLI sets it)
     _start_state(trainer)
+
+
+def choose_run_dir(trainer, ckpt_path) -> None:
+    """Where a Trainer's run writes, chosen once, when its first stage starts and before any rank writes:
+    ``default_root_dir``, or the next ``version_N`` in it when it holds an earlier run; a resume goes on in the
+    run it resumes (``run_dir.choose``)."""
+    if trainer._run_dir_chosen:
+        return
+    trainer._run_dir_chosen = True
+    path = run_dir.choose(trainer.default_root_dir, ckpt_path)
+    if path != trainer.log_dir:
+        trainer.log_dir = path
+        point_runtime_at_run_dir(trainer)
+        if trainer._default_loggers:
+            trainer.metrics.loggers = default_loggers(True, path)
+
+
+def point_runtime_at_run_dir(trainer) -> None:
+    """The runtime writes the ranks' logs and NCCL's flight records in the run's folder."""
+    trainer.runtime.flight_recorder_dir = os.path.join(trainer.log_dir, "flight_recorder")  # NCCL only
+    trainer.runtime.log_dir = os.path.join(trainer.log_dir, "logs")  # rank_N.log: every rank's output
 
 
 def _start_state(trainer) -> None:

@@ -1,11 +1,10 @@
 """The optimizers and their schedulers, as the loop and the module's hooks see them: what ``configure_optimizers``
 returned, in every form Lightning accepts (the optimizers, and each LR scheduler's config: ``interval``,
-``frequency``, ``monitor``); the optimizer the hooks get (``LoopOptimizer``, ``ManualOptimizer``); and the schedulers
-stepped when due."""
+``frequency``, ``monitor``); the optimizer the hooks get (``LoopOptimizer``; manual optimization's is in
+``training/manual.py``); and the schedulers stepped when due."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
@@ -99,32 +98,6 @@ def _loop_optimizer_class(wrapper: type, optimizer: type) -> type:
         return type(f"{wrapper.__name__}[{optimizer.__name__}]", (wrapper, optimizer), {})
     except TypeError:  # an engine's optimizer class that cannot be mixed in (a metaclass, a layout): the wrapper alone
         return wrapper
-
-
-class ManualOptimizer(LoopOptimizer):
-    """What ``self.optimizers()`` hands out under manual optimization: ``step()`` averages the gradients over the
-    ranks (once, however many ``manual_backward`` calls made them), steps through the precision plugin and counts
-    the step in ``global_step``."""
-
-    def step(self, closure=None) -> Any:
-        trainer = self._trainer
-        result = closure() if closure is not None else None
-        sync_gradients(trainer, self.optimizer)
-        trainer._hook("on_before_optimizer_step", self.optimizer)
-        trainer.runtime.optimizer_step(self.optimizer, trainer.model)
-        self.optimizer._distrain_synced = False
-        trainer.progress.global_step += 1
-        return result
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._trainer._hook("on_before_zero_grad", self.optimizer)
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-        self.optimizer._distrain_synced = False
-
-    @contextlib.contextmanager
-    def toggle_model(self, sync_grad: bool = True):
-        """Lightning's accumulation helper: here gradients are synced at ``step()`` only, so nothing to do."""
-        yield
 
 
 def sync_gradients(trainer, optimizer) -> None:

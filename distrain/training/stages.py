@@ -1,13 +1,18 @@
 """``validate``, ``test`` and ``predict``: which module and loaders a stage reads (``run_stage``, before any rank
-starts), and the stage in each rank (``evaluate``, ``predict``); the loop that runs the batches is ``Evaluator``'s."""
+starts), and the stage in each rank (``evaluate``, ``predict``); fit's validations (``sanity_check``,
+``validate_during_fit``); what every stage does with its loaders (``setup_loader``) and last (``teardown``). The loop
+that runs the batches is ``Evaluator``'s."""
 
 from __future__ import annotations
 
 import functools
 
+from torch.utils.data import DataLoader
+
 from distrain.datamodule import STAGE_LOADERS, is_datamodule, stage_loader
 from distrain.module import as_module
 from distrain.training.arguments import TrainerState
+from distrain.training.assembly import choose_run_dir
 from distrain.training.evaluation import length, limited
 
 
@@ -32,7 +37,7 @@ def run_stage(trainer, stage: str, model, dataloaders, ckpt_path, datamodule):
             f"{stage}() needs dataloaders, a datamodule with {method}(), or a module that defines {method}()"
         )
     trainer._check_lightning_module(module)
-    trainer._choose_run_dir(ckpt_path)
+    choose_run_dir(trainer, ckpt_path)
     if stage == "predict":
         return trainer._launch(functools.partial(predict, trainer), module, (dataloaders, datamodule), ckpt_path)
     step_name = "validation_step" if stage == "validate" else "test_step"
@@ -48,18 +53,18 @@ def evaluate(trainer, module, step_name: str, data: tuple, ckpt_path) -> list[di
     trainer.runtime.seed_everything(trainer.seed)
     loader = stage_loader(stage, trainer, module, dataloaders, datamodule)
     trainer._attach(module, stage)
-    loader = trainer._setup_loader(loader, even=False)
+    loader = setup_loader(trainer, loader, even=False)
     if ckpt_path is not None:
         trainer.checkpoints.restore(trainer.checkpoints.resolve(ckpt_path), weights_only=True)
     try:
-        with trainer._diagnosing_hangs():
+        with trainer.runtime.diagnosing_hangs():
             publish = lambda metrics: trainer.metrics.publish(metrics, trainer.global_step)  # noqa: E731
             name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
             limit = limited(length(loader), getattr(trainer.loop, name), name)
             metrics = trainer.evaluator.run(module, trainer.model, step_name, loader, limit, publish)
         trainer.metrics.finalize()
     finally:
-        trainer._teardown(stage, module, datamodule)
+        teardown(trainer, stage, module, datamodule)
     return [metrics]
 
 
@@ -69,15 +74,15 @@ def predict(trainer, module, data: tuple, ckpt_path) -> list:
     trainer.runtime.seed_everything(trainer.seed)
     loader = stage_loader("predict", trainer, module, dataloaders, datamodule)
     trainer._attach(module, "predict")
-    loader = trainer._setup_loader(loader, even=False)
+    loader = setup_loader(trainer, loader, even=False)
     if ckpt_path is not None:
         trainer.checkpoints.restore(trainer.checkpoints.resolve(ckpt_path), weights_only=True)
     try:
-        with trainer._diagnosing_hangs():
+        with trainer.runtime.diagnosing_hangs():
             limit = limited(length(loader), trainer.loop.limit_predict_batches, "limit_predict_batches")
             predictions = trainer.evaluator.predict(module, trainer.model, loader, limit)
     finally:
-        trainer._teardown("predict", module, datamodule)
+        teardown(trainer, "predict", module, datamodule)
     return predictions
 
 
@@ -86,3 +91,57 @@ def report(trainer, stage: str, results: list[dict], verbose: bool) -> list[dict
         shown = ", ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in results[0].items())
         print(f"distrain: {stage}: {shown or 'nothing logged'}", flush=True)
     return results
+
+
+def sanity_check(trainer, loader) -> None:
+    """Lightning's sanity check: a few validation batches before training (``num_sanity_val_steps``; -1: all),
+    so a broken ``validation_step`` fails in seconds; its metrics are dropped."""
+    steps = trainer.loop.num_sanity_val_steps
+    trainer.sanity_checking, trainer.state.stage = True, "sanity_check"
+    trainer._call("on_sanity_check_start")
+    try:
+        limit = None if steps == -1 else steps
+        trainer.evaluator.run(
+            trainer.module, trainer.model, "validation_step", loader, limit, publish=lambda metrics: None
+        )
+    finally:
+        trainer.sanity_checking, trainer.state.stage = False, "train"
+    trainer._call("on_sanity_check_end")
+
+
+def validate_during_fit(trainer, loader) -> None:
+    """A validation in fit: its metrics go to the loggers and the console, and checkpoints can monitor them."""
+    trainer.runtime.mark_phase(None, "validation")
+    trainer._last_val_step = trainer.global_step
+    limit = limited(length(loader), trainer.loop.limit_val_batches, "limit_val_batches")
+    publish = lambda metrics: trainer.metrics.validation_done(  # noqa: E731
+        metrics, trainer.global_step, trainer.loop.max_steps
+    )
+    trainer.state.stage = "validate"
+    try:
+        trainer.evaluator.run(trainer.module, trainer.model, "validation_step", loader, limit, publish)
+    finally:
+        trainer.state.stage = "train"
+
+
+def teardown(trainer, stage: str, module, datamodule) -> None:
+    """Last in every stage, whether it finished or failed: the datamodule's, the callbacks' and the module's
+    ``teardown(stage)``, in Lightning's order, as each ``setup(stage)`` was called."""
+    if datamodule is not None:
+        datamodule.teardown(stage)
+    trainer._call("teardown", stage)
+    module.teardown(stage)
+
+
+def setup_loader(
+    trainer, loader, shuffle_seed: int = 0, even: bool = True, batch_size: int | None = None, shuffle=None
+):
+    """``loader`` sharded over the data-parallel ranks (``use_distributed_sampler``), resumable mid-epoch; a loader
+    that is not a DataLoader as it is."""
+    if not trainer.loop.use_distributed_sampler or not isinstance(loader, DataLoader):
+        return loader
+    from distrain.data import with_distributed_sampler
+
+    # sharded over the ranks that see different data: a tensor-parallel group or a pipeline shares its batches
+    dp_size, dp_rank = trainer.runtime.strategy.data_parallel_size, trainer.runtime.strategy.data_parallel_rank
+    return with_distributed_sampler(loader, dp_size, dp_rank, shuffle_seed, even, batch_size, shuffle)
