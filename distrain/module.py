@@ -620,3 +620,8 @@ def as_module(module: nn.Module) -> Module:
         f"{type(module).__name__} is a plain nn.Module; wrap it: distrain.LossModule(model, learning_rate=...) "
         "(its forward must return a loss), or subclass distrain.Module"
     )
+
+
+def overrides(module: nn.Module, *names: str) -> bool:
+    """``module``'s class defines one of ``names`` itself (not ``Module``'s default)."""
+    return any(getattr(type(module), name) is not getattr(Module, name) for name in names)

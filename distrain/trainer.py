@@ -25,8 +25,6 @@ from torch import nn
 
 from distrain.batch import BatchLayout, resumed_micro_batch
 from distrain.callbacks import Callback
-from distrain.checkpoint.io import CheckpointError
-from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.data import (
     batch_size_of,
     distributed_sampler,
@@ -37,7 +35,7 @@ from distrain.data import (
 )
 from distrain.datamodule import is_datamodule, one_loader, optional_loader, stage_loader
 from distrain.loggers import Logger
-from distrain.module import Module, StepRouter, as_module, loss_of, unsupported_hooks
+from distrain.module import Module, StepRouter, as_module, loss_of, overrides, unsupported_hooks
 from distrain.runtime import Runtime, rng_state
 from distrain.strategies.base import LoopFacts, Strategy
 from distrain.training import startup
@@ -188,15 +186,10 @@ class Trainer(TrainerViews):
             # torchrun restarted the group after a failure: continue from the newest intact checkpoint
             ckpt_path = "auto"
         choose_run_dir(self, ckpt_path)
-        if self.runtime.auto_options is not None and not self.runtime.environment_ready:
-            planned = train_dataloaders
-            if planned is None and datamodule is None and not _overrides(module, "prepare_data", "setup"):
-                planned = module.train_dataloader()  # the planner reads a batch; this loader needs no set-up first
-            # else (a datamodule, or a module whose loader needs prepare_data/setup, which run in the ranks where
-            # they can wait for each other): the planner gets no loader and keeps DDP, and says so
+        if self.runtime.auto_options is not None and not self.runtime.environment_ready:  # the planner chooses
             from distrain.planner.decide import decide_auto_strategy
 
-            decide_auto_strategy(self, module, planned)
+            decide_auto_strategy(self, module, train_dataloaders, datamodule)
         check_manual_optimization(self, module)
         data = (train_dataloaders, val_dataloaders, datamodule)
         return self._launch(self._fit, module, data, ckpt_path)
@@ -265,14 +258,7 @@ class Trainer(TrainerViews):
         self.state = TrainerState("fit", "train")
         rt.seed_everything(self.seed)  # setup(stage) may build layers: alike on every rank
         checkpoint = self.checkpoints.resolve(ckpt_path) if ckpt_path is not None else None
-        # what the loaders depend on, read before they are made: the datamodule's state, the global batch
-        saved = rt.decided_on_rank_zero(lambda: _loader_state(checkpoint)) if checkpoint is not None else {}
-        if saved.get("weights_only"):
-            raise CheckpointError(
-                f"{checkpoint} holds the weights only (ModelCheckpoint(save_weights_only=True)), so fit cannot resume "
-                "from it: evaluate it (validate/test/predict with ckpt_path), or start from its weights "
-                "(Module.load_from_checkpoint) without ckpt_path"
-            )
+        saved = self.checkpoints.read_before_loaders(checkpoint)  # the datamodule's state, the global batch
         train_loader = stage_loader("fit", self, module, train_loader, datamodule, saved.get("datamodule"))
         if val_loader is None:
             val_loader = optional_loader(datamodule if datamodule is not None else module, "val_dataloader")
@@ -500,7 +486,7 @@ class Trainer(TrainerViews):
         """The global gradient norm: clipped to ``gradient_clip_val`` when set; else measured only to
         check it is finite."""
         rt = self.runtime
-        if _overrides(self.module, "configure_gradient_clipping"):  # the module clips; the loop measures after
+        if overrides(self.module, "configure_gradient_clipping"):  # the module clips; the loop measures after
             self.module.configure_gradient_clipping(optimizer, self.loop.gradient_clip_val, "norm")
         elif self.loop.gradient_clip_val:
             return rt.clip_gradients(self.model, optimizer, self.loop.gradient_clip_val)
@@ -661,11 +647,6 @@ class Trainer(TrainerViews):
         return getattr(self.module, hook)(*args)
 
 
-def _overrides(module: Module, *names: str) -> bool:
-    """``module``'s class defines one of ``names`` itself (not ``Module``'s default)."""
-    return any(getattr(type(module), name) is not getattr(Module, name) for name in names)
-
-
 def _own_memory(module: nn.Module) -> None:
     """Spawned ranks receive the module through torch.multiprocessing, which puts its tensors in shared
     memory: every rank would then update the same weights (each step applied once per rank). Each rank
@@ -674,13 +655,6 @@ def _own_memory(module: nn.Module) -> None:
         for tensor in [*module.parameters(), *module.buffers()]:
             if tensor.is_shared():
                 tensor.data = tensor.data.clone()
-
-
-def _loader_state(checkpoint) -> dict[str, Any]:
-    """The checkpoint's entries read before a resumed fit makes its loaders: the datamodule's state, the batch
-    layout, and whether it can be resumed from at all (``weights_only``)."""
-    meta = read_checkpoint_meta(checkpoint)
-    return {key: meta.get(key) for key in ("datamodule", "batch_layout", "weights_only")}
 
 
 def _flops_per_token(module: Module) -> float | None:

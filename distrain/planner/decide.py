@@ -410,13 +410,19 @@ def _policy_classes(policy) -> tuple[type, ...] | None:
     return None
 
 
-def decide_auto_strategy(trainer, module, loader) -> None:
+def decide_auto_strategy(trainer, module, loader, datamodule=None) -> None:
     """A Trainer's strategy="auto": before any rank starts, the memory planner picks the fastest strategy that fits
     this module and micro-batch in the device's memory (DDP, FSDP, with activation checkpointing or
     offload), and says why (``planner/decide.py``). Any other strategy is left alone."""
+    from distrain.module import overrides
+
     rt = trainer.runtime
     if rt.auto_options is None or rt.environment_ready:
         return
+    if loader is None and datamodule is None and not overrides(module, "prepare_data", "setup"):
+        loader = module.train_dataloader()  # the planner reads a batch; this loader needs no set-up first
+    # else (a datamodule, or a module whose loader needs prepare_data/setup, which run in the ranks where they can
+    # wait for each other): the planner gets no loader and keeps DDP, and says so
 
     options = rt.auto_options
     rt.auto_options = None  # plan once

@@ -20,6 +20,7 @@ import torch
 
 from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
+from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.distributed import watch
 from distrain.runtime import rng_state, set_rng_state
 
@@ -284,6 +285,20 @@ class CheckpointManager:
         extremes = [torch.stack(torch.aminmax(p.detach())).float() for p in local if p.numel()]
         finite = bool(torch.isfinite(torch.cat(extremes)).all()) if extremes else True
         return bool(t.runtime.all_reduce(torch.tensor(float(finite)), op="min"))
+
+    def read_before_loaders(self, checkpoint: Path | None) -> dict[str, Any]:
+        """What a fit resumed from ``checkpoint`` reads before it makes its loaders (rank 0's, for all): the
+        datamodule's state and the batch layout. A weights-only checkpoint is refused here, in one line."""
+        if checkpoint is None:
+            return {}
+        meta = self.trainer.runtime.decided_on_rank_zero(lambda: read_checkpoint_meta(checkpoint))
+        if meta.get("weights_only"):
+            raise ckpt_io.CheckpointError(
+                f"{checkpoint} holds the weights only (ModelCheckpoint(save_weights_only=True)), so fit cannot resume "
+                "from it: evaluate it (validate/test/predict with ckpt_path), or start from its weights "
+                "(Module.load_from_checkpoint) without ckpt_path"
+            )
+        return {key: meta.get(key) for key in ("datamodule", "batch_layout")}
 
     def restore(self, path: Path | None, weights_only: bool = False) -> None:
         if path is None:  # ckpt_path="auto" with no checkpoint yet: a fresh start
