@@ -291,14 +291,19 @@ class CheckpointManager:
         datamodule's state and the batch layout. A weights-only checkpoint is refused here, in one line."""
         if checkpoint is None:
             return {}
-        meta = self.trainer.runtime.decided_on_rank_zero(lambda: read_checkpoint_meta(checkpoint))
-        if meta.get("weights_only"):
+
+        def entries() -> dict[str, Any]:  # a few small entries travel to the other ranks, not the whole file
+            meta = read_checkpoint_meta(checkpoint)
+            return {key: meta.get(key) for key in ("datamodule", "batch_layout", "weights_only")}
+
+        saved = self.trainer.runtime.decided_on_rank_zero(entries)
+        if saved.pop("weights_only"):
             raise ckpt_io.CheckpointError(
                 f"{checkpoint} holds the weights only (ModelCheckpoint(save_weights_only=True)), so fit cannot resume "
                 "from it: evaluate it (validate/test/predict with ckpt_path), or start from its weights "
                 "(Module.load_from_checkpoint) without ckpt_path"
             )
-        return {key: meta.get(key) for key in ("datamodule", "batch_layout")}
+        return saved
 
     def restore(self, path: Path | None, weights_only: bool = False) -> None:
         if path is None:  # ckpt_path="auto" with no checkpoint yet: a fresh start
