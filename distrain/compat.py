@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -137,6 +138,38 @@ def deepspeed_without_shm_op():
             ops.pop("deepspeed_shm_comm", None)
         else:
             ops["deepspeed_shm_comm"] = before
+
+
+#: an entry of ``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's op builder parses it: major.minor, maybe +PTX
+_PLAIN_ARCH = re.compile(r"^\d+\.\d+(\+PTX)?$")
+#: an entry with an architecture variant ("9.0a": Hopper's, "10.0f": Blackwell's family), as torch and images write it
+_VARIANT_ARCH = re.compile(r"^(\d+\.\d+)[a-z]+(\+PTX)?$")
+
+
+@contextlib.contextmanager
+def deepspeed_parsable_arch_list():
+    """DeepSpeed's JIT op builder (``CUDAOpBuilder.compute_capability_args``, deepspeed 0.19.8; deepspeedai/DeepSpeed
+    PR #8619, open) parses each ``TORCH_CUDA_ARCH_LIST`` entry's numbers with ``int()``, so an architecture variant
+    ("9.0a", which Hopper images set) kills the build of FusedAdam and CPU Adam before anything compiles, and ZeRO
+    ran with torch's AdamW without a word. For the build only, each such entry becomes its plain number ("9.0a" →
+    "9.0": what these ops need); an entry neither form reads, and an empty list, become the devices' capabilities.
+    The variable is given back as it was afterwards. A list DeepSpeed parses is left alone."""
+    import os
+
+    raw = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    entries = [e.strip() for e in (raw or "").replace(" ", ";").split(";") if e.strip()]
+    if raw is None or all(_PLAIN_ARCH.match(e) for e in entries):
+        yield
+        return
+    plain = [f"{m[1]}{m[2] or ''}" for m in map(_VARIANT_ARCH.match, entries) if m is not None]
+    plain += [e for e in entries if _PLAIN_ARCH.match(e)]
+    if not plain or len(plain) < len(entries):
+        plain = [f"{a}.{b}" for a, b in map(torch.cuda.get_device_capability, range(torch.cuda.device_count()))]
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(dict.fromkeys(plain))
+    try:
+        yield
+    finally:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = raw
 
 
 #: ``deepspeed.utils.groups``' module globals that hold process groups, and their values before any is made

@@ -1,6 +1,7 @@
 """Each private or version-sensitive call in distrain/compat.py and distrain/planner/fake.py, exercised for real; and
 checkpoints written by an earlier distrain (tests/data/previous/) still resume."""
 
+import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -322,3 +323,26 @@ def test_deepspeed_init_does_not_load_its_shm_op():
     with compat.deepspeed_without_shm_op():
         assert build_shm_op() is None
     assert deepspeed.ops.__compatible_ops__ == before
+
+
+@pytest.mark.parametrize(
+    "arch_list, built_for",
+    [("8.0;9.0a", "8.0;9.0+PTX"), ("9.0a 10.0f+PTX", "9.0;10.0+PTX"), ("8.6;9.0", "8.6;9.0+PTX")],
+)
+def test_deepspeed_builds_its_cuda_ops_whatever_variant_the_arch_list_names(monkeypatch, arch_list, built_for):
+    """DeepSpeed 0.19.8's CUDA op builder parses the arch list's minor numbers with int(): Hopper images' "9.0a"
+    failed every FusedAdam build (issue 59 on an H200). Its real parser, on CPU (``jit_mode``: it reads the
+    variable and writes back what it builds for), runs inside distrain's guard; the variable is given back."""
+    from importlib import import_module
+
+    builder = import_module("deepspeed.ops.op_builder.fused_adam").FusedAdamBuilder()  # the CUDA one, not CPU's
+    builder.jit_mode = True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
+    if arch_list != "8.6;9.0":  # when DeepSpeed parses variants itself, this fails: the guard can go
+        with pytest.raises(ValueError, match="invalid literal for int"):  # the installed builder's own parse
+            builder.compute_capability_args()
+    with compat.deepspeed_parsable_arch_list():
+        builder.compute_capability_args()
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == built_for
+    variant = arch_list != "8.6;9.0"  # a plain list is left to DeepSpeed, which writes back what it built for
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == (arch_list if variant else built_for)

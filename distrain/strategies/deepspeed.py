@@ -341,21 +341,23 @@ class DeepSpeedStrategy(Strategy):
         if self._offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            return DeepSpeedCPUAdam(
-                groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"], adamw_mode=adamw
-            )
+            with compat.deepspeed_parsable_arch_list():  # its op builds here, with CUDA's flags where there is CUDA
+                return DeepSpeedCPUAdam(
+                    groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"], adamw_mode=adamw
+                )
         if self.root_device.type == "cuda":
             try:
                 from deepspeed.ops.adam import FusedAdam
 
-                return FusedAdam(
-                    groups,
-                    lr=d["lr"],
-                    betas=d["betas"],
-                    eps=d["eps"],
-                    weight_decay=d["weight_decay"],
-                    adam_w_mode=adamw,
-                )
+                with compat.deepspeed_parsable_arch_list():  # its op builds here
+                    return FusedAdam(
+                        groups,
+                        lr=d["lr"],
+                        betas=d["betas"],
+                        eps=d["eps"],
+                        weight_decay=d["weight_decay"],
+                        adam_w_mode=adamw,
+                    )
             except Exception as e:  # no CUDA toolchain to build it: torch's optimizer works too
                 warnings.warn(f"DeepSpeed FusedAdam unavailable ({e}); using {type(client).__name__}", stacklevel=2)
         return None
