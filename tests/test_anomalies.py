@@ -43,7 +43,9 @@ class Fit(distrain.Module):
 
     def __init__(self, fault_at: int | None = None):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        # dropout: skip and rollback must leave the RNG streams alike (a skip kept the re-run's state, so every
+        # later mask differed from the rollback's)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.25), nn.Linear(16, 1))
         self.fault_at = fault_at
 
     def training_step(self, batch, batch_idx):

@@ -127,7 +127,9 @@ class AnomalyGuard:
 
     def check(self, step_loss: torch.Tensor, micro_batches: list, position: int, rng: Any) -> str:
         """``inspect`` for the step whose backward just ran from the RNG state ``rng``; a rollback is done here (the
-        newest checkpoint loaded) before it is returned."""
+        newest checkpoint loaded) before it is returned. A skipped step leaves every RNG stream where it found them
+        (``rng``): the next step draws what this one drew, so skip and rollback (whose replay never runs the step) go
+        on with the same dropout masks and end bit-identical."""
         t = self.trainer
         rt, optimizer = t.runtime, t.optimizers[0]
 
@@ -138,6 +140,8 @@ class AnomalyGuard:
 
         rt.mark_phase(None, "anomaly check")
         action = self.inspect(step_loss, micro_batches, position, rerun)
+        if action == "skip":  # a skipped step consumes no randomness, as a rollback's replay, which never runs it
+            set_rng_state(rng)
         if action == "rollback":
             optimizer.zero_grad(set_to_none=True)
             t.checkpoints.complete_pending()
