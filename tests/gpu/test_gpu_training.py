@@ -369,10 +369,21 @@ TWO_RANK_RUNS = {
 def test_two_ranks_ddp_fsdp_and_tensor_parallel_match_one_process(tmp_path, accumulating_references, name):
     """DDP, FSDP and TP=2 on 2 ranks (NCCL on 2 GPUs; on one GPU both ranks share cuda:0 under gloo). On one
     GPU FSDP and TP are refused before any rank starts: their DTensor collectives over gloo on CUDA tensors ended
-    both ranks in SIGSEGV (torch 2.11, H200), so only DDP runs there."""
+    both ranks in SIGSEGV (torch 2.11, H200), so only DDP runs there.
+
+    Which refusal comes first on one GPU: asked to start 2 ranks itself, the Trainer says the machine has 1 GPU
+    (the fact a user can act on: devices=1); 2 ranks a launcher started on that GPU (torchrun --nproc-per-node 2,
+    as run_ranks does) get the NCCL refusal, since the ranks exist and only the backend is wrong."""
     if TWO_RANK_BACKEND == "gloo" and name != "ddp":
-        with pytest.raises(ValueError, match="needs NCCL") as info:
+        with pytest.raises(ValueError, match=rf"devices=2 but this machine has {GPUS} CUDA GPUs") as info:
             distrain.Trainer(accelerator="gpu", strategy=name, devices=2, logger=False, **TWO_RANKS)
+        assert "\n" not in str(info.value)
+        launched = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+        with pytest.MonkeyPatch.context() as env:
+            for key, value in {**launched, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+                env.setenv(key, value)
+            with pytest.raises(ValueError, match="needs NCCL") as info:
+                distrain.Trainer(accelerator="gpu", strategy=name, devices=2, logger=False, **TWO_RANKS)
         assert "\n" not in str(info.value)
         return
     runs = [(name, dict(devices=2, batch=BATCH // 2, **TWO_RANKS, **TWO_RANK_RUNS[name]))]
