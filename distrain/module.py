@@ -17,7 +17,6 @@ UNSUPPORTED_HOOKS = {
     "on_before_batch_transfer": "change the batch in the DataLoader's collate_fn",
     "transfer_batch_to_device": "distrain moves tensors (and dicts/lists/tuples of them) itself; use collate_fn",
     "on_after_batch_transfer": "change the batch at the top of training_step",
-    "backward": "use on_before_backward/on_after_backward, or manual optimization with self.manual_backward",
     "configure_callbacks": "pass the callbacks to Trainer(callbacks=[...])",
     "configure_sharded_model": "rename it configure_model",
     "on_validation_model_eval": "distrain calls module.eval() itself; use on_validation_start",
@@ -381,6 +380,12 @@ class Module(nn.Module):
         raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}")
 
     # ---- the optimizer step's hooks, as Lightning's: override one to change how the loop steps ----------------
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Runs the backward of ``loss`` (already scaled where a grad scaler is on). Override it to change how, as in
+        Lightning; strategies whose engine or schedule runs the backward (DeepSpeed, pipelines) refuse a module that
+        does, before any rank starts."""
+        loss.backward(*args, **kwargs)
+
     def configure_gradient_clipping(
         self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
     ) -> None:

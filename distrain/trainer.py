@@ -242,7 +242,14 @@ class Trainer(TrainerViews):
         return None if return_predictions is False else predictions
 
     def _launch(self, fn, module: Module, *args):
-        self.runtime.strategy.check_module(module)
+        strategy = self.runtime.strategy  # as planned: strategy="auto" has chosen by now
+        if overrides(module, "backward") and not strategy.traits.runs_module_backward:
+            raise NotImplementedError(
+                f"{type(module).__name__}.backward: {type(strategy).__name__} runs the backward in its own engine or "
+                "schedule, which never calls a LightningModule's backward; do that work in training_step or "
+                "on_before_backward, or use ddp or fsdp"
+            )
+        strategy.check_module(module)
 
         def restore(state):  # spawn/fork: the trained weights and the progress come back to this process
             self._configure(module)  # the parent never built configure_model's layers

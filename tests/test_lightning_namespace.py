@@ -205,6 +205,34 @@ def test_overridden_step_hooks_run_and_train_as_the_same_loop_written_by_hand(tm
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+class DoublesItsGradients(Regressor):
+    """Lightning's ``backward`` override: here the gradient of twice the loss, in automatic and manual optimization."""
+
+    calls = 0
+
+    def backward(self, loss, *args, **kwargs):
+        DoublesItsGradients.calls += 1
+        (2 * loss).backward(*args, **kwargs)
+
+
+def test_an_overridden_backward_runs_the_backward_where_the_strategy_can_and_is_refused_where_not(tmp_path):
+    module = DoublesItsGradients()
+    net = copy.deepcopy(module.net)
+    opt = torch.optim.SGD(net.parameters(), lr=module.lr)
+    for x, y in _loader():
+        (2 * F.mse_loss(net(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+    trainer, _ = make_trainer(tmp_path, devices=1, max_epochs=1, logger=False, enable_checkpointing=False)
+    trainer.fit(module, _loader())
+    assert DoublesItsGradients.calls == 8
+    torch.testing.assert_close(module.net.weight, net.weight)
+    for strategy in ("deepspeed_stage_2", "pipeline"):
+        trainer, _ = make_trainer(tmp_path / strategy, strategy=strategy, devices=2, max_steps=1, logger=False)
+        with pytest.raises(NotImplementedError, match=r"DoublesItsGradients.backward: \w+Strategy runs the backward"):
+            trainer.fit(DoublesItsGradients(), _loader())
+
+
 class SkipsOddSteps(Regressor):
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
         if batch_idx % 2 == 0:

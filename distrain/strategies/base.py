@@ -28,7 +28,7 @@ from distrain.accelerators import Accelerator
 from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
 from distrain.cluster import ClusterEnv
-from distrain.module import loss_of
+from distrain.module import Module, StepRouter, loss_of, overrides
 from distrain.precision import Precision
 from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, device_init_context
 
@@ -76,6 +76,9 @@ class Traits:
     of them, ZeRO-3): then a parameter no optimizer holds is one that is never trained."""
     stages_hold_own_parameters: bool = False
     """Each pipeline stage holds only its own layers: a whole model is gathered from every stage."""
+    runs_module_backward: bool = True
+    """A LightningModule's own ``backward(loss)`` runs the backward (not where an engine runs it, DeepSpeed's, nor where
+    a pipeline's schedule does)."""
     counts_metrics: bool = True
     """This rank's logged values count in cross-rank reductions; a rank holding a copy of another's samples (a
     tensor-parallel peer, a pipeline's earlier stage) does not, so a sample counts once."""
@@ -358,8 +361,15 @@ class Strategy:
 
     # ---- the step -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, module: nn.Module | None = None) -> None:
-        """``loss.backward()`` through the precision plugin (the loss scaled first when there is a grad scaler)."""
-        self.precision.scale_loss(loss).backward()
+        """``loss.backward()`` through the precision plugin (the loss scaled first when there is a grad scaler); the
+        LightningModule's own ``backward(loss)`` instead where it overrides it, as Lightning calls it."""
+        scaled = self.precision.scale_loss(loss)
+        user = self.unwrap(module) if module is not None else None
+        user = user.module if isinstance(user, StepRouter) else user
+        if isinstance(user, Module) and overrides(user, "backward"):
+            user.backward(scaled)
+        else:
+            scaled.backward()
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True):
         """Skip gradient synchronization for this backward (accumulation micro-steps)."""

@@ -141,6 +141,7 @@ class DeepSpeedStrategy(Strategy):
             converts_fp8=False,  # the engine owns the model's dtypes; torchao's float8 layers are not wired in
             saves_in_background=False,  # the engine writes its own checkpoint files, synchronously
             reruns_steps=False,  # its engine counts every backward towards its accumulation boundary
+            runs_module_backward=False,  # engine.backward runs it
             optimizer_holds_parameters=self.stage != 3,  # ZeRO-3's optimizer steps flat partitions
         )
 

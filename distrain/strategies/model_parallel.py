@@ -160,6 +160,7 @@ class ModelParallelStrategy(Strategy):
             # one copy: the first tensor- and context-parallel rank of the last stage
             counts_metrics=tp == 0 and cp == 0 and pp == last,
             reruns_steps=self.pipeline_stages == 1,  # a pipeline's schedule runs the backward
+            runs_module_backward=self.pipeline_stages == 1,
         )
 
     def setup_environment(self) -> None:
