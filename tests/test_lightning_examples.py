@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from lightning_examples.make_reference import EXAMPLES as SCRIPTS
-from lightning_examples.make_reference import UPSTREAM, example_env
+from lightning_examples.make_reference import example_env
 
 from distrain.lightning import migrate
 
@@ -22,16 +22,17 @@ EXAMPLES = Path(__file__).resolve().parent / "lightning_examples"
 @pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_lightning_example_runs_with_its_imports_switched_and_logs_lightnings_losses(tmp_path, script, devices):
-    source = (UPSTREAM / script).read_text()
+    source = (EXAMPLES / script).read_text()
     migrated = migrate(source)
     assert "lightning.pytorch" not in migrated and "distrain.lightning" in migrated
-    (tmp_path / script).write_text(migrated)
-    env = example_env(tmp_path / script, str(tmp_path / "out"), devices)
+    migrated_path = tmp_path / Path(script).name
+    migrated_path.write_text(migrated)
+    env = example_env(migrated_path, str(tmp_path / "out"), devices)
     run = subprocess.run(
         [sys.executable, str(EXAMPLES / "run_example.py")], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    reference = json.loads((EXAMPLES / "reference" / script.replace(".py", ".json")).read_text())
+    reference = json.loads((EXAMPLES / "reference" / Path(script).with_suffix(".json").name).read_text())
     expected = reference["losses"][str(devices)]
     for rank in range(devices):
         got = json.loads((tmp_path / "out" / f"losses_rank{rank}.json").read_text())

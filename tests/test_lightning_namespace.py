@@ -84,6 +84,11 @@ def test_the_import_edit_is_mechanical_and_leaves_other_words_alone():
         ("distrain.lightning.strategies", "DDPStrategy FSDPStrategy DeepSpeedStrategy ModelParallelStrategy Strategy"),
         ("distrain.lightning.utilities", "rank_zero_only rank_zero_info rank_zero_warn grad_norm AttributeDict"),
         ("distrain.lightning.utilities.imports", "_TORCHVISION_AVAILABLE"),
+        ("distrain.lightning.utilities.types", "STEP_OUTPUT OptimizerLRScheduler EVAL_DATALOADERS TRAIN_DATALOADERS"),
+        (
+            "distrain.lightning.demos",
+            "BoringModel BoringDataModule RandomDataset RandomDictDataset RandomIterableDataset",
+        ),
     ],
 )
 def test_lightnings_names_are_at_lightnings_paths(path, names):
