@@ -627,7 +627,7 @@ class Trainer(TrainerViews):
         Lightning, on every rank: where the module overrides the hook, the ranks agree (one small all-reduce a
         step), so a rank that returns -1 never leaves the others waiting in the step's collectives."""
         skip = self._hook("on_train_batch_start", batch, batch_idx) == -1
-        if type(self.module).on_train_batch_start is not Module.on_train_batch_start and self.world_size > 1:
+        if overrides(self.module, "on_train_batch_start") and self.world_size > 1:
             skip = bool(self.runtime.all_reduce(torch.tensor(int(skip)), op="max"))
         return skip
 

@@ -11,6 +11,7 @@ from distrain.distributed.collectives import (
     barrier,
     broadcast,
     decided_on_rank_zero,
+    global_rank,
     shared_outcome,
 )
 from distrain.distributed.process_group import (
@@ -33,6 +34,7 @@ __all__ = [
     "broadcast",
     "barrier",
     "decided_on_rank_zero",
+    "global_rank",
     "shared_outcome",
     "SharedFailure",
     "CollectiveHangError",

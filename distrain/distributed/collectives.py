@@ -4,6 +4,7 @@ device; inputs are never modified."""
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,13 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 def _active() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def global_rank() -> int:
+    """This process's global rank: the process group's once it exists, else the launcher's ``RANK`` (0 alone)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
 
 
 def comm_device(device: torch.device) -> torch.device:

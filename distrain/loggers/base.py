@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 
@@ -45,7 +44,9 @@ class Logger:
     def experiment(self) -> Any:
         """The tracker's own object on global rank 0 (TensorBoard's ``SummaryWriter``, a W&B run, an MLflow client),
         for what the loggers' methods do not cover (``add_image``...); a ``DummyExperiment`` on the other ranks."""
-        return self._experiment() if _global_rank() == 0 else DummyExperiment()
+        from distrain.distributed.collectives import global_rank  # torch: only when the experiment is asked for
+
+        return self._experiment() if global_rank() == 0 else DummyExperiment()
 
     def _experiment(self) -> Any:
         return DummyExperiment()
@@ -61,12 +62,3 @@ class Logger:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def _global_rank() -> int:
-    """This process's global rank: the process group's once it exists, else the launcher's ``RANK``."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", 0))

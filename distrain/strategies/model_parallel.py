@@ -35,7 +35,7 @@ from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import safe_load
 from distrain.checkpoint import state as ckpt_state
 from distrain.config import ConfigError, DistributedConfig
-from distrain.module import StepRouter
+from distrain.module import StepRouter, overrides
 from distrain.parallel.layout import CP, DP, PP, SCHEDULES, TP, ParallelLayout, default_stages_per_rank, layout_for
 from distrain.strategies import sharded_init
 from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits
@@ -185,7 +185,7 @@ class ModelParallelStrategy(Strategy):
 
         if self.layout.context > 1:
             _check_context_parallel(module, self.layout)
-        if isinstance(module, Module) and type(module).configure_model is not Module.configure_model:
+        if isinstance(module, Module) and overrides(module, "configure_model"):
             blocks = module.num_blocks()  # its layers do not exist yet: checked in the ranks once built; the depth now
             if blocks is not None and self.layout.num_stages > blocks:
                 name = module.hparams.get("model_name", type(module).__name__)
@@ -468,7 +468,7 @@ def _check_context_parallel(module: nn.Module, layout: ParallelLayout) -> str:
         name = module.hparams["model_name"]
         return engine_for(heads or [GPT_SIZES[name]["n_head"]], layout.context, layout.tensor, name)
     engine = engine_for(heads, layout.context, layout.tensor, name)
-    built_later = isinstance(module, Module) and type(module).configure_model is not Module.configure_model
+    built_later = isinstance(module, Module) and overrides(module, "configure_model")
     if not built_later and not any(
         callable(getattr(type(m), "enable_context_parallel", None)) for m in module.modules()
     ):

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+from distrain.distributed.collectives import global_rank
+
 log = logging.getLogger("distrain")
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", 0))
 
 
 def rank_zero_only(fn: Callable) -> Callable:
@@ -25,7 +18,7 @@ def rank_zero_only(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs) if _rank() == 0 else None
+        return fn(*args, **kwargs) if global_rank() == 0 else None
 
     return wrapped
 
