@@ -364,7 +364,7 @@ def launch(argv: list[str]) -> int:
         if args.run:
             import subprocess
 
-            return subprocess.call([sys.executable, "-m", "torch.distributed.run", *cmd[1:]])
+            return subprocess.call([sys.executable, *cmd[1:]])  # the agent in this interpreter
         print(shlex.join(cmd))
         return 0
     if args.engine == "sky":

@@ -42,13 +42,18 @@ def check_slurm_time(value: str) -> str:
     return value.strip()
 
 
+#: torchrun, started as distrain's agent (``distributed/agent.py``): the same arguments, restarts and rendezvous, with
+#: its stores listening on the address each was given, where torchrun's listen on every interface
+TORCHRUN = ["python", "-m", "distrain.distributed.agent"]
+
+
 def torchrun_command(
     nnodes: int | str, nproc_per_node: int, rdzv_endpoint: str, train_args: list[str], max_restarts: int = 0
 ) -> list[str]:
     """The command to run on each node (c10d rendezvous: no fixed node ranks needed). ``nnodes`` may be a range,
     ``MIN:MAX``: an elastic job that re-rendezvouses with the nodes it has (the run keeps its global batch)."""
     cmd = [
-        "torchrun",
+        *TORCHRUN,
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc_per_node}",
         "--rdzv-backend=c10d",
@@ -114,7 +119,7 @@ def pytorchjob_manifest(
     again."""
     train_args, output_dir = _with_output_dir(train_args)
     if min_nodes:  # elastic: the operator's torchrun rendezvous (PET_* variables) decides the pods in the job
-        train = shlex.join(["torchrun", f"--nproc-per-node={gpus_per_node}", "-m", "distrain.cli", "train",
+        train = shlex.join([*TORCHRUN, f"--nproc-per-node={gpus_per_node}", "-m", "distrain.cli", "train",
                             *train_args, "--devices", str(gpus_per_node), "--resume", "auto"])  # fmt: skip
     else:
         train = _train_command(
@@ -213,7 +218,7 @@ def skypilot_task(
         "set -e\n"
         "# SkyPilot runs this on every node; its variables say which node this is and where the others are\n"
         'MASTER_ADDR=$(echo "$SKYPILOT_NODE_IPS" | head -n1)\n'
-        "torchrun \\\n"
+        f"{shlex.join(TORCHRUN)} \\\n"
         '  --nnodes="$SKYPILOT_NUM_NODES" \\\n'
         '  --nproc-per-node="$SKYPILOT_NUM_GPUS_PER_NODE" \\\n'
         '  --node-rank="$SKYPILOT_NODE_RANK" \\\n'

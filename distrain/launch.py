@@ -336,7 +336,8 @@ class ReplicaGroupLauncher:
         secret = secrets.token_urlsafe(32)  # this job's; a group serves its live state only to requests that carry it
         loopback = loopback_interface() if is_loopback_address(address) else None
         python, *command = _command_of_this_process()
-        torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nprocs}"]
+        # torchrun, with the stores its agent hosts on loopback (torch's own listen on every interface)
+        torchrun = [python, "-m", "distrain.distributed.agent", "--standalone", f"--nproc-per-node={self.nprocs}"]
         torchrun.append(f"--max-restarts={self.max_restarts}")
         print(
             f"distrain: {self.replica_groups} replica groups of {self.nprocs} rank(s), torchft lighthouse at {address}",

@@ -9,10 +9,11 @@
 #   sudo scripts/two_node_netns.sh down                # remove them (and anything still running in them)
 #
 # `run` sets the namespaces up (replacing stale ones of the same id), starts
-#   torchrun --nnodes 2 --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint 10.200.0.1:PORT \
+#   python -m distrain.distributed.agent --nnodes 2 --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint 10.200.0.1:PORT \
 #            --local-addr <node's address> [--rdzv-conf is_host=true on node A] \
 #            -m distrain.cli train --num-nodes 2 --devices P <distrain train args>
-# in each, prefixes their output with [node-a]/[node-b], stops the other node as soon as one
+# in each (torchrun, as distrain's agent: its stores listen on the node's address, not on every interface),
+# prefixes their output with [node-a]/[node-b], stops the other node as soon as one
 # fails, and always tears the namespaces down. Its exit code is the first failing node's (0 if
 # both succeed). Example:
 #
@@ -108,11 +109,11 @@ run() {
     up
     trap 'kill $pid_a $pid_b 2>/dev/null || true; down' EXIT
     trap 'exit 130' INT TERM
-    ip netns exec "$NS_A" "${clean[@]}" "${ifname_a[@]}" "$python" -m torch.distributed.run "${rdzv[@]}" \
+    ip netns exec "$NS_A" "${clean[@]}" "${ifname_a[@]}" "$python" -m distrain.distributed.agent "${rdzv[@]}" \
         --rdzv-conf "is_host=true,join_timeout=${RDZV_JOIN_TIMEOUT:-120}" --local-addr "$ADDR_A" "${train[@]}" \
         > >(sed -u 's/^/[node-a] /') 2>&1 &
     pid_a=$!
-    ip netns exec "$NS_B" "${clean[@]}" "${ifname_b[@]}" "$python" -m torch.distributed.run "${rdzv[@]}" \
+    ip netns exec "$NS_B" "${clean[@]}" "${ifname_b[@]}" "$python" -m distrain.distributed.agent "${rdzv[@]}" \
         --rdzv-conf "join_timeout=${RDZV_JOIN_TIMEOUT:-120}" --local-addr "$ADDR_B" "${train[@]}" \
         > >(sed -u 's/^/[node-b] /') 2>&1 &
     pid_b=$!

@@ -1,6 +1,7 @@
 """DDP behaviour on real gloo ranks: data sharding, collectives, comm hooks, launchers."""
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -390,3 +391,37 @@ def test_a_job_on_one_machine_listens_on_loopback_only(tmp_path):
     assert listening[0], listening  # rank 0 hosts the store, and each rank listens for gloo's peers
     for rank, addresses in listening.items():
         assert all(ipaddress.ip_address(a).is_loopback for a in addresses), (rank, addresses)
+
+
+def _address_of_this_machine() -> str | None:
+    """An IPv4 address of this machine's that is not loopback (where a peer on another machine would reach it)."""
+    import ipaddress
+
+    import psutil
+
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not ipaddress.ip_address(address.address).is_loopback:
+                return address.address
+    return None
+
+
+def test_a_job_across_machines_listens_on_the_address_its_peers_use(tmp_path):
+    """Ranks started by a cluster's launcher with a ``MASTER_ADDR`` that is this machine's network address (as rank
+    0's node is given to the others): rank 0's store listens on that address, not on every interface (it did:
+    '::'); gloo's sockets stay where the host name resolves."""
+    import json
+
+    address = _address_of_this_machine()
+    if address is None:
+        pytest.skip("this machine has no network address besides loopback")
+
+    def torch_env(rank: int, port: str) -> dict[str, str]:
+        return dict(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR=address, MASTER_PORT=port)
+
+    _two_ranks_by_hand(tmp_path / "train.py", LISTENING.format(tests=os.path.dirname(__file__), out=str(tmp_path)),
+                       torch_env)  # fmt: skip
+    listening = {rank: json.loads((tmp_path / f"listening-{rank}.json").read_text()) for rank in range(2)}
+    assert address in listening[0], listening  # the store, where the other ranks were told it is
+    wildcard = {rank: [a for a in found if a in ("0.0.0.0", "::")] for rank, found in listening.items()}
+    assert not any(wildcard.values()), listening

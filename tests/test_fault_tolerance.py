@@ -160,7 +160,7 @@ def _worker_of_group(launcher: subprocess.Popen, group: str, local_rank: str | N
             env, command = proc.environ(), " ".join(proc.cmdline())
         except psutil.Error:
             continue
-        if env.get("REPLICA_GROUP_ID") == group and "LOCAL_RANK" in env and "torch.distributed.run" not in command:
+        if env.get("REPLICA_GROUP_ID") == group and "LOCAL_RANK" in env and "distributed.agent" not in command:
             if local_rank is None or env["LOCAL_RANK"] == local_rank:
                 return proc
     return None

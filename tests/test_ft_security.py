@@ -131,15 +131,17 @@ def test_only_a_lighthouse_on_loopback_puts_the_groups_on_loopback(address, loop
 
 
 # ---- a short job: 2 groups of 1 rank ------------------------------------------------------------------------
-def _ranks(launcher: psutil.Process) -> list[psutil.Process]:
-    """The training processes (torchrun's agents hold torch's own store: see docs/trust.md)."""
-    found = []
+def _processes(launcher: psutil.Process) -> list[tuple[str, psutil.Process]]:
+    """Every process of the job, named by its part: the launcher (the lighthouse), each group's torchrun agent (the
+    group's store) and the ranks."""
+    found = [("launcher", launcher)]
     for proc in launcher.children(recursive=True):
         try:
-            if "LOCAL_RANK" in proc.environ() and "torch.distributed.run" not in " ".join(proc.cmdline()):
-                found.append(proc)
+            agent = "distrain.distributed.agent" in " ".join(proc.cmdline())
+            rank = "LOCAL_RANK" in proc.environ()
         except psutil.Error:
             continue
+        found.append((f"{'agent' if agent else 'rank' if rank else 'other'} pid {proc.pid}", proc))
     return found
 
 
@@ -162,7 +164,7 @@ def job(tmp_path_factory):
     reader.start()
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
-        for who, p in [("launcher", launcher)] + [(f"rank pid {r.pid}", r) for r in _ranks(launcher)]:
+        for who, p in _processes(launcher):
             try:
                 sockets = {(c.laddr.ip, c.laddr.port) for c in p.net_connections("inet") if c.status == "LISTEN"}
                 environ = p.environ() if who != "launcher" else {}
@@ -189,11 +191,15 @@ def job(tmp_path_factory):
 
 @pytest.mark.slow
 def test_every_service_of_a_job_listens_on_loopback_only(job):
-    """The lighthouse (in the launcher), and in each rank torchft's manager server, the peer-state server and gloo's
-    sockets: no one on another machine can join the quorum, stop a group or read its state."""
+    """Every socket of every process of the job: the lighthouse (in the launcher), each group's store (in its torchrun
+    agent: torchrun's ``--standalone`` listened on '::' twice a group), and in each rank torchft's manager server,
+    the peer-state server and gloo's sockets: no one on another machine can join the quorum, stop a group, write
+    false addresses into a group's store or read its state."""
     assert job["code"] == 0, job["output"][-3000:]
     listening = job["listening"]
     assert listening.get("launcher"), "the lighthouse was never seen listening"
+    agents = [who for who in listening if who.startswith("agent") and listening[who]]
+    assert len(agents) == 2, listening  # one per group, each seen holding its group's store
     ranks = [who for who in listening if who.startswith("rank")]
     assert len(ranks) >= 2, listening
     # rank 0 of a group: its manager server and peer-state server at least (and gloo's)

@@ -32,7 +32,9 @@ def test_torchrun_command(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout.split()
-    assert out[0] == "torchrun" and "--nnodes=2" in out and "--nproc-per-node=4" in out
+    # torchrun as distrain's agent (its stores listen on the address each was given, not on every interface)
+    assert out[:3] == ["python", "-m", "distrain.distributed.agent"] and "--nnodes=2" in out
+    assert "--nproc-per-node=4" in out
     assert "--rdzv-backend=c10d" in out and "--rdzv-endpoint=h0:29400" in out
     assert out[-4:] == ["train", "--strategy", "fsdp", "training.learning_rate=1e-4"]
 
@@ -135,7 +137,8 @@ def test_elastic_job_files(tmp_path):
         "maxRestarts": 100,
     }
     script = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"][2]
-    assert script.startswith("torchrun --nproc-per-node=8 -m distrain.cli train") and "--num-nodes" not in script
+    assert script.startswith("python -m distrain.distributed.agent --nproc-per-node=8 -m distrain.cli train")
+    assert "--num-nodes" not in script
 
 
 def test_docker_files_have_no_secrets_or_ssh():

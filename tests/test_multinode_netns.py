@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import uuid
 
 import pytest
@@ -63,18 +65,47 @@ def test_two_namespaced_nodes_train_like_four_local_processes(tmp_path):
         pytest.skip(reason)
     netns_id = uuid.uuid4().hex[:6]  # unique names: a stale run's namespaces cannot get in the way
     env = {**_env(), "DISTRAIN_NETNS_ID": netns_id, "PYTHON": sys.executable}
+    listening: set[tuple[str, str]] = set()  # (node, local address:port) of every listening socket, mid-run
     try:
-        two = subprocess.run(
-            [SCRIPT, "run", "--nproc-per-node", "2", "--", *TRAIN_ARGS, "--output-dir", str(tmp_path / "two_nodes")],
+        command = [SCRIPT, "run", "--nproc-per-node", "2", "--", *TRAIN_ARGS]
+        proc = subprocess.Popen(
+            [*command, "--output-dir", str(tmp_path / "two_nodes")],
             env=env,
             cwd=ROOT,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=400,
         )
+        output = {"stdout": "", "stderr": ""}
+
+        def read(name: str) -> None:
+            output[name] = getattr(proc, name).read()
+
+        readers = [threading.Thread(target=read, args=(name,), daemon=True) for name in output]
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 400
+        while proc.poll() is None and time.monotonic() < deadline:
+            for node in "ab":
+                ss = ["ip", "netns", "exec", f"dtn{netns_id}{node}", "ss", "-ltnH"]
+                found = subprocess.run(ss, capture_output=True, text=True).stdout.splitlines()
+                listening.update((node, line.split()[3]) for line in found if len(line.split()) > 3)
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for reader in readers:
+            reader.join(timeout=10)
     finally:  # also after a timeout (SIGKILL skips the script's own clean-up)
         subprocess.run([SCRIPT, "down"], env=env, capture_output=True, timeout=60)
-    assert two.returncode == 0, two.stdout[-4000:] + two.stderr[-2000:]
+    assert proc.returncode == 0, output["stdout"][-4000:] + output["stderr"][-2000:]
+    two = subprocess.CompletedProcess(command, proc.returncode, output["stdout"], output["stderr"])
+    # every store and gloo socket listens on its node's address (the stores torchrun's agents host listened on every
+    # interface): the rendezvous store on the endpoint node A was given, nothing on 0.0.0.0, * or [::]
+    assert ("a", "10.200.0.1:29400") in listening, sorted(listening)
+    assert any(node == "b" for node, _ in listening), sorted(listening)  # node B's gloo sockets
+    wildcard = sorted((n, a) for n, a in listening if a.rsplit(":", 1)[0] in ("0.0.0.0", "*", "[::]"))
+    assert not wildcard, sorted(listening)
     assert f"dtn{netns_id}a" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "[node-a]" in two.stdout and "[node-b]" in two.stdout and "4 process(es)" in two.stdout
 

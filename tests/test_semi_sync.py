@@ -188,7 +188,7 @@ def test_a_group_killed_under_diloco_rejoins_at_a_meeting_and_ends_with_the_othe
         time.sleep(0.05)
     for proc in psutil.Process(launcher.pid).children(recursive=True):
         env, command_line = proc.environ(), " ".join(proc.cmdline())
-        if env.get("REPLICA_GROUP_ID") == "1" and "LOCAL_RANK" in env and "torch.distributed.run" not in command_line:
+        if env.get("REPLICA_GROUP_ID") == "1" and "LOCAL_RANK" in env and "distributed.agent" not in command_line:
             proc.send_signal(signal.SIGKILL)
             break
     else:

@@ -138,7 +138,7 @@ def _key_space_of_a_new_group(rank: int, world: int, timeout: timedelta) -> dist
     if _job_store is None or _job_store[0] != address:
         # torchrun's agent keeps the job's store itself (its ranks are clients); elsewhere rank 0 hosts it
         hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
-        listener = _loopback_listener(address[0], address[1]) if hosts else None
+        listener = _narrow_listener(address[0], address[1]) if hosts else None
         store = dist.TCPStore(
             address[0],
             address[1],
@@ -153,19 +153,35 @@ def _key_space_of_a_new_group(rank: int, world: int, timeout: timedelta) -> dist
     return dist.PrefixStore(f"distrain/attempt{attempt}/group{_groups_started}", _job_store[1])
 
 
-def _loopback_listener(host: str, port: int) -> socket.socket | None:
-    """Where the store listens when every rank is on this machine (a loopback ``MASTER_ADDR``): on that address
-    only. Given a host, torch's store still listens on every interface, and it answers whoever connects (it has no
-    authentication): anyone on the network could read the ranks' addresses or write false ones. A job across
-    machines (any other address) keeps torch's default: which of this machine's addresses the others reach is
-    theirs to know."""
+def _narrow_listener(host: str, port: int) -> socket.socket | None:
+    """Where the store listens: on the address ``MASTER_ADDR`` names, where that is this machine's. Given a host,
+    torch's store still listens on every interface, and it answers whoever connects (it has no authentication):
+    anyone on the network could read the ranks' addresses or write false ones. So a job on one machine (a loopback
+    ``MASTER_ADDR``) listens on loopback only, and a job across machines on the address its peers were given.
+    Torch's default stays where the address is not one this machine can listen on (a Kubernetes service's, a
+    NAT's) and where a name resolves here to a loopback address (Debian maps the host name to 127.0.1.1, which the
+    peers never reach)."""
+    import ipaddress
+
     from distrain.cluster import is_loopback_host
 
-    if not is_loopback_host(host):
+    if is_loopback_host(host):
+        host = "127.0.0.1" if host == "localhost" else host  # (a client tries each address "localhost" names)
+        return socket.create_server(
+            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128
+        )
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
         return None
-    host = "127.0.0.1" if host == "localhost" else host  # (a client tries each address "localhost" names)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=128)
+    if any(ipaddress.ip_address(address[0].split("%")[0]).is_loopback for *_, address in found):
+        return None
+    for family, *_, address in found:
+        try:
+            return socket.create_server(address[:2], family=family, backlog=128)
+        except OSError:  # not an address of this machine
+            continue
+    return None
 
 
 #: the job's rendezvous store, opened by the first group this process started (and where it is; and the socket it
