@@ -37,6 +37,13 @@ class ConfigError(ValueError):
     """A configuration problem, phrased so that one line tells the user what to fix."""
 
 
+class Refusal(ConfigError):
+    """A run distrain will not run as asked, found by a check that fires inside the run (a model's forward under a
+    layout, a strategy's setup of the model): the planner's simulated step runs that same code before any rank
+    starts, and a Refusal it meets stops the launch with this line (``planner/decide.py``), where any other failure
+    of the simulation only leaves the run unplanned. ``tests/test_refusals.py`` walks every one."""
+
+
 # --------------------------------------------------------------------------------------------
 # the values a numeric key accepts: declared next to the field (``number(...)``), checked by ``validate``
 

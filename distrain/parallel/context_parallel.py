@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from distrain.config import Refusal
+
 IGNORE = -100  # cross_entropy's ignore_index: a pad's target counts for nothing
 
 
@@ -133,7 +135,7 @@ class SequenceShard:
         """Causal attention of this rank's pieces, ``[batch, sequence, heads, head_dim]`` in and out; keys and
         values may have fewer heads (grouped-query attention). ``scaling``/``dropout``: a Hugging Face layer's."""
         if dropout:
-            raise ValueError(RING_REFUSES.format(what=f"attention dropout ({dropout})"))
+            raise Refusal(RING_REFUSES.format(what=f"attention dropout ({dropout})"))
         check_window(kwargs.get("sliding_window"), self.length or q.shape[1] * self.size)
         check_no_extras(kwargs)
         if k.shape[2] != q.shape[2]:  # each key/value head serves a group of query heads (transformers' repeat_kv)
@@ -220,7 +222,7 @@ def check_window(window: int | None, length: int) -> None:
     length of the whole sequence: within the window it changes nothing, beyond it the engines (causal attention
     over every earlier token) would compute another model."""
     if window is not None and length > window:
-        raise ValueError(
+        raise Refusal(
             f"context parallelism cannot run a sliding window of {window} tokens over sequences of {length} "
             f"(distributed.context_parallel_size): its engines attend to every earlier token; keep sequences within "
             f"{window} tokens (data.max_length), or train without context parallelism"
@@ -236,7 +238,7 @@ def check_no_extras(kwargs: dict) -> None:
     """Refuse, in one line, an attention of a Hugging Face layer that the engines would compute without its extras."""
     for key, what in UNSUPPORTED_EXTRAS.items():
         if kwargs.get(key) is not None:
-            raise ValueError(
+            raise Refusal(
                 f"context parallelism (distributed.context_parallel_size) cannot run this model's attention: it asks "
                 f"for {what} ({key}), which neither engine applies; train it without context parallelism"
             )
@@ -248,7 +250,7 @@ def engine_for(heads: list[int] | None, context: int, tensor: int, model: str) -
     are refused in one line. Unknown heads (a model of the user's own that does not say them): Ulysses."""
     for count in heads or []:
         if count % tensor:
-            raise ValueError(
+            raise Refusal(
                 f"{model} has {count} attention heads, which tensor_parallel_size={tensor} does not divide: tensor "
                 f"parallelism gives each rank whole heads; choose a size that divides {count}"
             )

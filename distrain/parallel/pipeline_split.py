@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from distrain.config import Refusal
+
 
 @dataclass
 class PipelineSplit:
@@ -147,7 +149,7 @@ def split_for(module: nn.Module) -> PipelineSplit:
     found += [(m, llama_split) for m in module.modules() if is_llama_style(m)]
     if len(found) != 1:
         what = "no model" if not found else f"{len(found)} models"
-        raise ValueError(
+        raise Refusal(
             f"{type(module).__name__} holds {what} the pipeline strategy has a built-in plan for (distrain's GPT, "
             "Hugging Face Llama-style causal LMs); give it a pipeline_split() method returning a distrain.PipelineSplit"
         )
@@ -164,14 +166,14 @@ def split_blocks(
     also holds the embeddings, the last the head)."""
     n = len(plan.blocks)
     if num_stages > n:
-        raise ValueError(
+        raise Refusal(
             f"{num_stages} pipeline stages but the model has {n} blocks: each stage needs at least one "
             "(distributed.pipeline_stages, or fewer stages per rank)"
         )
     if split_points:
         starts = sorted(_block_index(p, plan, root) for p in split_points)
         if len(starts) != num_stages - 1 or len(set(starts)) != len(starts) or starts[0] <= 0:
-            raise ValueError(
+            raise Refusal(
                 f"split_points {list(split_points)} must name {num_stages - 1} distinct blocks after the first "
                 f"(where stages 2..{num_stages} begin; the model has blocks 0..{n - 1})"
             )
@@ -215,7 +217,7 @@ def _block_index(point: int | str, plan: PipelineSplit, root: nn.Module | None) 
     if isinstance(point, int) and not isinstance(point, bool):
         if 0 <= point < len(plan.blocks):
             return point
-        raise ValueError(f"split point {point} is not a block index (0..{len(plan.blocks) - 1})")
+        raise Refusal(f"split point {point} is not a block index (0..{len(plan.blocks) - 1})")
     target = None
     for candidate in (root, plan.model):
         if candidate is None:
@@ -228,7 +230,7 @@ def _block_index(point: int | str, plan: PipelineSplit, root: nn.Module | None) 
     for i, block in enumerate(plan.blocks):
         if target is block or getattr(block, "_checkpoint_wrapped_module", None) is target:
             return i
-    raise ValueError(f"split point {point!r} names no block of the model (blocks are e.g. {_block_names(plan, root)})")
+    raise Refusal(f"split point {point!r} names no block of the model (blocks are e.g. {_block_names(plan, root)})")
 
 
 def _block_names(plan: PipelineSplit, root: nn.Module | None) -> str:

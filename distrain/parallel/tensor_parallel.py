@@ -36,6 +36,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import distribute_module
 
+from distrain.config import Refusal
+
 
 class FusedQKVParallel(ParallelStyle):
     """A ``Linear`` whose output is ``[q; k; v]`` (each ``n_embd`` wide): weight split by input features,
@@ -153,7 +155,7 @@ def llama_split(lm: nn.Module, tp: int, sequence_parallel: bool) -> dict[str, Pa
 def _divides(tp: int, sizes: dict[str, int]) -> None:
     bad = {k: v for k, v in sizes.items() if v % tp}
     if bad:
-        raise ValueError(
+        raise Refusal(
             f"tensor_parallel_size={tp} must divide the model's {', '.join(f'{k}={v}' for k, v in bad.items())} "
             "(each rank computes an equal share of the heads and hidden units)"
         )

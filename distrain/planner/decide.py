@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from distrain.config import Refusal
 from distrain.planner.plan import Budget, Planner, option_for_run
 from distrain.units import human
 
@@ -179,7 +180,12 @@ def fallback(strategy: str, why: str) -> Decision:
     return Decision(strategy=strategy, messages=[f"distrain: strategy {strategy}, unplanned: {why}"])
 
 
-def failed(strategy: str, error: BaseException) -> Decision:
+def failed(strategy: str, error: BaseException, named: bool = False) -> Decision:
+    """The planner could not plan the run: it starts unplanned, unless the run ``named`` its strategy and what
+    stopped the plan is that strategy's own refusal, met planning its layout: then nothing starts, and the refusal
+    is the one line. (Under ``auto`` a refusal came from a layout the run may not take: it starts unplanned.)"""
+    if named and isinstance(error, Refusal):
+        return Decision(strategy=strategy, stop=True, messages=[f"distrain: error: {error}"])
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return fallback(strategy, f"the memory planner could not plan this run ({type(error).__name__}: {first})")
 
@@ -233,8 +239,8 @@ def _kept_or_planned(config: RunConfig, job) -> Decision:
         per_node = ranks_per_node(config, gpu)
         key = lambda: cache.key(config, budget_from_config(config, gpu, per_node), per_node)  # noqa: E731
         return _kept_or(key, lambda: _planned(config, job))
-    except Exception as e:  # the plan is advice; training must not depend on it
-        return failed(_without_plan(config), e)
+    except Exception as e:  # the plan is advice; training must not depend on it (but a refusal stops it)
+        return failed(_without_plan(config), e, named=config.distributed.strategy != "auto")
 
 
 def _kept_or(key: Callable[[], str], plan: Callable[[], Decision]) -> Decision:

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from distrain import distributed
+from distrain.config import Refusal
 from distrain.planner import fake
 from distrain.planner.model_stats import (
     ModelSpec,
@@ -176,6 +177,8 @@ def _machine_has_gpu() -> bool:
 def _outcome_of(run) -> tuple[bool, object]:
     try:
         return True, run()
+    except Refusal as e:  # the run's own refusal: the parent stops the launch with its line
+        return False, Refusal(str(e))
     except BaseException as e:  # sent back and raised in the parent
         return False, RuntimeError(f"{type(e).__name__}: {e}")
 

@@ -34,7 +34,7 @@ from torch import nn
 from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import safe_load
 from distrain.checkpoint import state as ckpt_state
-from distrain.config import ConfigError, DistributedConfig
+from distrain.config import ConfigError, DistributedConfig, Refusal
 from distrain.module import StepRouter, overrides
 from distrain.parallel.layout import CP, DP, PP, SCHEDULES, TP, ParallelLayout, default_stages_per_rank, layout_for
 from distrain.strategies import sharded_init
@@ -189,18 +189,23 @@ class ModelParallelStrategy(Strategy):
             blocks = module.num_blocks()  # its layers do not exist yet: checked in the ranks once built; the depth now
             if blocks is not None and self.layout.num_stages > blocks:
                 name = module.hparams.get("model_name", type(module).__name__)
-                raise ValueError(
+                raise Refusal(
                     f"{self.layout.num_stages} pipeline stages (distributed.pipeline_stages"
                     f"{' × pipeline_stages_per_rank' if self.layout.stages_per_rank > 1 else ''}) but "
                     f"{name} has {blocks} blocks: each stage needs at least one"
                 )
             return
-        if self.layout.tensor > 1 and not is_parallelized(module) and not built_in_targets(module):
-            raise ValueError(no_plan_message(module))
+        if self.layout.tensor > 1 and not is_parallelized(module):
+            targets = built_in_targets(module)
+            if not targets:
+                raise Refusal(no_plan_message(module))
+            for model, plan in targets:
+                plan(model, self.layout.tensor, self.sequence_parallel)  # refuses a size that does not divide it
         if self.layout.pipeline > 1:
-            from distrain.parallel.pipeline_split import split_for
+            from distrain.parallel.pipeline_split import split_blocks, split_for
 
-            split_for(module)  # raises when the module has no plan
+            # refuses a module with no plan, more stages than blocks, split points that name no stages
+            split_blocks(split_for(module), self.layout.num_stages, self.split_points, root=module)
 
     def _setup_module(self, module: nn.Module) -> nn.Module:
         from distrain.parallel.tensor_parallel import apply_tensor_parallel, retie, shared_parameters
