@@ -369,15 +369,26 @@ def _stage3_started_by_nobody(rank, tmp):
         os.environ.pop(key, None)
     seen = _LocalRankSeen()
     trainer, rec = make_trainer(tmp, strategy="deepspeed_stage_3", devices=1, max_steps=2, callbacks=[seen])
+    torch.manual_seed(0)
     trainer.fit(TinyGPT(), loader(4))
     from distrain.cluster import detect_cluster
 
-    return rec.losses, seen.seen, detect_cluster().source
+    # distrain verify, then fit on the same trainer: verify ended its process group, and the fit starts another
+    again, rec_again = make_trainer(os.path.join(tmp, "again"), strategy="deepspeed_stage_3", devices=1, max_steps=2)
+    torch.manual_seed(0)
+    verdict = again.verify(TinyGPT(), loader(4), steps=2).ok
+    again.loop.max_steps = 4  # the trainer goes on from verify's 2 steps, as a second fit of one goes on
+    again.fit(TinyGPT(), loader(4))
+    return rec.losses, seen.seen, detect_cluster().source, verdict, rec_again.losses
 
 
 def test_zero3_in_a_process_no_launcher_started_gets_local_rank(tmp_path):
     """ZeRO-3 reads os.environ["LOCAL_RANK"] itself (``KeyError: 'LOCAL_RANK'`` from ``distrain verify`` on a GPU):
-    the strategy sets it for its run, and a later run in the process is still one no launcher started."""
-    losses, seen, later = run_ranks(_stage3_started_by_nobody, 1, tmp_path)[0]
+    the strategy sets it for its run, and a later run in the process is still one no launcher started. A fit after
+    ``verify`` on the same trainer, in the same process, trains on (it took verify's ended process group for live, and
+    ZeRO-3's ``zero.Init`` went looking for an MPI launcher: ``No module named 'mpi4py'``)."""
+    losses, seen, later, verdict, again = run_ranks(_stage3_started_by_nobody, 1, tmp_path)[0]
     assert len(losses) == 2 and all(loss == loss for loss in losses)
     assert seen == ["0", "0"] and later == "local"
+    assert verdict and again[:2] == losses, again  # verify's 2 steps: the run of a fresh trainer
+    assert len(again) == 4 and all(loss == loss for loss in again), again  # then the fit's steps 3 and 4

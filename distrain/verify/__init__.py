@@ -45,7 +45,8 @@ def verify(trainer, module, train_loader, steps: int = 3, label: str | None = No
     trainer.metrics.log_every_n_steps = 1
     trainer.metrics.summarize = False  # the report is what this run says
     trainer.fit(module, train_loader)
-    distributed.shutdown()  # the reference runs alone, in this process
+    distributed.shutdown()  # the reference runs alone, in this process (after a barrier: no rank is left waiting)
+    trainer.runtime.teardown()  # and the runtime knows it: a later run of this trainer starts a group of its own
     if not trainer.is_global_zero or trainer.strategy.data_parallel_rank != 0:  # one report for the job
         return None
     run = safe_load.load_torch_file(work / "run.pt")
