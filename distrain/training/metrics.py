@@ -350,12 +350,13 @@ class MetricsLogger:
 
     def _stragglers(self, per_rank: list[list[float]] | None, step: int) -> dict[str, Any]:
         """The straggler of the window that ends at ``step`` (``stragglers.py``), as metrics; rank 0 says so on the
-        console when one is first named, when another rank takes its place, and when none is left."""
+        console when one is first named, when another rank takes its place or the same rank is slow for another
+        cause (its data, then its compute), and when none is left."""
         first, self._window_first_step = self._window_first_step, step + 1
         found = find_straggler(per_rank, self.straggler_threshold) if per_rank else None
         before, self.straggler = self.straggler, found
         if self.runtime.is_global_zero:
-            if found is not None and (before is None or before.rank != found.rank):
+            if found is not None and (before is None or (before.rank, before.cause) != (found.rank, found.cause)):
                 console(found.line(first, step))
             elif found is None and before is not None:
                 console(f"distrain: no straggler over steps {first}-{step} (rank {before.rank} caught up)")

@@ -132,6 +132,12 @@ class Straggler:
     def excess_s(self) -> float:
         return (self.data_wait_s + self.compute_s) - (self.others_data_wait_s + self.others_compute_s)
 
+    @property
+    def cause(self) -> str:
+        """Where most of its excess is: ``"data"`` (its loader) or ``"compute"`` (its forward and backward)."""
+        data, compute = self.data_wait_s - self.others_data_wait_s, self.compute_s - self.others_compute_s
+        return "data" if data > compute else "compute"
+
     def metrics(self) -> dict[str, float]:
         return {
             "straggler_rank": self.rank,
@@ -146,8 +152,9 @@ class Straggler:
             f"{self.data_wait_s:.3f} s + compute {self.compute_s:.3f} s a step, against "
             f"{self.others_data_wait_s:.3f} s + {self.others_compute_s:.3f} s on the other ranks (median; "
             f"+{self.excess_s:.3f} s, "
-            f"{100 * self.excess_s / self.step_s:.0f}% of a {self.step_s:.3f} s step); the others wait for it in the "
-            "step's collectives. Training goes on"
+            f"{100 * self.excess_s / self.step_s:.0f}% of a {self.step_s:.3f} s step): slow in its "
+            f"{'data loading' if self.cause == 'data' else 'compute'}; the others wait for it in the step's "
+            "collectives. Training goes on"
         )
 
 
