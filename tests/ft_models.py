@@ -4,6 +4,9 @@ is linear in the gradient), which AdamW's is not."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -14,6 +17,9 @@ import distrain
 class SGDMLP(distrain.Module):
     def __init__(self, batch_size: int = 4, samples: int = 96, lr: float = 0.01):
         super().__init__()
+        late = os.environ.get("FT_MODELS_LATE_GROUP")  # "group:seconds": that group's ranks start late (a slow host)
+        if late and os.environ.get("REPLICA_GROUP_ID") == late.split(":")[0]:
+            time.sleep(float(late.split(":")[1]))
         self.save_hyperparameters()
         g = torch.Generator().manual_seed(3)
         x = torch.randn(samples, 8, generator=g)

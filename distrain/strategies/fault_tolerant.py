@@ -95,6 +95,7 @@ class TorchFTStrategy(Strategy):
         self._groups_in_quorum = 0  # how many groups the last quorum had (a change is announced)
         self._hands_over_state = False  # the loop's live state is registered with this manager (fit may run again)
         self._in_step = False  # a quorum was formed for the step under way
+        self._formed_a_quorum = False  # this process has: its first one waits for every group (a start or a resume)
         # torchrun restarted this group (its rank died): it must meet another group before it trains again
         self._restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         self._take_over = None  # loads a peer's state into the loop (set with the loop's live state)
@@ -329,6 +330,7 @@ class TorchFTStrategy(Strategy):
             manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
         manager.start_quorum()  # synchronous: a group that fell behind has taken a peer's state when it returns
         self._in_step = True
+        first, restarted, self._formed_a_quorum = not self._formed_a_quorum, self._restarted, True
         if self._ended_at is not None:  # it took a finished group's final state, and the loop still asks for steps
             raise RuntimeError(
                 f"ddp_torchft: replica group {self.group.id} took the final state of the groups that had ended at step "
@@ -337,7 +339,9 @@ class TorchFTStrategy(Strategy):
         if self._restarted and self._meet_another_group(step):
             return True  # it took a finished group's final state: the loop reads its position (the end) from there
         if manager.current_step() == 0:  # every group in the quorum is starting (a later one took a peer's step)
-            self._wait_for_every_group()
+            self._wait_for_every_group(step)
+        elif first and not restarted and manager.current_step() == step:  # every group in it resumed at this step
+            self._wait_for_every_group(step)
         groups = manager.num_participants()
         if groups != self._groups_in_quorum and self.is_global_zero:
             print(
@@ -357,12 +361,12 @@ class TorchFTStrategy(Strategy):
             rejoined, self._rejoined = self._rejoined, False  # taken in a meeting, inside the last step
             return rejoined
         self._met, self._peer_in_meeting = True, False
-        manager = self.manager
+        manager, restarted = self.manager, self._restarted
         manager.start_quorum()
-        if self._restarted and self._meet_another_group(step):
+        if restarted and self._meet_another_group(step):
             return True
-        if manager.current_step() == 0 and not self._rejoined:
-            self._wait_for_every_group()
+        if not restarted and not self._rejoined:  # a start or a resume: every group of the quorum is at its start
+            self._wait_for_every_group(step)
         if self._rejoined and self._peer_in_meeting:
             self._semi.meet_after_healing()  # the running groups' all-reduce waits for this group too
         else:
@@ -428,18 +432,26 @@ class TorchFTStrategy(Strategy):
                 newest = (str(last.resolve()), state)
         return newest
 
-    def _wait_for_every_group(self) -> None:
-        """The first step waits (up to ``ft_timeout``) until every group is in the quorum: groups start at different
-        speeds, and a step without one is a smaller batch than the run asked for. Every group in a quorum sees the
-        same count, so they ask again together; a run without failures is then the same as DDP on all the ranks."""
+    def _wait_for_every_group(self, step: int) -> None:
+        """The first step of a start, or of a resume from a checkpoint (``step``: the one it resumed at), waits up to
+        ``ft_timeout`` until every group is in the quorum: groups start at different speeds, and a step (or, under
+        ``semi_sync``, a meeting) without one is a smaller batch than the run asked for: a resume would then part
+        from the run that was never stopped. Every group in a quorum sees the same count, so they ask again
+        together; a run without failures is then the same as DDP on all the ranks, and a resume exact."""
         manager, deadline = self.manager, time.monotonic() + self.ft_timeout.total_seconds()
         while manager.num_participants() < self.group.count and time.monotonic() < deadline:
             time.sleep(0.1)
             manager.start_quorum()
         if manager.num_participants() < self.group.count and self.is_global_zero:
+            late = "training starts without the others (they join as they come)"
+            if step > 0:
+                late = (
+                    f"training resumes at step {step} without the others (they join as they come, taking the live "
+                    "state): from here the run is not the one that was never stopped"
+                )
             print(
                 f"distrain: {manager.num_participants()} of {self.group.count} replica groups joined within "
-                f"{self.ft_timeout.total_seconds():.0f} s; training starts without the others (they join as they come)",
+                f"{self.ft_timeout.total_seconds():.0f} s; {late}",
                 flush=True,
             )
 
