@@ -322,15 +322,17 @@ class Module(nn.Module):
 
     def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
         """Every rank's tensor (or dict/list/tuple of tensors) stacked along a new first dimension of size
-        world_size. ``group`` and ``sync_grads`` are not supported."""
-        if group is not None or sync_grads:
-            raise ValueError("all_gather: group= and sync_grads=True are not supported (distrain gathers all ranks)")
+        world_size; with ``group`` (a process group), its ranks' only: ``self.trainer.strategy.data_parallel_group``
+        gathers each sample once under model parallelism, whose tensor-parallel, context-parallel and pipeline
+        ranks hold copies of the same samples. ``sync_grads`` is not supported."""
+        if sync_grads:
+            raise ValueError("all_gather: sync_grads=True is not supported (the gathered tensors carry no gradient)")
         if isinstance(data, dict):
-            return {k: self.all_gather(v) for k, v in data.items()}
+            return {k: self.all_gather(v, group) for k, v in data.items()}
         if isinstance(data, (list, tuple)):
-            return type(data)(self.all_gather(v) for v in data)
+            return type(data)(self.all_gather(v, group) for v in data)
         tensor = torch.as_tensor(data, device=self.device)
-        return self.trainer.runtime.all_gather(tensor)
+        return self.trainer.runtime.all_gather(tensor, group)
 
     def optimizers(self, use_pl_optimizer: bool = True) -> Any:
         """The optimizer ``configure_optimizers`` returned (a list when it returned several), wrapped as Lightning

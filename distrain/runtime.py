@@ -259,17 +259,19 @@ class Runtime:
         self.strategy.optimizer_step(optimizer, model)
 
     # ---- collectives ------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """``tensor`` reduced over the data-parallel ranks: ``op`` is ``mean``, ``sum``, ``max`` or ``min``."""
-        return self.strategy.all_reduce(tensor, op)
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
+        """``tensor`` reduced over every rank (or ``group``'s: ``strategy.data_parallel_group`` for the ranks with
+        other samples): ``op`` is ``mean``, ``sum``, ``max`` or ``min``."""
+        return self.strategy.all_reduce(tensor, op, group)
 
     def all_reduce_async(self, tensor: torch.Tensor, op: str = "max") -> Callable[[], torch.Tensor]:
         """Start an all-reduce and return a function that waits for its result (no host sync until then)."""
         return self.strategy.all_reduce_async(tensor, op)
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``tensor``, stacked along a new first dimension, in rank order."""
-        return self.strategy.all_gather(tensor)
+    def all_gather(self, tensor: torch.Tensor, group=None) -> torch.Tensor:
+        """Every rank's ``tensor`` (or every rank of ``group``'s), stacked along a new first dimension, in rank
+        order."""
+        return self.strategy.all_gather(tensor, group)
 
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's ``obj`` (picklable, from this job's own ranks), in rank order."""

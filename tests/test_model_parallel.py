@@ -508,12 +508,31 @@ FOUR_RANK = {  # name: (strategy, job, per-rank batch, accumulation, data-parall
 }
 
 
+class ReplicaGather(distrain.Callback):
+    """A user's collectives mid-run: over every rank, and over ``strategy.data_parallel_group`` (each sample once)."""
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step != 1:
+            return
+        strategy, place = trainer.strategy, torch.tensor(trainer.strategy.layout.coordinates(trainer.global_rank))
+        group = strategy.data_parallel_group
+        self.seen = (
+            module.all_gather(place).tolist(),
+            module.all_gather({"place": place}, group=group)["place"].tolist(),
+            strategy.all_reduce(torch.tensor(1.0), "sum", group=group).item(),
+            strategy.all_reduce(torch.tensor(float(trainer.global_rank)), "mean", group=group).item(),
+        )
+
+
 def _four_rank_session(rank, tmp, llama):
     out = {}
     for name, (make, job, batch, accumulate, data_parallel) in FOUR_RANK.items():
+        gather = ReplicaGather()
         rows, metrics, predictions, _ = _fit(
-            tmp / name, make(), 4, job, accumulate, batch, llama, pad_to=16 if job == "llama" else None
-        )
+            tmp / name, make(), 4, job, accumulate, batch, llama, pad_to=16 if job == "llama" else None,
+            callbacks=[gather],
+        )  # fmt: skip
+        out[f"{name} gathers"] = gather.seen
         if data_parallel > 1 and name.startswith("fsdp"):  # a value logged without sync_dist is this replica's
             rows = [(loss, norm, None) for loss, norm, _ in rows]
         if data_parallel > 1:  # each replica predicts its share of the samples
@@ -526,6 +545,17 @@ def _four_rank_session(rank, tmp, llama):
 def test_fsdp_x_tensor_parallel_and_3d_on_four_ranks_match_one_process(tmp_path, llama):
     results = run_ranks(_four_rank_session, 4, tmp_path, llama)
     for name, (_, job, batch, accumulate, data_parallel) in FOUR_RANK.items():
+        # a user's collectives: every rank's copy by default; over data_parallel_group, one per replica (the ranks
+        # at this one's pipeline, context and tensor place, each at another data place)
+        for rank in range(4):
+            everyone, replicas, count, mean = results[rank][f"{name} gathers"]
+            assert len(everyone) == 4
+            mine = everyone[rank]
+            assert [p[1] for p in replicas] == list(range(data_parallel)), (name, rank, replicas)
+            assert all(p[:1] + p[2:] == mine[:1] + mine[2:] for p in replicas), (name, rank, replicas)
+            assert count == data_parallel
+            peers = [r for r in range(4) if everyone[r][:1] + everyone[r][2:] == mine[:1] + mine[2:]]
+            assert mean == sum(peers) / len(peers), (name, rank, peers, mean)
         # one process: the same global batch (per-rank batch × replicas × accumulation), in batches of 4
         accumulate_one = batch * data_parallel * accumulate // 4
         rows, metrics, predictions, _ = _fit(

@@ -35,15 +35,16 @@ def _work_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(comm_device(tensor.device), copy=True)
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: str = "mean", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``tensor`` reduced over ``group``'s ranks (every rank: None)."""
     if op not in (*_OPS, "mean"):
         raise ValueError(f"all_reduce op must be mean, sum, max or min, got {op!r}")
     if not _active():
         return tensor
     work = _work_copy(tensor)
-    dist.all_reduce(work, op=_OPS.get(op, dist.ReduceOp.SUM))
+    dist.all_reduce(work, op=_OPS.get(op, dist.ReduceOp.SUM), group=group)
     if op == "mean":
-        work = work / dist.get_world_size()
+        work = work / dist.get_world_size(group)
     return work.to(tensor.device)
 
 
@@ -62,21 +63,21 @@ def all_reduce_async(tensor: torch.Tensor, op: str = "max") -> Callable[[], torc
     return result
 
 
-def all_gather(tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's tensor stacked along a new leading dimension."""
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The tensor of every rank of ``group`` (None: every rank) stacked along a new leading dimension."""
     if not _active():
         return tensor.unsqueeze(0)
     work = _work_copy(tensor).contiguous()
-    out = [torch.empty_like(work) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, work)
+    out = [torch.empty_like(work) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, work, group=group)
     return torch.stack(out).to(tensor.device)
 
 
-def all_gather_object(obj: Any) -> list:
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list:
     if not _active():
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

@@ -444,24 +444,34 @@ class Strategy:
             step_loss += loss.detach().float() / window
         return step_loss, output
 
-    # ---- collectives over the ranks that hold different data (all of them, for data parallelism) ----
-    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """``tensor`` reduced over every rank of the process group by ``op`` ("mean", "sum", "max" or "min"); a new
-        tensor on ``tensor``'s device (``tensor`` itself on one process)."""
-        return distributed.all_reduce(tensor, op)
+    # ---- collectives over every rank, or over ``group`` (``data_parallel_group``: the ranks with other samples) ----
+    @property
+    def data_parallel_group(self) -> torch.distributed.ProcessGroup | None:
+        """The ranks that hold other samples than this one (its data-parallel replicas), for the collectives'
+        ``group``: every rank (None) under data parallelism. Under model parallelism the ranks of a tensor-parallel,
+        context-parallel or pipeline group hold copies of the same samples: a sum over every rank counts each
+        sample once per copy, a gather returns it once per copy; over this group, once."""
+        return None
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
+        """``tensor`` reduced over every rank of the process group (or ``group``'s) by ``op`` ("mean", "sum", "max"
+        or "min"); a new tensor on ``tensor``'s device (``tensor`` itself on one process)."""
+        return distributed.all_reduce(tensor, op, group)
 
     def all_reduce_async(self, tensor: torch.Tensor, op: str = "max") -> Callable[[], torch.Tensor]:
         """Start an all-reduce that overlaps with what follows; the returned function waits for it and returns the
         result. Every rank must start the same ones in the same order."""
         return distributed.all_reduce_async(tensor, op)
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``tensor`` stacked along a new leading dimension, in rank order."""
-        return distributed.all_gather(tensor)
+    def all_gather(self, tensor: torch.Tensor, group=None) -> torch.Tensor:
+        """Every rank's ``tensor`` (or every rank of ``group``'s) stacked along a new leading dimension, in rank
+        order."""
+        return distributed.all_gather(tensor, group)
 
-    def all_gather_object(self, obj: Any) -> list:
-        """Every rank's picklable ``obj``, as a list in rank order (``[obj]`` on one process)."""
-        return distributed.all_gather_object(obj)
+    def all_gather_object(self, obj: Any, group=None) -> list:
+        """Every rank's picklable ``obj`` (or every rank of ``group``'s), as a list in rank order (``[obj]`` on one
+        process)."""
+        return distributed.all_gather_object(obj, group)
 
     def all_gather_job_object(self, obj: Any) -> list:
         """Every rank's ``obj`` over the whole job, in order: the process group's ranks here; a strategy whose job

@@ -138,6 +138,11 @@ class ModelParallelStrategy(Strategy):
         return self.layout.data if self.layout else self.world_size
 
     @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """This rank's data-parallel replicas: the ranks at its place in the pipeline, context and tensor groups."""
+        return self.device_mesh.get_group(DP) if self.device_mesh is not None else None
+
+    @property
     def sequence_slice(self) -> tuple[tuple[int, int, int], ...] | None:
         return self._sequence_shard.last_slice if self._sequence_shard is not None else None
 
