@@ -138,7 +138,7 @@ def _key_space_of_a_new_group(rank: int, world: int, timeout: timedelta) -> dist
     if _job_store is None or _job_store[0] != address:
         # torchrun's agent keeps the job's store itself (its ranks are clients); elsewhere rank 0 hosts it
         hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
-        listener = _narrow_listener(address[0], address[1]) if hosts else None
+        listener = narrow_listener(address[0], address[1]) if hosts else None
         store = dist.TCPStore(
             address[0],
             address[1],
@@ -153,7 +153,7 @@ def _key_space_of_a_new_group(rank: int, world: int, timeout: timedelta) -> dist
     return dist.PrefixStore(f"distrain/attempt{attempt}/group{_groups_started}", _job_store[1])
 
 
-def _narrow_listener(host: str, port: int) -> socket.socket | None:
+def narrow_listener(host: str, port: int) -> socket.socket | None:
     """Where the store listens: on the address ``MASTER_ADDR`` names, where that is this machine's. Given a host,
     torch's store still listens on every interface, and it answers whoever connects (it has no authentication):
     anyone on the network could read the ranks' addresses or write false ones. So a job on one machine (a loopback
