@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import distrain
 from distrain import cli
@@ -119,6 +120,19 @@ def _gpt():
     return helpers.TinyGPT(n_head=2)
 
 
+def _gpt_and_a_stray_layer():
+    import helpers
+
+    class GPTAndAStrayLayer(helpers.TinyGPT):
+        """The built-in GPT's plan splits the GPT: a layer beside it would be on no stage, never trained."""
+
+        def __init__(self):
+            super().__init__()
+            self.stray = torch.nn.Linear(2, 2)
+
+    return GPTAndAStrayLayer()
+
+
 def _mlp():
     import matrix_models
 
@@ -194,6 +208,10 @@ CASES = {
     ("parallel/pipeline_split.py", "_block_index", 1): (
         lambda hf, out, capsys: _fit(_mp(pipeline_stages=2, split_points=["gpt.head"]), _gpt(), out),
         r"split point 'gpt.head' names no block of the model",
+    ),
+    ("parallel/pipeline_stages.py", "check_split_covers", 0): (
+        lambda hf, out, capsys: _fit(_mp(pipeline_stages=2), _gpt_and_a_stray_layer(), out),
+        r"the pipeline split of GPTAndAStrayLayer places stray.weight, stray.bias on no stage",
     ),
     ("parallel/pipeline_split.py", "split_for", 0): (
         lambda hf, out, capsys: _fit(_mp(pipeline_stages=2), _mlp(), out),

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distrain import compat
+from distrain.config import Refusal
 from distrain.module import loss_of, run_step
 from distrain.parallel.gradients import match_gradient_layouts
 from distrain.parallel.layout import PP, ParallelLayout
@@ -79,7 +80,7 @@ class PipelineBuild:
         num_stages = layout.num_stages
         ranges = split_blocks(split, num_stages, split_points, root=module)
         local = [s for s in range(num_stages) if s % layout.pipeline == pp_rank]  # torch's loop-style placement
-        _check_split_covers(module, split)
+        check_split_covers(module, split)
         owned = {s: _stage_layers(split, ranges, s) for s in range(num_stages)}
         groups = shared_parameters(module)
         names = {id(p): n for n, p in module.named_parameters()}  # the first name of each (tied) parameter
@@ -124,13 +125,13 @@ def _inside(module: nn.Module, roots: list[nn.Module]) -> bool:
     return any(module is m for root in roots for m in root.modules())
 
 
-def _check_split_covers(module: nn.Module, split: PipelineSplit) -> None:
+def check_split_covers(module: nn.Module, split: PipelineSplit) -> None:
     """Every parameter must belong to some stage, or it would never be trained."""
     parts = [*split.first, *split.last, *split.every_stage, *split.blocks]
     covered = {id(p) for part in parts for p in part.parameters()}
     stray = [n for n, p in module.named_parameters() if id(p) not in covered]
     if stray:
-        raise ValueError(
+        raise Refusal(
             f"the pipeline split of {type(module).__name__} places {', '.join(stray[:4])}"
             f"{' …' if len(stray) > 4 else ''} on no stage; add their layers to the split's first/last/every_stage"
         )

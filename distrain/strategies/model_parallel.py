@@ -208,9 +208,13 @@ class ModelParallelStrategy(Strategy):
                 plan(model, self.layout.tensor, self.sequence_parallel)  # refuses a size that does not divide it
         if self.layout.pipeline > 1:
             from distrain.parallel.pipeline_split import split_blocks, split_for
+            from distrain.parallel.pipeline_stages import check_split_covers
 
-            # refuses a module with no plan, more stages than blocks, split points that name no stages
-            split_blocks(split_for(module), self.layout.num_stages, self.split_points, root=module)
+            # refuses a module with no plan, more stages than blocks, split points that name no stages, a layer
+            # on no stage
+            split = split_for(module)
+            split_blocks(split, self.layout.num_stages, self.split_points, root=module)
+            check_split_covers(module, split)
 
     def _setup_module(self, module: nn.Module) -> nn.Module:
         from distrain.parallel.tensor_parallel import apply_tensor_parallel, retie, shared_parameters
