@@ -2,7 +2,7 @@
 # Installs distrain (editable) without ever letting pip swap the user's torch:
 #  - torch already installed  -> constrain pip to exactly that version;
 #  - no torch (fresh machine) -> torch==2.13.0, which pip finds as a local CPU wheel here.
-# Usage: ./install.sh [extra ...]     e.g. ./install.sh test   (extras: test, deepspeed, hf, wandb, mlflow, sky, fp8, ft, docs, cli)
+# Usage: ./install.sh [extra ...]     e.g. ./install.sh test   (extras: test, deepspeed, hf, wandb, mlflow, sky, fp8, ft, docs, cli, s3)
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}

@@ -704,7 +704,9 @@ def _is_distrain_message(error: BaseException) -> bool:
     """distrain's own one-line errors: a ConfigError, a missing file (or one in the way), or a ValueError distrain
     itself raised (argument checks). A ValueError from inside torch or another library is not one: it needs its
     traceback."""
-    if isinstance(error, (ConfigError, FileNotFoundError, FileExistsError)):
+    from distrain.checkpoint import CheckpointError
+
+    if isinstance(error, (ConfigError, FileNotFoundError, FileExistsError, CheckpointError)):
         return True
     if not isinstance(error, ValueError):
         return False
@@ -736,8 +738,16 @@ def plot(runs: list[str], output: str, labels: list[str] | None, title: str | No
 
 def convert(checkpoint: str, output: str, to: str, tokenizer: str | None = None) -> int:
     """Full model weights from any distrain checkpoint (DDP's or FSDP's shards), no process group."""
+    from distrain.checkpoint.remote import RemoteDir, is_url
     from distrain.checkpoint.state import read_model_weights
 
+    if is_url(checkpoint):  # object storage: the committed checkpoint (or the one `last` names), downloaded first
+        base, _, name = checkpoint.rstrip("/").rpartition("/")
+        remote = RemoteDir(base)
+        name = remote.last_name() if name == "last" else name
+        if name is None:
+            raise FileNotFoundError(f"no checkpoint at {checkpoint}")
+        checkpoint = str(remote.fetch(name))
     if to == "hf":  # a directory: config + safetensors + tokenizer, from the checkpoint's own hyperparameters
         from distrain.hf.export import export_checkpoint
 

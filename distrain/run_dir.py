@@ -76,7 +76,7 @@ def claim(directory: str | os.PathLike, resume: str | None, overwrite: bool, che
     if resume and overwrite:
         raise FileExistsError(f"--resume {resume} and --overwrite: choose one (go on with the run, or replace it)")
     found = run_files(directory)
-    extra = Path(checkpoint_dir) if checkpoint_dir else None
+    extra = Path(checkpoint_dir) if checkpoint_dir and "://" not in checkpoint_dir else None  # a URL: no run's own
     if extra is not None and Path(directory).resolve() not in (extra.resolve(), *extra.resolve().parents):
         found += _checkpoints_in(extra)
     if not found or resume:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from distrain.callbacks.base import Callback
 from distrain.checkpoint.io import LAST, is_checkpoint_dir, is_checkpoint_name, point_last, remove_checkpoint
+from distrain.checkpoint.remote import RemoteDir, is_url
 
 
 class ModelCheckpoint(Callback):
@@ -51,7 +52,9 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"ModelCheckpoint save_last must be True, False, None or 'link', got {save_last!r}")
         if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
             raise ValueError(f"ModelCheckpoint train_time_interval must be a timedelta, got {train_time_interval!r}")
-        self.dirpath = Path(dirpath) if dirpath else None
+        #: a URL (``s3://bucket/prefix``): each checkpoint is written to its local stage, then copied up
+        self.remote = RemoteDir(dirpath) if is_url(dirpath) else None
+        self.dirpath = self.remote.stage if self.remote else Path(dirpath) if dirpath else None
         filename = filename or "{epoch}-{step}"  # Lightning's None
         self.filename = _with_metric_names(filename) if auto_insert_metric_name else filename
         self.save_weights_only = save_weights_only
@@ -85,9 +88,18 @@ class ModelCheckpoint(Callback):
         )
 
     def setup(self, trainer, module, stage: str) -> None:
-        """With no ``dirpath`` given: ``checkpoints`` in the run's log directory."""
+        """With no ``dirpath`` given: ``checkpoints`` in the run's log directory. A URL: on one node (each node's
+        stage holds its own ranks' files only), and writable, said before the first checkpoint's training."""
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir) / "checkpoints"
+        if self.remote is not None and stage == "fit":
+            if trainer.num_nodes > 1:
+                raise ValueError(
+                    f"ModelCheckpoint(dirpath={self.remote.url!r}): checkpoints in object storage are written from "
+                    f"one node; this run has {trainer.num_nodes} (give a shared file system path)"
+                )
+            if trainer.is_global_zero:
+                self.remote.check_writable()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         """Saves every ``every_n_train_steps`` optimizer steps, and when ``train_time_interval`` has passed."""
@@ -172,6 +184,10 @@ class ModelCheckpoint(Callback):
         def after_commit() -> str | None:
             if self.save_last:
                 point_last(self.dirpath, path)
+            if self.remote is not None:  # up, manifest last, then `last`; what a killed upload left goes first
+                for name in self.remote.remove_uncommitted(keep=path.name):
+                    print(f"distrain: removed {self.remote.url}/{name}: an upload that never committed", flush=True)
+                self.remote.upload(path)
             self._keep_top_k(score, str(path))
             return self.best_model_path
 
@@ -220,6 +236,8 @@ class ModelCheckpoint(Callback):
         if self.save_top_k >= 0:
             for _, stale in self.saved[self.save_top_k :]:
                 if stale != self.last_model_path:  # never delete what `last` points to
+                    if self.remote is not None:
+                        self.remote.remove(Path(stale).name)
                     remove_checkpoint(stale, within=self.dirpath)
             self.saved = [sp for sp in self.saved[: self.save_top_k]] + [
                 sp for sp in self.saved[self.save_top_k :] if sp[1] == self.last_model_path

@@ -55,7 +55,8 @@ class HFJob:
         trainer.fit(module, train_loader, val_loader, ckpt_path=resume)
         out = Path(c.output_dir)
         if c.checkpointing.export_hf and not trainer.preempted and trainer.is_global_zero:
-            ckpt_dir = Path(c.checkpointing.checkpoint_dir) if c.checkpointing.checkpoint_dir else out / "checkpoints"
+            cb = trainer.checkpoint_callback  # its dirpath: the local stage of an object storage URL
+            ckpt_dir = Path(cb.dirpath) if cb is not None and cb.dirpath else out / "checkpoints"
             if (ckpt_dir / "last").exists():
                 from distrain.hf.export import export_checkpoint
 

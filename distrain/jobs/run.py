@@ -70,6 +70,7 @@ def verify(config: RunConfig, steps: int, as_json: bool) -> int:
 def _start(config: RunConfig, resume: str | None, job: Workload | None = None):
     """The job and its Trainer, as ``distrain train`` makes them (or an exit code when the plan says stop)."""
     from distrain import launch
+    from distrain.checkpoint.remote import RemoteDir, is_url
     from distrain.cluster import replica_group, replica_run_dir
     from distrain.planner import decide
     from distrain.planner.from_config import activation_checkpointing_every
@@ -84,16 +85,23 @@ def _start(config: RunConfig, resume: str | None, job: Workload | None = None):
     if c.checkpoint_dir:
         c.checkpoint_dir = replica_run_dir(c.checkpoint_dir)
     out = Path(config.output_dir)
-    ckpt_dir = Path(c.checkpoint_dir) if c.checkpoint_dir else out / "checkpoints"
-    # --resume auto (requeued/restarted jobs): the newest intact checkpoint if there is one, else a fresh start
-    lasts = [ckpt_dir / "last"]
-    if registry.starts_replica_groups(d.strategy) and replica_group() is None:  # the groups' supervisor: theirs
-        lasts = [ckpt_dir / f"replica_{g}" / "last" for g in range(d.replica_groups)]
-        if not c.checkpoint_dir:
-            lasts = [out / f"replica_{g}" / "checkpoints" / "last" for g in range(d.replica_groups)]
-    missing = [str(last.parent) for last in lasts if not last.exists()]
-    if resume == "last" and missing:
-        raise FileNotFoundError(f"--resume last: no checkpoint in {', '.join(missing)} to resume from")
+    if is_url(c.checkpoint_dir):  # object storage: writable, and what --resume last takes, said before any rank
+        remote = RemoteDir(c.checkpoint_dir)
+        remote.check_writable()
+        if resume == "last" and remote.last_name() is None:
+            raise FileNotFoundError(f"--resume last: no checkpoint in {remote} to resume from")
+        ckpt_dir = c.checkpoint_dir
+    else:
+        ckpt_dir = Path(c.checkpoint_dir) if c.checkpoint_dir else out / "checkpoints"
+        # --resume auto (requeued/restarted jobs): the newest intact checkpoint if there is one, else a fresh start
+        lasts = [ckpt_dir / "last"]
+        if registry.starts_replica_groups(d.strategy) and replica_group() is None:  # the groups' supervisor: theirs
+            lasts = [ckpt_dir / f"replica_{g}" / "last" for g in range(d.replica_groups)]
+            if not c.checkpoint_dir:
+                lasts = [out / f"replica_{g}" / "checkpoints" / "last" for g in range(d.replica_groups)]
+        missing = [str(last.parent) for last in lasts if not last.exists()]
+        if resume == "last" and missing:
+            raise FileNotFoundError(f"--resume last: no checkpoint in {', '.join(missing)} to resume from")
     # the memory plan: strategy auto, activation_checkpointing auto, a warning when it will not fit
     decision = decide.for_config(config, job) if job.plannable else decide.Decision(d.strategy)
     decide.print_messages(decision)

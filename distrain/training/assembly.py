@@ -33,6 +33,11 @@ def assemble(trainer, a: dict[str, Any]) -> None:
     )
     # each replica group of a fault-tolerant run keeps its own run directory (replica_<id>/)
     root = a["default_root_dir"]
+    if "://" in str(root or ""):  # the run's logs, metrics and plots are local files; its checkpoints need not be
+        raise ValueError(
+            f"default_root_dir={root!r}: the run's folder is a local path; to keep its checkpoints in object "
+            f"storage, give ModelCheckpoint(dirpath={str(root).rstrip('/') + '/checkpoints'!r})"
+        )
     trainer.default_root_dir = replica_run_dir(str(root or os.path.join(os.getcwd(), DEFAULT_ROOT_DIR)))
     #: the run's folder (Lightning's name): metrics, TensorBoard, checkpoints, plots, logs. Final once the first
     #: stage starts (``choose_run_dir``); ``distrain train`` checked its own (``run_dir.claim``) and keeps it

@@ -20,6 +20,7 @@ import torch
 
 from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
+from distrain.checkpoint.remote import RemoteDir, is_url
 from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.distributed import watch
 from distrain.runtime import rng_state, set_rng_state
@@ -102,6 +103,9 @@ class CheckpointManager:
         return "best"
 
     def _decide(self, ckpt_path: str | os.PathLike) -> tuple[str, str | None]:
+        remote = getattr(self.trainer.checkpoint_callback, "remote", None)
+        if is_url(ckpt_path) or (remote is not None and ckpt_path in ("last", "auto")):
+            return self._decide_remote(ckpt_path, remote)
         if ckpt_path == "best":  # Lightning's: the first ModelCheckpoint's best
             cb = self.trainer.checkpoint_callback
             if cb is None:
@@ -138,6 +142,26 @@ class CheckpointManager:
             else "no intact checkpoint is left beside it"
         )
         return "damaged", f"checkpoint {target} is damaged or incomplete ({problem}); {where}"
+
+    def _decide_remote(self, ckpt_path: str, remote) -> tuple[str, str | None]:
+        """A checkpoint in object storage (``<url>/<name>``, ``<url>/last``, or the callback's ``last``/``auto``):
+        downloaded into the local cache (committed ones only: their manifest is there), then checked as a local
+        one. On one node: its ranks read that copy."""
+        name = ckpt_path
+        if is_url(ckpt_path):
+            base, _, name = ckpt_path.rstrip("/").rpartition("/")
+            remote = RemoteDir(base)
+        if name in (ckpt_io.LAST, "auto"):
+            name = remote.last_name()
+            if name is None:
+                if ckpt_path == "auto":
+                    return "ok", None
+                return "missing", f"no checkpoint at {remote}/{ckpt_io.LAST} (nothing to resume)"
+        local = remote.fetch(name)
+        problem = ckpt_io.find_damage(local)
+        if problem is not None:
+            return "damaged", f"checkpoint {remote}/{name} is damaged or incomplete ({problem})"
+        return "ok", str(local)
 
     # ---- what -------------------------------------------------------------------------------------
     def _live_objects(self) -> dict[str, Any]:
