@@ -145,6 +145,12 @@ def test_a_hostile_manifest_or_last_is_refused_in_one_line(tmp_path):
         with pytest.raises(CheckpointError, match=says) as info:
             remote.fetch("epoch=0-step=1")
         assert "\n" not in str(info.value)
+    # an object larger than its manifest says (2^40 bytes would fill the disk): refused before a byte comes down
+    (ckpt / "state.pt").write_bytes(b"x" * 10)
+    (ckpt / "manifest.json").write_text(json.dumps({"files": {"state.pt": 3}}))
+    with pytest.raises(CheckpointError, match=r"state.pt is 10 bytes, its manifest says 3"):
+        remote.fetch("epoch=0-step=1")
+    assert not (remote.downloads / "epoch=0-step=1" / "state.pt").exists()
     (root / "last").write_text(json.dumps({"checkpoint": "../elsewhere"}))
     with pytest.raises(CheckpointError, match="which is no checkpoint inside"):
         remote.last_name()

@@ -175,12 +175,13 @@ class RemoteDir:
 
         def get(rel: str) -> None:
             path = local / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._retry(self.fs.get_file, f"{source}/{rel}", str(path))
-            if path.stat().st_size != files[rel]:
-                raise CheckpointError(
-                    f"{self.url}/{name}/{rel} is {path.stat().st_size} bytes, its manifest says {files[rel]}"
-                )
+            size = self.fs.size(f"{source}/{rel}")  # before a byte comes down: no more than the manifest says
+            if size == files[rel]:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._retry(self.fs.get_file, f"{source}/{rel}", str(path))
+                size = path.stat().st_size  # (an object replaced meanwhile)
+            if size != files[rel]:
+                raise CheckpointError(f"{self.url}/{name}/{rel} is {size} bytes, its manifest says {files[rel]}")
 
         with ThreadPoolExecutor(PARALLEL) as pool:
             list(pool.map(get, files))
