@@ -738,12 +738,11 @@ def plot(runs: list[str], output: str, labels: list[str] | None, title: str | No
 
 def convert(checkpoint: str, output: str, to: str, tokenizer: str | None = None) -> int:
     """Full model weights from any distrain checkpoint (DDP's or FSDP's shards), no process group."""
-    from distrain.checkpoint.remote import RemoteDir, is_url
+    from distrain.checkpoint import remote as object_storage
     from distrain.checkpoint.state import read_model_weights
 
-    if is_url(checkpoint):  # object storage: the committed checkpoint (or the one `last` names), downloaded first
-        base, _, name = checkpoint.rstrip("/").rpartition("/")
-        remote = RemoteDir(base)
+    if object_storage.is_url(checkpoint):  # object storage: the committed checkpoint (or `last`'s), downloaded first
+        remote, name = object_storage.at(checkpoint)
         name = remote.last_name() if name == "last" else name
         if name is None:
             raise FileNotFoundError(f"no checkpoint at {checkpoint}")

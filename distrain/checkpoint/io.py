@@ -142,7 +142,7 @@ def _agree(action, what: str, path: Path, tmp: Path, is_global_zero: bool, gathe
     """Run ``action`` here, then learn how it went on every rank; any failure fails all of them."""
 
     def why(error: BaseException) -> str:
-        text = _describe(error)
+        text = describe_error(error)
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else None
         if free is not None and free < 1 << 20:  # torch's zip writer hides ENOSPC behind "unexpected pos"
             text += f" (the disk is full: {free} bytes free under {path.parent})"
@@ -161,16 +161,16 @@ def _agree(action, what: str, path: Path, tmp: Path, is_global_zero: bool, gathe
         ) from None
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
     """One line; DCP's CheckpointException carries each rank's own error."""
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict) and failures:
         return "; ".join(
-            f"on rank {rank}: {_describe(wrapped[0] if isinstance(wrapped, tuple) else wrapped)}"
+            f"on rank {rank}: {describe_error(wrapped[0] if isinstance(wrapped, tuple) else wrapped)}"
             for rank, wrapped in sorted(failures.items())
         )
     text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def _write_manifest(tmp: Path) -> None:

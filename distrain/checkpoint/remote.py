@@ -28,7 +28,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from distrain.checkpoint import CheckpointError
-from distrain.checkpoint.io import LAST, MANIFEST, is_checkpoint_name
+from distrain.checkpoint.io import LAST, MANIFEST, describe_error, is_checkpoint_name
 from distrain.config import ConfigError
 
 #: a URL fsspec serves: a scheme of letters, digits, '+', '-', '.', then ://
@@ -43,6 +43,12 @@ RETRIES = (1.0, 2.0, 4.0)
 
 def is_url(path: Any) -> bool:
     return isinstance(path, str) and bool(_URL.match(path))
+
+
+def at(url: str) -> tuple[RemoteDir, str]:
+    """``<dir>/<name>`` (``<dir>/last`` for the one ``last`` names): the directory, and the checkpoint's name."""
+    base, _, name = url.rstrip("/").rpartition("/")
+    return RemoteDir(base), name
 
 
 def cache_root() -> Path:
@@ -81,7 +87,7 @@ class RemoteDir:
             self.fs.pipe_file(probe, b"distrain")
             self.fs.rm_file(probe)
         except Exception as e:  # noqa: BLE001 — every backend names its failures differently: said as it says them
-            raise ConfigError(f"cannot write checkpoints to {self.url}: {_describe(e)}") from None
+            raise ConfigError(f"cannot write checkpoints to {self.url}: {describe_error(e)}") from None
 
     def upload(self, checkpoint: Path) -> None:
         """Copy a committed local checkpoint up: its files, then its manifest; then ``last`` names it. An upload
@@ -139,8 +145,8 @@ class RemoteDir:
             except OSError as e:
                 if pause is None:
                     raise CheckpointError(
-                        f"{self.url}: {transfer.__name__} failed {attempt + 1} times: {_describe(e)}; the previous "
-                        "checkpoint stays the newest"
+                        f"{self.url}: {transfer.__name__} failed {attempt + 1} times: {describe_error(e)}; the "
+                        "previous checkpoint stays the newest"
                     ) from None
                 time.sleep(pause)
         return None
@@ -214,8 +220,3 @@ def _manifest_files(raw: bytes, source: str) -> dict[str, int]:
         if type(size) is not int or size < 0:
             raise CheckpointError(f"{source} gives {rel!r} the size {size!r}")
     return files
-
-
-def _describe(error: BaseException) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__

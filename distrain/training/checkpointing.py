@@ -20,7 +20,8 @@ import torch
 
 from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
-from distrain.checkpoint.remote import RemoteDir, is_url
+from distrain.checkpoint.remote import at as remote_at
+from distrain.checkpoint.remote import is_url
 from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.distributed import watch
 from distrain.runtime import rng_state, set_rng_state
@@ -147,10 +148,7 @@ class CheckpointManager:
         """A checkpoint in object storage (``<url>/<name>``, ``<url>/last``, or the callback's ``last``/``auto``):
         downloaded into the local cache (committed ones only: their manifest is there), then checked as a local
         one. On one node: its ranks read that copy."""
-        name = ckpt_path
-        if is_url(ckpt_path):
-            base, _, name = ckpt_path.rstrip("/").rpartition("/")
-            remote = RemoteDir(base)
+        remote, name = remote_at(ckpt_path) if is_url(ckpt_path) else (remote, ckpt_path)
         if name in (ckpt_io.LAST, "auto"):
             name = remote.last_name()
             if name is None:
