@@ -247,7 +247,19 @@ class MultiprocessingLauncher:
             with forking:
                 mp.start_processes(
                     _worker,
-                    args=(self.nprocs, self.node_rank, self.num_nodes, addr, port, outdir, fn, args, kwargs, collect),
+                    args=(
+                        self.start_method,
+                        self.nprocs,
+                        self.node_rank,
+                        self.num_nodes,
+                        addr,
+                        port,
+                        outdir,
+                        fn,
+                        args,
+                        kwargs,
+                        collect,
+                    ),
                     nprocs=self.nprocs,
                     start_method=self.start_method,
                 )
@@ -281,7 +293,9 @@ def _no_group_across_fork() -> None:
     distributed.shutdown(barrier=False)
 
 
-def _worker(local_rank, nprocs, node_rank, num_nodes, addr, port, outdir, fn, args, kwargs, collect):
+def _worker(local_rank, start_method, nprocs, node_rank, num_nodes, addr, port, outdir, fn, args, kwargs, collect):
+    if start_method == "fork":
+        distributed.in_a_forked_child()
     os.environ.update(_rank_env(local_rank, nprocs, node_rank, num_nodes, addr, port))
     result = fn(*args, **kwargs)
     payload = collect() if collect is not None else None  # on every rank: gathering it may take collectives

@@ -164,10 +164,17 @@ del cell
 """
 
 
-def _run_script(tmp_path, strategy, launcher=(), inline=False, earlier=""):
+#: an earlier cell computed on every core, as notebooks do (GNU OpenMP's threads, which a fork leaves behind)
+EARLIER_PARALLEL_WORK = """torch.set_num_threads(2)
+torch.randn(512, 512) @ torch.randn(512, 512)
+torch.randn(2**20).exp()
+"""
+
+
+def _run_script(tmp_path, strategy, launcher=(), inline=False, earlier="", env=None):
     code = SCRIPT.format(tests=os.path.dirname(__file__), strategy=strategy, out=str(tmp_path))
     code = code.replace("trainer = ", earlier + "trainer = ", 1)
-    env = env_without_rank()
+    env = {**env_without_rank(), **(env or {})}
     if inline:  # like a notebook: no script file to re-run
         cmd = [sys.executable, "-c", code]
     else:
@@ -209,6 +216,16 @@ def test_ddp_fork_from_a_session_whose_garbage_holds_an_ended_group(tmp_path):
     destructor would have joined threads that do not exist there, and the rank waited forever at its end (it
     hung the strategy matrix in CI for the 30 minutes of its timeout)."""
     results = _run_script(tmp_path, "ddp_fork", inline=True, earlier=EARLIER_GROUP_IN_GARBAGE)
+    assert results == [["parent", "2", "2", "True"]]
+
+
+@pytest.mark.slow
+def test_ddp_fork_from_a_session_that_computed_on_every_core(tmp_path):
+    """Each forked rank computes on one thread: with two (a user's OMP_NUM_THREADS, or a machine with more cores than
+    ranks) the ranks' first parallel region waited forever for threads that stayed in the parent."""
+    results = _run_script(
+        tmp_path, "ddp_fork", inline=True, earlier=EARLIER_PARALLEL_WORK, env={"OMP_NUM_THREADS": "2"}
+    )
     assert results == [["parent", "2", "2", "True"]]
 
 

@@ -629,6 +629,31 @@ def test_a_fresh_child_simulates_as_a_forked_one_even_a_module_defined_in_the_sc
     assert len(fresh_children) == 4
 
 
+PARALLEL_WORK_THEN_A_SIMULATION = """
+import torch
+from distrain.planner import simulate
+
+def parallel_work():
+    torch.randn(512, 512) @ torch.randn(512, 512)
+    return torch.randn(2**20).exp().sum().item() > 0, torch.get_num_threads()
+
+torch.set_num_threads(2)
+parallel_work()
+print(simulate.Started(parallel_work, (), {}).result())
+"""
+
+
+def test_a_simulation_forked_after_parallel_work_here_computes_on_one_thread():
+    """GNU OpenMP's workers stay in the parent at a fork: a child that ran a parallel region waited forever for them,
+    and where torch's thread pool was replaced by two threads at once the child aborted ("Invalid thread pool!", the
+    plan then said it could not plan and auto trained as DDP)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", PARALLEL_WORK_THEN_A_SIMULATION], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "(True, 1)"
+
+
 def test_which_section_asks_for_activation_checkpointing_and_how_often(tmp_path):
     """Each strategy's section says whether it asks for recomputation and how often; ``training`` asks for every
     block; nothing asks: none. ``distrain train`` builds its policy from this one answer, for every strategy."""

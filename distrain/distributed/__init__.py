@@ -16,6 +16,7 @@ from distrain.distributed.collectives import (
 )
 from distrain.distributed.process_group import (
     decide_before_strategy,
+    in_a_forked_child,
     inherited_never_collected,
     init_process_group,
     shutdown,
@@ -27,6 +28,7 @@ __all__ = [
     "decide_before_strategy",
     "shutdown",
     "inherited_never_collected",
+    "in_a_forked_child",
     "all_reduce",
     "all_reduce_async",
     "all_gather",

@@ -118,6 +118,17 @@ def inherited_never_collected():
             gc.unfreeze()
 
 
+def in_a_forked_child() -> None:
+    """The first call in a child this process forked (a ``ddp_fork`` rank, a planner simulation), while its one thread
+    is the only one: the child computes on one CPU thread. torch's CPU threads are GNU OpenMP's, which cannot run a
+    parallel region in a process forked after its parent ran one: the child waits forever for workers that exist only
+    in the parent (a notebook has always computed something before its ``fit``). Set here, first, it also replaces
+    torch's inherited thread pool on this thread; left to the first threads that ask for it (the autograd engine's
+    start together), one of them read the pool while another was replacing it, and the child aborted ("Invalid
+    thread pool!")."""
+    torch.set_num_threads(1)
+
+
 #: how long a process gives the threads of the group it ended to release their last collective (they wait for
 #: the GIL only; a sleep hands it over)
 _THREADS_SETTLE = 0.1

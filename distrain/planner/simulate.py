@@ -184,6 +184,7 @@ def _outcome_of(run) -> tuple[bool, object]:
 
 
 def _forked_main(send, simulation, args, kwargs) -> None:
+    distributed.in_a_forked_child()
     send.send(_outcome_of(lambda: simulation(*args, **kwargs)))
     send.close()
 

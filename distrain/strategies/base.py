@@ -259,8 +259,9 @@ class Strategy:
 
     def _set_cpu_threads(self) -> None:
         # N ranks on one CPU each using every core oversubscribes it (the classic CPU slowdown).
-        # An explicit OMP_NUM_THREADS (torchrun sets one) wins.
-        if self.accelerator.name == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # An explicit OMP_NUM_THREADS (torchrun sets one) wins; a forked rank keeps its one thread
+        # (distributed.in_a_forked_child: more would wait forever).
+        if self.accelerator.name == "cpu" and "OMP_NUM_THREADS" not in os.environ and self.start_method != "fork":
             local = int(os.environ.get("LOCAL_WORLD_SIZE", self.nprocs_per_node))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
 
