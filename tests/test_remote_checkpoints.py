@@ -106,6 +106,29 @@ def test_two_ranks_checkpoint_to_s3_and_resume_from_it_bit_identically(s3, tmp_p
     assert not [f for d in local for f in Path(d).rglob("*") if f.is_file() and secret in f.read_bytes()]
 
 
+def _fsdp_state(rank, tmp, url, world, resume):
+    """4 steps of FSDP on ``world`` ranks checkpointing to ``url`` (or, with ``resume``, none: what it loads from
+    there); the whole model and optimizer state."""
+    import distrain
+
+    checkpoint = distrain.ModelCheckpoint(dirpath=url, every_n_train_steps=4)
+    trainer, _ = make_trainer(tmp, strategy="fsdp", devices=world, max_steps=4, logger=False, callbacks=[checkpoint])
+    distrain.seed_everything(123 if resume else 0)  # another init when it resumes: all must come from the checkpoint
+    module = TinyGPT()
+    trainer.fit(module, loader(12 // world), ckpt_path=f"{url}/last" if resume else None)
+    return distrain.checkpoint_state_of(module, trainer.optimizers[0])
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_in_s3_resumes_on_another_world_size(s3, tmp_path):
+    url = f"s3://{BUCKET}/elastic"
+    saved = run_ranks(_fsdp_state, 2, str(tmp_path / "on2"), url, 2, False)[0]
+    loaded = run_ranks(_fsdp_state, 3, str(tmp_path / "on3"), url, 3, True)[0]
+    assert saved.keys() == loaded.keys()
+    for key, value in saved.items():
+        assert torch.equal(value, loaded[key]), key
+
+
 def test_file_urls_go_through_fsspec_and_a_killed_upload_is_removed_and_named(tmp_path, capsys):
     """One process, ``file://``: objects of a checkpoint whose upload never reached its manifest (what a kill -9
     leaves) are removed by the next save, and named; a resume takes the committed one."""
@@ -263,3 +286,54 @@ def test_killed_at_random_moments_while_uploading_each_resume_ends_bit_identical
             n for n in names if n != "last" and not fs.exists(f"{url.removeprefix('s3://')}/{n}/manifest.json")
         ]
         assert not uncommitted, (trial, names)
+
+
+def test_a_network_failure_mid_upload_is_retried_then_named_and_the_previous_checkpoint_stays(
+    s3, tmp_path, monkeypatch
+):
+    """The server goes away after the checkpoint of step 2 went up: the upload of step 3 (in the background) is
+    tried again, then fit fails with one line naming the URL; ``last`` still names step 2, and a resume from it
+    ends as a run never interrupted."""
+    from moto.server import ThreadedMotoServer
+
+    from distrain.callbacks import Callback
+    from distrain.checkpoint import CheckpointError
+    from distrain.checkpoint import remote as remote_module
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # moto's buckets are per process
+    server.start()
+    host, port = server.get_host_and_port()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+    monkeypatch.setattr(remote_module, "RETRIES", (0.1, 0.2, 0.4))
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore tries once, distrain retries
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    url = f"s3://{BUCKET}/outage"
+    checkpoint = ModelCheckpoint(dirpath=url, every_n_train_steps=1)
+    tries = []
+
+    class Outage(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if trainer.global_step == 2:
+                checkpoint.uploads.wait()  # step 2 is up: the network goes away now
+                server.stop()
+                tries.append(trainer.global_step)
+
+    trainer, _ = make_trainer(
+        tmp_path / "run", strategy="single", devices=1, max_steps=5, callbacks=[checkpoint, Outage()]
+    )
+    torch.manual_seed(0)
+    try:
+        with pytest.raises(CheckpointError) as failed:
+            trainer.fit(TinyGPT(), loader(4))
+    finally:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3["env"]["AWS_ENDPOINT_URL"])
+        s3fs.S3FileSystem.clear_instance_cache()
+    message = str(failed.value)
+    assert tries == [2] and "\n" not in message and message.startswith(f"{url}: ") and "failed 4 times" in message
+    assert "the previous checkpoint stays the newest" in message
+    assert remote_module.RemoteDir(url).last_name() == "epoch=0-step=2"
+    longer, _ = _fit(tmp_path / "whole", 4, devices=1)
+    resumed, _ = _fit(tmp_path / "resumed", 4, dirpath=url, resume=f"{url}/last", devices=1)
+    assert resumed == longer[2:]

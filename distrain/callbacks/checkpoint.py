@@ -5,14 +5,23 @@ from __future__ import annotations
 import math
 import re
 import string
+import sys
 import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
 
 from distrain.callbacks.base import Callback
-from distrain.checkpoint.io import LAST, is_checkpoint_dir, is_checkpoint_name, point_last, remove_checkpoint
-from distrain.checkpoint.remote import RemoteDir, is_url
+from distrain.checkpoint import CheckpointError
+from distrain.checkpoint.io import (
+    LAST,
+    describe_error,
+    is_checkpoint_dir,
+    is_checkpoint_name,
+    point_last,
+    remove_checkpoint,
+)
+from distrain.checkpoint.remote import RemoteDir, Uploads, is_url
 
 
 class ModelCheckpoint(Callback):
@@ -55,6 +64,8 @@ class ModelCheckpoint(Callback):
         #: a URL (``s3://bucket/prefix``): each checkpoint is written to its local stage, then copied up
         self.remote = RemoteDir(dirpath) if is_url(dirpath) else None
         self.dirpath = self.remote.stage if self.remote else Path(dirpath) if dirpath else None
+        #: rank 0's uploads, in the background
+        self.uploads = Uploads()
         filename = filename or "{epoch}-{step}"  # Lightning's None
         self.filename = _with_metric_names(filename) if auto_insert_metric_name else filename
         self.save_weights_only = save_weights_only
@@ -129,6 +140,19 @@ class ModelCheckpoint(Callback):
         if self.save_last:  # a finished run can always be resumed or inspected
             self.save(trainer)
 
+    def on_fit_end(self, trainer, module) -> None:
+        """The last upload is in object storage before fit returns; one that failed fails the run, on every rank."""
+        if self.remote is not None:
+            trainer.runtime.decided_on_rank_zero(self.uploads.wait)
+
+    def teardown(self, trainer, module, stage: str) -> None:
+        """A failed run still finishes the upload in flight (a committed checkpoint to resume from), and says when
+        that failed too, without hiding the run's own error."""
+        try:
+            self.uploads.wait()
+        except Exception as e:  # noqa: BLE001 — the run's own error is the one raised
+            print(f"distrain: {e}", file=sys.stderr, flush=True)
+
     def _score(self, trainer) -> float:
         if self.monitor is None:
             return float(trainer.global_step)  # "best" = newest
@@ -184,11 +208,11 @@ class ModelCheckpoint(Callback):
         def after_commit() -> str | None:
             if self.save_last:
                 point_last(self.dirpath, path)
-            if self.remote is not None:  # up, manifest last, then `last`; what a killed upload left goes first
-                for name in self.remote.remove_uncommitted(keep=path.name):
-                    print(f"distrain: removed {self.remote.url}/{name}: an upload that never committed", flush=True)
-                self.remote.upload(path)
-            self._keep_top_k(score, str(path))
+            stale = self._keep_top_k(score, str(path))
+            if self.remote is None:
+                self._remove(stale)
+            else:  # up in the background (after the upload before it), then the pruned ones go
+                self.uploads.submit(lambda: self._upload(path, stale))
             return self.best_model_path
 
         # rank 0 alone moves `last` and removes stale checkpoints; a failure there (a full disk, a `last` that a
@@ -231,18 +255,40 @@ class ModelCheckpoint(Callback):
             )
         return name
 
-    def _keep_top_k(self, score: float, path: str) -> None:
+    def _upload(self, path: Path, stale: list[str]) -> int:
+        """Up, manifest last, then `last`; what a killed upload left goes first, the pruned ones after."""
+        try:
+            for name in self.remote.remove_uncommitted(keep=path.name):
+                print(f"distrain: removed {self.remote.url}/{name}: an upload that never committed", flush=True)
+            sent = self.remote.upload(path)
+            self._remove(stale)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 — a denied prefix, a bucket gone: one line, as the others
+            raise CheckpointError(
+                f"{self.remote.url}: uploading {path.name}: {describe_error(e)}; the previous checkpoint stays the "
+                "newest"
+            ) from None
+        return sent
+
+    def _keep_top_k(self, score: float, path: str) -> list[str]:
+        """Ranks ``path`` among the kept ones; the checkpoints to remove now."""
         self.saved = _ranked(self.saved, score, path)
+        stale = []
         if self.save_top_k >= 0:
-            for _, stale in self.saved[self.save_top_k :]:
-                if stale != self.last_model_path:  # never delete what `last` points to
-                    if self.remote is not None:
-                        self.remote.remove(Path(stale).name)
-                    remove_checkpoint(stale, within=self.dirpath)
+            # never delete what `last` points to
+            stale = [p for _, p in self.saved[self.save_top_k :] if p != self.last_model_path]
             self.saved = [sp for sp in self.saved[: self.save_top_k]] + [
                 sp for sp in self.saved[self.save_top_k :] if sp[1] == self.last_model_path
             ]
         self.best_model_path = self.saved[0][1] if self.saved else None
+        return stale
+
+    def _remove(self, stale: list[str]) -> None:
+        for path in stale:
+            if self.remote is not None:
+                self.remote.remove(Path(path).name)
+            remove_checkpoint(path, within=self.dirpath)
 
     def state_dict(self) -> dict:
         """The kept checkpoints with their scores, and the best one: by name, inside ``dirpath``. Taken while a

@@ -10,6 +10,10 @@ a local stage directory (every strategy, the atomic local commit, the manifest),
 - then ``last``, an object that names the newest committed checkpoint;
 - a checkpoint the run prunes loses its manifest first, then its other objects.
 
+The copy goes up in the background (``Uploads``): training goes on once the checkpoint is on the local disk, and
+the next save, the end of fit, or a failed run waits for it. One upload at a time, so the stage never holds more
+than the checkpoint going up and the one being written.
+
 A resume from a URL reads the manifest (bounded; every name one relative path under the checkpoint), downloads the
 files it lists in parallel into a local cache, checks each one's size against it, and loads that copy through the
 same safe-load path as a local checkpoint. Credentials are fsspec's (the environment, the usual AWS config): nothing
@@ -23,7 +27,8 @@ import json
 import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -89,9 +94,9 @@ class RemoteDir:
         except Exception as e:  # noqa: BLE001 — every backend names its failures differently: said as it says them
             raise ConfigError(f"cannot write checkpoints to {self.url}: {describe_error(e)}") from None
 
-    def upload(self, checkpoint: Path) -> None:
+    def upload(self, checkpoint: Path) -> int:
         """Copy a committed local checkpoint up: its files, then its manifest; then ``last`` names it. An upload
-        that fails (after ``RETRIES``) leaves the previous checkpoint the newest committed one."""
+        that fails (after ``RETRIES``) leaves the previous checkpoint the newest committed one. The bytes sent."""
         name = checkpoint.name
         manifest = json.loads((checkpoint / MANIFEST).read_text())
         files = list(manifest["files"])
@@ -101,6 +106,7 @@ class RemoteDir:
             list(pool.map(lambda rel: self._retry(self.fs.put_file, str(checkpoint / rel), f"{target}/{rel}"), files))
         self._retry(self.fs.put_file, str(checkpoint / MANIFEST), f"{target}/{MANIFEST}")
         self.point_last(name)
+        return sum(manifest["files"].values())
 
     def point_last(self, name: str) -> None:
         self._retry(self.fs.pipe_file, f"{self.root}/{LAST}", json.dumps({"checkpoint": name}).encode())
@@ -110,43 +116,45 @@ class RemoteDir:
         if not is_checkpoint_name(name):
             raise CheckpointError(f"refusing to delete {self.url}/{name}: not a checkpoint name")
         self._forget(name)
-        if self.fs.exists(f"{self.root}/{name}"):
-            self.fs.rm(f"{self.root}/{name}", recursive=True)
+        if self._retry(self.fs.exists, f"{self.root}/{name}"):
+            self._retry(self.fs.rm, f"{self.root}/{name}", recursive=True)
 
     def remove_uncommitted(self, keep: str | None = None) -> list[str]:
         """Remove what uploads a kill interrupted left: checkpoints with objects but no manifest (``keep``: the one
         being written now). The names removed."""
         removed = []
         for name in self._names():
-            if name != keep and not self.fs.exists(f"{self.root}/{name}/{MANIFEST}"):
-                self.fs.rm(f"{self.root}/{name}", recursive=True)
+            if name != keep and not self._retry(self.fs.exists, f"{self.root}/{name}/{MANIFEST}"):
+                self._retry(self.fs.rm, f"{self.root}/{name}", recursive=True)
                 removed.append(name)
         return removed
 
     def _forget(self, name: str) -> None:
         manifest = f"{self.root}/{name}/{MANIFEST}"
-        if self.fs.exists(manifest):
-            self.fs.rm_file(manifest)
+        if self._retry(self.fs.exists, manifest):
+            self._retry(self.fs.rm_file, manifest)
 
     def _names(self) -> list[str]:
         try:
-            entries = self.fs.ls(self.root, detail=True)
+            entries = self._retry(self.fs.ls, self.root, detail=True)
         except FileNotFoundError:
             return []
         names = [PurePosixPath(e["name"]).name for e in entries if e.get("type") == "directory"]
         return sorted(n for n in names if is_checkpoint_name(n))
 
-    def _retry(self, transfer, *args):
+    def _retry(self, transfer, *args, **kwargs):
+        """``transfer(*args, **kwargs)``, tried again after each of ``RETRIES``; then one line that names it."""
         for attempt, pause in enumerate((*RETRIES, None)):
             try:
-                return transfer(*args)
+                return transfer(*args, **kwargs)
             except (FileNotFoundError, PermissionError):  # a missing bucket, a denied prefix: no retry mends it
                 raise
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 — a network failure is botocore's, aiohttp's or OSError
                 if pause is None:
+                    what = transfer.__name__.lstrip("_")  # fsspec's sync wrappers: _ls, _exists
                     raise CheckpointError(
-                        f"{self.url}: {transfer.__name__} failed {attempt + 1} times: {describe_error(e)}; the "
-                        "previous checkpoint stays the newest"
+                        f"{self.url}: {what} failed {attempt + 1} times: {describe_error(e)}; the previous checkpoint "
+                        "stays the newest"
                     ) from None
                 time.sleep(pause)
         return None
@@ -202,6 +210,36 @@ class RemoteDir:
         if size is None or size > MAX_INDEX_BYTES:
             raise CheckpointError(f"{path} is {size} bytes: larger than any index distrain writes")
         return self.fs.cat_file(path)
+
+
+class Uploads:
+    """Jobs (a checkpoint's upload, then what the run prunes) run one at a time in a thread of their own. ``submit``
+    waits for the job before it; ``wait`` for the last, raising its error. ``seconds`` and ``bytes``: what the
+    uploads so far took (the benchmark's throughput)."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self.seconds = 0.0
+        self.bytes = 0
+
+    def submit(self, job: Callable[[], int]) -> None:
+        """``job`` returns the bytes it sent."""
+        self.wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="distrain-upload")
+        self._pending = self._pool.submit(self._timed, job)
+
+    def _timed(self, job: Callable[[], int]) -> None:
+        started = time.perf_counter()
+        sent = job()
+        self.seconds += time.perf_counter() - started
+        self.bytes += sent
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
 
 def _manifest_files(raw: bytes, source: str) -> dict[str, int]:
