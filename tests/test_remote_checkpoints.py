@@ -24,9 +24,10 @@ BUCKET = "distrain-test"
 
 
 @pytest.fixture(scope="module")
-def s3():
+def s3(tmp_path_factory):
     """A moto S3 server on 127.0.0.1 with one bucket; its endpoint and a secret key of this run's in the
-    environment (as a user's shell or instance profile gives them), restored after."""
+    environment (as a user's shell or instance profile gives them), restored after. The local stages and downloads
+    (``~/.cache/distrain/remote``) are the module's own: a URL's stage outlives its run, and the bucket does not."""
     import s3fs
     from moto.server import ThreadedMotoServer
 
@@ -39,6 +40,7 @@ def s3():
         "AWS_SECRET_ACCESS_KEY": secret,
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("cache")),
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -129,10 +131,12 @@ def test_a_sharded_checkpoint_in_s3_resumes_on_another_world_size(s3, tmp_path):
         assert torch.equal(value, loaded[key]), key
 
 
-def test_file_urls_go_through_fsspec_and_a_killed_upload_is_removed_and_named(tmp_path, capsys):
+def test_file_urls_go_through_fsspec_and_a_killed_upload_is_removed_and_named(tmp_path, capsys, monkeypatch):
     """One process, ``file://``: objects of a checkpoint whose upload never reached its manifest (what a kill -9
     leaves) are removed by the next save, and named; a resume takes the committed one."""
     from distrain.checkpoint.remote import RemoteDir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the stage: this test's own
 
     url = f"file://{tmp_path}/bucket/run"
     leftover = tmp_path / "bucket" / "run" / "epoch=0-step=9"
@@ -148,11 +152,13 @@ def test_file_urls_go_through_fsspec_and_a_killed_upload_is_removed_and_named(tm
     assert resumed == longer[4:] and losses == longer[:4]
 
 
-def test_a_hostile_manifest_or_last_is_refused_in_one_line(tmp_path):
+def test_a_hostile_manifest_or_last_is_refused_in_one_line(tmp_path, monkeypatch):
     """What is read from object storage is someone else's file: a manifest naming a path outside the checkpoint,
     a size that is not one, a ``last`` naming no checkpoint."""
     from distrain.checkpoint import CheckpointError
     from distrain.checkpoint.remote import RemoteDir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
     root = tmp_path / "bucket"
     ckpt = root / "epoch=0-step=1"
@@ -337,3 +343,33 @@ def test_a_network_failure_mid_upload_is_retried_then_named_and_the_previous_che
     longer, _ = _fit(tmp_path / "whole", 4, devices=1)
     resumed, _ = _fit(tmp_path / "resumed", 4, dirpath=url, resume=f"{url}/last", devices=1)
     assert resumed == longer[2:]
+
+
+def test_default_root_dir_in_s3_keeps_the_checkpoints_there_and_the_logs_here(s3, tmp_path, capsys):
+    """``Trainer(default_root_dir="s3://...")``, as Lightning takes it: the checkpoints go to ``<url>/checkpoints``,
+    the console says so and where the run's own files stay; another trainer on that root resumes from ``last``
+    as from a run never interrupted; a later fresh run writes ``<url>/version_1/checkpoints``."""
+    from distrain.checkpoint.remote import RemoteDir
+
+    url = f"s3://{BUCKET}/root"
+
+    def fit(steps: int, resume: str | None = None):
+        trainer, rec = make_trainer(None, default_root_dir=url, strategy="single", devices=1, max_steps=steps)
+        torch.manual_seed(0)
+        module = TinyGPT()
+        trainer.fit(module, loader(4), ckpt_path=resume)
+        return rec.losses, trainer
+
+    first, trainer = fit(2)
+    out = capsys.readouterr().out
+    local = RemoteDir(url).stage
+    said = f"distrain: checkpoints go to {url}/checkpoints; the run's logs and metrics stay on this machine, in {local}"
+    assert said in out, out
+    assert RemoteDir(f"{url}/checkpoints").last_name() == "epoch=0-step=2"
+    assert (Path(trainer.log_dir) / "metrics.jsonl").is_file() and Path(trainer.log_dir) == local
+    resumed, _ = fit(4, resume="last")
+    longer, _ = _fit(tmp_path / "whole", 4, devices=1)
+    assert first == longer[:2] and resumed == longer[2:]
+    _, again = fit(1)
+    assert RemoteDir(f"{url}/version_1/checkpoints").last_name() == "epoch=0-step=1"
+    assert Path(again.log_dir) == local / "version_1"

@@ -88,6 +88,11 @@ class ModelCheckpoint(Callback):
         self._warned = False
         self._warned_names = False
 
+    def write_to(self, url: str) -> None:
+        """Checkpoints in object storage at ``url`` (``Trainer(default_root_dir=<url>)`` chose it)."""
+        self.remote = RemoteDir(url)
+        self.dirpath = self.remote.stage
+
     @property
     def state_key(self) -> str:
         """Two checkpoint callbacks that watch different things keep their states apart (Lightning's key)."""

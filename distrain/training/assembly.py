@@ -5,9 +5,11 @@ checkpoints, stop agreement, anomaly guard), with the loop's own state at its st
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from distrain import run_dir
+from distrain.checkpoint.remote import RemoteDir, is_url
 from distrain.cluster import replica_run_dir
 from distrain.run_dir import DEFAULT as DEFAULT_ROOT_DIR
 from distrain.runtime import Runtime
@@ -33,11 +35,11 @@ def assemble(trainer, a: dict[str, Any]) -> None:
     )
     # each replica group of a fault-tolerant run keeps its own run directory (replica_<id>/)
     root = a["default_root_dir"]
-    if "://" in str(root or ""):  # the run's logs, metrics and plots are local files; its checkpoints need not be
-        raise ValueError(
-            f"default_root_dir={root!r}: the run's folder is a local path; to keep its checkpoints in object "
-            f"storage, give ModelCheckpoint(dirpath={str(root).rstrip('/') + '/checkpoints'!r})"
-        )
+    #: ``default_root_dir`` in object storage: the checkpoints go there (``<url>/checkpoints``, ``choose_run_dir``);
+    #: the run's logs, metrics and plots are files on this machine, in that URL's local stage
+    trainer.remote_root = str(root).rstrip("/") if is_url(root) else None
+    if trainer.remote_root is not None:
+        root = str(RemoteDir(trainer.remote_root).stage)
     trainer.default_root_dir = replica_run_dir(str(root or os.path.join(os.getcwd(), DEFAULT_ROOT_DIR)))
     #: the run's folder (Lightning's name): metrics, TensorBoard, checkpoints, plots, logs. Final once the first
     #: stage starts (``choose_run_dir``); ``distrain train`` checked its own (``run_dir.claim``) and keeps it
@@ -101,6 +103,24 @@ def choose_run_dir(trainer, ckpt_path) -> None:
         point_runtime_at_run_dir(trainer)
         if trainer._default_loggers:
             trainer.metrics.loggers = default_loggers(True, path)
+    if trainer.remote_root is not None:
+        checkpoints_to_object_storage(trainer)
+
+
+def checkpoints_to_object_storage(trainer) -> None:
+    """``default_root_dir`` in object storage: each ``ModelCheckpoint`` given no ``dirpath`` writes to
+    ``<url>/checkpoints`` (``<url>/version_N/checkpoints`` for a later run of the same folder), as Lightning's
+    would; the run's own files stay here, and the console says where."""
+    from distrain.callbacks.checkpoint import ModelCheckpoint
+
+    relative = os.path.relpath(trainer.log_dir, trainer.default_root_dir)
+    url = trainer.remote_root + ("" if relative == "." else "/" + Path(relative).as_posix()) + "/checkpoints"
+    chosen = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath is None]
+    for cb in chosen:
+        cb.write_to(url)
+    if int(os.environ.get("RANK", "0")) == 0:
+        where = f"checkpoints go to {url}; " if chosen else ""
+        print(f"distrain: {where}the run's logs and metrics stay on this machine, in {trainer.log_dir}", flush=True)
 
 
 def point_runtime_at_run_dir(trainer) -> None:
