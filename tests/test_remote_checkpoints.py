@@ -373,3 +373,72 @@ def test_default_root_dir_in_s3_keeps_the_checkpoints_there_and_the_logs_here(s3
     _, again = fit(1)
     assert RemoteDir(f"{url}/version_1/checkpoints").last_name() == "epoch=0-step=1"
     assert Path(again.log_dir) == local / "version_1"
+
+
+def test_a_prefix_without_permission_is_one_line_before_any_rank_starts(tmp_path):
+    """A moto server of its own that checks IAM policies (after the four calls that set it up): a user allowed
+    ``allowed/`` only. ``distrain train`` into ``denied/`` stops in one line naming the URL before any rank starts;
+    the prefix it may write passes the same check."""
+    import socket
+    import time
+
+    import boto3
+
+    from distrain.checkpoint.remote import RemoteDir
+    from distrain.cluster import find_free_port
+
+    port = find_free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env={**env_without_rank(), "INITIAL_NO_AUTH_ACTION_COUNT": "4"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        admin = dict(endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="a", aws_secret_access_key="b")
+        boto3.client("s3", **admin).create_bucket(Bucket="perm-bucket")
+        iam = boto3.client("iam", **admin)
+        iam.create_user(UserName="trainer")
+        allowed = [
+            {"Effect": "Allow", "Action": "s3:*", "Resource": ["arn:aws:s3:::perm-bucket/allowed/*"]},
+            {"Effect": "Allow", "Action": "s3:ListBucket", "Resource": ["arn:aws:s3:::perm-bucket"]},
+        ]
+        policy = json.dumps({"Version": "2012-10-17", "Statement": allowed})
+        iam.put_user_policy(UserName="trainer", PolicyName="allowed-only", PolicyDocument=policy)
+        key = iam.create_access_key(UserName="trainer")["AccessKey"]
+        env = {
+            **env_without_rank(),
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint,
+            "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        }
+        command = ["distrain", "train", "--devices", "2", "--max-steps", "2", f"output_dir={tmp_path / 'run'}"]
+        denied = "s3://perm-bucket/denied"
+        proc = subprocess.run(
+            [*command, f"checkpointing.checkpoint_dir={denied}"], env=env, capture_output=True, text=True, timeout=120
+        )
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+        assert f"cannot write checkpoints to {denied}: PermissionError: Access Denied" in lines[0]
+        assert not (tmp_path / "run" / "logs").exists()  # no rank started
+        assert key["SecretAccessKey"] not in proc.stdout + proc.stderr
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            import s3fs
+
+            s3fs.S3FileSystem.clear_instance_cache()
+            RemoteDir("s3://perm-bucket/allowed/run").check_writable()
+            s3fs.S3FileSystem.clear_instance_cache()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
