@@ -442,3 +442,21 @@ def test_a_prefix_without_permission_is_one_line_before_any_rank_starts(tmp_path
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_each_replica_group_keeps_its_own_prefix_in_object_storage(tmp_path, monkeypatch):
+    """The replica groups of a fault-tolerant run each checkpoint apart (``replica_<id>``), on disk and in object
+    storage alike: two groups writing one prefix would each take the other's ``last``."""
+    import distrain
+    from distrain.checkpoint.remote import RemoteDir
+
+    for name, value in (("REPLICA_GROUP_ID", "1"), ("NUM_REPLICA_GROUPS", "2"), ("TORCHFT_LIGHTHOUSE", "http://x:1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    url = f"file://{tmp_path}/bucket"
+    given = ModelCheckpoint(dirpath=f"{url}/given")
+    distrain.Trainer(accelerator="cpu", strategy="single", devices=1, callbacks=[given], logger=False)
+    assert given.remote.url == f"{url}/given/replica_1"
+    trainer, _ = make_trainer(None, default_root_dir=f"{url}/root", strategy="single", devices=1, max_steps=1)
+    trainer.fit(TinyGPT(), loader(4))
+    assert RemoteDir(f"{url}/root/replica_1/checkpoints").last_name() == "epoch=0-step=1"

@@ -37,7 +37,7 @@ def assemble(trainer, a: dict[str, Any]) -> None:
     root = a["default_root_dir"]
     #: ``default_root_dir`` in object storage: the checkpoints go there (``<url>/checkpoints``, ``choose_run_dir``);
     #: the run's logs, metrics and plots are files on this machine, in that URL's local stage
-    trainer.remote_root = str(root).rstrip("/") if is_url(root) else None
+    trainer.remote_root = replica_run_dir(str(root).rstrip("/")) if is_url(root) else None
     if trainer.remote_root is not None:
         root = str(RemoteDir(trainer.remote_root).stage)
     trainer.default_root_dir = replica_run_dir(str(root or os.path.join(os.getcwd(), DEFAULT_ROOT_DIR)))

@@ -31,7 +31,9 @@ def default_callbacks(
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
         callbacks.append(ModelCheckpoint())
     for cb in callbacks:
-        if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
+        if isinstance(cb, ModelCheckpoint) and cb.remote is not None:  # in object storage: the group's own prefix
+            cb.write_to(replica_run_dir(cb.remote.url))
+        elif isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
             cb.dirpath = Path(replica_run_dir(str(cb.dirpath)))
     if progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(ProgressBar())
