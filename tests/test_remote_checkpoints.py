@@ -460,3 +460,16 @@ def test_each_replica_group_keeps_its_own_prefix_in_object_storage(tmp_path, mon
     trainer, _ = make_trainer(None, default_root_dir=f"{url}/root", strategy="single", devices=1, max_steps=1)
     trainer.fit(TinyGPT(), loader(4))
     assert RemoteDir(f"{url}/root/replica_1/checkpoints").last_name() == "epoch=0-step=1"
+
+
+def test_a_checkpoint_callback_that_uploaded_still_goes_to_spawned_ranks(tmp_path, monkeypatch):
+    """A notebook's callback, used by a fit in this process (its upload thread started), then by a ``ddp_spawn``
+    fit, which pickles it to each rank: its counts travel, its thread does not."""
+    import pickle
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    checkpoint = ModelCheckpoint(dirpath=f"file://{tmp_path}/bucket", every_n_train_steps=1)
+    trainer, _ = make_trainer(tmp_path / "run", strategy="single", devices=1, max_steps=1, callbacks=[checkpoint])
+    trainer.fit(TinyGPT(), loader(4))
+    copy = pickle.loads(pickle.dumps(checkpoint))
+    assert copy.uploads.bytes == checkpoint.uploads.bytes > 0 and copy.remote.url == checkpoint.remote.url

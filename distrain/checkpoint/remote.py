@@ -241,6 +241,10 @@ class Uploads:
         if pending is not None:
             pending.result()
 
+    def __getstate__(self) -> dict:
+        """Sent to spawned ranks (a callback a notebook's earlier fit used): the counts, not the thread."""
+        return {**self.__dict__, "_pool": None, "_pending": None}
+
 
 def _manifest_files(raw: bytes, source: str) -> dict[str, int]:
     """A manifest's files, each a relative path inside the checkpoint and a size, or a one-line error."""
