@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs distrain (editable) without ever letting pip swap the user's torch:
 #  - torch already installed  -> constrain pip to exactly that version;
-#  - no torch (fresh machine) -> torch==2.13.0, which pip finds as a local CPU wheel here.
+#  - no torch (fresh machine) -> torch==2.13.0 installed alone first (pip finds a local CPU wheel here), then
+#    the same constraint: exactly the build it took.
 # Usage: ./install.sh [extra ...]     e.g. ./install.sh test   (extras: test, deepspeed, hf, wandb, mlflow, sky, fp8, ft, docs, cli, s3)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -9,7 +10,13 @@ PY=${PYTHON:-python3}
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 installed=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
-echo "torch==${installed:-${DISTRAIN_TORCH_VERSION:-2.13.0}}" > "$constraints"
+if [ -z "$installed" ]; then
+    # torch alone first, then pinned to exactly the build it took: resolved together with the extras, pip once
+    # took a CUDA build (GBs) of 2.13.0 on a CPU machine over the local 2.13.0+cpu wheel, which it takes alone
+    "$PY" -m pip install -q "torch==${DISTRAIN_TORCH_VERSION:-2.13.0}"
+    installed=$("$PY" -c 'import torch; print(torch.__version__)')
+fi
+echo "torch==${installed}" > "$constraints"
 extras=$(IFS=,; echo "$*")
 target="."
 [ -n "$extras" ] && target=".[${extras}]"
