@@ -26,23 +26,10 @@ import tempfile
 import time
 
 import torch
-from torch import nn
+from async_save import MLP  # the local save benchmark's model (this script's folder is on sys.path)
 from torch.utils.data import DataLoader, TensorDataset
 
 import distrain
-
-
-class MLP(distrain.Module):
-    def __init__(self, width: int, layers: int):
-        super().__init__()
-        self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        return self.net(x).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
 class TimedCheckpoint(distrain.ModelCheckpoint):
