@@ -11,6 +11,7 @@ metrics and stop-signal agreement are components it holds (``distrain/training/`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -299,6 +300,7 @@ class Trainer(TrainerViews):
                     sanity_check(self, val_loader)
                 self._hook("on_train_start")
                 self._fit_loop(train_loader, val_loader)
+                self.nonfinite.settle()  # the last step's device check
                 rt.mark_phase(None, "end of training")
                 if val_loader is not None and self._last_val_step != self.global_step and not self.preempted:
                     validate_during_fit(self, val_loader)  # the run always ends with a val score
@@ -447,6 +449,7 @@ class Trainer(TrainerViews):
                 )
             return DROPPED
 
+        self.nonfinite.settle()  # the previous step's device check: the device has long passed it
         action = "apply"
         if self.anomalies is not None:  # a loss spike: re-run, then applied, skipped, rolled back from, or stopped at
             action = self.anomalies.check(step_loss, micro_batches, position, rng)
@@ -460,13 +463,16 @@ class Trainer(TrainerViews):
         self.module.optimizer_zero_grad(self.current_epoch, last_idx, self._loop_optimizers[0])
         step_schedulers(self, "step")
         self.progress.global_step += 1
+        final = self._done()
+        if self.metrics.logs_at(self.global_step, final):
+            self.nonfinite.settle()  # a logged step counts only applied steps
 
         rt.mark_phase(None, "logging")
         lr = optimizer.param_groups[0]["lr"]
         result = StepResult(
             self.global_step, self.current_epoch, step_loss, lr, grad_norm, samples, tokens, self.progress.skipped_steps
         )
-        self.metrics.step_done(result, final=self._done(), max_steps=self.loop.max_steps)
+        self.metrics.step_done(result, final=final, max_steps=self.loop.max_steps)
         return output
 
     def _apply_step(self, optimizer, grad_norm: Any, step_loss: torch.Tensor, batch_idx: int) -> bool:
@@ -474,17 +480,24 @@ class Trainer(TrainerViews):
         - fp16's GradScaler skips an overflowed step itself and lowers its scale (that is how it finds its
           scale; the overflow flag is agreed across ranks): a non-finite norm there is not an error;
         - an engine that checks (DeepSpeed ZeRO) skips inside its step: the check after it stops or reports;
+        - an optimizer that skips on the device when handed ``found_inf`` (torch's fused ones) is handed it: no host
+          sync, and the host reads the flag a step later (``training/nonfinite.DeviceCheck``); it returns True;
         - otherwise the loop checks first. The norm is global (every rank computed the same one), so every
           rank decides alike with no collective of its own (on_nonfinite="ignore" skips the host sync)."""
         rt = self.runtime
         scaler = rt.precision.scaler
         engine_checks = rt.strategy.traits.engine_skips_nonfinite
-        if scaler is None and not engine_checks and not self._finite(grad_norm, step_loss):
-            return False
+        guard = contextlib.nullcontext()
+        if scaler is None and not engine_checks:
+            if self.nonfinite.applies(optimizer, grad_norm):  # skipped on the device; the host reads it next step
+                guard = self.nonfinite.guarding(optimizer, grad_norm, step_loss, self.global_step + 1)
+            elif not self._finite(grad_norm, step_loss):
+                return False
         scale = scaler.get_scale() if scaler is not None else None
         self._hook("on_before_optimizer_step", optimizer)
         closure = lambda: step_loss  # noqa: E731  (Lightning's closure: here forward and backward have run)
-        self.module.optimizer_step(self.current_epoch, batch_idx, self._loop_optimizers[0], closure)
+        with guard:
+            self.module.optimizer_step(self.current_epoch, batch_idx, self._loop_optimizers[0], closure)
         if scaler is not None:
             return scaler.get_scale() >= scale
         return not engine_checks or self._finite(grad_norm, step_loss)

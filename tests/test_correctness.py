@@ -142,13 +142,79 @@ def test_logged_values_stay_on_the_device_until_a_logging_step(tmp_path):
     assert ConversionCounter.conversions == 0
 
 
+class HostReads(distrain.Callback):
+    """Counts the host reads of tensor values (``item``, ``float``, ``bool``, ``tolist``: each a host-device sync on
+    an accelerator) from the start of step ``first`` to the end of step ``last``."""
+
+    READS = ("item", "__float__", "__int__", "__bool__", "tolist", "numpy")
+
+    def __init__(self, monkeypatch, first: int, last: int):
+        self.first, self.last, self.counting, self.count = first, last, False, 0
+        for name in self.READS:
+            monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
+
+    def _counted(self, original):
+        def read(tensor, *args, **kwargs):
+            self.count += self.counting
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.counting = self.first <= trainer.global_step + 1 <= self.last
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.counting = False
+
+
+class Regression(distrain.Module):
+    def __init__(self, fused: bool):
+        super().__init__()
+        self.fused = fused
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        # SGD: its for-each step reads nothing on the host itself (Adam's reads each parameter's step count)
+        return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9, fused=self.fused, foreach=not self.fused)
+
+
+@pytest.mark.parametrize("fused,reads_per_step", [(True, 0), (False, 1)])
+def test_steps_that_do_not_log_never_read_a_tensor_on_the_host(tmp_path, monkeypatch, fused, reads_per_step):
+    """With the default safety on (the non-finite check, metrics, the hang watch), a step that does not log reads
+    nothing back from the device when the optimizer can skip a bad step there (torch's fused SGD and Adam); the
+    for-each one is checked on the host, one read (the gradient norm) per step."""
+    reads = HostReads(monkeypatch, first=2, last=9)
+    trainer = distrain.Trainer(
+        accelerator="cpu",
+        strategy="single",
+        devices=1,
+        max_steps=10,
+        log_every_n_steps=10,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        callbacks=[reads],
+    )
+    data = torch.utils.data.TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
+    trainer.fit(Regression(fused), DataLoader(data, batch_size=4))
+    assert trainer.global_step == 10
+    assert reads.count == 8 * reads_per_step
+
+
 # ---- non-finite values -----------------------------------------------------------------------------------
 class NaNAt(TinyGPT):
-    """The loss becomes NaN at optimizer step ``step`` on rank ``rank`` (one micro-batch)."""
+    """The loss becomes NaN at optimizer step ``step`` on rank ``rank`` (one micro-batch). ``fused``: torch's fused
+    AdamW, which skips a step on the device when handed ``found_inf`` (the loop's device check); else its for-each
+    one, which the loop checks on the host."""
 
-    def __init__(self, step, rank=0):
+    def __init__(self, step, rank=0, fused=False):
         super().__init__()
-        self.nan_step, self.nan_rank = step, rank
+        self.nan_step, self.nan_rank, self.fused = step, rank, fused
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -156,13 +222,20 @@ class NaNAt(TinyGPT):
             loss = loss * float("nan")
         return loss
 
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1, fused=self.fused or None)
 
-def _nan_run(rank, tmp, strategy, policy, devices):
+
+# the host check on one process (ddp's under local SGD: test_no_rank_waits); the device check on every layout
+NAN_LAYOUTS = [("single", 1, False), ("single", 1, True), ("ddp", 2, True), ("fsdp", 2, True)]
+
+
+def _nan_run(rank, tmp, strategy, policy, devices, fused):
     ckpt = distrain.ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)
     trainer, rec = make_trainer(
         tmp, strategy=strategy, devices=devices, max_steps=5, logger=False, on_nonfinite=policy, callbacks=[ckpt]
     )
-    module = NaNAt(step=3, rank=devices - 1)
+    module = NaNAt(step=3, rank=devices - 1, fused=fused)
     try:
         trainer.fit(module, loader(4))
     except distrain.NonFiniteError as e:
@@ -172,12 +245,12 @@ def _nan_run(rank, tmp, strategy, policy, devices):
     return "done", finite, trainer.global_step, rec.losses, trainer.progress.skipped_steps
 
 
-@pytest.mark.parametrize("strategy,devices", [("single", 1), ("ddp", 2), ("fsdp", 2)])
-def test_nan_loss_stops_at_that_step_naming_the_rank(tmp_path, strategy, devices):
+@pytest.mark.parametrize("strategy,devices,fused", NAN_LAYOUTS)
+def test_nan_loss_stops_at_that_step_naming_the_rank(tmp_path, strategy, devices, fused):
     results = (
-        run_ranks(_nan_run, devices, tmp_path, strategy, "stop", devices)
+        run_ranks(_nan_run, devices, tmp_path, strategy, "stop", devices, fused)
         if devices > 1
-        else [_nan_run(0, tmp_path, strategy, "stop", 1)]
+        else [_nan_run(0, tmp_path, strategy, "stop", 1, fused)]
     )
     for kind, message, step in results:
         assert kind == "error"
@@ -221,12 +294,12 @@ def test_a_checkpoint_with_non_finite_weights_never_becomes_last(tmp_path, poiso
     assert names == ["epoch=0-step=2", "epoch=0-step=2"], names
 
 
-@pytest.mark.parametrize("strategy,devices", [("single", 1), ("ddp", 2), ("fsdp", 2)])
-def test_nan_step_is_skipped_on_every_rank(tmp_path, strategy, devices):
+@pytest.mark.parametrize("strategy,devices,fused", NAN_LAYOUTS)
+def test_nan_step_is_skipped_on_every_rank(tmp_path, strategy, devices, fused):
     results = (
-        run_ranks(_nan_run, devices, tmp_path, strategy, "skip", devices)
+        run_ranks(_nan_run, devices, tmp_path, strategy, "skip", devices, fused)
         if devices > 1
-        else [_nan_run(0, tmp_path, strategy, "skip", 1)]
+        else [_nan_run(0, tmp_path, strategy, "skip", 1, fused)]
     )
     for kind, finite, step, losses, skipped in results:
         assert kind == "done" and finite and step == 5 and skipped == 1

@@ -19,6 +19,7 @@ from distrain.training.checkpointing import CheckpointManager, TrainProgress
 from distrain.training.defaults import default_callbacks, default_loggers
 from distrain.training.evaluation import Evaluator
 from distrain.training.metrics import MetricsLogger
+from distrain.training.nonfinite import DeviceCheck
 from distrain.training.preemption import StopAgreement
 
 
@@ -63,6 +64,8 @@ def assemble(trainer, a: dict[str, Any]) -> None:
             f"on_anomaly is not supported with {strategy_name}: it re-runs an anomalous "
             "step before deciding, on every rank alike (single, ddp, fsdp and tensor parallelism do)"
         )
+    #: a non-finite gradient norm, checked on the device where the optimizer can skip a step there
+    trainer.nonfinite = DeviceCheck(trainer)
     #: loss spikes and non-finite losses: re-run, recorded, then stopped at, skipped or rolled back from
     trainer.anomalies = (
         AnomalyGuard(trainer, a["on_anomaly"], a["anomaly_window"], a["anomaly_zscore"]) if a["on_anomaly"] else None

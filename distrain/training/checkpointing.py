@@ -264,6 +264,7 @@ class CheckpointManager:
         ``finite``: every weight is finite (agreed across ranks): a checkpoint that is not must never become
         ``last``. Returns that. ``weights_only``: without the optimizers' and schedulers' states (DeepSpeed's engine
         writes its own either way), marked so that no fit resumes from it."""
+        self.trainer.nonfinite.settle()  # a step the device skipped is counted before any checkpoint holds it
         self.complete_pending()
         if background is None:  # strategy="auto" may have chosen DeepSpeed, whose engine writes synchronously
             background = self.async_save and self.trainer.strategy.traits.saves_in_background

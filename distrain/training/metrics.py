@@ -263,13 +263,17 @@ class MetricsLogger:
                 if module is not None:
                     lg.log_graph(module)  # a logger asked to (TensorBoardLogger(log_graph=True)) draws it
 
+    def logs_at(self, step: int, final: bool) -> bool:
+        """Whether step ``step`` is a logging step (every ``log_every_n_steps``, and the final one)."""
+        return final or step % self.log_every_n_steps == 0
+
     def step_done(self, result: StepResult, final: bool, max_steps: int) -> None:
         """After each optimizer step. Values are reduced across ranks only on logging steps (and the
         final one): one small all-reduce for the loss, one for the module's ``sync_dist`` values."""
         rt = self.runtime
         self.throughput.step(result.samples, result.tokens or None)
         self.timer.step_ended()
-        logging_step = final or result.step % self.log_every_n_steps == 0
+        logging_step = self.logs_at(result.step, final)
         logged = self.collector.pop_step_metrics(reduce=logging_step)
         if not logging_step:
             self.callback_metrics.update(logged)
