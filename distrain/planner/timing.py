@@ -34,10 +34,16 @@ import torch
 
 from distrain.planner import kept
 
-#: what a GPU achieves of its listed rates in a training step (stated in docs/plan.md; to be checked
-#: against benchmarks/gpu_bench.py whenever a GPU is lent)
+#: what a GPU achieves of its listed rates in a training step (docs/plan.md, "Against published runs";
+#: ``benchmarks/plan_published.py``): llm-foundry's H100 runs of MPT-1B to 70B (FSDP, bf16, 8 to 128 GPUs) plan at
+#: 0.87-1.07 of their measured tokens/s with these
 MATMUL_EFFICIENCY = 0.55
 MEMORY_EFFICIENCY = 0.7
+#: a GPU whose published runs show another matmul efficiency. A100: torchtitan's five A100 runs (Llama 2 13B and
+#: 70B, Llama 3 8B and 70B, FSDP on 64 GPUs) planned at 0.75-0.77 of their measured tokens/s with 0.55, and at
+#: 0.96-1.01 with 0.75; held out, llm-foundry's A100 run of MPT-1B plans at 1.05. The A100 reaches more of its
+#: lower peak: its memory and attention keep up with its tensor cores better than the H100's do
+MATMUL_EFFICIENCY_BY_GPU = {"A100": 0.75}
 #: a GPU's dense bf16 tensor-core peak (FLOP/s), memory bandwidth (B/s), and the NCCL all-reduce bus
 #: bandwidth between the GPUs of one node (B/s, measured by nccl-tests on NVLink/PCIe systems)
 GPU_TABLE = {
@@ -107,15 +113,16 @@ def gpu_hardware(name: str | None, precision: str) -> Hardware:
     flops, memory, nvlink = GPU_TABLE[key or DEFAULT_GPU]
     if precision in ("32-true", "32", "64-true"):
         flops /= 2
+    matmul = MATMUL_EFFICIENCY_BY_GPU.get(key or DEFAULT_GPU, MATMUL_EFFICIENCY)
     return Hardware(
-        matmul_flops=flops * MATMUL_EFFICIENCY,
+        matmul_flops=flops * matmul,
         memory_bandwidth=memory * MEMORY_EFFICIENCY,
         op_seconds=GPU_OP_SECONDS,
         intra_bandwidth=nvlink,
         inter_bandwidth=DEFAULT_INTER_NODE,
         collective_seconds=GPU_COLLECTIVE_LATENCY,
         overlap=True,
-        source=f"{key or DEFAULT_GPU} (listed peaks × {MATMUL_EFFICIENCY} matmul, {MEMORY_EFFICIENCY} memory)",
+        source=f"{key or DEFAULT_GPU} (listed peaks × {matmul} matmul, {MEMORY_EFFICIENCY} memory)",
     )
 
 

@@ -1,0 +1,176 @@
+"""``distrain plan`` against training runs others measured and published (issue 57): each run's model rebuilt from
+its published shape, planned on its GPU type, cluster and layout, and the plan's tokens/s per GPU set beside the
+published one. The runs, with their sources, are gathered in ``benchmarks/published/runs.md``.
+
+    python benchmarks/plan_published.py [--rows TA1 LH6 ...] [--json out.json]
+
+Fake-tensor tracing only: nothing is allocated, no GPU is needed. A deep model is traced at two shallow depths and
+extrapolated, as every plan is (``planner/estimate.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+LLAMA = "llama"
+GPT2 = "gpt2"  # GPT-2 style: learned positions, LayerNorm and biases, exact GELU MLP, tied embeddings, no dropout (MPT)
+
+#: name: (family, layers, hidden, heads, kv heads, ffn, vocab); runs.md §1
+SHAPES = {
+    "L3-8B": (LLAMA, 32, 4096, 32, 8, 14336, 128256),
+    "L3-70B": (LLAMA, 80, 8192, 64, 8, 28672, 128256),
+    "L2-13B": (LLAMA, 40, 5120, 40, 40, 13824, 32000),
+    "L2-70B": (LLAMA, 80, 8192, 64, 8, 28672, 32000),
+    "MPT-1B": (GPT2, 24, 2048, 16, 16, 8192, 50368),
+    "MPT-3B": (GPT2, 32, 2560, 20, 20, 10240, 50368),
+    "MPT-7B": (GPT2, 32, 4096, 32, 32, 16384, 50368),
+    "MPT-13B": (GPT2, 40, 5120, 40, 40, 20480, 50368),
+    "MPT-30B": (GPT2, 48, 7168, 56, 56, 28672, 50368),
+    "MPT-70B": (GPT2, 80, 8192, 64, 64, 32768, 50368),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    id: str
+    source: str
+    model: str
+    gpu: str
+    gpu_memory: str
+    nodes: int
+    devices: int
+    seq: int
+    micro_batch: int
+    accumulate: int
+    checkpoint_every: int | None  # recompute every N-th block (1: every block); None: no recomputation
+    measured: float  # tokens/s per GPU, as published
+    strategy: str = "fsdp"
+
+
+#: the runs planned (runs.md's IDs); bf16 without compile or float8, layouts the planner models (FSDP)
+RUNS = [
+    Run("TA1", "torchtitan A100", "L3-8B", "A100", "80GB", 8, 8, 8192, 1, 1, 2, 2904),
+    Run("TA3", "torchtitan A100", "L3-70B", "A100", "80GB", 8, 8, 8192, 1, 1, 1, 331),
+    Run("TA4", "torchtitan A100", "L2-13B", "A100", "80GB", 8, 8, 4096, 2, 1, None, 2162),
+    Run("TA5", "torchtitan A100", "L2-13B", "A100", "80GB", 8, 8, 4096, 2, 1, 2, 1914),
+    Run("TA8", "torchtitan A100", "L2-70B", "A100", "80GB", 8, 8, 4096, 2, 1, 1, 353),
+    Run("LH1", "llm-foundry H100", "MPT-1B", "H100", "80GB", 1, 8, 2048, 14, 1, None, 45455),
+    Run("LH6", "llm-foundry H100", "MPT-7B", "H100", "80GB", 1, 8, 2048, 6, 1, None, 10643),
+    Run("LH9", "llm-foundry H100", "MPT-7B", "H100", "80GB", 16, 8, 2048, 6, 1, None, 10475),
+    Run("LH7", "llm-foundry H100", "MPT-7B", "H100", "80GB", 1, 8, 8192, 8, 2, 1, 6935),
+    Run("LH11", "llm-foundry H100", "MPT-13B", "H100", "80GB", 1, 8, 4096, 10, 3, 1, 4717),
+    Run("LH14", "llm-foundry H100", "MPT-30B", "H100", "80GB", 1, 8, 2048, 3, 21, 1, 2002),
+    Run("LH16", "llm-foundry H100", "MPT-70B", "H100", "80GB", 8, 8, 2048, 8, 4, 1, 1039),
+    Run("LA1", "llm-foundry A100", "MPT-1B", "A100", "80GB", 1, 8, 2048, 14, 4, None, 20513),
+]
+
+
+def model_dir(name: str, seq: int, root: Path) -> Path:
+    """A Hugging Face config of ``name``'s published shape (no weights), saved under ``root``."""
+    family, layers, hidden, heads, kv, ffn, vocab = SHAPES[name]
+    path = root / f"{name}-{seq}"
+    if (path / "config.json").is_file():
+        return path
+    if family == LLAMA:
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=ffn,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            vocab_size=vocab,
+            max_position_embeddings=seq,
+            architectures=["LlamaForCausalLM"],
+        )
+    else:
+        from transformers import GPT2Config
+
+        config = GPT2Config(
+            n_embd=hidden, n_layer=layers, n_head=heads, n_inner=ffn, vocab_size=vocab, n_positions=seq,
+            activation_function="gelu", architectures=["GPT2LMHeadModel"],
+            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,  # MPT trains without dropout
+        )  # fmt: skip
+    config.save_pretrained(path)
+    return path
+
+
+def planner_for(run: Run, root: Path):
+    """(planner, option, hardware) of ``run``: the job as ``distrain plan`` builds it from the same flags."""
+    from distrain.cli import _flag_values, build_config, plan_parser
+    from distrain.planner.cli import TimingArgs
+    from distrain.planner.from_config import budget_from_config, job_from_config
+    from distrain.planner.plan import Planner, option_for_run
+
+    argv = [
+        "--model-name", str(model_dir(run.model, run.seq, root)), "--gpu-type", run.gpu,
+        "--gpu-memory", run.gpu_memory, "--num-nodes", str(run.nodes), "--devices", str(run.devices),
+        "--strategy", run.strategy, "--batch-size", str(run.micro_batch), "--seq-len", str(run.seq),
+        "--precision", "bf16-mixed", "training.pretrained=false", "training.task=causal_lm",
+        f"training.gradient_accumulation_steps={run.accumulate}",
+    ]  # fmt: skip
+    args = plan_parser().parse_intermixed_args(argv)
+    config = build_config(args.config, _flag_values(args), args.overrides)
+    job = job_from_config(config, gpu=True)
+    budget = budget_from_config(config, True, job.per_node)
+    hardware = TimingArgs.from_args(args).hardware(job)
+    blocks = SHAPES[run.model][1]
+    every = run.checkpoint_every  # the option's count of recomputed blocks: 0 none, None all
+    checkpoint = 0 if every is None else None if every == 1 else blocks // every
+    option = replace(option_for_run(run.strategy, job), checkpoint=checkpoint)
+    return Planner(job, budget, hardware), option, hardware
+
+
+def plan_row(run: Run, root: Path) -> dict:
+    planner, option, hardware = planner_for(run, root)
+    row = planner.row(option, max_batch=False)
+    step = planner.estimator.step_time(option, hardware)
+    tokens = run.micro_batch * run.accumulate * run.seq
+    planned = tokens / step.seconds
+    return {
+        "id": run.id,
+        "source": run.source,
+        "model": run.model,
+        "gpus": run.nodes * run.devices,
+        "measured": run.measured,
+        "planned": planned,
+        "ratio": planned / run.measured,
+        "peak_gib": row.peak / 2**30,
+        "fits": row.peak <= planner.budget.usable,
+        "compute_s": step.compute,
+        "optimizer_s": step.optimizer,
+        "communication_s": step.communication,
+        "step_s": step.seconds,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", nargs="+", help="runs.md IDs (default: every run above)")
+    p.add_argument("--json")
+    args = p.parse_args()
+    runs = [r for r in RUNS if not args.rows or r.id in args.rows]
+    root = Path(os.environ.get("DISTRAIN_PUBLISHED_MODELS", Path(tempfile.gettempdir()) / "distrain-published"))
+    rows = []
+    print("| run | source | model | GPUs | published tok/s/GPU | planned | plan / published | peak GiB | fits |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        r = plan_row(run, root)
+        rows.append(r)
+        print(
+            f"| {r['id']} | {r['source']} | {r['model']} | {r['gpus']} | {r['measured']:,.0f} | {r['planned']:,.0f} "
+            f"| {r['ratio']:.2f} | {r['peak_gib']:.1f} | {'yes' if r['fits'] else 'NO'} |",
+            flush=True,
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
