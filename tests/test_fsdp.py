@@ -35,6 +35,7 @@ def _fsdp_variants(rank, tmp):
         ("NO_SHARD", {}, 4, 1),
         ("HYBRID_SHARD", {}, 4, 1),  # one node: replicate 1 × shard 2
         ("FULL_SHARD+accumulate", {}, 2, 2),
+        ("FULL_SHARD+accumulate, reduced each micro-batch", {"sync_each_micro_batch": True}, 2, 2),
         ("FULL_SHARD+cpu_offload", {"cpu_offload": True}, 4, 1),
         ("FULL_SHARD+activation_checkpointing", {"activation_checkpointing_policy": {Block}}, 4, 1),
     ]:

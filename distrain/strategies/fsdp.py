@@ -47,6 +47,10 @@ class FSDPStrategy(Strategy):
       (min parameters per wrapped unit). Default: the module's ``block_class`` if it has one.
     - ``mixed_precision``: ``MixedPrecisionPolicy`` or a dict of param/reduce/buffer dtypes;
       default from the Trainer's precision, with fp32 gradient reduction.
+    - ``sync_each_micro_batch``: with gradient accumulation, reduce-scatter the gradients after every
+      micro-batch (as torchtitan and FSDP1 do) instead of once per step. Each rank then holds only its shard of
+      the gradients, not the whole model's unsharded ones between micro-batches, for one reduce-scatter more per
+      micro-batch (HF Accelerate's ``sync_each_batch``).
     """
 
     start_method = "popen"
@@ -66,6 +70,7 @@ class FSDPStrategy(Strategy):
         backward_prefetch: str | None = "BACKWARD_PRE",
         use_orig_params: bool = True,
         sync_module_states: bool = True,
+        sync_each_micro_batch: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(minutes=30),
         start_method: str = "popen",
@@ -87,6 +92,7 @@ class FSDPStrategy(Strategy):
         self.device_mesh = device_mesh
         self.forward_prefetch = forward_prefetch
         self.sync_module_states = sync_module_states
+        self.sync_each_micro_batch = sync_each_micro_batch
         self._deferred = sharded_init.DeferredBuild()  # configure_model's meta build, initialized at set-up
         self._explain_fsdp1_options(backward_prefetch, use_orig_params)
 
@@ -219,8 +225,9 @@ class FSDPStrategy(Strategy):
 
     # ---- the step ----------------------------------------------------------------------------
     def no_backward_sync(self, module: nn.Module, enabled: bool = True):
-        """Accumulate unsharded-free local gradients: no reduce-scatter until the last micro-step."""
-        if not enabled or not hasattr(module, "set_requires_gradient_sync"):
+        """Accumulate unsharded local gradients: no reduce-scatter until the last micro-step (unless
+        ``sync_each_micro_batch``: then every micro-step reduce-scatters into the sharded gradients)."""
+        if not enabled or self.sync_each_micro_batch or not hasattr(module, "set_requires_gradient_sync"):
             return contextlib.nullcontext()
         return gradient_sync_off(module)
 
@@ -306,6 +313,7 @@ def options_from_config(config, block_classes) -> dict:
         backward_prefetch=f.backward_prefetch,
         use_orig_params=f.use_orig_params,
         sync_module_states=f.sync_module_states,
+        sync_each_micro_batch=f.sync_each_micro_batch,
     )
 
 

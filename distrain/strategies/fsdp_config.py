@@ -51,6 +51,9 @@ class FSDPConfig:
     use_orig_params: bool = True
     sync_module_states: bool = True
     """A model built in __init__ (not on the meta device) starts from rank 0's weights on every rank, as under DDP."""
+    sync_each_micro_batch: bool = False
+    """With gradient accumulation: reduce-scatter after every micro-batch, so that each rank holds only its shard
+    of the gradients between them (not the whole model's unsharded ones), for one reduce-scatter per micro-batch."""
     state_dict_type: str = "sharded"
     """``sharded`` (each rank writes its shards, DCP) or ``full`` (gathered to rank 0, on CPU)."""
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)

@@ -34,6 +34,7 @@ class FSDP(CostModel):
             "cpu_offload": f.cpu_offload,
             "options": {
                 "forward_prefetch": f.forward_prefetch,
+                "sync_each_micro_batch": f.sync_each_micro_batch,
                 "mixed_precision": {k: v for k, v in vars(f.mixed_precision).items() if v} or None,
             },
         }
@@ -109,16 +110,18 @@ class FSDP(CostModel):
             return []
         params, reduce, inter = trace.param_bytes, trace.elements * 4, job.num_nodes > 1
         gathers = _gathers(option)
+        # reduced once per step, or after every micro-batch (``fsdp.sync_each_micro_batch``)
+        reductions = a if self.configured(job).get("options", {}).get("sync_each_micro_batch") else 1
         if option.get("sharding") == "HYBRID_SHARD" and job.num_nodes > 1:
             per_node = job.per_node
             return [
                 Collective("all_gather", params, per_node, gathers * a, units, copied=True),
-                Collective("reduce_scatter", reduce, per_node, 1, units, copied=True),
-                Collective("all_reduce", reduce / per_node, job.num_nodes, 1, units, True),
+                Collective("reduce_scatter", reduce, per_node, reductions, units, copied=True),
+                Collective("all_reduce", reduce / per_node, job.num_nodes, reductions, units, True),
             ]
         return [
             Collective("all_gather", params, n, gathers * a, units, inter, True),
-            Collective("reduce_scatter", reduce, n, 1, units, inter, True),
+            Collective("reduce_scatter", reduce, n, reductions, units, inter, True),
         ]
 
 
