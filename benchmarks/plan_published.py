@@ -114,6 +114,8 @@ def planner_for(run: Run, root: Path):
         "--strategy", run.strategy, "--batch-size", str(run.micro_batch), "--seq-len", str(run.seq),
         "--precision", "bf16-mixed", "training.pretrained=false", "training.task=causal_lm",
         f"training.gradient_accumulation_steps={run.accumulate}",
+        # as torchtitan and llm-foundry (FSDP1) run: gradients reduce-scattered after every micro-batch
+        "fsdp.sync_each_micro_batch=true",
     ]  # fmt: skip
     args = plan_parser().parse_intermixed_args(argv)
     config = build_config(args.config, _flag_values(args), args.overrides)
