@@ -32,6 +32,9 @@ SHAPES = {
     "MPT-13B": (GPT2, 40, 5120, 40, 40, 20480, 50368),
     "MPT-30B": (GPT2, 48, 7168, 56, 56, 28672, 50368),
     "MPT-70B": (GPT2, 80, 8192, 64, 64, 32768, 50368),
+    # Megatron's GPT (GELU MLP of 4 × hidden) as a Llama-style model whose SwiGLU has the same parameters and FLOPs
+    # (three matrices of hidden × 8/3 hidden): the planner's tensor parallelism splits Llama-style layers
+    "GPT-22B": (LLAMA, 48, 6144, 64, 64, 16384, 51200),
 }
 
 
@@ -50,6 +53,7 @@ class Run:
     checkpoint_every: int | None  # recompute every N-th block (1: every block); None: no recomputation
     measured: float  # tokens/s per GPU, as published
     strategy: str = "fsdp"
+    tensor: int = 1  # tensor-parallel ranks (model_parallel), FSDP over the rest
 
 
 #: the runs planned (runs.md's IDs); bf16 without compile or float8, layouts the planner models (FSDP)
@@ -66,7 +70,28 @@ RUNS = [
     Run("LH11", "llm-foundry H100", "MPT-13B", "H100", "80GB", 1, 8, 4096, 10, 3, 1, 4717),
     Run("LH14", "llm-foundry H100", "MPT-30B", "H100", "80GB", 1, 8, 2048, 3, 21, 1, 2002),
     Run("LH16", "llm-foundry H100", "MPT-70B", "H100", "80GB", 8, 8, 2048, 8, 4, 1, 1039),
+    Run("LH8", "llm-foundry H100", "MPT-7B", "H100", "80GB", 1, 8, 32768, 2, 2, 1, 3318),
+    Run("LH13", "llm-foundry H100", "MPT-13B", "H100", "80GB", 1, 8, 32768, 1, 3, 1, 1976),
     Run("LA1", "llm-foundry A100", "MPT-1B", "A100", "80GB", 1, 8, 2048, 14, 4, None, 20513),
+    Run("LA2", "llm-foundry A100", "MPT-1B", "A100", "80GB", 1, 8, 32768, 1, 4, None, 6275),
+    # Korthikanti et al. 2022, Table 5: 22B, tensor parallel 8 on 8 A100s, full recomputation, 1.42 s per iteration
+    # of 4 × 2048 tokens (a transcription of the paper's table, runs.md K1)
+    Run(
+        "K1",
+        "Megatron-LM A100",
+        "GPT-22B",
+        "A100",
+        "80GB",
+        1,
+        8,
+        2048,
+        4,
+        1,
+        1,
+        4 * 2048 / 1.42 / 8,
+        "model_parallel",
+        8,
+    ),
 ]
 
 
@@ -116,6 +141,7 @@ def planner_for(run: Run, root: Path):
         f"training.gradient_accumulation_steps={run.accumulate}",
         # as torchtitan and llm-foundry (FSDP1) run: gradients reduce-scattered after every micro-batch
         "fsdp.sync_each_micro_batch=true",
+        *([f"distributed.tensor_parallel_size={run.tensor}"] if run.tensor > 1 else []),
     ]  # fmt: skip
     args = plan_parser().parse_intermixed_args(argv)
     config = build_config(args.config, _flag_values(args), args.overrides)
@@ -133,7 +159,8 @@ def plan_row(run: Run, root: Path) -> dict:
     planner, option, hardware = planner_for(run, root)
     row = planner.row(option, max_batch=False)
     step = planner.estimator.step_time(option, hardware)
-    tokens = run.micro_batch * run.accumulate * run.seq
+    # a rank's micro-batch is its data-parallel group's: tensor-parallel ranks share theirs
+    tokens = run.micro_batch * run.accumulate * run.seq / option.sharing_a_sample
     planned = tokens / step.seconds
     return {
         "id": run.id,

@@ -34,16 +34,22 @@ import torch
 
 from distrain.planner import kept
 
-#: what a GPU achieves of its listed rates in a training step (docs/plan.md, "Against published runs";
-#: ``benchmarks/plan_published.py``): llm-foundry's H100 runs of MPT-1B to 70B (FSDP, bf16, 8 to 128 GPUs) plan at
-#: 0.87-1.07 of their measured tokens/s with these
-MATMUL_EFFICIENCY = 0.55
+#: what a GPU achieves of its listed rates in a training step, fitted to runs others measured and published
+#: (docs/plan.md, "Against published runs"; ``benchmarks/plan_published.py``, which prints the table). Matmuls: 0.6
+#: of the listed peak, fitted on llm-foundry's H100 runs (MPT-1B to 70B at 2k to 32k tokens, FSDP on 8 to 128
+#: GPUs); a large bf16 GEMM alone reaches 0.8 (788-798 TFLOP/s measured on an H200), a whole step's matmuls less
+#: (smaller GEMMs, clocks under sustained power). Memory: 0.7 of the listed bandwidth
+MATMUL_EFFICIENCY = 0.6
 MEMORY_EFFICIENCY = 0.7
-#: a GPU whose published runs show another matmul efficiency. A100: torchtitan's five A100 runs (Llama 2 13B and
-#: 70B, Llama 3 8B and 70B, FSDP on 64 GPUs) planned at 0.75-0.77 of their measured tokens/s with 0.55, and at
-#: 0.96-1.01 with 0.75; held out, llm-foundry's A100 run of MPT-1B plans at 1.05. The A100 reaches more of its
-#: lower peak: its memory and attention keep up with its tensor cores better than the H100's do
-MATMUL_EFFICIENCY_BY_GPU = {"A100": 0.75}
+#: a GPU whose published runs show another matmul efficiency. A100: 0.85, fitted on torchtitan's five A100 runs
+#: (Llama 2 13B and 70B, Llama 3 8B and 70B, FSDP on 64 GPUs), which planned at 0.75-0.77 of their measured
+#: tokens/s with the 0.55 the planner had; cuBLAS's large bf16 GEMMs run at about 0.85 of its 312 TFLOP/s. Held
+#: out: llm-foundry's A100 runs and Megatron-LM's 22B run (another source each)
+MATMUL_EFFICIENCY_BY_GPU = {"A100": 0.85}
+#: the fused attention kernels' rate against the matmuls': 0.6, fitted on llm-foundry's 32k-token H100 runs, where
+#: attention is half the FLOPs and which planned 23-25% fast at the matmuls' rate (FlashAttention-2 reaches 50-70%
+#: of an A100's peak, less of an H100's, against a GEMM's 80-85%). Held out: llm-foundry's 32k-token A100 run
+ATTENTION_EFFICIENCY = 0.6
 #: a GPU's dense bf16 tensor-core peak (FLOP/s), memory bandwidth (B/s), and the NCCL all-reduce bus
 #: bandwidth between the GPUs of one node (B/s, measured by nccl-tests on NVLink/PCIe systems)
 GPU_TABLE = {
@@ -94,6 +100,8 @@ class Hardware:
     """Latency and bus bandwidth of a collective that the next computation waits for (tensor parallelism's),
     measured with the ranks computing in between: on a CPU gloo's threads then wait for cores that compute
     holds (milliseconds per call, against a tenth of one between idle ranks). None: the idle figures."""
+    attention_flops: float | None = None
+    """The fused attention kernels' rate (FLOP/s); None: the matmuls' (a CPU's kernel is its matmuls)."""
     overlap: bool = False
     """Communication runs beside compute (GPU) instead of taking its cores (CPU)."""
     element_seconds: float = 0.0
@@ -116,6 +124,7 @@ def gpu_hardware(name: str | None, precision: str) -> Hardware:
     matmul = MATMUL_EFFICIENCY_BY_GPU.get(key or DEFAULT_GPU, MATMUL_EFFICIENCY)
     return Hardware(
         matmul_flops=flops * matmul,
+        attention_flops=flops * matmul * ATTENTION_EFFICIENCY,
         memory_bandwidth=memory * MEMORY_EFFICIENCY,
         op_seconds=GPU_OP_SECONDS,
         intra_bandwidth=nvlink,
@@ -338,6 +347,7 @@ def work_seconds(work, hw: Hardware, memory_share: float = 1.0) -> float:
     per_element = work.elements * hw.element_seconds + work.softmax_elements * hw.softmax_element_seconds
     return (
         work.flops / hw.matmul_flops
+        + work.attention_flops / (hw.attention_flops or hw.matmul_flops)
         + work.bytes * memory_share / hw.memory_bandwidth
         + work.ops * hw.op_seconds
         + per_element * memory_share

@@ -77,10 +77,18 @@ class PhaseWork:
     ops: int = 0
     elements: float = 0.0
     softmax_elements: float = 0.0
+    attention_flops: float = 0.0
+    """FLOPs of the fused attention kernels (SDPA's flash, memory-efficient, cuDNN and CPU kernels), apart from
+    ``flops``: on a GPU they run below the matmuls' rate (``timing.ATTENTION_EFFICIENCY``)."""
 
     def scaled(self, factor: float) -> PhaseWork:
         return PhaseWork(
-            self.flops * factor, self.bytes * factor, self.ops, self.elements * factor, self.softmax_elements * factor
+            self.flops * factor,
+            self.bytes * factor,
+            self.ops,
+            self.elements * factor,
+            self.softmax_elements * factor,
+            self.attention_flops * factor,
         )
 
     def __add__(self, other: PhaseWork) -> PhaseWork:
@@ -90,6 +98,7 @@ class PhaseWork:
             self.ops + other.ops,
             self.elements + other.elements,
             self.softmax_elements + other.softmax_elements,
+            self.attention_flops + other.attention_flops,
         )
 
 
@@ -121,6 +130,10 @@ _FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
 }
+
+
+#: the fused attention kernels among them
+_ATTENTION = {packet for packet in _FLOPS if "attention" in packet.__name__}
 
 
 def _moves_data(func, out) -> bool:
@@ -167,6 +180,9 @@ class WorkCounter(TorchDispatchMode):
         packet = func._overloadpacket
         if func.namespace != "prim":  # a device or size query: no kernel
             phase.ops += 1
+        if packet in _ATTENTION:
+            phase.attention_flops += _FLOPS[packet](*args, **kwargs, out_val=out)
+            return out
         if packet in _FLOPS:
             phase.flops += _FLOPS[packet](*args, **kwargs, out_val=out)
             return out
