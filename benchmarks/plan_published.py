@@ -74,6 +74,14 @@ RUNS = [
     Run("LH13", "llm-foundry H100", "MPT-13B", "H100", "80GB", 1, 8, 32768, 1, 3, 1, 1976),
     Run("LA1", "llm-foundry A100", "MPT-1B", "A100", "80GB", 1, 8, 2048, 14, 4, None, 20513),
     Run("LA2", "llm-foundry A100", "MPT-1B", "A100", "80GB", 1, 8, 32768, 1, 4, None, 6275),
+    Run("LA3", "llm-foundry A100", "MPT-3B", "A100", "80GB", 1, 8, 8192, 3, 6, None, 7695),
+    Run("LA4", "llm-foundry A100", "MPT-7B", "A100", "80GB", 1, 8, 2048, 6, 2, None, 4641),
+    Run("LA5", "llm-foundry A100", "MPT-7B", "A100", "80GB", 1, 8, 8192, 8, 2, 1, 3206),
+    Run("LA6", "llm-foundry A100", "MPT-7B", "A100", "80GB", 1, 8, 32768, 2, 2, 1, 1672),
+    Run("LA7", "llm-foundry A100", "MPT-13B", "A100", "80GB", 1, 8, 2048, 2, 3, None, 2262),
+    Run("LA8", "llm-foundry A100", "MPT-13B", "A100", "80GB", 1, 8, 8192, 5, 3, 1, 1795),
+    Run("LA9", "llm-foundry A100", "MPT-13B", "A100", "80GB", 1, 8, 32768, 1, 3, 1, 1016),
+    Run("LA10", "llm-foundry A100", "MPT-30B", "A100", "80GB", 1, 8, 2048, 3, 21, 1, 916),
     # Korthikanti et al. 2022, Table 5: 22B, tensor parallel 8 on 8 A100s, full recomputation, 1.42 s per iteration
     # of 4 × 2048 tokens (a transcription of the paper's table, runs.md K1)
     Run(

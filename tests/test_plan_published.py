@@ -4,7 +4,7 @@ by fake-tensor tracing (nothing allocated, no GPU), and its tokens/s per GPU set
 
 The planner's GPU efficiencies were fitted on torchtitan's A100 runs and llm-foundry's H100 runs; the rows here
 take runs of both fitted groups and two held out: llm-foundry's A100 run and Megatron-LM's tensor-parallel run,
-which no constant was fitted to. The full table (17 runs) is in docs/plan.md; ``python
+which no constant was fitted to. The full table (25 runs) is in docs/plan.md; ``python
 benchmarks/plan_published.py`` prints it."""
 
 from __future__ import annotations
