@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from step_overhead import HostReads
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -142,29 +143,18 @@ def test_logged_values_stay_on_the_device_until_a_logging_step(tmp_path):
     assert ConversionCounter.conversions == 0
 
 
-class HostReads(distrain.Callback):
-    """Counts the host reads of tensor values (``item``, ``float``, ``bool``, ``tolist``: each a host-device sync on
-    an accelerator) from the start of step ``first`` to the end of step ``last``."""
+class CountedSteps(distrain.Callback):
+    """Counts ``reads`` (``benchmarks/step_overhead.HostReads``: the host reads of tensor values, each a host-device
+    sync on an accelerator) from the start of step ``first`` to the end of step ``last``."""
 
-    READS = ("item", "__float__", "__int__", "__bool__", "tolist", "numpy")
-
-    def __init__(self, monkeypatch, first: int, last: int):
-        self.first, self.last, self.counting, self.count = first, last, False, 0
-        for name in self.READS:
-            monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
-
-    def _counted(self, original):
-        def read(tensor, *args, **kwargs):
-            self.count += self.counting
-            return original(tensor, *args, **kwargs)
-
-        return read
+    def __init__(self, reads, first: int, last: int):
+        self.reads, self.first, self.last = reads, first, last
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        self.counting = self.first <= trainer.global_step + 1 <= self.last
+        self.reads.counting = self.first <= trainer.global_step + 1 <= self.last
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.counting = False
+        self.reads.counting = False
 
 
 class Regression(distrain.Module):
@@ -185,11 +175,11 @@ class Regression(distrain.Module):
 
 
 @pytest.mark.parametrize("fused,reads_per_step", [(True, 0), (False, 1)])
-def test_steps_that_do_not_log_never_read_a_tensor_on_the_host(tmp_path, monkeypatch, fused, reads_per_step):
+def test_steps_that_do_not_log_never_read_a_tensor_on_the_host(tmp_path, fused, reads_per_step):
     """With the default safety on (the non-finite check, metrics, the hang watch), a step that does not log reads
     nothing back from the device when the optimizer can skip a bad step there (torch's fused SGD and Adam); the
     for-each one is checked on the host, one read (the gradient norm) per step."""
-    reads = HostReads(monkeypatch, first=2, last=9)
+    reads = HostReads()
     trainer = distrain.Trainer(
         accelerator="cpu",
         strategy="single",
@@ -198,10 +188,11 @@ def test_steps_that_do_not_log_never_read_a_tensor_on_the_host(tmp_path, monkeyp
         log_every_n_steps=10,
         default_root_dir=str(tmp_path),
         enable_progress_bar=False,
-        callbacks=[reads],
+        callbacks=[CountedSteps(reads, first=2, last=9)],
     )
     data = torch.utils.data.TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
-    trainer.fit(Regression(fused), DataLoader(data, batch_size=4))
+    with reads:
+        trainer.fit(Regression(fused), DataLoader(data, batch_size=4))
     assert trainer.global_step == 10
     assert reads.count == 8 * reads_per_step
 
