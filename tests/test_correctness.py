@@ -297,6 +297,32 @@ def test_nan_step_is_skipped_on_every_rank(tmp_path, strategy, devices, fused):
         assert math.isnan(losses[2]) and all(math.isfinite(v) for i, v in enumerate(losses) if i != 2)
 
 
+class Forwarding:
+    """A wrapper that forwards attributes to its optimizer (as some engines' wrappers do)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+
+def test_the_device_check_takes_only_an_optimizer_that_reads_found_inf_itself():
+    """``found_inf`` set on a wrapper never reaches the optimizer inside: such a step would be applied while the
+    loop thought it skipped, so a wrapper is checked on the host."""
+    from types import SimpleNamespace
+
+    from distrain.training.nonfinite import DeviceCheck
+
+    params = [nn.Parameter(torch.ones(2))]
+    fused = torch.optim.AdamW(params, fused=True)
+    check = DeviceCheck(SimpleNamespace(loop=SimpleNamespace(on_nonfinite="skip")))
+    norm = torch.tensor(float("nan"))
+    assert check.applies(fused, norm)
+    assert not check.applies(Forwarding(fused), norm)
+    assert not check.applies(torch.optim.AdamW(params, foreach=True), norm)  # no found_inf: the host checks
+
+
 # ---- the last window of an epoch ----------------------------------------------------------------------------
 class LinearJob(distrain.Module):
     """y = w·x with SGD(lr=1): the final weight is w0 minus the sum of the step gradients."""

@@ -73,7 +73,9 @@ class DeviceCheck:
         return (
             self.trainer.loop.on_nonfinite != "ignore"
             and isinstance(grad_norm, torch.Tensor)
-            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            # the optimizer's own flag: a wrapper that forwards attributes would take ``found_inf`` itself, and its
+            # optimizer would never see it
+            and vars(optimizer).get("_step_supports_amp_scaling", False)
             and getattr(optimizer, "found_inf", None) is None  # a GradScaler's step hands it its own
         )
 
