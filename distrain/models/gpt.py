@@ -1,7 +1,9 @@
 """A small GPT decoder: pre-norm blocks, SDPA attention, tied input/output embeddings.
 
 Sizes go from ~1M parameters (tests) to the usual 124M/350M/1.3B/7B shapes. The block class is
-exported so activation-checkpointing and wrapping policies can name it.
+exported so activation-checkpointing and wrapping policies can name it. ``n_experts`` makes each block's
+MLP a mixture of experts (``distrain.models.moe``): ``top_k`` of them per token, and the router's
+load-balancing loss added to the loss × ``aux_loss_coef``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distrain.models.moe import MoE
 from distrain.parallel.context_parallel import IGNORE
 
 
@@ -25,6 +28,12 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = False
+    n_experts: int = 0
+    """A mixture of this many experts in place of each block's MLP (0: the MLP)."""
+    top_k: int = 2
+    """Experts per token."""
+    aux_loss_coef: float = 0.01
+    """The router's load-balancing loss (the mean over the blocks) is added to the loss times this."""
 
 
 GPT_SIZES: dict[str, dict] = {
@@ -89,7 +98,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = SelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg.n_embd, 4 * cfg.n_embd, cfg.n_experts, cfg.top_k) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -117,7 +126,8 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() >= 2:
                 # GPT-2 init; residual projections scaled down by depth
-                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
+                residual = name.endswith(("proj.weight", "experts.proj"))
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
@@ -126,10 +136,21 @@ class GPT(nn.Module):
         total, positions = self._param_counts
         return total - positions if non_embedding else total
 
+    def active_params(self) -> int:
+        """The parameters one token computes with: all but the experts it is not routed to."""
+        cfg = self.cfg
+        idle = max(0, cfg.n_experts - cfg.top_k) * 2 * 4 * cfg.n_embd * cfg.n_embd * cfg.n_layer
+        return self.num_params() - idle
+
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token: 6N for the matmuls plus attention (PaLM appendix B)."""
+        """Training FLOPs per token: 6N for the matmuls (N: the active parameters) plus attention (PaLM appendix B)."""
         T = seq_len or self.cfg.block_size
-        return 6 * self.num_params() + 12 * self.cfg.n_layer * self.cfg.n_embd * T
+        return 6 * self.active_params() + 12 * self.cfg.n_layer * self.cfg.n_embd * T
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The last forward's load-balancing loss, the mean over the blocks' mixtures of experts (None: no MoE)."""
+        losses = [b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, MoE) and b.mlp.aux_loss is not None]
+        return torch.stack(losses).mean() if losses else None
 
     def context_parallel_heads(self) -> list[int]:
         """The heads context parallelism splits (``distrain.parallel.context_parallel.attention_heads``)."""
@@ -158,8 +179,11 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.logits(x)
         if shard is not None:  # the loss over the group's tokens, or the logits of the whole sequence
-            return shard.mean_loss(logits, targets) if targets is not None else shard.gather(logits, length)
-        return self.output(logits, targets)
+            out = shard.mean_loss(logits, targets) if targets is not None else shard.gather(logits, length)
+        else:
+            out = self.output(logits, targets)
+        aux = self.aux_loss() if targets is not None and self.cfg.aux_loss_coef else None
+        return out if aux is None else out + self.cfg.aux_loss_coef * aux
 
     # the forward's three parts: a pipeline runs them on its first stage, every stage and its last stage
     def embed(self, idx: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""A mixture-of-experts feed-forward layer: top-k routing over experts whose weights are stacked in one tensor each,
+as transformers 5 keeps a layer's experts (``[experts, out, in]``), so that expert parallelism splits them along
+the first dimension (``distrain.parallel.expert_parallel``) without rebuilding the model.
+
+Routing is Mixtral's: a softmax over the experts, the ``top_k`` largest kept and renormalized. No token is dropped
+(no capacity factor): every token reaches its ``top_k`` experts however unevenly they are chosen. Each forward keeps
+the router's load-balancing loss (Switch Transformer's: experts × Σ fraction of assignments × mean probability;
+1.0 when the load is even) and the tokens each expert received, for the loss and the metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Experts(nn.Module):
+    """``count`` GELU MLPs of ``width`` → ``hidden`` → ``width``, stacked: ``fc`` is ``[count, hidden, width]`` and
+    ``proj`` ``[count, width, hidden]`` (each expert's weight as ``nn.Linear`` holds it)."""
+
+    def __init__(self, count: int, width: int, hidden: int):
+        super().__init__()
+        self.fc = nn.Parameter(torch.empty(count, hidden, width))
+        self.proj = nn.Parameter(torch.empty(count, width, hidden))
+
+    @property
+    def count(self) -> int:
+        return self.fc.shape[0]
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``tokens`` grouped by expert, ``counts[e]`` of them for expert ``e``: each group through its expert."""
+        groups = tokens.split(counts)
+        return torch.cat([F.gelu(group @ self.fc[e].t()) @ self.proj[e].t() for e, group in enumerate(groups)])
+
+
+class MoE(nn.Module):
+    """Top-``top_k`` of ``n_experts`` experts per token, in place of a block's MLP."""
+
+    def __init__(self, width: int, hidden: int, n_experts: int, top_k: int):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k must be between 1 and n_experts ({n_experts}), got {top_k}")
+        self.top_k = top_k
+        self.router = nn.Linear(width, n_experts, bias=False)
+        self.experts = Experts(n_experts, width, hidden)
+        #: the last forward's load-balancing loss and tokens per expert (every expert of the layer)
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    @property
+    def n_experts(self) -> int:
+        return self.router.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        probs = self.router(h).float().softmax(-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        slots = chosen.reshape(-1)  # token i's k-th choice at i·k + k
+        counts = torch.bincount(slots, minlength=self.n_experts)
+        self.tokens_per_expert = counts.detach()
+        self.aux_loss = self.n_experts * (counts.float() / slots.numel() * probs.mean(0)).sum()
+        order = slots.argsort(stable=True)  # the slots grouped by expert, in token order within each
+        token = order // self.top_k
+        out = self.compute(h[token], counts)
+        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(h).index_add_(0, token, out.to(h.dtype)).view(shape)
+
+    def compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Every expert's tokens through it: ``tokens`` grouped by expert, ``counts`` per expert. Expert parallelism
+        replaces this with a dispatch to the ranks that hold the experts."""
+        return self.experts(tokens, counts.tolist())

@@ -1,0 +1,107 @@
+"""Expert parallelism's dispatch (``distrain.parallel.expert_parallel``) on real gloo ranks: a mixture-of-experts
+layer whose experts are split over 2 ranks gives each token the output, and each weight the gradient, that one
+process computes over the same global batch, whatever the routing: even, every token's first choice one expert,
+or no token at all for one rank's experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distrain.models.gpt import GPT, gpt_config
+from distrain.models.moe import MoE
+from distrain.parallel.expert_parallel import moe_layers, scale_expert_grads, split_experts
+from helpers import run_ranks
+
+WIDTH, EXPERTS, TOKENS = 8, 4, 12  # tokens per rank
+
+
+def _layer(routing: str) -> MoE:
+    torch.manual_seed(0)
+    layer = MoE(WIDTH, 2 * WIDTH, EXPERTS, top_k=2)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    with torch.no_grad():
+        if routing == "one expert":  # expert 0 first for every token (the inputs are positive)
+            layer.router.weight[0] = 5.0
+        elif routing == "one rank idle":  # experts 2 and 3 (rank 1's) never chosen
+            layer.router.weight[2:] = -5.0
+    return layer
+
+
+def _tokens() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.rand(2 * TOKENS, WIDTH, generator=g)  # positive: the routings above hold for every token
+
+
+def _grads(layer: MoE) -> dict[str, torch.Tensor]:
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for n, p in layer.named_parameters()}
+
+
+def _reference(routing: str):
+    layer = _layer(routing)
+    x = _tokens()
+    out = layer(x)
+    out.square().mean().backward()  # the mean over the global batch
+    return out.detach(), _grads(layer), layer.tokens_per_expert
+
+
+def _expert_parallel(rank: int, routing: str):
+    dist.init_process_group("gloo")
+    layer = _layer(routing)
+    split_experts(layer, dist.group.WORLD)
+    x = _tokens()[rank * TOKENS : (rank + 1) * TOKENS]  # this rank's half
+    out = layer(x)
+    out.square().mean().backward()  # each rank's mean over its own tokens, as under data parallelism
+    dist.all_reduce(layer.router.weight.grad, op=dist.ReduceOp.AVG)  # what DDP does for the rest of the model
+    scale_expert_grads(layer, 2)
+    return out.detach(), _grads(layer), layer.tokens_per_expert
+
+
+@pytest.mark.parametrize("routing", ["even", "one expert", "one rank idle"])
+def test_experts_split_over_two_ranks_match_one_process(routing):
+    out, grads, counts = _reference(routing)
+    if routing == "one expert":
+        assert counts[0] == 2 * TOKENS
+    if routing == "one rank idle":
+        assert counts[2:].sum() == 0
+    results = run_ranks(_expert_parallel, 2, routing)
+    for rank, (rank_out, rank_grads, _) in enumerate(results):
+        torch.testing.assert_close(rank_out, out[rank * TOKENS : (rank + 1) * TOKENS], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rank_grads["router.weight"], grads["router.weight"], rtol=1e-5, atol=1e-6)
+        for name in ("experts.fc", "experts.proj"):  # each rank holds experts 2·rank and 2·rank + 1
+            mine = grads[name][2 * rank : 2 * rank + 2]
+            torch.testing.assert_close(rank_grads[name], mine, rtol=1e-5, atol=1e-6)
+
+
+def test_a_layout_the_experts_cannot_take_is_refused_naming_the_layer(tmp_path):
+    # a world of 3 processes is not needed to check the refusal: the group's size is what divides
+    results = run_ranks(_refusals, 3)
+    assert "expert_parallel_size=3 does not divide blocks.0.mlp's 4 experts" in results[0]["odd"]
+    assert "has no mixture-of-experts layer to split" in results[0]["dense"]
+
+
+def _refusals(rank: int) -> dict[str, str]:
+    dist.init_process_group("gloo")
+    out = {}
+    for name, cfg in (("odd", dict(n_experts=4)), ("dense", {})):
+        try:
+            split_experts(GPT(gpt_config("gpt-tiny", **cfg)), dist.group.WORLD)
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_the_gpt_finds_its_mixture_layers_by_structure():
+    model = GPT(gpt_config("gpt-tiny", n_experts=4, top_k=2))
+    assert len(moe_layers(model)) == model.cfg.n_layer
+    assert moe_layers(GPT(gpt_config("gpt-tiny"))) == []
+    # one expert chosen by every token is the dense MLP it holds
+    one = GPT(gpt_config("gpt-tiny", n_experts=1, top_k=1, aux_loss_coef=0.0))
+    x = torch.randint(0, 256, (2, 16))
+    block = one.blocks[0]
+    h = torch.randn(2, 16, 128)
+    dense = torch.nn.functional.gelu(h @ block.mlp.experts.fc[0].t()) @ block.mlp.experts.proj[0].t()
+    torch.testing.assert_close(block.mlp(h), dense)
+    assert one(x, x).isfinite()
