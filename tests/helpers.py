@@ -137,12 +137,15 @@ class IndexedTokens(Dataset):
 class TinyGPT(distrain.Module):
     """A 2-layer byte GPT that records the sample ids it trained on."""
 
-    def __init__(self, dropout: float = 0.0, lr: float = 3e-3, schedule: bool = True, n_head: int = 2):
+    def __init__(
+        self, dropout: float = 0.0, lr: float = 3e-3, schedule: bool = True, n_head: int = 2, n_experts: int = 0
+    ):
         super().__init__()
         self.save_hyperparameters()
         from distrain.models.gpt import GPT, GPTConfig
 
-        self.gpt = GPT(GPTConfig(n_layer=2, n_head=n_head, n_embd=32, block_size=16, dropout=dropout))
+        cfg = GPTConfig(n_layer=2, n_head=n_head, n_embd=32, block_size=16, dropout=dropout, n_experts=n_experts)
+        self.gpt = GPT(cfg)
         self.seen: list[int] = []
 
     def training_step(self, batch, batch_idx):

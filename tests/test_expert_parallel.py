@@ -105,3 +105,21 @@ def test_the_gpt_finds_its_mixture_layers_by_structure():
     dense = torch.nn.functional.gelu(h @ block.mlp.experts.fc[0].t()) @ block.mlp.experts.proj[0].t()
     torch.testing.assert_close(block.mlp(h), dense)
     assert one(x, x).isfinite()
+
+
+def test_the_balance_loss_of_a_batch_is_the_mean_of_its_sequences():
+    """However the global batch is split into micro-batches and ranks, its load-balancing loss is the same."""
+    torch.manual_seed(0)
+    layer = MoE(WIDTH, 2 * WIDTH, EXPERTS, top_k=2)
+    x = torch.randn(3, 5, WIDTH)
+    layer(x)
+    whole = layer.aux_loss
+    parts = []
+    for rows in ([0], [1, 2]):  # one micro-batch of one sequence, one of two
+        layer(x[rows])
+        parts.append(layer.aux_loss * len(rows))
+    torch.testing.assert_close(whole, sum(parts) / 3)
+    layer(torch.ones(2, 5, WIDTH))  # every token of both sequences alike: the same 2 experts, the worst balance
+    assert layer.aux_loss.item() == pytest.approx(
+        EXPERTS / 2 * layer.router(torch.ones(WIDTH)).softmax(-1).topk(2)[0].sum().item(), rel=1e-5
+    )

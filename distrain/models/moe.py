@@ -4,8 +4,13 @@ the first dimension (``distrain.parallel.expert_parallel``) without rebuilding t
 
 Routing is Mixtral's: a softmax over the experts, the ``top_k`` largest kept and renormalized. No token is dropped
 (no capacity factor): every token reaches its ``top_k`` experts however unevenly they are chosen. Each forward keeps
-the router's load-balancing loss (Switch Transformer's: experts × Σ fraction of assignments × mean probability;
-1.0 when the load is even) and the tokens each expert received, for the loss and the metrics.
+the router's load-balancing loss and the tokens each expert received, for the loss and the metrics.
+
+The load-balancing loss is Switch Transformer's (experts × Σ fraction of assignments × mean probability; 1.0 when
+the load is even) taken per sequence and averaged, as DeepSeek-V3's sequence-wise balance loss is. Taken over a
+micro-batch instead, it would depend on which sequences share one: two ranks and one process accumulating the same
+global batch group its sequences differently, and their losses drifted apart by 1e-4 within four steps. Per
+sequence, the loss of a global batch is the same however it is split.
 """
 
 from __future__ import annotations
@@ -61,12 +66,21 @@ class MoE(nn.Module):
         slots = chosen.reshape(-1)  # token i's k-th choice at i·k + k
         counts = torch.bincount(slots, minlength=self.n_experts)
         self.tokens_per_expert = counts.detach()
-        self.aux_loss = self.n_experts * (counts.float() / slots.numel() * probs.mean(0)).sum()
+        self.aux_loss = self.balance_loss(chosen, probs, shape[-2] if x.dim() > 2 else len(h))
         order = slots.argsort(stable=True)  # the slots grouped by expert, in token order within each
         token = order // self.top_k
         out = self.compute(h[token], counts)
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(h).index_add_(0, token, out.to(h.dtype)).view(shape)
+
+    def balance_loss(self, chosen: torch.Tensor, probs: torch.Tensor, length: int) -> torch.Tensor:
+        """Switch Transformer's load-balancing loss of each sequence of ``length`` tokens, averaged over them."""
+        sequences = probs.shape[0] // length
+        one_hot = torch.zeros(sequences, length * self.top_k, self.n_experts, device=probs.device)
+        one_hot.scatter_(2, chosen.reshape(sequences, -1, 1), 1.0)
+        fraction = one_hot.mean(1)  # [sequence, expert]: its share of the sequence's assignments
+        mean_prob = probs.reshape(sequences, length, -1).mean(1)
+        return self.n_experts * (fraction * mean_prob).sum(-1).mean()
 
     def compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Every expert's tokens through it: ``tokens`` grouped by expert, ``counts`` per expert. Expert parallelism
