@@ -123,3 +123,18 @@ def test_the_balance_loss_of_a_batch_is_the_mean_of_its_sequences():
     assert layer.aux_loss.item() == pytest.approx(
         EXPERTS / 2 * layer.router(torch.ones(WIDTH)).softmax(-1).topk(2)[0].sum().item(), rel=1e-5
     )
+
+
+def test_the_balance_over_the_experts_is_in_the_metrics(tmp_path):
+    from distrain.models.lm import GPTLanguageModel
+    from helpers import make_trainer
+
+    trainer, _ = make_trainer(tmp_path, strategy="single", devices=1, max_steps=2, log_every_n_steps=1, logger=False)
+    module = GPTLanguageModel(block_size=16, n_experts=4, top_k=1)
+    tokens = torch.randint(0, 256, (8, 17))
+    trainer.fit(module, torch.utils.data.DataLoader([(t[:-1], t[1:]) for t in tokens], batch_size=4))
+    metrics = trainer.callback_metrics
+    load = float(metrics["moe_load_max_over_mean"])
+    assert 1.0 <= load <= 4.0 and float(metrics["moe_aux_loss"]) > 0
+    counts = [b.mlp.tokens_per_expert.float() for b in module.gpt.blocks]
+    assert load == pytest.approx(max(float(c.max() / c.mean()) for c in counts))

@@ -147,6 +147,17 @@ class GPT(nn.Module):
         T = seq_len or self.cfg.block_size
         return 6 * self.active_params() + 12 * self.cfg.n_layer * self.cfg.n_embd * T
 
+    def load_balance(self) -> dict[str, torch.Tensor]:
+        """The last forward's balance over the experts, for the metrics (empty without MoE): the load-balancing
+        loss (``moe_aux_loss``, 1.0 when even) and the busiest expert's tokens over the mean, in the least balanced
+        layer (``moe_load_max_over_mean``: 1.0 when even, the expert count when every token went to one)."""
+        counts = [b.mlp.tokens_per_expert for b in self.blocks if isinstance(b.mlp, MoE)]
+        counts = [c.float() for c in counts if c is not None]
+        if not counts:
+            return {}
+        ratio = torch.stack([c.max() / c.mean().clamp(min=1e-9) for c in counts]).max()
+        return {"moe_aux_loss": self.aux_loss().detach(), "moe_load_max_over_mean": ratio}
+
     def aux_loss(self) -> torch.Tensor | None:
         """The last forward's load-balancing loss, the mean over the blocks' mixtures of experts (None: no MoE)."""
         losses = [b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, MoE) and b.mlp.aux_loss is not None]

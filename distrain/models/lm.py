@@ -22,6 +22,8 @@ class GPTLanguageModel(Module):
         warmup_steps: int = 0,
         total_steps: int = 1000,
         lr_schedule: str = "cosine",
+        n_experts: int = 0,
+        top_k: int = 2,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -30,7 +32,8 @@ class GPTLanguageModel(Module):
     def configure_model(self) -> None:
         if self.gpt is None:
             h = self.hparams
-            self.gpt = GPT(gpt_config(h["model_name"], block_size=h["block_size"], dropout=h["dropout"]))
+            moe = {"n_experts": h["n_experts"], "top_k": h["top_k"]} if h["n_experts"] else {}
+            self.gpt = GPT(gpt_config(h["model_name"], block_size=h["block_size"], dropout=h["dropout"], **moe))
 
     def num_blocks(self) -> int:
         return GPT_SIZES[self.hparams["model_name"]]["n_layer"]
@@ -43,7 +46,10 @@ class GPTLanguageModel(Module):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return self.gpt(x, y)
+        loss = self.gpt(x, y)
+        for name, value in self.gpt.load_balance().items():  # a mixture of experts' balance, in the metrics
+            self.log(name, value)
+        return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
