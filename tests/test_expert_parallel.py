@@ -138,3 +138,23 @@ def test_the_balance_over_the_experts_is_in_the_metrics(tmp_path):
     assert 1.0 <= load <= 4.0 and float(metrics["moe_aux_loss"]) > 0
     counts = [b.mlp.tokens_per_expert.float() for b in module.gpt.blocks]
     assert load == pytest.approx(max(float(c.max() / c.mean()) for c in counts))
+
+
+@pytest.mark.parametrize(
+    "layout,kwargs",
+    [
+        ("tensor parallelism", dict(tensor_parallel_size=2)),
+        ("the pipeline strategy", dict(tensor_parallel_size=1, pipeline_stages=2)),
+        ("context parallelism", dict(tensor_parallel_size=1, context_parallel_size=2)),
+    ],
+)
+def test_a_layout_that_does_not_split_experts_refuses_them_before_any_rank_starts(tmp_path, layout, kwargs):
+    import distrain
+    from helpers import TinyGPT
+
+    strategy = distrain.ModelParallelStrategy(**kwargs)
+    trainer = distrain.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, default_root_dir=str(tmp_path), logger=False
+    )
+    with pytest.raises(ValueError, match=f"{layout} does not split a mixture of experts yet"):
+        trainer.fit(TinyGPT(n_experts=4), torch.utils.data.DataLoader(list(range(4))))

@@ -86,3 +86,12 @@ class MoE(nn.Module):
         """Every expert's tokens through it: ``tokens`` grouped by expert, ``counts`` per expert. Expert parallelism
         replaces this with a dispatch to the ranks that hold the experts."""
         return self.experts(tokens, counts.tolist())
+
+
+def refuse_experts(n_experts: int, layout: str) -> None:
+    """One line for a layout that does not split a mixture of experts yet (``n_experts``: the model's, 0 for none)."""
+    if n_experts:
+        raise ValueError(
+            f"{layout} does not split a mixture of experts yet (n_experts={n_experts}); train it with single, ddp or "
+            "fsdp"
+        )

@@ -68,6 +68,9 @@ class PipelineSplit:
 def gpt_split(gpt: nn.Module) -> PipelineSplit:
     """distrain's GPT; micro-batches are ``(x, y, ...)`` (the built-in job's and the tests')."""
     from distrain.models.gpt import GPT
+    from distrain.models.moe import refuse_experts
+
+    refuse_experts(gpt.cfg.n_experts, "the pipeline strategy")  # its stages would leave out the balance loss
 
     return PipelineSplit(
         model=gpt,

@@ -88,7 +88,10 @@ class SequenceShardedInput(ParallelStyle):
 
 def gpt_plan(gpt: nn.Module, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The built-in GPT (``distrain.models.gpt.GPT``); names relative to it."""
+    from distrain.models.moe import refuse_experts
+
     cfg = gpt.cfg
+    refuse_experts(cfg.n_experts, "tensor parallelism")
     _divides(tp, {"n_head": cfg.n_head, "n_embd": cfg.n_embd})
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
