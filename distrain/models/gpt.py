@@ -151,8 +151,7 @@ class GPT(nn.Module):
         """The last forward's balance over the experts, for the metrics (empty without MoE): the load-balancing
         loss (``moe_aux_loss``, 1.0 when even) and the busiest expert's tokens over the mean, in the least balanced
         layer (``moe_load_max_over_mean``: 1.0 when even, the expert count when every token went to one)."""
-        counts = [b.mlp.tokens_per_expert for b in self.blocks if isinstance(b.mlp, MoE)]
-        counts = [c.float() for c in counts if c is not None]
+        counts = [layer.tokens_per_expert.float() for layer in self._mixtures() if layer.tokens_per_expert is not None]
         if not counts:
             return {}
         ratio = torch.stack([c.max() / c.mean().clamp(min=1e-9) for c in counts]).max()
@@ -160,8 +159,12 @@ class GPT(nn.Module):
 
     def aux_loss(self) -> torch.Tensor | None:
         """The last forward's load-balancing loss, the mean over the blocks' mixtures of experts (None: no MoE)."""
-        losses = [b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, MoE) and b.mlp.aux_loss is not None]
+        losses = [layer.aux_loss for layer in self._mixtures() if layer.aux_loss is not None]
         return torch.stack(losses).mean() if losses else None
+
+    def _mixtures(self) -> list[MoE]:
+        """The blocks' mixtures of experts (a pipeline stage holds only some blocks: the others are None)."""
+        return [b.mlp for b in self.blocks if b is not None and isinstance(b.mlp, MoE)]
 
     def context_parallel_heads(self) -> list[int]:
         """The heads context parallelism splits (``distrain.parallel.context_parallel.attention_heads``)."""
