@@ -29,10 +29,6 @@ class Experts(nn.Module):
         self.fc = nn.Parameter(torch.empty(count, hidden, width))
         self.proj = nn.Parameter(torch.empty(count, width, hidden))
 
-    @property
-    def count(self) -> int:
-        return self.fc.shape[0]
-
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``tokens`` grouped by expert, ``counts[e]`` of them for expert ``e``: each group through its expert."""
         groups = tokens.split(counts)
@@ -76,9 +72,11 @@ class MoE(nn.Module):
     def balance_loss(self, chosen: torch.Tensor, probs: torch.Tensor, length: int) -> torch.Tensor:
         """Switch Transformer's load-balancing loss of each sequence of ``length`` tokens, averaged over them."""
         sequences = probs.shape[0] // length
-        one_hot = torch.zeros(sequences, length * self.top_k, self.n_experts, device=probs.device)
-        one_hot.scatter_(2, chosen.reshape(sequences, -1, 1), 1.0)
-        fraction = one_hot.mean(1)  # [sequence, expert]: its share of the sequence's assignments
+        slots = chosen.reshape(sequences, -1)  # each sequence's length · top_k assignments
+        counts = torch.zeros(sequences, self.n_experts, device=probs.device).scatter_add_(
+            1, slots, torch.ones(slots.shape, device=probs.device)
+        )
+        fraction = counts / slots.shape[1]  # [sequence, expert]: its share of the sequence's assignments
         mean_prob = probs.reshape(sequences, length, -1).mean(1)
         return self.n_experts * (fraction * mean_prob).sum(-1).mean()
 
