@@ -223,6 +223,9 @@ class DistributedConfig:
     sequence_parallel: bool = True
     """Tensor parallel: also split the norms and the residual stream along the sequence (needs sequence lengths
     divisible by tensor_parallel_size)."""
+    expert_parallel_size: int = number(1, gt=0)
+    """ddp / fsdp: ranks that split each mixture-of-experts layer's experts, 1/N each; tokens reach their experts by
+    all-to-all. It divides the ranks and every layer's expert count. 1: every rank holds every expert."""
     context_parallel_size: int = number(1, gt=0)
     """model_parallel: ranks that split each sequence (long context: each holds 1/N of every sequence's
     activations; Ulysses attention needs the heads divisible by it). They share samples; 1: none."""

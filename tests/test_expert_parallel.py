@@ -158,3 +158,63 @@ def test_a_layout_that_does_not_split_experts_refuses_them_before_any_rank_start
     )
     with pytest.raises(ValueError, match=f"{layout} does not split a mixture of experts yet"):
         trainer.fit(TinyGPT(n_experts=4), torch.utils.data.DataLoader(list(range(4))))
+
+
+# ---- checkpoints: each layer's experts whole, under the model's names, whatever the layout --------------------------
+STEPS, HALF, CLIP = 4, 2, 0.3
+
+
+def _fit(tmp, strategy, devices, steps, ckpt_path=None, save=None, ep=1):
+    """The mixture GPT on a global batch of 8; ``save``: a checkpoint written where the run ends."""
+    import distrain
+    from helpers import TinyGPT, loader, make_trainer
+
+    options = {"expert_parallel_size": ep} if ep > 1 else {}
+    trainer, rec = make_trainer(
+        tmp,
+        strategy=strategy,
+        devices=devices,
+        max_steps=steps,
+        gradient_clip_val=CLIP,
+        enable_checkpointing=False,
+        logger=False,
+        **options,
+    )
+    distrain.seed_everything(0)
+    trainer.fit(TinyGPT(n_experts=4), loader(8 // devices), ckpt_path=ckpt_path)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return rec.losses
+
+
+def _layouts(rank, tmp):
+    """Saved with experts split over 2 ranks (FSDP: DCP shards; DDP: one file), resumed onto other layouts."""
+    return {
+        "fsdp ep2 saves": _fit(tmp / "a", "fsdp", 2, HALF, save=tmp / "fsdp_ep2.ckpt", ep=2),
+        "ddp ep2 saves": _fit(tmp / "b", "ddp", 2, HALF, save=tmp / "ddp_ep2.ckpt", ep=2),
+        "single → fsdp ep2": _fit(tmp / "c", "fsdp", 2, STEPS, ckpt_path=tmp / "single.ckpt", ep=2),
+        "fsdp ep2 → ddp": _fit(tmp / "d", "ddp", 2, STEPS, ckpt_path=tmp / "fsdp_ep2.ckpt"),
+        "ddp ep2 → fsdp": _fit(tmp / "e", "fsdp", 2, STEPS, ckpt_path=tmp / "ddp_ep2.ckpt"),
+    }
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_on_another_expert_layout_with_the_experts_whole_under_their_names(tmp_path):
+    from distrain.checkpoint.state import read_model_weights
+
+    reference = _fit(tmp_path / "ref", "single", 1, STEPS)
+    _fit(tmp_path / "half", "single", 1, HALF, save=tmp_path / "single.ckpt")
+    runs = run_ranks(_layouts, 2, tmp_path)[0]
+    runs["fsdp ep2 → single"] = _fit(tmp_path / "f", "single", 1, STEPS, ckpt_path=tmp_path / "fsdp_ep2.ckpt")
+    for name, losses in runs.items():
+        expected = reference[:HALF] if name.endswith("saves") else reference[HALF:]
+        assert len(losses) == len(expected), name
+        for a, b in zip(expected, losses):
+            assert abs(a - b) <= 1e-5 * abs(a), (name, expected, losses)
+    whole = read_model_weights(tmp_path / "single.ckpt")
+    for saved in ("fsdp_ep2.ckpt", "ddp_ep2.ckpt"):  # the experts whole, under the model's own names
+        weights = read_model_weights(tmp_path / saved)
+        assert weights.keys() == whole.keys()
+        for key in ("gpt.blocks.0.mlp.experts.fc", "gpt.blocks.1.mlp.experts.proj"):
+            assert weights[key].shape == whole[key].shape == (4, *whole[key].shape[1:])
+            torch.testing.assert_close(weights[key], whole[key], rtol=1e-4, atol=1e-5)

@@ -26,6 +26,7 @@ from torch import nn
 from distrain import compat
 from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import safe_load
+from distrain.parallel import expert_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -101,16 +102,24 @@ def state_of(state: dict[str, Any], unwrap: Callable, options: StateDictOptions)
     """Replace live objects by their state; must be called on every rank (may communicate)."""
     _dcp()
     model = _the_model(state, unwrap)
+    experts = expert_parallel.experts_of(model) if model is not None else None
     out: dict[str, Any] = {}
     for key, value in state.items():
         opts = _optimizers(value)
         if isinstance(value, nn.Module):
             out[key] = get_model_state_dict(unwrap(value), options=options)
+            if experts is not None:  # each layer's experts whole, under their names: any expert layout resumes
+                own = get_model_state_dict(unwrap(value), options=SHARDED) if options.full_state_dict else None
+                out[key] = experts.global_state(out[key], own)
         elif opts is not None:
             states = [
                 get_optimizer_state_dict(model, o, options=options) if model is not None else o.state_dict()
                 for o in opts
             ]
+            if experts is not None:
+                for o, s in zip(opts, states):
+                    own = get_optimizer_state_dict(model, o, options=SHARDED) if options.full_state_dict else None
+                    s["state"] = experts.global_state(s.get("state", {}), own and own["state"])
             out[key] = states if isinstance(value, (list, tuple)) else states[0]
         elif ckpt_io.is_stateful(value):
             out[key] = value.state_dict()
@@ -128,6 +137,7 @@ def load_into(
     checkpoint's entries that ``state`` did not ask for."""
     _dcp()
     model = _the_model(state, unwrap)
+    experts = expert_parallel.experts_of(model) if model is not None else None
     options = StateDictOptions(full_state_dict=options.full_state_dict, strict=strict)
     for key, target in state.items():
         if key not in loaded:
@@ -139,12 +149,16 @@ def load_into(
         if isinstance(target, nn.Module):
             if strict:
                 _check_fits(unwrap(target), {k: tuple(v.shape) for k, v in value.items()}, key)
+            if experts is not None:  # this rank's share of each layer's whole experts
+                value = experts.local_state(value)
             set_model_state_dict(unwrap(target), value, options=options)
         elif opts is not None:
             values = value if isinstance(target, (list, tuple)) else [value]
             if len(values) != len(opts):
                 raise ValueError(f"checkpoint entry {key!r} holds {len(values)} optimizer states, expected {len(opts)}")
             for o, v in zip(opts, values):
+                if experts is not None:
+                    v = {**v, "state": experts.local_state(v["state"])}
                 if model is not None:
                     set_optimizer_state_dict(model, o, v, options=compat.optimizer_load_options(v, options))
                 else:
@@ -234,6 +248,9 @@ def _check_fits(model: nn.Module, found: dict[str, tuple], source: str) -> None:
     """A checkpoint of another model fails in one line naming the first keys that differ."""
     _dcp()
     expected = {k: tuple(v.shape) for k, v in get_model_state_dict(model, options=SHARDED).items()}
+    experts = expert_parallel.experts_of(model)
+    if experts is not None:  # a checkpoint holds each layer's experts whole
+        expected = experts.global_shapes(expected)
     compare_model_keys(expected, found, source, type(model).__name__)
 
 

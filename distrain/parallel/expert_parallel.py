@@ -9,14 +9,32 @@ divides it back (the data-parallel average the rest of the model gets from its a
 
 A layer is found by its structure, not its name: a module with a ``router`` and stacked ``experts`` whose weights
 are 3-D with the experts first (``distrain.models.moe.MoE``).
+
+Under the Trainer (``expert_parallel_size``, DDP and FSDP) ``split_model`` lays the ranks out as a mesh of
+(expert_parallel, expert_data_parallel): ranks ``r`` and ``r + world/N`` ... hold different experts, consecutive ranks
+the same ones. The rest of the model keeps its layout over every rank. The experts' gradients are then averaged over
+the ranks that hold the same experts (DDP: an all-reduce when the gradient is complete; FSDP: the experts sharded
+over those ranks, divided by the whole world) and the gradient norm sums every rank's experts once. Checkpoints hold
+every layer's whole ``[experts, ...]`` tensors under the model's own names (``global_state`` / ``local_state``), so
+they resume on another expert-parallel size, or none.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from distrain.parallel import gradients
+
+EP, EDP = "expert_parallel", "expert_data_parallel"
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
@@ -96,3 +114,245 @@ class _Dispatch:
         back = out.split([pieces[s * local + e] for e in range(local) for s in range(n)])
         returned = torch.cat([back[e * n + s] for s in range(n) for e in range(local)])
         return all_to_all_single_autograd(returned, sent_per_rank, received_per_rank, self.group)
+
+
+def check_size(size: Any, world_size: int | None = None) -> int:
+    """``expert_parallel_size`` (against the run's ranks, ``world_size``, once known), before any rank starts: one
+    line naming the key."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(
+            f"expert_parallel_size (distributed.expert_parallel_size) must be a positive integer, got {size!r}"
+        )
+    if size > 1 and world_size is not None and world_size % size:
+        raise ValueError(
+            f"expert_parallel_size={size} (distributed.expert_parallel_size) must divide the number of ranks, "
+            f"{world_size} (devices × num_nodes)"
+        )
+    return size
+
+
+def check_module(module: nn.Module, size: int) -> None:
+    """Before any rank starts, a model built in ``__init__``: it has mixture-of-experts layers, and ``size`` divides
+    each one's experts (a model built in ``configure_model`` is checked when its ranks split it)."""
+    if size == 1:
+        return
+    hparams = getattr(module, "hparams", None)
+    declared = hparams.get("n_experts") if isinstance(hparams, dict) else None
+    if isinstance(declared, int) and declared and declared % size:  # a built-in model, built in configure_model
+        raise ValueError(
+            f"expert_parallel_size={size} does not divide the model's {declared} experts (n_experts); choose a "
+            f"divisor of {declared}"
+        )
+    if any(p.is_meta for p in module.parameters()):
+        return
+    layers = [(name, m) for name, m in module.named_modules() if _splittable(m)]
+    if not layers and next(module.parameters(), None) is not None:
+        raise ValueError(
+            f"expert_parallel_size={size}: {type(module).__name__} has no mixture-of-experts layer to split"
+        )
+    for name, layer in layers:
+        if layer.router.out_features % size:
+            raise ValueError(
+                f"expert_parallel_size={size} does not divide {name}'s {layer.router.out_features} experts; "
+                f"choose a divisor of {layer.router.out_features}"
+            )
+
+
+@dataclass
+class ExpertSplit:
+    """What ``split_model`` did: the mesh, this rank's place in it, and the experts' parameters by name."""
+
+    size: int
+    """Ranks that split each layer's experts (N)."""
+    mesh: Any
+    """``DeviceMesh`` of (expert_parallel, expert_data_parallel)."""
+    world: int
+    owners: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
+    """Each expert parameter's name in the model (``experts_of``) → (its ``experts`` module, its attribute): the live
+    parameter, also once FSDP replaced it."""
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_local_rank(EP)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group(EP)
+
+    @property
+    def data_group(self) -> dist.ProcessGroup:
+        """The ranks that hold the same experts."""
+        return self.mesh.get_group(EDP)
+
+    def parameter(self, name: str) -> torch.Tensor:
+        module, attr = self.owners[name]
+        return getattr(module, attr)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """This rank's expert parameters, as they are now."""
+        return [self.parameter(n) for n in self.owners]
+
+    # ---- gradients ------------------------------------------------------------------------------------------------
+    def average_when_complete(self, syncing: Callable[[], bool]) -> None:
+        """DDP: DDP leaves the experts alone (each rank's are its own); once a backward that syncs (``syncing()``)
+        has accumulated an expert's gradient, it is summed over the ranks holding the same experts and divided by
+        the world: the mean over every rank's tokens, as the rest of the model's all-reduce gives."""
+        data_ranks = self.world // self.size
+
+        def average(param: torch.Tensor) -> None:
+            if syncing():
+                if data_ranks > 1:
+                    dist.all_reduce(param.grad, group=self.data_group)
+                param.grad.div_(self.world)
+
+        for name in self.owners:
+            self.parameter(name).register_post_accumulate_grad_hook(average)
+
+    def shard(self, fully_shard: Callable, **kwargs: Any) -> None:
+        """FSDP: each layer's experts a unit of their own, sharded over the ranks that hold the same experts; the
+        reduce-scatter divides by the world (its sum over N times fewer ranks carries every rank's tokens)."""
+        for module in {id(m): m for m, _ in self.owners.values()}.values():
+            fully_shard(module, mesh=self.mesh[EDP], **kwargs)
+            module.set_gradient_divide_factor(float(self.world))
+            if self.world > self.size and dist.get_backend(self.data_group) == "gloo":
+                # gloo has no pre-multiplied sum: a sum, then the division. Not on one rank: there torch 2.13's FSDP
+                # divides by the factor twice when sums are forced (the gradients came out a quarter, not a half)
+                module.set_force_sum_reduction_for_comms(True)
+
+    def total_norm(self, shared: list[torch.Tensor], experts: list[torch.Tensor]) -> torch.Tensor:
+        """The 2-norm of every gradient of the model: of ``shared`` parameters (alike on every rank, or sharded) and
+        of every rank's ``experts`` once (their squares summed over the expert-parallel ranks)."""
+        device = (shared or experts)[0].device
+        others = gradients.total_norm(shared, None, device)
+        own = gradients.total_norm(experts, self.group, device)
+        return (others**2 + own**2).sqrt()
+
+    # ---- checkpoints: each layer's experts whole, under the model's names -----------------------------------------
+    def global_state(self, state: dict[str, Any], sharded: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``state`` (a model's state dict, or an optimizer's per-parameter ``state``) with each layer's experts whole,
+        ``[experts, ...]``. ``sharded`` given (``state`` is full, perhaps on rank 0 only): this rank's own state,
+        gathered into ``state``'s entries. Else ``state`` is this rank's own and each expert tensor becomes a
+        DTensor over the mesh, which DCP writes and reshards. Call on every rank."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        out = dict(state)
+        for name, fieldname, value in self._entries(state if sharded is None else sharded):
+            local = value.full_tensor() if sharded is not None and isinstance(value, DTensor) else value
+            if sharded is not None:
+                whole = _gather_rows(local, self.group)
+                present = _get(state, name, fieldname)
+                if present is not None:
+                    _put(out, name, fieldname, whole.to(present.device))
+                continue
+            fsdp = isinstance(local, DTensor)
+            local = local.to_local() if fsdp else local
+            shape = torch.Size((self.size * _rows(self.parameter(name)), *local.shape[1:]))
+            placements = [Shard(0), Shard(0) if fsdp else Replicate()]
+            whole = DTensor.from_local(local, self.mesh, placements, shape=shape, stride=_contiguous_stride(shape))
+            _put(out, name, fieldname, whole)
+        return out
+
+    def local_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The reverse of ``global_state``: whole expert tensors (full ones, or the DTensors it made) as this rank's
+        part of them. A checkpoint with another number of experts is refused, naming the tensor."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        out = dict(state)
+        for name, fieldname, value in self._entries(state):
+            live = self.parameter(name)
+            rows = _rows(live)
+            if isinstance(value, DTensor) and value.device_mesh is self.mesh:
+                local = value.to_local()
+                if isinstance(live, DTensor):
+                    local = DTensor.from_local(
+                        local, live.device_mesh, [Shard(0)], shape=live.shape, stride=live.stride()
+                    )
+            elif value.shape[0] == rows * self.size:
+                local = value[self.rank * rows : (self.rank + 1) * rows]
+            else:
+                what = name + (f" ({fieldname})" if fieldname else "")
+                raise ValueError(f"{what}: {value.shape[0]} experts in the checkpoint, {rows * self.size} in the model")
+            _put(out, name, fieldname, local)
+        return out
+
+    def global_shapes(self, shapes: dict[str, tuple]) -> dict[str, tuple]:
+        """A model's parameter shapes with its experts' whole (to compare with a checkpoint's)."""
+        out = dict(shapes)
+        for name in self.owners:
+            if name in out:
+                out[name] = (out[name][0] * self.size, *out[name][1:])
+        return out
+
+    def _entries(self, state: dict[str, Any]):
+        """(parameter name, optimizer field or None, tensor) of every expert tensor in ``state``, in the same order on
+        every rank; an optimizer's step counts (0-d) are left alone."""
+        for name in self.owners:
+            value = state.get(name)
+            fields = value.items() if isinstance(value, dict) else [(None, value)]
+            for fieldname, tensor in fields:
+                if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
+                    yield name, fieldname, tensor
+
+
+def clip(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients of ``params`` so that their total ``norm`` is at most ``max_norm`` (torch's clipping, on
+    gradients that are DTensors of different meshes: each scaled in place through its local part)."""
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        grad.mul_(coef.to(grad.device, grad.dtype))
+
+
+def split_model(model: nn.Module, size: int, device_type: str) -> ExpertSplit:
+    """Every rank together: the mesh of (expert_parallel, expert_data_parallel) over the world, each layer's experts
+    split over the expert-parallel ranks (``split_experts``), and the split recorded on ``model`` (``experts_of``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device_type, (size, world // size), mesh_dim_names=(EP, EDP))
+    split = ExpertSplit(size, mesh, world)
+    for layer in split_experts(model, mesh.get_group(EP)):
+        layer.experts._distrain_expert_split = split
+    return experts_of(model)
+
+
+def experts_of(model: nn.Module) -> ExpertSplit | None:
+    """The ``ExpertSplit`` of a model ``split_model`` split (its expert parameters named as in ``model``'s state
+    dict, whatever wraps its layers), else None."""
+    owners, split = {}, None
+    for name, module in model.named_modules():
+        split = getattr(module, "_distrain_expert_split", None) or split
+        if hasattr(module, "_distrain_expert_split"):
+            prefix = ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+            for attr, _ in module.named_parameters(recurse=False):
+                owners[f"{prefix}.{attr}".lstrip(".")] = (module, attr)
+    return None if split is None else dataclasses.replace(split, owners=owners)
+
+
+#: the names wrappers add to a layer's (activation checkpointing, compile), which state dicts leave out
+_WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def _rows(param: torch.Tensor) -> int:
+    """This rank's experts in ``param`` (a DTensor sharded over the expert-data-parallel ranks counts whole)."""
+    return param.shape[0]
+
+
+def _contiguous_stride(shape: tuple) -> tuple:
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+def _gather_rows(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every expert-parallel rank's experts (``local``: this rank's, whole over its expert-data-parallel ranks)."""
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    return torch.cat(pieces)
+
+
+def _get(state: dict[str, Any], name: str, fieldname: str | None) -> torch.Tensor | None:
+    value = state.get(name)
+    return value.get(fieldname) if isinstance(value, dict) and fieldname is not None else value
+
+
+def _put(out: dict[str, Any], name: str, fieldname: str | None, value: torch.Tensor) -> None:
+    out[name] = value if fieldname is None else {**out[name], fieldname: value}

@@ -29,6 +29,7 @@ from distrain.checkpoint import io as ckpt_io
 from distrain.checkpoint import state as ckpt_state
 from distrain.cluster import ClusterEnv
 from distrain.module import Module, StepRouter, loss_of, overrides
+from distrain.parallel import expert_parallel
 from distrain.precision import Precision
 from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, device_init_context
 
@@ -118,6 +119,10 @@ class Strategy:
     device_mesh: Any = None
     #: how the ranks split the work (``ParallelLayout``: data, tensor, pipeline, context), where it is more than data
     layout: Any = None
+    #: ranks that split each mixture-of-experts layer's experts (DDP and FSDP take it; ``parallel/expert_parallel.py``)
+    expert_parallel_size: int = 1
+    #: the split once the model is set up (``ExpertSplit``), else None
+    experts: Any = None
 
     @property
     def traits(self) -> Traits:
@@ -156,6 +161,7 @@ class Strategy:
             raise ValueError(f"precision='fp8' is not supported with {type(self).__name__}")
         precision.float8_all_gather = self.traits.float8_all_gather
         self.nprocs_per_node, self.num_nodes = nprocs, num_nodes
+        expert_parallel.check_size(self.expert_parallel_size, nprocs * num_nodes)
         if self.start_method is not None and "nccl" in self.backend and accelerator.name != "cuda":
             raise ValueError(
                 f"process group backend {self.process_group_backend!r} (distributed.backend in a config file) needs "
@@ -302,9 +308,15 @@ class Strategy:
     def _setup_module(self, module: nn.Module) -> nn.Module:
         """The model: precision, device, compilation, activation checkpointing (sharding strategies shard here)."""
         module = self.precision.convert_module(module).to(self.root_device)
+        self._split_experts(module)
         apply_compile(module, self.compile, per_block=False)  # the whole model; before AC: AC stays outside
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         return module
+
+    def _split_experts(self, module: nn.Module) -> None:
+        """``expert_parallel_size`` > 1: each mixture-of-experts layer keeps this rank's share of its experts."""
+        if self.expert_parallel_size > 1:
+            self.experts = expert_parallel.split_model(module, self.expert_parallel_size, self.root_device.type)
 
     def _setup_training(self, model: nn.Module, optimizers: list, schedulers: list, loop: LoopFacts) -> SetUp:
         """What to call and step (DDP's wrapper, DeepSpeed's engine)."""
@@ -337,8 +349,9 @@ class Strategy:
         return param.to_local() if _is_dtensor(param) else param
 
     def holds_whole(self, param: torch.Tensor) -> bool:
-        """This rank holds the whole of ``param`` (a copy every data-parallel rank must agree on)."""
-        return not _is_dtensor(param)
+        """This rank holds the whole of ``param`` (a copy every data-parallel rank must agree on): not a DTensor's
+        shard, nor this rank's share of the experts."""
+        return not _is_dtensor(param) and not getattr(param, "expert_parallel", False)
 
     def full_parameter(self, param: torch.Tensor) -> torch.Tensor:
         """The whole parameter, detached (a collective for a sharded one: call on every rank)."""
@@ -381,6 +394,10 @@ class Strategy:
         before clipping, as a plain tensor."""
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if self.experts is not None:  # each rank's experts are its own: the norm sums them over the ranks
+            norm = self.gradient_norm(module, optimizer)
+            expert_parallel.clip(params, max_norm, norm)
+            return norm
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # of DTensor gradients: over every shard
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -388,6 +405,10 @@ class Strategy:
         """The global norm of the gradients about to be applied, without clipping them."""
         self.precision.unscale_gradients(optimizer)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if self.experts is not None:
+            own = {id(p) for p in self.experts.parameters()}
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            return self.experts.total_norm([p for p in params if id(p) not in own], [p for p in params if id(p) in own])
         norm = torch.nn.utils.get_total_norm(grads)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded gradients: over all shards
 
@@ -398,7 +419,9 @@ class Strategy:
 
     def check_module(self, module: nn.Module) -> None:
         """Before any rank starts: refuse, in one line, a module this strategy cannot run (its layers
-        built in ``__init__``; a module that builds them in ``configure_model`` is checked in the ranks)."""
+        built in ``__init__``; a module that builds them in ``configure_model`` is checked in the ranks): here,
+        experts that ``expert_parallel_size`` cannot split."""
+        expert_parallel.check_module(module, self.expert_parallel_size)
 
     def start_step(self, step: int) -> bool:
         """Before a step's batches are read (``step``: the steps done so far). True when this rank's state was just

@@ -17,14 +17,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain import compat, distributed
 from distrain.config import ConfigError
+from distrain.parallel import expert_parallel
 from distrain.strategies.base import LoopFacts, SetUp, Strategy, checked_start_method
 from distrain.strategies.registry import alias, register
 
 COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd", "post_localsgd")
+#: the strategies that take ``expert_parallel_size``
+EXPERT_PARALLEL = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp", "fsdp_cpu_offload")
 
 
 class DDPStrategy(Strategy):
-    """``start_method``: "popen" (re-run the script per rank), "spawn" or "fork"."""
+    """``start_method``: "popen" (re-run the script per rank), "spawn" or "fork". ``expert_parallel_size``: ranks
+    that split each mixture-of-experts layer's experts (``distrain.parallel.expert_parallel``); DDP replicates the rest
+    and leaves the experts to it."""
 
     def __init__(
         self,
@@ -40,9 +45,11 @@ class DDPStrategy(Strategy):
         model_averaging_period: int | None = None,
         activation_checkpointing_policy: Any = None,
         collective_timeout: timedelta | float | None = timedelta(minutes=5),
+        expert_parallel_size: int = 1,
         **ddp_kwargs: Any,
     ):
         super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
+        self.expert_parallel_size = expert_parallel.check_size(expert_parallel_size)
         unknown = sorted(ddp_kwargs.keys() - self.passes_options_to())
         if unknown:
             raise ValueError(
@@ -93,7 +100,12 @@ class DDPStrategy(Strategy):
                 )
             kwargs["static_graph"] = False
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        if self.experts is not None:  # each rank's experts are its own: averaged over their holders instead
+            own = [n for n, p in module.named_parameters() if getattr(p, "expert_parallel", False)]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, own)
         ddp = DistributedDataParallel(module, device_ids=device_ids, **kwargs)
+        if self.experts is not None:
+            self.experts.average_when_complete(lambda: ddp.require_backward_grad_sync)
         self._register_comm_hook(ddp)
         return ddp
 
@@ -197,6 +209,7 @@ def options_from_config(config, block_classes) -> dict:
         gradient_as_bucket_view=d.gradient_as_bucket_view,
         static_graph=d.static_graph,
         ddp_comm_hook=d.comm_hook,
+        expert_parallel_size=d.expert_parallel_size,
     )
 
 
@@ -205,6 +218,12 @@ def check(config) -> None:
     hook = config.distributed.comm_hook
     if hook is not None and hook not in COMM_HOOKS:
         raise ConfigError(f"distributed.comm_hook {hook!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
+    strategy = config.distributed.strategy
+    if config.distributed.expert_parallel_size > 1 and strategy not in EXPERT_PARALLEL:
+        raise ConfigError(
+            f"distributed.expert_parallel_size applies to strategy ddp or fsdp (and their variants), but the strategy "
+            f"is {strategy!r}"
+        )
 
 
 for _name, _method, _about in (

@@ -21,6 +21,7 @@ from torch import nn
 
 from distrain.checkpoint import state as ckpt_state
 from distrain.config import ConfigError
+from distrain.parallel import expert_parallel
 from distrain.strategies import sharded_init
 from distrain.strategies.base import Strategy, Traits, checked_start_method
 from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, block_classes, is_marked_unit
@@ -51,6 +52,9 @@ class FSDPStrategy(Strategy):
       micro-batch (as torchtitan and FSDP1 do) instead of once per step. Each rank then holds only its shard of
       the gradients, not the whole model's unsharded ones between micro-batches, for one reduce-scatter more per
       micro-batch (HF Accelerate's ``sync_each_batch``).
+    - ``expert_parallel_size``: ranks that split each mixture-of-experts layer's experts
+      (``distrain.parallel.expert_parallel``); each layer's experts are then sharded over the ranks that hold the
+      same ones, the rest of the model over every rank.
     """
 
     start_method = "popen"
@@ -75,8 +79,10 @@ class FSDPStrategy(Strategy):
         timeout: timedelta | float = timedelta(minutes=30),
         start_method: str = "popen",
         collective_timeout: timedelta | float | None = timedelta(minutes=5),
+        expert_parallel_size: int = 1,
     ):
         super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
+        self.expert_parallel_size = expert_parallel.check_size(expert_parallel_size)
         if sharding_strategy not in SHARDING_STRATEGIES:
             raise ValueError(
                 f"sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {sharding_strategy!r}"
@@ -187,11 +193,20 @@ class FSDPStrategy(Strategy):
 
         module = self.precision.convert_module(module)
         on_meta = built_on_meta(module)
-        if not on_meta:
+        if on_meta and self.expert_parallel_size > 1:
+            # the experts are split from the whole model's weights: built whole here first, from the same RNG state
+            # on every rank (initializing only this rank's experts is a step still to take)
+            rng, skip_init = self._deferred.take()
+            module.to_empty(device=self.root_device)
+            if not skip_init:
+                sharded_init.replay_initialization(module, rng, sharded_init.PlainTensors(), {})
+            on_meta = False
+        elif not on_meta:
             module = module.to(self.root_device)
             if self.sync_module_states:
                 for t in [*module.parameters(), *module.buffers()]:
                     dist.broadcast(t.data, src=0)
+        self._split_experts(module)
         apply_compile(module, self.compile, per_block=True)  # each block, before AC and sharding (torchtitan)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         kwargs = dict(
@@ -202,6 +217,8 @@ class FSDPStrategy(Strategy):
         if self.cpu_offload:
             # pinned memory needs an accelerator: on a CPU-only machine it fails at set-up
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        if self.experts is not None:  # each layer's experts a unit of their own, over the ranks that hold them
+            self.experts.shard(fully_shard, **{k: v for k, v in kwargs.items() if k != "mesh"})
         selected = self._wrap_selector(module)
         units = [m for m in module.modules() if m is not module and (selected(m) or is_marked_unit(m))]
         for unit in reversed(units):  # innermost first, so nested units own their own params
@@ -314,6 +331,7 @@ def options_from_config(config, block_classes) -> dict:
         use_orig_params=f.use_orig_params,
         sync_module_states=f.sync_module_states,
         sync_each_micro_batch=f.sync_each_micro_batch,
+        expert_parallel_size=config.distributed.expert_parallel_size,
     )
 
 
