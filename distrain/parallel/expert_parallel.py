@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
@@ -39,17 +40,42 @@ EP, EDP = "expert_parallel", "expert_data_parallel"
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
     """The mixture-of-experts layers of ``model`` that expert parallelism can split."""
-    return [m for m in model.modules() if _splittable(m)]
+    return [m for m in model.modules() if expert_count(m)]
 
 
-def _splittable(module: nn.Module) -> bool:
+#: the stacked weights of a Hugging Face (transformers 5) layer's experts: ``[experts, 2 × intermediate, hidden]`` and
+#: ``[experts, hidden, intermediate]``, each expert ``down(act(gate) * up)``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek
+_HF_EXPERT_WEIGHTS = {"gate_up_proj", "down_proj"}
+
+
+def expert_count(module: nn.Module) -> int:
+    """How many experts ``module`` holds when it is a mixture-of-experts layer expert parallelism can split (0 when
+    it is none); one line naming what stops it when it is one that cannot be split. Found by structure: stacked
+    ``experts`` weights, experts first, with a router beside them: distrain's ``MoE`` (``router``, ``compute``) or a
+    Hugging Face sparse-MoE block (``gate`` with a ``[experts, hidden]`` weight)."""
     experts = getattr(module, "experts", None)
-    return (
-        isinstance(getattr(module, "router", None), nn.Linear)
-        and isinstance(experts, nn.Module)
-        and callable(getattr(module, "compute", None))
-        and all(p.dim() == 3 and p.shape[0] == module.router.out_features for p in experts.parameters(recurse=False))
-    )
+    if not isinstance(experts, nn.Module):
+        return 0
+    stacked = dict(experts.named_parameters(recurse=False))
+    router = getattr(module, "router", None)
+    router = getattr(module, "gate", None) if router is None else router
+    weight = getattr(router, "weight", None)
+    if not (isinstance(weight, torch.Tensor) and weight.dim() == 2 and stacked):
+        return 0
+    count = weight.shape[0]
+    if not all(p.shape[0] == count for p in stacked.values()) or all(p.dim() < 3 for p in stacked.values()):
+        return 0
+    if isinstance(router, nn.Linear) and callable(getattr(module, "compute", None)):  # distrain.models.moe.MoE
+        return count
+    layout = getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False)
+    if set(stacked) != _HF_EXPERT_WEIGHTS or layout or not callable(getattr(experts, "act_fn", None)):
+        raise ValueError(
+            f"expert parallelism cannot split {type(module).__name__} yet: its experts ({type(experts).__name__}) "
+            f"hold {', '.join(sorted(stacked))}{' (transposed, or with biases)' if layout else ''}, and it splits "
+            "experts of gate_up_proj [experts, 2 × intermediate, hidden] and down_proj with an act_fn (Mixtral, "
+            "Qwen-MoE, OLMoE, DeepSeek); train it without expert_parallel_size"
+        )
+    return count
 
 
 def split_experts(model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]:
@@ -57,13 +83,13 @@ def split_experts(model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]
     ``(rank+1)·E/N - 1``) and route the layer's tokens through the group. Returns the layers split. A layer whose
     expert count N does not divide is refused in one line, naming it."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    layers = [(name, m) for name, m in model.named_modules() if _splittable(m)]
+    layers = [(name, m, expert_count(m)) for name, m in model.named_modules()]
+    layers = [(name, m, count) for name, m, count in layers if count]
     if not layers:
         raise ValueError(
             f"expert_parallel_size={size}: {type(model).__name__} has no mixture-of-experts layer to split"
         )
-    for name, layer in layers:
-        count = layer.router.out_features
+    for name, layer, count in layers:
         if count % size:
             raise ValueError(
                 f"expert_parallel_size={size} does not divide {name}'s {count} experts; choose a divisor of {count}"
@@ -73,8 +99,11 @@ def split_experts(model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]
             piece = p.detach()[rank * local : (rank + 1) * local].clone()
             setattr(layer.experts, pname, nn.Parameter(piece, requires_grad=p.requires_grad))
             layer.experts.get_parameter(pname).expert_parallel = True  # its gradient is not all-reduced
-        layer.compute = _Dispatch(layer.experts, group, size, local)
-    return [m for _, m in layers]
+        if hasattr(layer, "router"):  # distrain's MoE: its compute step goes through the group
+            layer.compute = _Dispatch(layer.experts, group, size, local)
+        else:  # a Hugging Face block: its experts' forward (routing in, weighted sum out) does
+            layer.experts.forward = _HFExperts(layer.experts, _Dispatch(_hf_compute(layer.experts), group, size, local))
+    return [m for _, m, _ in layers]
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -92,9 +121,10 @@ def scale_expert_grads(model: nn.Module, group_size: int) -> None:
 
 class _Dispatch:
     """``MoE.compute`` over the group: tokens grouped by (global) expert go to the rank that holds it, through its
-    local experts, and back in the order they came."""
+    local experts (``experts(tokens, counts)``: each expert's ``counts[e]`` tokens through it), and back in the order
+    they came."""
 
-    def __init__(self, experts: nn.Module, group: dist.ProcessGroup, size: int, local: int):
+    def __init__(self, experts: Callable, group: dist.ProcessGroup, size: int, local: int):
         self.experts, self.group, self.size, self.local = experts, group, size, local
 
     def __call__(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -114,6 +144,39 @@ class _Dispatch:
         back = out.split([pieces[s * local + e] for e in range(local) for s in range(n)])
         returned = torch.cat([back[e * n + s] for s in range(n) for e in range(local)])
         return all_to_all_single_autograd(returned, sent_per_rank, received_per_rank, self.group)
+
+
+class _HFExperts:
+    """A Hugging Face experts module's ``forward(hidden_states, top_k_index, top_k_weights)`` with its experts split:
+    each token's ``top_k`` copies grouped by expert, through ``dispatch``, weighted and summed back per token (in
+    the order transformers' own loop sums them: by expert)."""
+
+    def __init__(self, experts: nn.Module, dispatch: _Dispatch):
+        self.count = dispatch.size * dispatch.local
+        self.dispatch = dispatch
+
+    def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        top_k = top_k_index.shape[-1]
+        slots = top_k_index.reshape(-1)
+        counts = torch.bincount(slots, minlength=self.count)
+        order = slots.argsort(stable=True)
+        token = order // top_k
+        out = self.dispatch(hidden[token], counts)
+        out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(hidden).index_add_(0, token, out.to(hidden.dtype))
+
+
+def _hf_compute(experts: nn.Module) -> Callable[[torch.Tensor, list[int]], torch.Tensor]:
+    """This rank's experts of a Hugging Face experts module, as transformers computes each: ``down(act(gate) * up)``."""
+
+    def compute(tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        out = []
+        for e, group in enumerate(tokens.split(counts)):
+            gate, up = F.linear(group, experts.gate_up_proj[e]).chunk(2, dim=-1)
+            out.append(F.linear(experts.act_fn(gate) * up, experts.down_proj[e]))
+        return torch.cat(out)
+
+    return compute
 
 
 def check_size(size: Any, world_size: int | None = None) -> int:
@@ -145,16 +208,16 @@ def check_module(module: nn.Module, size: int) -> None:
         )
     if any(p.is_meta for p in module.parameters()):
         return
-    layers = [(name, m) for name, m in module.named_modules() if _splittable(m)]
+    layers = [(name, expert_count(m)) for name, m in module.named_modules()]
+    layers = [(name, count) for name, count in layers if count]
     if not layers and next(module.parameters(), None) is not None:
         raise ValueError(
             f"expert_parallel_size={size}: {type(module).__name__} has no mixture-of-experts layer to split"
         )
-    for name, layer in layers:
-        if layer.router.out_features % size:
+    for name, count in layers:
+        if count % size:
             raise ValueError(
-                f"expert_parallel_size={size} does not divide {name}'s {layer.router.out_features} experts; "
-                f"choose a divisor of {layer.router.out_features}"
+                f"expert_parallel_size={size} does not divide {name}'s {count} experts; choose a divisor of {count}"
             )
 
 
