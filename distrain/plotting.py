@@ -1,4 +1,5 @@
-"""Pictures of runs: loss, learning rate, throughput, MFU and memory against the optimizer step,
+"""Pictures of runs: loss, learning rate, throughput, MFU, memory and the gradient norm (a mixture of experts: the
+experts' load balance) against the optimizer step,
 read from each run's ``metrics.jsonl``. Several runs overlay (one colour each), e.g. the same job
 under ddp / fsdp / zero-3, or a run and its resumed continuation.
 
@@ -77,6 +78,17 @@ def plot_runs(
     runs: list[str | os.PathLike], output: str | os.PathLike, labels: list[str] | None = None, title: str | None = None
 ) -> Path:
     """Draw ``runs`` (run directories or metrics files) into the PNG ``output``; returns its path."""
+    fig = draw_runs(runs, labels, title)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, output)  # a reader never sees half a PNG
+    return output
+
+
+def draw_runs(runs: list[str | os.PathLike], labels: list[str] | None = None, title: str | None = None):
+    """The figure of ``runs`` (a matplotlib ``Figure``, not yet saved)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -135,7 +147,12 @@ def plot_runs(
     if shown:
         styles_legend(ax_mem, [(name, style, None) for _, style, name in shown], loc="lower right")
 
-    if has("grad_norm"):
+    if has("moe_load_max_over_mean"):  # a mixture of experts: a run collapsing onto one expert shows here
+        draw(ax_last, "moe_load_max_over_mean")
+        draw(ax_last, "moe_aux_loss", style="--")
+        ax_last.set(title="Expert load (the least balanced layer)", ylabel="1.0 when even")
+        styles_legend(ax_last, [("busiest expert / mean", "-", None), ("balance loss", "--", None)])
+    elif has("grad_norm"):
         draw(ax_last, "grad_norm")
         ax_last.set(title="Gradient norm (before clipping)", ylabel="L2 norm of all gradients")
     else:
@@ -152,10 +169,4 @@ def plot_runs(
     fig.legend(run_handles, labels, loc="upper right", ncols=min(len(labels), 6), fontsize=10, frameon=False)
     fig.suptitle(title or "distrain", x=0.06, ha="left", fontsize=14)
     fig.subplots_adjust(left=0.06, right=0.985, bottom=0.07, top=0.9, wspace=0.25, hspace=0.22)
-
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, output)  # a reader never sees half a PNG
-    return output
+    return fig

@@ -129,7 +129,7 @@ def test_the_balance_over_the_experts_is_in_the_metrics(tmp_path):
     from distrain.models.lm import GPTLanguageModel
     from helpers import make_trainer
 
-    trainer, _ = make_trainer(tmp_path, strategy="single", devices=1, max_steps=2, log_every_n_steps=1, logger=False)
+    trainer, _ = make_trainer(tmp_path, strategy="single", devices=1, max_steps=2, log_every_n_steps=1)
     module = GPTLanguageModel(block_size=16, n_experts=4, top_k=1)
     tokens = torch.randint(0, 256, (8, 17))
     trainer.fit(module, torch.utils.data.DataLoader([(t[:-1], t[1:]) for t in tokens], batch_size=4))
@@ -138,6 +138,14 @@ def test_the_balance_over_the_experts_is_in_the_metrics(tmp_path):
     assert 1.0 <= load <= 4.0 and float(metrics["moe_aux_loss"]) > 0
     counts = [b.mlp.tokens_per_expert.float() for b in module.gpt.blocks]
     assert load == pytest.approx(max(float(c.max() / c.mean()) for c in counts))
+    # the run's summary plot shows them, against the step (what an MoE user watches for a collapse)
+    from distrain.plotting import draw_runs
+
+    panel = next(ax for ax in draw_runs([trainer.log_dir]).axes if ax.get_title().startswith("Expert load"))
+    (steps, loads), (_, aux) = (line.get_data() for line in panel.lines)
+    assert (
+        list(steps) == [1, 2] and loads[-1] == pytest.approx(load) and aux[-1] == pytest.approx(metrics["moe_aux_loss"])
+    )
 
 
 @pytest.mark.parametrize(
@@ -333,3 +341,34 @@ def test_a_mixture_whose_experts_cannot_be_split_is_refused_naming_it():
         check_module(model, 2)
     with pytest.raises(ValueError, match="does not divide model.layers.0.mlp's 4 experts"):
         check_module(_hf_model("mixtral"), 3)
+
+
+def test_expert_parallelism_it_cannot_run_is_refused_before_any_rank_starts(tmp_path):
+    """Each refusal in one line, in this process: no rank was started (a rank's error would reach here as a failed
+    launch, not as this ValueError)."""
+    import distrain
+    from distrain.config import ConfigError, build_config
+    from distrain.models.lm import GPTLanguageModel
+    from helpers import TinyGPT
+
+    def fit(module, devices=2, **options):
+        trainer = distrain.Trainer(
+            accelerator="cpu", devices=devices, max_steps=1, default_root_dir=str(tmp_path), logger=False, **options
+        )
+        trainer.fit(module, torch.utils.data.DataLoader(list(range(4))))
+
+    with pytest.raises(ValueError, match="expert_parallel_size is not an option of strategy 'deepspeed_stage_2'"):
+        fit(TinyGPT(n_experts=4), strategy="deepspeed_stage_2", expert_parallel_size=2)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2 .* must divide the number of ranks, 3"):
+        fit(TinyGPT(n_experts=4), devices=3, strategy="ddp", expert_parallel_size=2)
+    with pytest.raises(ValueError, match="expert_parallel_size=3 does not divide gpt.blocks.0.mlp's 4 experts"):
+        fit(TinyGPT(n_experts=4), devices=3, strategy="fsdp", expert_parallel_size=3)
+    with pytest.raises(ValueError, match="expert_parallel_size=2: TinyGPT has no mixture-of-experts layer to split"):
+        fit(TinyGPT(), strategy="ddp", expert_parallel_size=2)
+    # the built-in model builds its layers in configure_model: its declared experts are checked
+    with pytest.raises(ValueError, match="expert_parallel_size=3 does not divide the model's 4 experts"):
+        fit(GPTLanguageModel(n_experts=4, block_size=16), devices=3, strategy="ddp", expert_parallel_size=3)
+    with pytest.raises(ConfigError, match="distributed.expert_parallel_size applies to strategy ddp or fsdp"):
+        build_config(cli_items=["distributed.strategy=deepspeed_stage_2", "distributed.expert_parallel_size=2"])
+    with pytest.raises(ConfigError, match="distributed.expert_parallel_size"):
+        build_config(cli_items=["distributed.expert_parallel_size=0"])

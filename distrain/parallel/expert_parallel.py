@@ -195,22 +195,24 @@ def check_size(size: Any, world_size: int | None = None) -> int:
 
 
 def check_module(module: nn.Module, size: int) -> None:
-    """Before any rank starts, a model built in ``__init__``: it has mixture-of-experts layers, and ``size`` divides
-    each one's experts (a model built in ``configure_model`` is checked when its ranks split it)."""
+    """Before any rank starts: ``module`` has mixture-of-experts layers, and ``size`` divides each one's experts. A
+    model built in ``configure_model`` has no layers yet: the experts it declares (``hparams["n_experts"]``, the
+    built-in GPT's) are checked, and the rest when its ranks split it."""
     if size == 1:
         return
-    hparams = getattr(module, "hparams", None)
-    declared = hparams.get("n_experts") if isinstance(hparams, dict) else None
-    if isinstance(declared, int) and declared and declared % size:  # a built-in model, built in configure_model
-        raise ValueError(
-            f"expert_parallel_size={size} does not divide the model's {declared} experts (n_experts); choose a "
-            f"divisor of {declared}"
-        )
-    if any(p.is_meta for p in module.parameters()):
+    params = list(module.parameters())
+    if not params or any(p.is_meta for p in params):
+        hparams = getattr(module, "hparams", None)
+        declared = hparams.get("n_experts") if isinstance(hparams, dict) else None
+        if isinstance(declared, int) and declared and declared % size:
+            raise ValueError(
+                f"expert_parallel_size={size} does not divide the model's {declared} experts (n_experts); choose a "
+                f"divisor of {declared}"
+            )
         return
     layers = [(name, expert_count(m)) for name, m in module.named_modules()]
     layers = [(name, count) for name, count in layers if count]
-    if not layers and next(module.parameters(), None) is not None:
+    if not layers:
         raise ValueError(
             f"expert_parallel_size={size}: {type(module).__name__} has no mixture-of-experts layer to split"
         )
