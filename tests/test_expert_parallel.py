@@ -372,3 +372,41 @@ def test_expert_parallelism_it_cannot_run_is_refused_before_any_rank_starts(tmp_
         build_config(cli_items=["distributed.strategy=deepspeed_stage_2", "distributed.expert_parallel_size=2"])
     with pytest.raises(ConfigError, match="distributed.expert_parallel_size"):
         build_config(cli_items=["distributed.expert_parallel_size=0"])
+
+
+def _verify_experts(rank, root):
+    import distrain
+    from helpers import TinyGPT, loader
+
+    reports = {}
+    for strategy in ("ddp", "fsdp"):  # one after the other in the same ranks, as test_verify's cells run
+        trainer = distrain.Trainer(
+            accelerator="cpu",
+            strategy=strategy,
+            devices=2,
+            seed=7,
+            enable_progress_bar=False,
+            logger=False,
+            default_root_dir=str(root / strategy),
+            gradient_clip_val=CLIP,
+            expert_parallel_size=2,
+        )
+        report = trainer.verify(TinyGPT(n_experts=4), loader(4), steps=2)
+        reports[strategy] = None if report is None else report.to_json()
+    return reports
+
+
+@pytest.mark.slow
+def test_verify_knows_the_expert_layout(tmp_path):
+    """``distrain verify`` of expert parallelism under DDP and FSDP: every gradient and weight against one process
+    (each expert's gradient gathered whole from the ranks that hold it), which ranks hold which experts, and a
+    checkpoint that one process reads whole."""
+    for strategy, report in run_ranks(_verify_experts, 2, tmp_path)[0].items():
+        checks = {c["name"]: c for c in report["checks"]}
+        assert report["ok"], (strategy, [c for c in report["checks"] if not c["ok"]])
+        assert "(experts over 2 ranks)" in report["header"], report["header"]
+        assert (
+            "each layer's 4 experts over 2 ranks, each held by 1 rank (rank 0: experts 0-1"
+            in (checks["experts held once per replica"]["detail"])
+        )
+        assert {"losses, gradients, weights", "checkpoint round trip"} <= checks.keys()

@@ -257,6 +257,21 @@ class ExpertSplit:
         """This rank's expert parameters, as they are now."""
         return [self.parameter(n) for n in self.owners]
 
+    def owns(self, param: torch.Tensor) -> bool:
+        """``param`` is one of this rank's expert parameters."""
+        return any(param is p for p in self.parameters())
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every expert of a layer, whole (``local``: this rank's, whole over its expert-data-parallel ranks); every
+        expert-parallel rank calls it together."""
+        return _gather_rows(local, self.group)
+
+    def held(self) -> dict[str, tuple[int, int]]:
+        """The experts this rank holds (whole, or its shard of them), by parameter: ``(first, last + 1)``."""
+        return {
+            name: (self.rank * _rows(p), (self.rank + 1) * _rows(p)) for name, p in zip(self.owners, self.parameters())
+        }
+
     # ---- gradients ------------------------------------------------------------------------------------------------
     def average_when_complete(self, syncing: Callable[[], bool]) -> None:
         """DDP: DDP leaves the experts alone (each rank's are its own); once a backward that syncs (``syncing()``)

@@ -205,8 +205,9 @@ class Strategy:
     @property
     def layout_note(self) -> str:
         """How the ranks are arranged, for the run's header (model-parallel strategies: `` (pipeline 2 × data 1
-        × tensor 2)``); empty when every rank is a data-parallel replica."""
-        return ""
+        × tensor 2)``, expert parallelism: `` (experts over 2 ranks)``); empty when every rank is a data-parallel
+        replica."""
+        return f" (experts over {self.expert_parallel_size} ranks)" if self.expert_parallel_size > 1 else ""
 
     @property
     def data_parallel_size(self) -> int:
@@ -341,7 +342,9 @@ class Strategy:
 
     # ---- what a rank holds: read by verify, the histograms, checkpoints (a strategy keeps parts elsewhere) -------
     def full_shape(self, param: torch.Tensor) -> torch.Size:
-        """The whole parameter's shape (a DTensor's is already the whole one)."""
+        """The whole parameter's shape (a DTensor's is already the whole one; this rank's experts are 1/N)."""
+        if self.experts is not None and self.experts.owns(param):
+            return torch.Size((param.shape[0] * self.expert_parallel_size, *param.shape[1:]))
         return param.shape
 
     def local_shard(self, param: torch.Tensor) -> torch.Tensor:
@@ -354,13 +357,17 @@ class Strategy:
         return not _is_dtensor(param) and not getattr(param, "expert_parallel", False)
 
     def full_parameter(self, param: torch.Tensor) -> torch.Tensor:
-        """The whole parameter, detached (a collective for a sharded one: call on every rank)."""
-        return param.detach().full_tensor() if _is_dtensor(param) else param.detach()
+        """The whole parameter, detached (a collective for a sharded one, or experts: call on every rank)."""
+        whole = param.detach().full_tensor() if _is_dtensor(param) else param.detach()
+        return self.experts.gather(whole) if self.experts is not None and self.experts.owns(param) else whole
 
     def full_gradient(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The whole gradient, or None (a collective for a sharded one: call on every rank)."""
+        """The whole gradient, or None (a collective for a sharded one, or experts: call on every rank)."""
         grad = param.grad
-        return grad.full_tensor() if grad is not None and _is_dtensor(grad) else grad
+        whole = grad.full_tensor() if grad is not None and _is_dtensor(grad) else grad
+        if whole is not None and self.experts is not None and self.experts.owns(param):
+            return self.experts.gather(whole)
+        return whole
 
     def reduce_dtype(self, model: nn.Module, module: nn.Module) -> torch.dtype:
         """The dtype gradients are reduced across ranks in, read from the live objects (``model``: what ``setup``

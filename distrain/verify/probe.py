@@ -90,6 +90,7 @@ class Probe(Callback):
                 "data_parallel_rank": strategy.data_parallel_rank,
                 "sequence_slice": strategy.sequence_slice,
                 "losses": [step["loss"] for step in self.steps],
+                "experts": strategy.experts.held() if strategy.experts is not None else None,
             }
         )
         if len(ranks) > trainer.world_size:  # replica groups: each logged its own group's mean; the job's is theirs
@@ -106,6 +107,7 @@ class Probe(Callback):
                 "strategy": type(strategy).__name__,
                 "world_size": len(ranks),
                 "data_parallel_size": strategy.data_parallel_size,
+                "experts_count": strategy.expert_parallel_size,
                 "precision": trainer.runtime.precision.name,
                 "missing_from_optimizer": _missing_from_optimizer(strategy, module, trainer.optimizers),
                 "checkpoint": str(self.checkpoint) if self.checkpoint else None,

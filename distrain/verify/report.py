@@ -127,6 +127,8 @@ def compare(run: dict, reference: dict, checkpoint_weights: dict | None, label: 
     report.checks.append(_steps(run, reference, tol, after, report))
     report.checks.append(_data(run, reference))
     report.checks.append(_replicas(run))
+    if any(r.get("experts") for r in run["ranks"]):
+        report.checks.append(_experts(run))
     # read in the reference: it steps a plain torch optimizer over the module's own parameters (engines step flat
     # partitions), and what configure_optimizers leaves out is the same code in both
     missing = reference["missing_from_optimizer"]
@@ -285,6 +287,36 @@ def _replicas(run: dict) -> Check:
                 groups = " vs ".join(f"rank{'s' * (len(v) > 1)} {', '.join(map(str, v))}" for v in copies.values())
                 return Check("replicated parameters agree", False, f"after step {step + 1}: {name} differs ({groups})")
     return Check("replicated parameters agree", True, "every copy of each whole parameter is equal on every rank")
+
+
+def _experts(run: dict) -> Check:
+    """Expert parallelism: every expert of every layer is held by as many ranks as every other (its expert-data-
+    parallel ranks), and no rank holds one twice. (That each expert's gradient arrives once, not summed twice nor
+    missed, the gradients beside one process's show.)"""
+    ranks, size = run["ranks"], run["experts_count"]
+    holders: dict[str, Counter] = {}
+    for r in ranks:
+        for name, (first, stop) in (r.get("experts") or {}).items():
+            holders.setdefault(name, Counter()).update(range(first, stop))
+    replicas = len(ranks) // size
+    for name, held in holders.items():
+        count = max(held) + 1 if held else 0
+        wrong = [e for e in range(count) if held[e] != replicas]
+        if wrong:
+            return Check(
+                "experts held once per replica",
+                False,
+                f"{name}: expert {wrong[0]} is held by {held[wrong[0]]} ranks"
+                f", each expert by {replicas} expected ({len(ranks)} ranks, experts over {size})",
+            )
+    first = ranks[0].get("experts") or {}
+    name, (start, stop) = next(iter(first.items()))
+    return Check(
+        "experts held once per replica",
+        True,
+        f"each layer's {max(max(h) for h in holders.values()) + 1} experts over {size} ranks, each held by {replicas} "
+        f"rank{'s' * (replicas > 1)} (rank 0: experts {start}-{stop - 1} of {name})",
+    )
 
 
 def _checkpoint(run: dict, weights: dict) -> Check:
