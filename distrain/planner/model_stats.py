@@ -27,6 +27,7 @@ from distrain.planner import fake
 from distrain.planner.work import StepWork, WorkCounter
 from distrain.strategies import layers
 from distrain.strategies.layers import apply_activation_checkpointing
+from distrain.strategies.sharded_init import to_empty_keeping_ties
 
 
 @dataclass
@@ -391,7 +392,7 @@ def trace_step(
         module.to(param_dtype)
     apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint), reentrant)
     # non-fake inputs: the meta parameters that ``to_empty`` turns into fake ones
-    with fake.fake_tensor_mode(allow_non_fake_inputs=True) as mode, fake.transformers_masks_as_in_eager():
+    with fake.fake_tensor_mode(allow_non_fake_inputs=True) as mode, fake.transformers_as_in_eager():
         to_empty_keeping_ties(module)
         optimizer = first_optimizer(module.configure_optimizers())
         if foreach:
@@ -446,22 +447,6 @@ def trace_step(
         groups=groups,
         work=counter.work,
     )
-
-
-def to_empty_keeping_ties(module: nn.Module, device: str = "cpu") -> None:
-    """Meta parameters → fake ones (inside a fake mode), keeping tied weights tied: ``to_empty``
-    swaps each occurrence of a shared parameter separately."""
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for m in module.modules():
-        for name, p in m._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((m, name))
-    module.to_empty(device=device)
-    for places in owners.values():
-        first_module, first_name = places[0]
-        shared = first_module._parameters[first_name]
-        for m, name in places[1:]:
-            m._parameters[name] = shared
 
 
 # ---- deep models: estimate two shallow copies, extrapolate by depth ---------------------------------------

@@ -319,3 +319,20 @@ class DeferredBuild:
         rng, skip = self.rng or record_rng(), self.skip
         self.rng, self.skip = None, False
         return rng, skip
+
+
+def to_empty_keeping_ties(module: nn.Module, device: str | torch.device = "cpu") -> None:
+    """Meta parameters → empty ones on ``device`` (fake ones inside a fake mode), keeping tied weights tied:
+    ``to_empty`` swaps each occurrence of a shared parameter separately (a tied head would become a second
+    matrix of its own)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m, name))
+    module.to_empty(device=device)
+    for places in owners.values():
+        first_module, first_name = places[0]
+        shared = first_module._parameters[first_name]
+        for m, name in places[1:]:
+            m._parameters[name] = shared
