@@ -410,3 +410,38 @@ def test_verify_knows_the_expert_layout(tmp_path):
             in (checks["experts held once per replica"]["detail"])
         )
         assert {"losses, gradients, weights", "checkpoint round trip"} <= checks.keys()
+
+
+def _built_in_configure_model(rank, tmp):
+    from distrain.models.lm import GPTLanguageModel
+
+    return _fit_built_in(tmp, "fsdp", 2, GPTLanguageModel, ep=2)
+
+
+def _fit_built_in(tmp, strategy, devices, model_class, ep=1):
+    """The built-in GPT language model (its layers built in ``configure_model``: on the meta device under FSDP)."""
+    from helpers import make_trainer
+
+    tokens = torch.randint(0, 256, (16, 17), generator=torch.Generator().manual_seed(3))
+    data = torch.utils.data.DataLoader([(t[:-1], t[1:]) for t in tokens], batch_size=8 // devices)
+    options = {"expert_parallel_size": ep} if ep > 1 else {}
+    trainer, rec = make_trainer(
+        tmp, strategy=strategy, devices=devices, max_steps=2, enable_checkpointing=False, logger=False, **options
+    )
+    module = model_class(block_size=16, n_experts=4, top_k=2)
+    trainer.fit(module, data)
+    return rec.losses, module.gpt.head.weight is module.gpt.tok_emb.weight
+
+
+@pytest.mark.slow
+def test_a_model_built_on_the_meta_device_splits_its_experts_with_its_ties_kept(tmp_path):
+    """Under FSDP, ``configure_model`` builds on the meta device; with expert parallelism the model is built whole
+    first. ``to_empty`` untied the GPT's head from its embedding there: each rank trained a second matrix, and the
+    losses left one process's from step 1."""
+    from distrain.models.lm import GPTLanguageModel
+
+    single, _ = _fit_built_in(tmp_path / "single", "single", 1, GPTLanguageModel)
+    losses, tied = run_ranks(_built_in_configure_model, 2, tmp_path)[0]
+    assert tied
+    for a, b in zip(single, losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (single, losses)

@@ -197,7 +197,7 @@ class FSDPStrategy(Strategy):
             # the experts are split from the whole model's weights: built whole here first, from the same RNG state
             # on every rank (initializing only this rank's experts is a step still to take)
             rng, skip_init = self._deferred.take()
-            module.to_empty(device=self.root_device)
+            sharded_init.to_empty_keeping_ties(module, self.root_device)  # a tied head stays the embedding
             if not skip_init:
                 sharded_init.replay_initialization(module, rng, sharded_init.PlainTensors(), {})
             on_meta = False
