@@ -233,7 +233,7 @@ def test_fake_tensors_fake_process_group_and_memory_trackers():
     assert issubclass(fake.fsdp_memory_tracker_class(), fake.memory_tracker_class())
 
 
-def test_transformers_masks_as_in_eager_under_fake_tensors(tmp_path, monkeypatch):
+def test_transformers_as_in_eager_under_fake_tensors(tmp_path, monkeypatch):
     """A full-length batch traced under fake tensors holds the activations an eager step does
     (without the context, transformers builds a 4-D mask the eager run skips)."""
     pytest.importorskip("transformers")
@@ -265,7 +265,7 @@ def test_transformers_masks_as_in_eager_under_fake_tensors(tmp_path, monkeypatch
     assert traced.activations == pytest.approx(phases.act, rel=0.01)
     import contextlib
 
-    monkeypatch.setattr(fake, "transformers_masks_as_in_eager", contextlib.nullcontext)
+    monkeypatch.setattr(fake, "transformers_as_in_eager", contextlib.nullcontext)
     assert trace_step(spec, 4).activations > 1.05 * phases.act  # the explicit-mask path the eager run skips
 
 

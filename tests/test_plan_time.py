@@ -286,3 +286,29 @@ def test_auto_simulates_a_model_parallel_layout_only_when_it_could_win_and_choos
         assert [(r.option, r.step) for r in walks[hw][1]] == [(r.option, r.step) for r in seen]
         for p, o in planner.model_parallel_planners():
             assert bounds[o] <= p.seconds(o) * (1 + 1e-9), o
+
+
+def test_a_hugging_face_mixture_of_experts_is_traced_with_each_tokens_experts_counted(tmp_path):
+    """Mixtral's experts run ``torch._grouped_mm``, whose fake kernel takes bf16 only (torch 2.13): planning any
+    transformers MoE failed with a traceback. Traced now through transformers' per-expert loop, every token's
+    ``top_k`` experts counted: one more expert per token adds exactly its three matmuls per layer."""
+    transformers = pytest.importorskip("transformers")
+    flops = {}
+    for top_k in (1, 2):
+        config = transformers.MixtralConfig(
+            vocab_size=V,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_local_experts=4,
+            num_experts_per_tok=top_k,
+            max_position_embeddings=T,
+        )
+        spec = ModelSpec.huggingface("mixtral", T, task="causal_lm", hf_config=config)
+        phases = trace_step(spec, B).work.phases
+        flops[top_k] = (phases["forward"].flops, phases["backward"].flops)
+    one_expert = 2 * B * T * 3 * 64 * 96 * 2  # gate, up and down for each token, in each of the 2 layers
+    assert flops[2][0] - flops[1][0] == one_expert
+    assert flops[2][1] - flops[1][1] == 2 * one_expert

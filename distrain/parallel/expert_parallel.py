@@ -67,13 +67,21 @@ def expert_count(module: nn.Module) -> int:
         return 0
     if isinstance(router, nn.Linear) and callable(getattr(module, "compute", None)):  # distrain.models.moe.MoE
         return count
-    layout = getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False)
+    # transformers' flags for experts laid out otherwise: transposed, with biases, gate and up interleaved, no gate,
+    # a norm after each expert (integrations/moe.py, 5.x)
+    layout = (
+        getattr(experts, "is_transposed", False)
+        or getattr(experts, "has_bias", False)
+        or not getattr(experts, "is_concatenated", True)
+        or not getattr(experts, "has_gate", True)
+        or getattr(experts, "has_post_expert_norm", False)
+    )
     if set(stacked) != _HF_EXPERT_WEIGHTS or layout or not callable(getattr(experts, "act_fn", None)):
         raise ValueError(
             f"expert parallelism cannot split {type(module).__name__} yet: its experts ({type(experts).__name__}) "
-            f"hold {', '.join(sorted(stacked))}{' (transposed, or with biases)' if layout else ''}, and it splits "
-            "experts of gate_up_proj [experts, 2 × intermediate, hidden] and down_proj with an act_fn (Mixtral, "
-            "Qwen-MoE, OLMoE, DeepSeek); train it without expert_parallel_size"
+            f"hold {', '.join(sorted(stacked))}{' (transposed, biased, interleaved or normed)' if layout else ''}, "
+            "and it splits experts of gate_up_proj [experts, 2 × intermediate, hidden] and down_proj with an act_fn "
+            "(Mixtral, Qwen-MoE, OLMoE, DeepSeek); train it without expert_parallel_size"
         )
     return count
 

@@ -128,14 +128,18 @@ def device_meshes_outside_fake_mode():
 
 
 @contextlib.contextmanager
-def transformers_masks_as_in_eager():
+def transformers_as_in_eager():
     """Under fake tensors, transformers' causal-mask code cannot read the values it reads in eager
     mode (are the positions one packed sequence? ``find_packed_sequence_indices``; is the offset a
     traced tensor? ``_ignore_causal_mask_sdpa``), assumes the worst and builds an explicit 4-D mask
     that an eager run of a batch without padding or packing skips (it uses SDPA's ``is_causal``).
     While the planner traces such a batch, both answer as eager does, so the traced step allocates
-    what the run will. ``transformers.masking_utils``: checked on transformers 5.x. A model that did not import
-    transformers runs none of it: nothing to patch (importing it costs seconds)."""
+    what the run will. A mixture of experts' grouped matmul (``torch._grouped_mm``) has a fake kernel that
+    takes bf16 only (torch 2.13): its experts run transformers' own per-expert loop instead
+    (``grouped_mm_fallback``, the same FLOPs and the same tensors), whose fake is registered and whose FLOPs
+    ``work.py`` counts. ``transformers.masking_utils``, ``transformers.integrations.moe``: checked on
+    transformers 5.x. A model that did not import transformers runs none of it: nothing to patch (importing it
+    costs seconds)."""
     if "transformers" not in sys.modules:
         yield
         return
@@ -155,8 +159,14 @@ def transformers_masks_as_in_eager():
     packed = masking_utils.find_packed_sequence_indices
     masking_utils._ignore_causal_mask_sdpa = eager_answer
     masking_utils.find_packed_sequence_indices = lambda position_ids: None  # positions 0..T-1: one sequence
+    moe = sys.modules.get("transformers.integrations.moe")
+    grouped = getattr(moe, "_can_use_grouped_mm", None)
+    if grouped is not None:
+        moe._can_use_grouped_mm = lambda input, weight, offs: False
     try:
         yield
     finally:
         masking_utils._ignore_causal_mask_sdpa = original
         masking_utils.find_packed_sequence_indices = packed
+        if grouped is not None:
+            moe._can_use_grouped_mm = grouped

@@ -132,6 +132,17 @@ _FLOPS = {
 }
 
 
+#: a mixture of experts' matmuls, as transformers runs them where ``torch._grouped_mm`` cannot (and where the
+#: planner traces, ``fake.transformers_as_in_eager``): each token's row through its expert's weight, forward; its
+#: input's and the weight's gradients, backward (multiples of one pass)
+_EXPERT_MATMULS = {"grouped_mm_fallback": 1, "grouped_mm_fallback_backward": 2}
+
+
+def _expert_matmul_flops(tokens: torch.Tensor, weight: torch.Tensor) -> int:
+    """``tokens`` [rows, in] through ``weight`` [experts, in, out], each row through one expert's."""
+    return 2 * tokens.shape[0] * tokens.shape[1] * weight.shape[2]
+
+
 #: the fused attention kernels among them
 _ATTENTION = {packet for packet in _FLOPS if "attention" in packet.__name__}
 
@@ -185,6 +196,9 @@ class WorkCounter(TorchDispatchMode):
             return out
         if packet in _FLOPS:
             phase.flops += _FLOPS[packet](*args, **kwargs, out_val=out)
+            return out
+        if func.namespace == "transformers" and packet.__name__ in _EXPERT_MATMULS:
+            phase.flops += _EXPERT_MATMULS[packet.__name__] * _expert_matmul_flops(*args[:2])
             return out
         # the per-element work beyond a memory pass (a GPU's is 0); the memory pass is counted below, as for any
         if packet in _SOFTMAX:

@@ -97,7 +97,7 @@ def trace_pipeline(
     if param_dtype != torch.float32:
         module.to(param_dtype)
     apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint))
-    with fake.fake_tensor_mode(allow_non_fake_inputs=True) as mode, fake.transformers_masks_as_in_eager():
+    with fake.fake_tensor_mode(allow_non_fake_inputs=True) as mode, fake.transformers_as_in_eager():
         to_empty_keeping_ties(module)
         split = split_for(module)
         build = PipelineBuild.create(module, split, ParallelLayout(pipeline=num_stages), 0, split_points)
