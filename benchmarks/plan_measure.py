@@ -34,7 +34,8 @@ class Case:
     over every rank, with sequence parallelism (``tp``) or without (``tp:nosp``); ``tp×fsdp``: tensor
     parallel in pairs of ranks, FSDP across the pairs; ``cp``: context parallel over every rank; ``cp×fsdp``:
     context parallel in pairs of ranks, FSDP across data × context; ``pp`` (1F1B), ``pp:GPipe``,
-    ``pp:Interleaved1F1B``: a pipeline stage per rank; ``pp×fsdp``: two stages (1F1B), FSDP across the rest."""
+    ``pp:Interleaved1F1B``: a pipeline stage per rank; ``pp×fsdp``: two stages (1F1B), FSDP across the rest;
+    ``ddp+ep``, ``fsdp+ep``: a mixture of experts' experts over every rank (``expert_parallel_size``)."""
     ac: bool
     micro_batch: int
     seq_len: int = 128
@@ -79,7 +80,11 @@ ACCURACY_CASES = [
     Case("tiny-bert", "zero2", False, 16, bucket=32 * 32),
     Case("gpt-mini", "zero3", False, 4, bucket=384 * 384),
     Case("tiny-llama", "zero3", True, 16, bucket=32 * 32),
+    Case("gpt-tiny-moe", "ddp+ep", False, 8),
+    Case("gpt-tiny-moe", "fsdp+ep", True, 8),
 ]
+#: the built-in GPT with each block a mixture of experts: (model, experts, top_k)
+MIXTURES = {"gpt-tiny-moe": ("gpt-tiny", 4, 2)}
 
 
 #: pipeline cases (tests/test_plan_pipeline.py, within 10%), by world size: each schedule, with and without
@@ -117,6 +122,9 @@ def spec_of(case: Case, hf: dict[str, str]):
 
     if case.model in HF_TINY:
         return ModelSpec.huggingface(hf[case.model], case.seq_len)
+    if case.model in MIXTURES:
+        name, experts, top_k = MIXTURES[case.model]
+        return ModelSpec.builtin_gpt(name, case.seq_len, n_experts=experts, top_k=top_k)
     return ModelSpec.builtin_gpt(case.model, case.seq_len)
 
 
@@ -157,6 +165,10 @@ def option_of(case: Case, world_size: int):
         )
     if case.strategy == "ddp":
         return Option("ddp", checkpoint=checkpoint)
+    if case.strategy == "ddp+ep":
+        return Option("ddp", checkpoint=checkpoint, experts=world_size)
+    if case.strategy == "fsdp+ep":
+        return Option("fsdp", sharding="FULL_SHARD", checkpoint=checkpoint, experts=world_size)
     if case.strategy.startswith("fsdp:"):
         return Option("fsdp", sharding=case.strategy[5:], checkpoint=checkpoint)
     if case.strategy.startswith("tp"):
@@ -225,6 +237,10 @@ def _strategy(case: Case, blocks: set, world_size: int):
         )
     if case.strategy == "ddp":
         return distrain.DDPStrategy(activation_checkpointing_policy=policy)
+    if case.strategy == "ddp+ep":
+        return distrain.DDPStrategy(activation_checkpointing_policy=policy, expert_parallel_size=world_size)
+    if case.strategy == "fsdp+ep":
+        return distrain.FSDPStrategy(activation_checkpointing_policy=policy, expert_parallel_size=world_size)
     if case.strategy.startswith("fsdp:"):
         return distrain.FSDPStrategy(sharding_strategy=case.strategy[5:], activation_checkpointing_policy=policy)
     kwargs = {}
@@ -243,6 +259,9 @@ def _module(case: Case, hf: dict[str, str]):
         return TASK_MODULES[task](model_name=hf[case.model], hf_config=config_dict(config), pretrained=False)
     from distrain.models.lm import GPTLanguageModel
 
+    if case.model in MIXTURES:
+        name, experts, top_k = MIXTURES[case.model]
+        return GPTLanguageModel(name, block_size=case.seq_len, lr_schedule="constant", n_experts=experts, top_k=top_k)
     return GPTLanguageModel(case.model, block_size=case.seq_len, lr_schedule="constant")
 
 

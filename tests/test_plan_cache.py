@@ -86,6 +86,7 @@ GOOD = {
     "planned_checkpoint": False,
     "accumulate": None,
     "context": 1,
+    "experts": 1,
     "messages": ["kept"],
 }
 
@@ -181,6 +182,7 @@ def test_every_field_of_a_decision_comes_back_from_the_kept_plan_and_from_the_en
         planned_checkpoint=True,
         accumulate=4,
         context=2,
+        experts=2,
         messages=["distrain: strategy auto → context parallel 2 × fsdp"],
     )
     defaults = Decision("ddp")

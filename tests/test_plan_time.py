@@ -312,3 +312,53 @@ def test_a_hugging_face_mixture_of_experts_is_traced_with_each_tokens_experts_co
     one_expert = 2 * B * T * 3 * 64 * 96 * 2  # gate, up and down for each token, in each of the 2 layers
     assert flops[2][0] - flops[1][0] == one_expert
     assert flops[2][1] - flops[1][1] == 2 * one_expert
+
+
+def test_expert_parallel_rows_split_the_experts_and_send_the_tokens_by_all_to_all():
+    """A mixture of experts (the GPT with 4 experts per block, top-2): DDP with the experts over 2 of 4 ranks holds
+    half the experts' bytes, all-reduces each expert's gradient over the 2 ranks that hold it, and sends every
+    micro-batch's tokens to their experts and back, forward and backward; FSDP with it gathers only a rank's own
+    experts, over those 2 ranks. A dense model is offered no such row."""
+    from distrain.planner.estimate import Estimator
+    from distrain.planner.plan import candidate_options
+
+    E, K = 4, 2
+    spec = ModelSpec.builtin_gpt("gpt-tiny", T, n_experts=E, top_k=K)
+    trace = trace_step(spec, B)
+    experts = L * E * 2 * 4 * D * D * 4  # fc and proj of each expert, fp32
+    assert trace.expert_bytes == experts and trace.moe_layers == L and trace.expert_tensors == 2 * L
+    assert trace.dispatched == L * B * T * K * D  # each token's 2 copies of its width, in each layer
+    job = Job(spec, micro_batch=B, world_size=4, accumulate=3)
+    assert {o.get("experts") for o in candidate_options(job) if o.get("experts")} == {E}  # gcd(4 ranks, 4 experts)
+    dense = Job(ModelSpec.builtin_gpt("gpt-tiny", T), micro_batch=B, world_size=4)
+    assert not [o for o in candidate_options(dense) if o.get("experts")]
+
+    ep = Option("ddp", experts=2)
+    shared, own, moved = ep.model.collectives(ep, job, trace)
+    assert (shared.kind, own.kind, moved.kind) == ("all_reduce", "all_reduce", "all_to_all")
+    assert shared.size == pytest.approx(trace.grad_bytes - experts) and shared.ranks == 4
+    assert own.size == pytest.approx(experts / 2) and own.ranks == 2
+    assert (
+        moved.size == trace.dispatched * 4 and moved.ranks == 2 and moved.passes == 4 * 3 and moved.calls_per_pass == L
+    )
+    estimator = Estimator(job)
+    ddp, split = estimator.estimate(Option("ddp")), estimator.estimate(ep)
+    assert ddp.params - split.params == experts // 2  # half the experts stay on the other rank
+    assert ddp.optimizer - split.optimizer == pytest.approx(2 * experts / 2, rel=1e-3)  # Adam's two moments
+
+    fsdp = Option("fsdp", sharding="FULL_SHARD", experts=2)
+    sent = fsdp.model.collectives(fsdp, job, trace, units=L)
+    gathers = [c for c in sent if c.kind == "all_gather"]
+    assert [c.ranks for c in gathers] == [4, 2]  # the rest over every rank; a rank's experts over their 2 holders
+    assert gathers[1].size == pytest.approx(experts / 2) and sent[-1].kind == "all_to_all"
+
+
+def test_a_decision_for_expert_parallelism_reaches_the_strategy_and_reads_back_checked():
+    from distrain.planner.decide import Decision
+
+    decision = Decision(strategy="fsdp", sharding="FULL_SHARD", experts=4)
+    assert decision.strategy_options(()) == {"sharding_strategy": "FULL_SHARD", "expert_parallel_size": 4}
+    values = decision.shared_values()
+    assert Decision.from_values(values) == decision
+    assert Decision.from_values({**values, "experts": 0}) is None  # read as untrusted: no size below 1
+    assert Decision.from_values({**values, "experts": "4"}) is None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 class Experts(nn.Module):
@@ -60,7 +61,7 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         slots = chosen.reshape(-1)  # token i's k-th choice at i·k + k
-        counts = torch.bincount(slots, minlength=self.n_experts)
+        counts = expert_counts(slots, self.n_experts)
         self.tokens_per_expert = counts.detach()
         self.aux_loss = self.balance_loss(chosen, probs, shape[-2] if x.dim() > 2 else len(h))
         order = slots.argsort(stable=True)  # the slots grouped by expert, in token order within each
@@ -83,7 +84,23 @@ class MoE(nn.Module):
     def compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Every expert's tokens through it: ``tokens`` grouped by expert, ``counts`` per expert. Expert parallelism
         replaces this with a dispatch to the ranks that hold the experts."""
-        return self.experts(tokens, counts.tolist())
+        return self.experts(tokens, group_sizes(counts, len(tokens)))
+
+
+def expert_counts(slots: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many of ``slots`` (expert indices) chose each expert: ``bincount``'s values in a shape known before they
+    are (the planner traces the step under fake tensors, where ``bincount``'s length depends on the data)."""
+    return torch.zeros(n_experts, dtype=torch.long, device=slots.device).scatter_add_(0, slots, torch.ones_like(slots))
+
+
+def group_sizes(counts: torch.Tensor, total: int) -> list[int]:
+    """``counts`` as Python ints, to split the tokens by expert. Under fake tensors (the planner tracing a step)
+    they cannot be read: the routing is taken as even, what the balance loss aims at (the same FLOPs as any other
+    routing; an uneven one holds more tokens on some ranks under expert parallelism)."""
+    if isinstance(counts, FakeTensor):
+        n = counts.shape[0]
+        return [total // n + (e < total % n) for e in range(n)]
+    return counts.tolist()
 
 
 def refuse_experts(n_experts: int, layout: str) -> None:

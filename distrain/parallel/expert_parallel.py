@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from distrain.models.moe import expert_counts
 from distrain.parallel import gradients
 
 EP, EDP = "expert_parallel", "expert_data_parallel"
@@ -46,6 +47,25 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 #: the stacked weights of a Hugging Face (transformers 5) layer's experts: ``[experts, 2 × intermediate, hidden]`` and
 #: ``[experts, hidden, intermediate]``, each expert ``down(act(gate) * up)``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek
 _HF_EXPERT_WEIGHTS = {"gate_up_proj", "down_proj"}
+
+
+def splittable_experts(model: nn.Module) -> int:
+    """The experts per layer expert parallelism can split in ``model`` (the fewest, if layers differ); 0 when it has
+    no mixture-of-experts layer, or one laid out as it cannot split."""
+    try:
+        counts = [count for m in model.modules() if (count := expert_count(m))]
+    except ValueError:
+        return 0
+    return min(counts, default=0)
+
+
+def dispatched_per_token(layer: nn.Module) -> tuple[int, int]:
+    """(top_k, width) of a mixture-of-experts layer: each token leaves for ``top_k`` experts as ``width`` numbers,
+    and comes back so (``expert_count`` found it)."""
+    router = getattr(layer, "router", None)
+    router = getattr(layer, "gate", None) if router is None else router
+    top_k = getattr(layer, "top_k", None) or getattr(router, "top_k", None) or 1
+    return int(top_k), router.weight.shape[1]
 
 
 def expert_count(module: nn.Module) -> int:
@@ -166,7 +186,7 @@ class _HFExperts:
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         top_k = top_k_index.shape[-1]
         slots = top_k_index.reshape(-1)
-        counts = torch.bincount(slots, minlength=self.count)
+        counts = expert_counts(slots, self.count)
         order = slots.argsort(stable=True)
         token = order // top_k
         out = self.dispatch(hidden[token], counts)

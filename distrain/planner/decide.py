@@ -54,6 +54,8 @@ class Decision:
     ``auto`` chose keeps the config's global batch with more micro-batches per data-parallel rank."""
     context: int = 1
     """Ranks that split each sequence, when the plan chose context parallelism (with no tensor parallelism)."""
+    experts: int = 1
+    """Ranks that split each mixture-of-experts layer's experts, when the plan chose expert parallelism."""
     messages: list[str] = field(default_factory=list)
     stop: bool = False
 
@@ -64,6 +66,8 @@ class Decision:
             options["sharding_strategy"] = self.sharding
         if self.context > 1:
             options.update(context_parallel_size=self.context, tensor_parallel_size=1)
+        if self.experts > 1:
+            options["expert_parallel_size"] = self.experts
         if self.planned_checkpoint:
             from distrain.planner.model_stats import checkpoint_policy
 
@@ -101,7 +105,7 @@ class Decision:
             return None
         if any(type(values[name]) not in types for name, types in fields.items()):  # bool is no int here, nor int bool
             return None
-        least = {"checkpoint": 0, "accumulate": 1, "context": 1}
+        least = {"checkpoint": 0, "accumulate": 1, "context": 1, "experts": 1}
         if any(isinstance(values[name], int) and values[name] < low for name, low in least.items()):
             return None
         if values["strategy"] not in registry.names() or values["sharding"] not in (None, *SHARDING_STRATEGIES):
@@ -120,6 +124,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "planned_checkpoint": (bool,),
     "accumulate": (int, type(None)),
     "context": (int,),
+    "experts": (int,),
 }
 
 
@@ -171,6 +176,7 @@ def choose(planner: Planner, checkpointing: bool | str) -> Decision:
         planned_checkpoint=checkpointing == "auto" or (checkpointing is False and option.checkpoint != 0),
         accumulate=row.accumulate if row.accumulate != planner.job.accumulate else None,
         context=option.context,
+        experts=option.get("experts") or 1,
         messages=[f"distrain: strategy auto → {planner.reason(row, seen)}"],
     )
 

@@ -50,6 +50,8 @@ class Job:
     sequence_parallel: bool = True
     context_parallel: int = 1
     """``distributed.context_parallel_size`` of a run named ``model_parallel``."""
+    expert_parallel: int = 1
+    """``distributed.expert_parallel_size`` of a run named ``ddp`` or ``fsdp``."""
     pipeline_stages: int | str | None = None
     """What a run named ``model_parallel`` or ``pipeline`` splits (``distributed.tensor_parallel_size``,
     ``sequence_parallel``, ``pipeline_stages``)."""

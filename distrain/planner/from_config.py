@@ -70,6 +70,7 @@ def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
         tensor_parallel=d.tensor_parallel_size,
         sequence_parallel=d.sequence_parallel,
         context_parallel=d.context_parallel_size,
+        expert_parallel=d.expert_parallel_size,
         pipeline_stages=d.pipeline_stages,
         pipeline_schedule=d.pipeline_schedule,
         stages_per_rank=d.pipeline_stages_per_rank,

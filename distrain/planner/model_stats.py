@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from distrain.module import Module, loss_of, run_step
+from distrain.parallel import expert_parallel
 from distrain.planner import fake
 from distrain.planner.work import StepWork, WorkCounter
 from distrain.strategies import layers
@@ -46,17 +47,24 @@ class ModelSpec:
     with_depth: Callable[[int], ModelSpec] | None = None
     """The same model with ``n`` blocks: deep models are traced at two small depths and extrapolated."""
     num_blocks: int = 0
+    experts: int = 0
+    """Experts per mixture-of-experts layer that expert parallelism can split (``expert_parallel.splittable_experts``);
+    0: none."""
 
     # ---- the built-in GPT, Hugging Face configs, any module -------------------------------------
     @classmethod
-    def builtin_gpt(cls, model_name: str, seq_len: int, n_layer: int | None = None) -> ModelSpec:
+    def builtin_gpt(
+        cls, model_name: str, seq_len: int, n_layer: int | None = None, n_experts: int = 0, top_k: int = 2
+    ) -> ModelSpec:
+        """The built-in GPT (``n_experts``: each block a mixture of that many experts, ``top_k`` per token)."""
         from distrain.models.gpt import Block, gpt_config
         from distrain.models.lm import GPTLanguageModel
 
-        cfg = gpt_config(model_name, block_size=seq_len, **({"n_layer": n_layer} if n_layer else {}))
+        moe = {"n_experts": n_experts, "top_k": top_k} if n_experts else {}
+        cfg = gpt_config(model_name, block_size=seq_len, **({"n_layer": n_layer} if n_layer else {}), **moe)
 
         def build() -> Module:
-            module = GPTLanguageModel(model_name, block_size=seq_len)
+            module = GPTLanguageModel(model_name, block_size=seq_len, **moe)
             with _on_meta():
                 from distrain.models.gpt import GPT
 
@@ -75,8 +83,9 @@ class ModelSpec:
             seq_len=seq_len,
             block_classes=(Block,),
             hidden_size=cfg.n_embd,
-            with_depth=lambda n: cls.builtin_gpt(model_name, seq_len, n_layer=n),
+            with_depth=lambda n: cls.builtin_gpt(model_name, seq_len, n_layer=n, n_experts=n_experts, top_k=top_k),
             num_blocks=cfg.n_layer,
+            experts=cfg.n_experts,
         )
 
     @classmethod
@@ -129,6 +138,7 @@ class ModelSpec:
             hidden_size=getattr(config, "hidden_size", None),
             with_depth=with_depth if depth_key else None,
             num_blocks=getattr(config, depth_key) if depth_key else 0,
+            experts=expert_parallel.splittable_experts(skeleton),
         )
 
     @classmethod
@@ -160,6 +170,7 @@ class ModelSpec:
             block_classes=blocks,
             hidden_size=layers.hidden_size_of(probe),
             num_blocks=sum(isinstance(m, blocks) for m in probe.modules()) if blocks else 0,
+            experts=expert_parallel.splittable_experts(probe),
         )
 
     def portable(self, micro_batch: int) -> ModelSpec:
@@ -177,6 +188,7 @@ class ModelSpec:
             block_classes=self.block_classes,
             hidden_size=self.hidden_size,
             num_blocks=self.num_blocks,
+            experts=self.experts,
         )
 
 
@@ -298,6 +310,16 @@ class StepTrace:
     """The optimizer's parameter groups: each trainable parameter's element count, in order."""
     work: StepWork = field(default_factory=StepWork, repr=False)
     """FLOPs, bytes moved and operations of forward, backward and the optimizer step (for time)."""
+    expert_bytes: int = 0
+    """The parameters of the experts expert parallelism can split (``expert_parallel.splittable_experts``)."""
+    expert_tensors: int = 0
+    """How many tensors hold them (each layer's stacked weights)."""
+    moe_layers: int = 0
+    """Mixture-of-experts layers (an all-to-all each, each way)."""
+    dispatched: int = 0
+    """Numbers one micro-batch's forward sends to its experts, over every mixture-of-experts layer: each token's
+    ``top_k`` copies of its width (under expert parallelism they travel by all-to-all, and back, in forward and in
+    backward)."""
 
     @property
     def elements(self) -> int:
@@ -410,13 +432,14 @@ def trace_step(
                 p.register_post_accumulate_grad_hook(
                     lambda _p, g=g, i=i: grad_events.append((len(phases.timeline), g, i))
                 )
+        moe = _experts_of(module, counter_phase := {"phase": "forward"})
         tracker = fake.timeline_memory_tracker(phases.sample)
         tracker.track_external(module, optimizer, *inputs)
         counter = WorkCounter()
         with tracker, counter:
             with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
                 loss = loss_of(run_step(module, "training_step", batch, 0))
-            phases.phase = counter.phase = "backward"
+            phases.phase = counter.phase = counter_phase["phase"] = "backward"
             loss.backward()
             del loss
             phases.phase = counter.phase = "step"
@@ -446,7 +469,34 @@ def trace_step(
         grad_events=grad_events,
         groups=groups,
         work=counter.work,
+        expert_bytes=moe["bytes"],
+        expert_tensors=moe["tensors"],
+        moe_layers=moe["layers"],
+        dispatched=moe["dispatched"][0],
     )
+
+
+def _experts_of(module: nn.Module, phase: dict) -> dict[str, Any]:
+    """The experts expert parallelism can split: their ``bytes``, ``tensors`` and ``layers``, and ``dispatched``,
+    the numbers the forward sends to them, filled as the traced forward runs each layer (not the recomputation in
+    backward)."""
+    sent = [0]
+    layers = expert_parallel.moe_layers(module) if expert_parallel.splittable_experts(module) else []
+
+    def count(layer, args, output) -> None:
+        if phase["phase"] == "forward":
+            top_k, width = expert_parallel.dispatched_per_token(layer)
+            sent[0] += args[0].numel() // width * top_k * width
+
+    for layer in layers:
+        layer.register_forward_hook(count)
+    experts = [p for layer in layers for p in layer.experts.parameters()]
+    return {
+        "bytes": sum(p.numel() * p.element_size() for p in experts),
+        "tensors": len(experts),
+        "layers": len(layers),
+        "dispatched": sent,
+    }
 
 
 # ---- deep models: estimate two shallow copies, extrapolate by depth ---------------------------------------

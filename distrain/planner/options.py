@@ -170,6 +170,7 @@ class Row:
             "sharding": o.model.sharding(o),
             "tensor_parallel_size": o.tensor,
             "context_parallel_size": o.context,
+            "expert_parallel_size": o.get("experts") or 1,
             "sequence_parallel": o.get("sequence_parallel", False),
             "pipeline_stages": o.pipeline,
             "pipeline_schedule": o.get("schedule"),

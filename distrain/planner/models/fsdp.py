@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from distrain.planner.models import CostModel, model_of
-from distrain.planner.models.replicated import replicated
+from distrain.planner.models.replicated import offered_expert_parallel, replicated
 from distrain.planner.options import Option, Row
 from distrain.planner.timing import Collective, step_time
 
@@ -24,6 +24,9 @@ class FSDP(CostModel):
             options.append(Option("fsdp", sharding="HYBRID_SHARD"))
         if job.gpu:
             options.append(Option("fsdp", sharding="FULL_SHARD", offload="cpu"))
+        options += [
+            Option("fsdp", sharding="FULL_SHARD", experts=o.get("experts")) for o in offered_expert_parallel(job)
+        ]
         return options
 
     def from_config(self, config) -> dict:
@@ -47,22 +50,27 @@ class FSDP(CostModel):
         sharding = configured.get("sharding", "FULL_SHARD")
         if sharding == "NO_SHARD" and offload == "none":  # replicated on every rank: DDP's memory
             return replicated(job)
-        return Option("fsdp", sharding="FULL_SHARD" if sharding == "NO_SHARD" else sharding, offload=offload)
+        experts = job.expert_parallel if job.expert_parallel > 1 else None
+        sharding = "FULL_SHARD" if sharding == "NO_SHARD" else sharding
+        return Option("fsdp", sharding=sharding, offload=offload, experts=experts)
 
     def strategy(self, option) -> str:
         return "fsdp_cpu_offload" if option.offload == "cpu" else "fsdp"
 
     def settings(self, option) -> dict:
-        return {"sharding_strategy": option.get("sharding")}
+        experts = {"expert_parallel_size": option.get("experts")} if option.get("experts") else {}
+        return {"sharding_strategy": option.get("sharding"), **experts}
 
     def level(self, option) -> int:
         return LEVELS[option.get("sharding")]
 
     def label(self, option, accumulate=None) -> str:
-        return f"fsdp {option.get('sharding')}"
+        experts = option.get("experts")
+        return f"fsdp {option.get('sharding')}" + (f" + experts over {experts}" if experts else "")
 
     def short(self, option) -> str:
-        return "FSDP" + {"SHARD_GRAD_OP": " grad-op", "HYBRID_SHARD": " hybrid"}.get(option.get("sharding"), "")
+        short = "FSDP" + {"SHARD_GRAD_OP": " grad-op", "HYBRID_SHARD": " hybrid"}.get(option.get("sharding"), "")
+        return short + (f"+EP{option.get('experts')}" if option.get("experts") else "")
 
     def offloaded(self, option) -> str:
         return "params+grads+opt"
@@ -118,6 +126,18 @@ class FSDP(CostModel):
                 Collective("all_gather", params, per_node, gathers * a, units, copied=True),
                 Collective("reduce_scatter", reduce, per_node, reductions, units, copied=True),
                 Collective("all_reduce", reduce / per_node, job.num_nodes, reductions, units, True),
+            ]
+        experts = option.get("experts")
+        if experts:  # each layer's experts a unit of their own, 1/N of them, over the n/N ranks that hold them
+            share = trace.expert_bytes / trace.param_bytes
+            holders, layers = n // experts, trace.moe_layers
+            act_bytes = 2 if job.precision in ("bf16-mixed", "16-mixed", "bf16-true") else 4
+            return [
+                Collective("all_gather", params * (1 - share), n, gathers * a, units, inter, True),
+                Collective("reduce_scatter", reduce * (1 - share), n, reductions, units, inter, True),
+                Collective("all_gather", params * share / experts, holders, gathers * a, layers, inter, True),
+                Collective("reduce_scatter", reduce * share / experts, holders, reductions, layers, inter, True),
+                Collective("all_to_all", trace.dispatched * act_bytes, experts, 4 * a, layers, inter, False),
             ]
         return [
             Collective("all_gather", params, n, gathers * a, units, inter, True),

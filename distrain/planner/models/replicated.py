@@ -3,6 +3,7 @@ and DDP over replica groups (``ddp_torchft``, meeting every step or every ``sync
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from distrain.planner.models import CostModel
@@ -19,12 +20,21 @@ class Replicated(CostModel):
         if job.world_size == 1:
             return [Option("single")]
         semi = [Option("ddp", semi_sync=m, sync_every=job.sync_every) for m in ("local_sgd", "diloco")]
-        return [Option("ddp"), *(semi if job.replica_groups > 1 else [])]
+        experts = offered_expert_parallel(job)
+        return [Option("ddp"), *(semi if job.replica_groups > 1 else []), *experts]
 
     def option_for_run(self, strategy: str, job) -> Option:
         if registry.starts_replica_groups(strategy) and job.semi_sync and job.replica_groups > 1:
             return Option("ddp", semi_sync=job.semi_sync, sync_every=job.sync_every)
+        if job.expert_parallel > 1 and not registry.runs_one_process(strategy):
+            return Option("ddp", experts=job.expert_parallel)
         return replicated(job) if not registry.runs_one_process(strategy) else Option("single")
+
+    def settings(self, option) -> dict:
+        return {"expert_parallel_size": option.get("experts")} if option.get("experts") else {}
+
+    def level(self, option) -> int:
+        return 1 if option.get("experts") else 0  # the experts split: less than FSDP's, more than nothing
 
     def auto_may_choose(self, option) -> bool:
         return not option.get(
@@ -35,12 +45,16 @@ class Replicated(CostModel):
         if option.family == "single":
             return "single process"
         semi_sync = option.get("semi_sync")
+        if option.get("experts"):
+            return f"ddp + experts over {option.get('experts')}"
         return f"ddp + {semi_sync} every {option.get('sync_every', 1)} steps" if semi_sync else "ddp"
 
     def short(self, option) -> str:
         if option.family == "single":
             return "1 process"
         semi_sync = option.get("semi_sync")
+        if option.get("experts"):
+            return f"DDP+EP{option.get('experts')}"
         return f"DDP {semi_sync}/{option.get('sync_every', 1)}" if semi_sync else "DDP"
 
     def estimate(self, estimator, option) -> Row:
@@ -48,6 +62,10 @@ class Replicated(CostModel):
         job = estimator.job
         params = t.param_bytes + t.buffer_bytes
         grads, opt = t.grad_bytes, t.optimizer_bytes
+        if option.get("experts"):  # each rank holds 1/N of the experts, their gradients and their state
+            away = t.expert_bytes / t.param_bytes * (1 - 1 / option.get("experts"))
+            params -= round(t.param_bytes * away)
+            grads, opt = round(grads * (1 - away)), round(opt * (1 - away))
         if option.family == "single":
             # gradients appear one by one in backward, beside the activations still alive
             forward_backward = params + opt + t.activations_and_grads
@@ -78,7 +96,34 @@ class Replicated(CostModel):
         copied = not job.gradient_as_bucket_view
         if job.replica_groups > 1:
             return _replica_group_collectives(option, job, grads, trace.elements)
+        experts = option.get("experts")
+        if experts:
+            return expert_collectives(job, trace, experts, grads)
         return [Collective("all_reduce", grads, n, 1, buckets(grads, DDP_BUCKET_BYTES), job.num_nodes > 1, copied)]
+
+
+def offered_expert_parallel(job) -> list[Option]:
+    """A mixture of experts: DDP with each layer's experts over the most ranks that divide both the world and the
+    experts (none when that is 1)."""
+    experts = math.gcd(job.world_size, job.spec.experts) if job.spec.experts else 1
+    return [Option("ddp", experts=experts)] if experts > 1 and job.replica_groups == 1 else []
+
+
+def expert_collectives(job, trace, experts: int, grads: float) -> list[Collective]:
+    """DDP with expert parallelism over ``experts`` ranks: the rest of the gradients all-reduced over every rank,
+    each expert's over the ranks that hold it (one all-reduce per expert tensor), and each micro-batch's tokens to
+    their experts and back by all-to-all, in forward and again in backward (each rank sends its share, keeps 1/N)."""
+    n, inter = job.world_size, job.num_nodes > 1
+    expert_grads = grads * trace.expert_bytes / trace.param_bytes
+    shared = grads - expert_grads
+    holders = n // experts
+    act_bytes = 2 if job.precision in ("bf16-mixed", "16-mixed", "bf16-true") else 4
+    moved = trace.dispatched * act_bytes
+    return [
+        Collective("all_reduce", shared, n, 1, buckets(shared, DDP_BUCKET_BYTES), inter, False),
+        Collective("all_reduce", expert_grads / experts, holders, 1, max(1, trace.expert_tensors), inter, False),
+        Collective("all_to_all", moved, experts, 4 * job.accumulate, trace.moe_layers, inter, False),
+    ]
 
 
 def replicated(job) -> Option:
