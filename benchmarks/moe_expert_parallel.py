@@ -16,9 +16,10 @@ measured in the ranks from the tensors just before each optimizer step (local sh
 callback on rank 0 from the end of the last warm-up step to the end of the last step (global tokens = world × batch
 × seq-len per step, counted as the Trainer's logged ``tokens_per_sec`` counts them, a rank's tokens × data-parallel
 size, but over the timed steps only: the Trainer's window here would include the warm-up); and both relative to
-``fsdp`` EP 1 at the same world size (ratios within one run). Not counted: activations, and FSDP's transient
-all-gathered weights (with EP 1 each layer's whole experts are gathered for its forward and backward; with EP a rank
-only ever materializes its own experts).
+``fsdp`` EP 1 at the same world size (ratios within one run; tokens/s the median over ``--rounds``, its ratio the
+median of each round's against fsdp EP 1 of the same round, the rounds' in parentheses). Not counted: activations,
+and FSDP's transient all-gathered weights (with EP 1 each layer's whole experts are gathered for its forward and
+backward; with EP a rank only ever materializes its own experts).
 
 How to read it. DDP replicates the experts on every rank: EP = N divides their bytes by N. FSDP already shards
 everything over the world, and with EP the experts are sharded over (EP ranks) × (ranks holding the same experts)
@@ -28,29 +29,28 @@ transient gathered weights. Tokens/s on a shared 2-core CPU over gloo only say h
 count compare here, not GPU speed. A footnote under the table names any row whose model is not the GPT as defined
 (its output head no longer tied to the token embedding).
 
-Measured on a 2-core CPU, date 2026-11-28 (defaults: ``--worlds 2 4 --steps 8 --warmup 3``, batch 4 × 128):
+Measured on a 2-core CPU, date 2026-11-28 (defaults: ``--worlds 2 4 --steps 8 --warmup 3 --rounds 3``, batch
+4 × 128; 104 s, while another job's tests ran on the same 2 cores):
 
     | strategy | world | EP | experts/rank | state MiB/rank | experts' MiB | vs fsdp EP 1 | tokens/s | vs fsdp EP 1 |
     |---|---|---|---|---|---|---|---|---|
-    | fsdp | 2 | 1 | 8 | 34.42 | 32.00 | 1.00× | 2,375 | 1.00× |
-    | fsdp | 2 | 2 | 4 | 34.67 | 32.00 | 1.01× | 3,536 | 1.49× |
-    | ddp | 2 | 1 | 8 | 68.83 | 64.00 | 2.00× | 4,101 | 1.73× |
-    | ddp | 2 | 2 | 4 | 36.83 | 32.00 | 1.07× | 4,105 | 1.73× |
-    | fsdp | 4 | 1 | 8 | 17.21 | 16.00 | 1.00× | 2,181 | 1.00× |
-    | fsdp | 4 | 2 | 4 | 17.33 | 16.00 | 1.01× | 2,686 | 1.23× |
-    | fsdp | 4 | 4 | 2 | 17.33 | 16.00 | 1.01× | 3,594 | 1.65× |
-    | ddp | 4 | 1 | 8 | 68.83 | 64.00 | 4.00× | 5,742 | 2.63× |
-    | ddp | 4 | 4 | 2 | 20.83 | 16.00 | 1.21× | 4,819 | 2.21× |
+    | fsdp | 2 | 1 | 8 | 34.42 | 32.00 | 1.00× | 4,978 | 1.00× (1.00 · 1.00 · 1.00) |
+    | fsdp | 2 | 2 | 4 | 34.42 | 32.00 | 1.00× | 5,156 | 1.06× (1.18 · 0.72 · 1.06) |
+    | ddp | 2 | 1 | 8 | 68.83 | 64.00 | 2.00× | 8,377 | 1.68× (1.83 · 1.68 · 1.67) |
+    | ddp | 2 | 2 | 4 | 36.83 | 32.00 | 1.07× | 7,007 | 1.41× (1.67 · 1.41 · 0.89) |
+    | fsdp | 4 | 1 | 8 | 17.21 | 16.00 | 1.00× | 4,617 | 1.00× (1.00 · 1.00 · 1.00) |
+    | fsdp | 4 | 2 | 4 | 17.21 | 16.00 | 1.00× | 4,735 | 0.98× (0.98 · 0.92 · 1.33) |
+    | fsdp | 4 | 4 | 2 | 17.21 | 16.00 | 1.00× | 5,496 | 1.16× (1.16 · 1.06 · 1.55) |
+    | ddp | 4 | 1 | 8 | 68.83 | 64.00 | 4.00× | 7,832 | 1.73× (1.73 · 1.51 · 2.11) |
+    | ddp | 4 | 4 | 2 | 20.83 | 16.00 | 1.21× | 7,543 | 1.63× (1.63 · 1.50 · 2.09) |
 
-(73 s in all, another job's tests sharing the 2 cores.) Under DDP, EP = N divides the experts' share of a rank's
-state by N (64 → 32 → 16 MiB; the whole 68.8 → 20.8 MiB at world 4); under FSDP it stays at 1/world with or
-without EP. The 0.12-0.25 MiB more of FSDP with EP is the output head: on that path (a model built in
-``configure_model``, on meta) it came out untied from the token embedding, so each rank holds, updates and trains a
-second 256 × 128 matrix; the run printed the footnote for the three FSDP rows with EP. On this CPU, EP made FSDP
-faster (1.5× at world 2, 1.65× with EP 4 at world 4: presumably because the routed tokens' all-to-alls move less
-than gathering and reduce-scattering every layer's 8 experts), but nothing beat plain DDP on a model this small, and
-EP 4 under DDP was slower than none (0.84×: each block's all-to-alls, forward and backward, cost more here than the
-experts' share of the gradient all-reduce they save).
+Under DDP, EP = N divides the experts' share of a rank's state by N (64 → 32 → 16 MiB; the whole 68.8 → 20.8 MiB at
+world 4); under FSDP it stays at 1/world with or without EP. (A first run of this benchmark found FSDP with EP
+holding 0.12-0.25 MiB more: on that path, a model built in ``configure_model`` on the meta device, its output head
+came out untied from the token embedding; fixed, and tested in tests/test_expert_parallel.py.) Speed on this
+loaded CPU: DDP beat FSDP in every round (the model is small, FSDP's per-layer gathers cost more than they save),
+but EP against none within one strategy went either way from round to round (0.72× to 1.55×): no speed difference
+from EP shows here above the noise.
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         "| strategy | world | EP | experts/rank | state MiB/rank | experts' MiB | vs fsdp EP 1 "
-        "| tokens/s | vs fsdp EP 1 (rounds) |"
+        "| tokens/s | vs fsdp EP 1 |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for world, rows in results.items():

@@ -50,10 +50,14 @@ class ByteSequences(Dataset):
         return self.data[i, :-1], self.data[i, 1:]
 
 
-def gpt():
+def gpt(n_experts: int = 0):
+    """The built-in GPT (``n_experts``: each block a mixture of that many experts, top-2)."""
     from distrain.models.lm import GPTLanguageModel
 
-    return GPTLanguageModel("gpt-tiny", block_size=16, learning_rate=3e-3, warmup_steps=0, lr_schedule="constant")
+    moe = {"n_experts": n_experts, "top_k": 2} if n_experts else {}
+    return GPTLanguageModel(
+        "gpt-tiny", block_size=16, learning_rate=3e-3, warmup_steps=0, lr_schedule="constant", **moe
+    )
 
 
 def hf_causal(path: str):

@@ -445,3 +445,53 @@ def test_a_model_built_on_the_meta_device_splits_its_experts_with_its_ties_kept(
     assert tied
     for a, b in zip(single, losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (single, losses)
+
+
+def _mixtral_under_fsdp_with_experts_split(rank, path, ckpt):
+    import matrix_models
+
+    import distrain
+
+    distrain.seed_everything(0)
+    module = matrix_models.hf_causal(path)
+    loader = torch.utils.data.DataLoader(
+        matrix_models.hf_samples(path, "causal_lm", n=16), batch_size=4, collate_fn=matrix_models.hf_collate(path)
+    )
+    trainer = distrain.Trainer(
+        accelerator="cpu",
+        strategy="fsdp",
+        devices=2,
+        expert_parallel_size=2,
+        max_steps=2,
+        seed=7,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        logger=False,
+        default_root_dir=str(ckpt.parent),
+    )
+    trainer.fit(module, loader)
+    trainer.save_checkpoint(ckpt)
+    probe = {"input_ids": torch.arange(1, 13).view(2, 6)}
+    with torch.no_grad():  # every rank, through the set-up model: the experts answer through the all-to-all
+        return trainer.model("predict_step", probe, 0).detach()
+
+
+@pytest.mark.slow
+def test_a_hugging_face_mixture_trained_with_its_experts_split_exports_to_from_pretrained(tmp_path):
+    """A tiny Mixtral under FSDP with its experts over 2 ranks, saved as DCP shards, exported with `distrain
+    convert --to hf`: transformers' own from_pretrained gives the trained model's logits (its experts whole, under
+    their names)."""
+    from transformers import AutoModelForCausalLM
+
+    from distrain.hf.export import export_checkpoint
+    from distrain.hf.tiny import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "mixtral", experts=4)
+    trained = run_ranks(_mixtral_under_fsdp_with_experts_split, 2, path, tmp_path / "run" / "ckpt")[0]
+    with pytest.warns(UserWarning, match="names the local tokenizer"):
+        out = export_checkpoint(tmp_path / "run" / "ckpt", tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(1, 13).view(2, 6)).logits
+    torch.testing.assert_close(logits, trained, rtol=1e-5, atol=1e-5)

@@ -48,6 +48,13 @@ MODEL_PARALLEL = {
     "model_parallel": ["distributed.tensor_parallel_size=2"],
     "pipeline": ["distributed.pipeline_stages=2"],
 }
+#: expert parallelism (each mixture-of-experts layer's 4 experts over the 2 ranks), a row each: its GPT and Hugging
+#: Face cells train the mixture-of-experts variant of their kind (the GPT with 4 experts per block; a tiny Mixtral,
+#: Llama's layers with MoE MLPs), against one process training that variant; a model with no mixture of experts is
+#: refused in one line
+EXPERT_PARALLEL = {"ddp+ep": "ddp", "fsdp+ep": "fsdp"}
+MIXTURE_KINDS = ("gpt", "hf-causal")
+NO_EXPERTS = {(s, k) for s in EXPERT_PARALLEL for k in KINDS if k not in MIXTURE_KINDS}
 #: models neither built-in plan knows (a user's own MLP, BERT): refused in one line, naming what to add
 NO_PLAN = {(s, k) for s in MODEL_PARALLEL for k in ("mlp", "hf-classifier")}
 NO_PLAN_MESSAGES = ("no built-in tensor-parallel plan", "the pipeline strategy has a built-in plan for")
@@ -98,28 +105,35 @@ def tiny(tmp_path_factory):
     texts.write_text("\n".join(hf_tiny.counting_texts(120)) + "\n")
     return {
         "hf-causal": hf_tiny.make_tiny_llama(root / "llama"),
+        "hf-causal-moe": hf_tiny.make_tiny_llama(root / "mixtral", experts=4),
         "hf-classifier": hf_tiny.make_tiny_bert(root / "bert", dropout=0.0),
         "counting": str(texts),
         "reviews": hf_tiny.write_jsonl(root / "reviews.jsonl", hf_tiny.reviews(120)),
     }
 
 
-def _job(kind: str, tiny: dict, multiple_of: int = 1):
+def _job(kind: str, tiny: dict, multiple_of: int = 1, mixture: bool = False):
+    """``mixture``: the mixture-of-experts variant of the kind (the GPT and the causal LM have one)."""
     distrain.seed_everything(0)  # as a user's script does before building its model
     if kind == "mlp":
         module = matrix_models.MLP(batch_size=BATCH)
         return module, module.train_dataloader()
     if kind == "gpt":
-        return matrix_models.gpt(), DataLoader(matrix_models.ByteSequences(), batch_size=BATCH, shuffle=True)
+        module = matrix_models.gpt(n_experts=4 if mixture else 0)
+        return module, DataLoader(matrix_models.ByteSequences(), batch_size=BATCH, shuffle=True)
     task = "causal_lm" if kind == "hf-causal" else "sequence_classification"
-    module = matrix_models.hf_causal(tiny[kind]) if kind == "hf-causal" else matrix_models.hf_classifier(tiny[kind])
-    samples = matrix_models.hf_samples(tiny[kind], task)
-    collate = matrix_models.hf_collate(tiny[kind], multiple_of)
+    path = tiny["hf-causal-moe"] if mixture and kind == "hf-causal" else tiny[kind]
+    module = matrix_models.hf_causal(path) if kind == "hf-causal" else matrix_models.hf_classifier(path)
+    samples = matrix_models.hf_samples(path, task)
+    collate = matrix_models.hf_collate(path, multiple_of)
     return module, DataLoader(samples, batch_size=BATCH, shuffle=True, collate_fn=collate)
 
 
-def _fit(strategy: str, devices: int, kind: str, tiny: dict, tmp: Path, **options):
+def _fit(strategy: str, devices: int, kind: str, tiny: dict, tmp: Path, mixture: bool = False, **options):
     recorder = LossRecorder()
+    if strategy in EXPERT_PARALLEL:
+        strategy, mixture = EXPERT_PARALLEL[strategy], True
+        options["expert_parallel_size"] = devices
     trainer = distrain.Trainer(
         accelerator="cpu",
         strategy=strategy,
@@ -136,11 +150,13 @@ def _fit(strategy: str, devices: int, kind: str, tiny: dict, tmp: Path, **option
         callbacks=[recorder],
         **options,
     )
-    module, loader = _job(kind, tiny, multiple_of=2 if strategy == "model_parallel" else 1)
+    module, loader = _job(kind, tiny, multiple_of=2 if strategy == "model_parallel" else 1, mixture=mixture)
     try:
         trainer.fit(module, loader)
     except ValueError as e:
         if (strategy, kind) in NO_PLAN and any(m in str(e) for m in NO_PLAN_MESSAGES) and "\n" not in str(e):
+            return "refused"
+        if mixture and kind not in MIXTURE_KINDS and "has no mixture-of-experts layer" in str(e) and "\n" not in str(e):
             return "refused"
         raise
     if strategy in LAUNCHING:  # the workers' recorder stays in the workers: the parent gets the final step
@@ -206,6 +222,9 @@ def _cell(strategy: str, kind: str, reference, result) -> tuple[str, str]:
     if (strategy, kind) in NO_PLAN:
         problem = "" if result == "refused" else f"expected a one-line refusal (no plan), got {str(result)[:120]}"
         return ("refused: no plan" if not problem else f"✗ {problem}"), problem
+    if (strategy, kind) in NO_EXPERTS:
+        problem = "" if result == "refused" else f"expected a one-line refusal (no experts), got {str(result)[:120]}"
+        return ("refused: no experts" if not problem else f"✗ {problem}"), problem
     worst = 0.0
     if isinstance(result, str) or isinstance(reference, str):
         problem = result if isinstance(result, str) else reference
@@ -232,6 +251,9 @@ def test_api_matrix(tiny, tmp_path):
         runnable = tuple(s for s in session if s not in UNAVAILABLE)
         if runnable:
             results.update(run_ranks(_shared_session, 2, tiny, tmp_path, runnable)[0])
+    # expert parallelism: against one process training the same mixture of experts
+    mixtures = {kind: _fit("single", 1, kind, tiny, tmp_path / f"single-moe-{kind}", True) for kind in MIXTURE_KINDS}
+    results.update(run_ranks(_shared_session, 2, tiny, tmp_path, tuple(EXPERT_PARALLEL))[0])
     for strategy, kind in itertools.product(LAUNCHING, KINDS):
         if FULL or (strategy, kind) in (
             ("ddp_spawn", "mlp"),
@@ -243,7 +265,8 @@ def test_api_matrix(tiny, tmp_path):
     cells, failures = {("single", k): "reference" for k in KINDS}, []
     cells.update({(s, k): why for s, why in UNAVAILABLE.items() for k in KINDS})
     for (strategy, kind), result in results.items():
-        cells[strategy, kind], problem = _cell(strategy, kind, references[kind], result)
+        reference = mixtures.get(kind) if strategy in EXPERT_PARALLEL else references[kind]
+        cells[strategy, kind], problem = _cell(strategy, kind, reference, result)
         if problem:
             failures.append(f"{strategy} × {kind}: {problem}")
     report(_table("Python API: 2 CPU ranks vs one process (losses and gradient norms, 3 steps)", cells))

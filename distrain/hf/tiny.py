@@ -151,11 +151,20 @@ def make_tiny_llama(
     heads: int = 2,
     kv_heads: int = 2,
     sliding_window: int | None = None,
+    experts: int = 0,
 ) -> str:
     """A 2-layer LlamaForCausalLM, 16 wide per head (32 wide as made by default), with its tokenizer (no pad token,
     as Llama's own). ``kv_heads`` fewer than ``heads``: grouped-query attention. A ``sliding_window``: a
-    MistralForCausalLM (Llama's layers, each token attending to the last ``sliding_window`` tokens only)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    MistralForCausalLM (Llama's layers, each token attending to the last ``sliding_window`` tokens only).
+    ``experts``: a MixtralForCausalLM (Llama's layers, each MLP a mixture of that many experts, top-2)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
 
     def write(tmp: Path) -> None:
         tokenizer = make_tokenizer({"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"})
@@ -172,7 +181,10 @@ def make_tiny_llama(
             tie_word_embeddings=False,
         )
         torch.manual_seed(seed)
-        if sliding_window is None:
+        if experts:
+            mixture = dict(num_local_experts=experts, num_experts_per_tok=2, intermediate_size=32)
+            MixtralForCausalLM(MixtralConfig(**{**config, **mixture})).save_pretrained(tmp)
+        elif sliding_window is None:
             LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(tmp)
         else:
             MistralForCausalLM(MistralConfig(**config, sliding_window=sliding_window)).save_pretrained(tmp)
