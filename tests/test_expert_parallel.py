@@ -495,3 +495,65 @@ def test_a_hugging_face_mixture_trained_with_its_experts_split_exports_to_from_p
     with torch.no_grad():
         logits = model(input_ids=torch.arange(1, 13).view(2, 6)).logits
     torch.testing.assert_close(logits, trained, rtol=1e-5, atol=1e-5)
+
+
+def _few_experts(rank, tmp):
+    """Fewer experts than the ranks that shard them: FSDP alone (2 experts over 4 ranks) and with expert
+    parallelism (each rank's 1 expert over the 2 ranks that hold it)."""
+    import distrain
+    from helpers import TinyGPT, loader, make_trainer
+
+    out = {}
+    for ep in (1, 2):
+        options = {"expert_parallel_size": ep} if ep > 1 else {}
+        trainer, rec = make_trainer(
+            tmp / f"ep{ep}",
+            strategy="fsdp",
+            devices=4,
+            max_steps=STEPS,
+            gradient_clip_val=CLIP,
+            enable_checkpointing=False,
+            logger=False,
+            **options,
+        )
+        distrain.seed_everything(0)
+        module = TinyGPT(n_experts=2)
+        trainer.fit(module, loader(2))
+        if ep == 2:
+            trainer.save_checkpoint(tmp / "few.ckpt")
+        fc = module.gpt.blocks[0].mlp.experts.fc
+        out[ep] = (rec.losses, tuple(fc.to_local().shape), [str(p) for p in fc.placements])
+    return out
+
+
+@pytest.mark.slow
+def test_fewer_experts_than_ranks_are_sharded_by_columns_not_padded_rows(tmp_path):
+    """FSDP2 pads a parameter's first dimension to a multiple of the ranks: 2 stacked experts over 4 ranks left each
+    rank a whole expert (half of them, where a quarter was asked for). Sharded along their second dimension they
+    hold a quarter, train as one process does, and a checkpoint of them resumes in one process."""
+    import distrain
+    from helpers import TinyGPT, loader, make_trainer
+
+    def single(steps, ckpt_path=None):
+        trainer, rec = make_trainer(
+            tmp_path / f"single{steps}",
+            strategy="single",
+            devices=1,
+            max_steps=steps,
+            gradient_clip_val=CLIP,
+            enable_checkpointing=False,
+            logger=False,
+        )
+        distrain.seed_everything(0)
+        trainer.fit(TinyGPT(n_experts=2), loader(8), ckpt_path=ckpt_path)
+        return rec.losses
+
+    reference = single(STEPS)
+    runs = run_ranks(_few_experts, 4, tmp_path)[0]
+    assert runs[1][1:] == ((2, 32, 32), ["S(1)"])  # fc [2, 128, 32]: a quarter of each expert's rows
+    assert runs[2][1:] == ((1, 64, 32), ["S(1)"])  # this rank's expert, half of it
+    for ep, (losses, _, _) in runs.items():
+        for a, b in zip(reference, losses, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(a), (ep, reference, losses)
+    resumed = single(STEPS + 1, ckpt_path=tmp_path / "few.ckpt")
+    assert len(resumed) == 1 and abs(resumed[0] - single(STEPS + 1)[-1]) <= 1e-5 * resumed[0]

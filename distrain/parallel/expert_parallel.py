@@ -11,8 +11,9 @@ A layer is found by its structure, not its name: a module with a ``router`` and 
 are 3-D with the experts first (``distrain.models.moe.MoE``).
 
 Under the Trainer (``expert_parallel_size``, DDP and FSDP) ``split_model`` lays the ranks out as a mesh of
-(expert_parallel, expert_data_parallel): ranks ``r`` and ``r + world/N`` ... hold different experts, consecutive ranks
-the same ones. The rest of the model keeps its layout over every rank. The experts' gradients are then averaged over
+(expert_parallel, expert_data_parallel): N consecutive ranks hold different experts (on one node where N fits
+in it: the all-to-all, every layer's traffic, stays on the node's links), ranks ``r``, ``r + N``, ... the same ones.
+The rest of the model keeps its layout over every rank. The experts' gradients are then averaged over
 the ranks that hold the same experts (DDP: an all-reduce when the gradient is complete; FSDP: the experts sharded
 over those ranks, divided by the whole world) and the gradient norm sums every rank's experts once. Checkpoints hold
 every layer's whole ``[experts, ...]`` tensors under the model's own names (``global_state`` / ``local_state``), so
@@ -353,9 +354,11 @@ class ExpertSplit:
                     _put(out, name, fieldname, whole.to(present.device))
                 continue
             fsdp = isinstance(local, DTensor)
+            within = local.placements[0] if fsdp else Replicate()  # FSDP's: rows, or columns (few experts)
             local = local.to_local() if fsdp else local
-            shape = torch.Size((self.size * _rows(self.parameter(name)), *local.shape[1:]))
-            placements = [Shard(0), Shard(0) if fsdp else Replicate()]
+            live = self.parameter(name)
+            shape = torch.Size((self.size * _rows(live), *live.shape[1:]))
+            placements = [Shard(0), within]
             whole = DTensor.from_local(local, self.mesh, placements, shape=shape, stride=_contiguous_stride(shape))
             _put(out, name, fieldname, whole)
         return out
@@ -363,7 +366,7 @@ class ExpertSplit:
     def local_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The reverse of ``global_state``: whole expert tensors (full ones, or the DTensors it made) as this rank's
         part of them. A checkpoint with another number of experts is refused, naming the tensor."""
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor
 
         out = dict(state)
         for name, fieldname, value in self._entries(state):
@@ -373,7 +376,7 @@ class ExpertSplit:
                 local = value.to_local()
                 if isinstance(live, DTensor):
                     local = DTensor.from_local(
-                        local, live.device_mesh, [Shard(0)], shape=live.shape, stride=live.stride()
+                        local, live.device_mesh, live.placements, shape=live.shape, stride=live.stride()
                     )
             elif value.shape[0] == rows * self.size:
                 local = value[self.rank * rows : (self.rank + 1) * rows]
@@ -414,10 +417,14 @@ def clip(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> Non
 def split_model(model: nn.Module, size: int, device_type: str) -> ExpertSplit:
     """Every rank together: the mesh of (expert_parallel, expert_data_parallel) over the world, each layer's experts
     split over the expert-parallel ranks (``split_experts``), and the split recorded on ``model`` (``experts_of``)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
     world = dist.get_world_size()
-    mesh = init_device_mesh(device_type, (size, world // size), mesh_dim_names=(EP, EDP))
+    # N consecutive ranks split the experts (one node's, where N fits in it), ranks N apart hold the same ones. The
+    # expert-parallel dimension comes first, so that a layer's experts are [Shard(0), Shard(0)] over the mesh: the
+    # rows split among the expert-parallel ranks, then each rank's among those that hold the same ones (FSDP)
+    ranks = torch.arange(world).view(world // size, size).t()
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=(EP, EDP))
     split = ExpertSplit(size, mesh, world)
     for layer in split_experts(model, mesh.get_group(EP)):
         layer.experts._distrain_expert_split = split

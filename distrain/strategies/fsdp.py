@@ -209,16 +209,20 @@ class FSDPStrategy(Strategy):
         self._split_experts(module)
         apply_compile(module, self.compile, per_block=True)  # each block, before AC and sharding (torchtitan)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        mesh = self._mesh()
         kwargs = dict(
-            mesh=self._mesh(),
+            mesh=mesh,
             reshard_after_forward=self.sharding_strategy not in ("SHARD_GRAD_OP", "NO_SHARD"),
             mp_policy=self._mp_policy(),
+            shard_placement_fn=few_rows_by_columns(mesh.size(mesh.ndim - 1)),
         )
         if self.cpu_offload:
             # pinned memory needs an accelerator: on a CPU-only machine it fails at set-up
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         if self.experts is not None:  # each layer's experts a unit of their own, over the ranks that hold them
-            self.experts.shard(fully_shard, **{k: v for k, v in kwargs.items() if k != "mesh"})
+            holders = self.world_size // self.expert_parallel_size
+            shared = {k: v for k, v in kwargs.items() if k not in ("mesh", "shard_placement_fn")}
+            self.experts.shard(fully_shard, shard_placement_fn=few_rows_by_columns(holders), **shared)
         selected = self._wrap_selector(module)
         units = [m for m in module.modules() if m is not module and (selected(m) or is_marked_unit(m))]
         for unit in reversed(units):  # innermost first, so nested units own their own params
@@ -261,6 +265,22 @@ class FSDPStrategy(Strategy):
 
     def load_checkpoint(self, path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         return ckpt_state.load_any(path, state, self.unwrap, ckpt_state.SHARDED, strict)
+
+
+def few_rows_by_columns(ranks: int) -> Callable[[nn.Parameter], Any]:
+    """FSDP2's ``shard_placement_fn`` for ``ranks`` shards. FSDP2 shards a parameter's first dimension, padded to a
+    multiple of the ranks: stacked experts ``[experts, out, in]`` with fewer experts than ranks would leave each
+    rank a whole expert (Mixtral's 8 over 16 ranks: an eighth of them on every rank, not a sixteenth; the planner's
+    simulation of FSDP2 showed it). Such a parameter is sharded along its second dimension, where that divides
+    evenly (FSDP2 requires it there), as torchtitan shards its experts; every other parameter along its first."""
+    from torch.distributed.tensor import Shard
+
+    def placement(param: nn.Parameter):
+        if param.dim() >= 2 and param.shape[0] < ranks and param.shape[1] % ranks == 0:
+            return Shard(1)
+        return None  # FSDP2's own: Shard(0)
+
+    return placement
 
 
 def live_reduce_dtype(model: nn.Module) -> torch.dtype | None:

@@ -137,7 +137,7 @@ class FSDP(CostModel):
                 Collective("reduce_scatter", reduce * (1 - share), n, reductions, units, inter, True),
                 Collective("all_gather", params * share / experts, holders, gathers * a, layers, inter, True),
                 Collective("reduce_scatter", reduce * share / experts, holders, reductions, layers, inter, True),
-                Collective("all_to_all", trace.dispatched * act_bytes, experts, 4 * a, layers, inter, False),
+                Collective("all_to_all", trace.dispatched * act_bytes, experts, 4 * a, layers, experts > job.per_node),
             ]
         return [
             Collective("all_gather", params, n, gathers * a, units, inter, True),

@@ -122,7 +122,8 @@ def expert_collectives(job, trace, experts: int, grads: float) -> list[Collectiv
     return [
         Collective("all_reduce", shared, n, 1, buckets(shared, DDP_BUCKET_BYTES), inter, False),
         Collective("all_reduce", expert_grads / experts, holders, 1, max(1, trace.expert_tensors), inter, False),
-        Collective("all_to_all", moved, experts, 4 * job.accumulate, trace.moe_layers, inter, False),
+        # N consecutive ranks: on one node where N fits in it (``expert_parallel.split_model``)
+        Collective("all_to_all", moved, experts, 4 * job.accumulate, trace.moe_layers, experts > job.per_node, False),
     ]
 
 
