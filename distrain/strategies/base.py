@@ -402,7 +402,7 @@ class Strategy:
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self.experts is not None:  # each rank's experts are its own: the norm sums them over the ranks
-            norm = self.gradient_norm(module, optimizer)
+            norm = self._norm_with_experts(params)
             expert_parallel.clip(params, max_norm, norm)
             return norm
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # of DTensor gradients: over every shard
@@ -411,13 +411,18 @@ class Strategy:
     def gradient_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """The global norm of the gradients about to be applied, without clipping them."""
         self.precision.unscale_gradients(optimizer)
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self.experts is not None:
-            own = {id(p) for p in self.experts.parameters()}
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            return self.experts.total_norm([p for p in params if id(p) not in own], [p for p in params if id(p) in own])
+            return self._norm_with_experts([p for group in optimizer.param_groups for p in group["params"]])
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded gradients: over all shards
+
+    def _norm_with_experts(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The gradient norm of ``params`` (unscaled already) where each rank's experts are its own: the rest's and
+        every rank's experts once."""
+        own = {id(p) for p in self.experts.parameters()}
+        params = [p for p in params if p.grad is not None]
+        return self.experts.total_norm([p for p in params if id(p) not in own], [p for p in params if id(p) in own])
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
         """``optimizer.step()`` through the precision plugin: with a grad scaler, a step whose gradients overflowed is
