@@ -84,7 +84,14 @@ class GpuGPT(distrain.Module):
 
     block_class = Block
 
-    def __init__(self, lr: float = 3e-3, overflow_step: int | None = None, overflow_rank: int = 1, probe: bool = False):
+    def __init__(
+        self,
+        lr: float = 3e-3,
+        overflow_step: int | None = None,
+        overflow_rank: int = 1,
+        probe: bool = False,
+        n_experts: int = 0,
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.gpt = None
@@ -92,7 +99,9 @@ class GpuGPT(distrain.Module):
 
     def configure_model(self):
         if self.gpt is None:
-            self.gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=SEQ))
+            self.gpt = GPT(
+                GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=SEQ, n_experts=self.hparams["n_experts"])
+            )
             if self.hparams["probe"]:  # runs inside the block's FSDP unit: after its all-gather
                 self.gpt.blocks[0].mlp.fc.register_forward_pre_hook(self._probe)
 
@@ -451,6 +460,24 @@ def test_fsdp_mixed_precision_gathers_bf16_parameters_and_reduces_in_fp32(tmp_pa
     assert run["param_kinds"] == ["DTensor"] and run["param_dtypes"] == ["torch.float32"]
     assert run["state_dtypes"] == ["torch.float32"]
     assert_matches(accumulating_references["bf16-mixed"], run, "fsdp bf16 (2 ranks)", "bf16-mixed")
+
+
+@pytest.mark.skipif(CUDA and GPUS < 2, reason="expert parallelism's all-to-all on CUDA needs NCCL: 2 GPUs")
+def test_expert_parallel_on_two_gpus_in_fp16_and_bf16(tmp_path):
+    """The GPT with 4 experts per block, each GPU 2 of them, every step clipped: under DDP in fp16 (the GradScaler
+    unscales the gradients once: the expert-aware norm once reached them through a second unscale_, torch's
+    'already been called' error) and under FSDP in bf16, each within its precision's tolerance of one process."""
+    moe = {"module_kw": {"n_experts": 4}, "clip": 0.3}
+    references = {p: fit(tmp_path / f"single-{p}", "single", precision=p, accumulate=2, batch=BATCH // 2, **moe)
+                  for p in ("16-mixed", "bf16-mixed")}  # fmt: skip
+    two = dict(devices=2, batch=BATCH // 2, expert_parallel_size=2, **moe)
+    runs = run_ranks(
+        session, 2, str(tmp_path),
+        [("ddp-fp16", dict(strategy="ddp", precision="16-mixed", **two)),
+         ("fsdp-bf16", dict(strategy="fsdp", precision="bf16-mixed", **two))],
+    )[0]  # fmt: skip
+    assert_matches(references["16-mixed"], runs["ddp-fp16"], "ddp + experts over 2 (fp16)", "16-mixed")
+    assert_matches(references["bf16-mixed"], runs["fsdp-bf16"], "fsdp + experts over 2 (bf16)", "bf16-mixed")
 
 
 def _needs_fp8():
