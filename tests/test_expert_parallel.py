@@ -415,10 +415,10 @@ def test_verify_knows_the_expert_layout(tmp_path):
 def _built_in_configure_model(rank, tmp):
     from distrain.models.lm import GPTLanguageModel
 
-    return _fit_built_in(tmp, "fsdp", 2, GPTLanguageModel, ep=2)
+    return _fit_built_in(tmp, "fsdp", 2, GPTLanguageModel, ep=2, peak=True)
 
 
-def _fit_built_in(tmp, strategy, devices, model_class, ep=1):
+def _fit_built_in(tmp, strategy, devices, model_class, ep=1, peak=False):
     """The built-in GPT language model (its layers built in ``configure_model``: on the meta device under FSDP)."""
     from helpers import make_trainer
 
@@ -430,19 +430,28 @@ def _fit_built_in(tmp, strategy, devices, model_class, ep=1):
     )
     module = model_class(block_size=16, n_experts=4, top_k=2)
     trainer.fit(module, data)
-    return rec.losses, module.gpt.head.weight is module.gpt.tok_emb.weight
+    tied = module.gpt.head.weight is module.gpt.tok_emb.weight
+    if not peak:
+        return rec.losses, tied
+    whole = sum(trainer.strategy.full_shape(p).numel() * 4 for p in module.parameters())
+    return rec.losses, tied, trainer.strategy.init_peak_bytes, whole
 
 
 @pytest.mark.slow
-def test_a_model_built_on_the_meta_device_splits_its_experts_with_its_ties_kept(tmp_path):
-    """Under FSDP, ``configure_model`` builds on the meta device; with expert parallelism the model is built whole
-    first. ``to_empty`` untied the GPT's head from its embedding there: each rank trained a second matrix, and the
-    losses left one process's from step 1."""
+def test_a_model_built_on_the_meta_device_initializes_only_its_own_experts_as_one_process_would(tmp_path):
+    """Under FSDP, ``configure_model`` builds on the meta device. With expert parallelism each rank splits its
+    experts there, then initializes one unit at a time, each layer's experts drawn whole as one process draws them
+    and this rank's rows kept: the weights are one process's (the losses from step 1 on), and no rank holds the whole
+    model. (A first version built the whole model first; its ``to_empty`` untied the GPT's head from its embedding,
+    each rank trained a second matrix, and the losses left one process's from step 1.)"""
     from distrain.models.lm import GPTLanguageModel
 
     single, _ = _fit_built_in(tmp_path / "single", "single", 1, GPTLanguageModel)
-    losses, tied = run_ranks(_built_in_configure_model, 2, tmp_path)[0]
+    losses, tied, init_peak, whole = run_ranks(_built_in_configure_model, 2, tmp_path)[0]
     assert tied
+    # initialized one unit at a time (each layer's experts drawn whole, as one process draws them, this rank's
+    # kept): never the whole model on one rank
+    assert 0 < init_peak < whole / 2, (init_peak, whole)
     for a, b in zip(single, losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (single, losses)
 

@@ -193,20 +193,14 @@ class FSDPStrategy(Strategy):
 
         module = self.precision.convert_module(module)
         on_meta = built_on_meta(module)
-        if on_meta and self.expert_parallel_size > 1:
-            # the experts are split from the whole model's weights: built whole here first, from the same RNG state
-            # on every rank (initializing only this rank's experts is a step still to take)
-            rng, skip_init = self._deferred.take()
-            sharded_init.to_empty_keeping_ties(module, self.root_device)  # a tied head stays the embedding
-            if not skip_init:
-                sharded_init.replay_initialization(module, rng, sharded_init.PlainTensors(), {})
-            on_meta = False
-        elif not on_meta:
+        if not on_meta:
             module = module.to(self.root_device)
             if self.sync_module_states:
                 for t in [*module.parameters(), *module.buffers()]:
                     dist.broadcast(t.data, src=0)
-        self._split_experts(module)
+        self._split_experts(
+            module
+        )  # on the meta device too: this rank's rows of each layer's experts, initialized below
         apply_compile(module, self.compile, per_block=True)  # each block, before AC and sharding (torchtitan)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         mesh = self._mesh()
@@ -237,6 +231,9 @@ class FSDPStrategy(Strategy):
             if not skip_init:
                 unit_of = sharded_init.units_of_parameters(module, list(reversed(units)))
                 access = sharded_init.DTensorShards(self.root_device)
+                if self.experts is not None:  # every expert drawn whole, as one process draws them; this rank's kept
+                    experts = self.experts
+                    access = sharded_init.SplitRows(access, experts.owns, experts.size, experts.rank, experts.gather)
                 #: the most bytes of full-size temporaries initialization held at once (one unit at most)
                 self.init_peak_bytes = sharded_init.replay_initialization(module, rng, access, unit_of)
             for sub in module.modules():  # offloading moves parameters only: buffers live on the device

@@ -23,6 +23,7 @@ model, whose weights come from files or from the library's own initializer) sets
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -146,6 +147,32 @@ class DTensorShards(ShardAccess):
         # src_data_rank=None: every rank cuts its own piece of the identical full tensor (no communication)
         piece = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
         param.to_local().copy_(piece)
+
+
+class SplitRows(ShardAccess):
+    """Parameters split by rows over ``parts`` ranks before ``inner``'s sharding (expert parallelism: each rank's rows
+    of a layer's stacked experts). Initialization of such a parameter runs on a temporary of the whole one, ``parts``
+    times as many rows, so every rank draws what one process draws; this rank (``index``) keeps its rows, which
+    ``inner`` then shards. ``gather``: every part's rows (a collective), for an initialization that reads the current
+    values. An initializer that reads the shape without touching the values (a fan-in) sees this rank's rows."""
+
+    def __init__(self, inner: ShardAccess, split: Callable[[torch.Tensor], bool], parts: int, index: int, gather):
+        self.inner, self.split, self.parts, self.index, self.gather = inner, split, parts, index, gather
+        self.metadata_from_shard = inner.metadata_from_shard
+
+    def full(self, param, overwritten):
+        if not self.split(param):
+            return self.inner.full(param, overwritten)
+        if overwritten or param.is_meta:
+            whole = (param.shape[0] * self.parts, *param.shape[1:])
+            return torch.empty(whole, dtype=param.dtype, device=getattr(self.inner, "device", param.device))
+        return self.gather(self.inner.full(param, False))
+
+    def commit(self, param, full):
+        if not self.split(param):
+            return self.inner.commit(param, full)
+        rows = param.shape[0]
+        self.inner.commit(param, full[self.index * rows : (self.index + 1) * rows])
 
 
 def units_of_parameters(module: nn.Module, units: list[nn.Module] | None = None) -> dict[int, int]:
