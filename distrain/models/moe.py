@@ -32,8 +32,32 @@ class Experts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``tokens`` grouped by expert, ``counts[e]`` of them for expert ``e``: each group through its expert."""
-        groups = tokens.split(counts)
-        return torch.cat([F.gelu(group @ self.fc[e].t()) @ self.proj[e].t() for e, group in enumerate(groups)])
+        return grouped_linear(F.gelu(grouped_linear(tokens, self.fc, counts)), self.proj, counts)
+
+
+def grouped_linear(tokens: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``tokens`` grouped by expert (``counts[e]`` rows for expert ``e``), each group times its expert's
+    ``weight[e]`` (``[experts, out, in]``, as ``nn.Linear`` holds a weight). One grouped matmul where torch has one
+    for the device and dtype (``F.grouped_mm``: CUDA, compute capability 8.0+, bf16, widths a multiple of 8, as
+    its kernel needs 16-byte strides), else one matmul per expert (CPU, fp32; the same products)."""
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else tokens.dtype
+    if _grouped_mm_applies(tokens, weight, dtype):
+        offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(tokens.device, non_blocking=True)
+        return F.grouped_mm(tokens.to(dtype), weight.to(dtype).transpose(-2, -1), offs=offsets)
+    groups = tokens.split(counts)
+    return torch.cat([group @ weight[e].t() for e, group in enumerate(groups)])
+
+
+def _grouped_mm_applies(tokens: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    return (
+        tokens.is_cuda
+        and dtype == torch.bfloat16
+        and hasattr(F, "grouped_mm")
+        and not isinstance(tokens, FakeTensor)  # the planner's trace: its fake kernel is what it is, the loop counts
+        and weight.shape[1] % 8 == 0
+        and weight.shape[2] % 8 == 0
+        and torch.cuda.get_device_capability(tokens.device) >= (8, 0)
+    )
 
 
 class MoE(nn.Module):

@@ -30,11 +30,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from distrain.models.moe import expert_counts
+from distrain.models.moe import expert_counts, grouped_linear
 from distrain.parallel import gradients
 
 EP, EDP = "expert_parallel", "expert_data_parallel"
@@ -199,11 +198,8 @@ def _hf_compute(experts: nn.Module) -> Callable[[torch.Tensor, list[int]], torch
     """This rank's experts of a Hugging Face experts module, as transformers computes each: ``down(act(gate) * up)``."""
 
     def compute(tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        out = []
-        for e, group in enumerate(tokens.split(counts)):
-            gate, up = F.linear(group, experts.gate_up_proj[e]).chunk(2, dim=-1)
-            out.append(F.linear(experts.act_fn(gate) * up, experts.down_proj[e]))
-        return torch.cat(out)
+        gate, up = grouped_linear(tokens, experts.gate_up_proj, counts).chunk(2, dim=-1)
+        return grouped_linear(experts.act_fn(gate) * up, experts.down_proj, counts)
 
     return compute
 

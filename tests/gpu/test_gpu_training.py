@@ -480,6 +480,30 @@ def test_expert_parallel_on_two_gpus_in_fp16_and_bf16(tmp_path):
     assert_matches(references["bf16-mixed"], runs["fsdp-bf16"], "fsdp + experts over 2 (bf16)", "bf16-mixed")
 
 
+def test_experts_run_one_grouped_matmul_on_cuda_in_bf16_with_the_loops_results():
+    """On CUDA in bf16 a mixture of experts' stacked experts run as one grouped matmul (``F.grouped_mm``) instead of a
+    matmul per expert: the same outputs and gradients within bf16's rounding, an expert with no token included."""
+    from distrain.models import moe
+
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("torch's grouped matmul needs compute capability 8.0+")
+    torch.manual_seed(0)
+    tokens = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    counts = [10, 0, 25, 5]
+    assert moe._grouped_mm_applies(tokens, weight, torch.bfloat16)
+    grouped = moe.grouped_linear(tokens, weight, counts)
+    (grouped.float() ** 2).sum().backward()
+    grads = tokens.grad.clone(), weight.grad.clone()
+    tokens.grad = weight.grad = None
+    loop = torch.cat([g @ weight[e].t() for e, g in enumerate(tokens.split(counts))])
+    (loop.float() ** 2).sum().backward()
+    torch.testing.assert_close(grouped, loop, rtol=2e-2, atol=2e-2)
+    for got, want in zip(grads, (tokens.grad, weight.grad)):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-1)
+    assert weight.grad[1].abs().sum() == 0  # the expert no token chose
+
+
 def _needs_fp8():
     if torch.cuda.get_device_capability() < (8, 9):  # asked here: importing this module must not start CUDA
         pytest.skip("fp8 training needs compute capability 8.9+ (H100, H200, L4)")
