@@ -87,6 +87,7 @@ GOOD = {
     "accumulate": None,
     "context": 1,
     "experts": 1,
+    "sync_each": False,
     "messages": ["kept"],
 }
 
@@ -183,6 +184,7 @@ def test_every_field_of_a_decision_comes_back_from_the_kept_plan_and_from_the_en
         accumulate=4,
         context=2,
         experts=2,
+        sync_each=True,
         messages=["distrain: strategy auto → context parallel 2 × fsdp"],
     )
     defaults = Decision("ddp")

@@ -362,3 +362,29 @@ def test_a_decision_for_expert_parallelism_reaches_the_strategy_and_reads_back_c
     assert Decision.from_values(values) == decision
     assert Decision.from_values({**values, "experts": 0}) is None  # read as untrusted: no size below 1
     assert Decision.from_values({**values, "experts": "4"}) is None
+
+
+def test_fsdp_that_reduces_each_micro_batch_is_offered_when_accumulating_and_reaches_the_run():
+    """With gradient accumulation FSDP holds every rank's unsharded gradients between micro-batches, unless it
+    reduce-scatters after each (``fsdp.sync_each_micro_batch``): ``auto`` is offered that row (less memory, one
+    reduce-scatter per micro-batch), and a decision for it sets the option."""
+    from distrain.planner.decide import Decision
+    from distrain.planner.estimate import Estimator
+    from distrain.planner.plan import candidate_options
+
+    spec = ModelSpec.builtin_gpt("gpt-tiny", T)
+    assert not [o for o in candidate_options(Job(spec, micro_batch=B, world_size=2)) if o.get("sync_each")]
+    job = Job(spec, micro_batch=B, world_size=2, accumulate=4)
+    offered = [o for o in candidate_options(job) if o.get("sync_each")]
+    assert {(o.get("sharding"), o.checkpoint) for o in offered} == {("FULL_SHARD", 0), ("FULL_SHARD", None)}
+    estimator = Estimator(job)
+    once, each = estimator.estimate(Option("fsdp", sharding="FULL_SHARD")), estimator.estimate(offered[0])
+    assert each.peak < once.peak  # no unsharded gradients kept between micro-batches
+    trace = estimator.trace("fsdp", 0)
+    scatter = {o.get("sync_each"): [c for c in o.model.collectives(o, job, trace, L) if c.kind == "reduce_scatter"]
+               for o in (Option("fsdp", sharding="FULL_SHARD"), offered[0])}  # fmt: skip
+    assert scatter[None][0].passes == 1 and scatter[True][0].passes == 4
+    assert Decision("fsdp", sharding="FULL_SHARD", sync_each=True).strategy_options(()) == {
+        "sharding_strategy": "FULL_SHARD",
+        "sync_each_micro_batch": True,
+    }

@@ -56,6 +56,8 @@ class Decision:
     """Ranks that split each sequence, when the plan chose context parallelism (with no tensor parallelism)."""
     experts: int = 1
     """Ranks that split each mixture-of-experts layer's experts, when the plan chose expert parallelism."""
+    sync_each: bool = False
+    """FSDP reduce-scatters after every micro-batch (``fsdp.sync_each_micro_batch``), when the plan chose it."""
     messages: list[str] = field(default_factory=list)
     stop: bool = False
 
@@ -68,6 +70,8 @@ class Decision:
             options.update(context_parallel_size=self.context, tensor_parallel_size=1)
         if self.experts > 1:
             options["expert_parallel_size"] = self.experts
+        if self.sync_each:
+            options["sync_each_micro_batch"] = True
         if self.planned_checkpoint:
             from distrain.planner.model_stats import checkpoint_policy
 
@@ -125,6 +129,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "accumulate": (int, type(None)),
     "context": (int,),
     "experts": (int,),
+    "sync_each": (bool,),
 }
 
 
@@ -177,6 +182,7 @@ def choose(planner: Planner, checkpointing: bool | str) -> Decision:
         accumulate=row.accumulate if row.accumulate != planner.job.accumulate else None,
         context=option.context,
         experts=option.get("experts") or 1,
+        sync_each=bool(option.get("sync_each")),
         messages=[f"distrain: strategy auto → {planner.reason(row, seen)}"],
     )
 

@@ -22,6 +22,8 @@ class FSDP(CostModel):
         options = [Option("fsdp", sharding="SHARD_GRAD_OP"), Option("fsdp", sharding="FULL_SHARD")]
         if job.num_nodes > 1 and job.world_size > job.num_nodes:
             options.append(Option("fsdp", sharding="HYBRID_SHARD"))
+        if job.accumulate > 1:  # gradients reduce-scattered after every micro-batch: no unsharded ones kept between
+            options.append(Option("fsdp", sharding="FULL_SHARD", sync_each=True))
         if job.gpu:
             options.append(Option("fsdp", sharding="FULL_SHARD", offload="cpu"))
         options += [
@@ -52,25 +54,29 @@ class FSDP(CostModel):
             return replicated(job)
         experts = job.expert_parallel if job.expert_parallel > 1 else None
         sharding = "FULL_SHARD" if sharding == "NO_SHARD" else sharding
-        return Option("fsdp", sharding=sharding, offload=offload, experts=experts)
+        sync_each = configured.get("options", {}).get("sync_each_micro_batch") and job.accumulate > 1 or None
+        return Option("fsdp", sharding=sharding, offload=offload, experts=experts, sync_each=sync_each)
 
     def strategy(self, option) -> str:
         return "fsdp_cpu_offload" if option.offload == "cpu" else "fsdp"
 
     def settings(self, option) -> dict:
         experts = {"expert_parallel_size": option.get("experts")} if option.get("experts") else {}
-        return {"sharding_strategy": option.get("sharding"), **experts}
+        sync_each = {"sync_each_micro_batch": True} if option.get("sync_each") else {}
+        return {"sharding_strategy": option.get("sharding"), **experts, **sync_each}
 
     def level(self, option) -> int:
         return LEVELS[option.get("sharding")]
 
     def label(self, option, accumulate=None) -> str:
         experts = option.get("experts")
-        return f"fsdp {option.get('sharding')}" + (f" + experts over {experts}" if experts else "")
+        label = f"fsdp {option.get('sharding')}" + (f" + experts over {experts}" if experts else "")
+        return label + (" + reduce each micro-batch" if option.get("sync_each") else "")
 
     def short(self, option) -> str:
         short = "FSDP" + {"SHARD_GRAD_OP": " grad-op", "HYBRID_SHARD": " hybrid"}.get(option.get("sharding"), "")
-        return short + (f"+EP{option.get('experts')}" if option.get("experts") else "")
+        short += f"+EP{option.get('experts')}" if option.get("experts") else ""
+        return short + ("+sync" if option.get("sync_each") else "")
 
     def offloaded(self, option) -> str:
         return "params+grads+opt"
@@ -119,7 +125,7 @@ class FSDP(CostModel):
         params, reduce, inter = trace.param_bytes, trace.elements * 4, job.num_nodes > 1
         gathers = _gathers(option)
         # reduced once per step, or after every micro-batch (``fsdp.sync_each_micro_batch``)
-        reductions = a if self.configured(job).get("options", {}).get("sync_each_micro_batch") else 1
+        reductions = a if option.get("sync_each") else 1
         if option.get("sharding") == "HYBRID_SHARD" and job.num_nodes > 1:
             per_node = job.per_node
             return [
@@ -146,7 +152,7 @@ class FSDP(CostModel):
 
 
 def _key(estimator, option) -> tuple:
-    return ("fsdp", option.get("sharding"), option.checkpoint, estimator.job.micro_batch)
+    return ("fsdp", option.get("sharding"), option.checkpoint, estimator.job.micro_batch, bool(option.get("sync_each")))
 
 
 def _simulation(estimator, option) -> dict:
@@ -162,7 +168,11 @@ def _simulation(estimator, option) -> dict:
         checkpoint=option.checkpoint,
         accumulate=job.accumulate,
         foreach=job.gpu,
-        options=model_of("fsdp").configured(job).get("options", {}),
+        # the option's reduction, whatever the config says (auto may choose either)
+        options={
+            **model_of("fsdp").configured(job).get("options", {}),
+            "sync_each_micro_batch": bool(option.get("sync_each")),
+        },
     )
 
 
