@@ -19,7 +19,7 @@ from distrain import compat, distributed
 from distrain.config import ConfigError
 from distrain.parallel import expert_parallel
 from distrain.strategies.base import LoopFacts, SetUp, Strategy, checked_start_method
-from distrain.strategies.registry import alias, register
+from distrain.strategies.registry import alias, register, unalias
 
 COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd", "post_localsgd")
 #: the strategies that take ``expert_parallel_size``
@@ -219,7 +219,7 @@ def check(config) -> None:
     if hook is not None and hook not in COMM_HOOKS:
         raise ConfigError(f"distributed.comm_hook {hook!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
     strategy = config.distributed.strategy
-    if config.distributed.expert_parallel_size > 1 and strategy not in EXPERT_PARALLEL:
+    if config.distributed.expert_parallel_size > 1 and unalias(strategy, {})[0] not in EXPERT_PARALLEL:
         raise ConfigError(
             f"distributed.expert_parallel_size applies to strategy ddp or fsdp (and their variants), but the strategy "
             f"is {strategy!r}"
