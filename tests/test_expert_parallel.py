@@ -566,3 +566,41 @@ def test_fewer_experts_than_ranks_are_sharded_by_columns_not_padded_rows(tmp_pat
             assert abs(a - b) <= 1e-5 * abs(a), (ep, reference, losses)
     resumed = single(STEPS + 1, ckpt_path=tmp_path / "few.ckpt")
     assert len(resumed) == 1 and abs(resumed[0] - single(STEPS + 1)[-1]) <= 1e-5 * resumed[0]
+
+
+def test_a_hugging_face_mixtures_expert_balance_is_in_the_metrics(tmp_path):
+    """The tiny Mixtral's training logs its busiest expert's tokens over the mean (the least balanced layer), read
+    from the experts each token chose; a dense Llama logs none."""
+    import matrix_models
+
+    import distrain
+    from distrain.hf.tiny import make_tiny_llama
+    from helpers import make_trainer
+
+    seen = {}
+    for name, experts in (("mixtral", 4), ("llama", 0)):
+        path = make_tiny_llama(tmp_path / name, experts=experts)
+        module = matrix_models.hf_causal(path)
+        chosen = []
+        trainer, _ = make_trainer(
+            tmp_path / f"run-{name}",
+            strategy="single",
+            devices=1,
+            max_steps=2,
+            enable_checkpointing=False,
+            logger=False,
+        )
+        loader = torch.utils.data.DataLoader(
+            matrix_models.hf_samples(path, "causal_lm", n=8), batch_size=4, collate_fn=matrix_models.hf_collate(path)
+        )
+        if experts:  # what the metric must be, from the gates' own choices in the last step
+            distrain.seed_everything(0)
+            module.configure_model()
+            for layer in module.model.model.layers:
+                layer.mlp.gate.register_forward_hook(lambda m, a, out, into=chosen: into.append(out[2].reshape(-1)))
+        trainer.fit(module, loader)
+        seen[name] = trainer.callback_metrics.get("moe_load_max_over_mean")
+        if experts:
+            last = [torch.bincount(c, minlength=4).float() for c in chosen[-2:]]  # the last forward's 2 layers
+            assert float(seen[name]) == pytest.approx(max(float(c.max() / c.mean()) for c in last))
+    assert 1.0 <= float(seen["mixtral"]) <= 4.0 and seen["llama"] is None

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from distrain.hf import models
 from distrain.module import Module
 from distrain.optim import adamw, warmup_decay
+from distrain.parallel.expert_parallel import ExpertLoad
 from distrain.strategies import sharded_init
 
 
@@ -47,6 +48,7 @@ class HFTaskModule(Module):
             self.hparams["hf_config"] = config_dict(models.load_config(model_name))
         self.hparams["task"] = self.task
         self.model = None
+        self.expert_load: ExpertLoad | None = None
 
     def num_blocks(self) -> int | None:
         return self.hparams["hf_config"].get("num_hidden_layers")
@@ -66,6 +68,7 @@ class HFTaskModule(Module):
         if self.model is not None:
             return
         self.model = models.build_empty(self.task, self.hf_config())
+        self.expert_load = ExpertLoad(self.model)  # a mixture of experts: its balance, for the metrics
         if not sharded_init.initialization_deferred():  # built whole here: initialize it now
             sharded_init.initialize_now(self)
 
@@ -160,6 +163,8 @@ class CausalLMModule(HFTaskModule):
 
     def training_step(self, batch, batch_idx):
         loss_sum, count = self._token_loss_sum(batch)
+        if self.expert_load is not None and self.expert_load.watched:  # the experts' balance, as the built-in GPT's
+            self.log("moe_load_max_over_mean", self.expert_load.max_over_mean())
         if self._loss_scale is None:  # a loop without the step hook (your own): this micro-batch's mean
             return loss_sum / count.clamp(min=1)
         return loss_sum * self._loss_scale

@@ -23,6 +23,7 @@ they resume on another expert-parallel size, or none.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,6 +67,32 @@ def dispatched_per_token(layer: nn.Module) -> tuple[int, int]:
     router = getattr(layer, "gate", None) if router is None else router
     top_k = getattr(layer, "top_k", None) or getattr(router, "top_k", None) or 1
     return int(top_k), router.weight.shape[1]
+
+
+class ExpertLoad:
+    """The balance over the experts of the last forward through a model's Hugging Face mixture-of-experts blocks: the
+    busiest expert's tokens over the mean, in the least balanced layer (1.0 when even, the expert count when every
+    token went to one), read from each token's chosen experts as the experts' forward receives them. A block laid
+    out as expert parallelism cannot split is not watched."""
+
+    def __init__(self, model: nn.Module):
+        self.counts: dict[int, torch.Tensor] = {}
+        try:
+            layers = [(m.experts, count) for m in model.modules() if (count := expert_count(m)) and hasattr(m, "gate")]
+        except ValueError:
+            layers = []
+        for index, (experts, count) in enumerate(layers):
+            experts.register_forward_pre_hook(functools.partial(self._see, index, count))
+        self.watched = len(layers)
+
+    def _see(self, index: int, count: int, module: nn.Module, args: tuple) -> None:
+        if len(args) >= 2 and isinstance(args[1], torch.Tensor):  # (hidden_states, top_k_index, top_k_weights)
+            self.counts[index] = expert_counts(args[1].detach().reshape(-1), count)
+
+    def max_over_mean(self) -> torch.Tensor | None:
+        if not self.counts:
+            return None
+        return torch.stack([c.max() / c.float().mean().clamp(min=1e-9) for c in self.counts.values()]).max()
 
 
 def expert_count(module: nn.Module) -> int:
