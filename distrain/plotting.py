@@ -149,9 +149,12 @@ def draw_runs(runs: list[str | os.PathLike], labels: list[str] | None = None, ti
 
     if has("moe_load_max_over_mean"):  # a mixture of experts: a run collapsing onto one expert shows here
         draw(ax_last, "moe_load_max_over_mean")
-        draw(ax_last, "moe_aux_loss", style="--")
+        shown = [("busiest expert / mean", "-", None)]
+        if has("moe_aux_loss"):  # the built-in GPT's; a Hugging Face model's is transformers' own affair
+            draw(ax_last, "moe_aux_loss", style="--")
+            shown.append(("balance loss", "--", None))
         ax_last.set(title="Expert load (the least balanced layer)", ylabel="1.0 when even")
-        styles_legend(ax_last, [("busiest expert / mean", "-", None), ("balance loss", "--", None)])
+        styles_legend(ax_last, shown)
     elif has("grad_norm"):
         draw(ax_last, "grad_norm")
         ax_last.set(title="Gradient norm (before clipping)", ylabel="L2 norm of all gradients")
