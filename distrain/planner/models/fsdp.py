@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from distrain.planner.models import CostModel, model_of
-from distrain.planner.models.replicated import offered_expert_parallel, replicated
+from distrain.planner.models.replicated import offered_expert_parallel, replicated, tokens_to_experts
 from distrain.planner.options import Option, Row
 from distrain.planner.timing import Collective, step_time
 
@@ -137,13 +137,12 @@ class FSDP(CostModel):
         if experts:  # each layer's experts a unit of their own, 1/N of them, over the n/N ranks that hold them
             share = trace.expert_bytes / trace.param_bytes
             holders, layers = n // experts, trace.moe_layers
-            act_bytes = 2 if job.precision in ("bf16-mixed", "16-mixed", "bf16-true") else 4
             return [
                 Collective("all_gather", params * (1 - share), n, gathers * a, units, inter, True),
                 Collective("reduce_scatter", reduce * (1 - share), n, reductions, units, inter, True),
                 Collective("all_gather", params * share / experts, holders, gathers * a, layers, inter, True),
                 Collective("reduce_scatter", reduce * share / experts, holders, reductions, layers, inter, True),
-                Collective("all_to_all", trace.dispatched * act_bytes, experts, 4 * a, layers, experts > job.per_node),
+                tokens_to_experts(job, trace, experts),
             ]
         return [
             Collective("all_gather", params, n, gathers * a, units, inter, True),
