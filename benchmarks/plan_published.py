@@ -54,15 +54,20 @@ class Run:
     measured: float  # tokens/s per GPU, as published
     strategy: str = "fsdp"
     tensor: int = 1  # tensor-parallel ranks (model_parallel), FSDP over the rest
+    #: norms that keep their input in bf16 for the backward (``training.low_precision_norms``), as each source ran:
+    #: torchtitan's ``norm_type = "fused_rmsnorm"`` (its 8B and 13B configs), llm-foundry's MPT default
+    #: ``low_precision_layernorm``, Megatron-LM's fused LayerNorm (apex). False: torchtitan's 70B configs'
+    #: ``norm_type = "rmsnorm"``, fp32 by hand as Hugging Face's Llama computes it (runs.md §2a)
+    low_precision_norms: bool = True
 
 
 #: the runs planned (runs.md's IDs); bf16 without compile or float8, layouts the planner models (FSDP)
 RUNS = [
     Run("TA1", "torchtitan A100", "L3-8B", "A100", "80GB", 8, 8, 8192, 1, 1, 2, 2904),
-    Run("TA3", "torchtitan A100", "L3-70B", "A100", "80GB", 8, 8, 8192, 1, 1, 1, 331),
+    Run("TA3", "torchtitan A100", "L3-70B", "A100", "80GB", 8, 8, 8192, 1, 1, 1, 331, low_precision_norms=False),
     Run("TA4", "torchtitan A100", "L2-13B", "A100", "80GB", 8, 8, 4096, 2, 1, None, 2162),
     Run("TA5", "torchtitan A100", "L2-13B", "A100", "80GB", 8, 8, 4096, 2, 1, 2, 1914),
-    Run("TA8", "torchtitan A100", "L2-70B", "A100", "80GB", 8, 8, 4096, 2, 1, 1, 353),
+    Run("TA8", "torchtitan A100", "L2-70B", "A100", "80GB", 8, 8, 4096, 2, 1, 1, 353, low_precision_norms=False),
     Run("LH1", "llm-foundry H100", "MPT-1B", "H100", "80GB", 1, 8, 2048, 14, 1, None, 45455),
     Run("LH6", "llm-foundry H100", "MPT-7B", "H100", "80GB", 1, 8, 2048, 6, 1, None, 10643),
     Run("LH9", "llm-foundry H100", "MPT-7B", "H100", "80GB", 16, 8, 2048, 6, 1, None, 10475),
@@ -149,6 +154,7 @@ def planner_for(run: Run, root: Path):
         f"training.gradient_accumulation_steps={run.accumulate}",
         # as torchtitan and llm-foundry (FSDP1) run: gradients reduce-scattered after every micro-batch
         "fsdp.sync_each_micro_batch=true",
+        f"training.low_precision_norms={str(run.low_precision_norms).lower()}",
         *([f"distributed.tensor_parallel_size={run.tensor}"] if run.tensor > 1 else []),
     ]  # fmt: skip
     args = plan_parser().parse_intermixed_args(argv)

@@ -184,6 +184,11 @@ class TrainingConfig:
     ``path/to/file.py:Class``. It brings its data (``train_dataloader()``, optionally ``val_dataloader()``) and
     is built with ``module_args``; ``model_name`` and ``data`` are then unused."""
     module_args: dict[str, Any] = field(default_factory=dict)
+    low_precision_norms: bool = False
+    """Every RMSNorm and LayerNorm computed in the compute dtype by torch's kernel, keeping only its bf16/fp16 input
+    for the backward (``distrain.models.norms``): as torchtitan's fused RMSNorm and llm-foundry's low-precision
+    LayerNorm. Saves 4 bytes per token and hidden unit per norm on a GPU (Hugging Face's RMSNorms and autocast's
+    norms keep an fp32 copy). Off by default: in bf16 its rounding differs from the model's own norms."""
     compile: bool = False
     """``torch.compile``: each transformer block under FSDP and DeepSpeed (before sharding; activation
     checkpointing stays outside the compiled region), the whole model under single and DDP. Off by

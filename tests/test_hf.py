@@ -130,8 +130,9 @@ def test_local_datasets_load_and_hub_names_offline_fail_clearly(tiny, tmp_path):
 STEPS, GLOBAL_BATCH = 4, 8
 
 
-def _fit_llama(tmp, tiny, strategy, devices, accumulate):
-    """Fit the tiny Llama on uneven-length texts (batches padded to their longest sample)."""
+def _fit_llama(tmp, tiny, strategy, devices, accumulate, low_precision_norms=False):
+    """Fit the tiny Llama on uneven-length texts (batches padded to their longest sample). ``low_precision_norms``:
+    its RMSNorms replaced (``distrain.models.norms``), in fp32 the same operations as Hugging Face's own."""
     from torch.utils.data import DataLoader
 
     from distrain.config import DataConfig
@@ -161,7 +162,8 @@ def _fit_llama(tmp, tiny, strategy, devices, accumulate):
     data = DataConfig(dataset=tiny["counting"], max_length=16, val_fraction=0.23)  # 15 eval samples: 8 + 7
     p = hf_data.prepare(data, tok, "causal_lm", seed=0, runtime=trainer.runtime, cache_dir=str(tmp / "cache"))
     collate = hf_data.collator(data, tok)
-    module = CausalLMModule(tiny["llama"], learning_rate=1e-2, warmup_steps=0, lr_schedule="constant")
+    hparams = dict(learning_rate=1e-2, warmup_steps=0, lr_schedule="constant", low_precision_norms=low_precision_norms)
+    module = CausalLMModule(tiny["llama"], **hparams)
     per_rank = GLOBAL_BATCH // (devices * accumulate)
     trainer.fit(
         module,
@@ -182,12 +184,13 @@ def _fit_llama(tmp, tiny, strategy, devices, accumulate):
         "probe": probe,
         "from_cache": p.from_cache,
         "ac": wrapped,
+        "norms_replaced": sum(type(m).__name__ == "LowPrecisionNorm" for m in module.modules()),
         "ckpt": str(trainer.checkpoint_callback.last_model_path),
     }
 
 
 def _fsdp_rank(rank, tmp, tiny):
-    return _fit_llama(tmp, tiny, "fsdp", 2, accumulate=2)
+    return _fit_llama(tmp, tiny, "fsdp", 2, accumulate=2, low_precision_norms=True)
 
 
 @pytest.mark.slow
@@ -197,6 +200,9 @@ def test_llama_fsdp_activation_checkpointing_matches_one_process_and_exports(tin
     fsdp = ranks[0]
     assert [r["from_cache"] for r in ranks] == [False, True]  # tokenized once, by rank 0
     assert fsdp["ac"] and not ref["ac"]
+    # FSDP's model runs low-precision norms (5: two per layer and the final one), the reference Hugging Face's own:
+    # in fp32 the same operations, so the same losses, and the export loads into Hugging Face's own norms
+    assert fsdp["norms_replaced"] == 5 and ref["norms_replaced"] == 0
     assert len(fsdp["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0]
     # the micro-batches hold different numbers of real tokens: a per-micro-batch mean would differ
     for name in ("losses", "norms"):
@@ -232,7 +238,8 @@ def test_llama_fsdp_activation_checkpointing_matches_one_process_and_exports(tin
 
 
 def _zero3_rank(rank, tmp, tiny):
-    return _fit_llama(tmp, tiny, "deepspeed_stage_3", 2, accumulate=2)
+    # low-precision norms found under zero.Init too, where each weight is a partition (its shape in ds_shape)
+    return _fit_llama(tmp, tiny, "deepspeed_stage_3", 2, accumulate=2, low_precision_norms=True)
 
 
 @pytest.mark.slow
@@ -242,6 +249,7 @@ def test_llama_zero3_matches_one_process_and_exports(tiny, tmp_path):
     pytest.importorskip("deepspeed")
     ref = _fit_llama(tmp_path / "single", tiny, "single", 1, accumulate=4)
     zero3 = run_ranks(_zero3_rank, 2, tmp_path / "zero3", tiny)[0]
+    assert zero3["norms_replaced"] == 5
     # Same pretrained weights gathered in, and the same first gradient (its norm: Adam would hide a
     # wrong gradient scale from the losses): both agree to fp32 rounding. Later steps: ZeRO-3
     # reduce-scatters every micro-step into flat partitions (another summation order), and Adam at

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from distrain.hf import models
+from distrain.models import norms
+from distrain.models.loss import token_loss_sum
 from distrain.module import Module
 from distrain.optim import adamw, warmup_decay
 from distrain.parallel.expert_parallel import ExpertLoad
@@ -36,6 +38,7 @@ class HFTaskModule(Module):
         lr_schedule: str = "cosine",
         seed: int = 0,
         task: str | None = None,
+        low_precision_norms: bool = False,
     ):
         """``hf_config``: the model's config as a plain dict (``config_dict``), e.g. with ``num_labels``
         set from the data; default: the model's own. It travels in checkpoints' hyperparameters with
@@ -68,6 +71,8 @@ class HFTaskModule(Module):
         if self.model is not None:
             return
         self.model = models.build_empty(self.task, self.hf_config())
+        if self.hparams.get("low_precision_norms"):
+            norms.low_precision_norms(self.model)
         self.expert_load = ExpertLoad(self.model)  # a mixture of experts: its balance, for the metrics
         if not sharded_init.initialization_deferred():  # built whole here: initialize it now
             sharded_init.initialize_now(self)
@@ -141,10 +146,8 @@ class CausalLMModule(HFTaskModule):
             logits = self._logits_of_slice(batch)
             return shard.loss_sum(logits, shard.split(F.pad(targets, (0, 1), value=-100), -100))
         logits = self.model(**self._inputs(batch), use_cache=False).logits
-        loss_sum = F.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
-        )
-        return loss_sum, (targets != -100).sum()
+        # the targets shifted, not the logits: a slice of the logits would be copied whole
+        return token_loss_sum(logits, F.pad(targets, (0, 1), value=-100)), (targets != -100).sum()
 
     def _logits_of_slice(self, batch: dict) -> torch.Tensor:
         """Context parallelism: the logits of this rank's slice of every sequence, at its global positions. No mask

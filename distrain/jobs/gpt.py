@@ -50,6 +50,7 @@ class GPTJob:
             warmup_steps=int(t.warmup_ratio * total_steps),
             total_steps=total_steps,
             lr_schedule=t.lr_schedule,
+            low_precision_norms=t.low_precision_norms,
         )
         loader = lambda ds, shuffle: DataLoader(  # noqa: E731
             ds, batch_size=t.batch_size_per_gpu, shuffle=shuffle, num_workers=data.num_workers, drop_last=shuffle

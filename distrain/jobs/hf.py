@@ -90,6 +90,7 @@ class HFJob:
             total_steps=total_steps,
             lr_schedule=t.lr_schedule,
             seed=t.seed,
+            low_precision_norms=t.low_precision_norms,
         )
         layout = trainer.strategy.layout  # sequence parallelism splits sequences over TP ranks
         collate = hf_data.collator(data, tokenizer, multiple_of=layout.tensor if layout else 1)

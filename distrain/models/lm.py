@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from distrain.models.gpt import GPT, GPT_SIZES, Block, gpt_config
+from distrain.models.norms import low_precision_norms
 from distrain.module import Module
 from distrain.optim import adamw, warmup_decay
 
@@ -24,6 +25,7 @@ class GPTLanguageModel(Module):
         lr_schedule: str = "cosine",
         n_experts: int = 0,
         top_k: int = 2,
+        low_precision_norms: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -34,6 +36,8 @@ class GPTLanguageModel(Module):
             h = self.hparams
             moe = {"n_experts": h["n_experts"], "top_k": h["top_k"]} if h["n_experts"] else {}
             self.gpt = GPT(gpt_config(h["model_name"], block_size=h["block_size"], dropout=h["dropout"], **moe))
+            if h.get("low_precision_norms"):
+                low_precision_norms(self.gpt)
 
     def num_blocks(self) -> int:
         return GPT_SIZES[self.hparams["model_name"]]["n_layer"]

@@ -150,9 +150,9 @@ class SequenceShard:
         sequence's on every rank of the group (what one process computes); its gradient is ``N ×`` this rank's
         share, because the data-parallel reduction averages over the group's N ranks too."""
         flat_targets = targets.reshape(-1)
-        local_sum = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(), flat_targets, ignore_index=IGNORE, reduction="sum"
-        )
+        from distrain.models.loss import token_loss_sum  # distrain.models imports this module
+
+        local_sum = token_loss_sum(logits, flat_targets)
         if hasattr(local_sum, "full_tensor"):  # tensor parallel: the logits (and so the loss) are a DTensor
             local_sum = local_sum.full_tensor()
         totals = torch.stack([local_sum.detach(), (flat_targets != IGNORE).sum().to(local_sum.dtype)])

@@ -41,6 +41,9 @@ class Job:
     clip: float | None = None
     gpu: bool = False
     """Plan for CUDA devices: the optimizer runs torch's multi-tensor (foreach) kernels, offload applies."""
+    compile: bool = False
+    """``training.compile``: on a GPU, the memory-bound operations between matmuls run fused (``work.WorkCounter``);
+    on a CPU, where compiling measured no faster (docs/benchmarks.md), the work stays eager's."""
     gradient_as_bucket_view: bool = True
     configured: dict[str, dict] = field(default_factory=dict)
     """What the run's config says to the cost models that read one (their strategy's own section), by each model's
@@ -133,7 +136,7 @@ class Estimator:
         reentrant = model_of(kind).reentrant_checkpointing and checkpoint != 0
         key = (b, param_dtype, autocast, checkpoint, reentrant)
         if key not in self._traces:
-            self._traces[key] = trace_step(
+            trace = trace_step(
                 job.spec,
                 b,
                 checkpoint=checkpoint,
@@ -143,6 +146,8 @@ class Estimator:
                 clip=job.clip,
                 reentrant=reentrant,
             )
+            compiled = job.compile and job.gpu  # a GPU's compiled step: its memory-bound operations fused
+            self._traces[key] = _replace(trace, work=trace.work.compiled()) if compiled else trace
         return self._traces[key]
 
     def memo(self, key: tuple, make):

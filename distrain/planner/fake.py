@@ -13,7 +13,9 @@ import contextlib
 import sys
 from typing import Any
 
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 def memory_tracker_class() -> type:
@@ -170,3 +172,101 @@ def transformers_as_in_eager():
         masking_utils.find_packed_sequence_indices = packed
         if grouped is not None:
             moe._can_use_grouped_mm = grouped
+
+
+@contextlib.contextmanager
+def norms_as_on_cuda(enabled: bool = True):
+    """A GPU plan traced on the CPU: torch's norms keep what their CUDA kernels keep for the backward.
+    - Under CUDA autocast, ``layer_norm`` and ``rms_norm`` run in fp32: their bf16/fp16 inputs are cast, and the
+      fp32 copy is what they keep. The CPU's autocast leaves both in bf16.
+    - On CUDA, ``rms_norm`` is one fused kernel (``_fused_rms_norm``) that keeps its input and the per-row
+      reciprocal RMS. On the CPU it is composed of fp32 operations that keep an fp32 copy of the input.
+    Autocast's dispatch keys (``AutocastCUDA`` for both, no ``AutocastCPU``) and the fused kernel: checked on torch
+    2.13.0 (``torch._C._dispatch_dump``)."""
+    if not enabled:
+        yield
+        return
+    from torch.distributed.tensor import DTensor
+
+    rms_norm, layer_norm = F.rms_norm, F.layer_norm
+
+    def cuda_rms_norm(input, normalized_shape, weight=None, eps=None):
+        input, weight = _as_cuda_autocast(input, weight)
+        shape = list(normalized_shape)
+        eps = torch.finfo(input.dtype).eps if eps is None else float(eps)
+        with torch.autocast(input.device.type, enabled=False):
+            if isinstance(input, DTensor):  # sequence-parallel norms: no sharding rule for the stand-in kernel
+                return rms_norm(input, shape, weight, eps)
+            return fused_rms_norm(input, weight, shape, eps)[0]
+
+    def cuda_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        input, weight, bias = _as_cuda_autocast(input, weight, bias)
+        with torch.autocast(input.device.type, enabled=False):
+            return layer_norm(input, normalized_shape, weight, bias, eps)
+
+    F.rms_norm, F.layer_norm = cuda_rms_norm, cuda_layer_norm
+    try:
+        yield
+    finally:
+        F.rms_norm, F.layer_norm = rms_norm, layer_norm
+
+
+def _as_cuda_autocast(*tensors):
+    """``tensors`` as CUDA autocast hands them to a norm: in fp32 where autocast is on (``None`` stays)."""
+    if not tensors[0].is_floating_point() or not torch.is_autocast_enabled(tensors[0].device.type):
+        return tensors
+    return tuple(None if t is None else t.float() for t in tensors)
+
+
+@torch.library.custom_op("distrain_planner::fused_rms_norm", mutates_args=())
+def fused_rms_norm(
+    input: torch.Tensor, weight: torch.Tensor | None, shape: list[int], eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stand-in for CUDA's ``_fused_rms_norm`` in the planner's traces: one kernel (the work counter sees its
+    input, weight, output and per-row reciprocal RMS, as the GPU moves them) that returns the normalized input and
+    the reciprocal RMS it keeps for the backward."""
+    dims = tuple(range(-len(shape), 0))
+    rstd = torch.rsqrt(input.float().pow(2).mean(dims, keepdim=True) + eps)
+    out = input.float() * rstd
+    return (out if weight is None else out * weight.float()).to(input.dtype), rstd
+
+
+@fused_rms_norm.register_fake
+def _(input, weight, shape, eps):
+    rows = input.shape[: input.dim() - len(shape)]
+    return torch.empty_like(input), input.new_empty((*rows, *[1] * len(shape)), dtype=torch.float32)
+
+
+@torch.library.custom_op("distrain_planner::fused_rms_norm_backward", mutates_args=())
+def fused_rms_norm_backward(
+    grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, shape: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA's fused backward, as one kernel: the gradients of the input and of the weight (empty without one)."""
+    dims = tuple(range(-len(shape), 0))
+    x, g = input.float(), grad.float()
+    normed = x * rstd
+    gw = g if weight is None else g * weight.float()
+    grad_input = rstd * (gw - normed * (gw * normed).mean(dims, keepdim=True))
+    rows = tuple(range(input.dim() - len(shape)))
+    grad_weight = input.new_empty(0) if weight is None else (g * normed).sum(rows).to(weight.dtype)
+    return grad_input.to(input.dtype), grad_weight
+
+
+@fused_rms_norm_backward.register_fake
+def _(grad, input, weight, rstd, shape):
+    return torch.empty_like(input), input.new_empty(0) if weight is None else torch.empty_like(weight)
+
+
+def _keep_for_backward(ctx, inputs, output):
+    input, weight, shape, _ = inputs
+    ctx.save_for_backward(input, weight, output[1])
+    ctx.shape = shape
+
+
+def _fused_backward(ctx, grad, _grad_rstd):
+    input, weight, rstd = ctx.saved_tensors
+    grad_input, grad_weight = fused_rms_norm_backward(grad, input, weight, rstd, ctx.shape)
+    return grad_input, (None if weight is None else grad_weight), None, None
+
+
+fused_rms_norm.register_autograd(_fused_backward, setup_context=_keep_for_backward)

@@ -46,10 +46,12 @@ def spec_from_config(config: RunConfig, job=None) -> ModelSpec:
 
     t, data = config.training, config.data
     if t.model_name in GPT_SIZES:
-        return ModelSpec.builtin_gpt(t.model_name, data.seq_len)
-    if hasattr(job, "hf_config"):  # the Hugging Face job has read the model's config and sized its data
-        return ModelSpec.huggingface(t.model_name, job.data.max_length, job.task, t.num_labels, hf_config=job.hf_config)
-    return ModelSpec.huggingface(t.model_name, data.max_length or data.seq_len, t.task, t.num_labels)
+        spec = ModelSpec.builtin_gpt(t.model_name, data.seq_len)
+    elif hasattr(job, "hf_config"):  # the Hugging Face job has read the model's config and sized its data
+        spec = ModelSpec.huggingface(t.model_name, job.data.max_length, job.task, t.num_labels, hf_config=job.hf_config)
+    else:
+        spec = ModelSpec.huggingface(t.model_name, data.max_length or data.seq_len, t.task, t.num_labels)
+    return spec.with_low_precision_norms() if t.low_precision_norms else spec
 
 
 def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
@@ -65,6 +67,7 @@ def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:
         accumulate=t.gradient_accumulation_steps,
         clip=t.max_grad_norm or None,
         gpu=gpu,
+        compile=bool(t.compile),
         gradient_as_bucket_view=d.gradient_as_bucket_view,
         configured={model.kinds[0]: said for model in models() if (said := model.from_config(config))},
         tensor_parallel=d.tensor_parallel_size,

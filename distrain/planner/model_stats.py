@@ -173,6 +173,25 @@ class ModelSpec:
             experts=expert_parallel.splittable_experts(probe),
         )
 
+    def with_low_precision_norms(self) -> ModelSpec:
+        """This model with its norms computed in the compute dtype (``training.low_precision_norms``), at every
+        depth the planner traces."""
+        from dataclasses import replace
+
+        from distrain.models.norms import low_precision_norms
+
+        def build() -> Module:
+            module = self.build()
+            low_precision_norms(module)
+            return module
+
+        deeper = self.with_depth
+        return replace(
+            self,
+            build=build,
+            with_depth=None if deeper is None else (lambda n: deeper(n).with_low_precision_norms()),
+        )
+
     def portable(self, micro_batch: int) -> ModelSpec:
         """This spec for a process that did not fork from this one (``simulate.Started``): ``build`` and
         ``make_batch`` are closures over this process's objects (a user's module, a loader), so the module is built
@@ -414,7 +433,12 @@ def trace_step(
         module.to(param_dtype)
     apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint), reentrant)
     # non-fake inputs: the meta parameters that ``to_empty`` turns into fake ones
-    with fake.fake_tensor_mode(allow_non_fake_inputs=True) as mode, fake.transformers_as_in_eager():
+    # a GPU's run (``foreach``): its norms keep what CUDA's kernels keep
+    with (
+        fake.fake_tensor_mode(allow_non_fake_inputs=True) as mode,
+        fake.transformers_as_in_eager(),
+        fake.norms_as_on_cuda(foreach),
+    ):
         to_empty_keeping_ties(module)
         optimizer = first_optimizer(module.configure_optimizers())
         if foreach:

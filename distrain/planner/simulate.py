@@ -283,7 +283,12 @@ def _set_up(strategy, spec: ModelSpec, micro_batch: int, foreach: bool):
     # the weights' values do not matter: skip every loader a module may run at materialization
     object.__setattr__(module, "reset_parameters", lambda: None)
     fake_mode = fake.fake_tensor_mode(allow_non_fake_inputs=True)
-    with fake_mode as mode, fake.transformers_as_in_eager(), fake.device_meshes_outside_fake_mode():
+    with (
+        fake_mode as mode,
+        fake.transformers_as_in_eager(),
+        fake.device_meshes_outside_fake_mode(),
+        fake.norms_as_on_cuda(foreach),  # a GPU's run: its norms keep what CUDA's kernels keep
+    ):
         model = strategy.setup(StepRouter(module)).model
         optimizer = first_optimizer(module.configure_optimizers())
         if foreach:

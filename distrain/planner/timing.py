@@ -41,15 +41,19 @@ from distrain.planner import kept
 #: (smaller GEMMs, clocks under sustained power). Memory: 0.7 of the listed bandwidth
 MATMUL_EFFICIENCY = 0.6
 MEMORY_EFFICIENCY = 0.7
-#: a GPU whose published runs show another matmul efficiency. A100: 0.85, fitted on torchtitan's five A100 runs
-#: (Llama 2 13B and 70B, Llama 3 8B and 70B, FSDP on 64 GPUs), which planned at 0.75-0.77 of their measured
-#: tokens/s with the 0.55 the planner had; cuBLAS's large bf16 GEMMs run at about 0.85 of its 312 TFLOP/s. Held
-#: out: llm-foundry's A100 runs and Megatron-LM's 22B run (another source each)
-MATMUL_EFFICIENCY_BY_GPU = {"A100": 0.85}
-#: the fused attention kernels' rate against the matmuls': 0.6, fitted on llm-foundry's 32k-token H100 runs, where
-#: attention is half the FLOPs and which planned 23-25% fast at the matmuls' rate (FlashAttention-2 reaches 50-70%
-#: of an A100's peak, less of an H100's, against a GEMM's 80-85%). Held out: llm-foundry's 32k-token A100 run
-ATTENTION_EFFICIENCY = 0.6
+#: a GPU whose published runs show another matmul efficiency. A100: 0.75, fitted on torchtitan's five A100 runs
+#: (Llama 2 13B and 70B, Llama 3 8B and 70B, FSDP on 64 GPUs; their mean plan / published is 1.0 at 0.74-0.75);
+#: cuBLAS's large bf16 GEMMs run at about 0.8 of its 312 TFLOP/s. Held out: llm-foundry's A100 runs and
+#: Megatron-LM's 22B run (another source each)
+MATMUL_EFFICIENCY_BY_GPU = {"A100": 0.75}
+#: the fused attention kernels' rate, a share of the listed peak: 0.36, fitted on llm-foundry's 32k-token H100 runs,
+#: where attention is half the FLOPs and which planned 23-25% fast at the matmuls' rate; FlashAttention-3's paper
+#: (Shah et al. 2024, arXiv 2407.08608) measures FlashAttention-2 at about 35% of an H100's peak
+ATTENTION_EFFICIENCY = 0.36
+#: a GPU the attention kernels were written for. A100: 0.65, from FlashAttention-2's paper (Dao 2023, arXiv
+#: 2307.08691: up to 73% of an A100's peak forward and 63% backward at head dimension 128; the backward is 2.5 times
+#: the forward's FLOPs). Not fitted to any run: llm-foundry's 32k-token A100 runs are held out
+ATTENTION_EFFICIENCY_BY_GPU = {"A100": 0.65}
 #: a GPU's dense bf16 tensor-core peak (FLOP/s), memory bandwidth (B/s), and the NCCL all-reduce bus
 #: bandwidth between the GPUs of one node (B/s, measured by nccl-tests on NVLink/PCIe systems)
 GPU_TABLE = {
@@ -124,7 +128,7 @@ def gpu_hardware(name: str | None, precision: str) -> Hardware:
     matmul = MATMUL_EFFICIENCY_BY_GPU.get(key or DEFAULT_GPU, MATMUL_EFFICIENCY)
     return Hardware(
         matmul_flops=flops * matmul,
-        attention_flops=flops * matmul * ATTENTION_EFFICIENCY,
+        attention_flops=flops * ATTENTION_EFFICIENCY_BY_GPU.get(key or DEFAULT_GPU, ATTENTION_EFFICIENCY),
         memory_bandwidth=memory * MEMORY_EFFICIENCY,
         op_seconds=GPU_OP_SECONDS,
         intra_bandwidth=nvlink,

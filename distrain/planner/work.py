@@ -7,9 +7,10 @@ per-tensor or multi-tensor kernels."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -80,6 +81,11 @@ class PhaseWork:
     attention_flops: float = 0.0
     """FLOPs of the fused attention kernels (SDPA's flash, memory-efficient, cuDNN and CPU kernels), apart from
     ``flops``: on a GPU they run below the matmuls' rate (``timing.ATTENTION_EFFICIENCY``)."""
+    fused_bytes: float = 0.0
+    """``bytes`` as ``torch.compile`` moves them (``WorkCounter``): the memory-bound operations between two
+    compute-bound ones are one kernel, which reads what it did not make and writes what is read after it."""
+    fused_ops: int = 0
+    """``ops`` under ``torch.compile``: the compute-bound kernels and one fused kernel per run of memory-bound ones."""
 
     def scaled(self, factor: float) -> PhaseWork:
         return PhaseWork(
@@ -89,7 +95,13 @@ class PhaseWork:
             self.elements * factor,
             self.softmax_elements * factor,
             self.attention_flops * factor,
+            self.fused_bytes * factor,
+            self.fused_ops,
         )
+
+    def compiled(self) -> PhaseWork:
+        """This work as ``torch.compile`` runs it: the fused bytes and kernels in place of eager's."""
+        return replace(self, bytes=self.fused_bytes, ops=self.fused_ops)
 
     def __add__(self, other: PhaseWork) -> PhaseWork:
         return PhaseWork(
@@ -99,6 +111,8 @@ class PhaseWork:
             self.elements + other.elements,
             self.softmax_elements + other.softmax_elements,
             self.attention_flops + other.attention_flops,
+            self.fused_bytes + other.fused_bytes,
+            self.fused_ops + other.fused_ops,
         )
 
 
@@ -113,6 +127,10 @@ class StepWork:
     @property
     def step(self) -> PhaseWork:
         return self.phases["step"]
+
+    def compiled(self) -> StepWork:
+        """The forward and backward as ``torch.compile`` runs them (the optimizer's step stays eager's)."""
+        return StepWork({p: w.compiled() if p != "step" else w for p, w in self.phases.items()})
 
 
 def _cpu_attention_flops(query, key, value, *args, **kwargs) -> int:
@@ -177,12 +195,37 @@ def _tensor_bytes(values) -> int:
 
 
 class WorkCounter(TorchDispatchMode):
-    """Counts every operation of the current ``phase`` (the caller moves it along)."""
+    """Counts every operation of the current ``phase`` (the caller moves it along), as eager mode runs it and as
+    ``torch.compile`` would (``PhaseWork.fused_bytes``).
+
+    The compiled count assumes Inductor's fusion at its best: every run of memory-bound operations between two
+    compute-bound ones (matmuls, attention) is one kernel. It reads the tensors it did not make (a matmul's output,
+    a parameter, a tensor made before the last matmul) and writes the tensors it makes that are read later: by a
+    matmul, after the next matmul, or in a later phase (what the backward keeps)."""
 
     def __init__(self):
         super().__init__()
-        self.phase = "forward"
+        self._phase = "forward"
         self.work = StepWork()
+        self._segment = 0  # compute-bound operations so far: a fused kernel spans one segment
+        self._fused_segment = -1  # the last segment a fused kernel was counted in
+        #: tensors the memory-bound operations made, by storage: [phase, segment, bytes, written, alive]
+        self._made: dict[int, list] = {}
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        # what the last phase made and a later one reads (the backward's saved tensors) was written to memory
+        for key, made in list(self._made.items()):
+            if made[4].expired():
+                del self._made[key]
+            elif not made[3]:
+                self.work.phases[made[0]].fused_bytes += made[2]
+                made[3] = True
+        self._phase = value
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -191,13 +234,22 @@ class WorkCounter(TorchDispatchMode):
         packet = func._overloadpacket
         if func.namespace != "prim":  # a device or size query: no kernel
             phase.ops += 1
+        compute = (
+            packet in _ATTENTION
+            or packet in _FLOPS
+            or (func.namespace == "transformers" and packet.__name__ in _EXPERT_MATMULS)
+        )
+        if compute:
+            self._segment += 1
+            phase.fused_ops += 1
+            self._read((args, kwargs), counted=False)
         if packet in _ATTENTION:
             phase.attention_flops += _FLOPS[packet](*args, **kwargs, out_val=out)
             return out
         if packet in _FLOPS:
             phase.flops += _FLOPS[packet](*args, **kwargs, out_val=out)
             return out
-        if func.namespace == "transformers" and packet.__name__ in _EXPERT_MATMULS:
+        if compute:
             phase.flops += _EXPERT_MATMULS[packet.__name__] * _expert_matmul_flops(*args[:2])
             return out
         # the per-element work beyond a memory pass (a GPU's is 0); the memory pass is counted below, as for any
@@ -206,5 +258,61 @@ class WorkCounter(TorchDispatchMode):
         elif packet in _PER_ELEMENT:
             phase.elements += _largest((out, args[:1]))  # bernoulli_ writes its argument
         if _moves_data(func, out):
-            phase.bytes += _tensor_bytes((args, kwargs)) + _tensor_bytes(out) + _written_in_place(func, args, kwargs)
+            written = _written_in_place(func, args, kwargs)
+            phase.bytes += _tensor_bytes((args, kwargs)) + _tensor_bytes(out) + written
+            if self._fused_segment != self._segment:
+                self._fused_segment = self._segment
+                phase.fused_ops += 1
+            phase.fused_bytes += self._read((args, kwargs), counted=True) + written
+            self._make(out)
         return out
+
+    def _read(self, values, counted: bool) -> int:
+        """Bytes a fused kernel reads of ``values`` (``counted``; a matmul's reads are in its FLOPs), writing first
+        the tensors an earlier kernel made and kept in registers until now."""
+        read = 0
+        for t in tree_flatten(values)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            made = self._made.get(_storage_key(t))
+            if made is not None and made[0] == self.phase and made[1] == self._segment and counted:
+                continue  # made in this kernel: never leaves it
+            if made is not None and not made[3]:
+                self.work.phases[made[0]].fused_bytes += made[2]
+                made[3] = True
+            read += t.numel() * t.element_size() if counted else 0
+        return read
+
+    def _make(self, out) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = _storage_key(t)
+                if key not in self._made:
+                    size = t.numel() * t.element_size()
+                    self._made[key] = [self.phase, self._segment, size, False, _alive(t)]
+
+    def __exit__(self, *exc):
+        self.phase = self.phase  # the last phase's kept tensors
+        return super().__exit__(*exc)
+
+
+def _alive(t: torch.Tensor):
+    """Something whose ``expired()`` says when ``t``'s storage is freed."""
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return _Forever()
+
+
+class _Forever:
+    @staticmethod
+    def expired() -> bool:
+        return False
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """A tensor's storage, shared with its views (a wrapper subclass without one, a DTensor: the tensor)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(t)

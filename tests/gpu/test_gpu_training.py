@@ -504,6 +504,49 @@ def test_experts_run_one_grouped_matmul_on_cuda_in_bf16_with_the_loops_results()
     assert weight.grad[1].abs().sum() == 0  # the expert no token chose
 
 
+def test_low_precision_norms_keep_what_the_planner_says_on_cuda(tmp_path):
+    """On CUDA, Hugging Face's RMSNorm keeps an fp32 copy of its input for the backward and torch's fused
+    ``rms_norm`` in bf16 does not (``training.low_precision_norms``): the saving is 4 bytes per token and hidden unit
+    per norm, and the planner's GPU trace (``planner.fake.norms_as_on_cuda``) counts the same, within 10%."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distrain.models.norms import low_precision_norms
+    from distrain.planner import ModelSpec
+    from distrain.planner.model_stats import trace_step
+
+    h, layers, b, t = 1024, 4, 4, 1024
+    config = LlamaConfig(
+        hidden_size=h, intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=1024, max_position_embeddings=t, architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    ids = torch.randint(0, 1024, (b, t), device="cuda")
+
+    def kept(low: bool) -> int:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+        if low:
+            assert len(low_precision_norms(model)) == 2 * layers + 1
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        hidden = model.model(input_ids=ids).last_hidden_state  # the kept activations, at the end of forward
+        torch.cuda.synchronize()
+        used = torch.cuda.memory_allocated() - before
+        hidden.float().sum().backward()
+        del model, hidden
+        torch.cuda.empty_cache()
+        return used
+
+    measured = kept(False) - kept(True)
+    expected = 4 * b * t * h * (2 * layers + 1)
+    assert abs(measured - expected) <= 0.1 * expected, (measured, expected)
+    spec = ModelSpec.huggingface(str(tmp_path), t, "causal_lm")
+    bf16 = dict(param_dtype=torch.bfloat16, autocast=torch.bfloat16, foreach=True)
+    own, low = (trace_step(s, b, **bf16).activations for s in (spec, spec.with_low_precision_norms()))
+    planned = own - low
+    assert abs(planned - measured) <= 0.1 * measured, (planned, measured)
+
+
 def _needs_fp8():
     if torch.cuda.get_device_capability() < (8, 9):  # asked here: importing this module must not start CUDA
         pytest.skip("fp8 training needs compute capability 8.9+ (H100, H200, L4)")

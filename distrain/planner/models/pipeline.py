@@ -85,6 +85,8 @@ def trace_pipeline(
     autocast: torch.dtype | None = None,
     checkpoint: int | None = 0,
     split_points=None,
+    gpu: bool = False,
+    compiled: bool = False,
 ) -> PipelineTrace:
     """Each of ``num_stages`` stages through one micro-batch, in order (a stage's input is what the one before
     sent). Stages with the same blocks count and position (neither first nor last) are traced once: their
@@ -97,7 +99,11 @@ def trace_pipeline(
     if param_dtype != torch.float32:
         module.to(param_dtype)
     apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint))
-    with fake.fake_tensor_mode(allow_non_fake_inputs=True) as mode, fake.transformers_as_in_eager():
+    with (
+        fake.fake_tensor_mode(allow_non_fake_inputs=True) as mode,
+        fake.transformers_as_in_eager(),
+        fake.norms_as_on_cuda(gpu),  # a GPU's run: its norms keep what CUDA's kernels keep
+    ):
         to_empty_keeping_ties(module)
         split = split_for(module)
         build = PipelineBuild.create(module, split, ParallelLayout(pipeline=num_stages), 0, split_points)
@@ -113,7 +119,7 @@ def trace_pipeline(
             if key in cache:
                 stages.append(replace(cache[key], index=s))
                 continue  # its output is the same shape as its input: the next stage receives the same
-            trace, received_next = _trace_stage(module, split, stage, s, batch, received, autocast)
+            trace, received_next = _trace_stage(module, split, stage, s, batch, received, autocast, compiled)
             if key is not None:
                 cache[key] = trace
             stages.append(trace)
@@ -126,7 +132,7 @@ def trace_pipeline(
     return PipelineTrace(stages, ties)
 
 
-def _trace_stage(module, split, stage, index: int, batch, received, autocast):
+def _trace_stage(module, split, stage, index: int, batch, received, autocast, compiled: bool = False):
     """Forward and backward of one micro-batch through ``stage``; returns its trace and what it sends on."""
     held = {id(p): p for p in stage.parameters() if p.requires_grad}
     held_params = list(held.values())
@@ -168,7 +174,8 @@ def _trace_stage(module, split, stage, index: int, batch, received, autocast):
         received=0 if received is None else received.numel() * received.element_size(),
         blocks=len(stage.blocks),
         largest_unit=max((sum(p.numel() * p.element_size() for p in b.parameters()) for b in stage.blocks), default=0),
-        work=counter.work.forward_backward,
+        # a GPU's compiled stage: its memory-bound operations fused
+        work=counter.work.forward_backward.compiled() if compiled else counter.work.forward_backward,
     )
     return trace, sent
 
@@ -415,6 +422,8 @@ def _pipeline_trace(estimator, option, micro_batch: int | None = None) -> Pipeli
             autocast=autocast,
             checkpoint=option.checkpoint,
             split_points=estimator.job.split_points,
+            gpu=estimator.job.gpu,
+            compiled=estimator.job.gpu and estimator.job.compile,
         )
 
     return estimator.memo(("pp", stages, option.checkpoint, b, kind), trace)
