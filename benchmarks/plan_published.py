@@ -59,15 +59,54 @@ class Run:
     #: ``low_precision_layernorm``, Megatron-LM's fused LayerNorm (apex). False: torchtitan's 70B configs'
     #: ``norm_type = "rmsnorm"``, fp32 by hand as Hugging Face's Llama computes it (runs.md §2a)
     low_precision_norms: bool = True
+    compile: bool = False  # torch.compile (torchtitan's per-block compile)
 
 
-#: the runs planned (runs.md's IDs); bf16 without compile or float8, layouts the planner models (FSDP)
+#: the runs planned (runs.md's IDs): bf16 without float8, layouts the planner models (FSDP, tensor parallel)
 RUNS = [
     Run("TA1", "torchtitan A100", "L3-8B", "A100", "80GB", 8, 8, 8192, 1, 1, 2, 2904),
     Run("TA3", "torchtitan A100", "L3-70B", "A100", "80GB", 8, 8, 8192, 1, 1, 1, 331, low_precision_norms=False),
     Run("TA4", "torchtitan A100", "L2-13B", "A100", "80GB", 8, 8, 4096, 2, 1, None, 2162),
     Run("TA5", "torchtitan A100", "L2-13B", "A100", "80GB", 8, 8, 4096, 2, 1, 2, 1914),
     Run("TA8", "torchtitan A100", "L2-70B", "A100", "80GB", 8, 8, 4096, 2, 1, 1, 353, low_precision_norms=False),
+    # torchtitan on H100 96GB at a 500 W power limit (runs.md §2b, commit 9dec370): Llama 3.1 8B, FSDP, 2 × 8192
+    # tokens, eager and compiled, norm_type = "rmsnorm" (fp32 by hand). Their selective recomputation is per
+    # operation (every second matmul's output recomputed): planned as recomputing every second block, the same
+    # share of the forward's FLOPs recomputed
+    Run("TH1", "torchtitan H100", "L3-8B", "H100", "96GB", 1, 8, 8192, 2, 1, 2, 5762, low_precision_norms=False),
+    Run(
+        "TH2",
+        "torchtitan H100",
+        "L3-8B",
+        "H100",
+        "96GB",
+        1,
+        8,
+        8192,
+        2,
+        1,
+        2,
+        6667,
+        low_precision_norms=False,
+        compile=True,
+    ),
+    Run("TH4", "torchtitan H100", "L3-8B", "H100", "96GB", 16, 8, 8192, 2, 1, 2, 5605, low_precision_norms=False),
+    Run(
+        "TH5",
+        "torchtitan H100",
+        "L3-8B",
+        "H100",
+        "96GB",
+        16,
+        8,
+        8192,
+        2,
+        1,
+        2,
+        6514,
+        low_precision_norms=False,
+        compile=True,
+    ),
     Run("LH1", "llm-foundry H100", "MPT-1B", "H100", "80GB", 1, 8, 2048, 14, 1, None, 45455),
     Run("LH6", "llm-foundry H100", "MPT-7B", "H100", "80GB", 1, 8, 2048, 6, 1, None, 10643),
     Run("LH9", "llm-foundry H100", "MPT-7B", "H100", "80GB", 16, 8, 2048, 6, 1, None, 10475),
@@ -155,6 +194,7 @@ def planner_for(run: Run, root: Path):
         # as torchtitan and llm-foundry (FSDP1) run: gradients reduce-scattered after every micro-batch
         "fsdp.sync_each_micro_batch=true",
         f"training.low_precision_norms={str(run.low_precision_norms).lower()}",
+        f"training.compile={str(run.compile).lower()}",
         *([f"distributed.tensor_parallel_size={run.tensor}"] if run.tensor > 1 else []),
     ]  # fmt: skip
     args = plan_parser().parse_intermixed_args(argv)
