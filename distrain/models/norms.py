@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distrain.strategies import sharded_init
+
 #: the attribute names Hugging Face's RMSNorms give their epsilon
 _EPSILON_NAMES = ("variance_epsilon", "eps", "epsilon")
 
@@ -85,7 +87,7 @@ def _replacement(module: nn.Module) -> LowPrecisionNorm | None:
     if list(module.children()) or set(params) != {"weight"}:
         return None
     eps = next((getattr(module, n) for n in _EPSILON_NAMES if isinstance(getattr(module, n, None), float)), None)
-    shape = tuple(getattr(params["weight"], "ds_shape", params["weight"].shape))  # ZeRO-3 keeps the full shape there
+    shape = tuple(sharded_init.built_shape(params["weight"]))  # under ZeRO-3's zero.Init the weight is a placeholder
     if eps is None or len(shape) != 1 or not _computes_rms_norm(module, shape[0], eps):
         return None
     return LowPrecisionNorm("rms", shape, eps, params["weight"])

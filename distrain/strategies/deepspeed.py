@@ -406,7 +406,7 @@ class DeepSpeedStrategy(Strategy):
 
     # ---- what a rank holds: ZeRO keeps partitions (DeepSpeed's own accessors gather them) ----------------------
     def full_shape(self, param: torch.Tensor) -> torch.Size:
-        return getattr(param, "ds_shape", param.shape)  # ZeRO-3: the parameter itself is an empty placeholder
+        return sharded_init.built_shape(param)  # ZeRO-3: the parameter itself is an empty placeholder
 
     def local_shard(self, param: torch.Tensor) -> torch.Tensor:
         return getattr(param, "ds_tensor", param)  # ZeRO-3: this rank's partition

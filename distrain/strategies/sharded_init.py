@@ -308,6 +308,12 @@ def initialization_deferred() -> bool:
     return _deferring > 0
 
 
+def built_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's shape as its module built it, wherever the strategy's build context put it: ZeRO-3's
+    ``zero.Init`` leaves an empty placeholder and keeps the shape beside it (``ds_shape``)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
 # ---- the RNG state configure_model started from ---------------------------------------------------------------
 def record_rng() -> dict[str, Any]:
     state = {"cpu": torch.get_rng_state()}
