@@ -275,6 +275,8 @@ class WorkCounter(TorchDispatchMode):
             if not isinstance(t, torch.Tensor):
                 continue
             made = self._made.get(_storage_key(t))
+            if made is not None and made[4].expired():  # a freed storage whose address a new one took
+                made = None
             if made is not None and made[0] == self.phase and made[1] == self._segment and counted:
                 continue  # made in this kernel: never leaves it
             if made is not None and not made[3]:
@@ -287,7 +289,7 @@ class WorkCounter(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 key = _storage_key(t)
-                if key not in self._made:
+                if key not in self._made or self._made[key][4].expired():
                     size = t.numel() * t.element_size()
                     self._made[key] = [self.phase, self._segment, size, False, _alive(t)]
 
