@@ -230,7 +230,12 @@ def test_fake_tensors_fake_process_group_and_memory_trackers():
         for _ in range(2):  # MemTracker alone refuses the second iteration
             model(torch.ones(8, 64)).sum().backward()
     assert tracker.peak_bytes() >= 8 * 64 * 4 + 64 * 65 * 4  # the output and the new gradients
-    assert issubclass(fake.fsdp_memory_tracker_class(), fake.memory_tracker_class())
+    from torch.distributed._tools import FSDPMemTracker, MemTracker
+
+    # torch's trackers, each made to look away from DTensor's sharding propagation (one class each, made once)
+    assert issubclass(fake.fsdp_memory_tracker_class(), FSDPMemTracker) and issubclass(FSDPMemTracker, MemTracker)
+    assert issubclass(fake.memory_tracker_class(), MemTracker)
+    assert fake.memory_tracker_class() is fake.memory_tracker_class()
 
 
 def test_transformers_as_in_eager_under_fake_tensors(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ training path needs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 from typing import Any
@@ -35,6 +36,7 @@ def memory_tracker_class() -> type:
 _propagating = threading.local()
 
 
+@functools.cache
 def _without_sharding_propagation(tracker: type) -> type:
     """``tracker`` (a MemTracker class) that does not count what DTensor's sharding propagation computes."""
 
