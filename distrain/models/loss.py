@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+#: cross_entropy's ignore_index, as context_parallel.IGNORE (which this module cannot import: it imports this one)
 IGNORE = -100
+
 #: logits per piece of the loss: 2^26 is 256 MiB in fp32, a few pieces for a 50k-128k vocabulary at 8k tokens
 PIECE_ELEMENTS = 2**26
 

@@ -69,6 +69,11 @@ class Job:
     """``ddp_torchft``'s ``distributed.semi_sync`` (local_sgd or diloco), ``sync_every`` and DiLoCo's momentum."""
 
     @property
+    def fuses(self) -> bool:
+        """Whether the traced work runs compiled: ``compile`` on a GPU (its memory-bound operations fused)."""
+        return self.compile and self.gpu
+
+    @property
     def per_node(self) -> int:
         return self.world_size // self.num_nodes
 
@@ -146,8 +151,7 @@ class Estimator:
                 clip=job.clip,
                 reentrant=reentrant,
             )
-            compiled = job.compile and job.gpu  # a GPU's compiled step: its memory-bound operations fused
-            self._traces[key] = _replace(trace, work=trace.work.compiled()) if compiled else trace
+            self._traces[key] = _replace(trace, work=trace.work.compiled()) if job.fuses else trace
         return self._traces[key]
 
     def memo(self, key: tuple, make):

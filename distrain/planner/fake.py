@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 def memory_tracker_class() -> type:
     """torch's ``MemTracker``: a dispatch mode that attributes live tensor memory to parameters,
-    gradients, activations, temporaries and optimizer states, and keeps the peak (``_WithoutShardingPropagation``).
+    gradients, activations, temporaries and optimizer states, and keeps the peak (``_without_sharding_propagation``).
     Public class in a private package (``torch.distributed._tools``): checked on torch 2.13.0."""
     from torch.distributed._tools import MemTracker
 

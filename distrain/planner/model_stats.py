@@ -15,7 +15,7 @@ import copy
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -176,8 +176,6 @@ class ModelSpec:
     def with_low_precision_norms(self) -> ModelSpec:
         """This model with its norms computed in the compute dtype (``training.low_precision_norms``), at every
         depth the planner traces."""
-        from dataclasses import replace
-
         from distrain.models.norms import low_precision_norms
 
         def build() -> Module:

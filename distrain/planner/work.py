@@ -234,12 +234,8 @@ class WorkCounter(TorchDispatchMode):
         packet = func._overloadpacket
         if func.namespace != "prim":  # a device or size query: no kernel
             phase.ops += 1
-        compute = (
-            packet in _ATTENTION
-            or packet in _FLOPS
-            or (func.namespace == "transformers" and packet.__name__ in _EXPERT_MATMULS)
-        )
-        if compute:
+        experts = func.namespace == "transformers" and packet.__name__ in _EXPERT_MATMULS
+        if packet in _ATTENTION or packet in _FLOPS or experts:  # a compute-bound kernel: a fused one ends here
             self._segment += 1
             phase.fused_ops += 1
             self._read((args, kwargs), counted=False)
@@ -249,7 +245,7 @@ class WorkCounter(TorchDispatchMode):
         if packet in _FLOPS:
             phase.flops += _FLOPS[packet](*args, **kwargs, out_val=out)
             return out
-        if compute:
+        if experts:
             phase.flops += _EXPERT_MATMULS[packet.__name__] * _expert_matmul_flops(*args[:2])
             return out
         # the per-element work beyond a memory pass (a GPU's is 0); the memory pass is counted below, as for any

@@ -423,7 +423,7 @@ def _pipeline_trace(estimator, option, micro_batch: int | None = None) -> Pipeli
             checkpoint=option.checkpoint,
             split_points=estimator.job.split_points,
             gpu=estimator.job.gpu,
-            compiled=estimator.job.gpu and estimator.job.compile,
+            compiled=estimator.job.fuses,
         )
 
     return estimator.memo(("pp", stages, option.checkpoint, b, kind), trace)
