@@ -411,6 +411,18 @@ def create_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) 
     optimizer.zero_grad(set_to_none=True)
 
 
+def set_up_module(
+    spec: ModelSpec, param_dtype: torch.dtype, checkpoint: int | None, *, reentrant: bool = False
+) -> Module:
+    """The spec's module on the meta device as a strategy without sharding sets it up: its parameters in
+    ``param_dtype``, activation checkpointing on its first ``checkpoint`` blocks (``checkpoint_policy``)."""
+    module = spec.build()
+    if param_dtype != torch.float32:
+        module.to(param_dtype)
+    apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint), reentrant)
+    return module
+
+
 def trace_step(
     spec: ModelSpec,
     micro_batch: int,
@@ -426,10 +438,7 @@ def trace_step(
     autocast when given), backward, gradient clipping, the module's own optimizer step.
     ``checkpoint``: blocks whose activations are recomputed (``None``: all), with torch's
     reentrant checkpoint if ``reentrant`` (DeepSpeed's activation checkpointing is reentrant)."""
-    module = spec.build()
-    if param_dtype != torch.float32:
-        module.to(param_dtype)
-    apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint), reentrant)
+    module = set_up_module(spec, param_dtype, checkpoint, reentrant=reentrant)
     # non-fake inputs: the meta parameters that ``to_empty`` turns into fake ones
     # a GPU's run (``foreach``): its norms keep what CUDA's kernels keep
     with (

@@ -7,7 +7,7 @@ per-tensor or multi-tensor kernels."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -88,15 +88,9 @@ class PhaseWork:
     """``ops`` under ``torch.compile``: the compute-bound kernels and one fused kernel per run of memory-bound ones."""
 
     def scaled(self, factor: float) -> PhaseWork:
+        """This work ``factor`` times over: its amounts scale, its count of kernels does not."""
         return PhaseWork(
-            self.flops * factor,
-            self.bytes * factor,
-            self.ops,
-            self.elements * factor,
-            self.softmax_elements * factor,
-            self.attention_flops * factor,
-            self.fused_bytes * factor,
-            self.fused_ops,
+            **{f.name: getattr(self, f.name) * (1 if f.name in _KERNELS else factor) for f in fields(self)}
         )
 
     def compiled(self) -> PhaseWork:
@@ -104,16 +98,11 @@ class PhaseWork:
         return replace(self, bytes=self.fused_bytes, ops=self.fused_ops)
 
     def __add__(self, other: PhaseWork) -> PhaseWork:
-        return PhaseWork(
-            self.flops + other.flops,
-            self.bytes + other.bytes,
-            self.ops + other.ops,
-            self.elements + other.elements,
-            self.softmax_elements + other.softmax_elements,
-            self.attention_flops + other.attention_flops,
-            self.fused_bytes + other.fused_bytes,
-            self.fused_ops + other.fused_ops,
-        )
+        return PhaseWork(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+#: ``PhaseWork``'s counts of kernels, which a larger amount of work (``scaled``) does not change
+_KERNELS = ("ops", "fused_ops")
 
 
 @dataclass

@@ -34,8 +34,7 @@ from distrain.planner import fake
 from distrain.planner.model_stats import (
     ModelSpec,
     Phases,
-    apply_activation_checkpointing,
-    checkpoint_policy,
+    set_up_module,
     to_empty_keeping_ties,
 )
 from distrain.planner.models import CostModel, data_parallel_kind
@@ -95,10 +94,7 @@ def trace_pipeline(
     from distrain.parallel.pipeline_split import split_for
     from distrain.parallel.pipeline_stages import PipelineBuild
 
-    module = spec.build()
-    if param_dtype != torch.float32:
-        module.to(param_dtype)
-    apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint))
+    module = set_up_module(spec, param_dtype, checkpoint)
     with (
         fake.fake_tensor_mode(allow_non_fake_inputs=True) as mode,
         fake.transformers_as_in_eager(),
