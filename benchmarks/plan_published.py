@@ -60,9 +60,10 @@ class Run:
     #: ``norm_type = "rmsnorm"``, fp32 by hand as Hugging Face's Llama computes it (runs.md §2a)
     low_precision_norms: bool = True
     compile: bool = False  # torch.compile (torchtitan's per-block compile)
+    precision: str = "bf16-mixed"  # fp8: torchao's float8 linear layers (torchtitan's float8 rows)
 
 
-#: the runs planned (runs.md's IDs): bf16 without float8, layouts the planner models (FSDP, tensor parallel)
+#: the runs planned (runs.md's IDs): layouts the planner models (FSDP, tensor parallel), bf16 or float8
 RUNS = [
     Run("TA1", "torchtitan A100", "L3-8B", "A100", "80GB", 8, 8, 8192, 1, 1, 2, 2904),
     Run("TA3", "torchtitan A100", "L3-70B", "A100", "80GB", 8, 8, 8192, 1, 1, 1, 331, low_precision_norms=False),
@@ -70,9 +71,10 @@ RUNS = [
     Run("TA5", "torchtitan A100", "L2-13B", "A100", "80GB", 8, 8, 4096, 2, 1, 2, 1914),
     Run("TA8", "torchtitan A100", "L2-70B", "A100", "80GB", 8, 8, 4096, 2, 1, 1, 353, low_precision_norms=False),
     # torchtitan on H100 96GB at a 500 W power limit (runs.md §2b, commit 9dec370): Llama 3.1 8B, FSDP, 2 × 8192
-    # tokens, eager and compiled, norm_type = "rmsnorm" (fp32 by hand). Their selective recomputation is per
-    # operation (every second matmul's output recomputed): planned as recomputing every second block, the same
-    # share of the forward's FLOPs recomputed
+    # tokens, eager, compiled, and compiled with torchao's float8 linears (TH3, TH6: planned with the weights
+    # gathered in float8, as distrain's FSDP runs fp8; the source does not say for its 8B rows), norm_type =
+    # "rmsnorm" (fp32 by hand). Their selective recomputation is per operation (every second matmul's output
+    # recomputed): planned as recomputing every second block, the same share of the forward's FLOPs recomputed
     Run("TH1", "torchtitan H100", "L3-8B", "H100", "96GB", 1, 8, 8192, 2, 1, 2, 5762, low_precision_norms=False),
     Run(
         "TH2",
@@ -90,6 +92,23 @@ RUNS = [
         low_precision_norms=False,
         compile=True,
     ),
+    Run(
+        "TH3",
+        "torchtitan H100",
+        "L3-8B",
+        "H100",
+        "96GB",
+        1,
+        8,
+        8192,
+        2,
+        1,
+        2,
+        8532,
+        low_precision_norms=False,
+        compile=True,
+        precision="fp8",
+    ),
     Run("TH4", "torchtitan H100", "L3-8B", "H100", "96GB", 16, 8, 8192, 2, 1, 2, 5605, low_precision_norms=False),
     Run(
         "TH5",
@@ -106,6 +125,23 @@ RUNS = [
         6514,
         low_precision_norms=False,
         compile=True,
+    ),
+    Run(
+        "TH6",
+        "torchtitan H100",
+        "L3-8B",
+        "H100",
+        "96GB",
+        16,
+        8,
+        8192,
+        2,
+        1,
+        2,
+        8380,
+        low_precision_norms=False,
+        compile=True,
+        precision="fp8",
     ),
     Run("LH1", "llm-foundry H100", "MPT-1B", "H100", "80GB", 1, 8, 2048, 14, 1, None, 45455),
     Run("LH6", "llm-foundry H100", "MPT-7B", "H100", "80GB", 1, 8, 2048, 6, 1, None, 10643),
@@ -189,7 +225,7 @@ def planner_for(run: Run, root: Path):
         "--model-name", str(model_dir(run.model, run.seq, root)), "--gpu-type", run.gpu,
         "--gpu-memory", run.gpu_memory, "--num-nodes", str(run.nodes), "--devices", str(run.devices),
         "--strategy", run.strategy, "--batch-size", str(run.micro_batch), "--seq-len", str(run.seq),
-        "--precision", "bf16-mixed", "training.pretrained=false", "training.task=causal_lm",
+        "--precision", run.precision, "training.pretrained=false", "training.task=causal_lm",
         f"training.gradient_accumulation_steps={run.accumulate}",
         # as torchtitan and llm-foundry (FSDP1) run: gradients reduce-scattered after every micro-batch
         "fsdp.sync_each_micro_batch=true",

@@ -13,14 +13,17 @@ class Precision:
     ``fp8``: torchao's float8 training (the torchtitan choice): the model's linear layers compute
     their matmuls in float8 with dynamic per-tensor scales, everything else runs under bf16
     autocast; under FSDP2 the weights are all-gathered in float8 (half the bytes of bf16).
-    Needs a GPU with float8 tensor cores (H100-class) and torchao."""
+    Needs a GPU with float8 tensor cores (H100-class) and torchao.
 
-    def __init__(self, name: str, device_type: str):
+    ``simulated``: the planner's CPU simulation of a GPU run (``planner/simulate.py``): fp8 converts the model as on
+    the GPU (torchao's float8 layers run under fake tensors on any device), so this machine's GPU is not asked for."""
+
+    def __init__(self, name: str, device_type: str, *, simulated: bool = False):
         if name not in ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "fp8"):
             raise ValueError(f"precision must be 32-true, 16-mixed, bf16-mixed, bf16-true or fp8, got {name!r}")
         if name == "16-mixed" and device_type != "cuda":
             raise ValueError("precision='16-mixed' needs a CUDA GPU (fp16 with a GradScaler); on CPU use 'bf16-mixed'")
-        if name == "fp8":
+        if name == "fp8" and not simulated:
             check_fp8_support(device_type)
         self.name = name
         self.device_type = device_type
@@ -105,6 +108,11 @@ def check_fp8_support(device_type: str) -> None:
     if capability < FP8_MIN_CAPABILITY:
         name = torch.cuda.get_device_name()
         raise ValueError(f"{need}; this {name} is {capability[0]}.{capability[1]} (use 'bf16-mixed')")
+    require_torchao(need)
+
+
+def require_torchao(need: str) -> None:
+    """``need`` (a sentence about fp8) and what to install, in one line, where torchao is missing."""
     import importlib.util
 
     if importlib.util.find_spec("torchao") is None:

@@ -29,6 +29,7 @@ EXPECTED = {
     "test_expert_parallel_on_two_gpus_in_fp16_and_bf16",
     "test_experts_run_one_grouped_matmul_on_cuda_in_bf16_with_the_loops_results",
     "test_low_precision_norms_keep_what_the_planner_says_on_cuda",
+    "test_fp8_step_holds_what_the_planner_traced_on_the_cpu",
     "test_deepspeed_cpu_adam_offload_pins_host_memory",
     "test_deepspeed_without_offload_steps_with_its_fused_adam_cuda_op",
     "test_compile_on_cuda_matches_eager",

@@ -3,10 +3,11 @@ run's model rebuilt from its published shape as a Hugging Face config, planned o
 by fake-tensor tracing (nothing allocated, no GPU), and its tokens/s per GPU set beside the published figure.
 
 The planner's GPU efficiencies were fitted on torchtitan's A100 runs and llm-foundry's H100 runs. The rows here take
-runs of both fitted groups and three held out, which no constant was fitted to: an llm-foundry A100 run,
-Megatron-LM's tensor-parallel run, and torchtitan's compiled H100 run (``TH2``, the check of the compile model).
+runs of both fitted groups and four held out, which no constant was fitted to: an llm-foundry A100 run,
+Megatron-LM's tensor-parallel run, and torchtitan's compiled H100 runs in bf16 (``TH2``, the check of the compile
+model) and with torchao's float8 linear layers (``TH3``, the check of the float8 model).
 ``TA4`` and ``LA3`` were planned as not fitting their 80 GB although they ran, until the plan counted the norms and
-the loss as the runs keep them. The full table (29 runs) is in docs/plan.md; ``python
+the loss as the runs keep them. The full table (31 runs) is in docs/plan.md; ``python
 benchmarks/plan_published.py`` prints it."""
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ import pytest
 from plan_published import RUNS, plan_row
 
 #: LH14 accumulates over 21 micro-batches: it fits only as its framework ran it, reduce-scattering each one
-ROWS = {"TA1": "fitted", "TA4": "fitted", "LH14": "fitted", "LA3": "held out", "K1": "held out", "TH2": "held out"}
+ROWS = {
+    "TA1": "fitted",
+    "TA4": "fitted",
+    "LH14": "fitted",
+    "LA3": "held out",
+    "K1": "held out",
+    "TH2": "held out",
+    "TH3": "held out",
+}
 
 
 @pytest.fixture(scope="module")

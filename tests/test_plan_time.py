@@ -249,6 +249,8 @@ def test_plan_flags_and_their_errors(capsys):
         (["--gpu-type", "Z80", "--gpu-memory", "80GB", "--accelerator", "gpu"], "--gpu-type 'Z80' is not in"),
         (["--num-nodes", "1,2", "--devices", "2,4"], "not both"),
         (["--num-nodes", "1,2", "--no-time"], "drop --no-time"),
+        (["--precision", "fp8"], "precision='fp8' runs on GPUs with float8 tensor cores"),
+        (["--precision", "fp8", "--gpu-type", "A100", "--gpu-memory", "80GB", "--accelerator", "gpu"], "A100 lacks"),
     ]:
         assert cli.main([*base, *flags]) == 2, flags
         assert message in capsys.readouterr().err, flags
@@ -432,3 +434,35 @@ def test_a_gpu_plan_with_compile_is_faster_and_a_cpu_plan_is_not(capsys):
             assert rows["true"]["step_seconds"] < 0.97 * rows["false"]["step_seconds"]
         else:
             assert rows["true"]["step_seconds"] == rows["false"]["step_seconds"]
+
+
+def test_fp8_is_planned_with_torchaos_float8_linears_at_the_float8_rate_and_gathered_in_float8():
+    """``precision: fp8``: the planner traces the model as the run converts it (torchao's float8 linear layers,
+    the head kept in bf16). Their matmuls count apart and run at the float8 tensor cores' rate (twice the bf16
+    peak); FSDP gathers their weights in float8, a byte each; DeepSpeed, which refuses fp8, is not offered."""
+    pytest.importorskip("torchao")
+    from distrain.planner.models import model_of
+    from distrain.planner.timing import gpu_hardware
+    from distrain.planner.work import PhaseWork
+
+    spec = ModelSpec.builtin_gpt("gpt-tiny", T)
+    bf16 = trace_step(spec, B, autocast=torch.bfloat16, param_dtype=torch.bfloat16)
+    fp8 = trace_step(spec, B, autocast=torch.bfloat16, param_dtype=torch.bfloat16, float8=True)
+    blocks, head = 2 * B * T * 12 * D * D * L, 2 * B * T * D * V
+    for phase, passes in (("forward", 1), ("backward", 2)):  # backward: the input's and the weight's gradients
+        work = fp8.work.phases[phase]
+        assert (work.float8_flops, work.flops) == (passes * blocks, passes * head), phase
+        assert bf16.work.phases[phase].flops == passes * (blocks + head) and bf16.work.phases[phase].float8_flops == 0
+    # torchao's scaling and casting are memory traffic of their own
+    assert fp8.work.forward_backward.bytes > bf16.work.forward_backward.bytes
+    assert (fp8.float8_elements, fp8.float8_bytes) == (12 * D * D * L, 2 * 12 * D * D * L)
+
+    hw = gpu_hardware("H100", "fp8")
+    assert hw.float8_flops == 2 * hw.matmul_flops
+    assert work_seconds(PhaseWork(float8_flops=1e12), hw) == pytest.approx(1e12 / hw.float8_flops)
+    job = Job(spec, B, precision="fp8", world_size=8, gpu=True)
+    gather, _ = collectives(Option("fsdp", sharding="FULL_SHARD"), job, fp8, L + 1)
+    assert gather.size == fp8.param_bytes - 12 * D * D * L  # bf16 weights gathered as float8: a byte saved each
+    assert model_of("zero").offered(job) == []
+    with pytest.raises(ValueError, match="not supported with deepspeed_stage_2"):
+        model_of("zero").option_for_run("deepspeed_stage_2", job)

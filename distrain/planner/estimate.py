@@ -68,6 +68,22 @@ class Job:
     outer_momentum: float = 0.9
     """``ddp_torchft``'s ``distributed.semi_sync`` (local_sgd or diloco), ``sync_every`` and DiLoCo's momentum."""
 
+    def __post_init__(self):
+        if self.float8:
+            from distrain.precision import require_torchao
+
+            if not self.gpu:
+                raise ValueError(
+                    "precision='fp8' runs on GPUs with float8 tensor cores (H100, H200, L4): plan it for one "
+                    "(--gpu-type H100), or plan 'bf16-mixed' here"
+                )
+            require_torchao("planning precision='fp8' traces torchao's float8 layers, as the run converts them,")
+
+    @property
+    def float8(self) -> bool:
+        """``precision: fp8``: the linear layers are torchao's float8 ones (``precision.convert_to_float8``)."""
+        return self.precision == "fp8"
+
     @property
     def fuses(self) -> bool:
         """Whether the traced work runs compiled: ``compile`` on a GPU (its memory-bound operations fused)."""
@@ -126,11 +142,10 @@ class Estimator:
         process and DDP keep fp32 parameters under autocast (whose cache holds a bf16 copy of each weight during
         forward), except bf16-true."""
         p = self.job.precision
-        autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(p)
+        # fp8: torchao's float8 linears under bf16 autocast (``Precision``), FSDP gathering their weights in bf16
+        autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "fp8": torch.bfloat16}.get(p)
         if model_of(kind).sharded_dtypes:
-            return {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(
-                p, torch.float32
-            ), autocast
+            return {"bf16-true": torch.bfloat16}.get(p, autocast or torch.float32), autocast
         return (torch.bfloat16 if p == "bf16-true" else torch.float32), autocast
 
     def trace(self, kind: str, checkpoint: int | None, micro_batch: int | None = None) -> StepTrace:
@@ -150,6 +165,7 @@ class Estimator:
                 foreach=job.gpu,
                 clip=job.clip,
                 reentrant=reentrant,
+                float8=job.float8,
             )
             self._traces[key] = _replace(trace, work=trace.work.compiled()) if job.fuses else trace
         return self._traces[key]

@@ -337,6 +337,10 @@ class StepTrace:
     """Numbers one micro-batch's forward sends to its experts, over every mixture-of-experts layer: each token's
     ``top_k`` copies of its width (under expert parallelism they travel by all-to-all, and back, in forward and in
     backward)."""
+    float8_bytes: int = 0
+    float8_elements: int = 0
+    """Bytes (as traced) and elements of the float8 linear layers' weights (``precision: fp8``): FSDP gathers them in
+    float8, a byte each (torchao's float8 all-gather, which ``FSDPStrategy`` turns on)."""
 
     @property
     def elements(self) -> int:
@@ -412,15 +416,27 @@ def create_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def set_up_module(
-    spec: ModelSpec, param_dtype: torch.dtype, checkpoint: int | None, *, reentrant: bool = False
-) -> Module:
-    """The spec's module on the meta device as a strategy without sharding sets it up: its parameters in
-    ``param_dtype``, activation checkpointing on its first ``checkpoint`` blocks (``checkpoint_policy``)."""
+    spec: ModelSpec,
+    param_dtype: torch.dtype,
+    checkpoint: int | None,
+    *,
+    float8: bool = False,
+    reentrant: bool = False,
+) -> tuple[Module, list[str]]:
+    """The spec's module on the meta device as a strategy without sharding sets it up, and the names of its float8
+    linear layers: torchao's where ``float8`` (``precision.convert_to_float8``, the conversion a run makes), its
+    parameters in ``param_dtype``, activation checkpointing on its first ``checkpoint`` blocks
+    (``checkpoint_policy``)."""
     module = spec.build()
+    float8_layers: list[str] = []
+    if float8:
+        from distrain.precision import convert_to_float8
+
+        float8_layers = convert_to_float8(module)
     if param_dtype != torch.float32:
         module.to(param_dtype)
     apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint), reentrant)
-    return module
+    return module, float8_layers
 
 
 def trace_step(
@@ -433,12 +449,15 @@ def trace_step(
     foreach: bool = False,
     clip: float | None = None,
     reentrant: bool = False,
+    float8: bool = False,
 ) -> StepTrace:
     """One training step of the bare model under fake tensors: forward (``training_step``, under
     autocast when given), backward, gradient clipping, the module's own optimizer step.
     ``checkpoint``: blocks whose activations are recomputed (``None``: all), with torch's
-    reentrant checkpoint if ``reentrant`` (DeepSpeed's activation checkpointing is reentrant)."""
-    module = set_up_module(spec, param_dtype, checkpoint, reentrant=reentrant)
+    reentrant checkpoint if ``reentrant`` (DeepSpeed's activation checkpointing is reentrant).
+    ``float8``: the linear layers are torchao's float8 ones (``precision: fp8``)."""
+    module, float8_layers = set_up_module(spec, param_dtype, checkpoint, float8=float8, reentrant=reentrant)
+    float8_weights = [module.get_submodule(name).weight for name in float8_layers]
     # non-fake inputs: the meta parameters that ``to_empty`` turns into fake ones
     # a GPU's run (``foreach``): its norms keep what CUDA's kernels keep
     with (
@@ -504,6 +523,8 @@ def trace_step(
         expert_tensors=moe["tensors"],
         moe_layers=moe["layers"],
         dispatched=moe["dispatched"][0],
+        float8_bytes=sum(w.numel() * w.element_size() for w in float8_weights),
+        float8_elements=sum(w.numel() for w in float8_weights),
     )
 
 

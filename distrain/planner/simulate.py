@@ -270,7 +270,8 @@ def _connect(strategy, precision: str, world_size: int, num_nodes: int) -> None:
 
     # fp16 runs as bf16 here (same bytes): a CPU simulation cannot build a 16-mixed Precision
     sim_precision = "bf16-mixed" if precision == "16-mixed" else precision
-    strategy.connect(Accelerator(), Precision(sim_precision, "cpu"), detect_cluster(), world_size, num_nodes)
+    simulated = Precision(sim_precision, "cpu", simulated=True)
+    strategy.connect(Accelerator(), simulated, detect_cluster(), world_size, num_nodes)
 
 
 @contextlib.contextmanager

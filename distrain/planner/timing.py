@@ -67,6 +67,11 @@ GPU_TABLE = {
     "T4": (65e12, 0.32e12, 10e9),
 }
 DEFAULT_GPU = "H100"
+#: GPUs with float8 tensor cores (Ada, Hopper): their dense float8 peak is twice their dense bf16 one (NVIDIA's
+#: datasheets: H100 SXM 1,979 against 989 TFLOP/s). A float8 matmul is planned at the bf16 matmuls' share of that
+#: peak, with no constant of its own: checked on torchtitan's float8 runs (``TH3``, ``TH6``: +28% planned against
+#: +28% published over the same compiled bf16 run, docs/plan.md)
+FLOAT8_GPUS = ("H200", "H100", "L40S", "L4")
 #: between nodes (B/s per GPU): 400 Gb/s InfiniBand or RoCE per GPU, at 80%
 DEFAULT_INTER_NODE = 40e9
 #: device ↔ host (offload): PCIe gen4/5 x16 as achieved
@@ -106,6 +111,8 @@ class Hardware:
     holds (milliseconds per call, against a tenth of one between idle ranks). None: the idle figures."""
     attention_flops: float | None = None
     """The fused attention kernels' rate (FLOP/s); None: the matmuls' (a CPU's kernel is its matmuls)."""
+    float8_flops: float | None = None
+    """The float8 matmuls' rate (FLOP/s); None: the matmuls' (a device without float8 tensor cores)."""
     overlap: bool = False
     """Communication runs beside compute (GPU) instead of taking its cores (CPU)."""
     element_seconds: float = 0.0
@@ -122,20 +129,27 @@ def gpu_hardware(name: str | None, precision: str) -> Hardware:
     key = next((k for k in GPU_TABLE if name and k.lower() in name.lower()), None)
     if name and key is None:
         raise ValueError(f"--gpu-type {name!r} is not in the planner's table; choose from {', '.join(GPU_TABLE)}")
-    flops, memory, nvlink = GPU_TABLE[key or DEFAULT_GPU]
+    key = key or DEFAULT_GPU
+    flops, memory, nvlink = GPU_TABLE[key]
     if precision in ("32-true", "32", "64-true"):
         flops /= 2
-    matmul = MATMUL_EFFICIENCY_BY_GPU.get(key or DEFAULT_GPU, MATMUL_EFFICIENCY)
+    if precision == "fp8" and key not in FLOAT8_GPUS:
+        raise ValueError(
+            f"precision='fp8' needs float8 tensor cores, which the {key} lacks ({', '.join(FLOAT8_GPUS)} have "
+            "them): plan it with --precision bf16-mixed"
+        )
+    matmul = MATMUL_EFFICIENCY_BY_GPU.get(key, MATMUL_EFFICIENCY)
     return Hardware(
         matmul_flops=flops * matmul,
-        attention_flops=flops * ATTENTION_EFFICIENCY_BY_GPU.get(key or DEFAULT_GPU, ATTENTION_EFFICIENCY),
+        float8_flops=2 * flops * matmul if key in FLOAT8_GPUS else None,
+        attention_flops=flops * ATTENTION_EFFICIENCY_BY_GPU.get(key, ATTENTION_EFFICIENCY),
         memory_bandwidth=memory * MEMORY_EFFICIENCY,
         op_seconds=GPU_OP_SECONDS,
         intra_bandwidth=nvlink,
         inter_bandwidth=DEFAULT_INTER_NODE,
         collective_seconds=GPU_COLLECTIVE_LATENCY,
         overlap=True,
-        source=f"{key or DEFAULT_GPU} (listed peaks × {matmul} matmul, {MEMORY_EFFICIENCY} memory)",
+        source=f"{key} (listed peaks × {matmul} matmul, {MEMORY_EFFICIENCY} memory)",
     )
 
 
@@ -351,6 +365,7 @@ def work_seconds(work, hw: Hardware, memory_share: float = 1.0) -> float:
     per_element = work.elements * hw.element_seconds + work.softmax_elements * hw.softmax_element_seconds
     return (
         work.flops / hw.matmul_flops
+        + work.float8_flops / (hw.float8_flops or hw.matmul_flops)
         + work.attention_flops / (hw.attention_flops or hw.matmul_flops)
         + work.bytes * memory_share / hw.memory_bandwidth
         + work.ops * hw.op_seconds

@@ -86,6 +86,9 @@ class PhaseWork:
     compute-bound ones are one kernel, which reads what it did not make and writes what is read after it."""
     fused_ops: int = 0
     """``ops`` under ``torch.compile``: the compute-bound kernels and one fused kernel per run of memory-bound ones."""
+    float8_flops: float = 0.0
+    """FLOPs of the matmuls whose operands are float8 (torchao's float8 linear layers, ``precision: fp8``), apart
+    from ``flops``: they run at the float8 tensor cores' rate (``timing.Hardware.float8_flops``)."""
 
     def scaled(self, factor: float) -> PhaseWork:
         """This work ``factor`` times over: its amounts scale, its count of kernels does not."""
@@ -175,6 +178,19 @@ def _written_in_place(func, args, kwargs) -> int:
     return _tensor_bytes(written)
 
 
+def _float8_operands(args) -> bool:
+    """A matmul of torchao's float8 tensors: wrappers (``Float8TrainingTensor``, torchao 0.18) whose data is a
+    float8 tensor, which this dispatch mode sees before they unwrap to ``torch._scaled_mm``."""
+    return any(
+        isinstance(t, torch.Tensor) and isinstance(data := getattr(t, "_data", None), torch.Tensor) and _is_float8(data)
+        for t in args
+    )
+
+
+def _is_float8(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point and t.dtype.itemsize == 1
+
+
 def _largest(values) -> int:
     return max((t.numel() for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)), default=0)
 
@@ -232,7 +248,11 @@ class WorkCounter(TorchDispatchMode):
             phase.attention_flops += _FLOPS[packet](*args, **kwargs, out_val=out)
             return out
         if packet in _FLOPS:
-            phase.flops += _FLOPS[packet](*args, **kwargs, out_val=out)
+            flops = _FLOPS[packet](*args, **kwargs, out_val=out)
+            if _float8_operands(args):
+                phase.float8_flops += flops
+            else:
+                phase.flops += flops
             return out
         if experts:
             phase.flops += _EXPERT_MATMULS[packet.__name__] * _expert_matmul_flops(*args[:2])

@@ -553,6 +553,42 @@ def _needs_fp8():
     pytest.importorskip("torchao", reason="fp8 needs torchao: pip install 'distrain[fp8]'")
 
 
+def test_fp8_step_holds_what_the_planner_traced_on_the_cpu():
+    """precision='fp8' is planned by tracing torchao's float8 layers under fake tensors on the CPU
+    (``trace_step(float8=True)``). On CUDA, one step's peak above the parameters (activations, their gradients and
+    the parameter gradients stored so far: the trace's ``activations_and_grads``) is the plan's within 10%, in fp8
+    as in bf16-mixed."""
+    _needs_fp8()
+    from distrain.module import loss_of, run_step
+    from distrain.planner import ModelSpec
+    from distrain.planner.model_stats import set_up_module, trace_step
+    from distrain.strategies.sharded_init import to_empty_keeping_ties
+
+    spec, b = ModelSpec.builtin_gpt("gpt-124m", 1024), 8
+    for float8 in (False, True):
+        module, _ = set_up_module(spec, torch.float32, 0, float8=float8)
+        to_empty_keeping_ties(module, "cuda")
+        for p in module.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        batch = tuple(t.cuda() for t in spec.make_batch(b))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_of(run_step(module, "training_step", batch, 0))
+        loss.backward()
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - before
+        del module, batch, loss
+        gc.collect()
+        torch.cuda.empty_cache()
+        trace = trace_step(spec, b, autocast=torch.bfloat16, foreach=True, float8=float8)
+        planned = trace.activations_and_grads
+        assert abs(planned - measured) <= 0.1 * measured, (float8, planned, measured)
+        if float8:
+            assert trace.work.forward_backward.float8_flops > 0
+
+
 def test_fp8_trains_close_to_bf16_and_fsdp_matches_it(tmp_path):
     """precision='fp8' (torchao, dynamic scales): every linear but the head becomes Float8Linear, the losses
     stay within 5e-2 of bf16's and go down; FSDP2 (world size 1) converts the same linears and matches one fp8

@@ -117,12 +117,14 @@ class FSDP(CostModel):
         return step_time(job, trace, sent, hw, 1 / job.world_size, offload, gathers)
 
     def collectives(self, option, job, trace, units: int) -> list[Collective]:
-        """Each unit's parameters gathered (in the compute dtype) in forward, and again in backward when resharded;
-        gradients reduce-scattered in fp32 (``FSDPStrategy``'s policy); hybrid: within a node, then across."""
+        """Each unit's parameters gathered (in the compute dtype, float8 linear weights in float8) in forward, and
+        again in backward when resharded; gradients reduce-scattered in fp32 (``FSDPStrategy``'s policy); hybrid:
+        within a node, then across."""
         n, a = job.world_size, job.accumulate
         if n == 1:
             return []
         params, reduce, inter = trace.param_bytes, trace.elements * 4, job.num_nodes > 1
+        params -= trace.float8_bytes - trace.float8_elements
         gathers = _gathers(option)
         # reduced once per step, or after every micro-batch (``fsdp.sync_each_micro_batch``)
         reductions = a if option.get("sync_each") else 1

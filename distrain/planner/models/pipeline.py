@@ -86,6 +86,7 @@ def trace_pipeline(
     split_points=None,
     gpu: bool = False,
     compiled: bool = False,
+    float8: bool = False,
 ) -> PipelineTrace:
     """Each of ``num_stages`` stages through one micro-batch, in order (a stage's input is what the one before
     sent). Stages with the same blocks count and position (neither first nor last) are traced once: their
@@ -94,7 +95,7 @@ def trace_pipeline(
     from distrain.parallel.pipeline_split import split_for
     from distrain.parallel.pipeline_stages import PipelineBuild
 
-    module = set_up_module(spec, param_dtype, checkpoint)
+    module, _ = set_up_module(spec, param_dtype, checkpoint, float8=float8)
     with (
         fake.fake_tensor_mode(allow_non_fake_inputs=True) as mode,
         fake.transformers_as_in_eager(),
@@ -420,6 +421,7 @@ def _pipeline_trace(estimator, option, micro_batch: int | None = None) -> Pipeli
             split_points=estimator.job.split_points,
             gpu=estimator.job.gpu,
             compiled=estimator.job.fuses,
+            float8=estimator.job.float8,
         )
 
     return estimator.memo(("pp", stages, option.checkpoint, b, kind), trace)

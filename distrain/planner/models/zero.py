@@ -329,7 +329,7 @@ class Zero(CostModel):
     replaces_optimizer = True
 
     def offered(self, job) -> list[Option]:
-        if job.world_size == 1:
+        if job.world_size == 1 or job.float8:  # the engine owns the model's dtypes: DeepSpeed refuses fp8
             return []
         options = [Option("zero", stage=s) for s in (1, 2, 3)]
         if job.gpu:
@@ -351,6 +351,8 @@ class Zero(CostModel):
     def option_for_run(self, strategy: str, job) -> Option:
         """The stage and offload of the user's DeepSpeed JSON (``from_config``) when there is one, else the
         preset's."""
+        if job.float8:
+            raise ValueError(f"precision='fp8' is not supported with {strategy} (DeepSpeed owns the model's dtypes)")
         stage, offload = _zero_of(strategy, _user_json(job))
         if stage == 0:  # no ZeRO: every rank holds everything, as under DDP
             return replicated(job)
