@@ -184,7 +184,9 @@ class Runtime:
         return self._environment_ready
 
     def use_strategy(self, strategy: Strategy) -> None:
-        """Run with ``strategy`` instead (``strategy="auto"``, once decided), before any rank starts."""
+        """Run with ``strategy`` instead (``strategy="auto"``, once decided), before any rank starts. It compiles as
+        the Trainer told the strategy it replaces (``compile=``)."""
+        strategy.compile = self.strategy.compile
         strategy.connect(self.accelerator, self.precision, self.cluster, self.nprocs, self.num_nodes)
         self.strategy = strategy
         self._launcher = strategy.launcher(self.nprocs, self.cluster, self.num_nodes)

@@ -294,6 +294,31 @@ def test_the_trainer_and_distrain_train_take_one_decision_the_same_way(monkeypat
     monkeypatch.delenv(decide.PLANNED_ENV, raising=False)
 
 
+def test_the_trainers_compile_reaches_the_strategy_auto_chooses_and_its_plan(monkeypatch, tmp_path):
+    """``Trainer(strategy="auto", compile=True)``: the Trainer tells the strategy auto will replace; the one auto
+    chooses compiles too (it used to train eager, silently), and the plan it chose by timed the compiled step."""
+    import distrain
+    from distrain.planner import decide
+
+    planned = []
+    choose = decide.choose
+    monkeypatch.setattr(
+        decide, "choose", lambda planner, ac: planned.append(planner.job.compile) or choose(planner, ac)
+    )
+    monkeypatch.setattr(decide, "rates_or_none", lambda job: None)
+    monkeypatch.setenv("DISTRAIN_PLAN_CACHE", str(tmp_path / "plans"))
+    module, loader = _tiny_lm_and_loader()
+    for compile in (True, False, True):
+        monkeypatch.delenv(decide.PLANNED_ENV, raising=False)
+        trainer = distrain.Trainer(
+            strategy="auto", devices=2, accelerator="cpu", compile=compile, logger=False, default_root_dir=str(tmp_path)
+        )
+        decide.decide_auto_strategy(trainer, module, loader)
+        assert type(trainer.strategy).__name__ == "DDPStrategy" and trainer.strategy.compile is compile
+    assert planned == [True, False]  # compile is part of what the plan cache keys on: the third start reads the first
+    monkeypatch.delenv(decide.PLANNED_ENV, raising=False)
+
+
 @pytest.mark.parametrize(
     "text",
     [
