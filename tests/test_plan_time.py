@@ -21,6 +21,7 @@ from distrain.planner.timing import (
     copy_seconds,
     cpu_hardware,
     gloo_allreduce,
+    step_at_depth,
     work_seconds,
 )
 
@@ -466,3 +467,19 @@ def test_fp8_is_planned_with_torchaos_float8_linears_at_the_float8_rate_and_gath
     assert model_of("zero").offered(job) == []
     with pytest.raises(ValueError, match="not supported with deepspeed_stage_2"):
         model_of("zero").option_for_run("deepspeed_stage_2", job)
+
+
+def test_a_deep_step_is_extrapolated_by_its_parts_and_overlapped_at_its_depth():
+    """A deep model is timed at two shallow depths. On a GPU its step takes the longer of compute and communication:
+    shallow, the embeddings' gathers can bind it; deep, compute does. Each part is extrapolated, then the overlap is
+    taken at depth (a line through the shallow seconds gave a step shorter than its own compute); on a CPU, where
+    the parts add up, both ways agree."""
+    shallow = {4: StepTime(1.0, 0.1, 2.0, 2.2), 8: StepTime(2.0, 0.2, 2.5, 2.8)}  # + 0.1 s exposed at each depth
+    deep = step_at_depth(shallow, 32, overlap=True)
+    assert (deep.compute, deep.optimizer, deep.communication) == pytest.approx((8.0, 0.8, 5.5))
+    assert deep.seconds == pytest.approx(8.0 + 0.8 + 0.1)  # compute-bound at 32 blocks
+    added = {
+        d: StepTime(c, o, m, c + o + m + 0.05 * d) for d, (c, o, m) in ((4, (1.0, 0.1, 2.0)), (8, (2.0, 0.2, 2.5)))
+    }
+    line = 1.0 + 0.1 + 2.0 + 0.2 + (2.0 + 0.2 + 2.5 + 0.4 - 3.3) * (32 - 4) / 4
+    assert step_at_depth(added, 32, overlap=False).seconds == pytest.approx(line)

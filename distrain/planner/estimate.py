@@ -25,7 +25,7 @@ from distrain.planner.model_stats import (
 from distrain.planner.models import model_of
 from distrain.planner.options import BYTE_FIELDS, Option, Row
 from distrain.planner.simulate import Started
-from distrain.planner.timing import Hardware, StepTime
+from distrain.planner.timing import Hardware, StepTime, step_at_depth
 
 
 @dataclass
@@ -262,7 +262,6 @@ class Estimator:
             return none.scaled(1 - share) + every.scaled(share)
         model = option.model
         if self._shallow is not None and model.extrapolates_depth:
-            times = {d: est.step_time(option, hw).astuple() for d, est in self._shallow.items()}
-            (d1, t1), (d2, t2) = sorted(times.items())
-            return StepTime(*(a + (b - a) * (blocks - d1) / (d2 - d1) for a, b in zip(t1, t2)))
+            times = {d: est.step_time(option, hw) for d, est in self._shallow.items()}
+            return step_at_depth(times, blocks, hw.overlap)
         return model.step_time(self, option, hw)

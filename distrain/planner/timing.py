@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -331,6 +331,31 @@ class StepTime:
 
     def astuple(self) -> tuple[float, float, float, float]:
         return (self.compute, self.optimizer, self.communication, self.seconds)
+
+
+def step_at_depth(times: dict[int, StepTime], depth: int, overlap: bool) -> StepTime:
+    """The step of a model ``depth`` blocks deep from its steps at two shallow depths (``times``). Compute, the
+    optimizer step and communication are each affine in depth; the step's seconds are not where compute and
+    communication overlap (``overlap``: the step takes the longer of the two). A shallow model's step can be bound by
+    its communication (the embeddings' and head's gathers weigh more there) and the deep one's by compute: a line
+    through two communication-bound seconds made a deep step shorter than its own compute. So the parts are
+    extrapolated, the overlap taken again at depth, and what the seconds add beyond it (the collectives left exposed)
+    extrapolated on its own."""
+
+    def overlapped(t: StepTime) -> float:
+        return max(t.compute, t.communication) if overlap else t.compute + t.communication
+
+    (d1, t1), (d2, t2) = sorted(times.items())
+
+    def at_depth(a: float, b: float) -> float:
+        return a + (b - a) * (depth - d1) / (d2 - d1)
+
+    compute, optimizer, communication = (
+        at_depth(getattr(t1, part), getattr(t2, part)) for part in ("compute", "optimizer", "communication")
+    )
+    beyond = at_depth(*(t.seconds - overlapped(t) - t.optimizer for t in (t1, t2)))
+    step = StepTime(compute, optimizer, communication, 0.0)
+    return replace(step, seconds=overlapped(step) + optimizer + beyond)
 
 
 #: DDP's gradient buckets (``bucket_cap_mb=25``): one all-reduce call each
