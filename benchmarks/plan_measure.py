@@ -36,7 +36,8 @@ class Case:
     context parallel in pairs of ranks, FSDP across data × context; ``pp`` (1F1B), ``pp:GPipe``,
     ``pp:Interleaved1F1B``: a pipeline stage per rank; ``pp×fsdp``: two stages (1F1B), FSDP across the rest;
     ``ddp+ep``, ``fsdp+ep``: a mixture of experts' experts over every rank (``expert_parallel_size``)."""
-    ac: bool
+    ac: bool | str
+    """Activation checkpointing of every block: True (whole), ``"selective"`` (per operation), False (none)."""
     micro_batch: int
     seq_len: int = 128
     precision: str = "32-true"
@@ -49,7 +50,7 @@ class Case:
     def label(self) -> str:
         parts = [self.model, self.strategy.replace("fsdp:", "fsdp ")]
         if self.ac:
-            parts.append("AC")
+            parts.append("SAC" if self.ac == "selective" else "AC")
         parts.append(f"b={self.micro_batch}")
         if self.precision != "32-true":
             parts.append(self.precision)
@@ -66,9 +67,11 @@ class Case:
 ACCURACY_CASES = [
     Case("gpt-tiny", "ddp", False, 8),
     Case("gpt-mini", "ddp", True, 4),
+    Case("gpt-mini", "ddp", "selective", 4),
     Case("tiny-bert", "ddp", False, 16),
     Case("gpt-tiny", "fsdp:FULL_SHARD", True, 8),
     Case("tiny-llama", "fsdp:FULL_SHARD", False, 16),
+    Case("tiny-llama", "fsdp:FULL_SHARD", "selective", 16),
     Case("gpt-mini", "fsdp:SHARD_GRAD_OP", False, 4),
     Case("tiny-bert", "fsdp:SHARD_GRAD_OP", True, 8),
     Case("gpt-mini", "tp", False, 8),
@@ -118,6 +121,11 @@ def hf_dirs(root: str) -> dict[str, str]:
 
 
 def spec_of(case: Case, hf: dict[str, str]):
+    spec = _model_spec(case, hf)
+    return spec.with_selective_checkpointing() if case.ac == "selective" else spec
+
+
+def _model_spec(case: Case, hf: dict[str, str]):
     from distrain.planner.model_stats import ModelSpec
 
     if case.model in HF_TINY:
@@ -217,7 +225,7 @@ def _context_size(case: Case, world_size: int) -> int:
 def _strategy(case: Case, blocks: set, world_size: int):
     import distrain
 
-    policy = blocks if case.ac else None
+    policy = {"classes": blocks, "selective": True} if case.ac == "selective" else blocks if case.ac else None
     if case.strategy.startswith("pp"):
         stages, schedule = _pipeline_layout(case.strategy, world_size)
         return distrain.PipelineStrategy(stages=stages, schedule=schedule, activation_checkpointing_policy=policy)

@@ -58,6 +58,16 @@ def checkpoint_wrapper_api():
     return checkpoint_wrapper
 
 
+def compute_intensive_ops() -> set:
+    """The operations torch's partitioner counts as compute-intensive (matmuls, convolutions, the fused attention
+    kernels of CUDA), whose outputs selective activation checkpointing keeps: ``torch._functorch.partitioners.
+    get_default_op_list().compute_intensive_ops``, as torchtitan's selective checkpointing reads it. Checked on torch
+    2.13.0."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    return {op.default for op in get_default_op_list().compute_intensive_ops}
+
+
 def unwrapped_name(name: str) -> str:
     """A parameter's name without what torch's wrappers insert: activation checkpointing's
     ``_checkpoint_wrapped_module.`` and ``torch.compile``'s ``_orig_mod.`` (checked on torch 2.13.0)."""

@@ -169,6 +169,10 @@ class TrainingConfig:
     activation_checkpointing: bool | str = False
     """Recompute each transformer block's activations in backward (any strategy). ``auto``: the memory
     planner checkpoints just enough blocks (the first ones) for the run to fit in device memory."""
+    activation_checkpointing_mode: str = "full"
+    """How a checkpointed block recomputes: ``full`` (its whole forward again), or ``selective`` (per operation, as
+    torchtitan's ``selective_ac_option = "op"``: it keeps its matmuls' and attention's outputs but every second
+    matmul's, and recomputes the rest). Not with DeepSpeed, whose checkpointing is reentrant."""
     on_nonfinite: str = "stop"
     """A NaN/inf loss or gradient norm: ``stop`` the run at that step (naming step and rank), ``skip`` the
     step on every rank, or ``ignore`` it (no check)."""
@@ -629,6 +633,10 @@ def validate(config: RunConfig) -> None:
     if isinstance(t.activation_checkpointing, str) and t.activation_checkpointing != "auto":
         raise ConfigError(
             f"training.activation_checkpointing must be true, false or auto, got {t.activation_checkpointing!r}"
+        )
+    if t.activation_checkpointing_mode not in ("full", "selective"):
+        raise ConfigError(
+            f"training.activation_checkpointing_mode must be full or selective, got {t.activation_checkpointing_mode!r}"
         )
     if t.precision not in PRECISIONS:
         raise ConfigError(f"training.precision must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")

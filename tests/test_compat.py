@@ -351,3 +351,11 @@ def test_deepspeed_builds_its_cuda_ops_whatever_variant_the_arch_list_names(monk
         assert os.environ["TORCH_CUDA_ARCH_LIST"] == built_for
     variant = arch_list != "8.6;9.0"  # a plain list is left to DeepSpeed, which writes back what it built for
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == (arch_list if variant else built_for)
+
+
+def test_compute_intensive_ops_are_torchs_matmuls_and_attention_kernels():
+    """``compat.compute_intensive_ops``: what selective activation checkpointing keeps, read off torch's
+    partitioner; the operations must be the ones a block's matmuls and CUDA attention dispatch to."""
+    ops = compat.compute_intensive_ops()
+    assert {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default} <= ops
+    assert torch.ops.aten._scaled_dot_product_flash_attention.default in ops

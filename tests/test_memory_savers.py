@@ -1,6 +1,7 @@
 """What a step keeps for its backward, where a hand-written loop keeps less: norms in the compute dtype
-(``training.low_precision_norms``, ``distrain.models.norms``) and the next-token loss in pieces
-(``distrain.models.loss``). Also how the planner counts both on a GPU, where CUDA's kernels keep other tensors than
+(``training.low_precision_norms``, ``distrain.models.norms``), the next-token loss in pieces
+(``distrain.models.loss``), and blocks that recompute per operation (``training.activation_checkpointing_mode:
+selective``). Also how the planner counts both on a GPU, where CUDA's kernels keep other tensors than
 the CPU's it traces with (``planner.fake.norms_as_on_cuda``)."""
 
 from __future__ import annotations
@@ -181,3 +182,65 @@ def test_distrain_plan_shows_the_norms_saving_on_a_gpu_and_the_key_is_documented
     assert cli.main(["config", "training"]) == 0
     listed = capsys.readouterr().out
     assert "low_precision_norms" in listed and "compute dtype" in listed
+
+
+def test_selective_checkpointing_recomputes_every_second_matmul_and_gives_the_same_gradients():
+    """A selectively checkpointed block keeps its attention's output and every other matmul's, and recomputes the
+    rest in backward (torchtitan's per-operation policy): half of its matmuls run again where full checkpointing
+    runs all four, for memory between none and full. The gradients are bit-identical to no checkpointing's, with
+    dropout too (the recomputation replays its random numbers)."""
+    import copy
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from distrain.models.gpt import Block
+    from distrain.models.lm import GPTLanguageModel
+    from distrain.module import loss_of, run_step
+    from distrain.strategies.layers import apply_activation_checkpointing
+
+    class Matmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Matmuls.count += func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    base = GPTLanguageModel("gpt-tiny", block_size=128, dropout=0.1)
+    base.configure_model()
+    x = torch.randint(0, 256, (8, 129), generator=torch.Generator().manual_seed(1))
+    blocks = base.gpt.cfg.n_layer
+    runs = {}
+    for name, policy in (("none", None), ("full", {Block}), ("selective", {"classes": {Block}, "selective": True})):
+        model = copy.deepcopy(base)
+        apply_activation_checkpointing(model, policy)
+        torch.manual_seed(2)
+        tracker = fake.peak_memory_tracker()
+        with tracker:
+            loss = loss_of(run_step(model, "training_step", (x[:, :-1], x[:, 1:]), 0))
+            Matmuls.count = 0
+            with Matmuls():
+                loss.backward()
+        runs[name] = (Matmuls.count, tracker.peak_bytes(), [p.grad for p in model.parameters()])
+    assert runs["full"][0] - runs["none"][0] == 4 * blocks  # qkv, proj, fc, proj: all again
+    assert runs["selective"][0] - runs["none"][0] == 2 * blocks  # every second one
+    assert runs["full"][1] < runs["selective"][1] < runs["none"][1]
+    for name in ("full", "selective"):
+        assert all(torch.equal(a, b) for a, b in zip(runs[name][2], runs["none"][2])), name
+
+
+def test_selective_checkpointing_is_a_mode_of_the_config_refused_by_deepspeed(capsys):
+    """``training.activation_checkpointing_mode``: full or selective, anything else named in one line; DeepSpeed,
+    whose checkpointing recomputes whole layers, refuses selective before any rank starts; ``distrain plan`` says
+    the mode it plans."""
+    from distrain import cli
+    from distrain.strategies.deepspeed import DeepSpeedStrategy
+
+    base = ["plan", "--devices", "2", "--accelerator", "cpu", "--cpu-memory", "16GB", "--model-name", "gpt-tiny"]
+    assert cli.main([*base, "training.activation_checkpointing_mode=partial"]) == 2
+    assert "training.activation_checkpointing_mode must be full or selective, got 'partial'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="selective activation checkpointing .* is not supported with DeepSpeed"):
+        DeepSpeedStrategy(stage=2, activation_checkpointing_policy={"classes": {torch.nn.Linear}, "selective": True})
+    ac = ["training.activation_checkpointing=true", "--strategy", "fsdp", "--no-time"]
+    assert cli.main([*base, *ac, "training.activation_checkpointing_mode=selective"]) == 0
+    assert "AC per operation (selective)" in capsys.readouterr().out

@@ -61,8 +61,9 @@ class Decision:
     messages: list[str] = field(default_factory=list)
     stop: bool = False
 
-    def strategy_options(self, block_classes) -> dict[str, Any]:
-        """The strategy's keyword arguments this decision sets."""
+    def strategy_options(self, block_classes, selective: bool = False) -> dict[str, Any]:
+        """The strategy's keyword arguments this decision sets (``selective``: checkpointed blocks recompute per
+        operation)."""
         options: dict[str, Any] = {}
         if self.sharding is not None:
             options["sharding_strategy"] = self.sharding
@@ -75,7 +76,8 @@ class Decision:
         if self.planned_checkpoint:
             from distrain.planner.model_stats import checkpoint_policy
 
-            options["activation_checkpointing_policy"] = checkpoint_policy(tuple(block_classes), self.checkpoint)
+            policy = checkpoint_policy(tuple(block_classes), self.checkpoint, selective)
+            options["activation_checkpointing_policy"] = policy
         return options
 
     def shared_values(self) -> dict[str, Any]:
@@ -333,6 +335,7 @@ def for_trainer(runtime, module, loader, accumulate: int, clip: float | None, kw
     """(the strategy to train ``module`` with, or None to keep the runtime's; the micro-batches per step when the
     choice changes them, else None). Prints the decision and why; raises when nothing fits."""
     from distrain.planner.model_stats import ModelSpec
+    from distrain.strategies.layers import is_selective
     from distrain.strategies.registry import lookup, make_strategy, options_of
 
     world = runtime.nprocs * runtime.num_nodes
@@ -352,7 +355,8 @@ def for_trainer(runtime, module, loader, accumulate: int, clip: float | None, kw
     not_taken = sorted(kwargs.keys() - takes)
     if not_taken:  # options for a strategy auto did not choose
         runtime.print(f"distrain: strategy auto chose {decision.strategy}, which does not take {', '.join(not_taken)}")
-    options = {k: v for k, v in kwargs.items() if k in takes} | decision.strategy_options(blocks)
+    selective = is_selective(kwargs.get("activation_checkpointing_policy"))
+    options = {k: v for k, v in kwargs.items() if k in takes} | decision.strategy_options(blocks, selective)
     return make_strategy(decision.strategy, world, **options), decision.accumulate
 
 
@@ -361,6 +365,7 @@ def _trainer_plan(runtime, module, loader, accumulate: int, clip: float | None, 
 
     from distrain.planner.estimate import Job
     from distrain.planner.model_stats import ModelSpec
+    from distrain.strategies.layers import is_selective
 
     if not isinstance(loader, DataLoader) or loader.batch_size is None or not hasattr(loader.dataset, "__len__"):
         return fallback("ddp", "the memory planner needs a DataLoader with a batch size")
@@ -369,6 +374,7 @@ def _trainer_plan(runtime, module, loader, accumulate: int, clip: float | None, 
     policy = kwargs.get("activation_checkpointing_policy")
     try:
         spec = ModelSpec.from_module(module, loader, _policy_classes(policy))
+        spec = spec.with_selective_checkpointing() if is_selective(policy) else spec
         gpu = runtime.accelerator.name == "cuda"
         world = runtime.nprocs * runtime.num_nodes
         job = Job(spec, loader.batch_size, runtime.precision.name, world, runtime.num_nodes, accumulate, clip, gpu)

@@ -51,7 +51,8 @@ def spec_from_config(config: RunConfig, job=None) -> ModelSpec:
         spec = ModelSpec.huggingface(t.model_name, job.data.max_length, job.task, t.num_labels, hf_config=job.hf_config)
     else:
         spec = ModelSpec.huggingface(t.model_name, data.max_length or data.seq_len, t.task, t.num_labels)
-    return spec.with_low_precision_norms() if t.low_precision_norms else spec
+    spec = spec.with_low_precision_norms() if t.low_precision_norms else spec
+    return spec.with_selective_checkpointing() if t.activation_checkpointing_mode == "selective" else spec
 
 
 def job_from_config(config: RunConfig, gpu: bool, job=None) -> Job:

@@ -50,6 +50,8 @@ class ModelSpec:
     experts: int = 0
     """Experts per mixture-of-experts layer that expert parallelism can split (``expert_parallel.splittable_experts``);
     0: none."""
+    selective_checkpointing: bool = False
+    """Its checkpointed blocks recompute per operation (``training.activation_checkpointing_mode: selective``)."""
 
     # ---- the built-in GPT, Hugging Face configs, any module -------------------------------------
     @classmethod
@@ -190,6 +192,15 @@ class ModelSpec:
             with_depth=None if deeper is None else (lambda n: deeper(n).with_low_precision_norms()),
         )
 
+    def with_selective_checkpointing(self) -> ModelSpec:
+        """This model with its checkpointed blocks recomputed per operation, at every depth the planner traces."""
+        deeper = self.with_depth
+        return replace(
+            self,
+            selective_checkpointing=True,
+            with_depth=None if deeper is None else (lambda n: deeper(n).with_selective_checkpointing()),
+        )
+
     def portable(self, micro_batch: int) -> ModelSpec:
         """This spec for a process that did not fork from this one (``simulate.Started``): ``build`` and
         ``make_batch`` are closures over this process's objects (a user's module, a loader), so the module is built
@@ -206,6 +217,7 @@ class ModelSpec:
             hidden_size=self.hidden_size,
             num_blocks=self.num_blocks,
             experts=self.experts,
+            selective_checkpointing=self.selective_checkpointing,
         )
 
 
@@ -285,8 +297,9 @@ class ParamStats:
 
 
 # ---- activation checkpointing: which blocks --------------------------------------------------------------
-def checkpoint_policy(block_classes: tuple[type, ...], blocks: int | None) -> dict | None:
-    """The policy that checkpoints the first ``blocks`` blocks (``None``: every block; 0: none).
+def checkpoint_policy(block_classes: tuple[type, ...], blocks: int | None, selective: bool = False) -> dict | None:
+    """The policy that checkpoints the first ``blocks`` blocks (``None``: every block; 0: none), each whole or, where
+    ``selective``, per operation (``layers.selective_recomputation``).
 
     The first ones, because their recomputation comes last in backward, when the other blocks'
     activations are already freed: the same count saves the most peak memory there."""
@@ -295,6 +308,8 @@ def checkpoint_policy(block_classes: tuple[type, ...], blocks: int | None) -> di
     policy: dict[str, Any] = {"classes": set(block_classes)}
     if blocks is not None:
         policy["count"] = blocks
+    if selective:
+        policy["selective"] = True
     return policy
 
 
@@ -435,7 +450,8 @@ def set_up_module(
         float8_layers = convert_to_float8(module)
     if param_dtype != torch.float32:
         module.to(param_dtype)
-    apply_activation_checkpointing(module, checkpoint_policy(spec.block_classes, checkpoint), reentrant)
+    policy = checkpoint_policy(spec.block_classes, checkpoint, spec.selective_checkpointing)
+    apply_activation_checkpointing(module, policy, reentrant)
     return module, float8_layers
 
 

@@ -44,6 +44,7 @@ def _plan(found: dict, runtime, module, loader, micro_batch, accumulate, clip, h
     from distrain.planner.estimate import Job
     from distrain.planner.model_stats import ModelSpec
     from distrain.planner.plan import Budget, Planner, candidate_options, option_for_run, rank_key
+    from distrain.strategies.layers import is_selective
 
     strategy = runtime.strategy
     try:
@@ -59,6 +60,8 @@ def _plan(found: dict, runtime, module, loader, micro_batch, accumulate, clip, h
             return
         name, fields = planned_as
         spec = ModelSpec.from_module(module, loader)
+        if is_selective(strategy.activation_checkpointing_policy):
+            spec = spec.with_selective_checkpointing()
         gpu = runtime.accelerator.name == "cuda"
         world = runtime.world_size
         job = Job(spec, micro_batch, runtime.precision.name, world, runtime.num_nodes, accumulate, clip, gpu, **fields)

@@ -169,6 +169,7 @@ class Plan:
         return (
             f"{spec.name}: micro-batch {job.micro_batch} × {spec.seq_len} tokens, {job.precision}"
             + (f", accumulation {job.accumulate}" if job.accumulate > 1 else "")
+            + (", AC per operation (selective)" if spec.selective_checkpointing else "")
             + f", {job.world_size} rank{'s' if job.world_size > 1 else ''}"
             + (f" ({job.num_nodes} nodes × {job.per_node})" if job.num_nodes > 1 else "")
             + f"; {budget.source}; {int(budget.headroom * 100)}% kept free → {human(budget.usable)} usable per rank"

@@ -234,7 +234,9 @@ def _simulate_fsdp(
             sharding_strategy=sharding,
             device_mesh=mesh,
             auto_wrap_policy=set(spec.block_classes) or None,
-            activation_checkpointing_policy=checkpoint_policy(spec.block_classes, checkpoint),
+            activation_checkpointing_policy=checkpoint_policy(
+                spec.block_classes, checkpoint, spec.selective_checkpointing
+            ),
             **(options or {}),
         )
         _connect(strategy, precision, world_size, num_nodes)
@@ -400,7 +402,9 @@ def _simulate_tensor_parallel(
             data_parallel_size=world_size // (tensor * context),
             context_parallel_size=context,
             sequence_parallel=sequence_parallel,
-            activation_checkpointing_policy=checkpoint_policy(spec.block_classes, checkpoint),
+            activation_checkpointing_policy=checkpoint_policy(
+                spec.block_classes, checkpoint, spec.selective_checkpointing
+            ),
         )
         _connect(strategy, precision, world_size, 1)
         strategy.device_mesh = strategy.layout.mesh("cpu")  # as a rank's setup_environment builds it

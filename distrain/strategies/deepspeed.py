@@ -44,7 +44,7 @@ from distrain.strategies.deepspeed_config import (
     read_user_config,
     zero_stage,
 )
-from distrain.strategies.layers import hidden_size_of, selected_layers
+from distrain.strategies.layers import hidden_size_of, is_selective, selected_layers
 from distrain.strategies.registry import register
 
 
@@ -82,6 +82,11 @@ class DeepSpeedStrategy(Strategy):
         collective_timeout: timedelta | float | None = timedelta(minutes=5),
     ):
         super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
+        if is_selective(activation_checkpointing_policy):  # its checkpointing is its own, reentrant, whole layers
+            raise ValueError(
+                "selective activation checkpointing (training.activation_checkpointing_mode: selective) is not "
+                "supported with DeepSpeed, whose activation checkpointing recomputes whole layers: use mode full"
+            )
         user, self.config_source = read_user_config(config)
         if user is None:
             user = options_config(

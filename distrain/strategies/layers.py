@@ -52,7 +52,8 @@ def block_classes(module: nn.Module) -> set[type]:
 def selected_layers(module: nn.Module, policy: Any) -> list[nn.Module]:
     """The layers a ``policy`` selects: a set of layer classes, a callable ``(module) -> bool``, or
     ``{"classes": {...}, "every_n": k}`` for every k-th matching layer (``"count": n``: only the
-    first n of those, as the memory planner's ``activation_checkpointing: auto`` asks)."""
+    first n of those, as the memory planner's ``activation_checkpointing: auto`` asks; ``"selective": True``: they
+    recompute per operation, ``selective_recomputation``)."""
     if not policy:
         return []
     every_n, count = 1, None
@@ -78,8 +79,57 @@ def apply_activation_checkpointing(module: nn.Module, policy: Any, reentrant: bo
     api = compat.checkpoint_wrapper_api()
     chosen = {id(m) for m in selected_layers(module, policy)}
     impl = api.CheckpointImpl.REENTRANT if reentrant else api.CheckpointImpl.NO_REENTRANT
-    wrapper = functools.partial(api.checkpoint_wrapper, checkpoint_impl=impl)
+    selective = {}
+    if is_selective(policy):
+        if reentrant:
+            raise ValueError("selective activation checkpointing needs torch's non-reentrant checkpoint")
+        selective = {"context_fn": selective_recomputation}
+    wrapper = functools.partial(api.checkpoint_wrapper, checkpoint_impl=impl, **selective)
     api.apply_activation_checkpointing(module, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen)
+
+
+def is_selective(policy: Any) -> bool:
+    """The policy's layers recompute per operation (``{"selective": True}``), not whole."""
+    return isinstance(policy, dict) and bool(policy.get("selective"))
+
+
+#: kept by a selectively checkpointed layer beside torch's compute-intensive operations: attention on a CPU and
+#: cuDNN's (torch's list has CUDA's flash and memory-efficient kernels), the absolute maximum float8 scales are
+#: computed from, the experts' choice (``topk``: recomputed, a tie could route otherwise), and the collectives that
+#: tensor and expert parallelism run inside a layer (recomputing them would communicate again). torchtitan's list
+_ALSO_SAVED = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten.max.default,
+    torch.ops.aten.topk.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+}
+#: the matmuls of which every second one is recomputed (torchtitan counts ``mm`` and ``linear``, its Llama having no
+#: biases; a linear layer with a bias runs ``addmm``)
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.linear.default)
+
+
+def selective_recomputation():
+    """The contexts of one selectively checkpointed forward (``torch.utils.checkpoint``'s ``context_fn``): torchtitan's
+    per-operation policy (``selective_ac_option = "op"``). The layer keeps the outputs of its compute-intensive
+    operations (matmuls, attention, convolutions; ``compat.compute_intensive_ops`` and ``_ALSO_SAVED``) except every
+    second matmul's, and recomputes the rest in backward: norms, activation functions, element-wise operations, every
+    second matmul. About half of a block's matmul FLOPs are done again, against all of them under full
+    recomputation, for far less memory than keeping everything."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = compat.compute_intensive_ops() | _ALSO_SAVED
+    matmuls = {False: 0, True: 0}  # counted apart in forward and in the recomputation, which must choose alike
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in _MATMULS:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def apply_compile(

@@ -329,7 +329,8 @@ class Zero(CostModel):
     replaces_optimizer = True
 
     def offered(self, job) -> list[Option]:
-        if job.world_size == 1 or job.float8:  # the engine owns the model's dtypes: DeepSpeed refuses fp8
+        # the engine owns the model's dtypes (DeepSpeed refuses fp8), and its checkpointing is reentrant (no selective)
+        if job.world_size == 1 or job.float8 or job.spec.selective_checkpointing:
             return []
         options = [Option("zero", stage=s) for s in (1, 2, 3)]
         if job.gpu:
