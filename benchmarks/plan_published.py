@@ -61,7 +61,13 @@ class Run:
     low_precision_norms: bool = True
     compile: bool = False  # torch.compile (torchtitan's per-block compile)
     precision: str = "bf16-mixed"  # fp8: torchao's float8 linear layers (torchtitan's float8 rows)
+    #: recomputation per operation (torchtitan's ``selective_ac_option = "op"``, ``training.activation_checkpointing_
+    #: mode: selective``) in the blocks ``checkpoint_every`` selects
+    selective: bool = False
 
+
+#: torchtitan's H100 runs (runs.md §2b): their norms in fp32 by hand, their recomputation per operation
+TORCHTITAN_H100 = {"low_precision_norms": False, "selective": True}
 
 #: the runs planned (runs.md's IDs): layouts the planner models (FSDP, tensor parallel), bf16 or float8
 RUNS = [
@@ -72,76 +78,21 @@ RUNS = [
     Run("TA8", "torchtitan A100", "L2-70B", "A100", "80GB", 8, 8, 4096, 2, 1, 1, 353, low_precision_norms=False),
     # torchtitan on H100 96GB at a 500 W power limit (runs.md §2b, commit 9dec370): Llama 3.1 8B, FSDP, 2 × 8192
     # tokens, eager, compiled, and compiled with torchao's float8 linears (TH3, TH6: planned with the weights
-    # gathered in float8, as distrain's FSDP runs fp8; the source does not say for its 8B rows), norm_type =
-    # "rmsnorm" (fp32 by hand). Their selective recomputation is per operation (every second matmul's output
-    # recomputed): planned as recomputing every second block, the same share of the forward's FLOPs recomputed
-    Run("TH1", "torchtitan H100", "L3-8B", "H100", "96GB", 1, 8, 8192, 2, 1, 2, 5762, low_precision_norms=False),
-    Run(
-        "TH2",
-        "torchtitan H100",
-        "L3-8B",
-        "H100",
-        "96GB",
-        1,
-        8,
-        8192,
-        2,
-        1,
-        2,
-        6667,
-        low_precision_norms=False,
-        compile=True,
-    ),
-    Run(
-        "TH3",
-        "torchtitan H100",
-        "L3-8B",
-        "H100",
-        "96GB",
-        1,
-        8,
-        8192,
-        2,
-        1,
-        2,
-        8532,
-        low_precision_norms=False,
-        compile=True,
-        precision="fp8",
-    ),
-    Run("TH4", "torchtitan H100", "L3-8B", "H100", "96GB", 16, 8, 8192, 2, 1, 2, 5605, low_precision_norms=False),
-    Run(
-        "TH5",
-        "torchtitan H100",
-        "L3-8B",
-        "H100",
-        "96GB",
-        16,
-        8,
-        8192,
-        2,
-        1,
-        2,
-        6514,
-        low_precision_norms=False,
-        compile=True,
-    ),
-    Run(
-        "TH6",
-        "torchtitan H100",
-        "L3-8B",
-        "H100",
-        "96GB",
-        16,
-        8,
-        8192,
-        2,
-        1,
-        2,
-        8380,
-        low_precision_norms=False,
-        compile=True,
-        precision="fp8",
+    # gathered in float8, as distrain's FSDP runs fp8; the 8B config at 9dec370 leaves torchtitan's float8 all-gather
+    # off, and with bf16 gathers TH6 plans 1% slower), norm_type = "rmsnorm" (fp32 by hand), and recomputation per
+    # operation in every block (selective_ac_option = "op")
+    *(
+        Run(
+            id, "torchtitan H100", "L3-8B", "H100", "96GB", nodes, 8, 8192, 2, 1, 1, measured, **TORCHTITAN_H100, **more
+        )
+        for id, nodes, measured, more in (
+            ("TH1", 1, 5762, {}),
+            ("TH2", 1, 6667, {"compile": True}),
+            ("TH3", 1, 8532, {"compile": True, "precision": "fp8"}),
+            ("TH4", 16, 5605, {}),
+            ("TH5", 16, 6514, {"compile": True}),
+            ("TH6", 16, 8380, {"compile": True, "precision": "fp8"}),
+        )
     ),
     Run("LH1", "llm-foundry H100", "MPT-1B", "H100", "80GB", 1, 8, 2048, 14, 1, None, 45455),
     Run("LH6", "llm-foundry H100", "MPT-7B", "H100", "80GB", 1, 8, 2048, 6, 1, None, 10643),
@@ -180,7 +131,15 @@ RUNS = [
         "model_parallel",
         8,
     ),
-]
+    # torchtitan's AsyncTP study (runs.md §2c, June 2025, the same H100 96GB): FSDP × tensor parallel 8 with sequence
+    # parallelism, compiled, bf16, without AsyncTP (distrain has none); per-GPU tokens/s as read in context ([?] in
+    # runs.md). The local batch is each tensor-parallel group's: 16 × 8192 for the 70B (full recomputation), 12 ×
+    # 8192 for the 8B (per operation)
+    Run("TS1", "torchtitan H100 TP", "L3-70B", "H100", "96GB", 32, 8, 8192, 16, 1, 1, 597.3, "model_parallel", 8,
+        compile=True, low_precision_norms=False),
+    Run("TS4", "torchtitan H100 TP", "L3-8B", "H100", "96GB", 8, 8, 8192, 12, 1, 1, 4378, "model_parallel", 8,
+        compile=True, **TORCHTITAN_H100),
+]  # fmt: skip
 
 
 def model_dir(name: str, seq: int, root: Path) -> Path:
@@ -231,6 +190,7 @@ def planner_for(run: Run, root: Path):
         "fsdp.sync_each_micro_batch=true",
         f"training.low_precision_norms={str(run.low_precision_norms).lower()}",
         f"training.compile={str(run.compile).lower()}",
+        f"training.activation_checkpointing_mode={'selective' if run.selective else 'full'}",
         *([f"distributed.tensor_parallel_size={run.tensor}"] if run.tensor > 1 else []),
     ]  # fmt: skip
     args = plan_parser().parse_intermixed_args(argv)
