@@ -478,6 +478,10 @@ def test_a_deep_step_is_extrapolated_by_its_parts_and_overlapped_at_its_depth():
     deep = step_at_depth(shallow, 32, overlap=True)
     assert (deep.compute, deep.optimizer, deep.communication) == pytest.approx((8.0, 0.8, 5.5))
     assert deep.seconds == pytest.approx(8.0 + 0.8 + 0.1)  # compute-bound at 32 blocks
+    # what is exposed (one unit's gather and reduction) shrinks as the model is cut into more units: held, not taken
+    # below zero along a line
+    shrinking = {4: StepTime(1.0, 0.1, 2.0, 2.3), 8: StepTime(2.0, 0.2, 2.5, 2.8)}
+    assert step_at_depth(shrinking, 32, overlap=True).seconds == pytest.approx(8.0 + 0.8 + 0.1)
     added = {
         d: StepTime(c, o, m, c + o + m + 0.05 * d) for d, (c, o, m) in ((4, (1.0, 0.1, 2.0)), (8, (2.0, 0.2, 2.5)))
     }

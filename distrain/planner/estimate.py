@@ -263,5 +263,5 @@ class Estimator:
         model = option.model
         if self._shallow is not None and model.extrapolates_depth:
             times = {d: est.step_time(option, hw) for d, est in self._shallow.items()}
-            return step_at_depth(times, blocks, hw.overlap)
+            return step_at_depth(times, blocks, hw.overlap and model.overlaps_communication)
         return model.step_time(self, option, hw)

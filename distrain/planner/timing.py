@@ -339,8 +339,10 @@ def step_at_depth(times: dict[int, StepTime], depth: int, overlap: bool) -> Step
     communication overlap (``overlap``: the step takes the longer of the two). A shallow model's step can be bound by
     its communication (the embeddings' and head's gathers weigh more there) and the deep one's by compute: a line
     through two communication-bound seconds made a deep step shorter than its own compute. So the parts are
-    extrapolated, the overlap taken again at depth, and what the seconds add beyond it (the collectives left exposed)
-    extrapolated on its own."""
+    extrapolated and the overlap taken again at depth. What the seconds add beyond it is the collectives left
+    exposed: the first gather and the last reduction, one unit's each, which a deeper model cut into more units does
+    not make larger. It is extrapolated where it grows with depth and held at the deeper depth's where it shrinks
+    (a line would take it below zero)."""
 
     def overlapped(t: StepTime) -> float:
         return max(t.compute, t.communication) if overlap else t.compute + t.communication
@@ -353,7 +355,8 @@ def step_at_depth(times: dict[int, StepTime], depth: int, overlap: bool) -> Step
     compute, optimizer, communication = (
         at_depth(getattr(t1, part), getattr(t2, part)) for part in ("compute", "optimizer", "communication")
     )
-    beyond = at_depth(*(t.seconds - overlapped(t) - t.optimizer for t in (t1, t2)))
+    exposed = [t.seconds - overlapped(t) - t.optimizer for t in (t1, t2)]
+    beyond = at_depth(*exposed) if exposed[1] >= exposed[0] else exposed[1]
     step = StepTime(compute, optimizer, communication, 0.0)
     return replace(step, seconds=overlapped(step) + optimizer + beyond)
 

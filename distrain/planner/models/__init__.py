@@ -34,6 +34,9 @@ class CostModel:
     sharded_dtypes = False
     """The model's parameters are kept (or gathered) in the compute dtype (FSDP's mixed-precision policy,
     DeepSpeed's bf16 copy); else fp32 under autocast."""
+    overlaps_communication = True
+    """On a GPU its step takes the longer of compute and communication (``timing.step_time``); False: the two add up
+    (tensor parallelism's collectives sit between the computations that need them)."""
     reentrant_checkpointing = False
     """Its activation checkpointing is the reentrant kind (DeepSpeed's)."""
     replaces_optimizer = False

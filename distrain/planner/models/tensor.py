@@ -19,6 +19,7 @@ LONG_SEQUENCE = 8192
 
 class ModelParallel(CostModel):
     kinds = ("tp", "cp")
+    overlaps_communication = False  # tensor_parallel_step_time adds every collective
     shares_samples = True
 
     def offered(self, job) -> list[Option]:
