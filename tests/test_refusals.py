@@ -217,6 +217,15 @@ CASES = {
         lambda hf, out, capsys: _fit(_mp(pipeline_stages=2), _mlp(), out),
         r"MLP holds no model the pipeline strategy has a built-in plan for",
     ),
+    ("strategies/layers.py", "apply_activation_checkpointing", 0): (
+        lambda hf, out, capsys: _train(
+            ["--strategy", "deepspeed_stage_2", "--devices", "2", "training.activation_checkpointing=true"]
+            + ["training.activation_checkpointing_mode=selective"],
+            out,
+            capsys,
+        ),
+        r"selective activation checkpointing .* is not supported with DeepSpeed",
+    ),
     ("strategies/model_parallel.py", "check_module", 0): (
         lambda hf, out, capsys: _fit(_mp(pipeline_stages=8), _built_in_gpt(), out, devices=8),
         r"8 pipeline stages \(distributed.pipeline_stages\) but gpt-tiny has 4 blocks",

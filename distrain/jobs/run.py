@@ -110,13 +110,12 @@ def _start(config: RunConfig, resume: str | None, job: Workload | None = None):
     if decision.accumulate:  # auto chose a layout whose ranks share samples: the same global batch
         t.gradient_accumulation_steps = decision.accumulate
     every_n = activation_checkpointing_every(config)
-    selective = {"selective": True} if t.activation_checkpointing_mode == "selective" else {}
+    selective = t.activation_checkpointing_mode == "selective"
+    policy = {"classes": job.block_classes, "every_n": every_n, "selective": selective} if every_n else None
     options = {
-        "activation_checkpointing_policy": {"classes": job.block_classes, "every_n": every_n, **selective}
-        if every_n
-        else None,
+        "activation_checkpointing_policy": policy,
         **registry.options_from_config(decision.strategy, config, job.block_classes),
-        **decision.strategy_options(job.block_classes, bool(selective)),
+        **decision.strategy_options(job.block_classes, selective),
     }
     trainer = build_trainer(config, decision.strategy, ckpt_dir, options)
     job.strategy = decision.strategy

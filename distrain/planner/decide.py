@@ -377,8 +377,9 @@ def _trainer_plan(runtime, module, loader, accumulate: int, clip: float | None, 
         spec = spec.with_selective_checkpointing() if is_selective(policy) else spec
         gpu = runtime.accelerator.name == "cuda"
         world = runtime.nprocs * runtime.num_nodes
-        job = Job(spec, loader.batch_size, runtime.precision.name, world, runtime.num_nodes, accumulate, clip, gpu)
-        job.compile = bool(runtime.strategy.compile)  # the Trainer's compile=, set on the strategy auto replaces
+        # compile: the Trainer's compile=, set on the strategy auto replaces
+        precision, compile = runtime.precision.name, bool(runtime.strategy.compile)
+        job = Job(spec, loader.batch_size, precision, world, runtime.num_nodes, accumulate, clip, gpu, compile)
         budget = Budget.resolve(runtime.nprocs, gpu=gpu)
         run = _trainer_run(spec, job, bool(policy))
         plan = lambda: choose(Planner(job, budget, rates_or_none(job)), bool(policy))  # noqa: E731
@@ -420,16 +421,8 @@ def _trainer_run(spec, job: Job, checkpointing: bool) -> dict[str, Any]:
         "tensors": [(name, list(t.shape), str(t.dtype), t.requires_grad) for name, t in tensors],
         "sample": [(list(t.shape), str(t.dtype)) for t in sample if isinstance(t, torch.Tensor)],
         "blocks": [f"{c.__module__}.{c.__qualname__}" for c in spec.block_classes],
-        "job": (
-            job.micro_batch,
-            job.precision,
-            job.world_size,
-            job.num_nodes,
-            job.accumulate,
-            job.clip,
-            job.gpu,
-            job.compile,
-        ),  # fmt: skip
+        "job": (job.micro_batch, job.precision, job.world_size, job.num_nodes, job.accumulate, job.clip, job.gpu),
+        "compile": job.compile,
         "checkpointing": checkpointing,
     }
 

@@ -69,14 +69,14 @@ class Job:
     """``ddp_torchft``'s ``distributed.semi_sync`` (local_sgd or diloco), ``sync_every`` and DiLoCo's momentum."""
 
     def __post_init__(self):
+        if self.float8 and not self.gpu:
+            raise ValueError(
+                "precision='fp8' runs on GPUs with float8 tensor cores (H100, H200, L4): plan it for one "
+                "(--gpu-type H100), or plan 'bf16-mixed' here"
+            )
         if self.float8:
             from distrain.precision import require_torchao
 
-            if not self.gpu:
-                raise ValueError(
-                    "precision='fp8' runs on GPUs with float8 tensor cores (H100, H200, L4): plan it for one "
-                    "(--gpu-type H100), or plan 'bf16-mixed' here"
-                )
             require_torchao("planning precision='fp8' traces torchao's float8 layers, as the run converts them,")
 
     @property

@@ -69,8 +69,8 @@ GPU_TABLE = {
 DEFAULT_GPU = "H100"
 #: GPUs with float8 tensor cores (Ada, Hopper): their dense float8 peak is twice their dense bf16 one (NVIDIA's
 #: datasheets: H100 SXM 1,979 against 989 TFLOP/s). A float8 matmul is planned at the bf16 matmuls' share of that
-#: peak, with no constant of its own: checked on torchtitan's float8 runs (``TH3``, ``TH6``: +28% planned against
-#: +28% published over the same compiled bf16 run, docs/plan.md)
+#: peak, with no constant of its own: checked on torchtitan's float8 runs (``TH3``, ``TH6``: +32% and +31% planned
+#: against +28% and +29% published over the same compiled bf16 runs, docs/plan.md)
 FLOAT8_GPUS = ("H200", "H100", "L40S", "L4")
 #: between nodes (B/s per GPU): 400 Gb/s InfiniBand or RoCE per GPU, at 80%
 DEFAULT_INTER_NODE = 40e9

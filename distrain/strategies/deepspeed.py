@@ -44,7 +44,7 @@ from distrain.strategies.deepspeed_config import (
     read_user_config,
     zero_stage,
 )
-from distrain.strategies.layers import hidden_size_of, is_selective, selected_layers
+from distrain.strategies.layers import SELECTIVE_NOT_WITH_DEEPSPEED, hidden_size_of, is_selective, selected_layers
 from distrain.strategies.registry import register
 
 
@@ -83,10 +83,7 @@ class DeepSpeedStrategy(Strategy):
     ):
         super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
         if is_selective(activation_checkpointing_policy):  # its checkpointing is its own, reentrant, whole layers
-            raise ValueError(
-                "selective activation checkpointing (training.activation_checkpointing_mode: selective) is not "
-                "supported with DeepSpeed, whose activation checkpointing recomputes whole layers: use mode full"
-            )
+            raise ValueError(SELECTIVE_NOT_WITH_DEEPSPEED)
         user, self.config_source = read_user_config(config)
         if user is None:
             user = options_config(
