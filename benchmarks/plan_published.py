@@ -94,6 +94,13 @@ RUNS = [
             ("TH6", 16, 8380, {"compile": True, "precision": "fp8"}),
         )
     ),
+    # torchtitan's community benchmark on H200s (runs.md §2d, Trainy on WhiteFiber): Llama 3.1 8B, FSDP over 32 and
+    # 64 GPUs, 2 × 8192 tokens, compiled, float8 linears with float8 all-gather, recomputation per operation
+    *(
+        Run(id, "torchtitan H200", "L3-8B", "H200", "141GB", nodes, 8, 8192, 2, 1, 1, measured, compile=True,
+            precision="fp8", **TORCHTITAN_H100)
+        for id, nodes, measured in (("TR1", 4, 10938), ("TR2", 8, 10753))
+    ),  # fmt: skip
     Run("LH1", "llm-foundry H100", "MPT-1B", "H100", "80GB", 1, 8, 2048, 14, 1, None, 45455),
     Run("LH6", "llm-foundry H100", "MPT-7B", "H100", "80GB", 1, 8, 2048, 6, 1, None, 10643),
     Run("LH9", "llm-foundry H100", "MPT-7B", "H100", "80GB", 16, 8, 2048, 6, 1, None, 10475),
