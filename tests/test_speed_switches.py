@@ -125,12 +125,22 @@ def test_fused_adamw_on_fsdp_shards_matches_ddp_for_each():
 # ---- fp8 ----------------------------------------------------------------------------------------
 
 
-def test_fp8_is_refused_without_an_fp8_gpu_in_one_line():
+def test_fp8_is_refused_without_an_fp8_gpu_in_one_line(tmp_path, capsys):
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
         pytest.skip("this machine has an fp8 GPU")
     with pytest.raises(ValueError, match=r"^precision='fp8' needs an NVIDIA GPU with float8 tensor cores") as e:
         distrain.Trainer(accelerator="cpu", devices=1, precision="fp8")
     assert "\n" not in str(e.value)
+    # distrain train: the same line alone, before the plan (which no layout could make) and before any rank starts
+    from distrain import cli
+
+    for strategy in ("ddp", "auto"):
+        out = tmp_path / strategy
+        argv = ["train", "--accelerator", "cpu", "--devices", "2", "--precision", "fp8", "--strategy", strategy]
+        assert cli.main([*argv, f"output_dir={out}", "training.max_steps=1"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("distrain: error: precision='fp8' needs an NVIDIA GPU"), lines
+        assert not out.exists()
     from distrain.config import ConfigError, build_config
 
     with pytest.raises(ConfigError, match="training.precision=fp8 is not supported"):

@@ -247,9 +247,17 @@ def _kept_or_planned(config: RunConfig, job) -> Decision:
     """``_kept_or`` for a config: its key (``cache.key``) and its plan (``_planned``)."""
     from distrain.planner import cache
     from distrain.planner.from_config import budget_from_config, plans_for_gpu, ranks_per_node
+    from distrain.precision import Precision
 
     try:
         gpu = plans_for_gpu(config)
+    except Exception as e:  # noqa: BLE001 — the plan is advice
+        return failed(_without_plan(config), e)
+    try:  # a precision these devices cannot run: no layout can, and the run would refuse it at once (one line)
+        Precision(config.training.precision, "cuda" if gpu else "cpu")
+    except ValueError as e:
+        return Decision(_without_plan(config), stop=True, messages=[f"distrain: error: {e}"])
+    try:
         per_node = ranks_per_node(config, gpu)
         key = lambda: cache.key(config, budget_from_config(config, gpu, per_node), per_node)  # noqa: E731
         return _kept_or(key, lambda: _planned(config, job))
