@@ -524,15 +524,50 @@ class ReplicaGather(distrain.Callback):
         )
 
 
+class ParameterGathers(distrain.Callback):
+    """FSDP's parameter all-gathers while the training batches run (FSDP2 calls ``dist.all_gather_single`` in torch
+    2.13, ``all_gather_into_tensor`` before), and the optimizer steps they made."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.calls, self.steps = 0, 0
+        self.name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        import torch.distributed as dist
+
+        real = self.real = getattr(dist, self.name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        setattr(dist, self.name, counted)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        import torch.distributed as dist
+
+        setattr(dist, self.name, self.real)
+        self.steps = trainer.global_step
+
+
 def _four_rank_session(rank, tmp, llama):
     out = {}
     for name, (make, job, batch, accumulate, data_parallel) in FOUR_RANK.items():
-        gather = ReplicaGather()
-        rows, metrics, predictions, _ = _fit(
+        gather, parameters = ReplicaGather(), ParameterGathers()
+        rows, metrics, predictions, trainer = _fit(
             tmp / name, make(), 4, job, accumulate, batch, llama, pad_to=16 if job == "llama" else None,
-            callbacks=[gather],
+            callbacks=[gather, parameters],
         )  # fmt: skip
         out[f"{name} gathers"] = gather.seen
+        if name == "pp2xfsdp2":
+            from torch.distributed.fsdp import FSDPModule
+
+            units = sum(
+                isinstance(m, FSDPModule) for stage in trainer.strategy.runner.stage_modules for m in stage.modules()
+            )
+            out[f"{name} parameter gathers"] = (parameters.calls, parameters.steps, units)
         if data_parallel > 1 and name.startswith("fsdp"):  # a value logged without sync_dist is this replica's
             rows = [(loss, norm, None) for loss, norm, _ in rows]
         if data_parallel > 1:  # each replica predicts its share of the samples
@@ -544,6 +579,12 @@ def _four_rank_session(rank, tmp, llama):
 @pytest.mark.slow
 def test_fsdp_x_tensor_parallel_and_3d_on_four_ranks_match_one_process(tmp_path, llama):
     results = run_ranks(_four_rank_session, 4, tmp_path, llama)
+    # a pipeline stage's FSDP units are gathered once per step, not again in every micro-batch's backward (no
+    # resharding after forward under a pipeline): the first stage's ranks, 2 micro-batches a step (it gathered 14
+    # times in 3 steps with resharding, 8 without; the last stage gathers for more than its units, a question open)
+    for rank in (0, 1):
+        calls, steps, units = results[rank]["pp2xfsdp2 parameter gathers"]
+        assert calls <= units * (steps + 1), (rank, calls, steps, units)
     for name, (_, job, batch, accumulate, data_parallel) in FOUR_RANK.items():
         # a user's collectives: every rank's copy by default; over data_parallel_group, one per replica (the ranks
         # at this one's pipeline, context and tensor place, each at another data place)

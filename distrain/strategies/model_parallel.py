@@ -282,7 +282,10 @@ class ModelParallelStrategy(Strategy):
 
         param_dtype = self.precision.gathered_param_dtype  # as FSDPStrategy's, fp8 included
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-        kwargs = dict(mesh=self._data_mesh(), mp_policy=policy)
+        # a pipeline stage keeps its parameters gathered through a step's micro-batches (torch's stages do not
+        # reshard them after backward until the last): resharding after each forward would gather them again for
+        # every micro-batch's backward, and not overlapped (torchtitan's default under pipelining, the same)
+        kwargs = dict(mesh=self._data_mesh(), mp_policy=policy, reshard_after_forward=self.layout.pipeline == 1)
         for unit in reversed(units):
             fully_shard(unit, **kwargs)
         for root in roots:

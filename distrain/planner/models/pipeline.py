@@ -324,9 +324,6 @@ def pipeline_step_time(option, job, trace: PipelineTrace, full, hw):
     for s in stages:
         sent = stages[s.index + 1].received if s.index + 1 < len(stages) else 0
         links = 2 * transfer(s.received) + 2 * transfer(sent)
-        if data > 1:  # FSDP gathers each block's parameters (and the rest's) in forward and again in backward
-            gather = Collective("all_gather", s.param_bytes, data, 2, s.blocks + 1, inter_node=job.num_nodes > 1)
-            links += collective_seconds(gather, hw)
         compute.append(work_seconds(s.work, hw))
         with_links.append(compute[-1] + links)
 
@@ -345,13 +342,24 @@ def pipeline_step_time(option, job, trace: PipelineTrace, full, hw):
         for load in loads
     )
     after = [Collective("all_reduce", size, holders, 1, 1, inter_node=False) for size, holders in trace.ties]
+    gathered = 0.0
     if data > 1:  # each rank's gradients reduce-scattered over its replicas once per step (fp32)
         grads = max(load.share for load in loads) * full.grad_bytes
         after.append(Collective("reduce_scatter", grads, data, 1, 1, inter_node=job.num_nodes > 1))
-    tail = sum(collective_seconds(c, hw) for c in after) + hw.collective_seconds  # + the loss's broadcast
+        # FSDP gathers a rank's stages once per step, block by block, at their first micro-batch, and they stay
+        # gathered through the rest (``ModelParallelStrategy`` does not reshard them after forward under a
+        # pipeline): the slowest rank's gathers
+        gathered = max(collective_seconds(_gathers(stages, rank_stages(r, p, v), data, job), hw) for r in range(p))
+    tail = sum(collective_seconds(c, hw) for c in after) + gathered + hw.collective_seconds  # + the loss's broadcast
     busy = through_pipeline(compute)
     seconds = through_pipeline(with_links) + optimizer + tail
     return StepTime(busy, optimizer, seconds - busy - optimizer, seconds)
+
+
+def _gathers(stages: list, mine: list[int], data: int, job) -> Collective:
+    """FSDP's gathers of one rank's stages (``mine``) over its ``data`` replicas, a block at a time."""
+    units = sum(stages[s].blocks + 1 for s in mine)
+    return Collective("all_gather", sum(stages[s].param_bytes for s in mine), data, 1, units, job.num_nodes > 1)
 
 
 class Pipeline(CostModel):
