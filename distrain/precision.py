@@ -6,6 +6,22 @@ import contextlib
 
 import torch
 
+#: the dtype each precision computes in (fp8: the matmuls of linear layers run in float8, the rest in bf16; MFU is
+#: against the bf16 peak); any other precision computes in fp32
+COMPUTE_DTYPES = {
+    "16-mixed": torch.float16,
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "fp8": torch.bfloat16,
+}
+#: the precisions that run under autocast in their compute dtype
+AUTOCAST = ("16-mixed", "bf16-mixed", "fp8")
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """The dtype precision ``name`` computes in (``COMPUTE_DTYPES``)."""
+    return COMPUTE_DTYPES.get(name, torch.float32)
+
 
 class Precision:
     """``32-true`` | ``16-mixed`` | ``bf16-mixed`` | ``bf16-true`` | ``fp8``.
@@ -34,16 +50,14 @@ class Precision:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        # fp8: the matmuls of linear layers run in float8, the rest in bf16 (MFU is against the bf16 peak)
-        dtypes = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
-        return {**dtypes, "fp8": torch.bfloat16}.get(self.name, torch.float32)
+        return compute_dtype(self.name)
 
     @property
     def gathered_param_dtype(self) -> torch.dtype | None:
         """The dtype FSDP2 gathers parameters in for compute (``MixedPrecisionPolicy.param_dtype``), under FSDP and
         model parallelism alike: the compute dtype under mixed precision and fp8 (its float8 linears cast their own
         weights), None (as stored) otherwise."""
-        return self.compute_dtype if self.name in ("bf16-mixed", "16-mixed", "fp8") else None
+        return self.compute_dtype if self.name in AUTOCAST else None
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.name == "fp8":
@@ -53,7 +67,7 @@ class Precision:
         return module.to(torch.bfloat16) if self.name == "bf16-true" else module
 
     def autocast(self):
-        if self.name in ("16-mixed", "bf16-mixed", "fp8"):
+        if self.name in AUTOCAST:
             return torch.autocast(self.device_type, dtype=self.compute_dtype)
         return contextlib.nullcontext()
 

@@ -26,6 +26,7 @@ from distrain.planner.models import model_of
 from distrain.planner.options import BYTE_FIELDS, Option, Row
 from distrain.planner.simulate import Started
 from distrain.planner.timing import Hardware, StepTime, step_at_depth
+from distrain.precision import AUTOCAST, compute_dtype
 
 
 @dataclass
@@ -142,11 +143,11 @@ class Estimator:
         process and DDP keep fp32 parameters under autocast (whose cache holds a bf16 copy of each weight during
         forward), except bf16-true."""
         p = self.job.precision
-        # fp8: torchao's float8 linears under bf16 autocast (``Precision``), FSDP gathering their weights in bf16
-        autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "fp8": torch.bfloat16}.get(p)
+        compute = compute_dtype(p)  # fp8: torchao's float8 linears under bf16 autocast, FSDP gathering in bf16
+        autocast = compute if p in AUTOCAST else None
         if model_of(kind).sharded_dtypes:
-            return {"bf16-true": torch.bfloat16}.get(p, autocast or torch.float32), autocast
-        return (torch.bfloat16 if p == "bf16-true" else torch.float32), autocast
+            return compute, autocast
+        return (compute if p == "bf16-true" else torch.float32), autocast
 
     def trace(self, kind: str, checkpoint: int | None, micro_batch: int | None = None) -> StepTrace:
         """The traced bare step with the dtypes (and checkpointing) of options of ``kind``."""

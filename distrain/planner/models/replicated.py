@@ -9,6 +9,7 @@ from dataclasses import replace
 from distrain.planner.models import CostModel
 from distrain.planner.options import Option, Row
 from distrain.planner.timing import DDP_BUCKET_BYTES, Collective, buckets, step_time
+from distrain.precision import compute_dtype
 from distrain.strategies import registry
 
 
@@ -128,8 +129,7 @@ def tokens_to_experts(job, trace, experts: int) -> Collective:
     """Each micro-batch's tokens to their experts and back by all-to-all over ``experts`` ranks, in forward and
     again in backward, one per mixture-of-experts layer each way: ``top_k`` copies of each token's width, in the
     activations' dtype. N consecutive ranks: on one node where N fits in it (``expert_parallel.split_model``)."""
-    act_bytes = 2 if job.precision in ("bf16-mixed", "16-mixed", "bf16-true", "fp8") else 4
-    moved = trace.dispatched * act_bytes
+    moved = trace.dispatched * compute_dtype(job.precision).itemsize
     return Collective("all_to_all", moved, experts, 4 * job.accumulate, trace.moe_layers, experts > job.per_node)
 
 
