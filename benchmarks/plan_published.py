@@ -101,6 +101,19 @@ RUNS = [
             precision="fp8", **TORCHTITAN_H100)
         for id, nodes, measured in (("TR1", 4, 10938), ("TR2", 8, 10753))
     ),  # fmt: skip
+    # distrain's own runs on one H200 (runs.md §2f; docs/benchmarks.md, 2026-11-26): ``distrain bench --strategies
+    # single``, sequence 2048, bf16 autocast, the built-in GPT's LayerNorms as they run (fp32 under autocast)
+    *(
+        Run(id, "distrain H200", model, "H200", "141GB", 1, 1, 2048, batch, 1, None, measured, "single",
+            low_precision_norms=False, **settings)
+        for id, model, batch, measured, settings in (
+            ("DH1", "gpt-1.3b", 8, 62126, {}),
+            ("DH2", "gpt-1.3b", 8, 66542, {"compile": True}),
+            ("DH3", "gpt-1.3b", 8, 77209, {"compile": True, "precision": "fp8"}),
+            ("DH4", "gpt-350m", 16, 190348, {}),
+            ("DH5", "gpt-124m", 16, 642326, {"compile": True}),
+        )
+    ),  # fmt: skip
     Run("LH1", "llm-foundry H100", "MPT-1B", "H100", "80GB", 1, 8, 2048, 14, 1, None, 45455),
     Run("LH6", "llm-foundry H100", "MPT-7B", "H100", "80GB", 1, 8, 2048, 6, 1, None, 10643),
     Run("LH9", "llm-foundry H100", "MPT-7B", "H100", "80GB", 16, 8, 2048, 6, 1, None, 10475),
@@ -149,8 +162,11 @@ RUNS = [
 ]  # fmt: skip
 
 
-def model_dir(name: str, seq: int, root: Path) -> Path:
-    """A Hugging Face config of ``name``'s published shape (no weights), saved under ``root``."""
+def model_dir(name: str, seq: int, root: Path) -> Path | str:
+    """A Hugging Face config of ``name``'s published shape (no weights), saved under ``root``; a built-in model's
+    name (``gpt-1.3b``) as it is."""
+    if name not in SHAPES:
+        return name
     family, layers, hidden, heads, kv, ffn, vocab = SHAPES[name]
     path = root / f"{name}-{seq}"
     if (path / "config.json").is_file():
@@ -205,9 +221,8 @@ def planner_for(run: Run, root: Path):
     job = job_from_config(config, gpu=True)
     budget = budget_from_config(config, True, job.per_node)
     hardware = TimingArgs.from_args(args).hardware(job)
-    blocks = SHAPES[run.model][1]
     every = run.checkpoint_every  # the option's count of recomputed blocks: 0 none, None all
-    checkpoint = 0 if every is None else None if every == 1 else blocks // every
+    checkpoint = 0 if every is None else None if every == 1 else SHAPES[run.model][1] // every
     option = replace(option_for_run(run.strategy, job), checkpoint=checkpoint)
     return Planner(job, budget, hardware), option, hardware
 

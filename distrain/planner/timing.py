@@ -44,8 +44,12 @@ MEMORY_EFFICIENCY = 0.7
 #: a GPU whose published runs show another matmul efficiency. A100: 0.75, fitted on torchtitan's five A100 runs
 #: (Llama 2 13B and 70B, Llama 3 8B and 70B, FSDP on 64 GPUs; their mean plan / published is 1.0 at 0.74-0.75);
 #: cuBLAS's large bf16 GEMMs run at about 0.8 of its 312 TFLOP/s. Held out: llm-foundry's A100 runs and
-#: Megatron-LM's 22B run (another source each)
-MATMUL_EFFICIENCY_BY_GPU = {"A100": 0.75}
+#: Megatron-LM's 22B run (another source each). H200: 0.8, not fitted to a run: the rate a lone 8192³ bf16 GEMM
+#: reaches on one (788-798 TFLOP/s measured, issue 57), which a step's matmuls cannot beat. At the H100's 0.6 every
+#: H200 run planned 9-22% slow (torchtitan's community runs and distrain's own on one H200); at 0.8 they plan at
+#: 0.88-1.02, none fitted. The H100's constant comes from 2023's software and, for torchtitan's rows, 500-W H100s;
+#: the H200 rows from 2025-26's software on 700-W parts: which of the two makes the difference, no run tells apart
+MATMUL_EFFICIENCY_BY_GPU = {"A100": 0.75, "H200": 0.8}
 #: the fused attention kernels' rate, a share of the listed peak: 0.36, fitted on llm-foundry's 32k-token H100 runs,
 #: where attention is half the FLOPs and which planned 23-25% fast at the matmuls' rate; FlashAttention-3's paper
 #: (Shah et al. 2024, arXiv 2407.08608) measures FlashAttention-2 at about 35% of an H100's peak
