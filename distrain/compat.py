@@ -10,6 +10,7 @@ the same rule.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from datetime import timedelta
@@ -58,14 +59,15 @@ def checkpoint_wrapper_api():
     return checkpoint_wrapper
 
 
-def compute_intensive_ops() -> set:
+@functools.cache  # asked at every selectively checkpointed forward; torch's list is fixed for the process
+def compute_intensive_ops() -> frozenset:
     """The operations torch's partitioner counts as compute-intensive (matmuls, convolutions, the fused attention
     kernels of CUDA), whose outputs selective activation checkpointing keeps: ``torch._functorch.partitioners.
     get_default_op_list().compute_intensive_ops``, as torchtitan's selective checkpointing reads it. Checked on torch
     2.13.0."""
     from torch._functorch.partitioners import get_default_op_list
 
-    return {op.default for op in get_default_op_list().compute_intensive_ops}
+    return frozenset(op.default for op in get_default_op_list().compute_intensive_ops)
 
 
 def unwrapped_name(name: str) -> str:
