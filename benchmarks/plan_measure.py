@@ -45,6 +45,9 @@ class Case:
     """ZeRO: reduce/all-gather bucket elements (None: DeepSpeedStrategy's default, 2e8)."""
     accumulate: int = 1
     """Micro-batches per optimizer step (a pipeline's micro-batches)."""
+    routing: str = "even"
+    """A mixture of experts' router as trained (``even``), or ``collapsed``: every token sent to the first ``top_k``
+    experts, the first rank's, whose measured peak is set beside the plan's worst routing (``worst_routing_peak``)."""
 
     @property
     def label(self) -> str:
@@ -58,7 +61,13 @@ class Case:
             parts.append(f"bucket {self.bucket:,}")
         if self.accumulate > 1:
             parts.append(f"×{self.accumulate}")
+        if self.routing != "even":
+            parts.append(f"routing {self.routing}")
         return " ".join(parts)
+
+    def planned_peak(self, row) -> int:
+        """The planner's peak for this case: under collapsed routing, the row's worst-routing peak."""
+        return row.worst_routing_peak if self.routing == "collapsed" else row.peak
 
 
 #: the cases tests/test_planner.py asserts (within 10%): every strategy × activation checkpointing ×
@@ -85,6 +94,7 @@ ACCURACY_CASES = [
     Case("tiny-llama", "zero3", True, 16, bucket=32 * 32),
     Case("gpt-tiny-moe", "ddp+ep", False, 8),
     Case("gpt-tiny-moe", "fsdp+ep", True, 8),
+    Case("gpt-tiny-moe", "ddp+ep", False, 8, routing="collapsed"),
 ]
 #: the built-in GPT with each block a mixture of experts: (model, experts, top_k)
 MIXTURES = {"gpt-tiny-moe": ("gpt-tiny", 4, 2)}
@@ -269,8 +279,31 @@ def _module(case: Case, hf: dict[str, str]):
 
     if case.model in MIXTURES:
         name, experts, top_k = MIXTURES[case.model]
-        return GPTLanguageModel(name, block_size=case.seq_len, lr_schedule="constant", n_experts=experts, top_k=top_k)
+        module = GPTLanguageModel(name, block_size=case.seq_len, lr_schedule="constant", n_experts=experts, top_k=top_k)
+        if case.routing == "collapsed":
+            _collapse_routing(module, top_k)
+        return module
     return GPTLanguageModel(case.model, block_size=case.seq_len, lr_schedule="constant")
+
+
+def _collapse_routing(module, top_k: int) -> None:
+    """Every router of ``module`` (once its model is built) sends every token to experts 0 … ``top_k`` − 1: the
+    first rank's under expert parallelism, which then receives every rank's tokens."""
+    from distrain.parallel.expert_parallel import moe_layers
+
+    def collapsed(router, args, out):
+        preference = torch.zeros(out.shape[-1], dtype=out.dtype)
+        preference[:top_k] = torch.arange(top_k, 0, -1, dtype=out.dtype) * 10
+        return out * 0 + preference
+
+    configure = module.configure_model
+
+    def configure_collapsed() -> None:
+        configure()
+        for layer in moe_layers(module):
+            layer.router.register_forward_hook(collapsed)
+
+    module.configure_model = configure_collapsed
 
 
 class _Samples(torch.utils.data.Dataset):

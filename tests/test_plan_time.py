@@ -357,6 +357,40 @@ def test_expert_parallel_rows_split_the_experts_and_send_the_tokens_by_all_to_al
     assert gathers[1].size == pytest.approx(experts / 2) and sent[-1].kind == "all_to_all"
 
 
+@pytest.mark.parametrize(
+    "ranks,experts,top_k,times",
+    [(2, 4, 2, 2), (8, 8, 2, 4), (4, 8, 2, 4), (8, 128, 8, 8), (3, 3, 2, 2), (2, 4, 1, 2)],
+)
+def test_the_worst_routing_sends_a_rank_every_token_copy_its_experts_can_take(ranks, experts, top_k, times):
+    """Mixtral's 8 experts over 8 ranks, top-2: a rank holds one expert, so each token can send it one of its 2
+    copies: 8 ranks' tokens at half their copies, 4 times its share. With as many experts per rank as top_k or more
+    every copy can go there (N times); rounded up where the share is not whole (3 experts over 3 ranks, top-2)."""
+    from distrain.planner.model_stats import worst_routing
+
+    assert worst_routing(ranks, experts, top_k) == times
+
+
+def test_the_worst_routing_is_traced_with_a_ranks_experts_taking_every_tokens_copies():
+    """The plan's worst routing traces the step with one rank's experts taking what the worst router sends them:
+    with 4 experts over 2 ranks, top-2, twice their share, so exactly the experts' forward FLOPs once more (16 D²
+    per token copy: fc and proj), and more activations. Its row's worst-routing peak is above the even peak by
+    those activations, and the table says it in one line."""
+    from distrain.planner.estimate import Estimator
+
+    spec = ModelSpec.builtin_gpt("gpt-tiny", T, n_experts=4, top_k=2)
+    even, worst = trace_step(spec, B), trace_step(spec, B, routed_over=2)
+    extra = worst.work.phases["forward"].flops - even.work.phases["forward"].flops
+    assert extra == L * B * T * 2 * 16 * D * D
+    assert worst.activations > even.activations
+    job = Job(spec, micro_batch=B, world_size=2)
+    row = Estimator(job).estimate(Option("ddp", experts=2))
+    assert row.worst_routing_peak == row.peak + worst.activations - even.activations
+    assert Estimator(job).estimate(Option("ddp")).worst_routing_peak == 0  # no experts split: no such figure
+    plan = Planner(job, Budget(8 << 30, 8 << 30, False, "test")).plan("all", "both")
+    line = next(line for line in plan.table().splitlines() if line.startswith("worst routing"))
+    assert "ddp + experts over 2" in line and "\n" not in line
+
+
 def test_a_decision_for_expert_parallelism_reaches_the_strategy_and_reads_back_checked():
     from distrain.planner.decide import Decision
 

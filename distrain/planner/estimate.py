@@ -149,13 +149,16 @@ class Estimator:
             return compute, autocast
         return (compute if p == "bf16-true" else torch.float32), autocast
 
-    def trace(self, kind: str, checkpoint: int | None, micro_batch: int | None = None) -> StepTrace:
-        """The traced bare step with the dtypes (and checkpointing) of options of ``kind``."""
+    def trace(
+        self, kind: str, checkpoint: int | None, micro_batch: int | None = None, routed_over: int = 1
+    ) -> StepTrace:
+        """The traced bare step with the dtypes (and checkpointing) of options of ``kind``; ``routed_over`` > 1: a
+        mixture of experts' worst routing with its experts over that many ranks (``model_stats.worst_routing``)."""
         job = self.job
         b = micro_batch or job.micro_batch
         param_dtype, autocast = self.dtypes(kind)
         reentrant = model_of(kind).reentrant_checkpointing and checkpoint != 0
-        key = (b, param_dtype, autocast, checkpoint, reentrant)
+        key = (b, param_dtype, autocast, checkpoint, reentrant, routed_over)
         if key not in self._traces:
             trace = trace_step(
                 job.spec,
@@ -167,6 +170,7 @@ class Estimator:
                 clip=job.clip,
                 reentrant=reentrant,
                 float8=job.float8,
+                routed_over=routed_over,
             )
             self._traces[key] = _replace(trace, work=trace.work.compiled()) if job.fuses else trace
         return self._traces[key]

@@ -466,12 +466,14 @@ def trace_step(
     clip: float | None = None,
     reentrant: bool = False,
     float8: bool = False,
+    routed_over: int = 1,
 ) -> StepTrace:
     """One training step of the bare model under fake tensors: forward (``training_step``, under
     autocast when given), backward, gradient clipping, the module's own optimizer step.
     ``checkpoint``: blocks whose activations are recomputed (``None``: all), with torch's
     reentrant checkpoint if ``reentrant`` (DeepSpeed's activation checkpointing is reentrant).
-    ``float8``: the linear layers are torchao's float8 ones (``precision: fp8``)."""
+    ``float8``: the linear layers are torchao's float8 ones (``precision: fp8``). ``routed_over``: the experts split
+    over that many ranks, and the routing at its worst for this rank (``worst_routing``); 1: even routing."""
     module, float8_layers = set_up_module(spec, param_dtype, checkpoint, float8=float8, reentrant=reentrant)
     float8_weights = [module.get_submodule(name).weight for name in float8_layers]
     # non-fake inputs: the meta parameters that ``to_empty`` turns into fake ones
@@ -498,7 +500,7 @@ def trace_step(
                 p.register_post_accumulate_grad_hook(
                     lambda _p, g=g, i=i: grad_events.append((len(phases.timeline), g, i))
                 )
-        moe = _experts_of(module, counter_phase := {"phase": "forward"})
+        moe = _experts_of(module, counter_phase := {"phase": "forward"}, routed_over)
         tracker = fake.timeline_memory_tracker(phases.sample)
         tracker.track_external(module, optimizer, *inputs)
         counter = WorkCounter()
@@ -544,10 +546,11 @@ def trace_step(
     )
 
 
-def _experts_of(module: nn.Module, phase: dict) -> dict[str, Any]:
+def _experts_of(module: nn.Module, phase: dict, routed_over: int = 1) -> dict[str, Any]:
     """The experts expert parallelism can split: their ``bytes``, ``tensors`` and ``layers``, and ``dispatched``,
     the numbers the forward sends to them, filled as the traced forward runs each layer (not the recomputation in
-    backward)."""
+    backward). ``routed_over`` > 1: each layer's experts take the tokens of the worst routing over that many ranks
+    (``worst_routing``)."""
     sent = [0]
     layers = expert_parallel.moe_layers(module) if expert_parallel.splittable_experts(module) else []
 
@@ -558,6 +561,9 @@ def _experts_of(module: nn.Module, phase: dict) -> dict[str, Any]:
 
     for layer in layers:
         layer.register_forward_hook(count)
+        if routed_over > 1:
+            top_k, _ = expert_parallel.dispatched_per_token(layer)
+            _take_more_tokens(layer.experts, worst_routing(routed_over, expert_parallel.expert_count(layer), top_k))
     experts = [p for layer in layers for p in layer.experts.parameters()]
     return {
         "bytes": sum(p.numel() * p.element_size() for p in experts),
@@ -565,6 +571,34 @@ def _experts_of(module: nn.Module, phase: dict) -> dict[str, Any]:
         "layers": len(layers),
         "dispatched": sent,
     }
+
+
+def worst_routing(ranks: int, experts: int, top_k: int) -> int:
+    """How many times its even share of the token copies one rank's experts can receive with ``experts`` over
+    ``ranks`` ranks: every token of every rank sends it as many of its ``top_k`` copies as the rank has experts
+    (rounded up). Expert parallelism keeps every token (no capacity), so a router that collapses onto one rank's
+    experts holds that many times their activations there."""
+    return math.ceil(ranks * min(top_k, experts // ranks) / top_k)
+
+
+def _take_more_tokens(experts: nn.Module, times: int) -> None:
+    """``experts`` computing ``times`` as many token copies as they are given (each tensor argument repeated along
+    its first dimension, each count scaled), handing back the first share: under fake tensors, what the experts of
+    a rank that receives ``times`` its share hold. distrain's ``Experts(tokens, counts)`` and transformers' experts
+    ``(hidden, top_k_index, top_k_weights)`` alike."""
+
+    def more(module, args):
+        return tuple(
+            a.repeat(times, *[1] * (a.dim() - 1))
+            if isinstance(a, torch.Tensor)
+            else [n * times for n in a]
+            if isinstance(a, list)
+            else a
+            for a in args
+        )
+
+    experts.register_forward_pre_hook(more)
+    experts.register_forward_hook(lambda module, args, out: out[: len(out) // times])
 
 
 # ---- deep models: estimate two shallow copies, extrapolate by depth ---------------------------------------

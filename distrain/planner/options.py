@@ -9,7 +9,9 @@ from distrain.planner.models import model_of
 from distrain.planner.timing import StepTime
 
 #: Row fields that are bytes (extrapolated and interpolated)
-BYTE_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "peak", "host", "sharded")
+BYTE_FIELDS = (
+    "params", "grads", "optimizer", "activations", "buffers", "peak", "host", "sharded", "worst_routing_peak"
+)  # fmt: skip
 
 
 @dataclass(frozen=True, init=False, repr=False)
@@ -155,6 +157,9 @@ class Row:
     more than the job's, to keep its global batch)."""
     tokens_per_step: int = 0
     """Tokens one optimizer step of the whole job consumes under this option."""
+    worst_routing_peak: int = 0
+    """Expert parallelism: ``peak`` on a rank whose experts the router sends every token it can (no capacity limit
+    drops any): their activations ``model_stats.worst_routing`` times over. 0: no experts split."""
 
     @property
     def label(self) -> str:
@@ -184,6 +189,7 @@ class Row:
             "activations_bytes": self.activations,
             "buffers_bytes": self.buffers,
             "peak_bytes": self.peak,
+            "worst_routing_peak_bytes": self.worst_routing_peak or None,
             "host_bytes": self.host,
             "fits": self.fits,
             "max_micro_batch": self.max_micro_batch,

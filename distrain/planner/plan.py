@@ -208,6 +208,17 @@ class Plan:
                 "accum N: tensor- and context-parallel ranks and pipeline stages share their samples, so N "
                 "micro-batches per step keep the job's global batch"
             )
+        routed = [r for r in self.rows if r.worst_routing_peak]
+        if routed:
+            lines.append(
+                "worst routing: the peak of a rank whose experts the router sends every token it can (expert "
+                "parallelism drops none): "
+                + "; ".join(
+                    f"{r.label} {human(r.worst_routing_peak)}"
+                    + ("" if r.worst_routing_peak <= self.budget.usable else " (does not fit)")
+                    for r in routed
+                )
+            )
         if timed:
             lines.append(
                 f"step: predicted time per optimizer step; tokens/s: the whole job's ({self.job.world_size} ranks); "

@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 from distrain.planner.models import CostModel, model_of
-from distrain.planner.models.replicated import offered_expert_parallel, replicated, tokens_to_experts
+from distrain.planner.models.replicated import (
+    offered_expert_parallel,
+    replicated,
+    tokens_to_experts,
+    with_worst_routing,
+)
 from distrain.planner.options import Option, Row
 from distrain.planner.timing import Collective, step_time
 
@@ -94,10 +99,11 @@ class FSDP(CostModel):
         # simulation's own kinds at its peak moment mix in the optimizer step's temporaries)
         activations = estimator.trace("fsdp", option.checkpoint).activations
         if option.offload == "none":
-            return Row(option, p.params, p.grads, p.optimizer, activations, p.buffers, p.peak, sharded=p.sharded_state)
+            row = Row(option, p.params, p.grads, p.optimizer, activations, p.buffers, p.peak, sharded=p.sharded_state)
+            return with_worst_routing(estimator, option, row)
         # CPU offload keeps the sharded parameters, gradients and optimizer state in host memory (the
         # optimizer steps there); the device holds what is unsharded for compute
-        return Row(
+        row = Row(
             option,
             p.params,
             p.grads,
@@ -108,6 +114,7 @@ class FSDP(CostModel):
             host=p.sharded_state,
             note="device peak: the simulated one less the sharded state moved to the host",
         )
+        return with_worst_routing(estimator, option, row)
 
     def time_of(self, option, job, trace, units: int, hw):
         """The step of ``trace`` (the bare step in FSDP's dtypes) with ``units`` gather units."""

@@ -81,7 +81,8 @@ class Replicated(CostModel):
             opt += outer
             forward_backward += outer
         step = params + grads + buffers + opt + t.input_bytes + t.step_extra
-        return Row(option, params, grads, opt, t.activations, buffers, max(forward_backward, step))
+        row = Row(option, params, grads, opt, t.activations, buffers, max(forward_backward, step))
+        return with_worst_routing(estimator, option, row)
 
     def time_of(self, option, job, trace, units: int, hw):
         """The step of ``trace`` (the bare step in the option's dtypes) with this option's collectives."""
@@ -108,6 +109,18 @@ def offered_expert_parallel(job) -> list[Option]:
     experts (none when that is 1)."""
     experts = math.gcd(job.world_size, job.spec.experts) if job.spec.experts else 1
     return [Option("ddp", experts=experts)] if experts > 1 and job.replica_groups == 1 else []
+
+
+def with_worst_routing(estimator, option, row: Row) -> Row:
+    """``row`` with its peak under the worst routing, where its experts are split over ranks: the step traced again
+    with one rank's experts taking every token copy they can (``model_stats.worst_routing``); the activations that
+    adds add to the peak."""
+    experts = option.get("experts")
+    if not experts:
+        return row
+    even = estimator.trace(option.family, option.checkpoint)
+    worst = estimator.trace(option.family, option.checkpoint, routed_over=experts)
+    return replace(row, worst_routing_peak=row.peak + max(0, worst.activations - even.activations))
 
 
 def expert_collectives(job, trace, experts: int, grads: float) -> list[Collective]:
