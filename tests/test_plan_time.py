@@ -503,6 +503,36 @@ def test_fp8_is_planned_with_torchaos_float8_linears_at_the_float8_rate_and_gath
         model_of("zero").option_for_run("deepspeed_stage_2", job)
 
 
+def test_the_tokens_all_to_all_is_waited_for_on_a_gpu_and_costs_a_busy_collectives_time_on_a_cpu(traces):
+    """The tokens' all-to-all sits between the router and the experts (and back): what runs next needs it. On a
+    GPU it is not hidden under compute, as FSDP's prefetched gathers are; on a CPU it costs what a collective
+    between two computations costs (gloo's threads wait for cores the ranks hold). Before, expert parallelism was
+    planned faster than FSDP alone on 2 CPU ranks where it measured slower (benchmarks/moe_expert_parallel.py).
+    A deep model keeps it so at depth."""
+    spec = ModelSpec.builtin_gpt("gpt-tiny", T, n_experts=4, top_k=2)
+    trace, job = trace_step(spec, B), Job(spec, micro_batch=B, world_size=2)
+    ep = Option("ddp", experts=2)
+    sent = ep.model.collectives(ep, job, trace)
+    moved = next(c for c in sent if c.awaited)
+    assert moved.kind == "all_to_all" and [c.awaited for c in sent].count(True) == 1
+    idle = Hardware(1e12, 1e12, 1e-6, intra_bandwidth=1e10, inter_bandwidth=1e10, collective_seconds=1e-5)
+    busy = replace(idle, blocking_collective_seconds=1e-3, blocking_bandwidth=1e9)
+    cpu = step_time(ep, job, trace, L + 1, busy)
+    assert cpu.awaited == pytest.approx(collective_seconds(moved, busy, blocking=True))
+    assert cpu.awaited > collective_seconds(moved, busy)  # the busy figures, not the idle ones
+    gpu = step_time(ep, job, trace, L + 1, replace(idle, overlap=True))
+    rest = [c for c in sent if not c.awaited]
+    exposed = sum(collective_seconds(c, idle) / c.calls for c in rest)
+    hidden = max(gpu.compute, gpu.communication - gpu.awaited)
+    assert gpu.seconds == pytest.approx(hidden + gpu.awaited + exposed + gpu.optimizer)
+    assert gpu.seconds >= gpu.compute + gpu.awaited + gpu.optimizer  # never under the compute it waits between
+    # at 4 and 8 blocks: max(compute, the rest of communication) + awaited + optimizer + 0.1 s exposed
+    shallow = {4: StepTime(1.0, 0.1, 2.0, 2.4, 1.2), 8: StepTime(2.0, 0.2, 2.5, 3.7, 1.4)}
+    deep = step_at_depth(shallow, 32, overlap=True)
+    assert deep.awaited == pytest.approx(2.6)
+    assert deep.seconds == pytest.approx(8.0 + 2.6 + 0.8 + 0.1)  # compute-bound, the all-to-all waited for
+
+
 def test_a_deep_step_is_extrapolated_by_its_parts_and_overlapped_at_its_depth():
     """A deep model is timed at two shallow depths. On a GPU its step takes the longer of compute and communication:
     shallow, the embeddings' gathers can bind it; deep, compute does. Each part is extrapolated, then the overlap is

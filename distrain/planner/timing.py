@@ -317,6 +317,13 @@ class Collective:
     def calls(self) -> int:
         return self.passes * self.calls_per_pass
 
+    @property
+    def awaited(self) -> bool:
+        """The next computation needs what it brings: an all-to-all carries the tokens to their experts and back.
+        Nothing runs beside it (on a GPU it is not hidden under compute; on a CPU it costs what a collective between
+        two computations costs, ``Hardware.blocking_collective_seconds``)."""
+        return self.kind == "all_to_all"
+
 
 @dataclass(frozen=True)
 class StepTime:
@@ -326,6 +333,8 @@ class StepTime:
     optimizer: float
     communication: float
     seconds: float
+    awaited: float = 0.0
+    """The part of ``communication`` the computations wait for (``Collective.awaited``): never overlapped."""
 
     def __add__(self, other: StepTime) -> StepTime:
         return StepTime(*(a + b for a, b in zip(self.astuple(), other.astuple())))
@@ -333,8 +342,8 @@ class StepTime:
     def scaled(self, factor: float) -> StepTime:
         return StepTime(*(max(0.0, a * factor) for a in self.astuple()))
 
-    def astuple(self) -> tuple[float, float, float, float]:
-        return (self.compute, self.optimizer, self.communication, self.seconds)
+    def astuple(self) -> tuple[float, float, float, float, float]:
+        return (self.compute, self.optimizer, self.communication, self.seconds, self.awaited)
 
 
 def step_at_depth(times: dict[int, StepTime], depth: int, overlap: bool) -> StepTime:
@@ -349,19 +358,21 @@ def step_at_depth(times: dict[int, StepTime], depth: int, overlap: bool) -> Step
     (a line would take it below zero)."""
 
     def overlapped(t: StepTime) -> float:
-        return max(t.compute, t.communication) if overlap else t.compute + t.communication
+        if not overlap:
+            return t.compute + t.communication
+        return max(t.compute, t.communication - t.awaited) + t.awaited
 
     (d1, t1), (d2, t2) = sorted(times.items())
 
     def at_depth(a: float, b: float) -> float:
         return a + (b - a) * (depth - d1) / (d2 - d1)
 
-    compute, optimizer, communication = (
-        at_depth(getattr(t1, part), getattr(t2, part)) for part in ("compute", "optimizer", "communication")
+    compute, optimizer, communication, awaited = (
+        at_depth(getattr(t1, part), getattr(t2, part)) for part in ("compute", "optimizer", "communication", "awaited")
     )
     exposed = [t.seconds - overlapped(t) - t.optimizer for t in (t1, t2)]
     beyond = at_depth(*exposed) if exposed[1] >= exposed[0] else exposed[1]
-    step = StepTime(compute, optimizer, communication, 0.0)
+    step = StepTime(compute, optimizer, communication, 0.0, awaited)
     return replace(step, seconds=overlapped(step) + optimizer + beyond)
 
 
@@ -419,12 +430,13 @@ def step_time(
         moved = (trace.grad_bytes + trace.param_bytes) * shard + trace.param_bytes * shard * host_gathers
         optimizer = moved / hw.host_bandwidth + trace.work.step.bytes * shard / HOST_OPTIMIZER_BANDWIDTH
     compute += sum(copy_seconds(c, hw) for c in sent)
-    comm_parts = [collective_seconds(c, hw) for c in sent]
+    comm_parts = [collective_seconds(c, hw, blocking=c.awaited) for c in sent]
     comm = sum(comm_parts)
     meetings = sum(p for p, c in zip(comm_parts, sent) if c.every > 1)  # between steps: nothing overlaps them
+    awaited = sum(p for p, c in zip(comm_parts, sent) if c.awaited)
     if hw.overlap:  # NCCL beside compute: the first gather and the last reduction stay exposed
-        exposed = sum(p / max(1, c.calls) for p, c in zip(comm_parts, sent) if c.every == 1)
-        seconds = max(compute, comm - meetings) + exposed + meetings + optimizer
+        exposed = sum(p / max(1, c.calls) for p, c in zip(comm_parts, sent) if c.every == 1 and not c.awaited)
+        seconds = max(compute, comm - meetings - awaited) + exposed + awaited + meetings + optimizer
     else:
         seconds = compute + comm + optimizer
-    return StepTime(compute, optimizer, comm, seconds)
+    return StepTime(compute, optimizer, comm, seconds, awaited)
