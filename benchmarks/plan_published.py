@@ -101,7 +101,7 @@ RUNS = [
             precision="fp8", **TORCHTITAN_H100)
         for id, nodes, measured in (("TR1", 4, 10938), ("TR2", 8, 10753))
     ),  # fmt: skip
-    # distrain's own runs on one H200 (runs.md §2f; docs/benchmarks.md, 2026-11-26): ``distrain bench --strategies
+    # distrain's own runs on one H200 (runs.md §2j; docs/benchmarks.md, 2026-11-26): ``distrain bench --strategies
     # single``, sequence 2048, bf16 autocast, the built-in GPT's LayerNorms as they run (fp32 under autocast)
     *(
         Run(id, "distrain H200", model, "H200", "141GB", 1, 1, 2048, batch, 1, None, measured, "single",

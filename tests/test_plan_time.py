@@ -503,7 +503,7 @@ def test_fp8_is_planned_with_torchaos_float8_linears_at_the_float8_rate_and_gath
         model_of("zero").option_for_run("deepspeed_stage_2", job)
 
 
-def test_the_tokens_all_to_all_is_waited_for_on_a_gpu_and_costs_a_busy_collectives_time_on_a_cpu(traces):
+def test_the_tokens_all_to_all_is_waited_for_on_a_gpu_and_costs_a_busy_collectives_time_on_a_cpu():
     """The tokens' all-to-all sits between the router and the experts (and back): what runs next needs it. On a
     GPU it is not hidden under compute, as FSDP's prefetched gathers are; on a CPU it costs what a collective
     between two computations costs (gloo's threads wait for cores the ranks hold). Before, expert parallelism was

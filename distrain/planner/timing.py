@@ -346,6 +346,12 @@ class StepTime:
         return (self.compute, self.optimizer, self.communication, self.seconds, self.awaited)
 
 
+def beside(compute: float, communication: float, awaited: float) -> float:
+    """Compute and communication run side by side (a GPU): the longer of the two, but for the collectives the
+    computations wait for (``awaited``), which nothing hides."""
+    return max(compute, communication - awaited) + awaited
+
+
 def step_at_depth(times: dict[int, StepTime], depth: int, overlap: bool) -> StepTime:
     """The step of a model ``depth`` blocks deep from its steps at two shallow depths (``times``). Compute, the
     optimizer step and communication are each affine in depth; the step's seconds are not where compute and
@@ -358,9 +364,7 @@ def step_at_depth(times: dict[int, StepTime], depth: int, overlap: bool) -> Step
     (a line would take it below zero)."""
 
     def overlapped(t: StepTime) -> float:
-        if not overlap:
-            return t.compute + t.communication
-        return max(t.compute, t.communication - t.awaited) + t.awaited
+        return beside(t.compute, t.communication, t.awaited) if overlap else t.compute + t.communication
 
     (d1, t1), (d2, t2) = sorted(times.items())
 
@@ -436,7 +440,7 @@ def step_time(
     awaited = sum(p for p, c in zip(comm_parts, sent) if c.awaited)
     if hw.overlap:  # NCCL beside compute: the first gather and the last reduction stay exposed
         exposed = sum(p / max(1, c.calls) for p, c in zip(comm_parts, sent) if c.every == 1 and not c.awaited)
-        seconds = max(compute, comm - meetings - awaited) + exposed + awaited + meetings + optimizer
+        seconds = beside(compute, comm - meetings, awaited) + exposed + meetings + optimizer
     else:
         seconds = compute + comm + optimizer
     return StepTime(compute, optimizer, comm, seconds, awaited)
