@@ -189,6 +189,16 @@ def built_in_targets(module: nn.Module) -> list[tuple[nn.Module, Callable]]:
     return found
 
 
+def check_plan(module: nn.Module, tp: int, sequence_parallel: bool) -> None:
+    """What ``apply_tensor_parallel`` would refuse, checked on a model not yet split (the planner's layouts): the
+    run's own error when no built-in plan knows the model or ``tp`` does not divide its heads or hidden units."""
+    targets = built_in_targets(module)
+    if not targets:
+        raise ValueError(no_plan_message(module))
+    for model, plan in targets:
+        plan(model, tp, sequence_parallel)
+
+
 def is_parallelized(module: nn.Module) -> bool:
     """Whether ``configure_model`` applied a tensor-parallel plan of its own (DTensor parameters)."""
     return any(isinstance(p, DTensor) for p in module.parameters())

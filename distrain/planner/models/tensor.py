@@ -210,7 +210,7 @@ def tensor_parallel_option(job, strict: bool = False) -> Option | None:
     model has no built-in plan, or a pipeline is asked for (not modelled). A size the run would refuse
     (one that does not divide the heads) raises when ``strict`` (the strategy was named), else is left out."""
     from distrain.parallel.layout import layout_for
-    from distrain.parallel.tensor_parallel import built_in_targets, no_plan_message
+    from distrain.parallel.tensor_parallel import check_plan
 
     if job.world_size < 2 or job.pipeline_stages not in (None, "auto", 1):
         return None
@@ -218,12 +218,7 @@ def tensor_parallel_option(job, strict: bool = False) -> Option | None:
         layout = layout_for(job.world_size, job.per_node, False, job.tensor_parallel, "auto", None)
         if layout.tensor < 2:  # nothing split: FSDP alone, which any model runs
             return None
-        module = job.spec.build()
-        targets = built_in_targets(module)
-        if not targets:
-            raise ValueError(no_plan_message(module))  # what the run would say
-        for model, plan in targets:
-            plan(model, layout.tensor, job.sequence_parallel)  # checks that the size divides the model's
+        check_plan(job.spec.build(), layout.tensor, job.sequence_parallel)  # what the run would say
         if not strict and job.sequence_parallel and job.spec.seq_len % layout.tensor:
             return None  # sequences split over the ranks: auto takes no layout a batch of this length cannot run
     except ValueError:
