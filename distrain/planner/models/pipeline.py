@@ -257,10 +257,14 @@ class RankLoad:
     """The most activation bytes alive at a backward that runs once gradients exist (the first backward of a
     step runs before: gradients are set to None after each optimizer step)."""
 
+    grads_in_backward: int
+    """Gradient bytes alive while a backward runs: under FSDP, the unsharded ones only (the reduce-scatter and the
+    sharded gradients come once the step's last backward is done)."""
+
     @property
     def peak(self) -> int:
         states = self.params + self.optimizer + self.buffers
-        backward = max(self.activations, self.grads + self.activations_with_grads)
+        backward = max(self.activations, self.grads_in_backward + self.activations_with_grads)
         return states + max(backward, self.grads + self.step_extra)
 
 
@@ -281,17 +285,20 @@ def rank_loads(option, job, trace: PipelineTrace, full) -> list[RankLoad]:
         buffers = a * (sum(s.received for s in mine) + sum(after))
         params = sum(s.param_bytes for s in mine)
         grads, optimizer = int(full.grad_bytes * share), int(full.optimizer_bytes * share)
+        in_backward = grads
         if data > 1:
             # torch's pipeline stages keep an FSDP module's parameters and gradients unsharded through a step's
             # micro-batches (no resharding after backward, gradient sync at the last one): beside the sharded
             # state, the unsharded parameters and gradients, the reduce-scatter's copy of those gradients, and
             # two blocks gathered at once in forward
             params += params // data
-            grads = 2 * grads + grads // data
+            grads = 2 * grads + grads // data  # in_backward: the unsharded ones
             optimizer //= data
             buffers += 2 * max(s.largest_unit for s in mine)
         extra, tensors = int(full.step_extra * share), sum(s.tensors for s in mine)
-        loads.append(RankLoad(r, params, grads, optimizer, activations, buffers, extra, tensors, share, with_grads))
+        loads.append(
+            RankLoad(r, params, grads, optimizer, activations, buffers, extra, tensors, share, with_grads, in_backward)
+        )
     return loads
 
 
