@@ -35,6 +35,7 @@ class Case:
     parallel in pairs of ranks, FSDP across the pairs; ``cp``: context parallel over every rank; ``cp×fsdp``:
     context parallel in pairs of ranks, FSDP across data × context; ``pp`` (1F1B), ``pp:GPipe``,
     ``pp:Interleaved1F1B``: a pipeline stage per rank; ``pp×fsdp``: two stages (1F1B), FSDP across the rest;
+    ``pp×tp``: two stages (1F1B), each tensor parallel (with sequence parallelism) over the rest;
     ``ddp+ep``, ``fsdp+ep``: a mixture of experts' experts over every rank (``expert_parallel_size``)."""
     ac: bool | str
     """Activation checkpointing of every block: True (whole), ``"selective"`` (per operation), False (none)."""
@@ -114,6 +115,7 @@ PIPELINE_CASES = {
         Case("gpt-tiny", "pp:GPipe", False, 8, accumulate=4),
         Case("gpt-tiny", "pp×fsdp", True, 8, accumulate=2),
         Case("tiny-llama", "pp×fsdp", False, 16, accumulate=4),
+        Case("tiny-llama", "pp×tp", False, 16, accumulate=4),
     ],
 }
 
@@ -173,11 +175,14 @@ def option_of(case: Case, world_size: int):
     checkpoint = None if case.ac else 0
     if case.strategy.startswith("pp"):
         stages, schedule = _pipeline_layout(case.strategy, world_size)
+        tensor = world_size // stages if case.strategy == "pp×tp" else 1
         return Option(
             "pp",
-            sharding="FULL_SHARD" if stages < world_size else None,
+            sharding="FULL_SHARD" if stages * tensor < world_size else None,
             checkpoint=checkpoint,
             pipeline=stages,
+            tensor=tensor,
+            sequence_parallel=True if tensor > 1 else None,
             schedule=schedule,
             stages_per_rank=2 if schedule == "Interleaved1F1B" else 1,
         )
@@ -220,7 +225,8 @@ def _strategy_default(name: str):
 
 def _pipeline_layout(strategy: str, world_size: int) -> tuple[int, str]:
     """The stages and schedule of a ``pp`` case."""
-    return (2 if strategy == "pp×fsdp" else world_size), (strategy[3:] if strategy.startswith("pp:") else "1F1B")
+    stages = 2 if strategy in ("pp×fsdp", "pp×tp") else world_size
+    return stages, (strategy[3:] if strategy.startswith("pp:") else "1F1B")
 
 
 def _tensor_layout(strategy: str, world_size: int) -> dict:
@@ -236,6 +242,15 @@ def _strategy(case: Case, blocks: set, world_size: int):
     import distrain
 
     policy = {"classes": blocks, "selective": True} if case.ac == "selective" else blocks if case.ac else None
+    if case.strategy == "pp×tp":
+        stages, schedule = _pipeline_layout(case.strategy, world_size)
+        return distrain.ModelParallelStrategy(
+            tensor_parallel_size=world_size // stages,
+            data_parallel_size=1,
+            pipeline_stages=stages,
+            schedule=schedule,
+            activation_checkpointing_policy=policy,
+        )
     if case.strategy.startswith("pp"):
         stages, schedule = _pipeline_layout(case.strategy, world_size)
         return distrain.PipelineStrategy(stages=stages, schedule=schedule, activation_checkpointing_policy=policy)

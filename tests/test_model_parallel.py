@@ -206,15 +206,16 @@ def test_impossible_layouts_are_refused_in_one_line_before_any_rank_starts(capsy
     err = capsys.readouterr().err
     assert code == 2 and "6 pipeline stages but the model has 4 blocks" in err, err  # the plan's refusal
     assert len(err.strip().splitlines()) == 1
-    # distrain plan refuses the same layout with the same line; a pipeline of tensor-parallel stages (3-D) it has no
-    # model of: it says so (not "nothing fits")
+    # distrain plan refuses the same layout with the same line; and a pipeline of tensor-parallel stages (3-D) whose
+    # tensor-parallel size does not divide the heads (gpt-tiny: 4) with the run's own line
     plan = ["plan", "--strategy", "pipeline", "--accelerator", "cpu"]
     interleaved = ["distributed.pipeline_schedule=Interleaved1F1B", "distributed.pipeline_stages_per_rank=3"]
     assert cli.main([*plan, "--devices", "2", *interleaved]) == 2
     assert "6 pipeline stages but the model has 4 blocks" in capsys.readouterr().err
-    three_d = ["distributed.pipeline_stages=2", "distributed.tensor_parallel_size=2"]
-    assert cli.main([*plan, "--devices", "4", *three_d]) == 2
-    assert "strategy pipeline is not planned" in capsys.readouterr().err
+    three_d = ["distributed.pipeline_stages=2", "distributed.tensor_parallel_size=3"]
+    assert cli.main([*plan, "--devices", "6", *three_d]) == 2
+    err = capsys.readouterr().err
+    assert "tensor_parallel_size=3 must divide the model's n_head=4" in err and len(err.strip().splitlines()) == 1
     # a model of the user's own that no plan covers (layers built in __init__): refused before launching
     import matrix_models
 

@@ -24,7 +24,9 @@ MiB = 2**20
 def test_each_pipeline_rank_peaks_within_ten_percent_of_measured(tmp_path, world):
     """1F1B, GPipe and Interleaved1F1B, with and without activation checkpointing, FSDP over replicated stages:
     the plan's row (its fullest rank) within 10% of the highest measured peak, and every pipeline rank's own
-    prediction within 15% of what the ranks running that stage measured (the stages differ by 3× here)."""
+    prediction within 15% of what the ranks running that stage measured (the stages differ by 3× here). Tensor-
+    parallel stages (3-D) within 15% and 20%: their activations are a block's share as simulated, and a 2-block
+    model is mostly what is not a block (docs/plan.md)."""
     cases = PIPELINE_CASES[world]
     hf = hf_dirs(str(tmp_path))
     measured = run_ranks(measure_cases, world, cases, world, hf, str(tmp_path))
@@ -37,16 +39,17 @@ def test_each_pipeline_rank_peaks_within_ten_percent_of_measured(tmp_path, world
         peaks = [max(rank[i] for rank in measured[p * per_stage : (p + 1) * per_stage]) for p in range(option.pipeline)]
         row = estimator.estimate(option).peak
         error = (row - max(peaks)) / max(peaks)
+        bound = 0.10 if option.tensor == 1 else 0.15
         print(
             f"{case.label:<40} predicted {row / MiB:7.1f} MiB, measured {max(peaks) / MiB:7.1f} ({error:+.1%}); per "
             f"rank {[round(load.peak / MiB, 1) for load in loads]} against {[round(p / MiB, 1) for p in peaks]}"
         )
-        if abs(error) > 0.10:
+        if abs(error) > bound:
             failures.append(f"{case.label}: {error:+.1%}")
         failures += [
             f"{case.label} pipeline rank {p}: {load.peak / MiB:.1f} against {peak / MiB:.1f} MiB"
             for p, (load, peak) in enumerate(zip(loads, peaks))
-            if abs(load.peak - peak) / peak > 0.15
+            if abs(load.peak - peak) / peak > bound + 0.05
         ]
     assert not failures, failures
 
@@ -95,6 +98,39 @@ def test_the_schedules_hold_what_they_keep_in_flight():
     assert first.param_bytes + last.param_bytes - tied == whole.params
 
 
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_a_pipeline_of_tensor_parallel_stages_holds_computes_and_sends_a_ranks_share(sequence_parallel):
+    """Each stage as one of its 2 tensor-parallel ranks runs it: its parameters as DTensor shards them (summed over
+    the stages, the tied ones once, what the tensor-parallel step simulated on a fake group holds), half of every
+    operation's FLOPs, what it receives split along the sequence only with sequence parallelism; and each block's
+    collectives, found from the model at one block and two, add up to the simulated four-block model's."""
+    from collections import Counter
+
+    from distrain.planner.models.pipeline import activation_share, tensor_parallel_collectives
+    from distrain.planner.simulate import simulate_tensor_parallel
+
+    spec = ModelSpec.builtin_gpt("gpt-tiny", 64)
+    whole = trace_pipeline(spec, 4, 2)
+    split = trace_pipeline(spec, 4, 2, tensor=2, sequence_parallel=sequence_parallel)
+    simulated = simulate_tensor_parallel(spec, 4, world_size=2, tensor=2, sequence_parallel=sequence_parallel)
+    tied = sum(size for size, _ in split.ties)
+    assert sum(s.param_bytes for s in split.stages) - tied == simulated.params
+    assert simulated.params < sum(s.param_bytes for s in whole.stages) - sum(size for size, _ in whole.ties)
+    for w, s in zip(whole.stages, split.stages):
+        assert s.work.flops == w.work.flops / 2 and s.work.ops == w.work.ops
+        assert s.saved == int(w.saved * activation_share(2, sequence_parallel))
+    assert split.stages[1].received == whole.stages[1].received // (2 if sequence_parallel else 1)
+
+    option = Option("pp", pipeline=2, tensor=2, sequence_parallel=sequence_parallel, schedule="1F1B")
+    block, ends = tensor_parallel_collectives(Estimator(Job(spec, 4, world_size=4)), option)
+    kinds = {kind for kind, _, _ in block}
+    assert kinds >= ({"all_gather", "reduce_scatter"} if sequence_parallel else {"all_reduce"}), block
+    four = simulate_tensor_parallel(
+        spec.with_depth(4), 4, world_size=2, tensor=2, sequence_parallel=sequence_parallel
+    ).collectives
+    assert Counter(c[:3] for c in four) == Counter({c: 4 * n for c, n in block.items()}) + Counter(ends)
+
+
 def test_plan_pipeline_rows_and_what_is_not_planned(capsys, tmp_path):
     """``distrain plan --strategy pipeline`` plans the layout the run takes (a stage per rank, the configured
     schedule), with and without activation checkpointing and a time; the whole plan lists it at the
@@ -118,6 +154,15 @@ def test_plan_pipeline_rows_and_what_is_not_planned(capsys, tmp_path):
     assert cli.main([*args, "--strategy", "pipeline", "training.gradient_accumulation_steps=1"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert rows and all(r["label"].startswith("pipeline 2 GPipe") for r in rows), [r["label"] for r in rows]
+    # a pipeline of tensor-parallel stages (3-D): planned as model_parallel runs it, sequence parallelism included
+    three_d = ["--strategy", "model_parallel", "distributed.pipeline_stages=2", "distributed.tensor_parallel_size=2"]
+    three_d.append("training.gradient_accumulation_steps=4")
+    assert cli.main(["plan", "--devices", "4", *args[3:], *three_d]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows and all(r["label"].startswith("pipeline 2 1F1B × tensor 2 + SP") for r in rows), rows
+    for row in rows:
+        assert (row["pipeline_stages"], row["tensor_parallel_size"], row["sequence_parallel"]) == (2, 2, True)
+        assert row["fits"] and row["step_seconds"] > 0
     from distrain.hf.tiny import make_tiny_bert
 
     bert = ["--model-name", make_tiny_bert(str(tmp_path / "bert"))]

@@ -199,6 +199,21 @@ def check_plan(module: nn.Module, tp: int, sequence_parallel: bool) -> None:
         plan(model, tp, sequence_parallel)
 
 
+def split_parameters(module: nn.Module, tp: int, sequence_parallel: bool) -> set[int]:
+    """The ids of the parameters the built-in plans split over the ``tp`` ranks (each rank holds 1/tp of each):
+    every weight a column-, row- or fused-QKV-parallel layer holds, and column-parallel biases. The rest (norms,
+    row-parallel biases) every rank holds whole."""
+    split: set[int] = set()
+    for model, plan in built_in_targets(module):
+        for name, style in plan(model, tp, sequence_parallel).items():
+            if not isinstance(style, ColwiseParallel | RowwiseParallel | FusedQKVParallel):
+                continue
+            for pname, param in model.get_submodule(name).named_parameters(recurse=False):
+                if pname == "weight" or isinstance(style, ColwiseParallel):
+                    split.add(id(param))
+    return split
+
+
 def is_parallelized(module: nn.Module) -> bool:
     """Whether ``configure_model`` applied a tensor-parallel plan of its own (DTensor parameters)."""
     return any(isinstance(p, DTensor) for p in module.parameters())

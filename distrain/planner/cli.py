@@ -85,10 +85,10 @@ def plan_command(config: RunConfig, strategy: str, as_json: bool, timing: Timing
     named = config.distributed.strategy
     hardware = (timing or TimingArgs()).hardware(job)
     plan = Planner(job, budget, hardware).plan("all" if strategy in ("all", "auto") else named, checkpoint)
-    if not plan.rows:  # a layout the planner has no model of (3-D): say so, not "nothing fits"
+    if not plan.rows:  # a layout the planner has no model of: say so, not "nothing fits"
         print(
             f"distrain plan: strategy {strategy} is not planned (the planner models DDP, FSDP, DeepSpeed ZeRO, and "
-            "tensor parallelism or pipelines of the built-in GPT and Llama-style models, with FSDP; not both at once); "
+            "tensor parallelism and pipelines of the built-in GPT and Llama-style models, with FSDP); "
             "`distrain plan` without --strategy plans the others",
             file=sys.stderr,
         )

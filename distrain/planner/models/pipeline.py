@@ -87,13 +87,18 @@ def trace_pipeline(
     gpu: bool = False,
     compiled: bool = False,
     float8: bool = False,
+    tensor: int = 1,
+    sequence_parallel: bool = True,
+    share: float | None = None,
 ) -> PipelineTrace:
     """Each of ``num_stages`` stages through one micro-batch, in order (a stage's input is what the one before
     sent). Stages with the same blocks count and position (neither first nor last) are traced once: their
-    layers are the same."""
+    layers are the same. ``tensor`` > 1: each stage as one of its ``tensor`` ranks holds and computes it
+    (``split_over_tensor``), keeping ``share`` of a block's activations (None: ``activation_share``)."""
     from distrain.parallel.layout import ParallelLayout
     from distrain.parallel.pipeline_split import split_for
     from distrain.parallel.pipeline_stages import PipelineBuild
+    from distrain.parallel.tensor_parallel import split_parameters
 
     module, _ = set_up_module(spec, param_dtype, checkpoint, float8=float8)
     with (
@@ -102,6 +107,7 @@ def trace_pipeline(
         fake.norms_as_on_cuda(gpu),  # a GPU's run: its norms keep what CUDA's kernels keep
     ):
         to_empty_keeping_ties(module)
+        split_ids = split_parameters(module, tensor, sequence_parallel) if tensor > 1 else set()
         split = split_for(module)
         build = PipelineBuild.create(module, split, ParallelLayout(pipeline=num_stages), 0, split_points)
         batch = tree_map_only(torch.Tensor, mode.from_tensor, spec.make_batch(micro_batch))
@@ -117,6 +123,10 @@ def trace_pipeline(
                 stages.append(replace(cache[key], index=s))
                 continue  # its output is the same shape as its input: the next stage receives the same
             trace, received_next = _trace_stage(module, split, stage, s, batch, received, autocast, compiled)
+            if tensor > 1:
+                if share is None:
+                    share = activation_share(tensor, sequence_parallel)
+                trace = split_over_tensor(trace, stage, split_ids, tensor, sequence_parallel, share, checkpoint is None)
             if key is not None:
                 cache[key] = trace
             stages.append(trace)
@@ -125,7 +135,7 @@ def trace_pipeline(
         params = dict(module.named_parameters())
         for name, holders in build.ties:
             p = params[name]
-            ties.append((p.numel() * p.element_size(), len(holders)))
+            ties.append((p.numel() * p.element_size() // (tensor if id(p) in split_ids else 1), len(holders)))
     return PipelineTrace(stages, ties)
 
 
@@ -175,6 +185,48 @@ def _trace_stage(module, split, stage, index: int, batch, received, autocast, co
         work=counter.work.forward_backward.compiled() if compiled else counter.work.forward_backward,
     )
     return trace, sent
+
+
+def activation_share(tensor: int, sequence_parallel: bool) -> float:
+    """The share of a Megatron block's activations one of ``tensor`` tensor-parallel ranks keeps, where the model
+    cannot be simulated at another depth (``simulated_activation_share`` is what torch's layers keep). With sequence
+    parallelism every activation is split (by heads, hidden units or sequence). Without it, the residual stream and
+    what the norms keep stay whole on every rank: Korthikanti et al. 2022 (https://arxiv.org/abs/2205.05198),
+    §4.2.2, equation 2: of a layer's 34 sbh bytes, 10 whole and 24 split (the attention scores' term left out:
+    flash attention keeps none)."""
+    return 1 / tensor if sequence_parallel else (10 + 24 / tensor) / 34
+
+
+def split_over_tensor(
+    trace: StageTrace,
+    stage,
+    split_ids: set[int],
+    tensor: int,
+    sequence_parallel: bool,
+    share: float,
+    checkpointed: bool = False,
+):
+    """A stage traced whole, as one of its ``tensor`` tensor-parallel ranks holds and computes it: the parameters
+    the built-in plan splits (``split_ids``) 1/``tensor`` each, the rest whole; ``share`` of the activations, except
+    what a ``checkpointed`` stage keeps between its forward and backward (its blocks' inputs: the residual stream,
+    split only along the sequence); what it receives 1/``tensor`` when the residual stream is split along the
+    sequence (else whole); 1/``tensor`` of every operation's FLOPs and bytes, each operation still run (as
+    ``ModelParallel`` prices a tensor-parallel rank)."""
+    held = {id(p): p for p in stage.parameters() if p.requires_grad}
+    nbytes = lambda p: p.numel() * p.element_size()  # noqa: E731
+    kept = sum(nbytes(p) / (tensor if i in split_ids else 1) for i, p in held.items()) / max(1, trace.param_bytes)
+    residual = 1 / tensor if sequence_parallel else 1.0
+    return replace(
+        trace,
+        param_bytes=int(trace.param_bytes * kept),
+        param_elements=int(trace.param_elements * kept),
+        saved=int(trace.saved * (residual if checkpointed else share)),
+        peak=int((trace.peak - trace.cached) * share + trace.cached * kept),
+        cached=int(trace.cached * kept),  # autocast's copies of the weights: as the weights split
+        received=trace.received // tensor if sequence_parallel else trace.received,
+        largest_unit=int(trace.largest_unit * kept),
+        work=trace.work.scaled(1 / tensor),
+    )
 
 
 def _loss(module, split, head_output, batch) -> torch.Tensor:
@@ -318,8 +370,10 @@ def pipeline_row(option, loads: list[RankLoad]):
     )
 
 
-def pipeline_step_time(option, job, trace: PipelineTrace, full, hw):
-    """Seconds of one optimizer step through the pipeline (see the module's docstring)."""
+def pipeline_step_time(option, job, trace: PipelineTrace, full, hw, tensor_collectives=None):
+    """Seconds of one optimizer step through the pipeline (see the module's docstring). ``tensor_collectives``:
+    under tensor parallelism, (a block's, the model's ends') collectives in one micro-batch's forward and backward
+    (``tensor_parallel_collectives``), each between two computations that need it: on a stage's path."""
     p, v, a = option.pipeline, option.get("stages_per_rank", 1), job.accumulate
     data = max(1, job.world_size // (p * option.tensor))
     stages = trace.stages
@@ -327,12 +381,21 @@ def pipeline_step_time(option, job, trace: PipelineTrace, full, hw):
     def transfer(nbytes: int) -> float:  # one point-to-point send, forward or backward: the sender and receiver wait
         return nbytes / hw.intra_bandwidth + hw.collective_seconds if nbytes else 0.0
 
+    def tensor_parallel(stage: StageTrace) -> float:  # the ends (embeddings, head and loss) counted on the last
+        if tensor_collectives is None:
+            return 0.0
+        per_block, ends = tensor_collectives
+        counts = {c: n * stage.blocks for c, n in per_block.items()}
+        for c, n in ends.items() if stage.index == len(stages) - 1 else ():
+            counts[c] = counts.get(c, 0) + n
+        return sum(n * collective_seconds(Collective(*c, 1, 1), hw, blocking=True) for c, n in counts.items())
+
     compute, with_links = [], []
     for s in stages:
         sent = stages[s.index + 1].received if s.index + 1 < len(stages) else 0
         links = 2 * transfer(s.received) + 2 * transfer(sent)
         compute.append(work_seconds(s.work, hw))
-        with_links.append(compute[-1] + links)
+        with_links.append(compute[-1] + links + tensor_parallel(s))
 
     def through_pipeline(times: list[float]) -> float:
         if v == 1:  # the first micro-batch crosses every stage; the rest follow at the slowest stage's pace
@@ -361,6 +424,61 @@ def pipeline_step_time(option, job, trace: PipelineTrace, full, hw):
     busy = through_pipeline(compute)
     seconds = through_pipeline(with_links) + optimizer + tail
     return StepTime(busy, optimizer, seconds - busy - optimizer, seconds)
+
+
+def _simulated(estimator, tensor: int, sequence_parallel: bool, checkpoint: int | None) -> list:
+    """distrain's ``ModelParallelStrategy`` simulated on a fake group of ``tensor`` ranks
+    (``simulate_tensor_parallel``, one micro-batch), on the model at one block and at two; a model that cannot
+    change its depth, whole."""
+    from distrain.planner.simulate import start_tensor_parallel_simulation
+
+    job = estimator.job
+    specs = [job.spec] if job.spec.with_depth is None else [job.spec.with_depth(d) for d in (1, 2)]
+
+    def simulate() -> list:
+        started = [
+            start_tensor_parallel_simulation(
+                spec=spec,
+                micro_batch=job.micro_batch,
+                world_size=tensor,
+                tensor=tensor,
+                sequence_parallel=sequence_parallel,
+                precision=job.precision,
+                checkpoint=checkpoint,
+                foreach=job.gpu,
+            )
+            for spec in specs
+        ]
+        return [s.result() for s in started]
+
+    return estimator.memo(("pp-tp", tensor, sequence_parallel, checkpoint, job.micro_batch), simulate)
+
+
+def tensor_parallel_collectives(estimator, option) -> tuple[dict, dict]:
+    """(a block's, the model's ends') collectives in one micro-batch's forward and backward under the option's
+    tensor parallelism, as ``{(kind, bytes of the whole tensor, ranks): count}``: what the simulated model's second
+    block adds is a block's (``_simulated``). A model simulated whole has its collectives spread over its blocks."""
+    from collections import Counter
+
+    sp = option.get("sequence_parallel", False)
+    steps = _simulated(estimator, option.tensor, sp, option.checkpoint)
+    counts = [Counter(c[:3] for c in step.collectives) for step in steps]
+    if len(counts) == 1:
+        return {c: n / estimator.job.spec.num_blocks for c, n in counts[0].items()}, {}
+    block = counts[1] - counts[0]
+    return dict(block), dict(counts[0] - block)
+
+
+def simulated_activation_share(estimator, option) -> float:
+    """The share of a block's activations one tensor-parallel rank keeps, as torch's tensor-parallel layers keep
+    them: what a second block adds to the simulated step's activations on ``option.tensor`` ranks, over what it adds
+    on one (with sequence parallelism, the all-gathered inputs of the column-parallel layers stay whole for their
+    backward, so a rank keeps more than 1/T). ``activation_share`` where the model cannot change its depth."""
+    sp = option.get("sequence_parallel", False)
+    split, whole = _simulated(estimator, option.tensor, sp, 0), _simulated(estimator, 1, False, 0)
+    if len(split) == 1:
+        return activation_share(option.tensor, sp)
+    return (split[1].activations - split[0].activations) / max(1, whole[1].activations - whole[0].activations)
 
 
 def _gathers(stages: list, mine: list[int], data: int, job) -> Collective:
@@ -394,11 +512,18 @@ class Pipeline(CostModel):
         return (
             f"pipeline {option.pipeline} {schedule}"
             + (f" ({option.get('stages_per_rank', 1)} stages/rank)" if option.get("stages_per_rank", 1) > 1 else "")
+            + (f" × tensor {option.tensor}" if option.tensor > 1 else "")
+            + (" + SP" if option.get("sequence_parallel") else "")
             + (" × fsdp" if option.get("sharding") else "")
         )
 
     def short(self, option) -> str:
-        return f"PP{option.pipeline}" + ("×FSDP" if option.get("sharding") else "")
+        return (
+            f"PP{option.pipeline}"
+            + (f"×TP{option.tensor}" if option.tensor > 1 else "")
+            + ("+SP" if option.get("sequence_parallel") else "")
+            + ("×FSDP" if option.get("sharding") else "")
+        )
 
     def estimate(self, estimator, option, micro_batch: int | None = None) -> Row:
         return pipeline_row(option, pipeline_ranks(estimator, option, micro_batch))
@@ -409,14 +534,17 @@ class Pipeline(CostModel):
 
     def step_time(self, estimator, option, hw) -> StepTime:
         full = _whole_step(estimator, option)
-        return pipeline_step_time(option, estimator.job, _pipeline_trace(estimator, option), full, hw)
+        trace = _pipeline_trace(estimator, option)
+        collectives = tensor_parallel_collectives(estimator, option) if option.tensor > 1 else None
+        return pipeline_step_time(option, estimator.job, trace, full, hw, collectives)
 
     def seconds_at_least(self, estimator, planner, option, hw) -> float:
         """With no communication, a pipeline runs its micro-batches at its slowest rank's pace, at least 1/P of the
-        whole, plus the fill (less a tenth: its stages are traced one by one)."""
+        whole (of 1/T of each operation's FLOPs and bytes, under tensor parallelism), plus the fill (less a tenth:
+        its stages are traced one by one)."""
         work = estimator.trace(data_parallel_kind(option), option.checkpoint).work.forward_backward
         p, v = option.pipeline, option.get("stages_per_rank", 1)
-        return 0.9 * (planner.job.accumulate + (p - 1) / v) * work_seconds(work, hw) / p
+        return 0.9 * (planner.job.accumulate + (p - 1) / v) * work_seconds(work.scaled(1 / option.tensor), hw) / p
 
 
 def _pipeline_trace(estimator, option, micro_batch: int | None = None) -> PipelineTrace:
@@ -437,9 +565,13 @@ def _pipeline_trace(estimator, option, micro_batch: int | None = None) -> Pipeli
             gpu=estimator.job.gpu,
             compiled=estimator.job.fuses,
             float8=estimator.job.float8,
+            tensor=option.tensor,
+            sequence_parallel=option.get("sequence_parallel", False),
+            share=simulated_activation_share(estimator, option) if option.tensor > 1 else None,
         )
 
-    return estimator.memo(("pp", stages, option.checkpoint, b, kind), trace)
+    key = ("pp", stages, option.checkpoint, b, kind, option.tensor, option.get("sequence_parallel", False))
+    return estimator.memo(key, trace)
 
 
 def pipeline_ranks(estimator, option, micro_batch: int | None = None) -> list[RankLoad]:
@@ -456,11 +588,12 @@ def _whole_step(estimator, option, micro_batch: int | None = None):
 
 
 def pipeline_option(job, strict: bool = False, strategy: str = "pipeline") -> Option | None:
-    """The layout ``strategy`` runs with the job's sizes (a stage per rank unless set; FSDP over the ranks that
-    remain), or None when a stage would also split its layers (not planned), or the model cannot be split into that
-    many stages: that raises the run's own error when ``strict``."""
+    """The layout ``strategy`` runs with the job's sizes (a stage per rank unless set; tensor parallel within each
+    stage when asked; FSDP over the ranks that remain), or None when the model cannot be split into that many stages
+    or over that many tensor-parallel ranks: that raises the run's own error when ``strict``."""
     from distrain.parallel.layout import default_stages_per_rank, layout_for
     from distrain.parallel.pipeline_split import split_blocks, split_for
+    from distrain.parallel.tensor_parallel import check_plan
 
     if job.world_size < 2:
         return None
@@ -469,9 +602,11 @@ def pipeline_option(job, strict: bool = False, strategy: str = "pipeline") -> Op
         # model_parallel: tensor parallel over what the stages leave of a node, as the strategy resolves it
         sizes = (job.tensor_parallel, "auto", job.pipeline_stages, per_rank)
         layout = layout_for(job.world_size, job.per_node, strategy == "pipeline", *sizes)
-        if layout.tensor > 1:
-            return None
         module = job.spec.build()
+        if layout.tensor > 1:
+            check_plan(module, layout.tensor, job.sequence_parallel)
+            if not strict and job.sequence_parallel and job.spec.seq_len % layout.tensor:
+                return None  # as tensor_parallel_option: no layout a batch of this length cannot run
         split_blocks(split_for(module), layout.num_stages, job.split_points, root=module)
     except (ValueError, TypeError):
         if strict:
@@ -479,7 +614,13 @@ def pipeline_option(job, strict: bool = False, strategy: str = "pipeline") -> Op
         return None
     sharding = "FULL_SHARD" if layout.data > 1 else None
     return Option(
-        "pp", sharding=sharding, pipeline=layout.pipeline, schedule=job.pipeline_schedule, stages_per_rank=per_rank
+        "pp",
+        sharding=sharding,
+        pipeline=layout.pipeline,
+        tensor=layout.tensor,
+        sequence_parallel=job.sequence_parallel if layout.tensor > 1 else None,
+        schedule=job.pipeline_schedule,
+        stages_per_rank=per_rank,
     )
 
 
