@@ -35,6 +35,7 @@ SHAPES = {
     # Megatron's GPT (GELU MLP of 4 × hidden) as a Llama-style model whose SwiGLU has the same parameters and FLOPs
     # (three matrices of hidden × 8/3 hidden): the planner's tensor parallelism splits Llama-style layers
     "GPT-22B": (LLAMA, 48, 6144, 64, 64, 16384, 51200),
+    "GPT-175B": (LLAMA, 96, 12288, 96, 96, 32768, 51200),
 }
 
 
@@ -64,6 +65,9 @@ class Run:
     #: recomputation per operation (torchtitan's ``selective_ac_option = "op"``, ``training.activation_checkpointing_
     #: mode: selective``) in the blocks ``checkpoint_every`` selects
     selective: bool = False
+    pipeline: int = 1  # pipeline ranks (``model_parallel``'s ``pipeline_stages``), tensor parallel within each
+    stages_per_rank: int = 1  # >1: torch's Interleaved1F1B with that many model chunks per pipeline rank
+    sequence_parallel: bool = True  # under tensor parallelism (distrain's default)
 
 
 #: torchtitan's H100 runs (runs.md §2b): their norms in fp32 by hand, their recomputation per operation
@@ -133,28 +137,24 @@ RUNS = [
     Run("LA8", "llm-foundry A100", "MPT-13B", "A100", "80GB", 1, 8, 8192, 5, 3, 1, 1795),
     Run("LA9", "llm-foundry A100", "MPT-13B", "A100", "80GB", 1, 8, 32768, 1, 3, 1, 1016),
     Run("LA10", "llm-foundry A100", "MPT-30B", "A100", "80GB", 1, 8, 2048, 3, 21, 1, 916),
-    # Korthikanti et al. 2022, Table 5: 22B, tensor parallel 8 on 8 A100s, full recomputation, 1.42 s per iteration
-    # of 4 × 2048 tokens (a transcription of the paper's table, runs.md K1)
-    Run(
-        "K1",
-        "Megatron-LM A100",
-        "GPT-22B",
-        "A100",
-        "80GB",
-        1,
-        8,
-        2048,
-        4,
-        1,
-        1,
-        4 * 2048 / 1.42 / 8,
-        "model_parallel",
-        8,
+    # Korthikanti et al. 2022, Table 5: 22B, tensor parallel 8 on 8 A100s, iterations of 4 × 2048 tokens (a
+    # transcription of the paper's table, runs.md K1, K2). K1: full recomputation, no sequence parallelism, 1.42 s.
+    # K2: sequence parallelism and selective recomputation, 1.10 s, planned as K4 below
+    *(
+        Run(id, "Megatron-LM A100", "GPT-22B", "A100", "80GB", 1, 8, 2048, 4, 1, every, 4 * 2048 / seconds / 8,
+            "model_parallel", 8, sequence_parallel=sp)
+        for id, every, seconds, sp in (("K1", 1, 1.42, False), ("K2", None, 1.10, True))
     ),
-    # torchtitan's AsyncTP study (runs.md §2c, June 2025, the same H100 96GB): FSDP × tensor parallel 8 with sequence
-    # parallelism, compiled, bf16, without AsyncTP (distrain has none); per-GPU tokens/s as read in context ([?] in
-    # runs.md). The local batch is each tensor-parallel group's: 16 × 8192 for the 70B (full recomputation), 12 ×
-    # 8192 for the 8B (per operation)
+    # Korthikanti et al. 2022, Table 5: GPT-3 175B, tensor parallel 8 × pipeline 8 on 64 A100s (DP 1), the interleaved
+    # schedule with 3 model chunks per rank, 64 micro-batches of 1 × 2048 tokens per iteration (runs.md K3, K4). K3:
+    # full recomputation, no sequence parallelism, 18.13 s. K4: sequence parallelism and Megatron's selective
+    # recomputation (the attention's scores and softmax only), 13.75 s: planned with no recomputation, as flash
+    # attention keeps no scores and its backward recomputes them (what Megatron's selective recomputation does)
+    *(
+        Run(id, "Megatron-LM A100", "GPT-175B", "A100", "80GB", 8, 8, 2048, 1, 64, every, 64 * 2048 / seconds / 64,
+            "model_parallel", 8, pipeline=8, stages_per_rank=3, sequence_parallel=sp)
+        for id, every, seconds, sp in (("K3", 1, 18.13, False), ("K4", None, 13.75, True))
+    ),
     Run("TS1", "torchtitan H100 TP", "L3-70B", "H100", "96GB", 32, 8, 8192, 16, 1, 1, 597.3, "model_parallel", 8,
         compile=True, low_precision_norms=False),
     Run("TS4", "torchtitan H100 TP", "L3-8B", "H100", "96GB", 8, 8, 8192, 12, 1, 1, 4378, "model_parallel", 8,
@@ -215,6 +215,10 @@ def planner_for(run: Run, root: Path):
         f"training.compile={str(run.compile).lower()}",
         f"training.activation_checkpointing_mode={'selective' if run.selective else 'full'}",
         *([f"distributed.tensor_parallel_size={run.tensor}"] if run.tensor > 1 else []),
+        *([f"distributed.pipeline_stages={run.pipeline}"] if run.pipeline > 1 else []),
+        *(["distributed.pipeline_schedule=Interleaved1F1B",
+           f"distributed.pipeline_stages_per_rank={run.stages_per_rank}"] if run.stages_per_rank > 1 else []),
+        *([] if run.sequence_parallel else ["distributed.sequence_parallel=false"]),
     ]  # fmt: skip
     args = plan_parser().parse_intermixed_args(argv)
     config = build_config(args.config, _flag_values(args), args.overrides)
@@ -243,6 +247,8 @@ def plan_row(run: Run, root: Path) -> dict:
         "planned": planned,
         "ratio": planned / run.measured,
         "peak_gib": row.peak / 2**30,
+        "buffers_gib": row.buffers / 2**30,
+        "usable_gib": planner.budget.usable / 2**30,
         "fits": row.peak <= planner.budget.usable,
         "compute_s": step.compute,
         "optimizer_s": step.optimizer,
