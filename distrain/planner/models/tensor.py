@@ -207,7 +207,7 @@ def context_parallel_options(job) -> list[Option]:
 def tensor_parallel_option(job, strict: bool = False) -> Option | None:
     """The layout ``strategy: model_parallel`` runs with the job's sizes (tensor parallel over one node's
     devices unless set; FSDP over the ranks that remain), or None when there is nothing to split, the
-    model has no built-in plan, or a pipeline is asked for (not modelled). A size the run would refuse
+    model has no built-in plan, or a pipeline is asked for (``pipeline_option``'s). A size the run would refuse
     (one that does not divide the heads) raises when ``strict`` (the strategy was named), else is left out."""
     from distrain.parallel.layout import layout_for
     from distrain.parallel.tensor_parallel import check_plan
