@@ -385,7 +385,7 @@ class StoragePeak(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            t = getattr(t, "_local_tensor", t)  # a DTensor (tensor parallel): its shard's storage
+            t = getattr(t, "_local_tensor", t)  # a DTensor (tensor parallel, FSDP2): its shard's storage
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 key = storage._cdata

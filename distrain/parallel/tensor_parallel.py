@@ -189,13 +189,19 @@ def built_in_targets(module: nn.Module) -> list[tuple[nn.Module, Callable]]:
     return found
 
 
-def check_plan(module: nn.Module, tp: int, sequence_parallel: bool) -> None:
-    """What ``apply_tensor_parallel`` would refuse, checked on a model not yet split (the planner's layouts): the
-    run's own error when no built-in plan knows the model or ``tp`` does not divide its heads or hidden units."""
+def planned_targets(module: nn.Module) -> list[tuple[nn.Module, Callable]]:
+    """``built_in_targets``, or the run's error when no built-in plan knows any model in ``module``."""
     targets = built_in_targets(module)
     if not targets:
-        raise ValueError(no_plan_message(module))
-    for model, plan in targets:
+        raise Refusal(no_plan_message(module))
+    return targets
+
+
+def check_plan(module: nn.Module, tp: int, sequence_parallel: bool) -> None:
+    """What ``apply_tensor_parallel`` would refuse, checked on a model not yet split (the planner's layouts, the
+    strategy's check before launch): the run's own error when no built-in plan knows the model or ``tp`` does not
+    divide its heads or hidden units."""
+    for model, plan in planned_targets(module):
         plan(model, tp, sequence_parallel)
 
 
@@ -231,9 +237,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool = 
     """Apply the built-in plan to every model in ``module`` it knows; returns what was done."""
     if is_parallelized(module):
         return "the module's own plan (configure_model)"
-    targets = built_in_targets(module)
-    if not targets:
-        raise ValueError(no_plan_message(module))
+    targets = planned_targets(module)
     ties = shared_parameters(module)
     for model, plan in targets:
         parallelize_module(model, tp_mesh, plan(model, tp_mesh.size(), sequence_parallel))

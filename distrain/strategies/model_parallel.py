@@ -186,7 +186,7 @@ class ModelParallelStrategy(Strategy):
 
     def check_module(self, module: nn.Module) -> None:
         from distrain.module import Module
-        from distrain.parallel.tensor_parallel import built_in_targets, is_parallelized, no_plan_message
+        from distrain.parallel.tensor_parallel import check_plan, is_parallelized
 
         if self.layout.context > 1:
             _check_context_parallel(module, self.layout)
@@ -201,11 +201,7 @@ class ModelParallelStrategy(Strategy):
                 )
             return
         if self.layout.tensor > 1 and not is_parallelized(module):
-            targets = built_in_targets(module)
-            if not targets:
-                raise Refusal(no_plan_message(module))
-            for model, plan in targets:
-                plan(model, self.layout.tensor, self.sequence_parallel)  # refuses a size that does not divide it
+            check_plan(module, self.layout.tensor, self.sequence_parallel)  # no plan, or a size that does not divide
         if self.layout.pipeline > 1:
             from distrain.parallel.pipeline_split import split_blocks, split_for
             from distrain.parallel.pipeline_stages import check_split_covers

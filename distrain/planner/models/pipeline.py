@@ -108,6 +108,8 @@ def trace_pipeline(
     ):
         to_empty_keeping_ties(module)
         split_ids = split_parameters(module, tensor, sequence_parallel) if tensor > 1 else set()
+        if tensor > 1 and share is None:
+            share = activation_share(tensor, sequence_parallel)
         split = split_for(module)
         build = PipelineBuild.create(module, split, ParallelLayout(pipeline=num_stages), 0, split_points)
         batch = tree_map_only(torch.Tensor, mode.from_tensor, spec.make_batch(micro_batch))
@@ -124,8 +126,6 @@ def trace_pipeline(
                 continue  # its output is the same shape as its input: the next stage receives the same
             trace, received_next = _trace_stage(module, split, stage, s, batch, received, autocast, compiled)
             if tensor > 1:
-                if share is None:
-                    share = activation_share(tensor, sequence_parallel)
                 trace = split_over_tensor(trace, stage, split_ids, tensor, sequence_parallel, share, checkpoint is None)
             if key is not None:
                 cache[key] = trace
