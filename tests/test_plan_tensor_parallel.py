@@ -50,11 +50,21 @@ def test_each_rank_holds_half_the_model_and_sends_each_layers_activations(gpt_mi
     assert all(ranks == 2 and not fsdp for _, _, ranks, fsdp in sim[0].collectives + split)
 
 
-def test_the_plan_has_a_row_for_the_layout_model_parallel_runs(capsys, tmp_path):
+def test_the_plan_has_a_row_for_the_layout_model_parallel_runs(capsys, tmp_path, monkeypatch):
     """``distrain plan --strategy model_parallel`` plans the layout the run would take (tensor parallel
     over the node's devices; sequence parallelism as configured), with its time; the whole plan lists it
-    beside the others (at the accumulation that keeps the global batch); a model without a plan, or a size
-    that does not divide its heads, gets the run's own one line."""
+    beside the others (at the accumulation that keeps the global batch), tracing no step twice; a model without a
+    plan, or a size that does not divide its heads, gets the run's own one line."""
+    from distrain.planner import estimate
+
+    traced = []
+
+    def trace_step(spec, micro_batch, **kwargs):
+        traced.append((spec.name, micro_batch, tuple(sorted(kwargs.items()))))
+        return original(spec, micro_batch, **kwargs)
+
+    original = estimate.trace_step
+    monkeypatch.setattr(estimate, "trace_step", trace_step)
     args = ["plan", "--devices", "2", "--accelerator", "cpu", "--json"]
     assert cli.main([*args, "--strategy", "model_parallel", "distributed.sequence_parallel=false"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -62,10 +72,13 @@ def test_the_plan_has_a_row_for_the_layout_model_parallel_runs(capsys, tmp_path)
     for row in out["rows"]:
         assert row["strategy"] == "model_parallel" and row["tensor_parallel_size"] == 2
         assert row["sequence_parallel"] is False and row["fits"] and row["step_seconds"] > 0
+    traced.clear()
     assert cli.main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert "model_parallel" in [r["strategy"] for r in out["rows"]]
     assert out["recommendation"] in ("ddp", "fsdp")
+    # the layouts' planners (another accumulation) share the traced steps: each was traced once, not once a layout
+    assert traced and len(set(traced)) == len(traced), traced
     # a pipeline is planned, and so is one of tensor-parallel stages (3-D): tests/test_plan_pipeline.py
     assert cli.main([*args, "--strategy", "model_parallel", "distributed.pipeline_stages=2"]) == 0
     assert {r["pipeline_stages"] for r in json.loads(capsys.readouterr().out)["rows"]} == {2}

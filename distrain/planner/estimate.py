@@ -113,17 +113,29 @@ class Estimator:
     parameters, gradients, states and saved activations add up; embeddings, head, loss, buffers and
     the one-block working sets do not change), and a 70B model plans in seconds instead of minutes.
     Checkpointing k of L blocks is extrapolated from none and one block (each further block trades
-    its saved activations for its input), never below checkpointing them all."""
+    its saved activations for its input), never below checkpointing them all.
 
-    def __init__(self, job: Job):
+    ``same_step``: the estimator of this job at another accumulation (a tensor-parallel or pipeline layout's, whose
+    ranks share samples), whose traced steps this one shares: a bare step is the same however many a step takes."""
+
+    def __init__(self, job: Job, same_step: Estimator | None = None):
+        if same_step is not None and _replace(same_step.job, accumulate=job.accumulate) != job:
+            raise ValueError("an estimator shares traced steps only with one of the same job at another accumulation")
         self.job = job
-        self._traces: dict[tuple, StepTrace] = {}
+        self._same_step = same_step
+        self._traces: dict[tuple, StepTrace] = same_step._traces if same_step else {}
         self._stats: ParamStats | None = None
         self._memo: dict[tuple, object] = {}  # the cost models' simulations and traces (``memo``)
         self._rows: dict[Option, Row] = {}
         self._shallow: dict[int, Estimator] | None = None
         if is_deep(job.spec):
-            self._shallow = {d: Estimator(_replace(job, spec=job.spec.with_depth(d))) for d in SHALLOW_DEPTHS}
+            if same_step is not None:
+                self._shallow = {
+                    d: Estimator(_replace(job, spec=shallow.job.spec), shallow)
+                    for d, shallow in same_step._shallow.items()
+                }
+            else:
+                self._shallow = {d: Estimator(_replace(job, spec=job.spec.with_depth(d))) for d in SHALLOW_DEPTHS}
 
     @property
     def num_blocks(self) -> int:
@@ -133,7 +145,7 @@ class Estimator:
     @property
     def stats(self) -> ParamStats:
         if self._stats is None:
-            self._stats = ParamStats.of(self.job.spec.build())
+            self._stats = self._same_step.stats if self._same_step else ParamStats.of(self.job.spec.build())
         return self._stats
 
     def dtypes(self, kind: str) -> tuple[torch.dtype, torch.dtype | None]:

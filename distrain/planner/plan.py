@@ -261,13 +261,14 @@ class Plan:
 class Planner:
     """Plans one job against one budget; estimates are made only when needed, and cached."""
 
-    def __init__(self, job: Job, budget: Budget, hardware: Hardware | None = None):
+    def __init__(self, job: Job, budget: Budget, hardware: Hardware | None = None, same_step: Planner | None = None):
+        """``same_step``: the planner of this job at another accumulation, whose traced steps this one shares."""
         self.job = job
         self.budget = budget
         self.hardware = hardware
         """The device's and links' rates: with them every row has a predicted step time, and the
         choice is the fastest option that fits; without, the first that fits in ranking order."""
-        self.estimator = Estimator(job)
+        self.estimator = Estimator(job, same_step.estimator if same_step else None)
         self._model_parallel: list[tuple[Planner, Option]] | None = None
 
     def row(self, option: Option, max_batch: bool = True) -> Row:
@@ -384,12 +385,13 @@ class Planner:
         """The tensor-parallel and pipeline layouts a run of this job could take, each with the planner of the
         same job at the accumulation that keeps its global batch: their ranks share samples (a micro-batch is
         per data-parallel rank), so each step runs ``tensor × pipeline`` times the micro-batches. Made once:
-        their planners keep their traces and simulations for ``choose`` and ``plan`` alike."""
+        their planners keep their traces and simulations for ``choose`` and ``plan`` alike, and share this one's traced
+        steps."""
         if self._model_parallel is None:
             self._model_parallel = []
             for option in _offered(self.job, shares_samples=True):
                 job = replace(self.job, accumulate=self.job.accumulate * option.sharing_a_sample)
-                self._model_parallel.append((Planner(job, self.budget, self.hardware), option))
+                self._model_parallel.append((Planner(job, self.budget, self.hardware, same_step=self), option))
         return self._model_parallel
 
     def reason(self, chosen: Row | None, seen: list[Row]) -> str:

@@ -108,6 +108,11 @@ class _ForkedChild:
 
         if "fork" not in multiprocessing.get_all_start_methods():
             raise RuntimeError("simulating a sharded layout needs os.fork (Linux, macOS) where there is no GPU")
+        # torch imports its compiler (torch._dynamo, ~2 s of a core) at the first call of any function it marks as
+        # never compiled: fake tensors, FSDP, an optimizer's constructor. Every child made that first call and
+        # imported it again (a plan of 7B forks a dozen); imported here once, each inherits it
+        import torch._dynamo  # noqa: F401
+
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
         self._process = context.Process(target=_forked_main, args=(send, simulation, args, kwargs), daemon=True)
