@@ -193,6 +193,12 @@ class TrainingConfig:
     for the backward (``distrain.models.norms``): as torchtitan's fused RMSNorm and llm-foundry's low-precision
     LayerNorm. Saves 4 bytes per token and hidden unit per norm on a GPU (Hugging Face's RMSNorms and autocast's
     norms keep an fp32 copy). Off by default: in bf16 its rounding differs from the model's own norms."""
+    n_experts: int = number(0, ge=0, means={0: "a dense MLP in every block"})
+    """The built-in GPT: each block's MLP a mixture of this many experts (``distrain.models.moe``), ``top_k`` of them
+    per token, for expert parallelism (``distributed.expert_parallel_size``) and its plan. A Hugging Face model's
+    experts are its config's (``model_config``). 0: a dense MLP in every block."""
+    top_k: int = number(2, gt=0)
+    """The built-in GPT with ``n_experts``: the experts each token is routed to."""
     compile: bool = False
     """``torch.compile``: each transformer block under FSDP and DeepSpeed (before sharding; activation
     checkpointing stays outside the compiled region), the whole model under single and DDP. Off by
@@ -621,6 +627,12 @@ def coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     raise ConfigError(f"{key} in {source}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
 
 
+def _is_builtin_gpt(model_name: str) -> bool:
+    from distrain.models.gpt import GPT_SIZES  # torch: imported only when a config asks for experts
+
+    return model_name in GPT_SIZES
+
+
 def validate(config: RunConfig) -> None:
     """Every numeric key against its declared ``Bounds`` (``number(...)`` next to the field), then the checks
     that span several keys or name a choice; types are already right here."""
@@ -654,6 +666,13 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"distributed.devices must be an integer or 'auto', got {d.devices!r}")
     if d.accelerator not in ("auto", "cpu", "gpu", "cuda"):
         raise ConfigError(f"distributed.accelerator must be auto, cpu or gpu, got {d.accelerator!r}")
+    if t.n_experts and (t.module or not _is_builtin_gpt(t.model_name)):
+        raise ConfigError(
+            f"training.n_experts makes the built-in GPT a mixture of experts; {t.module or t.model_name!r} is not "
+            "one (a Hugging Face model's experts are its config's: training.model_config)"
+        )
+    if t.n_experts and t.top_k > t.n_experts:
+        raise ConfigError(f"training.top_k ({t.top_k}) must be at most training.n_experts ({t.n_experts})")
     if d.backend not in (None, "gloo", "nccl"):
         raise ConfigError(f"distributed.backend must be gloo or nccl, got {d.backend!r}")
     for check in CHECKS:

@@ -372,6 +372,53 @@ def test_expert_parallelism_it_cannot_run_is_refused_before_any_rank_starts(tmp_
         build_config(cli_items=["distributed.strategy=deepspeed_stage_2", "distributed.expert_parallel_size=2"])
     with pytest.raises(ConfigError, match="distributed.expert_parallel_size"):
         build_config(cli_items=["distributed.expert_parallel_size=0"])
+    # the built-in GPT declaring no experts (n_experts=0, the config's default): nothing to split
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2: GPTLanguageModel declares no experts \(n_experts=0"):
+        fit(GPTLanguageModel(block_size=16), strategy="fsdp", expert_parallel_size=2)
+    # the config's keys that make the built-in GPT a mixture, each checked before anything is built
+    with pytest.raises(ConfigError, match=r"training.top_k \(5\) must be at most training.n_experts \(4\)"):
+        build_config(cli_items=["training.n_experts=4", "training.top_k=5"])
+    with pytest.raises(ConfigError, match="training.n_experts must be >= 0"):
+        build_config(cli_items=["training.n_experts=-2"])
+    with pytest.raises(ConfigError, match="training.top_k must be > 0"):
+        build_config(cli_items=["training.n_experts=4", "training.top_k=0"])
+    for other in (["training.model_name=org/some-llama"], ["training.module=mine.py:Model"]):
+        with pytest.raises(ConfigError, match="training.n_experts makes the built-in GPT a mixture of experts"):
+            build_config(cli_items=[*other, "training.n_experts=4"])
+
+
+def test_the_configs_experts_make_the_built_in_gpt_a_mixture_for_the_run_and_its_plan():
+    """``training.n_experts`` and ``top_k`` reach the model ``distrain train`` builds and the model it plans: the
+    same parameters, the experts' FLOPs ``top_k`` of them per token, and expert-parallel rows in the plan."""
+    from distrain.config import build_config
+    from distrain.jobs.gpt import GPTJob
+    from distrain.planner import Estimator
+    from distrain.planner.from_config import job_from_config
+    from distrain.planner.plan import candidate_options
+
+    def built(items):
+        config = build_config(cli_items=["data.seq_len=32", *items])
+        job = GPTJob(config)
+        module, _, _ = job.prepare(_Trainer())
+        module.configure_model()
+        return config, job, module
+
+    dense_config, dense_job, dense = built([])
+    config, job, mixture = built(["training.n_experts=4", "training.top_k=1"])
+    counts = [sum(p.numel() for p in m.parameters()) for m in (dense, mixture)]
+    assert mixture.gpt.cfg.n_experts == 4 and mixture.gpt.cfg.top_k == 1 and counts[1] > 2 * counts[0]
+    assert (dense_job.parameter_count, job.parameter_count) == tuple(counts)
+    planned = [Estimator(job_from_config(c, gpu=False)) for c in (dense_config, config)]
+    assert [e.stats.numel for e in planned] == counts and [e.job.spec.experts for e in planned] == [0, 4]
+    two = build_config(cli_items=["data.seq_len=32", "training.n_experts=4", "distributed.devices=2"])
+    assert {o.get("experts") for o in candidate_options(job_from_config(two, gpu=False))} >= {None, 2}
+
+
+class _Trainer:
+    """What ``GPTJob.prepare`` reads of a trainer (one process)."""
+
+    data_parallel_size = max_steps = 1
+    is_global_zero = False
 
 
 def _verify_experts(rank, root):

@@ -289,28 +289,43 @@ def _cli_cells() -> list[tuple[str, str]]:
     """Every cell with DISTRAIN_FULL_MATRIX=1; else every strategy once, the model kinds taking turns."""
     strategies = [s for s in ROUTE_ALL if s != "single"]
     if FULL:
-        return list(itertools.product(strategies, KINDS))
+        return list(itertools.product(strategies, KINDS)) + list(itertools.product(EXPERT_PARALLEL, MIXTURE_KINDS))
     cells = [(s, KINDS[i % len(KINDS)]) for i, s in enumerate(strategies)]
     # model parallelism: both built-in plans under TP (Llama: batches padded to a multiple of the TP size for
-    # sequence parallelism) and a model without a plan
-    extra = [("model_parallel", "hf-causal"), ("model_parallel", "mlp")]
+    # sequence parallelism) and a model without a plan; expert parallelism: the built-in GPT made a mixture of
+    # experts by its config keys, and a tiny Mixtral
+    extra = [("model_parallel", "hf-causal"), ("model_parallel", "mlp"), ("fsdp+ep", "gpt"), ("ddp+ep", "hf-causal")]
     return cells + [c for c in extra if c not in cells]
 
 
-def _cli_args(kind: str, tiny: dict) -> list[str]:
+#: the one-process reference of an expert-parallel cell: the same mixture of experts
+MIXTURE_REFERENCE = "single+moe"
+
+
+def _reference(strategy: str) -> str:
+    return MIXTURE_REFERENCE if strategy in EXPERT_PARALLEL else "single"
+
+
+def _cli_args(kind: str, tiny: dict, mixture: bool = False) -> list[str]:
     if kind == "mlp":
         return [
             f"training.module={Path(__file__).parent / 'matrix_models.py'}:MLP",
             "training.module_args={batch_size: 4}",
         ]
     if kind == "gpt":
-        return ["--model-name", "gpt-tiny", "data.seq_len=16", "data.max_bytes=20000"]
+        return ["--model-name", "gpt-tiny", "data.seq_len=16", "data.max_bytes=20000"] + (
+            ["training.n_experts=4", "training.top_k=2"] if mixture else []
+        )
     data = tiny["counting"] if kind == "hf-causal" else tiny["reviews"]
-    return ["--model-name", tiny[kind], f"data.dataset={data}", "data.max_length=16"]
+    model = tiny["hf-causal-moe"] if mixture and kind == "hf-causal" else tiny[kind]
+    return ["--model-name", model, f"data.dataset={data}", "data.max_length=16"]
 
 
 def _cli_argv(strategy: str, kind: str, tiny: dict, out: Path) -> list[str]:
     """The arguments of `distrain train` for a cell (the same on both routes)."""
+    mixture = strategy in EXPERT_PARALLEL or strategy == MIXTURE_REFERENCE
+    experts = ["distributed.expert_parallel_size=2"] if strategy in EXPERT_PARALLEL else []
+    strategy = EXPERT_PARALLEL.get(strategy, "single" if strategy == MIXTURE_REFERENCE else strategy)
     devices = 1 if strategy == "single" else 2
     argv = [
         "train",
@@ -335,7 +350,8 @@ def _cli_argv(strategy: str, kind: str, tiny: dict, out: Path) -> list[str]:
         "logging.use_tensorboard=false",
         "checkpointing.save_every_n_steps=null",
         "checkpointing.export_hf=false",
-        *_cli_args(kind, tiny),
+        *_cli_args(kind, tiny, mixture),
+        *experts,
     ]
     if strategy == "deepspeed_stage_3_offload_nvme":
         (out / "nvme").mkdir(parents=True, exist_ok=True)
@@ -400,9 +416,9 @@ def _cli_runs(cells: list[tuple[str, str]], tiny: dict, tmp: Path) -> dict:
     and the launching strategies in one; the others in the rank pairs of SESSIONS)."""
     results = {}
     here = [c for c in cells if FULL or c in SUBPROCESS_CELLS]
-    local = [c for c in cells if c not in here and (c[0] == "single" or c[0] in LAUNCHING)]
+    local = [c for c in cells if c not in here and (c[0] in ("single", MIXTURE_REFERENCE) or c[0] in LAUNCHING)]
     results.update(run_ranks(_cli_local, 1, tiny, tmp, local)[0])
-    for session in SESSIONS:
+    for session in (*SESSIONS, tuple(EXPERT_PARALLEL)):
         ranked = [c for c in cells if c not in here and c[0] in session]
         if ranked:
             results.update(run_ranks(_cli_ranks, 2, tiny, tmp, ranked)[0])
@@ -415,14 +431,14 @@ def _cli_runs(cells: list[tuple[str, str]], tiny: dict, tmp: Path) -> dict:
 @pytest.mark.timeout(1800)  # a cold ~/.cache/torch_extensions builds DeepSpeed's ops inside it
 def test_cli_matrix(tiny, tmp_path):
     cells = [c for c in _cli_cells() if c[0] not in UNAVAILABLE]
-    kinds = sorted({k for _, k in _cli_cells()}, key=KINDS.index)
-    references = [("single", k) for k in kinds]
+    references = sorted({(_reference(s), k) for s, k in cells}, key=lambda c: (c[0], KINDS.index(c[1])))
     assert set(SUBPROCESS_CELLS) <= set(cells)  # each launcher path keeps a cell of its own
     results = _cli_runs(references + cells, tiny, tmp_path)
-    table, failures = {("single", k): "reference" for k in kinds}, []
+    table, failures = dict.fromkeys(references, "reference"), []
     table.update({(s, k): UNAVAILABLE[s] for s, k in _cli_cells() if s in UNAVAILABLE})
     for strategy, kind in cells:
-        table[strategy, kind], problem = _cell(strategy, kind, results["single", kind], results[strategy, kind])
+        reference = results[_reference(strategy), kind]
+        table[strategy, kind], problem = _cell(strategy, kind, reference, results[strategy, kind])
         if problem:
             failures.append(f"{strategy} × {kind}: {problem}")
     report(_table("`distrain train` (config keys as overrides): 2 CPU ranks vs one process", table))

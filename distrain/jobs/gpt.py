@@ -24,9 +24,13 @@ class GPTJob:
 
         self.config = config
         self.strategy = config.distributed.strategy
-        size = GPT_SIZES[config.training.model_name]
+        t = config.training
+        size = GPT_SIZES[t.model_name]
         d, layers, vocab = size["n_embd"], size["n_layer"], 256  # bytes
-        self.parameter_count = layers * 12 * d * d + (vocab + config.data.seq_len) * d
+        # a block: attention 4d², its MLP 8d² (with n_experts: that many, and a router of d × n_experts), two norms;
+        # the embeddings (the head tied to the token embedding) and the final norm
+        mlp = t.n_experts * 8 * d * d + d * t.n_experts if t.n_experts else 8 * d * d
+        self.parameter_count = layers * (4 * d * d + mlp + 2 * d) + (vocab + config.data.seq_len + 1) * d
 
     def fit(self, trainer, resume: str | None) -> None:
         module, train_loader, val_loader = self.prepare(trainer)
@@ -51,6 +55,8 @@ class GPTJob:
             total_steps=total_steps,
             lr_schedule=t.lr_schedule,
             low_precision_norms=t.low_precision_norms,
+            n_experts=t.n_experts,
+            top_k=t.top_k,
         )
         loader = lambda ds, shuffle: DataLoader(  # noqa: E731
             ds, batch_size=t.batch_size_per_gpu, shuffle=shuffle, num_workers=data.num_workers, drop_last=shuffle

@@ -256,6 +256,11 @@ def check_module(module: nn.Module, size: int) -> None:
     if not params or any(p.is_meta for p in params):
         hparams = getattr(module, "hparams", None)
         declared = hparams.get("n_experts") if isinstance(hparams, dict) else None
+        if declared == 0:
+            raise ValueError(
+                f"expert_parallel_size={size}: {type(module).__name__} declares no experts (n_experts=0), so it has "
+                "no mixture-of-experts layer to split"
+            )
         if isinstance(declared, int) and declared and declared % size:
             raise ValueError(
                 f"expert_parallel_size={size} does not divide the model's {declared} experts (n_experts); choose a "

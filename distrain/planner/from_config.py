@@ -46,7 +46,7 @@ def spec_from_config(config: RunConfig, job=None) -> ModelSpec:
 
     t, data = config.training, config.data
     if t.model_name in GPT_SIZES:
-        spec = ModelSpec.builtin_gpt(t.model_name, data.seq_len)
+        spec = ModelSpec.builtin_gpt(t.model_name, data.seq_len, n_experts=t.n_experts, top_k=t.top_k)
     elif hasattr(job, "hf_config"):  # the Hugging Face job has read the model's config and sized its data
         spec = ModelSpec.huggingface(t.model_name, job.data.max_length, job.task, t.num_labels, hf_config=job.hf_config)
     else:
