@@ -147,3 +147,42 @@ def test_one_default_folder_for_the_cli_and_the_trainer(tmp_path, monkeypatch):
     assert RunConfig().output_dir == run_dir.DEFAULT == "runs/distrain"
     trainer = distrain.Trainer(accelerator="cpu", strategy="single", devices=1)
     assert trainer.default_root_dir == trainer.log_dir == str(tmp_path / run_dir.DEFAULT)
+
+
+def test_a_resume_into_a_model_of_other_shapes_is_refused_before_the_plan_naming_the_parameters(tmp_path, capsys):
+    """``--resume`` with keys that change the model's shapes (the experts, the sequence length that sizes the
+    position embedding): one line naming the parameters, before the plan and any rank, the run's files untouched;
+    the same from a sharded (DCP) checkpoint, whose metadata alone is read. The config that wrote it resumes."""
+    import torch.distributed.checkpoint as dcp
+
+    from distrain.checkpoint.state import read_model_weights, saved_model_shapes
+
+    out = tmp_path / "run"
+    gpt = ["--output-dir", str(out), *TINY, "--model-name", "gpt-tiny", "data.max_bytes=20000"]
+    gpt += ["training.batch_size_per_gpu=2", "training.limit_val_batches=1", "checkpointing.export_hf=false"]
+    mixture = ["data.seq_len=16", "training.n_experts=2", "training.top_k=1"]
+    assert cli.main(["train", *gpt, *mixture, "--max-steps", "1"]) == 0
+    capsys.readouterr()
+    files = {p: p.read_bytes() for p in (out / "config.yaml", out / "metrics.jsonl")}
+    logs = sorted((out / "logs").iterdir())
+
+    sharded = tmp_path / "sharded"  # the same weights as a DCP checkpoint (what FSDP and tensor parallelism write)
+    dcp.save({"model": read_model_weights(out / "checkpoints" / "last")}, checkpoint_id=str(sharded))
+    assert saved_model_shapes(sharded) == saved_model_shapes(out / "checkpoints" / "last")
+    cases = [
+        ("last", ["training.n_experts=4"], "other shapes: gpt.blocks.0.mlp.router.weight (2, 128) in the checkpoint, "
+         "(4, 128) here"),
+        ("auto", ["training.n_experts=0"], "missing: gpt.blocks.0.mlp.fc.weight"),
+        ("last", ["data.seq_len=32"], "other shapes: gpt.pos_emb.weight (16, 128) in the checkpoint, (32, 128) here"),
+        (str(sharded), ["training.top_k=1", "training.n_experts=4"], "gpt.blocks.0.mlp.router.weight (2, 128)"),
+    ]  # fmt: skip
+    for resume, changed, named in cases:
+        code = cli.main(["train", *gpt, *mixture, *changed, "--max-steps", "2", "--resume", resume])
+        captured = capsys.readouterr()
+        assert code == 2 and not captured.out, (changed, captured)
+        assert captured.err.startswith("distrain: error: --resume ") and named in captured.err, captured.err
+        assert "resume with the config that wrote it" in captured.err and captured.err.count("\n") == 1
+        assert {p: p.read_bytes() for p in files} == files and sorted((out / "logs").iterdir()) == logs
+
+    assert cli.main(["train", *gpt, *mixture, "--max-steps", "2", "--resume", "last"]) == 0
+    assert _steps(out) == [1, 2]

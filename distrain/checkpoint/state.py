@@ -276,6 +276,26 @@ def compare_model_keys(expected: dict[str, tuple], found: dict[str, tuple], sour
         )
 
 
+def saved_model_shapes(path: str | os.PathLike, key: str = "model") -> dict[str, tuple] | None:
+    """Parameter names → shapes of the model a checkpoint holds, read without its tensors' bytes: a sharded
+    checkpoint's metadata, a full one's file memory-mapped (weights only). None where it cannot be read so (a
+    DeepSpeed checkpoint, a damaged file): loading it says what is wrong, and falls back where it can."""
+    try:
+        path = ckpt_io.resolve_checkpoint(path)
+        if is_deepspeed_checkpoint(path):
+            return None
+        if is_sharded_checkpoint(path):
+            stored = safe_load.read_dcp_metadata(path).state_dict_metadata
+            prefix = f"{key}."
+            return {k[len(prefix) :]: tuple(getattr(m, "size", ())) for k, m in stored.items() if k.startswith(prefix)}
+        model = safe_load.load_torch_file(path / ckpt_io.STATE_FILE, mmap=True).get(key)
+    except Exception:  # noqa: BLE001 (damaged, unsafe, another layout: the load itself reports it)
+        return None
+    if not isinstance(model, dict):
+        return None
+    return {k: tuple(v.shape) for k, v in model.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+
+
 def load_any(
     path: str | os.PathLike, state: dict[str, Any], unwrap: Callable, options: StateDictOptions, strict: bool = True
 ) -> dict[str, Any]:

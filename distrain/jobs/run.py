@@ -102,6 +102,8 @@ def _start(config: RunConfig, resume: str | None, job: Workload | None = None):
         missing = [str(last.parent) for last in lasts if not last.exists()]
         if resume == "last" and missing:
             raise FileNotFoundError(f"--resume last: no checkpoint in {', '.join(missing)} to resume from")
+        if resume and len(lasts) == 1:
+            _check_resume_fits(config, job, lasts[0] if resume in ("last", "auto") else Path(resume))
     # the memory plan: strategy auto, activation_checkpointing auto, a warning when it will not fit
     decision = decide.for_config(config, job) if job.plannable else decide.Decision(d.strategy)
     decide.print_messages(decision)
@@ -122,6 +124,29 @@ def _start(config: RunConfig, resume: str | None, job: Workload | None = None):
     if trainer.is_global_zero and not os.environ.get("DISTRAIN_LAUNCHED_CHILD"):
         launch.tee_output(trainer.runtime.log_dir, 0)  # the run's header belongs in rank 0's log too
     return job, trainer
+
+
+def _check_resume_fits(config: RunConfig, job, checkpoint: Path) -> None:
+    """A resume into a model of other shapes (another ``n_experts``, ``seq_len``, model size): one line before the
+    plan and any rank, naming the parameters that differ, instead of every rank failing in its set-up (and the
+    run's config.yaml rewritten with the keys that do not fit). The built-in GPT and Hugging Face models, whose
+    module the planner builds on the meta device; the checkpoint read without its tensors' bytes."""
+    from distrain.checkpoint.io import CheckpointError
+    from distrain.checkpoint.state import compare_model_keys, saved_model_shapes
+    from distrain.config import ConfigError
+    from distrain.planner.from_config import spec_from_config
+
+    if not job.plannable or config.training.module or not checkpoint.exists():
+        return
+    found = saved_model_shapes(checkpoint)
+    if not found:
+        return
+    module = spec_from_config(config, job).build()
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    try:
+        compare_model_keys(expected, found, "model", type(module).__name__)
+    except CheckpointError as e:
+        raise ConfigError(f"--resume {checkpoint}: {e}; resume with the config that wrote it") from None
 
 
 #: what shrinking a model for ``distrain verify --shrink`` sets in its config: 2 blocks, width 64
