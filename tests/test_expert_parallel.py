@@ -153,8 +153,7 @@ def test_the_balance_over_the_experts_is_in_the_metrics(tmp_path):
     [
         ("tensor parallelism", dict(tensor_parallel_size=2)),
         ("the pipeline strategy", dict(tensor_parallel_size=1, pipeline_stages=2)),
-        ("context parallelism", dict(tensor_parallel_size=1, context_parallel_size=2)),
-    ],
+    ],  # context parallelism splits each sequence, not the experts: tests/test_context_parallel.py
 )
 def test_a_layout_that_does_not_split_experts_refuses_them_before_any_rank_starts(tmp_path, layout, kwargs):
     import distrain

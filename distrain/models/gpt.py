@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distrain.models.moe import MoE, refuse_experts
+from distrain.models.moe import MoE
 from distrain.parallel.context_parallel import IGNORE
 
 
@@ -173,8 +173,6 @@ class GPT(nn.Module):
     def enable_context_parallel(self, shard) -> None:
         """Split every sequence over a context-parallel group (``distrain.parallel.context_parallel``): the forward
         takes whole sequences and computes on this rank's slice; attention runs through the group's engine."""
-        # each rank would balance its slice of a sequence's tokens: the loss would depend on the layout
-        refuse_experts(self.cfg.n_experts, "context parallelism")
         if shard.engine == "ring" and self.cfg.dropout:
             from distrain.parallel.context_parallel import RING_REFUSES
 
@@ -182,6 +180,8 @@ class GPT(nn.Module):
         self.sequence_shard = shard
         for block in self.blocks:
             block.attn.attend = shard.attention(block.attn.causal_attention)
+        for mixture in self._mixtures():  # each balances whole sequences, of which this rank holds a slice
+            mixture.sequence_shard = shard
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         shard, length = self.sequence_shard, idx.shape[1]

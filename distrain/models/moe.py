@@ -10,7 +10,9 @@ The load-balancing loss is Switch Transformer's (experts × Σ fraction of assig
 the load is even) taken per sequence and averaged, as DeepSeek-V3's sequence-wise balance loss is. Taken over a
 micro-batch instead, it would depend on which sequences share one: two ranks and one process accumulating the same
 global batch group its sequences differently, and their losses drifted apart by 1e-4 within four steps. Per
-sequence, the loss of a global batch is the same however it is split.
+sequence, the loss of a global batch is the same however it is split. Under context parallelism a sequence is split
+over the group's ranks: each counts its slice's real tokens (not the padding) and the group sums the counts and the
+probabilities, so the loss is the whole sequence's, as one process computes it.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ class MoE(nn.Module):
         #: the last forward's load-balancing loss and tokens per expert (every expert of the layer)
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        #: context parallelism's ``SequenceShard`` (``distrain.parallel.context_parallel``): this rank computes a slice
+        #: of each sequence
+        self.sequence_shard = None
 
     @property
     def n_experts(self) -> int:
@@ -99,6 +104,8 @@ class MoE(nn.Module):
 
     def balance_loss(self, chosen: torch.Tensor, probs: torch.Tensor, length: int) -> torch.Tensor:
         """Switch Transformer's load-balancing loss of each sequence of ``length`` tokens, averaged over them."""
+        if self.sequence_shard is not None:
+            return self._balance_loss_of_slices(chosen, probs, length)
         sequences = probs.shape[0] // length
         slots = chosen.reshape(sequences, -1)  # each sequence's length · top_k assignments
         counts = torch.zeros(sequences, self.n_experts, device=probs.device).scatter_add_(
@@ -107,6 +114,28 @@ class MoE(nn.Module):
         fraction = counts / slots.shape[1]  # [sequence, expert]: its share of the sequence's assignments
         mean_prob = probs.reshape(sequences, length, -1).mean(1)
         return self.n_experts * (fraction * mean_prob).sum(-1).mean()
+
+    def _balance_loss_of_slices(self, chosen: torch.Tensor, probs: torch.Tensor, length: int) -> torch.Tensor:
+        """The loss of each whole sequence, this rank holding a ``length``-token slice of each: the group sums each
+        sequence's assignments and probabilities over its real tokens. The loss is linear in this rank's
+        probabilities (the assignments carry no gradient), so, as the next-token loss (``loss_sum``), its value is
+        the whole sequence's on every rank and its gradient ``N ×`` this rank's share: the data-parallel reduction
+        averages over the group's N ranks too."""
+        shard = self.sequence_shard
+        sequences, n = probs.shape[0] // length, self.n_experts
+        real = (shard.positions(length, probs.device) < shard.length).to(probs.dtype)  # not the padding
+        slots = chosen.reshape(sequences, length * self.top_k)
+        counts = torch.zeros(sequences, n, device=probs.device, dtype=probs.dtype).scatter_add_(
+            1, slots, real.repeat_interleave(self.top_k).expand(sequences, -1).contiguous()
+        )
+        summed = (probs.reshape(sequences, length, n) * real[None, :, None]).sum(1)
+        totals = torch.cat([counts, summed.detach()])
+        torch.distributed.all_reduce(totals, group=shard.group)
+        counts, whole = totals.split(sequences)
+        self.tokens_per_expert = counts.sum(0).round().long()  # the group's, as one process counts them
+        fraction = counts / (shard.length * self.top_k)
+        share = shard.size * n * (fraction * summed).sum(-1).mean() / shard.length
+        return share + (n * (fraction * whole).sum(-1).mean() / shard.length - share).detach()
 
     def compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Every expert's tokens through it: ``tokens`` grouped by expert, ``counts`` per expert. Expert parallelism

@@ -471,19 +471,15 @@ def _check_context_parallel(module: nn.Module, layout: ParallelLayout) -> str:
     """Before any rank starts: the model splits sequences, and tensor parallelism can give each rank whole heads;
     the engine its heads take (``engine_for``). A model built in ``configure_model`` is checked in the ranks once
     built (the built-in job's size is known now)."""
-    from distrain.models.gpt import GPT, GPT_SIZES
+    from distrain.models.gpt import GPT_SIZES
     from distrain.models.lm import GPTLanguageModel
-    from distrain.models.moe import refuse_experts
     from distrain.module import Module
     from distrain.parallel.context_parallel import attention_heads, engine_for, no_support_message
 
     heads, name = attention_heads(module), type(module).__name__
     if isinstance(module, GPTLanguageModel):  # known by its name before configure_model builds it
-        refuse_experts(module.hparams.get("n_experts", 0), "context parallelism")
         name = module.hparams["model_name"]
         return engine_for(heads or [GPT_SIZES[name]["n_head"]], layout.context, layout.tensor, name)
-    for gpt in (m for m in module.modules() if isinstance(m, GPT)):
-        refuse_experts(gpt.cfg.n_experts, "context parallelism")
     engine = engine_for(heads, layout.context, layout.tensor, name)
     built_later = isinstance(module, Module) and overrides(module, "configure_model")
     if not built_later and not any(
