@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from distrain.checkpoint import CheckpointError, safe_load
+from distrain.checkpoint.state import saved_model_shapes
 from helpers import TinyGPT, loader, make_trainer
 
 PREVIOUS = Path(__file__).parent / "data" / "previous"
@@ -115,6 +116,8 @@ def test_dcp_metadata_naming_code_is_refused_on_every_read_path(tmp_path, module
     with pytest.raises(CheckpointError) as error:
         TinyGPT.load_from_checkpoint(str(crafted))
     _one_line_naming(error.value, crafted / ".metadata")
+    # distrain train --resume's shape check before launch: no shapes (the load then refuses it, as above)
+    assert saved_model_shapes(crafted) is None
     assert not marker.exists()
 
 
@@ -176,6 +179,7 @@ def test_torch_files_of_a_checkpoint_naming_code_are_refused(tmp_path, kind):
     with pytest.raises(CheckpointError) as error:
         TinyGPT.load_from_checkpoint(str(checkpoint))
     _one_line_naming(error.value, checkpoint / kind)
+    assert saved_model_shapes(checkpoint) is None or kind == "meta.pt"  # state.pt memory-mapped: refused too
     assert not marker.exists()
 
 
