@@ -627,12 +627,6 @@ def coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     raise ConfigError(f"{key} in {source}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
 
 
-def _is_builtin_gpt(model_name: str) -> bool:
-    from distrain.models.gpt import GPT_SIZES  # torch: imported only when a config asks for experts
-
-    return model_name in GPT_SIZES
-
-
 def validate(config: RunConfig) -> None:
     """Every numeric key against its declared ``Bounds`` (``number(...)`` next to the field), then the checks
     that span several keys or name a choice; types are already right here."""
@@ -666,10 +660,10 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"distributed.devices must be an integer or 'auto', got {d.devices!r}")
     if d.accelerator not in ("auto", "cpu", "gpu", "cuda"):
         raise ConfigError(f"distributed.accelerator must be auto, cpu or gpu, got {d.accelerator!r}")
-    if t.n_experts and (t.module or not _is_builtin_gpt(t.model_name)):
+    if t.n_experts and t.module:  # a Hugging Face model_name: refused where it is known to be one (check_experts_key)
         raise ConfigError(
-            f"training.n_experts makes the built-in GPT a mixture of experts; {t.module or t.model_name!r} is not "
-            "one (a Hugging Face model's experts are its config's: training.model_config)"
+            f"training.n_experts makes the built-in GPT a mixture of experts; {t.module!r} is not one (a module of "
+            "your own builds its own layers)"
         )
     if t.n_experts and t.top_k > t.n_experts:
         raise ConfigError(f"training.top_k ({t.top_k}) must be at most training.n_experts ({t.n_experts})")

@@ -347,7 +347,9 @@ def test_expert_parallelism_it_cannot_run_is_refused_before_any_rank_starts(tmp_
     launch, not as this ValueError)."""
     import distrain
     from distrain.config import ConfigError, build_config
+    from distrain.jobs.run import job_for
     from distrain.models.lm import GPTLanguageModel
+    from distrain.planner.from_config import job_from_config
     from helpers import TinyGPT
 
     def fit(module, devices=2, **options):
@@ -381,9 +383,13 @@ def test_expert_parallelism_it_cannot_run_is_refused_before_any_rank_starts(tmp_
         build_config(cli_items=["training.n_experts=-2"])
     with pytest.raises(ConfigError, match="training.top_k must be > 0"):
         build_config(cli_items=["training.n_experts=4", "training.top_k=0"])
-    for other in (["training.model_name=org/some-llama"], ["training.module=mine.py:Model"]):
-        with pytest.raises(ConfigError, match="training.n_experts makes the built-in GPT a mixture of experts"):
-            build_config(cli_items=[*other, "training.n_experts=4"])
+    with pytest.raises(ConfigError, match="training.n_experts makes the built-in GPT a mixture of experts"):
+        build_config(cli_items=["training.module=mine.py:Model", "training.n_experts=4"])
+    # a Hugging Face name: refused where a run or a plan resolves the model, before anything is loaded
+    hf = build_config(cli_items=["training.model_name=org/some-llama", "training.n_experts=4"])
+    for resolve in (job_for, lambda config: job_from_config(config, gpu=False)):
+        with pytest.raises(ConfigError, match="training.n_experts .*; 'org/some-llama' is not one"):
+            resolve(hf)
 
 
 def test_the_configs_experts_make_the_built_in_gpt_a_mixture_for_the_run_and_its_plan():

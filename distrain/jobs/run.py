@@ -13,9 +13,10 @@ if TYPE_CHECKING:
 
 
 def job_for(config: RunConfig) -> Workload:
-    from distrain.models.gpt import GPT_SIZES
+    from distrain.models.gpt import GPT_SIZES, check_experts_key
 
     t = config.training
+    check_experts_key(t)
     if t.module is not None:
         from distrain.jobs.user import UserModuleJob
 

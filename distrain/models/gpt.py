@@ -48,6 +48,18 @@ GPT_SIZES: dict[str, dict] = {
 }
 
 
+def check_experts_key(training) -> None:
+    """``training.n_experts`` (a config's ``TrainingConfig``) makes the built-in GPT a mixture of experts: one line
+    naming the key for any other model (config.py cannot tell a built-in name: it imports no model)."""
+    from distrain.config import ConfigError
+
+    if training.n_experts and training.model_name not in GPT_SIZES:
+        raise ConfigError(
+            f"training.n_experts makes the built-in GPT a mixture of experts; {training.model_name!r} is not one "
+            "(a Hugging Face model's experts are its config's: training.model_config)"
+        )
+
+
 def gpt_config(name: str, **overrides) -> GPTConfig:
     if name not in GPT_SIZES:
         raise ValueError(f"unknown built-in model {name!r}; choose one of {', '.join(GPT_SIZES)}")

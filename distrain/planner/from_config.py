@@ -42,9 +42,10 @@ def ranks_per_node(config: RunConfig, gpu: bool) -> int:
 
 
 def spec_from_config(config: RunConfig, job=None) -> ModelSpec:
-    from distrain.models.gpt import GPT_SIZES
+    from distrain.models.gpt import GPT_SIZES, check_experts_key
 
     t, data = config.training, config.data
+    check_experts_key(t)
     if t.model_name in GPT_SIZES:
         spec = ModelSpec.builtin_gpt(t.model_name, data.seq_len, n_experts=t.n_experts, top_k=t.top_k)
     elif hasattr(job, "hf_config"):  # the Hugging Face job has read the model's config and sized its data
