@@ -285,15 +285,19 @@ def saved_model_shapes(path: str | os.PathLike, key: str = "model") -> dict[str,
         if is_deepspeed_checkpoint(path):
             return None
         if is_sharded_checkpoint(path):
-            stored = safe_load.read_dcp_metadata(path).state_dict_metadata
-            prefix = f"{key}."
-            return {k[len(prefix) :]: tuple(getattr(m, "size", ())) for k, m in stored.items() if k.startswith(prefix)}
+            return _stored_shapes(safe_load.read_dcp_metadata(path).state_dict_metadata, key)
         model = safe_load.load_torch_file(path / ckpt_io.STATE_FILE, mmap=True).get(key)
     except Exception:  # noqa: BLE001 (damaged, unsafe, another layout: the load itself reports it)
         return None
     if not isinstance(model, dict):
         return None
     return {k: tuple(v.shape) for k, v in model.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+
+
+def _stored_shapes(stored: dict[str, Any], key: str) -> dict[str, tuple]:
+    """A DCP checkpoint's entries under ``key`` (its ``state_dict_metadata``), by their names within it → shapes."""
+    prefix = f"{key}."
+    return {k[len(prefix) :]: tuple(getattr(m, "size", ())) for k, m in stored.items() if k.startswith(prefix)}
 
 
 def load_any(
@@ -314,12 +318,7 @@ def load_any(
         for key in keys:
             model = state[key]
             if isinstance(model, nn.Module):
-                found = {
-                    k[len(key) + 1 :]: tuple(getattr(m, "size", ()))
-                    for k, m in stored.items()
-                    if k.startswith(f"{key}.")
-                }
-                _check_fits(unwrap(model), found, key)
+                _check_fits(unwrap(model), _stored_shapes(stored, key), key)
     safe_load.dcp_load(target, path, no_dist=not dist.is_initialized())
     meta = ckpt_io.load_file(path / META_FILE) if (path / META_FILE).exists() else {}
     return load_into(state, {**meta, **target}, unwrap, options, strict)
