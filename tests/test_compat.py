@@ -359,3 +359,80 @@ def test_compute_intensive_ops_are_torchs_matmuls_and_attention_kernels():
     ops = compat.compute_intensive_ops()
     assert {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default} <= ops
     assert torch.ops.aten._scaled_dot_product_flash_attention.default in ops
+
+
+@pytest.mark.parametrize("pipeline,per_rank,micro", [(2, 2, 4), (4, 2, 8), (4, 3, 8)])
+def test_a_sent_gradient_is_let_go_only_after_its_receiver_consumed_it(pipeline, per_rank, micro):
+    """``compat.release_sent_gradients`` on torch's own lowered Interleaved1F1B order (its rank operations and
+    ``_add_send_recv``, the names the looped schedule runs on): each gradient a rank sends back is let go at a
+    compute of that rank which first waits for a message its receiver sent after the backward that consumed it, and
+    all but the step's last few are let go before the step's end."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _add_send_recv
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+    torchs = object.__new__(ScheduleInterleaved1F1B)
+    rounds = max(1, micro // pipeline)
+    torchs.__dict__.update(
+        n_local_stages=per_rank,
+        pp_group_size=pipeline,
+        _n_microbatches=micro,
+        number_of_rounds=rounds,
+        microbatches_per_round=micro // rounds,
+    )
+    compute = {r: [a for a in torchs._calculate_single_rank_operations(r) if a is not None] for r in range(pipeline)}
+    order = _add_send_recv(compute, stage_to_rank=lambda s: s % pipeline, num_stages=pipeline * per_rank)
+    to_rank = {s: s % pipeline for s in range(pipeline * per_rank)}
+
+    def awaited(rank, a):  # the message a compute waits for, by the stage it is sent to
+        s, kind = a.stage_index, a.computation_type
+        if kind == Kind.FORWARD and s > 0 and to_rank[s - 1] != rank:
+            return ("F", s, a.microbatch_index)
+        if kind == Kind.FULL_BACKWARD and s + 1 in to_rank and to_rank[s + 1] != rank:
+            return ("B", s, a.microbatch_index)
+        return None
+
+    # happens-before as a graph (each rank's order, and each send before the compute that waits for it), searched
+    # independently of the vector clocks the code keeps
+    sends = {}
+    for r, actions in order.items():
+        for i, a in enumerate(actions):
+            if a.computation_type == Kind.SEND_F:
+                sends[("F", a.stage_index + 1, a.microbatch_index)] = (r, i)
+            elif a.computation_type == Kind.SEND_B:
+                sends[("B", a.stage_index - 1, a.microbatch_index)] = (r, i)
+    before = {(r, i): [(r, i - 1)] if i else [] for r, actions in order.items() for i in range(len(actions))}
+    where = {}
+    for r, actions in order.items():
+        for i, a in enumerate(actions):
+            message = awaited(r, a)
+            if message is not None:
+                before[(r, i)].append(sends[message])
+                where[(r, message)] = i
+
+    def happened_before(first, then):
+        seen, todo = set(), [then]
+        while todo:
+            node = todo.pop()
+            if node == first:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo += before[node]
+        return False
+
+    for me in range(pipeline):
+        releases = compat._gradient_releases(order, to_rank, me)
+        sent = [(a.stage_index, a.microbatch_index) for a in order[me] if a.computation_type == Kind.SEND_B]
+        released = [s for vouched in releases.values() for s in vouched]
+        assert sorted(released) == sorted(set(released)) and set(released) <= set(sent)
+        assert len(released) >= len(sent) - micro, (me, len(released), len(sent))
+        for message, vouched in releases.items():
+            for stage_sent, chunk_sent in vouched:
+                receiver = to_rank[stage_sent - 1]
+                consumed = next(
+                    i
+                    for i, a in enumerate(order[receiver])
+                    if (a.computation_type, a.stage_index, a.microbatch_index)
+                    == (Kind.FULL_BACKWARD, stage_sent - 1, chunk_sent)
+                )
+                assert happened_before((receiver, consumed), (me, where[(me, message)]))

@@ -254,6 +254,7 @@ class PipelineRunner:
         key = (training, n, shapes)
         if key != self._schedule_key:  # a fresh schedule re-learns the shapes it sends (once per new shape)
             self._schedule = self._make_schedule(n, training)
+            compat.release_sent_gradients(self._schedule, self.stages)
             self._schedule_key = key
         return self._schedule
 

@@ -10,8 +10,9 @@ the last stage with the user's ``training_step``. The schedule then says how man
 holds at once and how long stages wait:
 
 - **memory of a rank**: the parameters, gradients and optimizer state of the layers it keeps (tied
-  copies included), the receive buffers torch allocates for every micro-batch of a step, and the
-  activations of the micro-batches in flight, walked through the rank's forwards and backwards in the
+  copies included), and the activations of the micro-batches in flight with the buffers they were received
+  in (distrain's stages hold a receive buffer only while its micro-batch is in flight), walked through the
+  rank's forwards and backwards in the
   order torch's schedule runs them: GPipe runs every forward first (all A); 1F1B warms up with
   min(A, P − s) forwards on stage s; Interleaved1F1B with torch's own warm-up count of chunks.
 - **time**: the first micro-batch crosses every stage forward and back, the other A − 1 follow at the
@@ -266,24 +267,53 @@ def rank_order(schedule: str, rank: int, pipeline: int, stages_per_rank: int, mi
     return order + [(False, backward_stage(op)) for op in range(a * v, a * v + warmup)]
 
 
-def activations_in_flight(order: list[tuple[bool, int]], stages: list[StageTrace]) -> tuple[int, int]:
+def activations_in_flight(
+    order: list[tuple[bool, int]], stages: list[StageTrace], sent_gradients: dict | None = None
+) -> tuple[int, int]:
     """(the most activation bytes alive before any gradient exists, the most after): a forward keeps its
-    stage's saved activations until that micro-batch's backward, which peaks at the stage's own peak; the
-    autocast cache of each of the rank's stages stays from its first forward on. The first backward of a step
-    runs before gradients exist (the Trainer sets them to None after each step)."""
+    stage's saved activations, and the buffer it received them in, until that micro-batch's backward, which peaks
+    at the stage's own peak beside the buffer of the gradient it receives (distrain's stages hold a receive buffer
+    only while its micro-batch is in flight: ``compat._in_flight_stage``). The gradient a backward sends to the stage
+    before goes at once where ``sent_gradients`` is None (1F1B waits for each send); else it stays until the compute
+    ``sent_gradients`` lets it go at (``sent_gradient_releases``), or to the step's end. The autocast cache of each of
+    the rank's stages stays from its first forward on. The first backward of a step runs before gradients exist (the
+    Trainer sets them to None after each step)."""
     held, before, after, grads = 0, 0, 0, False
     cached: dict[int, int] = {}
+    chunks: dict[tuple[bool, int], int] = {}  # each stage runs its micro-batches in order, forward and backward
     for forward, s in order:
+        chunk = chunks[(forward, s)] = chunks.get((forward, s), -1) + 1
+        if sent_gradients:
+            held -= sum(
+                stages[sent].received for sent, _ in sent_gradients.get(("F" if forward else "B", s, chunk), ())
+            )
+        kept = stages[s].saved + stages[s].received
         if forward:
-            held += stages[s].saved
+            held += kept
             cached[s] = stages[s].cached
             at = held + sum(cached.values())
         else:
-            at = held - stages[s].saved + stages[s].peak + sum(cached.values()) - stages[s].cached
-            held -= stages[s].saved
+            gradient = stages[s + 1].received if s + 1 < len(stages) else 0
+            at = held - stages[s].saved + gradient + stages[s].peak + sum(cached.values()) - stages[s].cached
+            held -= kept - (stages[s].received if sent_gradients is not None else 0)
         before, after = (before, max(after, at)) if grads else (max(before, at), after)
         grads = grads or not forward
     return before, after
+
+
+def sent_gradient_releases(schedule: str, rank: int, pipeline: int, stages_per_rank: int, micro_batches: int):
+    """When the gradients a pipeline rank sends back go (``activations_in_flight``'s ``sent_gradients``): None, at
+    once (1F1B waits for each send before the next); {} at the step's end (torch's GPipe, also 1F1B's fall-back with
+    fewer micro-batches than stages, keeps each send's work, and through it the tensor sent, to the step's end, and
+    nothing comes back to prove one received); under the looped schedules, at the compute of this rank that first
+    knows its receiver consumed it, as distrain's stages let them go (``compat.release_sent_gradients``, on the
+    order torch lowers from these computes)."""
+    if stages_per_rank == 1:
+        return {} if schedule == "GPipe" or micro_batches < pipeline else None
+    from distrain import compat
+
+    orders = {r: rank_order(schedule, r, pipeline, stages_per_rank, micro_batches) for r in range(pipeline)}
+    return compat.sent_gradient_releases(orders, pipeline, rank)
 
 
 def rank_stages(rank: int, pipeline: int, stages_per_rank: int) -> list[int]:
@@ -333,11 +363,11 @@ def rank_loads(option, job, trace: PipelineTrace, full) -> list[RankLoad]:
     for r in range(p):
         mine = [stages[s] for s in rank_stages(r, p, v)]
         share = sum(s.param_elements for s in mine) / max(1, sum(map(sum, full.groups)))
-        activations, with_grads = activations_in_flight(rank_order(option.get("schedule"), r, p, v, a), stages)
-        # torch allocates a receive buffer per micro-batch: activations from the stage before, gradients from
-        # the stage after
-        after = [stages[s.index + 1].received if s.index + 1 < len(stages) else 0 for s in mine]
-        buffers = a * (sum(s.received for s in mine) + sum(after))
+        schedule = option.get("schedule")
+        activations, with_grads = activations_in_flight(
+            rank_order(schedule, r, p, v, a), stages, sent_gradient_releases(schedule, r, p, v, a)
+        )
+        buffers = 0  # the receive buffers are the micro-batches' in flight: with their activations
         params = sum(s.param_bytes for s in mine)
         grads, optimizer = int(full.grad_bytes * share), int(full.optimizer_bytes * share)
         in_backward = grads
