@@ -108,7 +108,7 @@ class Recorder(distrain.Callback):
 
 
 def _fit(tmp, strategy, devices: int, job: str, accumulate: int, batch: int, llama: str | None = None, **kw):
-    """Train ``job`` (gpt / gpt2 / llama) for STEPS steps; returns the per-step rows, validation metrics,
+    """Train ``job`` (gpt / gpt2 / gpt8 / llama) for STEPS steps; returns the per-step rows, validation metrics,
     predictions (gpt), and the trainer (for the tests that look inside)."""
     recorder = Recorder()
     trainer = distrain.Trainer(
@@ -134,7 +134,7 @@ def _fit(tmp, strategy, devices: int, job: str, accumulate: int, batch: int, lla
         train = DataLoader(_regression(48, 3), batch_size=batch, shuffle=True)
         val = DataLoader(_regression(10, 4), batch_size=4)
     else:
-        module = SmallGPT(n_layer=4 if job == "gpt" else 2)
+        module = SmallGPT(n_layer={"gpt": 4, "gpt8": 8}.get(job, 2))
         train = DataLoader(IndexedTokens(48), batch_size=batch, shuffle=True)
         val = DataLoader(IndexedTokens(10, seed=1), batch_size=4)
     trainer.fit(module, train, val)
@@ -506,6 +506,15 @@ FOUR_RANK = {  # name: (strategy, job, per-rank batch, accumulation, data-parall
     "fsdp2xtp2-llama": (lambda: distrain.ModelParallelStrategy(tensor_parallel_size=2), "llama", 2, 1, 2),
     "pp2xtp2": (lambda: distrain.PipelineStrategy(stages=2, tensor_parallel_size=2), "gpt2", 4, 2, 1),
     "pp2xfsdp2": (lambda: distrain.PipelineStrategy(stages=2), "gpt2", 2, 2, 2),
+    # 8 stages, 2 a rank: a gradient sent back is let go once a message proves it received, through other ranks'
+    # messages too (compat.release_sent_gradients); let go too early, gloo would send freed memory
+    "pp4-interleaved": (
+        lambda: distrain.PipelineStrategy(stages=4, schedule="Interleaved1F1B", stages_per_rank=2),
+        "gpt8",
+        4,
+        4,
+        1,
+    ),
 }
 
 
