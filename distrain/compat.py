@@ -558,38 +558,34 @@ def release_sent_gradients(schedule, stages) -> None:
     it. Other schedules: nothing (1F1B waits for each send; GPipe sends nothing back to this rank)."""
     order = getattr(schedule, "pipeline_order_with_comms", None)
     registry = (
-        _SentGradients(_gradient_releases(order, schedule.stage_index_to_group_rank, schedule.rank)) if order else None
+        _SentGradients(_gradient_releases(order, schedule.stage_index_to_group_rank)[schedule.rank]) if order else None
     )
     for stage in stages:
         stage.sent_gradients = registry
 
 
-def sent_gradient_releases(orders: dict[int, list[tuple[bool, int]]], pipeline: int, rank: int):
-    """What ``release_sent_gradients`` lets ``rank`` go of, and where, for the planner: ``orders`` each rank's
-    (forward?, stage) computes in order (its micro-batches in order on each stage), stage s on rank s % pipeline,
-    lowered to sends and receives as torch lowers a looped schedule's (``schedules._add_send_recv``, checked on torch
-    2.13.0)."""
+def sent_gradient_releases(orders: dict[int, list[tuple[bool, int, int]]], pipeline: int):
+    """What ``release_sent_gradients`` lets each rank go of, and where, for the planner: ``orders`` each rank's
+    (forward?, stage, micro-batch) computes in order, stage s on rank s % pipeline, lowered to sends and receives as
+    torch lowers a looped schedule's (``schedules._add_send_recv``, checked on torch 2.13.0)."""
     from torch.distributed.pipelining.schedules import _Action, _add_send_recv
     from torch.distributed.pipelining.schedules import _ComputationType as Kind
 
-    compute = {}
-    for r, order in orders.items():
-        chunks: dict[tuple[bool, int], int] = {}
-        compute[r] = []
-        for forward, stage in order:
-            chunk = chunks[(forward, stage)] = chunks.get((forward, stage), -1) + 1
-            compute[r].append(_Action(stage, Kind.FORWARD if forward else Kind.FULL_BACKWARD, chunk))
-    stages = 1 + max(stage for order in orders.values() for _, stage in order)
+    compute = {
+        r: [_Action(stage, Kind.FORWARD if forward else Kind.FULL_BACKWARD, chunk) for forward, stage, chunk in order]
+        for r, order in orders.items()
+    }
+    stages = 1 + max(stage for order in orders.values() for _, stage, _ in order)
     lowered = _add_send_recv(compute, stage_to_rank=lambda s: s % pipeline, num_stages=stages)
-    return _gradient_releases(lowered, {s: s % pipeline for s in range(stages)}, rank)
+    return _gradient_releases(lowered, {s: s % pipeline for s in range(stages)})
 
 
-def _gradient_releases(order, to_rank, me: int) -> dict[tuple[str, int, int], list[tuple[int, int]]]:
-    """{(kind, stage, chunk) of a compute of rank ``me``: the (stage, chunk) gradients it sent that the compute's
-    received messages prove received}. The ranks run ``order`` (each rank's lowered actions) to the end, each
+def _gradient_releases(order, to_rank) -> dict[int, dict[tuple[str, int, int], list[tuple[int, int]]]]:
+    """{rank: {(kind, stage, chunk) of a compute of that rank: the (stage, chunk) gradients it sent that the
+    compute's received messages prove received}}. The ranks run ``order`` (each rank's lowered actions) to the end, each
     compute that waits for a message waiting for its send; each rank keeps a vector clock, the last action of
     every rank known to have happened, which a message carries from its send to the compute that waits for it. A
-    gradient sent back to rank q is proven received at the first compute of ``me`` whose clock has reached q's
+    gradient sent back to rank q is proven received at the sender's first compute whose clock has reached q's
     backward of that stage and chunk (which waited for it): directly or through other ranks' messages."""
     from torch.distributed.pipelining.schedules import _ComputationType as Kind
 
@@ -607,7 +603,8 @@ def _gradient_releases(order, to_rank, me: int) -> dict[tuple[str, int, int], li
     position = {r: 0 for r in order}
     clock = {r: dict.fromkeys(order, -1) for r in order}
     messages: dict[tuple[str, int, int], dict[int, int]] = {}
-    mine: list[tuple[tuple[str, int, int], dict[int, int]]] = []  # my computes that waited, with what they knew
+    # each rank's computes that waited for a message, with what they knew then
+    waited: dict[int, list[tuple[tuple[str, int, int], dict[int, int]]]] = {r: [] for r in order}
     moved = True
     while moved:
         moved = False
@@ -621,28 +618,30 @@ def _gradient_releases(order, to_rank, me: int) -> dict[tuple[str, int, int], li
                 if message is not None:
                     for q, known in messages[message].items():
                         clock[r][q] = max(clock[r][q], known)
-                    if r == me:
-                        mine.append((message, dict(clock[r])))
+                    waited[r].append((message, dict(clock[r])))
                 if a.computation_type == Kind.SEND_F:
                     messages[("F", a.stage_index + 1, a.microbatch_index)] = dict(clock[r])
                 elif a.computation_type == Kind.SEND_B:
                     messages[("B", a.stage_index - 1, a.microbatch_index)] = dict(clock[r])
                 position[r] += 1
                 moved = True
-    releases: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
-    for a in order[me]:
-        if a.computation_type != Kind.SEND_B:
-            continue
-        stage, chunk = a.stage_index, a.microbatch_index
-        receiver = to_rank[stage - 1]
-        consumed = next(
-            i
-            for i, b in enumerate(order[receiver])
-            if b.computation_type in backwards and (b.stage_index, b.microbatch_index) == (stage - 1, chunk)
-        )
-        proof = next((message for message, known in mine if known[receiver] >= consumed), None)
-        if proof is not None:
-            releases.setdefault(proof, []).append((stage, chunk))
+    consumed = {
+        (r, b.stage_index, b.microbatch_index): i
+        for r, actions in order.items()
+        for i, b in enumerate(actions)
+        if b.computation_type in backwards
+    }
+    releases: dict[int, dict[tuple[str, int, int], list[tuple[int, int]]]] = {r: {} for r in order}
+    for r, actions in order.items():
+        for a in actions:
+            if a.computation_type != Kind.SEND_B:
+                continue
+            stage, chunk = a.stage_index, a.microbatch_index
+            receiver = to_rank[stage - 1]
+            at = consumed.get((receiver, stage - 1, chunk))
+            proof = next((message for message, known in waited[r] if at is not None and known[receiver] >= at), None)
+            if proof is not None:
+                releases[r].setdefault(proof, []).append((stage, chunk))
     return releases
 
 

@@ -420,8 +420,9 @@ def test_a_sent_gradient_is_let_go_only_after_its_receiver_consumed_it(pipeline,
                 todo += before[node]
         return False
 
+    every = compat._gradient_releases(order, to_rank)
     for me in range(pipeline):
-        releases = compat._gradient_releases(order, to_rank, me)
+        releases = every[me]
         sent = [(a.stage_index, a.microbatch_index) for a in order[me] if a.computation_type == Kind.SEND_B]
         released = [s for vouched in releases.values() for s in vouched]
         assert sorted(released) == sorted(set(released)) and set(released) <= set(sent)

@@ -25,6 +25,7 @@ holds at once and how long stages wait:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -280,9 +281,7 @@ def activations_in_flight(
     Trainer sets them to None after each step)."""
     held, before, after, grads = 0, 0, 0, False
     cached: dict[int, int] = {}
-    chunks: dict[tuple[bool, int], int] = {}  # each stage runs its micro-batches in order, forward and backward
-    for forward, s in order:
-        chunk = chunks[(forward, s)] = chunks.get((forward, s), -1) + 1
+    for forward, s, chunk in numbered(order):
         if sent_gradients:
             held -= sum(
                 stages[sent].received for sent, _ in sent_gradients.get(("F" if forward else "B", s, chunk), ())
@@ -301,6 +300,18 @@ def activations_in_flight(
     return before, after
 
 
+def numbered(order: list[tuple[bool, int]]) -> list[tuple[bool, int, int]]:
+    """(forward?, stage, micro-batch) of each compute in ``order``: each stage runs its micro-batches in order,
+    forward and backward."""
+    seen: dict[tuple[bool, int], int] = {}
+    out = []
+    for forward, stage in order:
+        seen[(forward, stage)] = seen.get((forward, stage), -1) + 1
+        out.append((forward, stage, seen[(forward, stage)]))
+    return out
+
+
+@functools.cache
 def sent_gradient_releases(schedule: str, rank: int, pipeline: int, stages_per_rank: int, micro_batches: int):
     """When the gradients a pipeline rank sends back go (``activations_in_flight``'s ``sent_gradients``): None, at
     once (1F1B waits for each send before the next); {} at the step's end (torch's GPipe, also 1F1B's fall-back with
@@ -310,10 +321,15 @@ def sent_gradient_releases(schedule: str, rank: int, pipeline: int, stages_per_r
     order torch lowers from these computes)."""
     if stages_per_rank == 1:
         return {} if schedule == "GPipe" or micro_batches < pipeline else None
+    return _looped_releases(schedule, pipeline, stages_per_rank, micro_batches)[rank]
+
+
+@functools.cache
+def _looped_releases(schedule: str, pipeline: int, stages_per_rank: int, micro_batches: int):
     from distrain import compat
 
-    orders = {r: rank_order(schedule, r, pipeline, stages_per_rank, micro_batches) for r in range(pipeline)}
-    return compat.sent_gradient_releases(orders, pipeline, rank)
+    orders = {r: numbered(rank_order(schedule, r, pipeline, stages_per_rank, micro_batches)) for r in range(pipeline)}
+    return compat.sent_gradient_releases(orders, pipeline)
 
 
 def rank_stages(rank: int, pipeline: int, stages_per_rank: int) -> list[int]:
