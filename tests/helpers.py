@@ -335,3 +335,20 @@ def deepspeed_model_state_estimates(
         name = "zero3" + ("_offload_params" if offload_params else "_offload" if offload else "")
         out[name] = (host, device)
     return out
+
+
+def torchs_interleaved_operations(pipeline: int, per_rank: int, micro: int) -> dict[int, list]:
+    """Each rank's compute actions in torch's own ScheduleInterleaved1F1B (its order-making method, called on the
+    numbers it reads, without stages or a process group)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    torchs = object.__new__(ScheduleInterleaved1F1B)
+    rounds = max(1, micro // pipeline)
+    torchs.__dict__.update(
+        n_local_stages=per_rank,
+        pp_group_size=pipeline,
+        _n_microbatches=micro,
+        number_of_rounds=rounds,
+        microbatches_per_round=micro // rounds,
+    )
+    return {r: [a for a in torchs._calculate_single_rank_operations(r) if a is not None] for r in range(pipeline)}

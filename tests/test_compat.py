@@ -15,7 +15,7 @@ from torch.utils.data import RandomSampler
 import distrain
 from distrain import compat
 from distrain.planner import fake
-from helpers import TinyGPT, loader, make_trainer, run_ranks
+from helpers import TinyGPT, loader, make_trainer, run_ranks, torchs_interleaved_operations
 
 PREVIOUS = Path(__file__).parent / "data" / "previous"
 
@@ -367,19 +367,10 @@ def test_a_sent_gradient_is_let_go_only_after_its_receiver_consumed_it(pipeline,
     ``_add_send_recv``, the names the looped schedule runs on): each gradient a rank sends back is let go at a
     compute of that rank which first waits for a message its receiver sent after the backward that consumed it, and
     all but the step's last few are let go before the step's end."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _add_send_recv
+    from torch.distributed.pipelining.schedules import _add_send_recv
     from torch.distributed.pipelining.schedules import _ComputationType as Kind
 
-    torchs = object.__new__(ScheduleInterleaved1F1B)
-    rounds = max(1, micro // pipeline)
-    torchs.__dict__.update(
-        n_local_stages=per_rank,
-        pp_group_size=pipeline,
-        _n_microbatches=micro,
-        number_of_rounds=rounds,
-        microbatches_per_round=micro // rounds,
-    )
-    compute = {r: [a for a in torchs._calculate_single_rank_operations(r) if a is not None] for r in range(pipeline)}
+    compute = torchs_interleaved_operations(pipeline, per_rank, micro)
     order = _add_send_recv(compute, stage_to_rank=lambda s: s % pipeline, num_stages=pipeline * per_rank)
     to_rank = {s: s % pipeline for s in range(pipeline * per_rank)}
 

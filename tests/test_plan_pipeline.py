@@ -20,7 +20,7 @@ from distrain.planner.models.pipeline import (
     sent_gradient_releases,
     trace_pipeline,
 )
-from helpers import make_trainer, run_ranks
+from helpers import make_trainer, run_ranks, torchs_interleaved_operations
 
 MiB = 2**20
 
@@ -83,19 +83,8 @@ def test_a_rank_holds_the_micro_batches_in_flight_not_the_whole_step(tmp_path):
 def test_the_interleaved_order_is_torchs(pipeline, per_rank, micro):
     """Each rank's forwards and backwards in torch's ScheduleInterleaved1F1B (its own order-making method,
     called on the numbers it reads), and the fall-back: 1F1B with fewer micro-batches than stages runs GPipe."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
-
-    torchs = object.__new__(ScheduleInterleaved1F1B)
-    rounds = max(1, micro // pipeline)
-    torchs.__dict__.update(
-        n_local_stages=per_rank,
-        pp_group_size=pipeline,
-        _n_microbatches=micro,
-        number_of_rounds=rounds,
-        microbatches_per_round=micro // rounds,
-    )
-    for rank in range(pipeline):
-        actions = [a for a in torchs._calculate_single_rank_operations(rank) if a is not None]
+    torchs = torchs_interleaved_operations(pipeline, per_rank, micro)
+    for rank, actions in torchs.items():
         expected = [(a.computation_type.name == "FORWARD", a.stage_index) for a in actions]
         assert rank_order("Interleaved1F1B", rank, pipeline, per_rank, micro) == expected
     assert rank_order("1F1B", 0, 4, 1, 2) == rank_order("GPipe", 0, 4, 1, 2) == [(True, 0)] * 2 + [(False, 0)] * 2
