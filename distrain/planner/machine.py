@@ -44,6 +44,8 @@ MEASURED = (
     "blocking_bandwidth",
     "element_seconds",
     "softmax_element_seconds",
+    "all_gather_cost",
+    "reduce_scatter_cost",
 )
 assert set(MEASURED) <= {f.name for f in fields(Hardware)}
 
