@@ -420,9 +420,14 @@ def collective_seconds(c: Collective, hw: Hardware, blocking: bool = False) -> f
     """``blocking``: the next computation waits for it (see ``Hardware.blocking_collective_seconds``)."""
     if c.ranks <= 1:
         return 0.0
-    # in all-reduces of the whole tensor (the bus bandwidth is an all-reduce's): an all-to-all sends half as much
-    cost = {"all_reduce": 1.0, "all_gather": hw.all_gather_cost, "reduce_scatter": hw.reduce_scatter_cost}
-    share = 2 * (c.ranks - 1) / c.ranks * cost.get(c.kind, 0.5)
+    share = (
+        2
+        * (c.ranks - 1)
+        / c.ranks
+        * {"all_gather": hw.all_gather_cost, "reduce_scatter": hw.reduce_scatter_cost}.get(
+            c.kind, 1.0 if c.kind == "all_reduce" else 0.5
+        )
+    )
     bandwidth = hw.inter_bandwidth if c.inter_node else hw.intra_bandwidth
     latency = hw.collective_seconds
     if blocking and hw.blocking_collective_seconds:
