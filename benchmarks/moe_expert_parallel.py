@@ -55,9 +55,6 @@ cores: DDP beats FSDP (the model is small, FSDP's per-layer gathers cost more th
 The plan against it. The plan now says EP is slower too (0.72-0.90×); before the tokens' all-to-all was planned as
 waited for (``timing.Collective.awaited``) it said 1.05-1.18×. Its absolute figures hold for DDP (0.99-1.20 of
 measured) but not for FSDP over these stacked experts (1.40-1.81): that gap is the planner's, open (docs/plan.md).
-On 2026-12-01, another machine, the same rates with gloo's all-gather and reduce-scatter priced as measured beside
-its all-reduce (``Hardware.all_gather_cost``, ``reduce_scatter_cost``) instead of as half of one: FSDP rows 2.08-2.42
-→ 1.48-1.95 times measured, DDP's 1.33-1.59 either way.
 """
 
 from __future__ import annotations

@@ -210,11 +210,8 @@ def test_auto_takes_what_the_plan_predicts_fastest():
 
 
 def test_this_cpus_rates_are_measured():
-    link = gloo_allreduce(2, size=1 << 20)
-    assert link.bandwidth > 1e6 and 0 < link.latency <= link.blocking_latency < 0.1
-    assert 0 < link.blocking_bandwidth <= link.bandwidth
-    # gloo's all-gather and reduce-scatter of a tensor are not NCCL's half an all-reduce of it (FSDP's collectives)
-    assert 0.25 < link.all_gather_cost < 10 and 0.25 < link.reduce_scatter_cost < 10
+    bandwidth, latency, between_computations, busy_bandwidth = gloo_allreduce(2, size=1 << 20)
+    assert bandwidth > 1e6 and 0 < latency <= between_computations < 0.1 and 0 < busy_bandwidth <= bandwidth
     hw = cpu_hardware(2)
     assert hw.matmul_flops > 1e8 and hw.memory_bandwidth > 1e8 and 0 < hw.op_seconds < 1e-3
     assert hw.matmul_flops * 4 > hw.memory_bandwidth  # a matmul does more per byte than an add

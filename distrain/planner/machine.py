@@ -44,8 +44,6 @@ MEASURED = (
     "blocking_bandwidth",
     "element_seconds",
     "softmax_element_seconds",
-    "all_gather_cost",
-    "reduce_scatter_cost",
 )
 assert set(MEASURED) <= {f.name for f in fields(Hardware)}
 

@@ -124,12 +124,6 @@ class Hardware:
     """Seconds per element of an operation that computes per element (tanh, dropout's random numbers) and of a
     softmax, beyond its memory pass (its bytes are counted as any operation's): a CPU core's, measured. 0 on a GPU,
     where they run at memory speed."""
-    all_gather_cost: float = 0.5
-    reduce_scatter_cost: float = 0.5
-    """An all-gather's and a reduce-scatter's time as a share of an all-reduce of the whole tensor. NCCL's rings
-    run each as half an all-reduce (0.5); gloo's, measured beside its all-reduce on 2 and 4 CPU ranks (2026-12-01),
-    cost 0.75-2.2 and 1.3-2.8 all-reduces at 4-32 MiB (0.7-1.2 and 1.3-2.3 at the 16 MiB the kept rates take):
-    where FSDP over a mixture's stacked experts, gathered layer by layer, spends its step."""
     source: str = ""
 
 
@@ -190,22 +184,20 @@ def cpu_hardware(ranks_per_node: int) -> Hardware:
         # for each other's GIL, which separate rank processes do not)
         tiny = torch.ones(4)
         op = _best(lambda: [tiny.add(1) for _ in range(200)]) / 200 / share
-        link = gloo_allreduce(min(max(2, ranks_per_node), 4))
+        bandwidth, latency, blocking, blocking_bandwidth = gloo_allreduce(min(max(2, ranks_per_node), 4))
     finally:
         torch.set_num_threads(previous)
     return Hardware(
         matmul_flops=flops,
         memory_bandwidth=memory,
         op_seconds=op,
-        intra_bandwidth=link.bandwidth,
-        inter_bandwidth=link.bandwidth,
-        collective_seconds=link.latency,
-        blocking_collective_seconds=link.blocking_latency,
-        blocking_bandwidth=link.blocking_bandwidth,
+        intra_bandwidth=bandwidth,
+        inter_bandwidth=bandwidth,
+        collective_seconds=latency,
+        blocking_collective_seconds=blocking,
+        blocking_bandwidth=blocking_bandwidth,
         element_seconds=element,
         softmax_element_seconds=softmax,
-        all_gather_cost=link.all_gather_cost,
-        reduce_scatter_cost=link.reduce_scatter_cost,
         source=cpu_source(ranks_per_node),
     )
 
@@ -243,44 +235,24 @@ def _side_by_side(fn, copies: int, args: list | None = None) -> float:
     return max(results)
 
 
-@dataclass(frozen=True)
-class GlooLink:
-    bandwidth: float
-    """All-reduce bus bandwidth (B/s) between idle ranks."""
-    latency: float
-    blocking_latency: float
-    blocking_bandwidth: float
-    """The same between computations (``Hardware.blocking_collective_seconds``)."""
-    all_gather_cost: float
-    reduce_scatter_cost: float
-    """An all-gather's and a reduce-scatter's time over an all-reduce's, of the same whole tensor."""
-
-
-def gloo_allreduce(ranks: int, size: int = 16 << 20) -> GlooLink:
-    """Gloo's collectives among ``ranks`` threads of this process (the real gloo transport over loopback, without
-    starting processes): the all-reduce's bus bandwidth and latency, and the same between computations, from what a
-    small and a 1 MiB all-reduce add to a loop of matmuls that every rank runs (tensor parallelism's pattern); an
-    all-gather and a reduce-scatter of the same ``size`` against its all-reduce (FSDP's collectives)."""
+def gloo_allreduce(ranks: int, size: int = 16 << 20) -> tuple[float, float, float, float]:
+    """(bus bandwidth B/s, latency s) of gloo all-reduces among ``ranks`` threads of this process (the real
+    gloo transport over loopback, without starting processes), and the same between computations: from what
+    a small and a 1 MiB all-reduce add to a loop of matmuls that every rank runs (tensor parallelism's
+    pattern)."""
     import torch.distributed as dist
 
     store = dist.HashStore()
     groups: dict[int, object] = {}
-    results: dict[int, tuple[float, float, float, float]] = {}
+    results: dict[int, tuple[float, float]] = {}
     blocking: dict[int, tuple[float, float]] = {}
 
     def rank(r: int) -> None:
         pg = dist.ProcessGroupGloo(store, r, ranks, timedelta(seconds=60))
-        big, small, shard = torch.ones(size // 4), torch.ones(1), torch.ones(size // 4 // ranks)
+        big, small = torch.ones(size // 4), torch.ones(1)
         for t in (big, small, big):  # connections and first-use costs
             pg.allreduce([t]).wait()
-        pg._allgather_base(big, shard).wait()
-        pg._reduce_scatter_base(shard, big).wait()
-        results[r] = (
-            _best(lambda: pg.allreduce([big]).wait(), 3),
-            _best(lambda: pg.allreduce([small]).wait(), 10),
-            _best(lambda: pg._allgather_base(big, shard).wait(), 3),
-            _best(lambda: pg._reduce_scatter_base(shard, big).wait(), 3),
-        )
+        results[r] = (_best(lambda: pg.allreduce([big]).wait(), 3), _best(lambda: pg.allreduce([small]).wait(), 10))
         a, medium = torch.randn(512, 512), torch.ones(1 << 18)
 
         def computing(tensor: torch.Tensor | None) -> float:
@@ -301,12 +273,13 @@ def gloo_allreduce(ranks: int, size: int = 16 << 20) -> GlooLink:
         t.start()
     for t in threads:
         t.join()
-    big, small, gather, scatter = (max(v[i] for v in results.values()) for i in range(4))
+    big = max(v[0] for v in results.values())
+    small = max(v[1] for v in results.values())
     share = 2 * (ranks - 1) / ranks
     busy_small = max(small, max(v[0] for v in blocking.values()))
     busy_medium = max(v[1] for v in blocking.values())
     busy_bandwidth = min(size / big * share, share * 4 * (1 << 18) / max(1e-6, busy_medium - busy_small))
-    return GlooLink(size / big * share, small, busy_small, busy_bandwidth, gather / big, scatter / big)
+    return size / big * share, small, busy_small, busy_bandwidth
 
 
 def measured_links() -> dict | None:
@@ -420,14 +393,7 @@ def collective_seconds(c: Collective, hw: Hardware, blocking: bool = False) -> f
     """``blocking``: the next computation waits for it (see ``Hardware.blocking_collective_seconds``)."""
     if c.ranks <= 1:
         return 0.0
-    share = (
-        2
-        * (c.ranks - 1)
-        / c.ranks
-        * {"all_gather": hw.all_gather_cost, "reduce_scatter": hw.reduce_scatter_cost}.get(
-            c.kind, 1.0 if c.kind == "all_reduce" else 0.5
-        )
-    )
+    share = (c.ranks - 1) / c.ranks * (2 if c.kind == "all_reduce" else 1)
     bandwidth = hw.inter_bandwidth if c.inter_node else hw.intra_bandwidth
     latency = hw.collective_seconds
     if blocking and hw.blocking_collective_seconds:
