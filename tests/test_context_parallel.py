@@ -163,6 +163,8 @@ def _two_ranks(rank, tmp, llama, llama_gqa, mistrals):
         # a mixture of experts: each rank routes its slice; the balance loss is each whole sequence's
         "gpt-moe": _fit(tmp / "cp2-moe", _cp(2), 2, 4, experts=4),
         "gpt-moe-ring": _fit(tmp / "cp2-moe-ring", _cp(2), 2, 4, heads=3, experts=4),
+        # tensor parallelism, no context parallelism: each rank every token, its half of each expert's hidden units
+        "gpt-moe-tp2": _fit(tmp / "tp2-moe", _cp(1, tensor=2, sequence_parallel=False), 2, 4, experts=4),
         "llama-ring": _fit(tmp / "cp2-llama-ring", _cp(2), 2, 4, llama=llama_gqa),
         "mistral": _fit(tmp / "cp2-mistral", _cp(2), 2, 4, llama=mistrals["wide"]),
     }
@@ -249,8 +251,8 @@ def test_context_parallel_on_two_ranks_matches_one_process_and_resumes_on_one(tm
         assert re.match(
             r"context parallelism cannot run a sliding window of 4 tokens over sequences of \d+ ", runs["refused"] or ""
         ), runs["refused"]
-        for name, reference in references.items():
-            assert runs[name][4] == ("ring" if "ring" in name else "ulysses"), name
+        for name, reference in {**references, "gpt-moe-tp2": references["gpt-moe"]}.items():
+            assert runs[name][4] == ("ring" if "ring" in name else None if "tp2" in name else "ulysses"), name
             # a mixture's router adds gradients of its own to the attention's: one near-zero coordinate in 3072
             # moved 1e-4 (a wrong gradient moves weights by ~lr, 3e-3)
             _close(reference, runs[name], f"CP=2 {name}, rank {rank}", atol=2e-4 if "moe" in name else 5e-5)
@@ -270,19 +272,34 @@ FOUR_RANKS = {  # name: (strategy, per-rank batch, replicas); the GPT has 4 head
     "cp4+ac": (lambda: _cp(4, activation_checkpointing_policy=_every_block()), 4, 1),  # recomputed: the same
     "cp2xfsdp2-llama": (lambda: _cp(2), 2, 2),  # its loss is the mean over the step's tokens: padding is exact
     "cp4-llama": (lambda: _cp(4), 4, 1),  # 2 heads on 4 ranks: the ring, its sequences cut into 8 pieces
+    # a mixture of experts, each expert's hidden units split over the tensor-parallel ranks and sharded over the
+    # replicas (FSDP2 on the 2-D mesh); and under sequence parallelism, each sequence split over the context ranks
+    "tp2xfsdp2-moe": (lambda: _cp(1, tensor=2, sequence_parallel=False), 2, 2),
+    "cp2xtp2-moe": (lambda: _cp(2, tensor=2), 4, 1),
 }
 
 
 def _four_ranks(rank, tmp, llama):
     out = {
         name: _fit(
-            tmp / name, make(), 4, batch, padding=False, llama=llama if "llama" in name else None, heads=_heads(name)
+            tmp / name,
+            make(),
+            4,
+            batch,
+            padding=False,
+            llama=llama if "llama" in name else None,
+            heads=_heads(name),
+            experts=4 if "moe" in name else 0,
         )
         for name, (make, batch, _) in FOUR_RANKS.items()
     }
     # CP2 × FSDP2's checkpoint resumes under CP=4 (another context size, no replicas)
     last = next((tmp / "cp2xfsdp2").rglob(f"*step={STEPS}*"))
     out["cp4<cp2xfsdp2"] = _fit(tmp / "cp4<cp2xfsdp2", _cp(4), 4, 4, STEPS + 2, str(last), padding=False)
+    # the mixture's, its experts split two ways and sharded, resumes with its experts split four ways, unsharded
+    last = next((tmp / "tp2xfsdp2-moe").rglob(f"*step={STEPS}*"))
+    tp4 = _cp(1, tensor=4, sequence_parallel=False)
+    out["tp4<tp2xfsdp2-moe"] = _fit(tmp / "tp4<", tp4, 4, 4, STEPS + 2, str(last), padding=False, experts=4)
     return out
 
 
@@ -297,20 +314,26 @@ def test_context_parallel_with_fsdp_and_with_tensor_parallel_on_four_ranks_match
         "gpt": _fit(tmp_path / "single", "single", 1, 4, padding=False),
         "llama": _fit(tmp_path / "single-llama", "single", 1, 4, llama=llama),
         "gpt-6heads": _fit(tmp_path / "single-6heads", "single", 1, 4, padding=False, heads=6),
+        "gpt-moe": _fit(tmp_path / "single-moe", "single", 1, 4, padding=False, experts=4),
     }
     for name, (_, batch, replicas) in FOUR_RANKS.items():
         assert batch * replicas == 4  # the global batch of the reference
-        reference = references["llama" if "llama" in name else "gpt-6heads" if _heads(name) == 6 else "gpt"]
+        kind = "llama" if "llama" in name else "gpt-6heads" if _heads(name) == 6 else "gpt"
+        reference = references["gpt-moe" if "moe" in name else kind]
         for rank in range(4):
             result = results[rank][name]
-            assert result[4] == ("ring" if name in ("cp2xtp2-6heads", "cp4-llama") else "ulysses"), name
+            engine = "ring" if name in ("cp2xtp2-6heads", "cp4-llama") else None if name.startswith("tp") else "ulysses"
+            assert result[4] == engine, name
             if replicas > 1:  # a value logged without sync_dist is this replica's; it predicts its share
                 rows = [(loss, norm, ref[2]) for (loss, norm, _), ref in zip(result[0], reference[0])]
                 result = (rows, result[1], reference[2], *result[3:])
-            _close(reference, result, f"{name}, rank {rank}")
+            _close(reference, result, f"{name}, rank {rank}", atol=2e-4 if "moe" in name else 5e-5)
     longer = _fit(tmp_path / "single-longer", "single", 1, 4, steps=STEPS + 2, padding=False)
+    longer_moe = _fit(tmp_path / "single-longer-moe", "single", 1, 4, steps=STEPS + 2, padding=False, experts=4)
     for rank in range(4):
         _close((longer[0][STEPS:], *longer[1:]), results[rank]["cp4<cp2xfsdp2"], f"CP=4 from CP2×FSDP2, rank {rank}")
+        resumed = results[rank]["tp4<tp2xfsdp2-moe"]
+        _close((longer_moe[0][STEPS:], *longer_moe[1:]), resumed, f"TP=4 from TP2×FSDP2, rank {rank}", STEPS + 1, 2e-4)
 
 
 # ---- in one process: the slice, the layout, and what is refused before any rank starts ------------------------------

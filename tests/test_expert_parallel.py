@@ -15,6 +15,7 @@ from distrain.parallel.expert_parallel import moe_layers, scale_expert_grads, sp
 from helpers import run_ranks
 
 WIDTH, EXPERTS, TOKENS = 8, 4, 12  # tokens per rank
+ROUTINGS = ("even", "one expert", "one rank idle")
 
 
 def _layer(routing: str) -> MoE:
@@ -59,7 +60,7 @@ def _expert_parallel(rank: int, routing: str):
     return out.detach(), _grads(layer), layer.tokens_per_expert
 
 
-@pytest.mark.parametrize("routing", ["even", "one expert", "one rank idle"])
+@pytest.mark.parametrize("routing", ROUTINGS)
 def test_experts_split_over_two_ranks_match_one_process(routing):
     out, grads, counts = _reference(routing)
     if routing == "one expert":
@@ -73,6 +74,47 @@ def test_experts_split_over_two_ranks_match_one_process(routing):
         for name in ("experts.fc", "experts.proj"):  # each rank holds experts 2·rank and 2·rank + 1
             mine = grads[name][2 * rank : 2 * rank + 2]
             torch.testing.assert_close(rank_grads[name], mine, rtol=1e-5, atol=1e-6)
+
+
+def _hidden_split(rank: int) -> dict:
+    """Tensor parallelism's split of every expert's hidden units (``ExpertTensorParallel``) over 2 ranks, which
+    both hold every token: the same output, and each rank its units' gradients, whatever the routing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+
+    from distrain.parallel.tensor_parallel import ExpertTensorParallel
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for routing in ROUTINGS:
+        layer = ExpertTensorParallel(output_layout=Replicate())._apply(_layer(routing), mesh)
+        y = layer(_tokens())
+        y.square().mean().backward()
+        grads = {n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in layer.named_parameters()}
+        out[routing] = y.detach(), grads, layer.tokens_per_expert
+    return out
+
+
+def test_experts_hidden_units_split_over_two_tensor_parallel_ranks_match_one_process():
+    results = run_ranks(_hidden_split, 2)
+    for routing in ROUTINGS:
+        out, grads, counts = _reference(routing)
+        half = grads["experts.fc"].shape[1] // 2  # each rank: its half of every expert's hidden units
+        for rank, result in enumerate(results):
+            rank_out, rank_grads, rank_counts = result[routing]
+            what = f"{routing}, rank {rank}"
+            torch.testing.assert_close(rank_out, out, rtol=1e-5, atol=1e-6, msg=lambda m, w=what: f"{w}: {m}")
+            assert torch.equal(rank_counts, counts), what
+            mine = {
+                "router.weight": grads["router.weight"],
+                "experts.fc": grads["experts.fc"][:, rank * half : (rank + 1) * half],
+                "experts.proj": grads["experts.proj"][..., rank * half : (rank + 1) * half],
+            }
+            for name, expected in mine.items():
+                torch.testing.assert_close(
+                    rank_grads[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m, w=f"{what} {name}": f"{w}: {m}"
+                )
 
 
 def test_a_layout_the_experts_cannot_take_is_refused_naming_the_layer(tmp_path):
@@ -148,18 +190,13 @@ def test_the_balance_over_the_experts_is_in_the_metrics(tmp_path):
     )
 
 
-@pytest.mark.parametrize(
-    "layout,kwargs",
-    [
-        ("tensor parallelism", dict(tensor_parallel_size=2)),
-        ("the pipeline strategy", dict(tensor_parallel_size=1, pipeline_stages=2)),
-    ],  # context parallelism splits each sequence, not the experts: tests/test_context_parallel.py
-)
-def test_a_layout_that_does_not_split_experts_refuses_them_before_any_rank_starts(tmp_path, layout, kwargs):
+# context parallelism splits each sequence, tensor parallelism each expert's hidden units (test_context_parallel.py)
+def test_a_pipeline_refuses_a_mixture_of_experts_before_any_rank_starts(tmp_path):
     import distrain
     from helpers import TinyGPT
 
-    strategy = distrain.ModelParallelStrategy(**kwargs)
+    layout = "the pipeline strategy"
+    strategy = distrain.ModelParallelStrategy(tensor_parallel_size=1, pipeline_stages=2)
     trainer = distrain.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=1, default_root_dir=str(tmp_path), logger=False
     )

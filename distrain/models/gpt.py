@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from distrain.models.moe import MoE
 from distrain.parallel.context_parallel import IGNORE
@@ -211,7 +212,11 @@ class GPT(nn.Module):
         else:
             out = self.output(logits, targets)
         aux = self.aux_loss() if targets is not None and self.cfg.aux_loss_coef else None
-        return out if aux is None else out + self.cfg.aux_loss_coef * aux
+        if aux is None:
+            return out
+        if isinstance(out, DTensor):  # tensor parallelism's loss (loss_parallel): every rank's, as the aux loss is
+            aux = DTensor.from_local(aux, out.device_mesh, out.placements, run_check=False)
+        return out + self.cfg.aux_loss_coef * aux
 
     # the forward's three parts: a pipeline runs them on its first stage, every stage and its last stage
     def embed(self, idx: torch.Tensor) -> torch.Tensor:

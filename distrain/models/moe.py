@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 
 
 class Experts(nn.Module):
@@ -34,7 +35,8 @@ class Experts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``tokens`` grouped by expert, ``counts[e]`` of them for expert ``e``: each group through its expert."""
-        return grouped_linear(F.gelu(grouped_linear(tokens, self.fc, counts)), self.proj, counts)
+        fc, proj = (w.to_local() if isinstance(w, DTensor) else w for w in (self.fc, self.proj))  # this rank's units
+        return grouped_linear(F.gelu(grouped_linear(tokens, fc, counts)), proj, counts)
 
 
 def grouped_linear(tokens: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -81,6 +83,9 @@ class MoE(nn.Module):
         #: context parallelism's ``SequenceShard`` (``distrain.parallel.context_parallel``): this rank computes a slice
         #: of each sequence
         self.sequence_shard = None
+        #: tensor parallelism's split of every expert's hidden units (``distrain.parallel.tensor_parallel.
+        #: ExpertTensorParallel``): the experts compute this rank's partial sums, which ``leave`` adds up
+        self.hidden_split = None
 
     @property
     def n_experts(self) -> int:
@@ -98,9 +103,14 @@ class MoE(nn.Module):
         self.aux_loss = self.balance_loss(chosen, probs, shape[-2] if x.dim() > 2 else len(h))
         order = slots.argsort(stable=True)  # the slots grouped by expert, in token order within each
         token = order // self.top_k
-        out = self.compute(h[token], counts)
-        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-        return torch.zeros_like(h).index_add_(0, token, out.to(h.dtype)).view(shape)
+        weights = weights.reshape(-1)[order]
+        split, inputs = self.hidden_split, h
+        if split is not None:  # the experts' shares of these gradients are this rank's partial sums: summed back
+            inputs, weights = split.enter(h), split.enter(weights)
+        out = self.compute(inputs[token], counts)
+        out = out * weights.unsqueeze(-1).to(out.dtype)
+        mixed = torch.zeros_like(h).index_add_(0, token, out.to(h.dtype)).view(shape)
+        return mixed if split is None else split.leave(mixed)
 
     def balance_loss(self, chosen: torch.Tensor, probs: torch.Tensor, length: int) -> torch.Tensor:
         """Switch Transformer's load-balancing loss of each sequence of ``length`` tokens, averaged over them."""

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -86,12 +86,52 @@ class SequenceShardedInput(ParallelStyle):
         return module
 
 
+class ExpertTensorParallel(ParallelStyle):
+    """A mixture of experts (``distrain.models.moe.MoE``) in place of a block's MLP: every expert's hidden units
+    split over the ranks as the dense MLP's are (``fc`` ``[experts, hidden, width]`` by its hidden rows, ``proj`` by
+    its hidden columns), Megatron's expert tensor parallelism. Each rank routes every token (the router whole on
+    each, its input gathered whole under sequence parallelism), computes its units of each token's experts, and the
+    block's output is the ranks' sum (reduced to ``output_layout``: the residual's): the MLP's one reduction, and each
+    rank's work the same however the tokens are routed. The experts' inputs and routing weights enter with an
+    all-reduce of their gradients, the partial sums of each rank's units (Megatron's ``f``)."""
+
+    def __init__(self, output_layout: Placement):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        experts = module.experts
+        for pname, dim in (("fc", 1), ("proj", 2)):
+            param = experts.get_parameter(pname)
+            experts.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(dim)])))
+        module.hidden_split = _HiddenSplit(mesh, self.output_layout)
+
+        def whole_input(mod, inputs):  # sequence parallelism's slice, gathered (its gradient: this rank's slice)
+            x = inputs[0]
+            return (x.redistribute(mesh, [Replicate()]).to_local(), *inputs[1:]) if isinstance(x, DTensor) else None
+
+        module.register_forward_pre_hook(whole_input)
+        return module
+
+
+class _HiddenSplit:
+    """``enter``: the same tensor, its gradient summed over the ranks; ``leave``: the ranks' partial sums added up,
+    in ``output_layout``, their gradient each rank's whole."""
+
+    def __init__(self, mesh, output_layout: Placement):
+        self.mesh, self.output_layout = mesh, output_layout
+
+    def enter(self, t: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(t, self.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+    def leave(self, t: torch.Tensor) -> torch.Tensor:
+        partial = DTensor.from_local(t, self.mesh, [Partial()], run_check=False)
+        return partial.redistribute(self.mesh, [self.output_layout]).to_local()
+
+
 def gpt_plan(gpt: nn.Module, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The built-in GPT (``distrain.models.gpt.GPT``); names relative to it."""
-    from distrain.models.moe import refuse_experts
-
     cfg = gpt.cfg
-    refuse_experts(cfg.n_experts, "tensor parallelism")
     _divides(tp, {"n_head": cfg.n_head, "n_embd": cfg.n_embd})
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
@@ -106,12 +146,15 @@ def gpt_plan(gpt: nn.Module, tp: int, sequence_parallel: bool) -> dict[str, Para
         b = f"blocks.{i}."
         plan[b + "attn.qkv"] = FusedQKVParallel()
         plan[b + "attn.proj"] = RowwiseParallel(output_layouts=residual)
-        plan[b + "mlp.fc"] = ColwiseParallel()
-        plan[b + "mlp.proj"] = RowwiseParallel(output_layouts=residual)
+        if cfg.n_experts:
+            plan[b + "mlp"] = ExpertTensorParallel(output_layout=residual)
+        else:
+            plan[b + "mlp.fc"] = ColwiseParallel()
+            plan[b + "mlp.proj"] = RowwiseParallel(output_layouts=residual)
         if sequence_parallel:
             for norm in ("ln1", "ln2"):
                 plan[b + norm] = SequenceParallel()
-            for sub in ("attn", "mlp"):
+            for sub in ("attn",) if cfg.n_experts else ("attn", "mlp"):
                 plan[b + sub] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return plan
 
@@ -208,10 +251,13 @@ def check_plan(module: nn.Module, tp: int, sequence_parallel: bool) -> None:
 def split_parameters(module: nn.Module, tp: int, sequence_parallel: bool) -> set[int]:
     """The ids of the parameters the built-in plans split over the ``tp`` ranks (each rank holds 1/tp of each):
     every weight a column-, row- or fused-QKV-parallel layer holds, and column-parallel biases. The rest (norms,
-    row-parallel biases) every rank holds whole."""
+    row-parallel biases, a mixture's router) every rank holds whole."""
     split: set[int] = set()
     for model, plan in built_in_targets(module):
         for name, style in plan(model, tp, sequence_parallel).items():
+            if isinstance(style, ExpertTensorParallel):  # every expert's weights
+                split.update(id(p) for p in model.get_submodule(name).experts.parameters())
+                continue
             if not isinstance(style, ColwiseParallel | RowwiseParallel | FusedQKVParallel):
                 continue
             for pname, param in model.get_submodule(name).named_parameters(recurse=False):
