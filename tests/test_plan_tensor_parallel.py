@@ -117,8 +117,13 @@ def test_fsdp_over_the_data_parallel_ranks_crosses_nodes_and_tensor_parallel_doe
 
 @pytest.mark.slow
 def test_tensor_parallel_with_fsdp_peaks_within_ten_percent_of_measured_on_4_ranks(tmp_path):
-    """TP2 × FSDP2 on 4 real ranks (GPT and Llama): the simulated peak against MemTracker's."""
-    cases = [Case("gpt-mini", "tp×fsdp", False, 8), Case("tiny-llama", "tp×fsdp", False, 16)]
+    """TP2 × FSDP2 on 4 real ranks (GPT, Llama, and a GPT whose blocks are mixtures of experts): the simulated peak
+    against MemTracker's."""
+    cases = [
+        Case("gpt-mini", "tp×fsdp", False, 8),
+        Case("tiny-llama", "tp×fsdp", False, 16),
+        Case("gpt-tiny-moe", "tp×fsdp", False, 8),
+    ]
     hf = hf_dirs(str(tmp_path))
     measured = run_ranks(measure_cases, 4, cases, 4, hf, str(tmp_path))
     for i, case in enumerate(cases):

@@ -89,8 +89,8 @@ class SequenceShardedInput(ParallelStyle):
 class ExpertTensorParallel(ParallelStyle):
     """A mixture of experts (``distrain.models.moe.MoE``) in place of a block's MLP: every expert's hidden units
     split over the ranks as the dense MLP's are (``fc`` ``[experts, hidden, width]`` by its hidden rows, ``proj`` by
-    its hidden columns), Megatron's expert tensor parallelism. Each rank routes every token (the router whole on
-    each, its input gathered whole under sequence parallelism), computes its units of each token's experts, and the
+    its hidden columns), Megatron's expert tensor parallelism. Each rank routes every token (the router replicated,
+    the input gathered whole under sequence parallelism), computes its units of each token's experts, and the
     block's output is the ranks' sum (reduced to ``output_layout``: the residual's): the MLP's one reduction, and each
     rank's work the same however the tokens are routed. The experts' inputs and routing weights enter with an
     all-reduce of their gradients, the partial sums of each rank's units (Megatron's ``f``)."""
@@ -105,6 +105,16 @@ class ExpertTensorParallel(ParallelStyle):
             param = experts.get_parameter(pname)
             experts.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(dim)])))
         module.hidden_split = _HiddenSplit(mesh, self.output_layout)
+        # the router replicated as a DTensor (each rank computes its whole gradient), as sequence parallelism's norms
+        # are: an optimizer's foreach and fused kernels take a list of parameters that are all DTensors or none
+        distribute_module(
+            module.router,
+            mesh,
+            input_fn=lambda mod, inputs, mesh: tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs
+            ),
+            output_fn=lambda mod, output, mesh: output.to_local(),
+        )
 
         def whole_input(mod, inputs):  # sequence parallelism's slice, gathered (its gradient: this rank's slice)
             x = inputs[0]
