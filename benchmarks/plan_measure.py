@@ -111,6 +111,7 @@ PIPELINE_CASES = {
         Case("gpt-tiny", "pp:Interleaved1F1B", False, 8, accumulate=4),
         Case("gpt-tiny", "pp", True, 8, accumulate=2),
         Case("tiny-llama", "pp:GPipe", True, 16, accumulate=2),
+        Case("gpt-tiny-moe", "pp", False, 4, accumulate=4),  # its balance loss's sum sent on beside the activations
     ],
     4: [
         Case("gpt-tiny", "pp:GPipe", False, 8, accumulate=4),

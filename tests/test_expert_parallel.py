@@ -190,20 +190,6 @@ def test_the_balance_over_the_experts_is_in_the_metrics(tmp_path):
     )
 
 
-# context parallelism splits each sequence, tensor parallelism each expert's hidden units (test_context_parallel.py)
-def test_a_pipeline_refuses_a_mixture_of_experts_before_any_rank_starts(tmp_path):
-    import distrain
-    from helpers import TinyGPT
-
-    layout = "the pipeline strategy"
-    strategy = distrain.ModelParallelStrategy(tensor_parallel_size=1, pipeline_stages=2)
-    trainer = distrain.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, default_root_dir=str(tmp_path), logger=False
-    )
-    with pytest.raises(ValueError, match=f"{layout} does not split a mixture of experts yet"):
-        trainer.fit(TinyGPT(n_experts=4), torch.utils.data.DataLoader(list(range(4))))
-
-
 # ---- checkpoints: each layer's experts whole, under the model's names, whatever the layout --------------------------
 STEPS, HALF, CLIP = 4, 2, 0.3
 

@@ -21,9 +21,10 @@ STEPS = 3
 
 
 class SmallGPT(distrain.Module):
-    """The built-in GPT (2 heads, 32 wide), built in configure_model."""
+    """The built-in GPT (2 heads, 32 wide), built in configure_model; ``experts``: each block a mixture of that
+    many, top-2, its balance loss in the loss × 0.1."""
 
-    def __init__(self, n_layer: int = 4, lr: float = 3e-3):
+    def __init__(self, n_layer: int = 4, lr: float = 3e-3, experts: int = 0):
         super().__init__()
         self.save_hyperparameters()
         self.gpt = None
@@ -32,7 +33,9 @@ class SmallGPT(distrain.Module):
         if self.gpt is None:
             from distrain.models.gpt import GPT, GPTConfig
 
-            self.gpt = GPT(GPTConfig(n_layer=self.hparams["n_layer"], n_head=2, n_embd=32, block_size=16))
+            experts = self.hparams["experts"]
+            moe = {"n_experts": experts, "top_k": 2, "aux_loss_coef": 0.1} if experts else {}
+            self.gpt = GPT(GPTConfig(n_layer=self.hparams["n_layer"], n_head=2, n_embd=32, block_size=16, **moe))
 
     def training_step(self, batch, batch_idx):
         x, y, _ = batch
@@ -108,8 +111,8 @@ class Recorder(distrain.Callback):
 
 
 def _fit(tmp, strategy, devices: int, job: str, accumulate: int, batch: int, llama: str | None = None, **kw):
-    """Train ``job`` (gpt / gpt2 / gpt8 / llama) for STEPS steps; returns the per-step rows, validation metrics,
-    predictions (gpt), and the trainer (for the tests that look inside)."""
+    """Train ``job`` (gpt / gpt2 / gpt8 / gpt-moe / llama) for STEPS steps; returns the per-step rows, validation
+    metrics, predictions (gpt), and the trainer (for the tests that look inside)."""
     recorder = Recorder()
     trainer = distrain.Trainer(
         accelerator="cpu",
@@ -134,7 +137,7 @@ def _fit(tmp, strategy, devices: int, job: str, accumulate: int, batch: int, lla
         train = DataLoader(_regression(48, 3), batch_size=batch, shuffle=True)
         val = DataLoader(_regression(10, 4), batch_size=4)
     else:
-        module = SmallGPT(n_layer={"gpt": 4, "gpt8": 8}.get(job, 2))
+        module = SmallGPT(n_layer={"gpt": 4, "gpt-moe": 4, "gpt8": 8}.get(job, 2), experts=4 * job.endswith("moe"))
         train = DataLoader(IndexedTokens(48), batch_size=batch, shuffle=True)
         val = DataLoader(IndexedTokens(10, seed=1), batch_size=4)
     trainer.fit(module, train, val)
@@ -263,6 +266,9 @@ TWO_RANK = {
     "pp-gpipe": (lambda: distrain.PipelineStrategy(stages=2, schedule="GPipe"), "gpt", 4, 2),
     "pp-1f1b": (lambda: distrain.PipelineStrategy(stages=2, schedule="1F1B"), "gpt", 4, 4),
     "pp-interleaved": (lambda: distrain.PipelineStrategy(stages=2, schedule="Interleaved1F1B"), "gpt", 4, 2),
+    # a mixture of experts: each stage adds its blocks' balance loss to the sum it received, and sends it on
+    "pp-1f1b-moe": (lambda: distrain.PipelineStrategy(stages=2, schedule="1F1B"), "gpt-moe", 4, 4),
+    "pp-interleaved-moe": (lambda: distrain.PipelineStrategy(stages=2, schedule="Interleaved1F1B"), "gpt-moe", 4, 2),
     "tp": (lambda: distrain.ModelParallelStrategy(tensor_parallel_size=2), "gpt", 4, 1),
     "tp-llama": (lambda: distrain.ModelParallelStrategy(tensor_parallel_size=2), "llama", 4, 1),
     "pp-llama": (lambda: distrain.PipelineStrategy(stages=2), "llama", 4, 2),
@@ -505,6 +511,7 @@ FOUR_RANK = {  # name: (strategy, job, per-rank batch, accumulation, data-parall
     "fsdp2xtp2": (lambda: distrain.ModelParallelStrategy(tensor_parallel_size=2), "gpt2", 2, 1, 2),
     "fsdp2xtp2-llama": (lambda: distrain.ModelParallelStrategy(tensor_parallel_size=2), "llama", 2, 1, 2),
     "pp2xtp2": (lambda: distrain.PipelineStrategy(stages=2, tensor_parallel_size=2), "gpt2", 4, 2, 1),
+    "pp2xtp2-moe": (lambda: distrain.PipelineStrategy(stages=2, tensor_parallel_size=2), "gpt-moe", 4, 2, 1),
     "pp2xfsdp2": (lambda: distrain.PipelineStrategy(stages=2), "gpt2", 2, 2, 2),
     # 8 stages, 2 a rank: a gradient sent back is let go once a message proves it received, through other ranks'
     # messages too (compat.release_sent_gradients); let go too early, gloo would send freed memory

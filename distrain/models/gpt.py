@@ -212,11 +212,18 @@ class GPT(nn.Module):
         else:
             out = self.output(logits, targets)
         aux = self.aux_loss() if targets is not None and self.cfg.aux_loss_coef else None
-        if aux is None:
-            return out
-        if isinstance(out, DTensor):  # tensor parallelism's loss (loss_parallel): every rank's, as the aux loss is
-            aux = DTensor.from_local(aux, out.device_mesh, out.placements, run_check=False)
-        return out + self.cfg.aux_loss_coef * aux
+        return out if aux is None else self.with_aux_loss(out, aux)
+
+    def with_aux_loss(self, loss: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """``loss`` and the load-balancing loss ``aux`` (the mean over the mixtures) × ``aux_loss_coef``."""
+        if isinstance(loss, DTensor):  # tensor parallelism's loss (loss_parallel): every rank's, as the aux loss is
+            aux = DTensor.from_local(aux, loss.device_mesh, loss.placements, run_check=False)
+        return loss + self.cfg.aux_loss_coef * aux
+
+    @staticmethod
+    def aux_loss_sum(blocks: nn.Module) -> torch.Tensor:
+        """The sum of the last forward's load-balancing losses of the mixtures in ``blocks`` (a pipeline stage's)."""
+        return torch.stack([m.aux_loss for m in blocks.modules() if isinstance(m, MoE)]).sum()
 
     # the forward's three parts: a pipeline runs them on its first stage, every stage and its last stage
     def embed(self, idx: torch.Tensor) -> torch.Tensor:

@@ -167,12 +167,3 @@ def group_sizes(counts: torch.Tensor, total: int) -> list[int]:
         n = counts.shape[0]
         return [total // n + (e < total % n) for e in range(n)]
     return counts.tolist()
-
-
-def refuse_experts(n_experts: int, layout: str) -> None:
-    """One line for a layout that does not split a mixture of experts yet (``n_experts``: the model's, 0 for none)."""
-    if n_experts:
-        raise ValueError(
-            f"{layout} does not split a mixture of experts yet (n_experts={n_experts}); train it with single, ddp or "
-            "fsdp"
-        )

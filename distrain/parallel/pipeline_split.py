@@ -9,6 +9,7 @@ the next, the last stage runs the head. What a plan says:
 - ``embed`` (first stage): a micro-batch → the first block's input;
 - ``head`` (last stage): the last block's output → the model's raw output (the logits);
 - ``context`` (every stage): what each block needs besides its input (a mask, rotary embeddings);
+- ``aux_loss`` (a mixture of experts): a stage's blocks' load-balancing losses, summed along the stages;
 - ``model`` and ``answer``: your ``training_step`` (and ``validation_step``, ...) runs unchanged on
   the last stage; its call of ``model(...)`` is answered from the pipeline's output
   (``answer(head output, *the call's arguments)``), so the loss, the logged metrics and the loss
@@ -62,22 +63,38 @@ class PipelineSplit:
     pad_window: Callable[[list], list] | None = None
     """Micro-batches of one step → the same, padded to one shape (a pipeline's buffers have one shape
     per step); None: they must already agree."""
+    aux_loss: Callable[[nn.Module], torch.Tensor] | None = None
+    """A stage's blocks → the sum of their auxiliary losses of the last forward (a mixture of experts' load
+    balance). Each stage adds its own to the sum it received and sends it on beside its output, so the last stage's
+    ``answer`` gets the whole model's (``aux_loss=``) and the backward reaches every stage's routers, as one process
+    computes them. None: the model has none."""
+
+    def answer_call(self, output: Any, *args, **kwargs) -> Any:
+        """``answer`` from what the last stage computed: the head's output, and with ``aux_loss`` the model's sum."""
+        if self.aux_loss is None:
+            return self.answer(output, *args, **kwargs)
+        head_output, aux_loss = output
+        return self.answer(head_output, *args, aux_loss=aux_loss, **kwargs)
 
 
 # ---- built-in plans ---------------------------------------------------------------------------------------------
 def gpt_split(gpt: nn.Module) -> PipelineSplit:
     """distrain's GPT; micro-batches are ``(x, y, ...)`` (the built-in job's and the tests')."""
     from distrain.models.gpt import GPT
-    from distrain.models.moe import refuse_experts
 
-    refuse_experts(gpt.cfg.n_experts, "the pipeline strategy")  # its stages would leave out the balance loss
+    cfg = gpt.cfg
+
+    def answer(logits, idx, targets=None, aux_loss=None):
+        loss = GPT.output(logits, targets)  # with a mixture: the balance loss's mean over every block's, as forward's
+        return loss if targets is None or aux_loss is None else gpt.with_aux_loss(loss, aux_loss / cfg.n_layer)
 
     return PipelineSplit(
         model=gpt,
         blocks=gpt.blocks,
         embed=lambda batch: gpt.embed(_first_tensor(batch)),
         head=gpt.logits,
-        answer=lambda logits, idx, targets=None: GPT.output(logits, targets),
+        answer=answer,
+        aux_loss=GPT.aux_loss_sum if cfg.n_experts and cfg.aux_loss_coef else None,
         batch_inputs=_first_tensor,
         call_inputs=lambda idx, targets=None: idx,
         first=[gpt.tok_emb, gpt.pos_emb, gpt.drop],

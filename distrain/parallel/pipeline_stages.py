@@ -56,13 +56,18 @@ class StageModule(nn.Module):
     def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
         return self.run(self.runner.batch(int(mb.reshape(-1)[0])), *received)
 
-    def run(self, batch: Any, *received: torch.Tensor) -> torch.Tensor:
-        """This stage on a micro-batch (the planner traces stages through this too)."""
+    def run(self, batch: Any, *received: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """This stage on a micro-batch (the planner traces stages through this too); with the split's ``aux_loss``,
+        its output and the auxiliary losses' sum so far."""
         x = self.split.embed(batch) if self.is_first else received[0]
         context = self.split.context(batch, x)
         for block in self.blocks:
             x = block(x, **context)
-        return self.split.head(x) if self.is_last else x
+        out = self.split.head(x) if self.is_last else x
+        if self.split.aux_loss is None:
+            return out
+        aux = self.split.aux_loss(self.blocks)
+        return out, aux if self.is_first else received[1] + aux
 
 
 @dataclass
@@ -316,7 +321,7 @@ class PipelineRunner:
                     f"under the pipeline strategy the step must call {name} on its micro-batch's own inputs (the "
                     "pipeline's first stage embedded those); it passed other inputs"
                 )
-            return split.answer(output, *args, **kwargs)
+            return split.answer_call(output, *args, **kwargs)
 
         split.model.forward = forward  # an instance attribute shadows the class's forward for this call only
         try:

@@ -149,7 +149,7 @@ def _trace_stage(module, split, stage, index: int, batch, received, autocast, co
     held = {id(p): p for p in stage.parameters() if p.requires_grad}
     held_params = list(held.values())
     inputs = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
-    args = () if received is None else (received.detach().requires_grad_(True),)
+    args = () if received is None else tuple(t.detach().requires_grad_(True) for t in received)
     phases, counter = Phases(), WorkCounter()
     tracker = fake.timeline_memory_tracker(phases.sample)
     tracker.track_external(module, *inputs, *args)
@@ -165,9 +165,10 @@ def _trace_stage(module, split, stage, index: int, batch, received, autocast, co
             if stage.is_last:
                 out.backward()
                 sent = None
-            else:
-                sent = out.detach()
-                out.backward(torch.zeros_like(out))
+            else:  # its output, and with a split's auxiliary loss the sum so far
+                out = out if isinstance(out, tuple) else (out,)
+                sent = tuple(t.detach() for t in out)
+                torch.autograd.backward(out, [torch.zeros_like(t) for t in out])
             del out
             for t in args:  # the gradient sent back to the stage before: gone once sent
                 t.grad = None
@@ -183,7 +184,7 @@ def _trace_stage(module, split, stage, index: int, batch, received, autocast, co
         saved=max(0, saved - cached),
         peak=phases.act,
         cached=cached,
-        received=0 if received is None else received.numel() * received.element_size(),
+        received=0 if received is None else sum(t.numel() * t.element_size() for t in received),
         blocks=len(stage.blocks),
         largest_unit=max((sum(p.numel() * p.element_size() for p in b.parameters()) for b in stage.blocks), default=0),
         # a GPU's compiled stage: its memory-bound operations fused
@@ -237,7 +238,7 @@ def split_over_tensor(
 def _loss(module, split, head_output, batch) -> torch.Tensor:
     """The user's ``training_step`` on the last stage, its model call answered by the head's output (as
     ``PipelineRunner`` does)."""
-    split.model.forward = lambda *args, **kwargs: split.answer(head_output, *args, **kwargs)
+    split.model.forward = lambda *args, **kwargs: split.answer_call(head_output, *args, **kwargs)
     try:
         return loss_of(run_step(module, "training_step", batch, 0))
     finally:
