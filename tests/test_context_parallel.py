@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 import distrain
 from distrain.config import ConfigError
 from distrain.parallel.context_parallel import IGNORE, SequenceShard, right_padded
+from distrain.parallel.expert_parallel import experts_of
 from distrain.parallel.layout import ParallelLayout, layout_for
 from helpers import console_of_a_faulty_rank, run_ranks
 
@@ -138,6 +139,9 @@ def _fit(
     predictions = [p.tolist() for p in predictions]
     model = module.gpt if llama is None else module.model
     weights = ckpt_state.get_model_state_dict(model, options=ckpt_state.FULL_EVERY_RANK)
+    experts = experts_of(model)
+    if experts is not None:  # each layer's experts whole, as a checkpoint holds them
+        weights = experts.global_state(weights, ckpt_state.get_model_state_dict(model, options=ckpt_state.SHARDED))
     weights = {k: v.detach().clone() for k, v in weights.items()}
     engine = getattr(trainer.strategy, "context_engine", None)
     return rows.rows, trainer.callback_metrics["val_loss"], predictions, weights, engine
@@ -165,6 +169,8 @@ def _two_ranks(rank, tmp, llama, llama_gqa, mistrals):
         "gpt-moe-ring": _fit(tmp / "cp2-moe-ring", _cp(2), 2, 4, heads=3, experts=4),
         # tensor parallelism, no context parallelism: each rank every token, its half of each expert's hidden units
         "gpt-moe-tp2": _fit(tmp / "tp2-moe", _cp(1, tensor=2, sequence_parallel=False), 2, 4, experts=4),
+        # and the experts split between the context-parallel ranks, which hold different tokens (all-to-all)
+        "gpt-moe-ep2": _fit(tmp / "cp2-moe-ep2", _cp(2, expert_parallel_size=2), 2, 4, experts=4),
         "llama-ring": _fit(tmp / "cp2-llama-ring", _cp(2), 2, 4, llama=llama_gqa),
         "mistral": _fit(tmp / "cp2-mistral", _cp(2), 2, 4, llama=mistrals["wide"]),
     }
@@ -251,7 +257,8 @@ def test_context_parallel_on_two_ranks_matches_one_process_and_resumes_on_one(tm
         assert re.match(
             r"context parallelism cannot run a sliding window of 4 tokens over sequences of \d+ ", runs["refused"] or ""
         ), runs["refused"]
-        for name, reference in {**references, "gpt-moe-tp2": references["gpt-moe"]}.items():
+        moe = references["gpt-moe"]
+        for name, reference in {**references, "gpt-moe-tp2": moe, "gpt-moe-ep2": moe}.items():
             assert runs[name][4] == ("ring" if "ring" in name else None if "tp2" in name else "ulysses"), name
             # a mixture's router adds gradients of its own to the attention's: one near-zero coordinate in 3072
             # moved 1e-4 (a wrong gradient moves weights by ~lr, 3e-3)
@@ -276,6 +283,9 @@ FOUR_RANKS = {  # name: (strategy, per-rank batch, replicas); the GPT has 4 head
     # replicas (FSDP2 on the 2-D mesh); and under sequence parallelism, each sequence split over the context ranks
     "tp2xfsdp2-moe": (lambda: _cp(1, tensor=2, sequence_parallel=False), 2, 2),
     "cp2xtp2-moe": (lambda: _cp(2, tensor=2), 4, 1),
+    # the experts split among 2 and among all 4 of the data × context ranks, each layer's sharded over the others
+    "cp2xfsdp2-moe-ep2": (lambda: _cp(2, expert_parallel_size=2), 2, 2),
+    "cp2xfsdp2-moe-ep4": (lambda: _cp(2, expert_parallel_size=4), 2, 2),
 }
 
 
@@ -296,10 +306,10 @@ def _four_ranks(rank, tmp, llama):
     # CP2 × FSDP2's checkpoint resumes under CP=4 (another context size, no replicas)
     last = next((tmp / "cp2xfsdp2").rglob(f"*step={STEPS}*"))
     out["cp4<cp2xfsdp2"] = _fit(tmp / "cp4<cp2xfsdp2", _cp(4), 4, 4, STEPS + 2, str(last), padding=False)
-    # the mixture's, its experts split two ways and sharded, resumes with its experts split four ways, unsharded
-    last = next((tmp / "tp2xfsdp2-moe").rglob(f"*step={STEPS}*"))
+    # the mixture's, its experts split among 4 ranks by rows, resumes with each expert's hidden units split 4 ways
+    last = next((tmp / "cp2xfsdp2-moe-ep4").rglob(f"*step={STEPS}*"))
     tp4 = _cp(1, tensor=4, sequence_parallel=False)
-    out["tp4<tp2xfsdp2-moe"] = _fit(tmp / "tp4<", tp4, 4, 4, STEPS + 2, str(last), padding=False, experts=4)
+    out["tp4<ep4"] = _fit(tmp / "tp4<ep4", tp4, 4, 4, STEPS + 2, str(last), padding=False, experts=4)
     return out
 
 
@@ -332,8 +342,10 @@ def test_context_parallel_with_fsdp_and_with_tensor_parallel_on_four_ranks_match
     longer_moe = _fit(tmp_path / "single-longer-moe", "single", 1, 4, steps=STEPS + 2, padding=False, experts=4)
     for rank in range(4):
         _close((longer[0][STEPS:], *longer[1:]), results[rank]["cp4<cp2xfsdp2"], f"CP=4 from CP2×FSDP2, rank {rank}")
-        resumed = results[rank]["tp4<tp2xfsdp2-moe"]
-        _close((longer_moe[0][STEPS:], *longer_moe[1:]), resumed, f"TP=4 from TP2×FSDP2, rank {rank}", STEPS + 1, 2e-4)
+        resumed = results[rank]["tp4<ep4"]
+        _close(
+            (longer_moe[0][STEPS:], *longer_moe[1:]), resumed, f"TP=4 from CP2×FSDP2×EP4, rank {rank}", STEPS + 1, 2e-4
+        )
 
 
 # ---- in one process: the slice, the layout, and what is refused before any rank starts ------------------------------

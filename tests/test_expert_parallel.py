@@ -392,13 +392,26 @@ def test_expert_parallelism_it_cannot_run_is_refused_before_any_rank_starts(tmp_
     # the built-in model builds its layers in configure_model: its declared experts are checked
     with pytest.raises(ValueError, match="expert_parallel_size=3 does not divide the model's 4 experts"):
         fit(GPTLanguageModel(n_experts=4, block_size=16), devices=3, strategy="ddp", expert_parallel_size=3)
-    with pytest.raises(ConfigError, match="distributed.expert_parallel_size applies to strategy ddp or fsdp"):
+    with pytest.raises(ConfigError, match="distributed.expert_parallel_size applies to strategy ddp, fsdp"):
         build_config(cli_items=["distributed.strategy=deepspeed_stage_2", "distributed.expert_parallel_size=2"])
     with pytest.raises(ConfigError, match="distributed.expert_parallel_size"):
         build_config(cli_items=["distributed.expert_parallel_size=0"])
     # the built-in GPT declaring no experts (n_experts=0, the config's default): nothing to split
     with pytest.raises(ValueError, match=r"expert_parallel_size=2: GPTLanguageModel declares no experts \(n_experts=0"):
         fit(GPTLanguageModel(block_size=16), strategy="fsdp", expert_parallel_size=2)
+    # under model_parallel: among the data × context ranks, and not yet beside tensor parallelism or a pipeline
+    for layout in (dict(tensor_parallel_size=2), dict(tensor_parallel_size=1, pipeline_stages=2)):
+        strategy = distrain.ModelParallelStrategy(**layout, expert_parallel_size=2)
+        with pytest.raises(
+            ValueError, match=r"expert_parallel_size=2 .* not yet with tensor parallelism or a pipeline"
+        ):
+            fit(TinyGPT(n_experts=4), strategy=strategy)
+    strategy = distrain.ModelParallelStrategy(tensor_parallel_size=1, data_parallel_size=3, expert_parallel_size=2)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2 .* must divide the number of ranks, 3"):
+        fit(TinyGPT(n_experts=4), devices=3, strategy=strategy)
+    with pytest.raises(ValueError, match="expert_parallel_size=2: TinyGPT has no mixture-of-experts layer to split"):
+        fit(TinyGPT(), strategy="model_parallel", tensor_parallel_size=1, expert_parallel_size=2)
+    assert build_config(cli_items=["distributed.strategy=model_parallel", "distributed.expert_parallel_size=2"])
     # the config's keys that make the built-in GPT a mixture, each checked before anything is built
     with pytest.raises(ConfigError, match=r"training.top_k \(5\) must be at most training.n_experts \(4\)"):
         build_config(cli_items=["training.n_experts=4", "training.top_k=5"])
@@ -440,6 +453,22 @@ def test_the_configs_experts_make_the_built_in_gpt_a_mixture_for_the_run_and_its
     assert [e.stats.numel for e in planned] == counts and [e.job.spec.experts for e in planned] == [0, 4]
     two = build_config(cli_items=["data.seq_len=32", "training.n_experts=4", "distributed.devices=2"])
     assert {o.get("experts") for o in candidate_options(job_from_config(two, gpu=False))} >= {None, 2}
+
+
+def test_the_plan_of_experts_split_under_model_parallel_says_what_it_leaves_out(capsys):
+    """The planner has no model of expert parallelism under model_parallel yet: the run's row says so."""
+    from distrain import cli
+
+    asked = ["training.n_experts=4", "distributed.tensor_parallel_size=1", "distributed.context_parallel_size=2"]
+    for ep in (1, 2):
+        argv = ["plan", "--strategy", "model_parallel", "--devices", "2", "--accelerator", "cpu", "--no-time"]
+        cli.main(
+            [*argv, "--model-name", "gpt-tiny", "data.seq_len=32", *asked, f"distributed.expert_parallel_size={ep}"]
+        )
+        out = capsys.readouterr().out
+        assert "context parallel 2 × fsdp" in out and "← this run" in out
+        note = "experts over 2 ranks under model_parallel: not modelled yet; this run's row holds each layer's experts"
+        assert (note in out) == (ep == 2), out
 
 
 class _Trainer:

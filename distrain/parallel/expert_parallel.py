@@ -250,7 +250,7 @@ def check_module(module: nn.Module, size: int) -> None:
     """Before any rank starts: ``module`` has mixture-of-experts layers, and ``size`` divides each one's experts. A
     model built in ``configure_model`` has no layers yet: the experts it declares (``hparams["n_experts"]``, the
     built-in GPT's) are checked, and the rest when its ranks split it."""
-    if size == 1:
+    if size == 1 or experts_of(module) is not None:  # split already (predict after fit): checked when it was split
         return
     params = list(module.parameters())
     if not params or any(p.is_meta for p in params):

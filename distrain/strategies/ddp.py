@@ -23,7 +23,7 @@ from distrain.strategies.registry import alias, register, unalias
 
 COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd", "post_localsgd")
 #: the strategies that take ``expert_parallel_size``
-EXPERT_PARALLEL = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp", "fsdp_cpu_offload")
+EXPERT_PARALLEL = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp", "fsdp_cpu_offload", "model_parallel")
 
 
 class DDPStrategy(Strategy):
@@ -221,7 +221,8 @@ def check(config) -> None:
     strategy = config.distributed.strategy
     if config.distributed.expert_parallel_size > 1 and unalias(strategy, {})[0] not in EXPERT_PARALLEL:
         raise ConfigError(
-            f"distributed.expert_parallel_size applies to strategy ddp or fsdp (and their variants), but the strategy "
+            f"distributed.expert_parallel_size applies to strategy ddp, fsdp (and their variants) or model_parallel, "
+            f"but the strategy "
             f"is {strategy!r}"
         )
 

@@ -36,10 +36,11 @@ from distrain.checkpoint import safe_load
 from distrain.checkpoint import state as ckpt_state
 from distrain.config import ConfigError, DistributedConfig, Refusal
 from distrain.module import StepRouter, overrides
+from distrain.parallel import expert_parallel
 from distrain.parallel.layout import CP, DP, PP, SCHEDULES, TP, ParallelLayout, default_stages_per_rank, layout_for
 from distrain.strategies import sharded_init
 from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits
-from distrain.strategies.fsdp import built_on_meta, gradient_sync_off, live_reduce_dtype
+from distrain.strategies.fsdp import built_on_meta, few_rows_by_columns, gradient_sync_off, live_reduce_dtype
 from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, block_classes, is_marked_unit
 from distrain.strategies.registry import register
 
@@ -57,6 +58,10 @@ class ModelParallelStrategy(Strategy):
     - ``sequence_parallel``: split the norms and the residual stream along the sequence too.
     - ``context_parallel_size``: ranks that split each sequence (``distrain.parallel.context_parallel``); they
       share samples, and FSDP2 shards over data × context.
+    - ``expert_parallel_size``: ranks that split each mixture-of-experts layer's experts
+      (``distrain.parallel.expert_parallel``), among the data × context ranks (which hold different tokens); each
+      layer's experts sharded by FSDP2 over the ranks that hold the same ones. Not yet with tensor parallelism or a
+      pipeline (refused before any rank starts).
     """
 
     start_method = "popen"
@@ -74,6 +79,7 @@ class ModelParallelStrategy(Strategy):
         stages_per_rank: int | None = None,
         sequence_parallel: bool = True,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         activation_checkpointing_policy: Any = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(minutes=30),
@@ -105,6 +111,7 @@ class ModelParallelStrategy(Strategy):
         self.stages_per_rank = stages_per_rank
         self.sequence_parallel = sequence_parallel
         self.context_parallel_size = context_parallel_size
+        self.expert_parallel_size = expert_parallel.check_size(expert_parallel_size)
         self.layout: ParallelLayout | None = None
         self.device_mesh = None
         self.runner = None  # the pipeline (pipeline_stages > 1), after set-up
@@ -128,10 +135,12 @@ class ModelParallelStrategy(Strategy):
             self.stages_per_rank,
             self.context_parallel_size,
         )
+        _check_experts_layout(self.expert_parallel_size, self.layout)
 
     @property
     def layout_note(self) -> str:
-        return f" ({self.layout.describe()})" if self.layout else ""
+        experts = f", experts over {self.expert_parallel_size} ranks" if self.expert_parallel_size > 1 else ""
+        return f" ({self.layout.describe()}{experts})" if self.layout else ""
 
     @property
     def data_parallel_size(self) -> int:
@@ -188,6 +197,7 @@ class ModelParallelStrategy(Strategy):
         from distrain.module import Module
         from distrain.parallel.tensor_parallel import check_plan, is_parallelized
 
+        super().check_module(module)  # experts that expert_parallel_size cannot split
         if self.layout.context > 1:
             _check_context_parallel(module, self.layout)
         if isinstance(module, Module) and overrides(module, "configure_model"):
@@ -232,6 +242,7 @@ class ModelParallelStrategy(Strategy):
             self.tensor_plan = apply_tensor_parallel(user, mesh[TP], self.sequence_parallel)
         if lay.context > 1:
             self._apply_context_parallel(user)
+        self._split_experts(module)  # on the meta device too: this rank's rows of each layer's experts
         split = None
         if lay.pipeline > 1:
             from distrain.parallel.pipeline_split import split_for
@@ -260,9 +271,11 @@ class ModelParallelStrategy(Strategy):
             if not skip_init:
                 blocks = build.split.blocks if build else units
                 unit_of = sharded_init.units_of_parameters(module, list(blocks))
-                self.init_peak_bytes = sharded_init.replay_initialization(
-                    module, rng, sharded_init.DTensorShards(self.root_device), unit_of
-                )
+                access = sharded_init.DTensorShards(self.root_device)
+                if self.experts is not None:  # every expert drawn whole, as one process draws them; this rank's kept
+                    experts = self.experts
+                    access = sharded_init.SplitRows(access, experts.owns, experts.size, experts.rank, experts.gather)
+                self.init_peak_bytes = sharded_init.replay_initialization(module, rng, access, unit_of)
         if build is not None:
             build.prune(user)  # after initialization: other stages' layers drew their random numbers too
             runner.finish()
@@ -282,6 +295,10 @@ class ModelParallelStrategy(Strategy):
         # reshard them after backward until the last): resharding after each forward would gather them again for
         # every micro-batch's backward, and not overlapped (torchtitan's default under pipelining, the same)
         kwargs = dict(mesh=self._data_mesh(), mp_policy=policy, reshard_after_forward=self.layout.pipeline == 1)
+        if self.experts is not None:  # each layer's experts a unit of their own, over the ranks that hold them
+            holders = self.world_size // self.expert_parallel_size
+            shared = {k: v for k, v in kwargs.items() if k != "mesh"}
+            self.experts.shard(fully_shard, shard_placement_fn=few_rows_by_columns(holders), **shared)
         for unit in reversed(units):
             fully_shard(unit, **kwargs)
         for root in roots:
@@ -371,6 +388,8 @@ class ModelParallelStrategy(Strategy):
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         match_gradient_layouts(params)
+        if self.experts is not None:  # each rank's experts are its own: the norm sums them over the ranks
+            return self._norm_with_experts(params)
         group = self.device_mesh.get_group(PP) if self.layout.pipeline > 1 else None
         skip = self.runner.counted_once() if self.runner is not None else set()
         return total_norm([p for p in params if id(p) not in skip], group, self.root_device)
@@ -519,7 +538,25 @@ def options_from_config(config, block_classes, pipeline: bool = False) -> dict:
     else:  # (a pipeline with context parallelism is refused by check)
         options["pipeline_stages"] = d.pipeline_stages or 1
         options["context_parallel_size"] = d.context_parallel_size
+        options["expert_parallel_size"] = d.expert_parallel_size
     return options
+
+
+def _check_experts_layout(size: int, layout: ParallelLayout) -> None:
+    """Expert parallelism splits the experts among ranks that hold different tokens: here the data × context
+    ranks of a model not split otherwise."""
+    if size > 1 and (layout.tensor > 1 or layout.pipeline > 1):
+        raise Refusal(
+            f"expert_parallel_size={size} (distributed.expert_parallel_size) under model_parallel splits the experts "
+            f"among the data and context-parallel ranks, and not yet with tensor parallelism or a pipeline (this "
+            f"layout: {layout.describe()}); leave it unset there: tensor parallelism splits each expert's hidden "
+            "units, and a pipeline's stages each hold their own blocks' experts"
+        )
+    if size > 1 and (layout.data * layout.context) % size:
+        raise Refusal(
+            f"expert_parallel_size={size} (distributed.expert_parallel_size) must divide the data × context-parallel "
+            f"ranks, {layout.data * layout.context} ({layout.describe()})"
+        )
 
 
 def check(config) -> None:
