@@ -36,7 +36,8 @@ class Case:
     context parallel in pairs of ranks, FSDP across data × context; ``pp`` (1F1B), ``pp:GPipe``,
     ``pp:Interleaved1F1B``: a pipeline stage per rank; ``pp×fsdp``: two stages (1F1B), FSDP across the rest;
     ``pp×tp``: two stages (1F1B), each tensor parallel (with sequence parallelism) over the rest;
-    ``ddp+ep``, ``fsdp+ep``: a mixture of experts' experts over every rank (``expert_parallel_size``)."""
+    ``ddp+ep``, ``fsdp+ep``: a mixture of experts' experts over every rank (``expert_parallel_size``); ``cp+ep``:
+    context parallel over every rank, the experts over every rank too."""
     ac: bool | str
     """Activation checkpointing of every block: True (whole), ``"selective"`` (per operation), False (none)."""
     micro_batch: int
@@ -97,6 +98,7 @@ ACCURACY_CASES = [
     Case("gpt-tiny-moe", "fsdp+ep", True, 8),
     Case("gpt-tiny-moe", "ddp+ep", False, 8, routing="collapsed"),
     Case("gpt-tiny-moe", "tp", False, 8),  # each expert's hidden units split over the tensor-parallel ranks
+    Case("gpt-tiny-moe", "cp+ep", False, 8),  # planned for even routing: the busier rank measures above it
 ]
 #: the built-in GPT with each block a mixture of experts: (model, experts, top_k)
 MIXTURES = {"gpt-tiny-moe": ("gpt-tiny", 4, 2)}
@@ -201,7 +203,9 @@ def option_of(case: Case, world_size: int):
         sharding = "FULL_SHARD" if layout["tensor"] < world_size else None
         return Option("tp", sharding=sharding, checkpoint=checkpoint, **layout)
     if case.strategy.startswith("cp"):
-        return Option("cp", sharding="FULL_SHARD", checkpoint=checkpoint, context=_context_size(case, world_size))
+        experts = world_size if case.strategy == "cp+ep" else None
+        context = _context_size(case, world_size)
+        return Option("cp", sharding="FULL_SHARD", checkpoint=checkpoint, context=context, experts=experts)
     return Option("zero", stage=int(case.strategy[-1]), checkpoint=checkpoint)
 
 
@@ -268,6 +272,7 @@ def _strategy(case: Case, blocks: set, world_size: int):
         return distrain.ModelParallelStrategy(
             tensor_parallel_size=1,
             context_parallel_size=_context_size(case, world_size),
+            expert_parallel_size=world_size if case.strategy == "cp+ep" else 1,
             activation_checkpointing_policy=policy,
         )
     if case.strategy == "ddp":

@@ -5,6 +5,8 @@ or no token at all for one rank's experts."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -455,16 +457,17 @@ def test_the_configs_experts_make_the_built_in_gpt_a_mixture_for_the_run_and_its
     assert {o.get("experts") for o in candidate_options(job_from_config(two, gpu=False))} >= {None, 2}
 
 
-def test_the_plan_of_experts_split_under_model_parallel_says_what_it_leaves_out(capsys):
-    """The planner has no model of expert parallelism under model_parallel yet: the run's row says so."""
+def test_the_plan_of_a_model_parallel_run_splits_its_experts_as_the_run_asks(capsys):
+    """``distrain plan`` for a model_parallel run with ``expert_parallel_size``: the run's row is its layout with the
+    experts split (simulated: the tokens' all-to-all under even routing; against measured: the accuracy cases)."""
     from distrain import cli
 
-    argv = ["plan", "--strategy", "model_parallel", "--devices", "2", "--accelerator", "cpu", "--no-time"]
-    asked = ["training.n_experts=4", "distributed.tensor_parallel_size=1", "distributed.context_parallel_size=2"]
-    cli.main([*argv, "--model-name", "gpt-tiny", "data.seq_len=32", *asked, "distributed.expert_parallel_size=2"])
-    out = capsys.readouterr().out
-    assert "context parallel 2 × fsdp" in out and "← this run" in out
-    assert "experts over 2 ranks under model_parallel: not modelled yet; this run's row holds each layer's" in out
+    argv = ["plan", "--strategy", "model_parallel", "--devices", "2", "--accelerator", "cpu", "--no-time", "--json"]
+    asked = ["data.seq_len=32", "training.n_experts=4", "distributed.tensor_parallel_size=1"]
+    asked += ["distributed.context_parallel_size=2", "distributed.expert_parallel_size=2"]
+    cli.main([*argv, "--model-name", "gpt-tiny", *asked])
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows and all(r["context_parallel_size"] == 2 and r["expert_parallel_size"] == 2 for r in rows), rows
 
 
 class _Trainer:

@@ -32,9 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from distrain.models.moe import expert_counts, grouped_linear
+from distrain.models.moe import expert_counts, group_sizes, grouped_linear
 from distrain.parallel import gradients
 
 EP, EDP = "expert_parallel", "expert_data_parallel"
@@ -184,18 +185,25 @@ class _Dispatch:
 
     def __call__(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         n, local = self.size, self.local
-        sent = counts.view(n, local)  # [destination rank, its expert]: tokens this rank sends
-        received = torch.empty_like(sent)  # [source rank, my expert]: tokens this rank receives
-        dist.all_to_all_single(received, sent, group=self.group)
-        sent_per_rank, received_per_rank = sent.sum(1).tolist(), received.sum(1).tolist()
+        if isinstance(counts, FakeTensor):  # the planner's trace: the routing even on every rank (``group_sizes``)
+            even = group_sizes(counts, len(tokens))
+            sent = [even[d * local : (d + 1) * local] for d in range(n)]
+            mine = dist.get_rank(self.group)
+            received = [even[mine * local : (mine + 1) * local]] * n  # each rank sends me what I keep of mine
+        else:
+            to = counts.view(n, local)  # [destination rank, its expert]: tokens this rank sends
+            came = torch.empty_like(to)  # [source rank, my expert]: tokens this rank receives
+            dist.all_to_all_single(came, to, group=self.group)
+            sent, received = to.tolist(), came.tolist()
+        sent_per_rank, received_per_rank = [sum(row) for row in sent], [sum(row) for row in received]
         arrived = all_to_all_single_autograd(tokens, received_per_rank, sent_per_rank, self.group)
         # grouped by source rank, then by my expert: regroup by my expert for the experts, then back
-        pieces = received.reshape(-1).tolist()  # sizes in (source, expert) order
+        pieces = [size for row in received for size in row]  # sizes in (source, expert) order
         chunks = arrived.split(pieces)
         by_expert = [chunks[s * local + e] for e in range(local) for s in range(n)]
         # through the experts even with no token: whether the result needs a gradient (and so whether this rank
         # joins the all-to-all's backward, which every rank must) may not depend on the tokens a rank received
-        out = self.experts(torch.cat(by_expert), received.sum(0).tolist())
+        out = self.experts(torch.cat(by_expert), [sum(row[e] for row in received) for e in range(local)])
         back = out.split([pieces[s * local + e] for e in range(local) for s in range(n)])
         returned = torch.cat([back[e * n + s] for s in range(n) for e in range(local)])
         return all_to_all_single_autograd(returned, sent_per_rank, received_per_rank, self.group)
@@ -451,7 +459,7 @@ def split_model(model: nn.Module, size: int, device_type: str) -> ExpertSplit:
     # N consecutive ranks split the experts (one node's, where N fits in it), ranks N apart hold the same ones. The
     # expert-parallel dimension comes first, so that a layer's experts are [Shard(0), Shard(0)] over the mesh: the
     # rows split among the expert-parallel ranks, then each rank's among those that hold the same ones (FSDP)
-    ranks = torch.arange(world).view(world // size, size).t()
+    ranks = [[j * size + i for j in range(world // size)] for i in range(size)]  # a list: the planner's fake tensors
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=(EP, EDP))
     split = ExpertSplit(size, mesh, world)
     for layer in split_experts(model, mesh.get_group(EP)):

@@ -208,13 +208,6 @@ class Plan:
                 "accum N: tensor- and context-parallel ranks and pipeline stages share their samples, so N "
                 "micro-batches per step keep the job's global batch"
             )
-        if self.job.expert_parallel > 1 and any(self.is_run(r) and not r.option.get("experts") for r in self.rows):
-            lines.append(
-                f"experts over {self.job.expert_parallel} ranks under model_parallel: not modelled yet; this run's row "
-                "holds each layer's experts as FSDP alone shards them (the same sharded state; every expert gathered "
-                "per layer, where the run gathers 1/N of them) and leaves out the tokens' all-to-all (its buffers and "
-                "its time)"
-            )
         routed = [r for r in self.rows if r.worst_routing_peak]
         if routed:
             lines.append(

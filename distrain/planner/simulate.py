@@ -394,6 +394,7 @@ def _simulate_tensor_parallel(
     accumulate: int = 1,
     foreach: bool = False,
     context: int = 1,
+    experts: int = 1,
 ) -> TensorParallelStep:
     """distrain's ``ModelParallelStrategy`` on a fake process group, under fake tensors, one training
     step as the Trainer runs it. The peak is taken over forward and backward; the optimizer step's is
@@ -406,6 +407,7 @@ def _simulate_tensor_parallel(
             tensor_parallel_size=tensor,
             data_parallel_size=world_size // (tensor * context),
             context_parallel_size=context,
+            expert_parallel_size=experts,
             sequence_parallel=sequence_parallel,
             activation_checkpointing_policy=checkpoint_policy(
                 spec.block_classes, checkpoint, spec.selective_checkpointing

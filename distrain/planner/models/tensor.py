@@ -46,6 +46,7 @@ class ModelParallel(CostModel):
                 + (f" ({option.get('engine')})" if option.get("engine") else "")
                 + (f" × tensor {option.tensor}" if option.tensor > 1 else "")
                 + (" × fsdp" if option.get("sharding") else "")
+                + (f" + experts over {option.get('experts')}" if option.get("experts") else "")
             )
         return (
             f"tensor parallel {option.tensor}"
@@ -60,6 +61,7 @@ class ModelParallel(CostModel):
                 + (f"({option.get('engine')})" if option.get("engine") else "")
                 + (f"×TP{option.tensor}" if option.tensor > 1 else "")
                 + ("×FSDP" if option.get("sharding") else "")
+                + (f"+EP{option.get('experts')}" if option.get("experts") else "")
             )
         return (
             f"TP{option.tensor}"
@@ -107,7 +109,15 @@ def _simulated(estimator, option):
 
 def _key(estimator, option) -> tuple:
     o = option
-    return ("tp", o.tensor, o.context, o.get("sequence_parallel", False), o.checkpoint, estimator.job.micro_batch)
+    return (
+        "tp",
+        o.tensor,
+        o.context,
+        o.get("sequence_parallel", False),
+        o.checkpoint,
+        estimator.job.micro_batch,
+        o.get("experts"),
+    )
 
 
 def _simulation(estimator, option) -> dict:
@@ -124,6 +134,7 @@ def _simulation(estimator, option) -> dict:
         checkpoint=option.checkpoint,
         accumulate=job.accumulate,
         foreach=job.gpu,
+        experts=option.get("experts") or 1,
     )
 
 
@@ -174,7 +185,10 @@ def context_parallel_option(job, context: int, strict: bool = False, heads: list
             raise
         return None
     ring = "ring" if engine == "ring" else None
-    return Option("cp", sharding="FULL_SHARD", tensor=layout.tensor, context=layout.context, engine=ring)
+    experts = job.expert_parallel if strict and job.expert_parallel > 1 else None  # the run's: split as it asks
+    return Option(
+        "cp", sharding="FULL_SHARD", tensor=layout.tensor, context=layout.context, engine=ring, experts=experts
+    )
 
 
 def _attention_heads(job) -> list[int]:
