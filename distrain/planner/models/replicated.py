@@ -111,16 +111,17 @@ def offered_expert_parallel(job) -> list[Option]:
     return [Option("ddp", experts=experts)] if experts > 1 and job.replica_groups == 1 else []
 
 
-def with_worst_routing(estimator, option, row: Row) -> Row:
+def with_worst_routing(estimator, option, row: Row, kind: str | None = None, share: int = 1) -> Row:
     """``row`` with its peak under the worst routing, where its experts are split over ranks: the step traced again
-    with one rank's experts taking every token copy they can (``model_stats.worst_routing``); the activations that
-    adds add to the peak."""
+    (as ``kind``'s, by default the option's) with one rank's experts taking every token copy they can
+    (``model_stats.worst_routing``); the activations that adds, over ``share`` (a context-parallel rank holds
+    1/``share`` of each sequence's tokens), add to the peak."""
     experts = option.get("experts")
     if not experts:
         return row
-    even = estimator.trace(option.family, option.checkpoint)
-    worst = estimator.trace(option.family, option.checkpoint, routed_over=experts)
-    return replace(row, worst_routing_peak=row.peak + max(0, worst.activations - even.activations))
+    even = estimator.trace(kind or option.family, option.checkpoint)
+    worst = estimator.trace(kind or option.family, option.checkpoint, routed_over=experts)
+    return replace(row, worst_routing_peak=row.peak + max(0, worst.activations - even.activations) // share)
 
 
 def expert_collectives(job, trace, experts: int, grads: float) -> list[Collective]:

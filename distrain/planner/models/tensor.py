@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from distrain.planner.models import CostModel, data_parallel_kind
 from distrain.planner.models.pipeline import pipeline_option
+from distrain.planner.models.replicated import with_worst_routing
 from distrain.planner.options import Option, Row
 from distrain.planner.timing import Collective, Hardware, StepTime, collective_seconds, copy_seconds, work_seconds
 
@@ -78,7 +79,8 @@ class ModelParallel(CostModel):
     def estimate(self, estimator, option) -> Row:
         p = _simulated(estimator, option)
         sharded = p.params + p.grads + p.optimizer if option.get("sharding") else 0
-        return Row(option, p.params, p.grads, p.optimizer, p.activations, 0, p.peak, sharded=sharded)
+        row = Row(option, p.params, p.grads, p.optimizer, p.activations, 0, p.peak, sharded=sharded)
+        return with_worst_routing(estimator, option, row, data_parallel_kind(option), option.context)
 
     def activation_slope(self, estimator, option) -> float:
         """Each rank holds its part of every layer (of every sequence): the whole model's activations, split so."""
