@@ -480,6 +480,26 @@ def test_expert_parallel_on_two_gpus_in_fp16_and_bf16(tmp_path):
     assert_matches(references["bf16-mixed"], runs["fsdp-bf16"], "fsdp + experts over 2 (bf16)", "bf16-mixed")
 
 
+@pytest.mark.skipif(CUDA and GPUS < 2, reason="tensor parallelism, pipelines and all-to-alls on CUDA need NCCL: 2 GPUs")
+def test_a_mixture_of_experts_under_model_parallel_on_two_gpus_in_bf16(tmp_path):
+    """The GPT with 4 experts per block, bf16, every step clipped, each layout within bf16's tolerance of one process
+    accumulating the same global batch: each expert's hidden units split over the 2 GPUs (each GPU's grouped matmul
+    on its units' DTensor shards), 2 pipeline stages sending the balance loss's running sum (a 0-d tensor) beside the
+    activations, and the experts split between 2 context-parallel ranks (the all-to-all under NCCL)."""
+    moe = {"module_kw": {"n_experts": 4}, "clip": 0.3, "precision": "bf16-mixed"}
+    reference = fit(tmp_path / "single", "single", accumulate=2, batch=BATCH // 2, **moe)
+    two = dict(devices=2, batch=BATCH // 2, accumulate=2, **moe)
+    runs = run_ranks(
+        session, 2, str(tmp_path),
+        [("tp2", dict(strategy="model_parallel", tensor_parallel_size=2, **two)),
+         ("pp2", dict(strategy="pipeline", schedule="1F1B", **two)),
+         ("cp2+ep2", dict(strategy="model_parallel", tensor_parallel_size=1, context_parallel_size=2,
+                          expert_parallel_size=2, **two))],
+    )[0]  # fmt: skip
+    for name, run in runs.items():
+        assert_matches(reference, run, f"{name}, a mixture of experts (bf16, 2 GPUs)", "bf16-mixed")
+
+
 def test_experts_run_one_grouped_matmul_on_cuda_in_bf16_with_the_loops_results():
     """On CUDA in bf16 a mixture of experts' stacked experts run as one grouped matmul (``F.grouped_mm``) instead of a
     matmul per expert: the same outputs and gradients within bf16's rounding, an expert with no token included."""
