@@ -114,6 +114,15 @@ def _fit(strategy, module, out: Path, devices: int = 2) -> str:
     return str(info.value)
 
 
+def _built(strategy, out: Path, devices: int = 2) -> str:
+    """A Trainer refused as it is built: its strategy's layout (``connect``), before any rank starts."""
+    with pytest.raises(Refusal) as info:
+        distrain.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, default_root_dir=str(out))
+    assert not (out / "logs").exists()
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
 def _gpt():
     import helpers
 
@@ -229,6 +238,11 @@ CASES = {
     ("strategies/model_parallel.py", "check_module", 0): (
         lambda hf, out, capsys: _fit(_mp(pipeline_stages=8), _built_in_gpt(), out, devices=8),
         r"8 pipeline stages \(distributed.pipeline_stages\) but gpt-tiny has 4 blocks",
+    ),
+    ("strategies/model_parallel.py", "_check_experts_layout", 0): (
+        lambda hf, out, capsys: _built(_mp(tensor_parallel_size=2, expert_parallel_size=2), out),
+        r"expert_parallel_size=2 \(distributed.expert_parallel_size\) under model_parallel splits the experts among "
+        r"the data and context-parallel ranks, and not yet with tensor parallelism or a pipeline",
     ),
     ("parallel/tensor_parallel.py", "planned_targets", 0): (
         lambda hf, out, capsys: _fit(_mp(tensor_parallel_size=2), _mlp(), out),

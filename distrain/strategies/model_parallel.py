@@ -544,18 +544,14 @@ def options_from_config(config, block_classes, pipeline: bool = False) -> dict:
 
 def _check_experts_layout(size: int, layout: ParallelLayout) -> None:
     """Expert parallelism splits the experts among ranks that hold different tokens: here the data × context
-    ranks of a model not split otherwise."""
+    ranks of a model not split otherwise (every rank, so ``Strategy.connect`` has checked that the size divides
+    them)."""
     if size > 1 and (layout.tensor > 1 or layout.pipeline > 1):
         raise Refusal(
             f"expert_parallel_size={size} (distributed.expert_parallel_size) under model_parallel splits the experts "
             f"among the data and context-parallel ranks, and not yet with tensor parallelism or a pipeline (this "
             f"layout: {layout.describe()}); leave it unset there: tensor parallelism splits each expert's hidden "
             "units, and a pipeline's stages each hold their own blocks' experts"
-        )
-    if size > 1 and (layout.data * layout.context) % size:
-        raise Refusal(
-            f"expert_parallel_size={size} (distributed.expert_parallel_size) must divide the data × context-parallel "
-            f"ranks, {layout.data * layout.context} ({layout.describe()})"
         )
 
 
