@@ -221,9 +221,8 @@ def check(config) -> None:
     strategy = config.distributed.strategy
     if config.distributed.expert_parallel_size > 1 and unalias(strategy, {})[0] not in EXPERT_PARALLEL:
         raise ConfigError(
-            f"distributed.expert_parallel_size applies to strategy ddp, fsdp (and their variants) or model_parallel, "
-            f"but the strategy "
-            f"is {strategy!r}"
+            "distributed.expert_parallel_size applies to strategy ddp, fsdp (and their variants) or model_parallel, "
+            f"but the strategy is {strategy!r}"
         )
 
 

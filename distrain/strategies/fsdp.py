@@ -213,10 +213,8 @@ class FSDPStrategy(Strategy):
         if self.cpu_offload:
             # pinned memory needs an accelerator: on a CPU-only machine it fails at set-up
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        if self.experts is not None:  # each layer's experts a unit of their own, over the ranks that hold them
-            holders = self.world_size // self.expert_parallel_size
-            shared = {k: v for k, v in kwargs.items() if k not in ("mesh", "shard_placement_fn")}
-            self.experts.shard(fully_shard, shard_placement_fn=few_rows_by_columns(holders), **shared)
+        if self.experts is not None:
+            shard_experts(self.experts, fully_shard, kwargs)
         selected = self._wrap_selector(module)
         units = [m for m in module.modules() if m is not module and (selected(m) or is_marked_unit(m))]
         for unit in reversed(units):  # innermost first, so nested units own their own params
@@ -230,10 +228,7 @@ class FSDPStrategy(Strategy):
             module.to_empty(device=torch.device("cpu") if self.cpu_offload else self.root_device)
             if not skip_init:
                 unit_of = sharded_init.units_of_parameters(module, list(reversed(units)))
-                access = sharded_init.DTensorShards(self.root_device)
-                if self.experts is not None:  # every expert drawn whole, as one process draws them; this rank's kept
-                    experts = self.experts
-                    access = sharded_init.SplitRows(access, experts.owns, experts.size, experts.rank, experts.gather)
+                access = sharded_init.dtensor_shards_and_expert_rows(self.root_device, self.experts)
                 #: the most bytes of full-size temporaries initialization held at once (one unit at most)
                 self.init_peak_bytes = sharded_init.replay_initialization(module, rng, access, unit_of)
             for sub in module.modules():  # offloading moves parameters only: buffers live on the device
@@ -262,6 +257,14 @@ class FSDPStrategy(Strategy):
 
     def load_checkpoint(self, path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         return ckpt_state.load_any(path, state, self.unwrap, ckpt_state.SHARDED, strict)
+
+
+def shard_experts(experts, fully_shard: Callable, kwargs: dict[str, Any]) -> None:
+    """Each layer's experts (``experts``: the ``ExpertSplit``) an FSDP2 unit of their own, over the ranks that hold
+    the same ones, with the other units' ``kwargs`` but their mesh and placement: fewer experts than those ranks
+    are sharded by columns (``few_rows_by_columns``)."""
+    shared = {k: v for k, v in kwargs.items() if k not in ("mesh", "shard_placement_fn")}
+    experts.shard(fully_shard, shard_placement_fn=few_rows_by_columns(experts.world // experts.size), **shared)
 
 
 def few_rows_by_columns(ranks: int) -> Callable[[nn.Parameter], Any]:

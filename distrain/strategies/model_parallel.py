@@ -40,7 +40,7 @@ from distrain.parallel import expert_parallel
 from distrain.parallel.layout import CP, DP, PP, SCHEDULES, TP, ParallelLayout, default_stages_per_rank, layout_for
 from distrain.strategies import sharded_init
 from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits
-from distrain.strategies.fsdp import built_on_meta, few_rows_by_columns, gradient_sync_off, live_reduce_dtype
+from distrain.strategies.fsdp import built_on_meta, gradient_sync_off, live_reduce_dtype, shard_experts
 from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, block_classes, is_marked_unit
 from distrain.strategies.registry import register
 
@@ -271,10 +271,7 @@ class ModelParallelStrategy(Strategy):
             if not skip_init:
                 blocks = build.split.blocks if build else units
                 unit_of = sharded_init.units_of_parameters(module, list(blocks))
-                access = sharded_init.DTensorShards(self.root_device)
-                if self.experts is not None:  # every expert drawn whole, as one process draws them; this rank's kept
-                    experts = self.experts
-                    access = sharded_init.SplitRows(access, experts.owns, experts.size, experts.rank, experts.gather)
+                access = sharded_init.dtensor_shards_and_expert_rows(self.root_device, self.experts)
                 self.init_peak_bytes = sharded_init.replay_initialization(module, rng, access, unit_of)
         if build is not None:
             build.prune(user)  # after initialization: other stages' layers drew their random numbers too
@@ -295,10 +292,8 @@ class ModelParallelStrategy(Strategy):
         # reshard them after backward until the last): resharding after each forward would gather them again for
         # every micro-batch's backward, and not overlapped (torchtitan's default under pipelining, the same)
         kwargs = dict(mesh=self._data_mesh(), mp_policy=policy, reshard_after_forward=self.layout.pipeline == 1)
-        if self.experts is not None:  # each layer's experts a unit of their own, over the ranks that hold them
-            holders = self.world_size // self.expert_parallel_size
-            shared = {k: v for k, v in kwargs.items() if k != "mesh"}
-            self.experts.shard(fully_shard, shard_placement_fn=few_rows_by_columns(holders), **shared)
+        if self.experts is not None:
+            shard_experts(self.experts, fully_shard, kwargs)
         for unit in reversed(units):
             fully_shard(unit, **kwargs)
         for root in roots:

@@ -175,6 +175,16 @@ class SplitRows(ShardAccess):
         self.inner.commit(param, full[self.index * rows : (self.index + 1) * rows])
 
 
+def dtensor_shards_and_expert_rows(device, experts=None) -> ShardAccess:
+    """What initialization keeps of each parameter it draws whole on a rank of FSDP2 (or model parallelism): the
+    rank's DTensor shard, and with ``experts`` (an ``ExpertSplit``) the rank's rows of each layer's experts, drawn
+    whole as one process draws them."""
+    access = DTensorShards(device)
+    if experts is None:
+        return access
+    return SplitRows(access, experts.owns, experts.size, experts.rank, experts.gather)
+
+
 def units_of_parameters(module: nn.Module, units: list[nn.Module] | None = None) -> dict[int, int]:
     """``id(param) → the unit that owns it``: with ``units`` (innermost first, e.g. FSDP's sharded
     blocks) the innermost one holding it, the root owning the rest; without, the module that holds
