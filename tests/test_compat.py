@@ -3,6 +3,7 @@ checkpoints written by an earlier distrain (tests/data/previous/) still resume."
 
 import os
 import shutil
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -236,6 +237,35 @@ def test_fake_tensors_fake_process_group_and_memory_trackers():
     assert issubclass(fake.fsdp_memory_tracker_class(), FSDPMemTracker) and issubclass(FSDPMemTracker, MemTracker)
     assert issubclass(fake.memory_tracker_class(), MemTracker)
     assert fake.memory_tracker_class() is fake.memory_tracker_class()
+
+
+class _Func(nn.Module):
+    """A function made a module outside the model's hierarchy, as the ``kernels`` package makes transformers' rotary
+    embedding: a global instance that calls a private one of the same class."""
+
+    def __init__(self, inner=None):
+        super().__init__()
+        self.__dict__["inner"] = inner  # not a child: each is a root of its own to the trackers
+
+    def forward(self, x):
+        return self.inner(x) * 2 if self.inner is not None else x + 1
+
+
+def test_memory_trackers_see_nested_modules_of_one_class_outside_the_model_without_a_warning():
+    """torch's ModTracker names a module outside the model by its class alone, so two such modules of one class
+    that nest read as one module entered twice: it warned "The module hierarchy tracking maybe be messed up" on
+    the console of `distrain plan` at every layer of Llama where ``kernels`` is installed."""
+    stray = _Func(_Func())
+    model = nn.Linear(8, 8)
+    trackers = [
+        lambda: fake.timeline_memory_tracker(lambda snapshot: None),
+        fake.peak_memory_tracker,
+    ]  # FSDPMemTracker is made by the same class factory (it takes FSDP modules only)
+    for make in trackers:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the warning would raise inside the forward's hook
+            with make():
+                stray(model(torch.ones(4, 8))).sum().backward()
 
 
 def test_transformers_as_in_eager_under_fake_tensors(tmp_path, monkeypatch):

@@ -41,6 +41,10 @@ def _without_sharding_propagation(tracker: type) -> type:
     """``tracker`` (a MemTracker class) that does not count what DTensor's sharding propagation computes."""
 
     class Tracker(tracker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._mod_tracker = _module_tracker_naming_each_root()
+
         def __enter__(self):
             from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
@@ -73,6 +77,32 @@ def _without_sharding_propagation(tracker: type) -> type:
 
     Tracker.__name__ = Tracker.__qualname__ = tracker.__name__
     return Tracker
+
+
+def _module_tracker_naming_each_root():
+    """torch's ``ModTracker`` (which the memory trackers keep as ``_mod_tracker``), naming each module called outside
+    the traced model's hierarchy apart. torch names such a root by its class alone, so two different roots of one
+    class that nest read as one module entered twice, and it warns "The module hierarchy tracking maybe be messed up"
+    on the console at each layer. The ``kernels`` package (which transformers uses when it is installed) makes
+    functions such as Llama's ``apply_rotary_pos_emb`` modules of one class, ``Func``, one calling the other: a plan of
+    Llama-2-7B printed it 39 times where ``kernels`` is installed (fresh installs of transformers bring it). The first
+    root of a class keeps its bare name (the model's own), later ones get ``#2``, ``#3``...
+    Overrides ``_get_mod_name`` and sets ``_known_modules``: checked on torch 2.13.0."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class RootNamingModTracker(ModTracker):
+        def __init__(self):
+            super().__init__()
+            self._roots_of_class: dict[str, int] = {}
+
+        def _get_mod_name(self, mod):
+            if mod not in self._known_modules:  # a root: not reached as any known module's child
+                name = type(mod).__name__
+                count = self._roots_of_class[name] = self._roots_of_class.get(name, 0) + 1
+                self._known_modules[mod] = name if count == 1 else f"{name}#{count}"
+            return super()._get_mod_name(mod)
+
+    return RootNamingModTracker()
 
 
 def timeline_memory_tracker(on_sample):
