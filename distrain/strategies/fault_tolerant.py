@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -117,6 +118,8 @@ class TorchFTStrategy(Strategy):
             )
         from distrain.launch import ReplicaGroupLauncher
 
+        if self.lighthouse is not None:  # a lighthouse of the user's: said here, before any group starts
+            _check_lighthouse(self.lighthouse, self.ft_timeout)
         return ReplicaGroupLauncher(nprocs, self.replica_groups, self.min_replicas, self.lighthouse, self.max_restarts)
 
     traits = Traits(reruns_steps=False)  # each replica group would decide alone whether to re-run or roll back
@@ -573,15 +576,21 @@ def _torchft():
 
 
 def _check_lighthouse(address: str, timeout: timedelta) -> None:
-    """One line naming the address when no lighthouse answers there (torchft's own error comes after a minute)."""
+    """One line naming the address when no lighthouse answers there (torchft's own error comes after a minute). A
+    port where nothing listens is said at once (torchft's client retries it until its timeout)."""
+    from urllib.parse import urlsplit
+
     from torchft.coordination import LighthouseClient
 
+    wait = min(timeout, timedelta(seconds=10))
     try:
-        LighthouseClient(address, connect_timeout=min(timeout, timedelta(seconds=10)))
-    except RuntimeError as e:
+        where = urlsplit(address)
+        socket.create_connection((where.hostname, where.port or 80), timeout=wait.total_seconds()).close()
+        LighthouseClient(address, connect_timeout=wait)
+    except (OSError, ValueError, RuntimeError) as e:
         raise RuntimeError(
             f"ddp_torchft: no torchft lighthouse answers at {address} (TORCHFT_LIGHTHOUSE / distributed.lighthouse): "
-            f"{str(e).splitlines()[0][:200]}"
+            f"{(str(e).splitlines() or [type(e).__name__])[0][:200]}"
         ) from None
 
 
