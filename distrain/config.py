@@ -18,6 +18,7 @@ import os
 import re
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,44 @@ import yaml
 
 from distrain.run_dir import DEFAULT as DEFAULT_OUTPUT_DIR
 
+#: the precisions distrain runs (``distrain.precision``)
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
+#: Lightning's older spellings, as Lightning 2.x maps them (integers too: ``precision=16``); it warns for 16 and bf16
+PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+#: Lightning's precisions distrain does not run, and what to use instead
+PRECISIONS_NOT_RUN = {
+    "64-true": "double precision; distrain trains in '32-true' at most",
+    "16-true": "fp16 weights without an fp32 copy; use '16-mixed' on a GPU, or 'bf16-true'",
+    "transformer-engine": "NVIDIA Transformer Engine's layers; distrain's float8 training is 'fp8' (torchao, "
+    "on an H100-class GPU)",
+    "transformer-engine-float16": "NVIDIA Transformer Engine's layers in fp16; distrain's float8 training is "
+    "'fp8' (torchao, on an H100-class GPU)",
+}
+
+
+def canonical_precision(precision: str | int, key: str = "precision") -> str:
+    """``precision`` as distrain names it: Lightning's older spellings mapped as Lightning maps them (``16`` and
+    ``"16"`` to ``16-mixed``, ``"bf16"`` to ``bf16-mixed`` with Lightning's warning; ``32`` to ``32-true``). A
+    precision distrain does not run is refused in one line naming ``key`` and what to use."""
+    name = str(precision) if isinstance(precision, (str, int)) and not isinstance(precision, bool) else None
+    if name in PRECISION_ALIASES:
+        if name in ("16", "bf16"):
+            warnings.warn(
+                f"{key}={precision!r} is Lightning's older spelling of {PRECISION_ALIASES[name]!r}: set that instead",
+                stacklevel=3,
+            )
+        name = PRECISION_ALIASES[name]
+    if name in PRECISIONS:
+        return name
+    if name in PRECISIONS_NOT_RUN:
+        spelled = "" if name == precision else f" ({name})"
+        raise ValueError(f"{key}={precision!r}{spelled} is not run by distrain: {PRECISIONS_NOT_RUN[name]}")
+    raise ValueError(
+        f"{key} must be {', '.join(PRECISIONS[:-1])} or {PRECISIONS[-1]} (or Lightning's 16, 32, 'bf16'), "
+        f"got {precision!r}"
+    )
+
+
 #: checks of the strategies' own keys, each registered by its strategy's file (``registry.register``): config.py
 #: knows no strategy
 CHECKS: list = []
@@ -158,7 +196,9 @@ class TrainingConfig:
     """AdamW's decoupled weight decay; 0: none."""
     max_grad_norm: float | None = number(1.0, ge=0, means={0: "no clipping, as null"})
     """Clip the global gradient norm to this; null or 0: no clipping."""
-    precision: str = "32-true"
+    precision: str | int = "32-true"
+    """32-true, 16-mixed (a GPU), bf16-mixed, bf16-true or fp8 (an H100-class GPU); Lightning's 16, 32 and bf16 read
+    as Lightning reads them (16-mixed, 32-true, bf16-mixed)."""
     seed: int = number(1234, ge=0, means={0: "seed 0, a seed like any other"})
     """A non-negative integer (0 is a seed like any other); Hugging Face datasets refuse negative ones."""
     val_check_interval: int = number(100, ge=0, means={0: "validate at each epoch's end only"})
@@ -644,8 +684,10 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(
             f"training.activation_checkpointing_mode must be full or selective, got {t.activation_checkpointing_mode!r}"
         )
-    if t.precision not in PRECISIONS:
-        raise ConfigError(f"training.precision must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
+    try:  # Lightning's spellings too (16, "bf16"), as the Trainer takes them
+        t.precision = canonical_precision(t.precision, "training.precision")
+    except ValueError as refused:
+        raise ConfigError(str(refused)) from None
     if t.on_nonfinite not in ("stop", "skip", "ignore"):
         raise ConfigError(f"training.on_nonfinite must be stop, skip or ignore, got {t.on_nonfinite!r}")
     if t.on_anomaly not in (None, "stop", "skip", "rollback"):

@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+from distrain.config import canonical_precision
+
 #: the dtype each precision computes in (fp8: the matmuls of linear layers run in float8, the rest in bf16; MFU is
 #: against the bf16 peak); any other precision computes in fp32
 COMPUTE_DTYPES = {
@@ -35,8 +37,7 @@ class Precision:
     the GPU (torchao's float8 layers run under fake tensors on any device), so this machine's GPU is not asked for."""
 
     def __init__(self, name: str, device_type: str, *, simulated: bool = False):
-        if name not in ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "fp8"):
-            raise ValueError(f"precision must be 32-true, 16-mixed, bf16-mixed, bf16-true or fp8, got {name!r}")
+        name = canonical_precision(name)
         if name == "16-mixed" and device_type != "cuda":
             raise ValueError("precision='16-mixed' needs a CUDA GPU (fp16 with a GradScaler); on CPU use 'bf16-mixed'")
         if name == "fp8" and not simulated:

@@ -110,7 +110,7 @@ class Trainer(TrainerViews):
         devices: int | str = "auto",
         num_nodes: int = 1,
         strategy: str | Strategy = "auto",
-        precision: str = "32-true",
+        precision: str | int = "32-true",
         max_epochs: int | None = None,
         max_steps: int = -1,
         accumulate_grad_batches: int | dict[int, int] = 1,

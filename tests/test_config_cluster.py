@@ -22,6 +22,7 @@ def test_layers_file_then_flags_then_items(tmp_path):
         ("distributed: {strategy: zero9}", "distributed.strategy"),
         ("distributed: {devices: many}", "distributed.devices"),
         ("training: {precision: fp7}", "training.precision"),
+        ("training: {precision: 64}", "training.precision=64 (64-true) is not run by distrain"),
         ("trainer: {}", "unknown key 'trainer'"),
         ("training: 3", "expected a section"),
         ("[1, 2]", "mapping"),
@@ -33,6 +34,14 @@ def test_errors_name_key_and_file(tmp_path, yaml_text, message):
     with pytest.raises(ConfigError) as e:
         build_config(cfg)
     assert message in str(e.value)
+
+
+def test_lightnings_spellings_of_a_precision_read_as_lightning_reads_them():
+    with pytest.warns(UserWarning, match="training.precision=16 is Lightning's older spelling of '16-mixed'"):
+        assert build_config(None, None, ["training.precision=16"]).training.precision == "16-mixed"
+    assert build_config(None, None, ["training.precision=32"]).training.precision == "32-true"
+    with pytest.warns(UserWarning, match="training.precision='bf16' is Lightning's older spelling of 'bf16-mixed'"):
+        assert build_config(None, None, ["training.precision=bf16"]).training.precision == "bf16-mixed"
 
 
 def test_null_and_int_widening(tmp_path):

@@ -126,11 +126,40 @@ def test_options_of_the_strategies_auto_may_choose_are_kept_for_it_and_torch_ddp
         ("max_time", "3 hours", r"max_time is 'DD:HH:MM:SS', a timedelta or a dict"),
         ("max_time", {"hour": 1}, r"max_time \{'hour': 1\}: "),
         ("max_time", "00:00:00:00", r"max_time must be longer than zero"),
+        ("precision", 64, r"precision=64 \(64-true\) is not run by distrain: double precision"),
+        ("precision", "16-true", r"precision='16-true' is not run by distrain: .*use '16-mixed' on a GPU"),
+        ("precision", "transformer-engine", r"Transformer Engine's layers; distrain's float8 training is 'fp8'"),
+        ("precision", "fp32", r"precision must be 32-true, 16-mixed, bf16-mixed, bf16-true or fp8 .*got 'fp32'"),
     ],
 )
 def test_a_bad_value_is_one_line_naming_the_argument(keyword, value, says):
     with pytest.raises(ValueError, match=says):
         L.Trainer(accelerator="cpu", devices=1, **{keyword: value})
+
+
+@pytest.mark.parametrize(
+    "precision, runs, warns",
+    [
+        (32, "32-true", None),
+        ("32", "32-true", None),
+        ("bf16", "bf16-mixed", "precision='bf16' is Lightning's older spelling of 'bf16-mixed'"),
+        # fp16 AMP needs a GPU: on a CPU Lightning's Trainer trains in bf16-mixed, saying so; distrain's refuses it
+        (16, "bf16-mixed", "precision=16 is Lightning's older spelling of '16-mixed'"),
+        ("16", "bf16-mixed", "AMP with fp16 needs a GPU, so it trains in precision='bf16-mixed' (as Lightning does)"),
+        ("16-mixed", "bf16-mixed", "AMP with fp16 needs a GPU"),
+    ],
+)
+def test_lightnings_spellings_of_a_precision_run_as_lightning_runs_them(precision, runs, warns, recwarn):
+    from distrain.lightning import Trainer
+
+    assert Trainer(accelerator="cpu", devices=1, precision=precision).runtime.precision.name == runs
+    said = [str(w.message) for w in recwarn]
+    assert (warns is None and not said) or any(warns in line for line in said), said
+    if runs != "bf16-mixed" or precision == "bf16":  # distrain's own Trainer reads the spelling alike
+        assert L.Trainer(accelerator="cpu", devices=1, precision=precision).runtime.precision.name == runs
+    else:
+        with pytest.raises(ValueError, match=r"precision='16-mixed' needs a CUDA GPU .* on CPU use 'bf16-mixed'"):
+            L.Trainer(accelerator="cpu", devices=1, precision=precision)
 
 
 def test_limits_cap_the_batches_of_each_stage_as_counts_or_fractions(tmp_path):

@@ -36,10 +36,32 @@ class Trainer(_Trainer):
       keeps the loader's own order."""
 
     def __init__(self, **kwargs: Any):
-        super().__init__(**{**env_defaults(), **kwargs})
+        kwargs = {**env_defaults(), **kwargs}
+        precision, accelerator = kwargs.get("precision", "32-true"), kwargs.get("accelerator", "auto")
+        kwargs["precision"] = _lightning_precision(precision, accelerator)
+        super().__init__(**kwargs)
 
     def _train_order(self) -> tuple[bool | None, int]:
         return (True if self.data_parallel_size > 1 else None), int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def _lightning_precision(precision: Any, accelerator: Any) -> Any:
+    """Lightning's choice where fp16 cannot run: ``16-mixed`` (or ``16``) on a CPU trains in ``bf16-mixed``, with
+    Lightning's warning (``distrain.Trainer`` refuses it instead, naming bf16-mixed)."""
+    import warnings
+
+    from distrain.accelerators import resolve_accelerator
+    from distrain.config import canonical_precision
+
+    precision = canonical_precision(precision)
+    if precision == "16-mixed" and isinstance(accelerator, str) and resolve_accelerator(accelerator).name == "cpu":
+        warnings.warn(
+            f"Trainer(accelerator={accelerator!r}, precision='16-mixed') on a CPU: AMP with fp16 needs a GPU, "
+            "so it trains in precision='bf16-mixed' (as Lightning does)",
+            stacklevel=3,
+        )
+        return "bf16-mixed"
+    return precision
 
 
 def seed_everything(seed: int | None = None, workers: bool = False) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from distrain.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, Timer
-from distrain.config import Bounds
+from distrain.config import Bounds, canonical_precision
 from distrain.training.anomalies import POLICIES as ANOMALY_POLICIES
 from distrain.training.defaults import callback_list
 from distrain.training.nonfinite import POLICIES as NONFINITE_POLICIES
@@ -143,6 +143,7 @@ def checked_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
     spelled out: ``fast_dev_run`` (n batches of each stage, nothing written) and ``max_time`` (a ``Timer``
     callback); ``loop``: the ``LoopOptions`` they make. A ValueError names the argument at fault."""
     a = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
+    a["precision"] = canonical_precision(a["precision"])  # Lightning's 16, "bf16", 32 too
     for name, bounds in TRAINER_NUMBERS.items():  # NaN, ±inf and numbers that mean nothing: one line each
         bounds.check(f"Trainer's {name}", a[name])
     if a["on_nonfinite"] not in NONFINITE_POLICIES:
