@@ -59,6 +59,28 @@ def checkpoint_wrapper_api():
     return checkpoint_wrapper
 
 
+def fsdp1_policy_targets(root: torch.nn.Module, policy: Any) -> list[torch.nn.Module]:
+    """The modules below ``root`` that FSDP1's ``auto_wrap_policy`` would wrap, found by FSDP1's own walk: torch's
+    ``_recursive_wrap`` (a callable called as ``policy(module=, recurse=, nonwrapped_numel=)``, the remainder counting
+    the parameters no wrapped child took: ``transformer_auto_wrap_policy``, ``size_based_auto_wrap_policy`` and
+    ``lambda_auto_wrap_policy`` partials) with a "wrapper" that only records, or a ``_Policy``'s ``_run_policy``
+    (``ModuleWrapPolicy``, ``CustomPolicy``). Both private in ``torch.distributed.fsdp.wrap``; checked on torch
+    2.13.0, as Lightning's FSDPStrategy hands them to FSDP1."""
+    from torch.distributed.fsdp import wrap
+
+    if isinstance(policy, wrap._Policy):
+        chosen = policy._run_policy(root, set(), {})
+    else:
+        chosen = []
+
+        def record(module, **_):
+            chosen.append(module)
+            return module
+
+        wrap._recursive_wrap(root, policy, record, set(), set(), only_wrap_children=True)
+    return [m for m in root.modules() if m is not root and m in chosen]
+
+
 @functools.cache  # asked at every selectively checkpointed forward; torch's list is fixed for the process
 def compute_intensive_ops() -> frozenset:
     """The operations torch's partitioner counts as compute-intensive (matmuls, convolutions, the fused attention

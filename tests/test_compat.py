@@ -458,3 +458,71 @@ def test_a_sent_gradient_is_let_go_only_after_its_receiver_consumed_it(pipeline,
                     == (Kind.FULL_BACKWARD, stage_sent - 1, chunk_sent)
                 )
                 assert happened_before((receiver, consumed), (me, where[(me, message)]))
+
+
+def _is_layer_norm(module):
+    return isinstance(module, nn.LayerNorm)
+
+
+def _is_block(module):
+    from distrain.models.gpt import Block
+
+    return isinstance(module, Block)
+
+
+def _fsdp1_policies():
+    """FSDP1's policies, as Lightning's documentation writes them (built in the rank: a partial does not pickle)."""
+    import functools
+
+    from torch.distributed.fsdp.wrap import (
+        CustomPolicy,
+        ModuleWrapPolicy,
+        lambda_auto_wrap_policy,
+        size_based_auto_wrap_policy,
+        transformer_auto_wrap_policy,
+    )
+
+    from distrain.models.gpt import Block
+
+    return [
+        functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+        ModuleWrapPolicy({Block, nn.Embedding}),
+        functools.partial(size_based_auto_wrap_policy, min_num_params=5_000),
+        functools.partial(lambda_auto_wrap_policy, lambda_fn=_is_layer_norm),
+        CustomPolicy(_is_block),
+    ]
+
+
+def _fsdp1_wrapped(rank):
+    """The modules FSDP1 itself wraps under each policy, named; beside what compat.fsdp1_policy_targets finds."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    dist.init_process_group("gloo")
+    results = []
+    for policy in _fsdp1_policies():
+        torch.manual_seed(0)
+        found = TinyGPT().gpt
+        names = {id(m): n for n, m in found.named_modules()}
+        ours = sorted(names[id(m)] for m in compat.fsdp1_policy_targets(found, policy))
+        torch.manual_seed(0)
+        theirs = FullyShardedDataParallel(
+            TinyGPT().gpt, auto_wrap_policy=policy, use_orig_params=True, device_id=torch.device("cpu")
+        )
+        wrapped = sorted(
+            compat.unwrapped_name(n).replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module")
+            for n, m in theirs.named_modules()
+            if isinstance(m, FullyShardedDataParallel) and m is not theirs
+        )
+        results.append((ours, wrapped))
+    return results
+
+
+def test_fsdp1_wrap_policies_choose_the_modules_fsdp1_wraps():
+    """``compat.fsdp1_policy_targets`` walks FSDP1's own ``_recursive_wrap`` / ``_run_policy``: the modules it
+    returns are those FSDP1's FullyShardedDataParallel wraps under the same policy (Lightning's FSDPStrategy hands
+    these to FSDP1; distrain makes each chosen module an FSDP2 unit)."""
+    results = run_ranks(_fsdp1_wrapped, 1)[0]
+    for i, (ours, theirs) in enumerate(results):
+        assert ours == theirs, (i, ours, theirs)
+    assert results[0][0] == ["blocks.0", "blocks.1"]
+    assert len({tuple(ours) for ours, _ in results}) >= 4  # the policies choose differently: each walk is checked

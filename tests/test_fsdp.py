@@ -1,7 +1,11 @@
 """FSDP2 on real gloo ranks: parity with one process, sharded init, DCP across world sizes."""
 
+import functools
+
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 import distrain
 from distrain.models.gpt import Block
@@ -24,7 +28,39 @@ def _train(tmp, strategy, devices, batch, accumulate=1, steps=STEPS, **kw):
     distrain.seed_everything(0)
     module = TinyGPT()
     trainer.fit(module, loader(batch))
-    return rec.losses, rec.grad_norms
+    return rec.losses, rec.grad_norms, _layout(module)  # the layout fit() left on the module
+
+
+def _layout(model) -> tuple[list[str], list[str]]:
+    """The model's FSDP units below the root, and the layers it recomputes (checkpoint-wrapped), by name."""
+    names = [(name.replace("._checkpoint_wrapped_module", ""), m) for name, m in model.named_modules() if name]
+    units = [name for name, m in names if isinstance(m, FSDPModule)]
+    recomputed = [name for name, m in names if type(m).__name__ == "CheckpointWrapper"]
+    return units, recomputed
+
+
+BLOCKS = ["gpt.blocks.0", "gpt.blocks.1"]
+#: Lightning's FSDPStrategy arguments, FSDP1's policies (each chooses the blocks of TinyGPT), and the layout each gives
+LIGHTNING_POLICIES = {
+    "transformer_auto_wrap_policy partial, activation_checkpointing=Block": (
+        {
+            "auto_wrap_policy": functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+            "activation_checkpointing": Block,
+        },
+        (BLOCKS, BLOCKS),
+    ),
+    "ModuleWrapPolicy, activation_checkpointing_policy as FSDP1's": (
+        {"auto_wrap_policy": ModuleWrapPolicy({Block}), "activation_checkpointing_policy": ModuleWrapPolicy({Block})},
+        (BLOCKS, BLOCKS),
+    ),
+    "size_based_auto_wrap_policy, activation_checkpointing=None": (
+        {
+            "auto_wrap_policy": functools.partial(size_based_auto_wrap_policy, min_num_params=10_000),
+            "activation_checkpointing": None,
+        },
+        (BLOCKS, []),
+    ),
+}
 
 
 def _fsdp_variants(rank, tmp):
@@ -38,6 +74,7 @@ def _fsdp_variants(rank, tmp):
         ("FULL_SHARD+accumulate, reduced each micro-batch", {"sync_each_micro_batch": True}, 2, 2),
         ("FULL_SHARD+cpu_offload", {"cpu_offload": True}, 4, 1),
         ("FULL_SHARD+activation_checkpointing", {"activation_checkpointing_policy": {Block}}, 4, 1),
+        *((f"FULL_SHARD+{name}", kw, 4, 1) for name, (kw, _) in LIGHTNING_POLICIES.items()),
     ]:
         strategy = distrain.FSDPStrategy(sharding_strategy=name.split("+")[0], **kw)
         out[name] = _train(tmp / name, strategy, 2, batch, acc, enable_checkpointing=False)
@@ -46,10 +83,16 @@ def _fsdp_variants(rank, tmp):
 
 @pytest.mark.slow
 def test_fsdp_variants_match_single_process(tmp_path):
-    ref_losses, ref_norms = _train(tmp_path / "ref", "single", 1, batch=4, accumulate=2, enable_checkpointing=False)
+    ref_losses, ref_norms, _ = _train(tmp_path / "ref", "single", 1, batch=4, accumulate=2, enable_checkpointing=False)
     assert ref_losses[-1] < ref_losses[0]
     for rank_result in run_ranks(_fsdp_variants, 2, tmp_path):
-        for name, (losses, norms) in rank_result.items():
+        # TinyGPT names no block class: one unit, the root; a set of layer classes, and FSDP1's policies as
+        # Lightning's FSDPStrategy takes them, choose the blocks
+        assert rank_result["FULL_SHARD"][2] == ([], [])
+        assert rank_result["FULL_SHARD+activation_checkpointing"][2] == ([], BLOCKS)
+        for name, (_, layout) in LIGHTNING_POLICIES.items():
+            assert rank_result[f"FULL_SHARD+{name}"][2] == layout, name
+        for name, (losses, norms, _) in rank_result.items():
             assert len(losses) == STEPS, name
             for a, b in zip(ref_losses, losses):
                 assert abs(a - b) <= 1e-5 * abs(a), (name, ref_losses, losses)

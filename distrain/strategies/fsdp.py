@@ -24,7 +24,14 @@ from distrain.config import ConfigError
 from distrain.parallel import expert_parallel
 from distrain.strategies import sharded_init
 from distrain.strategies.base import Strategy, Traits, checked_start_method
-from distrain.strategies.layers import apply_activation_checkpointing, apply_compile, block_classes, is_marked_unit
+from distrain.strategies.layers import (
+    apply_activation_checkpointing,
+    apply_compile,
+    block_classes,
+    is_fsdp1_policy,
+    is_marked_unit,
+    selected_layers,
+)
 from distrain.strategies.registry import register
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -45,7 +52,11 @@ class FSDPStrategy(Strategy):
       gathered between forward and backward (ZeRO-2-like); ``NO_SHARD``: replicate (a 2-D mesh
       with shard size 1); ``HYBRID_SHARD``: shard within a node, replicate across nodes.
     - ``auto_wrap_policy``: a set of layer classes, a callable ``(module) -> bool``, or an int
-      (min parameters per wrapped unit). Default: the module's ``block_class`` if it has one.
+      (min parameters per wrapped unit); or FSDP1's, as Lightning's FSDPStrategy takes them (``ModuleWrapPolicy``,
+      ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``, ``size_based_...``),
+      each choosing the modules FSDP1 would wrap. Default: the module's ``block_class`` if it has one.
+    - ``activation_checkpointing``: Lightning's older form of ``activation_checkpointing_policy``, a layer class or
+      a list of them.
     - ``mixed_precision``: ``MixedPrecisionPolicy`` or a dict of param/reduce/buffer dtypes;
       default from the Trainer's precision, with fp32 gradient reduction.
     - ``sync_each_micro_batch``: with gradient accumulation, reduce-scatter the gradients after every
@@ -80,7 +91,16 @@ class FSDPStrategy(Strategy):
         start_method: str = "popen",
         collective_timeout: timedelta | float | None = timedelta(minutes=5),
         expert_parallel_size: int = 1,
+        activation_checkpointing: Any = None,
     ):
+        if activation_checkpointing is not None:
+            if activation_checkpointing_policy is not None:
+                raise ValueError(
+                    "FSDPStrategy: set activation_checkpointing_policy or activation_checkpointing (its older "
+                    "form), not both"
+                )
+            classes = activation_checkpointing
+            activation_checkpointing_policy = set(classes) if isinstance(classes, (list, tuple, set)) else {classes}
         super().__init__(process_group_backend, timeout, activation_checkpointing_policy, collective_timeout)
         self.expert_parallel_size = expert_parallel.check_size(expert_parallel_size)
         if sharding_strategy not in SHARDING_STRATEGIES:
@@ -183,6 +203,9 @@ class FSDPStrategy(Strategy):
                 and sum(p.numel() for p in m.parameters()) >= policy
                 and not any(sum(p.numel() for p in c.parameters()) >= policy for c in m.children())
             )
+        if is_fsdp1_policy(policy):  # FSDP1's, walked as FSDP1 walks it
+            chosen = {id(m) for m in selected_layers(module, policy)}
+            return lambda m: id(m) in chosen
         if callable(policy) and not isinstance(policy, type):
             return policy
         classes = tuple(policy) if isinstance(policy, (set, list, tuple, frozenset)) else (policy,)

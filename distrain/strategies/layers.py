@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -64,11 +65,30 @@ def selected_layers(module: nn.Module, policy: Any) -> list[nn.Module]:
         if every_n < 1:
             raise ValueError(f"activation checkpointing every_n must be >= 1, got {every_n}")
         policy = policy["classes"]
+    if is_fsdp1_policy(policy):
+        return compat.fsdp1_policy_targets(module, policy)
     if callable(policy) and not isinstance(policy, type):
         return [m for m in module.modules() if policy(m)]
     classes = tuple(policy) if isinstance(policy, (set, list, tuple, frozenset)) else (policy,)
     matches = [m for m in module.modules() if isinstance(m, classes)]
     return [m for i, m in enumerate(matches) if i % every_n == 0][:count]
+
+
+def is_fsdp1_policy(policy: Any) -> bool:
+    """An FSDP1 ``auto_wrap_policy`` (as Lightning's FSDPStrategy takes): a torch ``_Policy`` (``ModuleWrapPolicy``),
+    or a callable FSDP1 calls as ``policy(module=, recurse=, nonwrapped_numel=)`` (a ``functools.partial`` of
+    ``transformer_auto_wrap_policy``...), not a ``(module) -> bool`` of distrain's."""
+    from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
+
+    if isinstance(policy, (ModuleWrapPolicy, CustomPolicy)):
+        return True
+    if not callable(policy) or isinstance(policy, type):
+        return False
+    try:
+        inspect.signature(policy).bind(module=None, recurse=True, nonwrapped_numel=0)
+    except (TypeError, ValueError):  # ValueError: no signature to read (a builtin)
+        return False
+    return True
 
 
 def apply_activation_checkpointing(module: nn.Module, policy: Any, reentrant: bool = False) -> None:
