@@ -393,6 +393,34 @@ def test_lightnings_checkpoint_names_weights_only_and_versions(tmp_path):
     assert {"epoch=0-step=8", "epoch=0-step=8-v1"} <= {p.name for p in (tmp_path / "ckpt").iterdir()}
 
 
+def test_lightnings_ckpt_file_names_resume_and_load_what_was_saved_under_them(tmp_path):
+    """Lightning's documentation resumes from ``checkpoints/last.ckpt`` and loads ``epoch=0-step=8.ckpt``: distrain's
+    checkpoints are folders named without ``.ckpt``, and either spelling finds them."""
+    ckpt = tmp_path / "ckpt"
+
+    def fit(folder, max_epochs, ckpt_path=None):
+        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=str(ckpt), save_last=True, save_top_k=-1)
+        trainer, _ = make_trainer(folder, devices=1, max_epochs=max_epochs, logger=False, callbacks=[checkpoint])
+        distrain.seed_everything(0)
+        module = Regressor()
+        trainer.fit(module, DataLoader(_data(), batch_size=4, shuffle=True), ckpt_path=ckpt_path)
+        return trainer, module
+
+    _, first = fit(tmp_path / "first", 1)
+    for name in ("last.ckpt", "epoch=0-step=8.ckpt", str(ckpt / "epoch=0-step=8.ckpt")):
+        loaded = Regressor.load_from_checkpoint(ckpt / name)
+        torch.testing.assert_close(loaded.net.weight, first.net.weight, rtol=0, atol=0)
+    resumed_trainer, resumed = fit(tmp_path / "resumed", 2, ckpt_path=str(ckpt / "last.ckpt"))
+    assert resumed_trainer.global_step == 16
+    _, whole = fit(tmp_path / "whole", 2)  # the same two epochs without a stop
+    torch.testing.assert_close(resumed.net.weight, whole.net.weight, rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match=r"epoch=7-step=64\.ckpt"):
+        Regressor.load_from_checkpoint(ckpt / "epoch=7-step=64.ckpt")
+    again, _ = make_trainer(tmp_path / "again", devices=1, max_epochs=3, logger=False)
+    with pytest.raises(FileNotFoundError, match=r"checkpoint not found: .*nothing\.ckpt"):
+        again.fit(Regressor(), _loader(), ckpt_path=str(ckpt / "nothing.ckpt"))
+
+
 def test_checkpoints_after_each_validation_and_by_time(tmp_path):
     from datetime import timedelta
 

@@ -322,11 +322,23 @@ def remove_checkpoint(path: str | os.PathLike, within: str | os.PathLike) -> Non
 
 # ---- reading -----------------------------------------------------------------------------------------------
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint directory (``last`` links followed), or a clear error."""
-    path = Path(path)
+    """A checkpoint directory (``last`` links followed; Lightning's file names too: ``as_named_by_lightning``), or a
+    clear error."""
+    path = as_named_by_lightning(Path(path))
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     return path.resolve()
+
+
+def as_named_by_lightning(path: Path) -> Path:
+    """Lightning's name of a checkpoint, a ``.ckpt`` file (``checkpoints/last.ckpt``, ``epoch=0-step=4.ckpt``), as
+    the directory distrain wrote beside it under the same name without ``.ckpt`` (``last``, ``epoch=0-step=4``).
+    A path that exists is itself; the name never leaves the folder it was given in."""
+    if path.suffix == ".ckpt" and not path.exists() and not path.is_symlink():
+        directory = path.with_suffix("")
+        if directory.exists():
+            return directory
+    return path
 
 
 def load_file(file: Path) -> Any:

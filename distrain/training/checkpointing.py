@@ -125,7 +125,7 @@ class CheckpointManager:
             else:
                 return "missing", f"ckpt_path='last': no checkpoint found at {last} (nothing to resume)"
         else:
-            target = Path(ckpt_path)
+            target = ckpt_io.as_named_by_lightning(Path(ckpt_path))
             ckpt_io.recover(target.parent)
             if not target.exists():
                 return "missing", f"checkpoint not found: {target}"
