@@ -16,7 +16,9 @@ EXAMPLES = ["upstream/bug_report_model.py", "written/boring_report.py"]
 
 def example_env(script: Path, out: str, devices: int) -> dict:
     """The harness's paths, and the layout in Lightning's own variables (the scripts set no devices)."""
-    env = {**os.environ, "EXAMPLE_SCRIPT": str(script), "EXAMPLE_OUT": out, "PL_TRAINER_ACCELERATOR": "cpu"}
+    # Lightning's own variables only as set here: one left by the caller (PL_GLOBAL_SEED) would change the numbers
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PL_")}
+    env.update(EXAMPLE_SCRIPT=str(script), EXAMPLE_OUT=out, PL_TRAINER_ACCELERATOR="cpu")
     env.update(PL_TRAINER_DEVICES=str(devices), PL_TRAINER_STRATEGY="ddp" if devices > 1 else "auto")
     return env
 
