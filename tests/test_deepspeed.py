@@ -162,6 +162,18 @@ def test_resume_equals_uninterrupted_and_converts(tmp_path, strategy):
     reference.load_state_dict(full_weights)
     reference.eval()
     assert torch.equal(plain.gpt(x), reference.gpt(x))
+    # Lightning's conversion, as its ZeRO-3 page runs it: one file, torch.load-able, and load_from_checkpoint rebuilds
+    from distrain.lightning.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    lightning_file = tmp_path / "lightning_model.pt"
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "full" / "checkpoints" / "last.ckpt", lightning_file)
+    converted = torch.load(lightning_file, weights_only=True)
+    assert converted["global_step"] == 8 and "optimizers" not in converted
+    rebuilt = LazyTinyGPT.load_from_checkpoint(lightning_file)
+    for k, v in full_weights.items():
+        assert torch.equal(converted["state_dict"][k], v) and torch.equal(rebuilt.state_dict()[k], v), k
+    with pytest.raises(ValueError, match="tag='global_step8': a distrain checkpoint keeps one DeepSpeed folder"):
+        convert_zero_checkpoint_to_fp32_state_dict(ckpt, lightning_file, tag="global_step8")
     # the fresh evaluation saw the checkpoint's weights: same loss as the plain model's over the set
     data = loader(4, shuffle=False)
     with torch.no_grad():

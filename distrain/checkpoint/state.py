@@ -342,7 +342,12 @@ def read_model_weights(path: str | os.PathLike, key: str = "model") -> dict[str,
     if is_deepspeed_checkpoint(path):
         return _deepspeed_fp32_weights(path)
     if not is_sharded_checkpoint(path):
-        return ckpt_io.read_state_file(path)[key]
+        state = ckpt_io.read_state_file(path)
+        if key == "model" and key not in state and isinstance(state.get("state_dict"), dict):
+            return state["state_dict"]  # a file in Lightning's layout (convert_zero_checkpoint_to_fp32_state_dict's)
+        if key not in state:
+            raise KeyError(f"{path} holds no {key!r} weights (its entries: {', '.join(sorted(map(str, state)))})")
+        return state[key]
     # only the model's tensors: empty full-size ones from the metadata, filled by DCP (no process group)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
