@@ -546,7 +546,7 @@ class Trainer(TrainerViews):
         finally:
             collector.stage = "train"
         epoch_metrics = collector.pop_epoch_metrics()
-        self.metrics.publish(epoch_metrics, self.global_step, to_loggers=bool(epoch_metrics))
+        self.metrics.publish(epoch_metrics, self.global_step, to_loggers=bool(epoch_metrics), epoch=self.current_epoch)
         step_schedulers(self, "epoch")  # after validation: a scheduler may monitor its metric (ReduceLROnPlateau)
         self.progress.epoch_done = True  # a checkpoint saved in the hooks below resumes at the next epoch
         self._call("on_train_epoch_end")

@@ -437,6 +437,87 @@ def _short_epochs(tmp, rank_that_stops: int, batch: int):
 
 
 # ---- the runs ------------------------------------------------------------------------------------------------------
+# ---- torchmetrics Metrics in self.log, as Lightning's first tutorial logs them ---------------------------------------
+def classes_data(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, x[:, :3].argmax(1))
+
+
+class MetricClassifier(L.Module):
+    """A forward()-ed Metric logged per step and per epoch, an update()-d one per validation epoch, and a
+    MetricCollection through log_dict; what each step's own batch accuracy was, by hand."""
+
+    def __init__(self):
+        super().__init__()
+        from torchmetrics import MetricCollection
+        from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+
+        self.net = nn.Linear(4, 3)
+        self.train_acc = MulticlassAccuracy(num_classes=3, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=3, average="micro")
+        self.test_metrics = MetricCollection(
+            {"acc": MulticlassAccuracy(num_classes=3, average="micro"), "f1": MulticlassF1Score(num_classes=3)},
+            prefix="test_",
+        )
+        self.own_step_accuracy = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        self.train_acc(logits.argmax(1), y)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=False)
+        self.own_step_accuracy.append((logits.argmax(1) == y).float().mean().item())
+        return F.cross_entropy(logits, y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_acc.update(self.net(x).argmax(1), y)
+        self.log("val_acc", self.val_acc, prog_bar=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.test_metrics.update(self.net(x).argmax(1), y)
+        self.log_dict(self.test_metrics)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class StepMetrics(L.Callback):
+    def __init__(self):
+        self.train_acc = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.train_acc.append(trainer.callback_metrics["train_acc"])
+
+
+def _metric_objects(tmp, batch):
+    """Fit, then the epoch values the ranks reported beside the accuracy of the final weights over the whole
+    validation and test sets, computed by hand."""
+    from torchmetrics.functional.classification import multiclass_f1_score
+
+    L.seed_everything(0)
+    model, steps = MetricClassifier(), StepMetrics()
+    train, val, test = classes_data(32, 1), classes_data(16, 2), classes_data(12, 3)
+    trainer, recorder = make_trainer(
+        tmp, strategy="ddp", devices=2, logger=False, max_epochs=2, callbacks=[steps], enable_checkpointing=False
+    )
+    trainer.fit(model, DataLoader(train, batch_size=batch), DataLoader(val, batch_size=batch))
+    reported_val = trainer.callback_metrics["val_acc"]
+    reset = model.val_acc.update_count
+    validated = trainer.validate(model, DataLoader(val, batch_size=batch), verbose=False)[0]["val_acc"]
+    tested = trainer.test(model, DataLoader(test, batch_size=batch), verbose=False)[0]
+    with torch.no_grad():
+        val_preds, test_preds = model.net(val.tensors[0]).argmax(1), model.net(test.tensors[0]).argmax(1)
+    by_hand = {
+        "val_acc": (val_preds == val.tensors[1]).float().mean().item(),
+        "test_acc": (test_preds == test.tensors[1]).float().mean().item(),
+        "test_f1": multiclass_f1_score(test_preds, test.tensors[1], num_classes=3).item(),
+    }
+    return (steps.train_acc, model.own_step_accuracy), (reported_val, validated, tested, reset), by_hand
+
+
 def _fit(tmp, module, strategy, devices, loader=None, ckpt_path=None, **kw):
     kw.setdefault("enable_checkpointing", False)
     trainer, rec = make_trainer(tmp, strategy=strategy, devices=devices, logger=False, **kw)
@@ -531,6 +612,7 @@ def _cases(rank, tmp, batch):
     out["early"] = _stopped_early(tmp / "early", 7)
     leg = _stopped_early(tmp / "early-legs", 3, enable_checkpointing=True)
     out["early_legs"] = (leg, _stopped_early(tmp / "early-legs", 7, enable_checkpointing=True, ckpt_path="last"))
+    out["metric_objects"] = _metric_objects(tmp / "metrics", batch)
     return out
 
 
@@ -655,6 +737,20 @@ def test_a_batch_sampler_distrain_cannot_recreate_is_refused_in_one_line():
     ):
         with_distributed_sampler(loader, 2, 0, seed=0)
     assert with_distributed_sampler(loader, 1, 0, seed=0) is loader  # one process: its own order, untouched
+
+
+def test_a_torchmetrics_metric_is_logged_as_lightning_logs_it(two_ranks):
+    """``self.log("val_acc", self.val_acc)``: per step, the value its forward returned on this rank's batch; per
+    epoch, its compute() over every rank's samples (its own synchronization), then reset; a MetricCollection through
+    log_dict by its prefixed names."""
+    for rank_result in two_ranks:
+        (step_values, own), (reported_val, validated, tested, reset), by_hand = rank_result["metric_objects"]
+        assert len(step_values) == len(own) == 8 and step_values == pytest.approx(own, abs=1e-7)
+        assert reset == 0  # reset once the epoch's value was computed
+        assert reported_val == validated == pytest.approx(by_hand["val_acc"], abs=1e-7)  # the fit's last validation
+        assert tested == pytest.approx({"test_acc": by_hand["test_acc"], "test_f1": by_hand["test_f1"]}, abs=1e-6)
+    assert [r["metric_objects"][1][1:3] for r in two_ranks] == [two_ranks[0]["metric_objects"][1][1:3]] * 2
+    assert two_ranks[0]["metric_objects"][0][0] != two_ranks[1]["metric_objects"][0][0]  # each rank's own batches
 
 
 def test_module_services_on_each_rank(two_ranks):

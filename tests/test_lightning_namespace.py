@@ -84,6 +84,7 @@ def test_the_import_edit_is_mechanical_and_leaves_other_words_alone():
         ("distrain.lightning.strategies", "DDPStrategy FSDPStrategy DeepSpeedStrategy ModelParallelStrategy Strategy"),
         ("distrain.lightning.utilities", "rank_zero_only rank_zero_info rank_zero_warn grad_norm AttributeDict"),
         ("distrain.lightning.utilities.imports", "_TORCHVISION_AVAILABLE"),
+        ("distrain.lightning.utilities.deepspeed", "convert_zero_checkpoint_to_fp32_state_dict"),
         ("distrain.lightning.utilities.types", "STEP_OUTPUT OptimizerLRScheduler EVAL_DATALOADERS TRAIN_DATALOADERS"),
         (
             "distrain.lightning.demos",
@@ -141,7 +142,9 @@ def test_pl_trainer_variables_are_defaults_and_the_scripts_own_keyword_wins(monk
 
 
 def test_seed_everything_keeps_the_seed_for_the_ranks_and_the_sampler(monkeypatch):
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    # set, then removed: monkeypatch restores only what it recorded, and seed_everything writes the variable itself
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
+    monkeypatch.delenv("PL_GLOBAL_SEED")
     assert pl.seed_everything(123) == 123
     import os
 
@@ -355,11 +358,72 @@ def test_trainer_logger_is_tensorboard_with_its_writer_and_the_graph_when_asked(
     assert pl.utilities.rank_zero_only(lambda: 1)() is None
 
 
-def test_csv_logger_paths_and_grad_norm(tmp_path):
-    csv = pl.loggers.CSVLogger(str(tmp_path), name="runs", version=3)
-    assert csv.log_dir == str(tmp_path / "runs" / "version_3") and csv.save_dir == str(tmp_path)
-    csv.log_metrics({"loss": 1.5}, step=2)
-    assert (tmp_path / "runs" / "version_3" / "metrics.jsonl").read_text() == '{"step": 2, "loss": 1.5}\n'
+class _SavingRegressor(Regressor):
+    def __init__(self, lr: float = 0.05, layers: tuple = (4, 1), wandb_api_key: str = "hunter2"):
+        super().__init__(lr)
+        self.save_hyperparameters()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_csv_logger_writes_lightnings_metrics_csv_and_hparams_yaml_in_the_next_version(tmp_path):
+    """The first tutorial reads ``pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv")``: a header of every key
+    (sorted), a row per logged step with its epoch, validation rows too; hparams.yaml beside it."""
+    import csv
+
+    import yaml
+
+    from distrain.config import REDACTED
+
+    (tmp_path / "runs" / "version_0").mkdir(parents=True)
+    (tmp_path / "runs" / "version_4").mkdir()
+    (tmp_path / "runs" / "version_9").write_text("a file, not a version")
+    logger = pl.loggers.CSVLogger(str(tmp_path), name="runs")
+    assert logger.version == 5 and logger.log_dir == str(tmp_path / "runs" / "version_5")
+    assert logger.save_dir == str(tmp_path)
+    trainer, recorder = make_trainer(tmp_path, devices=1, max_epochs=2, logger=logger, log_every_n_steps=2)
+    trainer.callbacks.remove(recorder)  # it reads the loss at every step; the loggers have it every other
+    trainer.fit(_SavingRegressor(), _loader(), _loader(8))
+    with open(tmp_path / "runs" / "version_5" / "metrics.csv", newline="") as f:
+        header, *lines = list(csv.reader(f))
+    rows = [dict(zip(header, line, strict=True)) for line in lines]
+    assert header == sorted(header) and {"epoch", "step", "train_loss", "val_loss"} <= set(header)
+    assert len(rows) == 8 + 2  # every other of 16 steps, and a validation after each epoch
+    validation = [(r["epoch"], r["step"]) for r in rows if r["val_loss"]]
+    assert validation == [("0", "8"), ("1", "16")] and all(r["train_loss"] == "" for r in rows if r["val_loss"])
+    assert [r["step"] for r in rows if r["train_loss"]] == [str(s) for s in range(2, 17, 2)]
+    assert {r["epoch"] for r in rows if r["train_loss"] and int(r["step"]) > 8} == {"1"}
+    hparams = yaml.safe_load((tmp_path / "runs" / "version_5" / "hparams.yaml").read_text())
+    assert hparams == {"lr": 0.05, "layers": [4, 1], "wandb_api_key": REDACTED}  # a secret never reaches a file
+
+
+def test_csv_logger_widens_its_header_for_a_late_key_and_flushes_when_told(tmp_path):
+    import csv
+
+    logger = pl.loggers.CSVLogger(tmp_path, name=None, version="run", prefix="train", flush_logs_every_n_steps=2)
+    path = tmp_path / "run" / "metrics.csv"
+    logger.log_metrics({"loss": torch.tensor(1.5)}, step=0)
+    assert not path.exists()  # kept until the second step
+    logger.log_metrics({"loss": 1.25}, step=1)
+    assert path.read_text().splitlines() == ["step,train-loss", "0,1.5", "1,1.25"]
+    logger.log_metrics({"acc": 0.5}, step=2)
+    logger.finalize()
+    with open(path, newline="") as f:
+        assert list(csv.reader(f)) == [
+            ["step", "train-acc", "train-loss"],
+            ["0", "", "1.5"],
+            ["1", "", "1.25"],
+            ["2", "0.5", ""],
+        ]
+    assert (tmp_path / "run" / "hparams.yaml").read_text() == "{}\n"
+    with pytest.raises(ValueError, match="flush_logs_every_n_steps must be an int >= 1, got 0"):
+        pl.loggers.CSVLogger(tmp_path, flush_logs_every_n_steps=0)
+
+
+def test_grad_norm(tmp_path):
     net = nn.Linear(3, 2)
     net(torch.ones(1, 3)).sum().backward()
     norms = pl.utilities.grad_norm(net, norm_type=2)

@@ -62,3 +62,15 @@ class Logger:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def yaml_plain(value: Any) -> Any:
+    """A hyperparameter as YAML's safe dumper can write it: plain values, and lists and dicts of them, as they are;
+    anything else (a class, a tensor, a tuple's items) by its repr or as a list."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [yaml_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): yaml_plain(v) for k, v in value.items()}
+    return repr(value)

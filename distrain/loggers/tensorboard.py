@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from distrain.config import redacted
-from distrain.loggers.base import Logger
+from distrain.loggers.base import Logger, yaml_plain
 
 
 class TensorBoardLogger(Logger):
@@ -62,7 +62,8 @@ class TensorBoardLogger(Logger):
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         import yaml
 
-        self.writer.add_text("config", "```\n" + yaml.safe_dump(redacted(params), sort_keys=False) + "\n```")
+        text = yaml.safe_dump(yaml_plain(redacted(params)), sort_keys=False)
+        self.writer.add_text("config", "```\n" + text + "\n```")
 
     def finalize(self) -> None:
         if self._writer is not None:

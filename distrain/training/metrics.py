@@ -43,6 +43,8 @@ class MetricCollector:
         self.prog_bar: set[str] = set()
         self.epoch_sync: set[str] = set()
         self.epoch_summed: set[str] = set()  # reduce_fx="sum": totals, not means
+        #: torchmetrics Metrics logged on_epoch, by name: their own compute() is the epoch value (``_metric_object``)
+        self.epoch_objects: dict[str, Any] = {}
         self.muted = False  # padding steps that only keep collectives matched
 
     def log(
@@ -62,6 +64,16 @@ class MetricCollector:
         training = self.stage == "train"
         on_step = training if on_step is None else on_step
         on_epoch = (not training) if on_epoch is None else on_epoch
+        if _metric_object(value):
+            # as Lightning logs one: the step's value is what its forward returned (none after update() alone); the
+            # epoch's, its compute() (its own reduction across ranks) at the epoch's end, then reset()
+            if on_epoch:
+                self.epoch_objects[name] = value
+            if prog_bar:
+                self.prog_bar.add(name)
+            if not on_step or value._forward_cache is None:
+                return
+            value = value._forward_cache
         if hasattr(value, "full_tensor"):  # a DTensor (tensor parallelism): its whole value
             value = value.full_tensor()
         value = value.detach().float().mean() if isinstance(value, torch.Tensor) else float(value)
@@ -85,12 +97,12 @@ class MetricCollector:
     def stash_epoch(self) -> tuple:
         """Set the epoch values aside (and start empty): an evaluation inside a training epoch keeps its own, so
         neither mixes into the other. ``restore_epoch`` puts them back."""
-        stashed = (self.epoch_sums, self.epoch_sync, self.epoch_summed)
-        self.epoch_sums, self.epoch_sync, self.epoch_summed = {}, set(), set()
+        stashed = (self.epoch_sums, self.epoch_sync, self.epoch_summed, self.epoch_objects)
+        self.epoch_sums, self.epoch_sync, self.epoch_summed, self.epoch_objects = {}, set(), set(), {}
         return stashed
 
     def restore_epoch(self, stashed: tuple) -> None:
-        self.epoch_sums, self.epoch_sync, self.epoch_summed = stashed
+        self.epoch_sums, self.epoch_sync, self.epoch_summed, self.epoch_objects = stashed
 
     def pop_step_metrics(self, reduce: bool) -> dict[str, Any]:
         """The latest per-step values. With ``reduce`` (logging steps): plain numbers, ``sync_dist``
@@ -116,6 +128,11 @@ class MetricCollector:
         sums, self.epoch_sums = self.epoch_sums, {}
         sync, self.epoch_sync = self.epoch_sync, set()
         summed, self.epoch_summed = self.epoch_summed, set()
+        objects, self.epoch_objects = self.epoch_objects, {}
+        computed = {}
+        for name in sorted(objects):  # each rank the same names in the same order: compute() syncs the ranks' states
+            computed[name] = float(objects[name].compute())
+            objects[name].reset()
         # every rank must reduce the same names in the same order, even one that logged none
         if self.runtime.world_size > 1:
             gathered = self.runtime.all_gather_object((sorted(sync), sorted(summed)))
@@ -130,7 +147,14 @@ class MetricCollector:
             rows = [sums.get(n, [0.0, 0.0]) if counts else [0.0, 0.0] for n in names]
             totals = self.runtime.all_reduce(_as_tensor(rows, self.runtime.device), op="sum").tolist()
             out.update({n: s if n in summed else s / w for n, (s, w) in zip(names, totals) if w})
-        return out
+        return {**out, **computed}
+
+
+def _metric_object(value: Any) -> bool:
+    """A torchmetrics ``Metric`` (or one of a ``MetricCollection``'s): torchmetrics is asked only where a script
+    imported it."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    return torchmetrics is not None and isinstance(value, torchmetrics.Metric)
 
 
 def console(line: str) -> None:
@@ -257,9 +281,11 @@ class MetricsLogger:
         self.throughput = Throughput(rt.world_size, flops_per_token, peak, rt.strategy.data_parallel_size)
         self.timer = StepTimer(rt.device)
         if rt.is_global_zero:
+            # the run's config (the CLI's), else the module's save_hyperparameters(), as Lightning logs them
+            params = run_config or dict(getattr(module, "hparams", None) or {})
             for lg in self.loggers:
-                if run_config:
-                    lg.log_hyperparams(run_config)
+                if params:
+                    lg.log_hyperparams(params)
                 if module is not None:
                     lg.log_graph(module)  # a logger asked to (TensorBoardLogger(log_graph=True)) draws it
 
@@ -310,9 +336,9 @@ class MetricsLogger:
             rest = {k: v for k, v in metrics.items() if not k.startswith(machine) and k not in ("loss", *loss)}
             console(_step_line(result.step, max_steps, {**loss, **rest}))
 
-    def validation_done(self, metrics: dict[str, Any], step: int, max_steps: int) -> None:
+    def validation_done(self, metrics: dict[str, Any], step: int, max_steps: int, epoch: int) -> None:
         """A validation during fit: to the loggers, and one line on the console (above the progress bar)."""
-        self.publish(metrics, step)
+        self.publish(metrics, step, epoch=epoch)
         self.validation = {k: v for k, v in metrics.items() if isinstance(v, float)}
         if self.runtime.is_global_zero and self.validation:
             console(_step_line(step, max_steps, self.validation))
@@ -366,12 +392,14 @@ class MetricsLogger:
                 console(f"distrain: no straggler over steps {first}-{step} (rank {before.rank} caught up)")
         return found.metrics() if found is not None else {}
 
-    def publish(self, metrics: dict[str, Any], step: int, to_loggers: bool = True) -> None:
+    def publish(self, metrics: dict[str, Any], step: int, to_loggers: bool = True, epoch: int | None = None) -> None:
+        """``epoch``: the loggers' records carry it, as Lightning's do (a CSV's rows of validation metrics too)."""
         self.callback_metrics.update({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         self.logged_metrics = metrics
         if to_loggers and self.runtime.is_global_zero:
+            record = metrics if epoch is None else {"epoch": epoch, **metrics}
             for lg in self.loggers:
-                lg.log_metrics(metrics, step)
+                lg.log_metrics(record, step)
 
     def finalize(self) -> None:
         if self.runtime.is_global_zero:

@@ -58,7 +58,9 @@ def evaluate(trainer, module, step_name: str, data: tuple, ckpt_path) -> list[di
         trainer.checkpoints.restore(trainer.checkpoints.resolve(ckpt_path), weights_only=True)
     try:
         with trainer.runtime.diagnosing_hangs():
-            publish = lambda metrics: trainer.metrics.publish(metrics, trainer.global_step)  # noqa: E731
+            publish = lambda metrics: trainer.metrics.publish(  # noqa: E731
+                metrics, trainer.global_step, epoch=trainer.current_epoch
+            )
             name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
             limit = limited(length(loader), getattr(trainer.loop, name), name)
             metrics = trainer.evaluator.run(module, trainer.model, step_name, loader, limit, publish)
@@ -115,7 +117,7 @@ def validate_during_fit(trainer, loader) -> None:
     trainer._last_val_step = trainer.global_step
     limit = limited(length(loader), trainer.loop.limit_val_batches, "limit_val_batches")
     publish = lambda metrics: trainer.metrics.validation_done(  # noqa: E731
-        metrics, trainer.global_step, trainer.loop.max_steps
+        metrics, trainer.global_step, trainer.loop.max_steps, trainer.current_epoch
     )
     trainer.state.stage = "validate"
     try:
