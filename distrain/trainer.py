@@ -162,8 +162,10 @@ class Trainer(TrainerViews):
         return self.runtime.init_module(empty_init)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Write a checkpoint directory (all ranks must call this together)."""
-        if not self.checkpoints.save(path, background=False) and self.is_global_zero:
+        """Write a checkpoint directory: called by every rank together, or by one alone where each holds the whole
+        state (DDP: under ``if trainer.is_global_zero:``); elsewhere that is refused in one line
+        (``CheckpointManager.save_as_called``)."""
+        if not self.checkpoints.save_as_called(path) and self.is_global_zero:
             warnings.warn(f"distrain: the checkpoint {path} holds non-finite weights", stacklevel=2)
 
     # ---- public entry points: each launches the ranks, then runs the stage in every rank -------
@@ -596,6 +598,7 @@ class Trainer(TrainerViews):
     # ---- set-up -----------------------------------------------------------------------------------
     def _attach(self, module: Module, stage: str, train_loader=None) -> None:
         rt = self.runtime
+        self.checkpoints.begin_stage()
         rt.seed_everything(self.seed)  # same seed everywhere: every rank builds identical weights
         self._process_settings.apply()
         # asked only once a rank ran out of memory

@@ -518,6 +518,50 @@ def _metric_objects(tmp, batch):
     return (steps.train_acc, model.own_step_accuracy), (reported_val, validated, tested, reset), by_hand
 
 
+# ---- trainer.save_checkpoint under `if trainer.is_global_zero:` (Lightning's docs' manual save) --------------------
+class SavesOnOneRank(LitRegressor):
+    """At step 2 only ``saver`` calls save_checkpoint (Lightning's docs: rank 0), at step 3 every rank; what each
+    rank's weights were then, and the line a refusal gave."""
+
+    def __init__(self, folder: str, saver: int, **kw):
+        super().__init__(**kw)
+        self.folder, self.saver = folder, saver
+        self.weights_at, self.refused = {}, None
+
+    def on_train_batch_start(self, batch, batch_idx):
+        step = self.global_step
+        if step in (2, 3) and not self.trainer.strategy.traits.collective_forward:  # DDP's: whole on each rank
+            self.weights_at[step] = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        if step == 2 and self.global_rank == self.saver:
+            try:
+                self.trainer.save_checkpoint(f"{self.folder}/alone")
+            except RuntimeError as e:  # a sharded state: refused, and no collective was entered
+                self.refused = str(e)
+        if step == 3:
+            self.trainer.save_checkpoint(f"{self.folder}/together")
+
+
+def _saved_by_one_rank(tmp, batch, rank):
+    from distrain.checkpoint.state import read_model_weights
+    from distrain.distributed import arrival
+
+    arrival.WAIT_S = 1.0  # the wait for ranks that never come: short here
+    out = {}
+    for strategy, saver in (("ddp", 0), ("ddp", 1), ("fsdp", 0)):
+        folder = tmp / f"manual-{strategy}-{saver}"
+        L.seed_everything(0)
+        module = SavesOnOneRank(str(folder), saver, batch_size=batch)
+        _fit(folder, module, strategy, 2, max_steps=5)
+        saved = {name: folder / name for name in ("alone", "together") if (folder / name).exists()}
+        same = {
+            name: all(torch.equal(v, module.weights_at[step][k].cpu()) for k, v in read_model_weights(path).items())
+            for name, step in (("alone", 2), ("together", 3))
+            if (path := saved.get(name)) is not None and module.weights_at
+        }
+        out[f"{strategy}-{saver}"] = (sorted(saved), same, module.refused, module.global_step)
+    return out
+
+
 def _fit(tmp, module, strategy, devices, loader=None, ckpt_path=None, **kw):
     kw.setdefault("enable_checkpointing", False)
     trainer, rec = make_trainer(tmp, strategy=strategy, devices=devices, logger=False, **kw)
@@ -613,6 +657,7 @@ def _cases(rank, tmp, batch):
     leg = _stopped_early(tmp / "early-legs", 3, enable_checkpointing=True)
     out["early_legs"] = (leg, _stopped_early(tmp / "early-legs", 7, enable_checkpointing=True, ckpt_path="last"))
     out["metric_objects"] = _metric_objects(tmp / "metrics", batch)
+    out["saved_by_one_rank"] = _saved_by_one_rank(tmp, batch, rank)
     return out
 
 
@@ -751,6 +796,30 @@ def test_a_torchmetrics_metric_is_logged_as_lightning_logs_it(two_ranks):
         assert tested == pytest.approx({"test_acc": by_hand["test_acc"], "test_f1": by_hand["test_f1"]}, abs=1e-6)
     assert [r["metric_objects"][1][1:3] for r in two_ranks] == [two_ranks[0]["metric_objects"][1][1:3]] * 2
     assert two_ranks[0]["metric_objects"][0][0] != two_ranks[1]["metric_objects"][0][0]  # each rank's own batches
+
+
+def test_save_checkpoint_on_one_rank_writes_where_the_state_is_whole_and_is_refused_where_it_is_sharded(two_ranks):
+    """Lightning's documentation saves by hand under ``if trainer.global_rank == 0:``; gloo aborted the job there
+    (Lightning hangs). Under DDP the rank that called writes the checkpoint alone, as the weights were; under FSDP the
+    call is refused in one line naming it, and training goes on; a call by every rank is written together."""
+    for rank, rank_result in enumerate(two_ranks):
+        result = rank_result["saved_by_one_rank"]
+        for saver in (0, 1):
+            saved, same, refused, steps = result[f"ddp-{saver}"]
+            assert saved == ["alone", "together"] and refused is None and steps == 5
+            if rank == 0:  # the weights are rank 0's to compare (each rank holds them the same)
+                assert same == {"alone": True, "together": True}
+        saved, same, refused, steps = result["fsdp-0"]
+        assert saved == ["together"] and steps == 5
+        if rank == 0:
+            assert re.fullmatch(
+                r"trainer\.save_checkpoint\('.*/alone'\) was called on rank 0 alone \(no other rank called it within "
+                r"1 s\): under FSDPStrategy each rank holds part of the state, so every rank must call it \(not under "
+                r"`if trainer\.is_global_zero:`\)",
+                refused,
+            ), refused
+        else:
+            assert refused is None
 
 
 def test_module_services_on_each_rank(two_ranks):

@@ -83,6 +83,9 @@ class Traits:
     counts_metrics: bool = True
     """This rank's logged values count in cross-rank reductions; a rank holding a copy of another's samples (a
     tensor-parallel peer, a pipeline's earlier stage) does not, so a sample counts once."""
+    replicated_state: bool = False
+    """Every rank holds the whole training state, the same (DDP without split experts): one rank alone can write a
+    checkpoint of it (``trainer.save_checkpoint`` called under ``if trainer.is_global_zero:``)."""
 
 
 class SetUp(NamedTuple):

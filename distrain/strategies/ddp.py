@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distrain import compat, distributed
 from distrain.config import ConfigError
 from distrain.parallel import expert_parallel
-from distrain.strategies.base import LoopFacts, SetUp, Strategy, checked_start_method
+from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits, checked_start_method
 from distrain.strategies.registry import alias, register, unalias
 
 COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd", "post_localsgd")
@@ -30,6 +30,10 @@ class DDPStrategy(Strategy):
     """``start_method``: "popen" (re-run the script per rank), "spawn" or "fork". ``expert_parallel_size``: ranks
     that split each mixture-of-experts layer's experts (``distrain.parallel.expert_parallel``); DDP replicates the rest
     and leaves the experts to it."""
+
+    @property
+    def traits(self) -> Traits:
+        return Traits(replicated_state=self.expert_parallel_size == 1)
 
     def __init__(
         self,

@@ -69,6 +69,9 @@ class CheckpointManager:
         #: write checkpoints in the background (``Trainer(async_save=True)``): training goes on meanwhile
         self.async_save = False
         self._pending: tuple | None = None
+        #: trainer.save_checkpoint's calls, named alike on every rank: (stage, step, how many in it)
+        self._calls = (-1, -1, 0)
+        self._stages_begun = 0  # fit, validate, ...: every rank begins the same ones in the same order
 
     # ---- where ------------------------------------------------------------------------------------
     def last_path(self) -> Path:
@@ -212,7 +215,8 @@ class CheckpointManager:
         ckpt_state.load_into(state, loaded, unwrap, ckpt_state.FULL)
         self.load_progress_state(state["progress"])
 
-    def state(self, weights_only: bool = False) -> dict[str, Any]:
+    def state(self, weights_only: bool = False, rngs: list | None = None) -> dict[str, Any]:
+        """``rngs``: the RNG streams to record (default: every rank's, gathered)."""
         t = self.trainer
         live = self._live_objects()
         if weights_only:
@@ -221,7 +225,7 @@ class CheckpointManager:
             "format": CHECKPOINT_FORMAT,
             **live,
             "progress": self.progress_state(),
-            "rng": t.runtime.all_gather_object(rng_state()),  # every rank's streams
+            "rng": t.runtime.all_gather_object(rng_state()) if rngs is None else rngs,  # every rank's streams
             "callbacks": {cb.state_key: cb.state_dict() for cb in t.callbacks},
             "loggers": self.logger_states(),
             "hyper_parameters": dict(t.module.hparams) if t.module is not None else {},
@@ -286,6 +290,58 @@ class CheckpointManager:
         self._pending = (self.trainer.runtime.save(path, self.state(weights_only), background), then, finite)
         if not background:
             self.complete_pending()
+        return finite
+
+    def begin_stage(self) -> None:
+        self._stages_begun += 1
+
+    def save_as_called(self, path: str | os.PathLike) -> bool:
+        """``trainer.save_checkpoint(path)``: written by every rank together, as the loop's own checkpoints are; or,
+        called by one rank alone (under ``if trainer.is_global_zero:``, as Lightning's documentation shows), written
+        by that rank where every rank holds the whole state (``traits.replicated_state``: DDP), else refused in one
+        line naming the call. Never a collective one rank entered alone (gloo aborted the job; Lightning hangs).
+        Returns whether the weights were finite."""
+        t = self.trainer
+        if self.parent_checkpoint is not None or t.world_size == 1 or not torch.distributed.is_initialized():
+            return self.save(path, background=False)
+        from distrain.distributed import arrival
+
+        here = (self._stages_begun, t.global_step)
+        self._calls = (*here, self._calls[2] + 1 if self._calls[:2] == here else 1)
+        # the run's folder: another trainer's calls, on a process group kept across trainers, are others
+        call = "save_checkpoint/{}/{}/{}/{}".format(os.path.abspath(str(t.log_dir)), *self._calls)
+        together, alone = arrival.called_by_every_rank(call, t.global_rank, t.world_size)
+        if together:
+            return self.save(path, background=False)
+        if alone != t.global_rank:  # it came late: the rank that waited for it wrote the checkpoint
+            return True
+        if not t.strategy.traits.replicated_state:
+            raise RuntimeError(
+                f"trainer.save_checkpoint({str(path)!r}) was called on rank {t.global_rank} alone (no other rank "
+                f"called it within {arrival.WAIT_S:g} s): under {type(t.strategy).__name__} each rank holds part of "
+                "the state, so every rank must call it (not under `if trainer.is_global_zero:`)"
+            )
+        print(
+            f"distrain: trainer.save_checkpoint({str(path)!r}) on rank {t.global_rank} alone (no other rank called it "
+            f"within {arrival.WAIT_S:g} s): written from this rank's state, which every rank holds the same",
+            flush=True,
+        )
+        return self._save_alone(path)
+
+    def _save_alone(self, path: str | os.PathLike) -> bool:
+        """The whole state, written by this rank without a collective (every rank holds it the same); the RNG
+        streams of this rank only, as rank 0's (a resume gives the others fresh ones)."""
+        t = self.trainer
+        finite = all(bool(torch.isfinite(p).all()) for p in t.module.parameters())
+        state = self.state(rngs=[rng_state()] if t.global_rank == 0 else [])
+        # FULL_EVERY_RANK: torch's FULL keeps the state on rank 0 only, which may not be this rank
+        plain = ckpt_state.state_of(state, t.strategy.unwrap, ckpt_state.FULL_EVERY_RANK)
+
+        def write(tmp: Path) -> list[Path]:
+            torch.save(plain, tmp / ckpt_io.STATE_FILE)
+            return [tmp / ckpt_io.STATE_FILE]
+
+        ckpt_io.write_checkpoint(path, write, True, lambda outcome: [outcome])
         return finite
 
     def complete_pending(self) -> None:
