@@ -55,8 +55,42 @@ def _built(strategy, make_module) -> tuple[dict, torch.Tensor, int | None]:
     return out, torch.get_rng_state(), getattr(rt.strategy, "init_peak_bytes", None)
 
 
+class AttnBlock(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(d, 2, batch_first=True)
+        self.norm = torch.nn.LayerNorm(d)
+
+
+class TorchLayers(distrain.Module):
+    """Every torch.nn layer that holds parameters, built in configure_model: torch's attention (its initializer is
+    ``_reset_parameters``), its Transformer (which draws every matrix again once built) and the encoder that
+    deep-copies one layer, recurrent, convolutional, normalization and embedding layers."""
+
+    def __init__(self, copies: bool = True):
+        super().__init__()
+        self.copies = copies  # DeepSpeed's zero.Init partitions no deep copy: ZeRO-3 builds without them
+
+    def configure_model(self):
+        nn, d = torch.nn, 8
+        self.emb, self.bag = nn.Embedding(10, d), nn.EmbeddingBag(10, d)
+        self.blocks = nn.ModuleList([AttnBlock(d), AttnBlock(d)])
+        if self.copies:
+            self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 2, 16, batch_first=True), 2)
+            self.transformer = nn.Transformer(d, 2, 2, 2, 16, batch_first=True)
+        self.rnns = nn.ModuleList([nn.LSTM(d, d), nn.GRU(d, d, bidirectional=True), nn.RNN(d, d), nn.LSTMCell(d, d)])
+        self.convs = nn.ModuleList([nn.Conv1d(d, d, 3), nn.Conv2d(d, d, 3), nn.ConvTranspose1d(d, d, 2)])
+        self.norms = nn.ModuleList(
+            [nn.BatchNorm1d(d), nn.GroupNorm(2, d), nn.RMSNorm(d), nn.InstanceNorm1d(d, affine=True)]
+        )
+        self.bilinear, self.prelu, self.head = nn.Bilinear(d, d, 4), nn.PReLU(), nn.Linear(d, 10)
+        self.adaptive = nn.AdaptiveLogSoftmaxWithLoss(d, 20, [10])
+
+
 def _models(tiny):
     return {
+        "torch.nn": TorchLayers,
+        "torch.nn without copies": lambda: TorchLayers(copies=False),
         "gpt": _gpt,
         "llama": lambda: _hf("causal_lm", tiny["llama"], True),
         "llama-fresh": lambda: _hf("causal_lm", tiny["llama"], False),
@@ -65,7 +99,7 @@ def _models(tiny):
 
 
 def _is_block(module) -> bool:
-    return type(module).__name__ in ("Block", "LlamaDecoderLayer", "BertLayer")
+    return type(module).__name__ in ("Block", "LlamaDecoderLayer", "BertLayer", "AttnBlock", "TransformerEncoderLayer")
 
 
 def _strategies(world):
@@ -91,6 +125,9 @@ def _sharded_builds(rank, tiny, names):
         warnings.simplefilter("always")
         for strategy_name, make_strategy in _strategies(int(os.environ["WORLD_SIZE"])).items():
             for model_name, make_module in _models(tiny).items():
+                zero3 = strategy_name.startswith("zero3")
+                if model_name.startswith("torch.nn") and zero3 != model_name.endswith("without copies"):
+                    continue  # ZeRO-3 builds torch.nn's layers without the Transformer's copies; the others with
                 if names == "all" or (strategy_name, model_name) in names:
                     results[strategy_name, model_name] = _built(make_strategy(), make_module)
     rng_warnings = [str(w.message) for w in caught if "DTensor random" in str(w.message)]
@@ -154,8 +191,15 @@ def test_a_parameter_nothing_initializes_is_an_error():
     module = Job()
     with rt.init_module():
         module.configure_model()
-    with pytest.raises(RuntimeError, match=r"nothing initializes layer\.w.*reset_parameters"):
+    with pytest.raises(RuntimeError, match=r"^Job was built .* nothing initializes layer\.w: .*reset_parameters"):
         rt.strategy.setup(module)
+    # through the Trainer: the user's class and names, not those of distrain's wrapper around it
+    trainer = distrain.Trainer(
+        strategy=distrain.FSDPStrategy(), devices=1, accelerator="cpu", max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"^Job was built .* nothing initializes layer\.w: "):
+        trainer.fit(Job(), torch.utils.data.DataLoader(torch.zeros(4, 4)))
 
 
 def _eager_build_with_rank_dependent_rng(rank):

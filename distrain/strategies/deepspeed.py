@@ -211,9 +211,13 @@ class DeepSpeedStrategy(Strategy):
     def _setup_module(self, module: nn.Module) -> nn.Module:
         partitioned = [hasattr(p, "ds_id") for p in module.parameters()]
         if any(partitioned) and not all(partitioned):
+            whole = [name for name, p in module.named_parameters() if not hasattr(p, "ds_id")]
             raise ValueError(
-                f"{type(module).__name__} has layers built in __init__ and layers built in configure_model "
-                "(partitioned by ZeRO-3); build all of them in configure_model (or all in __init__)"
+                f"{type(module).__name__}: ZeRO-3 partitioned the layers built in configure_model, but not "
+                f"{', '.join(whole[:3])}{' …' if len(whole) > 3 else ''}: built in __init__, or copies made with "
+                "copy.deepcopy (torch's TransformerEncoder/TransformerDecoder copy the layer they are given), which "
+                "DeepSpeed's zero.Init does not partition. Build every layer in configure_model without copies, or "
+                "all of them in __init__"
             )
         if not any(partitioned):  # built in __init__: its weights are final (the engine starts from rank 0's)
             self._rng_before_init = None

@@ -266,16 +266,16 @@ def replay_initialization(
     mode = _FullTensorInit(params, buffers, unit_of, access)
     restore_rng(rng_state)
     with torch.no_grad(), mode:
-        for m in _children_first(module):
-            reset = getattr(m, "reset_parameters", None)
-            if callable(reset):
-                reset()
+        for initialize in _initializers(module):
+            initialize()
     mode.write_back()
     missing = [name for key, (name, _) in params.items() if key not in mode.touched]
     missing += [name for key, name in buffers.items() if key not in mode.touched]
     if missing:
+        users, prefix = _users_module(module)
+        missing = [name.removeprefix(prefix) for name in missing]
         raise RuntimeError(
-            f"{type(module).__name__} was built in configure_model under a sharding strategy, but nothing initializes "
+            f"{users} was built in configure_model under a sharding strategy, but nothing initializes "
             f"{', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}: a sharded model is initialized by its "
             "modules' reset_parameters() (torch's convention, run children first as an eager build would). Give the "
             "module that owns them a reset_parameters(), or build them in __init__ instead of configure_model"
@@ -283,13 +283,53 @@ def replay_initialization(
     return mode.peak_held_bytes
 
 
-def _children_first(module: nn.Module):
-    """Modules children first (an eager build's order), not descending below a module whose
-    ``reset_parameters`` covers its whole subtree."""
+#: torch.nn layers whose initializer has another name than ``reset_parameters`` (their ``__init__`` runs it last,
+#: after their children's): read off torch.nn, the layers that make parameters and have no ``reset_parameters``,
+#: and ``nn.Transformer``, which draws all its matrices again once its layers are built
+_TORCH_INITIALIZERS = {nn.MultiheadAttention: "_reset_parameters", nn.Transformer: "_reset_parameters"}
+#: torch.nn layers whose ``__init__`` does not run their ``reset_parameters`` (their children's initialization is
+#: all an eager build draws): read off torch.nn, every ``__init__`` in each layer's classes
+_NOT_RUN_BY_INIT = (nn.AdaptiveLogSoftmaxWithLoss,)
+
+
+def _initializers(module: nn.Module):
+    """What an eager build of ``module`` runs, in its order: each module's initializer, children first (each layer
+    as it is built, then its parent's own), not descending below a module whose ``reset_parameters`` covers its whole
+    subtree. torch's ``TransformerEncoder``/``TransformerDecoder`` deep-copy the one layer they are given: the first
+    is initialized, and the others are copies of it, drawing nothing, as in an eager build."""
     if not getattr(module, "reset_parameters_covers_children", False):
+        layers = getattr(module, "layers", None)
+        cloned = isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) and len(layers) > 1
         for child in module.children():
-            yield from _children_first(child)
-    yield module
+            if cloned and child is layers:
+                yield from _initializers(layers[0])
+                yield lambda: _copy_into(layers[0], list(layers)[1:])
+            else:
+                yield from _initializers(child)
+    if type(module) in _NOT_RUN_BY_INIT:  # the class itself: a subclass's own __init__ may run it
+        return
+    initialize = getattr(module, "reset_parameters", None)
+    if initialize is None:
+        torchs = next((name for cls in type(module).__mro__ if (name := _TORCH_INITIALIZERS.get(cls))), None)
+        initialize = getattr(module, torchs, None) if torchs else None
+    if callable(initialize):
+        yield initialize
+
+
+def _copy_into(first: nn.Module, clones: list[nn.Module]) -> None:
+    for clone in clones:
+        for mine, theirs in zip([*clone.parameters(), *clone.buffers()], [*first.parameters(), *first.buffers()]):
+            mine.copy_(theirs)
+
+
+def _users_module(module: nn.Module) -> tuple[str, str]:
+    """The user's class, and the prefix its names have here: not distrain's step router around it, nor the class
+    FSDP2 makes of it (``FSDPModel``)."""
+    prefix = ""
+    while type(module).__name__.endswith("StepRouter") and isinstance(getattr(module, "module", None), nn.Module):
+        module, prefix = module.module, prefix + "module."
+    users = next(c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed"))
+    return users.__name__, prefix
 
 
 def initialize_now(module: nn.Module) -> None:
