@@ -56,7 +56,7 @@ class FSDPStrategy(Strategy):
       ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``, ``size_based_...``),
       each choosing the modules FSDP1 would wrap. Default: the module's ``block_class`` if it has one.
     - ``activation_checkpointing``: Lightning's older form of ``activation_checkpointing_policy``, a layer class or
-      a list of them.
+      a list of them. ``limit_all_gathers`` (FSDP1's): FSDP2 has no CPU rate limit to set; False says so.
     - ``mixed_precision``: ``MixedPrecisionPolicy`` or a dict of param/reduce/buffer dtypes;
       default from the Trainer's precision, with fp32 gradient reduction.
     - ``sync_each_micro_batch``: with gradient accumulation, reduce-scatter the gradients after every
@@ -92,6 +92,7 @@ class FSDPStrategy(Strategy):
         collective_timeout: timedelta | float | None = timedelta(minutes=5),
         expert_parallel_size: int = 1,
         activation_checkpointing: Any = None,
+        limit_all_gathers: bool = True,
     ):
         if activation_checkpointing is not None:
             if activation_checkpointing_policy is not None:
@@ -120,11 +121,17 @@ class FSDPStrategy(Strategy):
         self.sync_module_states = sync_module_states
         self.sync_each_micro_batch = sync_each_micro_batch
         self._deferred = sharded_init.DeferredBuild()  # configure_model's meta build, initialized at set-up
-        self._explain_fsdp1_options(backward_prefetch, use_orig_params)
+        self._explain_fsdp1_options(backward_prefetch, use_orig_params, limit_all_gathers)
 
     @staticmethod
-    def _explain_fsdp1_options(backward_prefetch, use_orig_params) -> None:
+    def _explain_fsdp1_options(backward_prefetch, use_orig_params, limit_all_gathers) -> None:
         # FSDP2 has no switch for these; say what happens instead of silently dropping them.
+        if not limit_all_gathers:
+            warnings.warn(
+                "limit_all_gathers=False: FSDP2 keeps its all-gathers in flight by its own streams, with no CPU "
+                "rate limit to turn off (limit_all_gathers is FSDP1's)",
+                stacklevel=3,
+            )
         if backward_prefetch not in (None, "BACKWARD_PRE"):
             warnings.warn(
                 f"backward_prefetch={backward_prefetch!r}: FSDP2 always prefetches the next layer's "
