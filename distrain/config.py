@@ -196,9 +196,9 @@ class TrainingConfig:
     """AdamW's decoupled weight decay; 0: none."""
     max_grad_norm: float | None = number(1.0, ge=0, means={0: "no clipping, as null"})
     """Clip the global gradient norm to this; null or 0: no clipping."""
-    precision: str | int = "32-true"
+    precision: str | int = number("32-true", ge=16, le=64)
     """32-true, 16-mixed (a GPU), bf16-mixed, bf16-true or fp8 (an H100-class GPU); Lightning's 16, 32 and bf16 read
-    as Lightning reads them (16-mixed, 32-true, bf16-mixed)."""
+    as Lightning reads them (16-mixed, 32-true, bf16-mixed); a number is one of those, 16 to 64."""
     seed: int = number(1234, ge=0, means={0: "seed 0, a seed like any other"})
     """A non-negative integer (0 is a seed like any other); Hugging Face datasets refuse negative ones."""
     val_check_interval: int = number(100, ge=0, means={0: "validate at each epoch's end only"})
