@@ -5,6 +5,7 @@ dropped on one process or failed inside the ranks). One process each (in this pr
 from __future__ import annotations
 
 import inspect
+import os
 import time
 from datetime import timedelta
 
@@ -280,3 +281,18 @@ def test_a_sanity_check_that_fails_stops_before_training_through_on_exception_an
     with pytest.raises(ValueError, match="validation_step is broken"):
         trainer.fit(module, _loader(), _loader(8))
     assert module.seen["train"] == [] and ends.calls == ["exception ValueError", "teardown fit"]
+
+
+def test_on_a_cpu_lightnings_trainer_counts_one_device_as_lightning_does(monkeypatch):
+    """Lightning's CPU accelerator counts one device: ``Trainer()`` (devices="auto") and ``devices=-1`` train in one
+    process there, so a migrated script's global batch stays Lightning's; distrain's own Trainer starts a rank per
+    core (2 here). A count given, or Lightning's variable, is taken as it is."""
+    from distrain.lightning import Trainer
+
+    monkeypatch.delenv("PL_TRAINER_DEVICES", raising=False)
+    assert Trainer(accelerator="cpu").world_size == Trainer(accelerator="cpu", devices=-1).world_size == 1
+    assert Trainer().world_size == 1  # "auto" on a machine without a GPU
+    assert Trainer(accelerator="cpu", devices=2).world_size == 2
+    assert L.Trainer(accelerator="cpu").world_size == min(2, os.cpu_count() or 1)
+    monkeypatch.setenv("PL_TRAINER_DEVICES", "2")
+    assert Trainer(accelerator="cpu").world_size == 2

@@ -33,16 +33,26 @@ class Trainer(_Trainer):
       variables as defaults: a keyword given in the script wins, as in Lightning;
     - the training data sharded over several ranks is shuffled, whatever its loader says, in the order Lightning's
       sampler gives it (seeded by ``PL_GLOBAL_SEED``, which ``seed_everything`` sets, else 0); ``distrain.Trainer``
-      keeps the loader's own order."""
+      keeps the loader's own order;
+    - on a CPU, ``devices="auto"`` (and -1) is one process, as Lightning's CPU accelerator counts one device
+      (``distrain.Trainer`` starts a rank per core, up to 2)."""
 
     def __init__(self, **kwargs: Any):
         kwargs = {**env_defaults(), **kwargs}
         precision, accelerator = kwargs.get("precision", "32-true"), kwargs.get("accelerator", "auto")
         kwargs["precision"] = _lightning_precision(precision, accelerator)
+        if kwargs.get("devices", "auto") in ("auto", -1, "-1") and _on_cpu(accelerator):
+            kwargs["devices"] = 1  # Lightning's CPU accelerator counts one device (distrain's: a rank per core)
         super().__init__(**kwargs)
 
     def _train_order(self) -> tuple[bool | None, int]:
         return (True if self.data_parallel_size > 1 else None), int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def _on_cpu(accelerator: Any) -> bool:
+    from distrain.accelerators import resolve_accelerator
+
+    return isinstance(accelerator, str) and resolve_accelerator(accelerator).name == "cpu"
 
 
 def _lightning_precision(precision: Any, accelerator: Any) -> Any:
@@ -50,11 +60,10 @@ def _lightning_precision(precision: Any, accelerator: Any) -> Any:
     Lightning's warning (``distrain.Trainer`` refuses it instead, naming bf16-mixed)."""
     import warnings
 
-    from distrain.accelerators import resolve_accelerator
     from distrain.config import canonical_precision
 
     precision = canonical_precision(precision)
-    if precision == "16-mixed" and isinstance(accelerator, str) and resolve_accelerator(accelerator).name == "cpu":
+    if precision == "16-mixed" and _on_cpu(accelerator):
         warnings.warn(
             f"Trainer(accelerator={accelerator!r}, precision='16-mixed') on a CPU: AMP with fp16 needs a GPU, "
             "so it trains in precision='bf16-mixed' (as Lightning does)",
