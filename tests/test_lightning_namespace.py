@@ -65,6 +65,21 @@ def test_the_import_edit_is_mechanical_and_leaves_other_words_alone():
         "from distrain.lightning.callbacks import ModelCheckpoint\nfrom distrain.lightning.loggers import CSVLogger\n"
         "logs = 'lightning_logs'  # lightning_fabric stays\n"
     )
+    # code only: a link in a comment or a docstring, text and an attribute of that name stay; a string that is a
+    # module path (LightningCLI's class_path) moves; source Python cannot read is edited word by word
+    code = (
+        '"""See https://lightning.ai/docs/pytorch/stable/api/pytorch_lightning.core.hooks.html"""\n'
+        "# 1. [setup()](https://lightning.ai/docs/pytorch/stable/common/lightning_module.html) \f\n"
+        "trainer = lightning.pytorch.Trainer(); L = pytorch_lightning . LightningModule\n"
+        'print("Using lightning"); self.lightning = 1\n'
+        "defaults = {'class_path': 'lightning.pytorch.callbacks.ModelCheckpoint', 'x': r\"pytorch_lightning\"}\n"
+    )
+    assert pl.migrate(code) == code.replace("trainer = lightning.pytorch", "trainer = distrain.lightning").replace(
+        "L = pytorch_lightning", "L = distrain.lightning"
+    ).replace("'lightning.pytorch.callbacks", "'distrain.lightning.callbacks").replace(
+        'r"pytorch_lightning"', 'r"distrain.lightning"'
+    )
+    assert pl.migrate("import lightning as L\nif (:\n") == "import distrain as L\nif (:\n"
 
 
 @pytest.mark.parametrize(
