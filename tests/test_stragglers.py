@@ -19,7 +19,10 @@ from helpers import IndexedTokens, TinyGPT, run_ranks
 pytestmark = pytest.mark.alone  # a straggler is timed against its peers; a busy neighbour makes one
 
 STEPS, WINDOW, BATCH = 20, 4, 4
-SLEEP_S = 0.05
+SLEEP_S = 0.1
+#: every rank's every step is this much longer: a tiny step (~10 ms) made a few ms of noise on one rank, a
+#: scheduler's hiccup on 2 cores, 20% of it, and named a straggler in a window where the ranks kept pace
+BALANCED_S = 0.02
 
 
 class SlowOnRankOne(IndexedTokens):
@@ -49,6 +52,7 @@ class SlowComputeOnRankOne(TinyGPT):
     """Rank 1's forward is slow in steps 9-12, its backward in steps 13-16: a rank short of compute."""
 
     def training_step(self, batch, batch_idx):
+        time.sleep(BALANCED_S)
         slow = self.global_rank == 1 and 2 * WINDOW <= self.global_step < 4 * WINDOW
         if slow and self.global_step < 3 * WINDOW:
             time.sleep(SLEEP_S)
