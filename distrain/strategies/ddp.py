@@ -31,7 +31,7 @@ class DDPStrategy(Strategy):
     that split each mixture-of-experts layer's experts (``distrain.parallel.expert_parallel``); DDP replicates the rest
     and leaves the experts to it."""
 
-    @property
+    @functools.cached_property  # asked in every step's logging: made once
     def traits(self) -> Traits:
         return Traits(replicated_state=self.expert_parallel_size == 1)
 
