@@ -275,14 +275,7 @@ class CheckpointManager:
         if self.trainer.module is None:
             raise RuntimeError("save_checkpoint() needs a module attached by fit/validate/test first")
         if self.parent_checkpoint is not None:  # the parent of spawned/forked ranks: what rank 0 sent back
-            plain = self.parent_checkpoint
-
-            def write(tmp: Path) -> list[Path]:
-                torch.save(plain, tmp / ckpt_io.STATE_FILE)
-                return [tmp / ckpt_io.STATE_FILE]
-
-            ckpt_io.write_checkpoint(path, write, True, lambda outcome: [outcome])
-            finite = all(bool(torch.isfinite(v).all()) for v in plain["model"].values())
+            finite = _write_alone(path, self.parent_checkpoint)
             if then is not None:
                 then(finite)
             return finite
@@ -332,17 +325,9 @@ class CheckpointManager:
         """The whole state, written by this rank without a collective (every rank holds it the same); the RNG
         streams of this rank only, as rank 0's (a resume gives the others fresh ones)."""
         t = self.trainer
-        finite = all(bool(torch.isfinite(p).all()) for p in t.module.parameters())
         state = self.state(rngs=[rng_state()] if t.global_rank == 0 else [])
         # FULL_EVERY_RANK: torch's FULL keeps the state on rank 0 only, which may not be this rank
-        plain = ckpt_state.state_of(state, t.strategy.unwrap, ckpt_state.FULL_EVERY_RANK)
-
-        def write(tmp: Path) -> list[Path]:
-            torch.save(plain, tmp / ckpt_io.STATE_FILE)
-            return [tmp / ckpt_io.STATE_FILE]
-
-        ckpt_io.write_checkpoint(path, write, True, lambda outcome: [outcome])
-        return finite
+        return _write_alone(path, ckpt_state.state_of(state, t.strategy.unwrap, ckpt_state.FULL_EVERY_RANK))
 
     def complete_pending(self) -> None:
         """Wait for a checkpoint written in the background and commit it (every rank together)."""
@@ -442,3 +427,15 @@ class CheckpointManager:
         cb = self.trainer.checkpoint_callback
         if cb is not None and "checkpoint_paths" in state:
             cb.best_model_path, cb.last_model_path = state["checkpoint_paths"]
+
+
+def _write_alone(path: str | os.PathLike, plain: dict[str, Any]) -> bool:
+    """A whole checkpoint state (plain values), written and committed by this process with no other rank taking
+    part; returns whether its model weights are finite."""
+
+    def write(tmp: Path) -> list[Path]:
+        torch.save(plain, tmp / ckpt_io.STATE_FILE)
+        return [tmp / ckpt_io.STATE_FILE]
+
+    ckpt_io.write_checkpoint(path, write, True, lambda outcome: [outcome])
+    return all(bool(torch.isfinite(v).all()) for v in plain["model"].values())
