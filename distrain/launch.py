@@ -146,6 +146,9 @@ class SubprocessLauncher:
                 rank = self.node_rank * self.nprocs + local_rank
                 output = open(rank_log(self.log_dir, rank), "ab")  # noqa: SIM115 (the child owns it)
                 env["DISTRAIN_LAUNCHED_CHILD"] = "1"
+                # a death in native code (SIGABRT, SIGSEGV) writes every thread's Python stack into the log, where
+                # ``last_words`` finds the line that was running; a user's own setting stands
+                env.setdefault("PYTHONFAULTHANDLER", "1")
             self.procs.append(
                 subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None)
             )
@@ -526,9 +529,44 @@ def record_exit(
             record["where"] = where
         if explain_memory is not None and code in (-signal.SIGKILL, 128 + signal.SIGKILL):
             record["memory"] = explain_memory(True)  # the host's memory ran out
+        said = last_words(rank_log(log_dir, rank))
+        if said:
+            record["said"] = said
         os.makedirs(log_dir, exist_ok=True)
         _write_record(log_dir, rank, record)
         return True
+
+
+#: how much of a log's end ``last_words`` reads: a native library's message and a stack dump fit in it
+_LAST_BYTES = 16384
+
+
+def last_words(log_path: str) -> list[str]:
+    """What a rank that died without a Python exception last wrote, from its log's end: a native library's message
+    (C++'s ``terminate called after throwing ...`` and its ``what():``, Python's ``Fatal Python error: ...``) and,
+    from the stack ``faulthandler`` dumped of the thread that died, its innermost frame and the innermost one of the
+    user's code. At most 4 lines, each cut to 300 characters; none where the log holds none (a SIGKILL says
+    nothing)."""
+    from distrain.distributed.watch import library_frame
+
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - _LAST_BYTES))
+            text = f.read(_LAST_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return []
+    lines = [line.strip() for line in text.replace("\r", "\n").splitlines()]
+    said = [line for line in lines if line.startswith(("terminate called", "what():", "Fatal Python error:"))][-2:]
+    dumped = [i for i, line in enumerate(lines) if line.startswith("Current thread")]
+    if dumped:  # the last dump; its frames run innermost first until the next blank line or thread
+        frames = []
+        for line in lines[dumped[-1] + 1 :]:
+            if not line.startswith("File "):
+                break
+            frames.append(line)
+        users = [f for f in frames[1:] if not library_frame(f)]
+        said += frames[:1] + users[:1]
+    return ["".join(c if c.isprintable() else "?" for c in line)[:300] for line in said]
 
 
 def _written_since(path: str, since: float) -> bool:
@@ -576,6 +614,7 @@ def failure_summary(log_dir: str | None, wait_for: int | None = None, since: flo
             f"[distrain] rank {first['rank']} failed first{f' at {where}' if where else ''}: "
             + (first["message"] if first["type"] == "exit" else f"{first['type']}: {first['message']}")
             + memory,
+            *(f"[distrain]   it said: {line}" for line in first.get("said", [])),
             f"[distrain]   its whole output and traceback: {rank_log(log_dir, first['rank'])}",
         ]
         others = [r for r in records if r is not first]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import distrain
-from helpers import TinyGPT, env_without_rank, loader, make_trainer
+from helpers import TinyGPT, console_of_a_faulty_rank, env_without_rank, loader, make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 PREVIOUS = Path(__file__).parent / "data" / "previous"
@@ -104,6 +104,22 @@ def test_a_failure_of_an_earlier_run_is_not_reported_as_this_ones(tmp_path):
     assert "OldError" not in proc.stderr, proc.stderr
     broke = "rank 1 failed first at step 1 (in forward/backward): RuntimeError: rank one broke"
     assert broke in proc.stderr, proc.stderr
+
+
+def test_a_rank_that_dies_in_native_code_is_named_with_its_last_words_and_the_users_line(tmp_path):
+    """A rank killed by a signal from native code (a segfault here; gloo's or NCCL's abort alike) leaves no Python
+    exception: the console names it, its signal, the native message and, from the stack ``faulthandler`` dumped in
+    its log, the innermost frame and the user's own line that called it. (A CI run once ended on "rank 1 ... SIGABRT"
+    and nothing else: its log was gone with the machine.)"""
+    console, _ = console_of_a_faulty_rank(tmp_path, "import ctypes; ctypes.string_at(0)", 3.0)
+    lines = console.splitlines()
+    assert lines[0].startswith("[distrain] rank 1 failed first at step 3 (in forward/backward): exited with code -11")
+    assert "SIGSEGV" in lines[0], console
+    said = [line.removeprefix("[distrain]   it said: ") for line in lines if line.startswith("[distrain]   it said: ")]
+    assert said[0] == "Fatal Python error: Segmentation fault", console
+    assert said[1].startswith('File "') and "ctypes" in said[1], console  # where it died: a library
+    assert said[2] == f'File "{tmp_path / "train.py"}", line 11 in training_step', console  # the user's line
+    assert lines[len(said) + 1].startswith("[distrain]   its whole output and traceback: "), console
 
 
 def test_an_empty_training_set_says_why(tmp_path):

@@ -384,7 +384,7 @@ class StackDumps:
         if not frames:
             return []
         # where it is (the innermost frame, a library's too), then the user's own frames around it
-        shown = frames[:1] + [f for f in frames[1:] if not _library_frame(f)][:4]
+        shown = frames[:1] + [f for f in frames[1:] if not library_frame(f)][:4]
         return [f"rank {rank} is here (its main thread, innermost call first):"] + [f"  {frame}" for frame in shown]
 
 
@@ -393,7 +393,7 @@ _LIBRARIES = tuple(
 )
 
 
-def _library_frame(frame: str) -> bool:
+def library_frame(frame: str) -> bool:
     """A frame in distrain, the standard library or an installed package: not where a user looks first."""
     path = frame.split('"')[1] if frame.count('"') >= 2 else ""
     return path.startswith(_LIBRARIES) or "site-packages" in path or "dist-packages" in path
