@@ -52,6 +52,10 @@ class ModelSpec:
     0: none."""
     selective_checkpointing: bool = False
     """Its checkpointed blocks recompute per operation (``training.activation_checkpointing_mode: selective``)."""
+    key: tuple | None = None
+    """What the model is, by content (the built-in GPT's arguments, a Hugging Face config's every field): two specs
+    with one key trace alike, so a process traces each once (``trace_step``). None: not known by content (a module
+    of your own, which may change between two plans), traced every time."""
 
     # ---- the built-in GPT, Hugging Face configs, any module -------------------------------------
     @classmethod
@@ -88,6 +92,7 @@ class ModelSpec:
             with_depth=lambda n: cls.builtin_gpt(model_name, seq_len, n_layer=n, n_experts=n_experts, top_k=top_k),
             num_blocks=cfg.n_layer,
             experts=cfg.n_experts,
+            key=("builtin_gpt", model_name, seq_len, n_layer, n_experts, top_k),
         )
 
     @classmethod
@@ -141,6 +146,7 @@ class ModelSpec:
             with_depth=with_depth if depth_key else None,
             num_blocks=getattr(config, depth_key) if depth_key else 0,
             experts=expert_parallel.splittable_experts(skeleton),
+            key=_content_key_of_config(name, task, seq_len, config),
         )
 
     @classmethod
@@ -190,6 +196,7 @@ class ModelSpec:
             self,
             build=build,
             with_depth=None if deeper is None else (lambda n: deeper(n).with_low_precision_norms()),
+            key=None if self.key is None else (*self.key, "low_precision_norms"),
         )
 
     def with_selective_checkpointing(self) -> ModelSpec:
@@ -218,7 +225,16 @@ class ModelSpec:
             num_blocks=self.num_blocks,
             experts=self.experts,
             selective_checkpointing=self.selective_checkpointing,
+            key=self.key,
         )
+
+
+def _content_key_of_config(name: str, task: str, seq_len: int, config) -> tuple | None:
+    """A Hugging Face model's ``ModelSpec.key``: every field of its config (None where one does not serialize)."""
+    try:
+        return ("huggingface", name, task, seq_len, config.to_json_string(use_diff=False))
+    except (TypeError, ValueError):
+        return None
 
 
 class _PortableBatch:
@@ -473,7 +489,40 @@ def trace_step(
     ``checkpoint``: blocks whose activations are recomputed (``None``: all), with torch's
     reentrant checkpoint if ``reentrant`` (DeepSpeed's activation checkpointing is reentrant).
     ``float8``: the linear layers are torchao's float8 ones (``precision: fp8``). ``routed_over``: the experts split
-    over that many ranks, and the routing at its worst for this rank (``worst_routing``); 1: even routing."""
+    over that many ranks, and the routing at its worst for this rank (``worst_routing``); 1: even routing.
+
+    A spec known by its content (``ModelSpec.key``) is traced once per process for the same arguments: a plan
+    traces the same model at the same shapes for several options, and ``auto`` then an out-of-memory plan again."""
+    arguments = (micro_batch, param_dtype, autocast, checkpoint, foreach, clip, reentrant, float8, routed_over)
+    if spec.key is None:
+        return _trace_step(spec, *arguments)
+    memo_key = (spec.key, spec.selective_checkpointing, *arguments)
+    trace = _TRACES.get(memo_key)
+    if trace is None:
+        if len(_TRACES) >= _TRACES_KEPT:
+            _TRACES.pop(next(iter(_TRACES)))  # the oldest
+        trace = _TRACES[memo_key] = _trace_step(spec, *arguments)
+    return trace
+
+
+#: the traces of specs known by content, by their arguments (``trace_step``); a trace is read, never changed
+_TRACES: dict[tuple, StepTrace] = {}
+#: at most this many kept: a trace holds its timeline (a pair of numbers per operation), ~1 MB for a deep model
+_TRACES_KEPT = 256
+
+
+def _trace_step(
+    spec: ModelSpec,
+    micro_batch: int,
+    param_dtype: torch.dtype,
+    autocast: torch.dtype | None,
+    checkpoint: int | None,
+    foreach: bool,
+    clip: float | None,
+    reentrant: bool,
+    float8: bool,
+    routed_over: int,
+) -> StepTrace:
     module, float8_layers = set_up_module(spec, param_dtype, checkpoint, float8=float8, reentrant=reentrant)
     float8_weights = [module.get_submodule(name).weight for name in float8_layers]
     # non-fake inputs: the meta parameters that ``to_empty`` turns into fake ones
