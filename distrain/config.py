@@ -328,8 +328,8 @@ class CheckpointingConfig:
     """How many of the newest checkpoints stay on disk (the one ``last`` points to always does); -1: all."""
     async_save: bool = False
     """Write checkpoints in the background (DCP ``async_save``): a save stalls training only while the state is
-    copied into host memory; it is committed (atomically, as a synchronous one) at the next save or the end of the
-    run. Not with DeepSpeed, whose engine writes its own files."""
+    copied into host memory; it is committed (atomically, as a synchronous one, and ``last`` moved to it) at the first
+    step after every rank's writes finished. Not with DeepSpeed, whose engine writes its own files."""
     export_hf: bool = True
     """Hugging Face models: write a ``from_pretrained`` directory to ``<output_dir>/hf`` when training ends."""
 

@@ -527,6 +527,7 @@ class Trainer(TrainerViews):
         if val_loader is not None and val_every and self.global_step % val_every == 0 and self._validates_this_epoch():
             validate_during_fit(self, val_loader)  # before the callbacks, so checkpoints can monitor it
         rt.mark_phase(None, "callbacks after the step (checkpointing)")
+        self.checkpoints.commit_written()  # one written in the background since: committed before a new one starts
         batch_idx, batch = last_micro_batch
         self._hook("on_train_batch_end", output, batch, batch_idx)
         rt.mark_phase(None, "stop-signal check")

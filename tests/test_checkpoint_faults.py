@@ -220,6 +220,38 @@ def test_rank_killed_while_writing_resumes_from_the_previous_checkpoint(
     assert not leftovers, leftovers  # the interrupted write's temporary directory was cleaned up
 
 
+def _background_saves(rank, root):
+    """FSDP on 2 ranks, a checkpoint every 4 steps written in the background: what is on disk at step 6, two steps
+    after the step-4 checkpoint's writes began (at step 5 each rank waits for its own writes to finish, so that the
+    assertion does not depend on how fast the disk is)."""
+    seen = {}
+
+    class Look(distrain.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 5:
+                while trainer.checkpoints.writing is not None and not trainer.checkpoints.writing.written():
+                    time.sleep(0.01)
+            if trainer.global_step == 6:
+                last = Path(root) / "checkpoints" / "last"
+                seen.update(last=last.resolve().name if last.exists() else None)
+                seen.update(damage=ckpt_io.find_damage(last.resolve()) if last.exists() else "no last")
+
+    checkpoints = distrain.ModelCheckpoint(dirpath=str(Path(root) / "checkpoints"), every_n_train_steps=4)
+    trainer, _ = make_trainer(
+        root, strategy="fsdp", devices=2, max_steps=7, logger=False, async_save=True, callbacks=[checkpoints, Look()]
+    )
+    trainer.fit(TinyGPT(), loader(4))
+    return seen
+
+
+def test_a_checkpoint_written_in_the_background_is_committed_before_the_next_save(tmp_path):
+    """``async_save``: a checkpoint counts once its writes finish, not at the next save: ``last`` points at the
+    step-4 checkpoint, whole, at step 6 (before, it waited for the step-8 save, and a job killed between the two
+    resumed from the one before, or from the start)."""
+    for seen in run_ranks(_background_saves, 2, tmp_path / "run"):
+        assert seen == {"last": "epoch=0-step=4", "damage": None}, seen
+
+
 # ---- a full disk ---------------------------------------------------------------------------------------------
 #: a tmpfs of this size holds one TinyGPT checkpoint (~440 KB as DDP's state.pt, ~690 KB as FSDP's shards),
 #: not two

@@ -76,10 +76,12 @@ def then(future: Future, after: Callable[[Any], Any]) -> Future:
 class Pending:
     """A checkpoint being written in the background: ``complete()`` (every rank together) waits for the
     writes, then flushes and commits as a synchronous save does. Until then the name, ``last`` and every
-    older checkpoint are as they were: a crash meanwhile costs this checkpoint only."""
+    older checkpoint are as they were: a crash meanwhile costs this checkpoint only. ``written()``: whether this
+    rank's writes have finished (``complete()`` would not wait for them)."""
 
-    def __init__(self, complete: Callable[[], None]):
+    def __init__(self, complete: Callable[[], None], written: Callable[[], bool] = lambda: True):
         self._complete: Callable[[], None] | None = complete
+        self.written = written
 
     def complete(self) -> None:
         complete, self._complete = self._complete, None
@@ -131,7 +133,7 @@ def write_checkpoint(
         _agree(flush, "writing", path, tmp, is_global_zero, gather)
         _agree(commit if is_global_zero else None, "committing", path, tmp, is_global_zero, gather)
 
-    pending = Pending(complete)
+    pending = Pending(complete, written=lambda: not isinstance(written[0], Future) or written[0].done())
     if background:
         return pending
     pending.complete()

@@ -264,7 +264,8 @@ class CheckpointManager:
         weights_only: bool = False,
     ):
         """Write a checkpoint directory (all ranks call this together). ``then(finite)`` runs once it is committed:
-        now, or — written in the background (``async_save``) — when the next save or the end of fit completes it;
+        now, or — written in the background (``async_save``) — at the first step after every rank's writes finished
+        (``commit_written``), or the next save or the end of fit, whichever comes first;
         ``finite``: every weight is finite (agreed across ranks): a checkpoint that is not must never become
         ``last``. Returns that. ``weights_only``: without the optimizers' and schedulers' states (DeepSpeed's engine
         writes its own either way), marked so that no fit resumes from it."""
@@ -328,6 +329,23 @@ class CheckpointManager:
         state = self.state(rngs=[rng_state()] if t.global_rank == 0 else [])
         # FULL_EVERY_RANK: torch's FULL keeps the state on rank 0 only, which may not be this rank
         return _write_alone(path, ckpt_state.state_of(state, t.strategy.unwrap, ckpt_state.FULL_EVERY_RANK))
+
+    @property
+    def writing(self) -> ckpt_io.Pending | None:
+        """The checkpoint being written in the background, not committed yet (``async_save``); None when there is
+        none. Its ``written()`` says whether this rank's writes have finished."""
+        return self._pending[0] if self._pending is not None else None
+
+    def commit_written(self) -> None:
+        """Every rank, once per step: a checkpoint written in the background is committed (and ``last`` moved to it)
+        at the first step at which every rank's writes have finished, so that a job killed before the next save
+        keeps it. Asked with one number's all-reduce per step, only while a checkpoint is being written."""
+        pending = self.writing
+        if pending is None:
+            return
+        every_rank = self.trainer.runtime.all_reduce(torch.tensor(float(pending.written())), op="min")
+        if bool(every_rank):
+            self.complete_pending()
 
     def complete_pending(self) -> None:
         """Wait for a checkpoint written in the background and commit it (every rank together)."""
