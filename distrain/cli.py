@@ -311,7 +311,10 @@ def launch_parser() -> argparse.ArgumentParser:
     tr.add_argument("--run", action="store_true", help="execute it here instead of printing it")
     sl = sub.add_parser("slurm", help="write an sbatch script (srun, one task per GPU, requeue)")
     sl.add_argument("--nodes", type=int, required=True)
-    sl.add_argument("--gpus-per-node", type=int, required=True)
+    sl.add_argument("--gpus-per-node", type=int, required=True, help="0: a CPU partition (no GPU request)")
+    sl.add_argument(
+        "--ranks-per-node", type=int, help="with --gpus-per-node 0: ranks per node, each its share of the CPUs (1)"
+    )
     sl.add_argument("--time", required=True, type=_slurm_time, metavar="HH:MM:SS", help="e.g. 90, 1:30:00, 2-00:00:00")
     sl.add_argument("--partition")
     sl.add_argument("--min-nodes", type=int, help="elastic: start (and requeue) on MIN to --nodes nodes")
@@ -371,7 +374,13 @@ def launch(argv: list[str]) -> int:
         return launch_sky(args, train_args)
     if args.engine == "slurm":
         text = jobscripts.sbatch_script(
-            args.nodes, args.gpus_per_node, args.time, train_args, args.partition, min_nodes=args.min_nodes
+            args.nodes,
+            args.gpus_per_node,
+            args.time,
+            train_args,
+            args.partition,
+            min_nodes=args.min_nodes,
+            ranks_per_node=args.ranks_per_node,
         )
     else:
         text = jobscripts.pytorchjob_manifest(
@@ -397,6 +406,8 @@ def _check_job(args, train_args: list[str]) -> None:
         nodes, devices = int(str(args.nnodes).split(":")[-1]), args.nproc_per_node
     else:
         nodes, devices = args.nodes, jobscripts.parse_gpus(args.gpus)[1] if args.engine == "sky" else args.gpus_per_node
+    if args.engine == "slurm":  # on a CPU partition, its ranks per node
+        devices = jobscripts.slurm_ranks_per_node(args.gpus_per_node, args.ranks_per_node)
     flags.update({"distributed.num_nodes": nodes, "distributed.devices": devices})
     config = build_config(train.config, flags, train.overrides)
     # srun, or torchrun, starts every rank of these jobs; a PyTorchJob's pod runs distrain, which starts its own

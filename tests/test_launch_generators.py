@@ -70,6 +70,41 @@ def test_sbatch_script(tmp_path):
     assert subprocess.run(["bash", "-n", str(tmp_path / "distrain.sbatch")]).returncode == 0
 
 
+def test_sbatch_script_for_a_cpu_partition(tmp_path):
+    """``--gpus-per-node 0``: no GPU (gres) request, which a CPU partition refuses ("Invalid generic resource"),
+    ``--ranks-per-node`` tasks per node, each given its share of the node's CPUs by srun itself; a GPU count with
+    another rank count, or a negative count, is one line and no file."""
+    args = ("launch", "slurm", "--nodes", "2", "--gpus-per-node", "0", "--ranks-per-node", "3", "--time", "30")
+    proc = distrain(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "distrain.sbatch").read_text()
+    assert "gpus" not in text and "gres" not in text and "--cpus-per-task=8" not in text, text
+    assert "#SBATCH --ntasks-per-node=3" in text and "#SBATCH --exclusive" in text
+    assert "export CPUS_PER_TASK=$((SLURM_CPUS_ON_NODE / SLURM_NTASKS_PER_NODE))" in text
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert srun.startswith("srun --kill-on-bad-exit=1 --cpus-per-task=$CPUS_PER_TASK distrain train")
+    assert "--num-nodes 2 --devices 3" in srun
+    # what the script computes, as bash computes it on a node of 16 CPUs running 3 tasks
+    line = next(line for line in text.splitlines() if line.startswith("export CPUS_PER_TASK="))
+    cpus = subprocess.run(
+        ["bash", "-c", f"{line}; echo $CPUS_PER_TASK"], env={"SLURM_CPUS_ON_NODE": "16", "SLURM_NTASKS_PER_NODE": "3"},
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert cpus.stdout.strip() == "5", cpus
+    assert subprocess.run(["bash", "-n", str(tmp_path / "distrain.sbatch")]).returncode == 0
+    one = distrain("launch", "slurm", "--nodes", "1", "--gpus-per-node", "0", "--time", "30", "--output", "one",
+                   cwd=tmp_path)  # fmt: skip
+    assert one.returncode == 0 and "#SBATCH --ntasks-per-node=1" in (tmp_path / "one").read_text()
+    for bad, said in (
+        (("--gpus-per-node", "4", "--ranks-per-node", "2"), "--ranks-per-node is for a CPU partition"),
+        (("--gpus-per-node", "-1"), "--gpus-per-node -1: a count of GPUs, 0 for a CPU partition"),
+        (("--gpus-per-node", "0", "--ranks-per-node", "0"), "--ranks-per-node 0: at least 1"),
+    ):
+        proc = distrain("launch", "slurm", "--nodes", "1", *bad, "--time", "30", "--output", "bad", cwd=tmp_path)
+        assert proc.returncode == 2 and said in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        assert not (tmp_path / "bad").exists()
+
+
 def test_pytorchjob_manifest(tmp_path):
     proc = distrain(
         "launch",
