@@ -1,0 +1,150 @@
+"""Real schedulers. distrain's sbatch file on a real SLURM (tests/slurm_cluster.py: slurmctld, a slurmd node, munge),
+as written by ``distrain launch slurm``: checked by the controller itself, run by sbatch and srun, ended as SLURM
+ends jobs, requeued, and resumed to the weights of the same job never preempted, bit for bit. And OpenMPI's
+``mpirun`` starting the ranks, against torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrain.checkpoint.state import read_model_weights
+from helpers import env_without_rank, run_cli
+from slurm_cluster import SlurmCluster, why_not
+
+pytestmark = [pytest.mark.alone, pytest.mark.slow]  # a scheduler's timing; the node's CPUs are the job's
+
+#: a small run whose steps SLURM can signal in the middle of: 24 steps, a checkpoint every 8
+TRAIN = [
+    "--seed", "3", "training.max_steps=24", "data.max_bytes=20000", "data.seq_len=16",
+    "training.batch_size_per_gpu=4", "checkpointing.save_every_n_steps=8", "logging.log_every_n_steps=1",
+    "logging.progress_bar=false", "logging.use_tensorboard=false", "logging.plot_summary=false",
+]  # fmt: skip
+RANKS = 2
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    reason = why_not()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    # the jobs run `distrain` from this venv, without this test process's rank variables
+    cluster.env = {k: v for k, v in cluster.env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cluster.env["PATH"] = f"{os.path.dirname(sys.executable)}:{cluster.env['PATH']}"
+    yield cluster
+    cluster.stop()
+
+
+def _job_file(folder: Path, *launch: str) -> Path:
+    """``distrain launch slurm`` on a CPU partition (this node has no GPU), writing ``folder/distrain.sbatch``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    args = ["--nodes", "1", "--gpus-per-node", "0", "--ranks-per-node", str(RANKS), "--time", "10", *launch]
+    written = run_cli(["launch", "slurm", *args, "--", "--output-dir", str(folder / "run"), *TRAIN], cwd=folder)
+    assert written.returncode == 0, written.stderr
+    return folder / "distrain.sbatch"
+
+
+def _steps_logged(run: Path) -> int:
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    return max((json.loads(line).get("step", 0) for line in lines if line.startswith("{")), default=0)
+
+
+@pytest.fixture(scope="module")
+def never_preempted(slurm, tmp_path_factory):
+    """The job run once, start to end: its folder."""
+    folder = tmp_path_factory.mktemp("never-preempted")
+    job = slurm.submit(_job_file(folder))
+    assert slurm.wait_until_ended(job) == "COMPLETED"
+    return folder
+
+
+def test_the_sbatch_file_runs_as_written_on_a_cpu_partition(slurm, never_preempted, tmp_path):
+    """The controller accepts the CPU file as written (it refused the one with a GPU request: no such gres on this
+    cluster), and the job trains on the node's 2 tasks, started by srun, to its last step."""
+    accepted = slurm.run("sbatch", "--test-only", str(never_preempted / "distrain.sbatch"))
+    assert accepted.returncode == 0 and "to start at" in accepted.stderr, accepted.stderr
+    gpu = run_cli(["launch", "slurm", "--nodes", "1", "--gpus-per-node", "2", "--time", "10"], cwd=tmp_path)
+    assert gpu.returncode == 0, gpu.stderr
+    refused = slurm.run("sbatch", "--test-only", str(tmp_path / "distrain.sbatch"))
+    assert refused.returncode != 0 and "generic resource" in refused.stderr.lower(), refused.stderr
+    run = never_preempted / "run"
+    assert _steps_logged(run) == 24 and not (run / "PREEMPTED").exists()
+    output = "".join(p.read_text() for p in never_preempted.glob("distrain-*.out"))
+    assert f"on {RANKS} process(es)" in output and "done at step 24" in output, output[-3000:]
+
+
+@pytest.mark.parametrize(
+    "end, signal_number",
+    [(("scancel", "--signal=USR1"), 10), (("scontrol", "requeue"), 15)],
+    ids=["scancel-usr1", "scontrol-requeue"],
+)
+def test_a_job_ended_by_the_scheduler_is_requeued_and_ends_bit_identical(
+    slurm, never_preempted, tmp_path, end, signal_number
+):
+    """In the middle of the run, ``scancel --signal=USR1`` (what SLURM sends before a time limit or a preemption,
+    ``--signal=USR1@120``): every rank finishes its step and checkpoints it, the job leaves ``PREEMPTED``, and its
+    script requeues it; or ``scontrol requeue``: SLURM ends the job with SIGTERM (the ranks checkpoint the same way)
+    and requeues it itself, once. Either way ``--resume auto`` goes on from that checkpoint to the weights of the job
+    never preempted."""
+    job = slurm.submit(_job_file(tmp_path))
+    run = tmp_path / "run"
+    deadline = time.monotonic() + 120
+    while _steps_logged(run) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _steps_logged(run) >= 5, slurm.state(job)
+    signalled = slurm.run(*end, job)
+    assert signalled.returncode == 0, signalled.stderr
+    while not (run / "PREEMPTED").exists() and time.monotonic() < deadline:  # the first attempt's end
+        time.sleep(0.1)
+    assert (run / "PREEMPTED").read_text().strip() == str(signal_number)  # as the run recorded it
+    # requeued by its script, released at once, resumed to the end
+    assert slurm.wait_until_ended(job) == "COMPLETED" and slurm.restarts(job) == 1
+    assert not (run / "PREEMPTED").exists() and _steps_logged(run) == 24
+    log = (run / "logs" / "rank_0.log").read_text()  # both attempts' (the job's output file holds the last one's)
+    stopped = re.search(rf"stopped by signal {signal_number} at step (\d+) \(`last` resumes it\)", log)
+    resumed = re.search(r"done at step 24 \(resumed from step (\d+)\)", log)
+    assert stopped and resumed and 5 <= int(stopped.group(1)) == int(resumed.group(1)) < 24, log[-3000:]
+    ours = read_model_weights(run / "checkpoints" / "last")
+    reference = read_model_weights(never_preempted / "run" / "checkpoints" / "last")
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
+def _losses(run: Path) -> list[float]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def test_mpirun_starts_the_ranks_and_trains_as_torchrun_does(tmp_path):
+    """``mpirun -np 2 distrain train`` (OpenMPI; distrain reads its OMPI_COMM_WORLD_* variables) gives the losses
+    and final weights of ``torchrun --nproc-per-node 2`` on the same run, bit for bit."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun not installed (apt-get install openmpi-bin; .ci/run installs it)")
+    env = {**env_without_rank(), "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    starters = {
+        "mpirun": ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "distrain"],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                     "-m", "distrain.cli"],
+    }  # fmt: skip
+    for name, starter in starters.items():
+        done = subprocess.run(
+            [*starter, "train", "--output-dir", str(tmp_path / name), *TRAIN],
+            env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        )  # fmt: skip
+        assert done.returncode == 0, (name, done.stderr[-3000:])
+        assert "on 2 process(es)" in done.stdout, (name, done.stdout[-2000:])
+    assert _losses(tmp_path / "mpirun") == _losses(tmp_path / "torchrun") and len(_losses(tmp_path / "mpirun")) == 24
+    a, b = (read_model_weights(tmp_path / name / "checkpoints" / "last") for name in starters)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
