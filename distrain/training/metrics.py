@@ -18,7 +18,7 @@ import torch
 
 from distrain.loggers import Logger, TensorBoardLogger
 from distrain.training.monitor import SystemMonitor, across_ranks
-from distrain.training.stragglers import PARTS, StepTimer, Straggler, find_straggler
+from distrain.training.stragglers import PARTS, PERSISTS_STEPS, StepTimer, Straggler, find_straggler
 
 
 @dataclass
@@ -264,6 +264,7 @@ class MetricsLogger:
         self.straggler_threshold = straggler_threshold
         self.straggler: Straggler | None = None  # the one named in the last window, if any
         self._window_first_step = 1
+        self._suspect: tuple[int, int] | None = None  # (rank, first step) of windows in a row that found that rank
         #: the latest value of everything logged: what callbacks (ModelCheckpoint's monitor) read
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, Any] = {}
@@ -379,18 +380,25 @@ class MetricsLogger:
         return out
 
     def _stragglers(self, per_rank: list[list[float]] | None, step: int) -> dict[str, Any]:
-        """The straggler of the window that ends at ``step`` (``stragglers.py``), as metrics; rank 0 says so on the
-        console when one is first named, when another rank takes its place or the same rank is slow for another
-        cause (its data, then its compute), and when none is left."""
+        """The straggler of the window that ends at ``step`` (``stragglers.py``), as metrics, once the same rank has
+        been the slow one in windows in a row over ``PERSISTS_STEPS`` steps: a busy machine's noise moves from rank
+        to rank and is never named. Rank 0 says so on the console when one is first named, when the same rank is
+        slow for another cause (its data, then its compute), and when none is left."""
         first, self._window_first_step = self._window_first_step, step + 1
         found = find_straggler(per_rank, self.straggler_threshold) if per_rank else None
-        before, self.straggler = self.straggler, found
+        same = found is not None and self._suspect is not None and self._suspect[0] == found.rank
+        self._suspect = None if found is None else (found.rank, self._suspect[1] if same else first)
+        since = self._suspect[1] if self._suspect else step
+        named = found if found is not None and step - since + 1 >= PERSISTS_STEPS else None
+        before, self.straggler = self.straggler, named
         if self.runtime.is_global_zero:
-            if found is not None and (before is None or (before.rank, before.cause) != (found.rank, found.cause)):
-                console(found.line(first, step))
-            elif found is None and before is not None:
+            if named is not None and (before is None or before.rank != named.rank):
+                console(named.line(since, step))
+            elif named is not None and before.cause != named.cause:
+                console(named.line(first, step))
+            elif named is None and before is not None:
                 console(f"distrain: no straggler over steps {first}-{step} (rank {before.rank} caught up)")
-        return found.metrics() if found is not None else {}
+        return named.metrics() if named is not None else {}
 
     def publish(self, metrics: dict[str, Any], step: int, to_loggers: bool = True, epoch: int | None = None) -> None:
         """``epoch``: the loggers' records carry it, as Lightning's do (a CSV's rows of validation metrics too)."""

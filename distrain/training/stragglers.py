@@ -15,12 +15,13 @@ can meet the others* does, and two parts of a step are each rank's own:
 The rest of the step (the wait for the gradient synchronization, and the optimizer) is where the fast ranks do
 their waiting; it is logged as ``sync_s``.
 
-A rank is a straggler over a logging window when its own time (data wait + compute) exceeds the median of the other
-ranks' by more than ``threshold`` of the step time. The excess is measured against the step time, not against the
-others' own time, so a millisecond of jitter in a tiny forward is never news. The window's parts come from every
-rank in the all-gather that already carries the memory readings on logging steps, so finding stragglers costs no
-collective of its own. A step costs two clock readings and one per parameter's gradient (CUDA events on a GPU, so
-the forward is its kernels' time, not their launch).
+A rank is slow over a logging window when its own time (data wait + compute) exceeds the median of the other
+ranks' by more than ``threshold`` of the step time; it is named a straggler once it was the slow one in windows in a
+row over ``PERSISTS_STEPS`` steps (one window of 8 steps or more, or several shorter ones). The excess is measured
+against the step time, not against the others' own time, so a millisecond of jitter in a tiny forward is never news.
+The window's parts come from every rank in the all-gather that already carries the memory readings on logging
+steps, so finding stragglers costs no collective of its own. A step costs two clock readings and one per parameter's
+gradient (CUDA events on a GPU, so the forward is its kernels' time, not their launch).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ import torch
 
 #: the per-rank parts of a step, as logged (seconds per step, means over the logging window)
 PARTS = ("data_wait_s", "compute_s", "sync_s")
+#: a rank is named once it was the slow one in logging windows in a row over at least this many steps: with a
+#: window of a step, a busy machine named a new "straggler" nearly every step, from rank to rank
+PERSISTS_STEPS = 8
 
 
 class StepTimer:
