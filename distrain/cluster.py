@@ -162,6 +162,28 @@ def export_cluster_env(cluster: ClusterEnv) -> None:
         os.environ.setdefault(key, str(value))
 
 
+def slurm_grace_s(env: dict | None = None) -> float | None:
+    """How long SLURM gives this job between a preemption's SIGTERM and its SIGKILL: its partition's ``GraceTime``
+    (seconds), as ``scontrol`` reports it. None outside a SLURM job, where the partition preempts nothing
+    (``PreemptMode=OFF``), or where ``scontrol`` does not say."""
+    import shutil
+    import subprocess
+
+    env = os.environ if env is None else env
+    partition = env.get("SLURM_JOB_PARTITION")
+    if not partition or "SLURM_JOB_ID" not in env or shutil.which("scontrol") is None:
+        return None
+    try:
+        shown = subprocess.run(
+            ["scontrol", "show", "partition", partition, "-o"], capture_output=True, text=True, timeout=10, env=env
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    fields = dict(field.split("=", 1) for field in shown.split() if "=" in field)
+    grace, mode = fields.get("GraceTime", ""), fields.get("PreemptMode", "OFF")
+    return float(grace) if grace.isdigit() and mode.upper() != "OFF" else None
+
+
 def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -38,8 +38,14 @@ def why_not() -> str | None:
     return None
 
 
+#: partition ``cpu``'s jobs are preempted (requeued) by partition ``urgent``'s, given this long from SIGTERM to
+#: SIGKILL; partition ``tight`` gives none
+GRACE_S = 30
+
+
 class SlurmCluster:
-    """One controller and one node, in ``folder``; ``env`` is what a client (``sbatch``, ``squeue``) needs."""
+    """One controller and one node, in ``folder``; ``env`` is what a client (``sbatch``, ``squeue``) needs.
+    Partitions: ``cpu`` (the default), preempted by ``urgent``, with ``GRACE_S``; ``tight``, with no grace."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -106,14 +112,18 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
 ReturnToService=2
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=1000 State=UNKNOWN
-PartitionName=cpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=cpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={GRACE_S}
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
+PartitionName=tight Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=0
 """
 
     def _wait_for_node(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            state = self.run("sinfo", "-h", "-N", "-o", "%T").stdout.strip()
+            state = self.run("sinfo", "-h", "-N", "-p", "cpu", "-o", "%T").stdout.strip()
             if state in ("idle", "mixed", "allocated"):
                 return
             time.sleep(0.2)

@@ -66,14 +66,15 @@ def _steps_logged(run: Path) -> int:
 def never_preempted(slurm, tmp_path_factory):
     """The job run once, start to end: its folder."""
     folder = tmp_path_factory.mktemp("never-preempted")
-    job = slurm.submit(_job_file(folder))
+    job = slurm.submit(_job_file(folder, "--partition", "tight"))  # its GraceTime: 0 s
     assert slurm.wait_until_ended(job) == "COMPLETED"
     return folder
 
 
 def test_the_sbatch_file_runs_as_written_on_a_cpu_partition(slurm, never_preempted, tmp_path):
     """The controller accepts the CPU file as written (it refused the one with a GPU request: no such gres on this
-    cluster), and the job trains on the node's 2 tasks, started by srun, to its last step."""
+    cluster), and the job trains on the node's 2 tasks, started by srun, to its last step. Its partition gives a
+    preempted job no time to checkpoint (GraceTime 0): that is said once, at the first checkpoint."""
     accepted = slurm.run("sbatch", "--test-only", str(never_preempted / "distrain.sbatch"))
     assert accepted.returncode == 0 and "to start at" in accepted.stderr, accepted.stderr
     gpu = run_cli(["launch", "slurm", "--nodes", "1", "--gpus-per-node", "2", "--time", "10"], cwd=tmp_path)
@@ -84,28 +85,40 @@ def test_the_sbatch_file_runs_as_written_on_a_cpu_partition(slurm, never_preempt
     assert _steps_logged(run) == 24 and not (run / "PREEMPTED").exists()
     output = "".join(p.read_text() for p in never_preempted.glob("distrain-*.out"))
     assert f"on {RANKS} process(es)" in output and "done at step 24" in output, output[-3000:]
+    warned = [line for line in output.splitlines() if "GraceTime" in line]
+    assert len(warned) == 1 and "partition tight gives a preempted job 0 s (GraceTime)" in warned[0], warned
 
 
-@pytest.mark.parametrize(
-    "end, signal_number",
-    [(("scancel", "--signal=USR1"), 10), (("scontrol", "requeue"), 15)],
-    ids=["scancel-usr1", "scontrol-requeue"],
-)
-def test_a_job_ended_by_the_scheduler_is_requeued_and_ends_bit_identical(
-    slurm, never_preempted, tmp_path, end, signal_number
-):
+#: how a scheduler ends the job (given its id), and the signal its ranks get
+ENDINGS = {
+    "scancel-usr1": (lambda slurm, job, folder: slurm.run("scancel", "--signal=USR1", job), 10),
+    "scontrol-requeue": (lambda slurm, job, folder: slurm.run("scontrol", "requeue", job), 15),
+    # a job of a partition with a higher PriorityTier needs the node: PreemptMode=REQUEUE
+    "preempted-by-priority": (
+        lambda slurm, job, folder: slurm.run(
+            "sbatch", "--partition=urgent", "--exclusive", "--output=/dev/null", "--wrap=sleep 1", cwd=folder
+        ),
+        15,
+    ),
+}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_a_job_ended_by_the_scheduler_is_requeued_and_ends_bit_identical(slurm, never_preempted, tmp_path, ending):
     """In the middle of the run, ``scancel --signal=USR1`` (what SLURM sends before a time limit or a preemption,
     ``--signal=USR1@120``): every rank finishes its step and checkpoints it, the job leaves ``PREEMPTED``, and its
-    script requeues it; or ``scontrol requeue``: SLURM ends the job with SIGTERM (the ranks checkpoint the same way)
-    and requeues it itself, once. Either way ``--resume auto`` goes on from that checkpoint to the weights of the job
-    never preempted."""
+    script requeues it. Or SLURM ends the job with SIGTERM and requeues it itself, once: ``scontrol requeue``, or a
+    job of a higher-priority partition that needs the node (``PreemptMode=REQUEUE``, its ``GraceTime`` from SIGTERM
+    to SIGKILL); the ranks checkpoint the same way. Each time ``--resume auto`` goes on from that checkpoint to the
+    weights of the job never preempted."""
+    end, signal_number = ENDINGS[ending]
     job = slurm.submit(_job_file(tmp_path))
     run = tmp_path / "run"
     deadline = time.monotonic() + 120
     while _steps_logged(run) < 5 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _steps_logged(run) >= 5, slurm.state(job)
-    signalled = slurm.run(*end, job)
+    signalled = end(slurm, job, tmp_path)
     assert signalled.returncode == 0, signalled.stderr
     while not (run / "PREEMPTED").exists() and time.monotonic() < deadline:  # the first attempt's end
         time.sleep(0.1)
@@ -114,12 +127,28 @@ def test_a_job_ended_by_the_scheduler_is_requeued_and_ends_bit_identical(
     assert slurm.wait_until_ended(job) == "COMPLETED" and slurm.restarts(job) == 1
     assert not (run / "PREEMPTED").exists() and _steps_logged(run) == 24
     log = (run / "logs" / "rank_0.log").read_text()  # both attempts' (the job's output file holds the last one's)
+    assert "GraceTime" not in log  # its checkpoints take far less than the partition's grace
     stopped = re.search(rf"stopped by signal {signal_number} at step (\d+) \(`last` resumes it\)", log)
     resumed = re.search(r"done at step 24 \(resumed from step (\d+)\)", log)
     assert stopped and resumed and 5 <= int(stopped.group(1)) == int(resumed.group(1)) < 24, log[-3000:]
     ours = read_model_weights(run / "checkpoints" / "last")
     reference = read_model_weights(never_preempted / "run" / "checkpoints" / "last")
     assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
+def test_the_partitions_grace_time_is_read_from_the_controller(slurm, monkeypatch):
+    """What a rank under SLURM reads of its partition: the seconds from a preemption's SIGTERM to its SIGKILL, which
+    a checkpoint must fit in (a save that takes longer is said once, on rank 0); nothing where the partition
+    preempts nothing, or outside SLURM."""
+    from distrain.cluster import slurm_grace_s
+    from slurm_cluster import GRACE_S
+
+    job = {"SLURM_JOB_ID": "1", **slurm.env}
+    assert slurm_grace_s({**job, "SLURM_JOB_PARTITION": "cpu"}) == GRACE_S
+    assert slurm_grace_s({**job, "SLURM_JOB_PARTITION": "tight"}) == 0
+    assert slurm_grace_s({**job, "SLURM_JOB_PARTITION": "urgent"}) is None  # PreemptMode=OFF
+    assert slurm_grace_s({**job, "SLURM_JOB_PARTITION": "nonesuch"}) is None
+    assert slurm_grace_s({k: v for k, v in job.items() if k != "SLURM_JOB_ID"}) is None
 
 
 def _losses(run: Path) -> list[float]:

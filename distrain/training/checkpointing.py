@@ -10,6 +10,7 @@ strategy decides how that is written (one file, DCP shards, DeepSpeed's engine f
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -69,6 +70,7 @@ class CheckpointManager:
         #: write checkpoints in the background (``Trainer(async_save=True)``): training goes on meanwhile
         self.async_save = False
         self._pending: tuple | None = None
+        self._grace_checked = False  # a save's time against SLURM's GraceTime, said once (``_compare_with_grace``)
         #: trainer.save_checkpoint's calls, named alike on every rank: (stage, step, how many in it)
         self._calls = (-1, -1, 0)
         self._stages_begun = 0  # fit, validate, ...: every rank begins the same ones in the same order
@@ -281,10 +283,32 @@ class CheckpointManager:
                 then(finite)
             return finite
         finite = self.weights_finite()  # of the weights being saved: now, before the run changes them
+        started = time.monotonic()
         self._pending = (self.trainer.runtime.save(path, self.state(weights_only), background), then, finite)
         if not background:
             self.complete_pending()
+            self._compare_with_grace(time.monotonic() - started)
         return finite
+
+    def _compare_with_grace(self, seconds: float) -> None:
+        """Rank 0, after its first synchronous save under a SLURM partition that preempts: one line when the save
+        took longer than the partition's ``GraceTime``. A preempted job gets SIGTERM, then SIGKILL that much later,
+        so its checkpoint would never be written, and the requeued job would go back to the one before."""
+        if self._grace_checked or not self.trainer.is_global_zero:
+            return
+        self._grace_checked = True
+        from distrain.cluster import slurm_grace_s
+
+        grace = slurm_grace_s()
+        if grace is not None and seconds > grace:
+            partition = os.environ.get("SLURM_JOB_PARTITION")
+            print(
+                f"distrain: warning: a checkpoint took {seconds:.1f} s to write, and partition {partition} gives a "
+                f"preempted job {grace:g} s (GraceTime) from SIGTERM to SIGKILL: a preemption would end this job "
+                "before its checkpoint is written, and the requeued job would resume from the one before. Ask for a "
+                "longer GraceTime, or write faster (checkpointing.async_save)",
+                flush=True,
+            )
 
     def begin_stage(self) -> None:
         self._stages_begun += 1
