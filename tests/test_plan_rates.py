@@ -36,6 +36,8 @@ def scripted(monkeypatch, home):
         return timing.Hardware(op_seconds=op, **figures, source=timing.cpu_source(ranks_per_node))
 
     monkeypatch.setattr(machine, "cpu_hardware", measure)
+    monkeypatch.setattr(machine, "cpu_matmul_flops", lambda ranks_per_node: 1e10)  # as fast as the rounds say
+    monkeypatch.setattr(machine, "_CHECKED", {})  # each test a process of its own
     return calls
 
 
@@ -50,6 +52,26 @@ def test_the_rates_are_measured_once_with_the_median_of_rounds_and_kept(scripted
     measured = machine.resolve_hardware(False, "32-true", 2, measure=True)  # on request: again, and kept
     assert len(scripted) == 2 * machine.ROUNDS and measured.op_seconds == 3.1e-6
     assert machine.resolve_hardware(False, "32-true", 2) == measured
+
+
+def test_rates_kept_from_a_busy_machine_are_measured_again_once_it_is_quiet(scripted, monkeypatch, capsys):
+    """Kept rates whose matmuls this CPU now beats by ``FASTER`` or more were measured while other work shared the
+    cores: measured again and replaced, saying so (checked once per process). A CPU slower now than its kept rate is
+    busy now: the kept rates stand, and nothing is measured."""
+    first = machine.resolve_hardware(False, "32-true", 2)
+    assert len(scripted) == machine.ROUNDS
+    monkeypatch.setattr(machine, "cpu_matmul_flops", lambda ranks_per_node: 1e10 / 3)  # busy now
+    assert machine.resolve_hardware(False, "32-true", 2) == first and len(scripted) == machine.ROUNDS
+    assert "measured while" not in capsys.readouterr().out
+    monkeypatch.setattr(machine, "cpu_matmul_flops", lambda ranks_per_node: machine.FASTER * 1e10)  # quiet now
+    assert machine.resolve_hardware(False, "32-true", 2) == first  # checked once per process: not again here
+    monkeypatch.setattr(machine, "_CHECKED", {})  # a later process
+    again = machine.resolve_hardware(False, "32-true", 2)
+    assert len(scripted) == 2 * machine.ROUNDS  # measured again, and kept
+    said = capsys.readouterr().out
+    assert f"distrain: this CPU's matmuls run 1.5× the rate kept in {machine.kept_file(2)}" in said, said
+    assert "measured while other work shared its cores; measuring them again" in said
+    assert json.loads(machine.kept_file(2).read_text())["rates"]["op_seconds"] == again.op_seconds
 
 
 def test_each_ranks_per_node_has_its_own_rates(scripted):
@@ -112,9 +134,10 @@ def test_a_kept_file_that_is_not_what_distrain_writes_is_measured_over(scripted,
 def test_a_kept_file_distrain_wrote_is_read_back_whole(home):
     path = machine.kept_file(2)
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"key": path.stem, "ranks_per_node": 2, "measured": "then", "rates": GOOD}))
+    fast = {**GOOD, "matmul_flops": 1e18}  # kept rates this CPU does not beat: they stand
+    path.write_text(json.dumps({"key": path.stem, "ranks_per_node": 2, "measured": "then", "rates": fast}))
     hw = machine.resolve_hardware(False, "32-true", 2)
-    assert all(getattr(hw, name) == 1.0 for name in GOOD) and "on then" in hw.source
+    assert all(getattr(hw, name) == fast[name] for name in GOOD) and "on then" in hw.source
 
 
 def test_two_starts_of_the_real_measurement_predict_the_same_step(home):

@@ -9,6 +9,11 @@ disturbed round moves nothing), and kept in ``~/.cache/distrain/rates/<key>.json
 depend on: the CPU's model and core count, the ranks per node (the cores each rank gets), torch's version.
 ``distrain plan --measure`` measures again and replaces them.
 
+Rates measured while other jobs shared the cores would make every later plan predict its steps too slow (2.2-2.3×,
+measured once on 2 cores), and ``auto`` decide on those numbers. So each plan first times this CPU's matmuls alone
+(a quarter of a second): where they now run ``FASTER`` times the kept rate, the kept rates were measured busy, and
+are measured again (said on the console). A CPU slower now than its kept rate is busy now: its kept rates stand.
+
 The file is read as untrusted bytes: JSON only, at most ``MAX_BYTES``, every figure a positive finite number;
 anything else is measured again, never an error.
 """
@@ -28,10 +33,13 @@ from pathlib import Path
 import torch
 
 from distrain.planner import kept, timing
-from distrain.planner.timing import Hardware, cpu_hardware, cpu_source
+from distrain.planner.timing import Hardware, cpu_hardware, cpu_matmul_flops, cpu_source
 
 ROUNDS = 3
 MAX_BYTES = 16 * 2**10
+#: a CPU whose matmuls run this many times its kept rate (a quarter-second check at each plan) has its rates measured
+#: again: quiet measurements of one machine differ by a tenth or two, one made beside other jobs by 2× or more
+FASTER = 1.5
 #: the measured figures of a Hardware (the rest are constants, or say where the figures came from)
 MEASURED = (
     "matmul_flops",
@@ -58,17 +66,41 @@ def kept_file(ranks_per_node: int) -> Path:
 
 
 def cpu_rates(ranks_per_node: int, measure: bool = False) -> Hardware:
-    """This CPU's rates with ``ranks_per_node`` ranks: as kept, or (none kept, ``measure``) measured and kept."""
+    """This CPU's rates with ``ranks_per_node`` ranks: as kept, or (none kept, ``measure``, or kept ones this CPU
+    now beats by ``FASTER``: measured while it was busy) measured and kept."""
     path = kept_file(ranks_per_node)
     if not measure:
         rates = _read(path, ranks_per_node)
-        if rates is not None:
+        if rates is not None and not _measured_while_busy(rates, ranks_per_node, path):
             return rates
     rounds = [cpu_hardware(ranks_per_node) for _ in range(ROUNDS)]
     figures = {name: float(statistics.median(getattr(r, name) for r in rounds)) for name in MEASURED}
     when = time.strftime("%Y-%m-%d %H:%M")
     kept.write_json(path, {"key": path.stem, "ranks_per_node": ranks_per_node, "measured": when, "rates": figures})
     return replace(rounds[0], **figures, source=_source(rounds[0].source, when, path))
+
+
+#: kept rates this process has checked against the CPU, by file: their matmul rate
+_CHECKED: dict[Path, float] = {}
+
+
+def _measured_while_busy(rates: Hardware, ranks_per_node: int, path: Path) -> bool:
+    """Whether this CPU's matmuls now run ``FASTER`` times the kept rate or more: the kept rates were measured while
+    other work shared the cores, and every plan would have predicted its steps that much too slow (2.2-2.3× once,
+    on 2 cores). Said on the console, and measured again. A CPU slower now than its kept rate is busy now: the kept
+    rates stay, the machine's own."""
+    if _CHECKED.get(path) == rates.matmul_flops:  # checked in this process already: one check per process
+        return False
+    now = cpu_matmul_flops(ranks_per_node)
+    if now < FASTER * rates.matmul_flops:
+        _CHECKED[path] = rates.matmul_flops
+        return False
+    print(
+        f"distrain: this CPU's matmuls run {now / rates.matmul_flops:.1f}× the rate kept in {path}: those rates were "
+        "measured while other work shared its cores; measuring them again",
+        flush=True,
+    )
+    return True
 
 
 def _key(ranks_per_node: int) -> str:

@@ -169,8 +169,7 @@ def cpu_hardware(ranks_per_node: int) -> Hardware:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-        flops = 2 * 1024**3 / _side_by_side(lambda _: a @ b, copies) * share
+        flops = _matmul_flops(copies, share)
         n = 1 << 23
         x, y, outs = torch.randn(n), torch.randn(n), [torch.empty(n) for _ in range(copies)]
         memory = 3 * 4 * n / _side_by_side(lambda out: torch.add(x, y, out=out), copies, outs) * share
@@ -202,6 +201,23 @@ def cpu_hardware(ranks_per_node: int) -> Hardware:
     )
 
 
+def cpu_matmul_flops(ranks_per_node: int) -> float:
+    """This CPU's matmul rate alone, measured as ``cpu_hardware`` measures it, best of 3 (a tenth of a second on 2
+    cores): what a plan checks its kept rates against."""
+    cores = os.cpu_count() or 1
+    previous = torch.get_num_threads()
+    torch.set_num_threads(_threads_per_rank(ranks_per_node))
+    try:
+        return _matmul_flops(min(ranks_per_node, cores), min(1.0, cores / max(1, ranks_per_node)), repeats=3)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _matmul_flops(copies: int, share: float, repeats: int = 5) -> float:
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    return 2 * 1024**3 / _side_by_side(lambda _: a @ b, copies, repeats=repeats) * share
+
+
 def _threads_per_rank(ranks_per_node: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))
 
@@ -221,13 +237,13 @@ def _best(fn, repeats: int = 5) -> float:
     return min(times)
 
 
-def _side_by_side(fn, copies: int, args: list | None = None) -> float:
+def _side_by_side(fn, copies: int, args: list | None = None, repeats: int = 5) -> float:
     """Seconds of one ``fn(args[i])`` while ``copies`` threads run it at once (the slowest thread's best)."""
     args = args or [None] * copies
     if copies <= 1:
-        return _best(lambda: fn(args[0]))
+        return _best(lambda: fn(args[0]), repeats)
     results: list[float] = []
-    threads = [threading.Thread(target=lambda a=a: results.append(_best(lambda: fn(a)))) for a in args]
+    threads = [threading.Thread(target=lambda a=a: results.append(_best(lambda: fn(a), repeats))) for a in args]
     for t in threads:
         t.start()
     for t in threads:
