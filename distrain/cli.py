@@ -382,6 +382,9 @@ def launch(argv: list[str]) -> int:
             min_nodes=args.min_nodes,
             ranks_per_node=args.ranks_per_node,
         )
+        refused = jobscripts.refused_by_sbatch(text, Path(args.output).resolve().parent)
+        if refused:
+            return _error(f"sbatch --test-only refused the job: {refused}; no job file written")
     else:
         text = jobscripts.pytorchjob_manifest(
             args.nodes, args.gpus_per_node, args.image, train_args, min_nodes=args.min_nodes

@@ -6,8 +6,10 @@ is always ``distrain train <args>``: the same run, whoever starts it.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+from pathlib import Path
 
 import yaml
 
@@ -63,6 +65,36 @@ def torchrun_command(
     if max_restarts:
         cmd.append(f"--max-restarts={max_restarts}")
     return cmd + ["-m", "distrain.cli", "train", *train_args]
+
+
+#: what sbatch says where there is no controller to ask (SLURM's tools installed, no cluster configured or up)
+_NO_CONTROLLER = ("Could not establish a configuration source", "Unable to contact slurm controller")
+
+
+def refused_by_sbatch(script: str, folder: Path) -> str | None:
+    """On a machine with SLURM's ``sbatch`` (a cluster's login node): what the controller says of ``script`` when it
+    would refuse it (``sbatch --test-only``: a partition that does not exist, more nodes or time than it grants),
+    its own words on one line; None when it would run it, or where there is no controller to ask."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("sbatch") is None:
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".sbatch", dir=folder, delete=False) as file:
+        file.write(script)
+    try:
+        checked = subprocess.run(
+            ["sbatch", "--test-only", file.name], capture_output=True, text=True, timeout=30, cwd=folder
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    finally:
+        os.unlink(file.name)
+    said = [line.strip() for line in (checked.stderr + checked.stdout).splitlines() if line.strip()]
+    if checked.returncode == 0 or any(words in line for line in said for words in _NO_CONTROLLER):
+        return None
+    return "; ".join(said)[:1000] or f"exit code {checked.returncode}"
 
 
 def slurm_ranks_per_node(gpus_per_node: int, ranks_per_node: int | None) -> int:

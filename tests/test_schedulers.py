@@ -71,6 +71,22 @@ def never_preempted(slurm, tmp_path_factory):
     return folder
 
 
+def test_a_job_the_cluster_cannot_grant_is_refused_in_sbatchs_words_and_no_file_is_written(
+    slurm, tmp_path, monkeypatch
+):
+    """``distrain launch slurm`` on a machine with a controller asks it first (``sbatch --test-only``): a partition
+    that does not exist, or more nodes than the cluster has, is one line with the controller's own words."""
+    monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
+    for bad, said in (
+        (("--nodes", "1", "--partition", "nonesuch"), "invalid partition specified: nonesuch"),
+        (("--nodes", "3"), "Requested node configuration is not available"),
+    ):
+        proc = run_cli(["launch", "slurm", "--gpus-per-node", "0", "--time", "10", *bad], cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("distrain: error: sbatch --test-only refused the job: ") and said in proc.stderr
+        assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())  # nothing written, not even half
+
+
 def test_the_sbatch_file_runs_as_written_on_a_cpu_partition(slurm, never_preempted, tmp_path):
     """The controller accepts the CPU file as written (it refused the one with a GPU request: no such gres on this
     cluster), and the job trains on the node's 2 tasks, started by srun, to its last step. Its partition gives a
