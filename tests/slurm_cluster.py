@@ -1,20 +1,25 @@
-"""A real SLURM on this machine, for the tests: Debian's ``slurm-wlm`` and ``munge``, started from a folder of their
-own (nothing in /etc changes): ``munged`` with a key made here, ``slurmctld``, and one ``slurmd`` node with this
-machine's CPUs, on ports chosen free. Jobs run as the real scheduler runs them: ``sbatch`` starts the batch script,
-``srun`` its tasks, ``scancel`` and ``scontrol`` signal and requeue them.
+"""A real SLURM of two nodes on this machine, for the tests: Debian's ``slurm-wlm`` and ``munge``, started from a
+folder of their own (nothing in /etc changes). ``munged`` with a key made here and ``slurmctld`` run on this machine;
+each node is a network namespace joined to a bridge, its ``slurmd`` started in it with ``nsenter --net`` (``ip netns
+exec`` would remount /sys) and a mount namespace of its own where /etc/hosts also names the nodes (a job's
+``MASTER_ADDR`` is its first node's name, as on a cluster with DNS). Jobs run as the real scheduler runs them:
+``sbatch`` starts the batch script on the first node, ``srun`` its tasks on every node, ``scancel`` and ``scontrol``
+signal and requeue them, and the ranks of two nodes talk over the bridge.
 
-Needs root (``slurmd`` starts jobs as their user) and the packages (``.ci/run`` installs them):
+Needs root (``slurmd`` starts jobs as their user; namespaces) and the packages (``.ci/run`` installs them):
 ``why_not()`` says why a test must skip. docs/multi-node.md says how to start the same on a laptop.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 from helpers import find_free_port
@@ -26,39 +31,51 @@ RELEASE_AFTER_S = 3.0
 ENDED = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"
 }  # fmt: skip
+#: partition ``cpu``'s jobs are preempted (requeued) by partition ``urgent``'s, given this long from SIGTERM to
+#: SIGKILL; partition ``tight`` gives none
+GRACE_S = 30
+NODES = 2
+#: each node's interface, the same name in every namespace: a job's ``GLOO_SOCKET_IFNAME``
+INTERFACE = "eth0"
 
 
 def why_not() -> str | None:
     """Why a real SLURM cannot start here, or None."""
     if os.geteuid() != 0:
-        return "a real SLURM needs root: slurmd starts each job as its user (CI runs as root)"
-    missing = [d for d in (*DAEMONS, "sbatch", "mungekey") if shutil.which(d) is None]
+        return "a real SLURM needs root: slurmd starts each job as its user, and its nodes are namespaces"
+    missing = [d for d in (*DAEMONS, "sbatch", "mungekey", "ip", "nsenter", "unshare") if shutil.which(d) is None]
     if missing:
-        return f"{', '.join(missing)} not installed (apt-get install slurm-wlm munge; .ci/run installs them)"
+        return f"{', '.join(missing)} not installed (apt-get install slurm-wlm munge iproute2; .ci/run installs them)"
     return None
 
 
-#: partition ``cpu``'s jobs are preempted (requeued) by partition ``urgent``'s, given this long from SIGTERM to
-#: SIGKILL; partition ``tight`` gives none
-GRACE_S = 30
-
-
 class SlurmCluster:
-    """One controller and one node, in ``folder``; ``env`` is what a client (``sbatch``, ``squeue``) needs.
-    Partitions: ``cpu`` (the default), preempted by ``urgent``, with ``GRACE_S``; ``tight``, with no grace."""
+    """One controller on this machine and ``NODES`` nodes (``node0``, ``node1``), in ``folder``; ``env`` is what a
+    client (``sbatch``, ``squeue``) needs, and what a job is given. Partitions: ``cpu`` (the default), preempted by
+    ``urgent``, with ``GRACE_S``; ``tight``, with no grace."""
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.node = socket.gethostname().split(".")[0]
+        self.host = socket.gethostname().split(".")[0]
         self.cpus = os.cpu_count() or 1
-        self.env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
+        self.id = uuid.uuid4().hex[:5]  # unique names: a stale cluster's namespaces cannot get in the way
+        self.subnet = f"10.{random.randint(202, 250)}.{random.randint(0, 255)}"
+        self.nodes = [f"node{i}" for i in range(NODES)]
+        self.env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf"), "GLOO_SOCKET_IFNAME": INTERFACE}
         self._pids: list[Path] = []
+
+    def namespace(self, node: str) -> str:
+        return f"dsn{self.id}{node[-1]}"
+
+    def address(self, node: str) -> str:
+        return f"{self.subnet}.{2 + self.nodes.index(node)}"
 
     # ---- start and stop ------------------------------------------------------------------------------------------
     def start(self) -> SlurmCluster:
         f = self.folder
         for sub in ("state", "spool", "log", "munge"):
             (f / sub).mkdir(parents=True, exist_ok=True)
+        self._network_up()
         key, sock = f / "munge" / "munge.key", f / "munge" / "munge.sock"
         subprocess.run(["mungekey", "--create", "--keyfile", str(key)], check=True, capture_output=True)
         os.chmod(key, 0o600)
@@ -70,14 +87,36 @@ class SlurmCluster:
         )  # fmt: skip
         self._pids.append(munge_pid)
         (f / "slurm.conf").write_text(self._config(sock))
-        for daemon in ("slurmctld", "slurmd"):
-            subprocess.run([daemon, "-f", str(f / "slurm.conf")], check=True, capture_output=True, env=self.env)
-            self._pids.append(f / f"{daemon}.pid")
-        self._wait_for_node()
+        hosts = f / "hosts"
+        hosts.write_text(Path("/etc/hosts").read_text() + "".join(f"{self.address(n)} {n}\n" for n in self.nodes))
+        subprocess.run(["slurmctld", "-f", str(f / "slurm.conf")], check=True, capture_output=True, env=self.env)
+        self._pids.append(f / "slurmctld.pid")
+        for node in self.nodes:
+            self.start_node(node)
+        self._wait_for_nodes()
         return self
 
+    def start_node(self, node: str) -> None:
+        """``node``'s slurmd, in its namespace; it takes its jobs there."""
+        f = self.folder
+        inside = f"mount --bind {f / 'hosts'} /etc/hosts && exec slurmd -N {node} -f {f / 'slurm.conf'}"
+        subprocess.run(
+            ["nsenter", f"--net=/run/netns/{self.namespace(node)}", "unshare", "--mount", "--", "sh", "-c", inside],
+            check=True, capture_output=True, env=self.env,
+        )  # fmt: skip
+        self._pids.append(f / f"slurmd-{node}.pid")
+
+    def kill_node(self, node: str) -> None:
+        """The node dies: its slurmd and every process of its jobs, at once (SIGKILL)."""
+        pids = self._run_quiet("ip", "netns", "pids", self.namespace(node)).split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+
     def stop(self) -> None:
-        """Every daemon ended, and every job's process with them (``slurmd`` started them)."""
+        """Every daemon ended, and every job's process with them; the namespaces and the bridge removed."""
         subprocess.run(["scancel", "--full", "--user", "root"], capture_output=True, env=self.env, timeout=30)
         for pid_file in reversed(self._pids):
             try:
@@ -85,22 +124,56 @@ class SlurmCluster:
             except (OSError, ValueError, IndexError):
                 pass
         time.sleep(0.5)
+        self._network_down()
+
+    def _network_up(self) -> None:
+        bridge = f"dsb{self.id}"
+        self._ip("link", "add", bridge, "type", "bridge")
+        self._ip("addr", "add", f"{self.subnet}.1/24", "dev", bridge)
+        self._ip("link", "set", bridge, "up")
+        for node in self.nodes:
+            ns, veth = self.namespace(node), f"dsv{self.id}{node[-1]}"
+            self._ip("netns", "add", ns)
+            self._ip("link", "add", veth, "type", "veth", "peer", "name", INTERFACE, "netns", ns)
+            self._ip("link", "set", veth, "master", bridge)
+            self._ip("link", "set", veth, "up")
+            self._ip("-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", INTERFACE)
+            self._ip("-n", ns, "link", "set", INTERFACE, "up")
+            self._ip("-n", ns, "link", "set", "lo", "up")
+
+    def _network_down(self) -> None:
+        for node in self.nodes:
+            self.kill_node(node)
+            self._run_quiet("ip", "netns", "del", self.namespace(node))
+        self._run_quiet("ip", "link", "del", f"dsb{self.id}")
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    @staticmethod
+    def _run_quiet(*args: str) -> str:
+        return subprocess.run(list(args), capture_output=True, text=True).stdout
 
     def _config(self, munge_socket: Path) -> str:
         f = self.folder
+        nodes = "".join(
+            f"NodeName={n} NodeAddr={self.address(n)} CPUs={self.cpus} RealMemory=1000 State=UNKNOWN\n"
+            for n in self.nodes
+        )
         return f"""ClusterName=distrain-tests
-SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldHost={self.host}({self.subnet}.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={munge_socket}
 StateSaveLocation={f / "state"}
-SlurmdSpoolDir={f / "spool"}
+SlurmdSpoolDir={f / "spool"}/%n
 SlurmctldPidFile={f / "slurmctld.pid"}
-SlurmdPidFile={f / "slurmd.pid"}
+SlurmdPidFile={f}/slurmd-%n.pid
 SlurmctldLogFile={f / "log" / "slurmctld.log"}
-SlurmdLogFile={f / "log" / "slurmd.log"}
+SlurmdLogFile={f}/log/slurmd-%n.log
 SlurmctldPort={find_free_port()}
 SlurmdPort={find_free_port()}
 ProctrackType=proctrack/linuxproc
@@ -114,21 +187,20 @@ MpiDefault=none
 ReturnToService=2
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=1000 State=UNKNOWN
-PartitionName=cpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={GRACE_S}
+{nodes}PartitionName=cpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={GRACE_S}
 PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 PartitionName=tight Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=0
 """
 
-    def _wait_for_node(self, timeout: float = 30.0) -> None:
+    def _wait_for_nodes(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            state = self.run("sinfo", "-h", "-N", "-p", "cpu", "-o", "%T").stdout.strip()
-            if state in ("idle", "mixed", "allocated"):
+            states = self.run("sinfo", "-h", "-N", "-p", "cpu", "-o", "%T").stdout.split()
+            if len(states) == NODES and all(s in ("idle", "mixed", "allocated") for s in states):
                 return
             time.sleep(0.2)
         logs = "\n".join(p.read_text()[-1500:] for p in (self.folder / "log").glob("*.log"))
-        raise RuntimeError(f"the SLURM node did not come up in {timeout:g} s (state {state!r}):\n{logs}")
+        raise RuntimeError(f"the SLURM nodes did not come up in {timeout:g} s (states {states}):\n{logs}")
 
     # ---- jobs ----------------------------------------------------------------------------------------------------
     def run(self, *command: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -144,12 +216,18 @@ PartitionName=tight Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 GraceTime
     def state(self, job: str) -> str:
         """The job's state as the controller holds it (``scontrol``, which also shows a job requeued or ended):
         ``PENDING``, ``RUNNING``, ``REQUEUED``, ``COMPLETED``..."""
-        shown = self.run("scontrol", "show", "job", "-o", job).stdout
-        return next((f.split("=", 1)[1] for f in shown.split() if f.startswith("JobState=")), "")
+        return self._field(job, "JobState")
+
+    def nodes_of(self, job: str) -> str:
+        """The nodes the job ran on, as SLURM writes a node list: ``node[0-1]``."""
+        return self._field(job, "NodeList")
 
     def restarts(self, job: str) -> int:
+        return int(self._field(job, "Restarts") or 0)
+
+    def _field(self, job: str, name: str) -> str:
         shown = self.run("scontrol", "show", "job", "-o", job).stdout
-        return int(next((f.split("=", 1)[1] for f in shown.split() if f.startswith("Restarts=")), "0"))
+        return next((f.split("=", 1)[1] for f in shown.split() if f.startswith(f"{name}=")), "")
 
     def wait_until_ended(self, job: str, timeout: float = 240.0, release_requeued: bool = True) -> str:
         """The job's final state, once it has one. A job requeued waits 2 minutes before it may start again

@@ -29,7 +29,8 @@ TRAIN = [
     "training.batch_size_per_gpu=4", "checkpointing.save_every_n_steps=8", "logging.log_every_n_steps=1",
     "logging.progress_bar=false", "logging.use_tensorboard=false", "logging.plot_summary=false",
 ]  # fmt: skip
-RANKS = 2
+#: every job runs on both nodes of the test cluster, a rank on each: the ranks talk across the bridge
+NODES, RANKS_PER_NODE = 2, 1
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +47,10 @@ def slurm(tmp_path_factory):
 
 
 def _job_file(folder: Path, *launch: str) -> Path:
-    """``distrain launch slurm`` on a CPU partition (this node has no GPU), writing ``folder/distrain.sbatch``."""
+    """``distrain launch slurm`` on a CPU partition (the nodes have no GPU), writing ``folder/distrain.sbatch``."""
     folder.mkdir(parents=True, exist_ok=True)
-    args = ["--nodes", "1", "--gpus-per-node", "0", "--ranks-per-node", str(RANKS), "--time", "10", *launch]
+    args = ["--nodes", str(NODES), "--gpus-per-node", "0", "--ranks-per-node", str(RANKS_PER_NODE), "--time", "10"]
+    args += launch
     written = run_cli(["launch", "slurm", *args, "--", "--output-dir", str(folder / "run"), *TRAIN], cwd=folder)
     assert written.returncode == 0, written.stderr
     return folder / "distrain.sbatch"
@@ -68,6 +70,7 @@ def never_preempted(slurm, tmp_path_factory):
     folder = tmp_path_factory.mktemp("never-preempted")
     job = slurm.submit(_job_file(folder, "--partition", "tight"))  # its GraceTime: 0 s
     assert slurm.wait_until_ended(job) == "COMPLETED"
+    (folder / "job").write_text(job)
     return folder
 
 
@@ -79,7 +82,7 @@ def test_a_job_the_cluster_cannot_grant_is_refused_in_sbatchs_words_and_no_file_
     monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
     for bad, said in (
         (("--nodes", "1", "--partition", "nonesuch"), "invalid partition specified: nonesuch"),
-        (("--nodes", "3"), "Requested node configuration is not available"),
+        (("--nodes", "3"), "Requested node configuration is not available"),  # the cluster has 2
     ):
         proc = run_cli(["launch", "slurm", "--gpus-per-node", "0", "--time", "10", *bad], cwd=tmp_path)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
@@ -89,7 +92,7 @@ def test_a_job_the_cluster_cannot_grant_is_refused_in_sbatchs_words_and_no_file_
 
 def test_the_sbatch_file_runs_as_written_on_a_cpu_partition(slurm, never_preempted, tmp_path):
     """The controller accepts the CPU file as written (it refused the one with a GPU request: no such gres on this
-    cluster), and the job trains on the node's 2 tasks, started by srun, to its last step. Its partition gives a
+    cluster), and the job trains on its 2 nodes' tasks, started by srun, to its last step. Its partition gives a
     preempted job no time to checkpoint (GraceTime 0): that is said once, at the first checkpoint."""
     accepted = slurm.run("sbatch", "--test-only", str(never_preempted / "distrain.sbatch"))
     assert accepted.returncode == 0 and "to start at" in accepted.stderr, accepted.stderr
@@ -100,7 +103,8 @@ def test_the_sbatch_file_runs_as_written_on_a_cpu_partition(slurm, never_preempt
     run = never_preempted / "run"
     assert _steps_logged(run) == 24 and not (run / "PREEMPTED").exists()
     output = "".join(p.read_text() for p in never_preempted.glob("distrain-*.out"))
-    assert f"on {RANKS} process(es)" in output and "done at step 24" in output, output[-3000:]
+    assert "done at step 24" in output, output[-3000:]
+    assert slurm.nodes_of((never_preempted / "job").read_text()) == "node[0-1]"  # a rank on each node
     warned = [line for line in output.splitlines() if "GraceTime" in line]
     assert len(warned) == 1 and "partition tight gives a preempted job 0 s (GraceTime)" in warned[0], warned
 
