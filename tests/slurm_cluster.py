@@ -99,12 +99,32 @@ class SlurmCluster:
     def start_node(self, node: str) -> None:
         """``node``'s slurmd, in its namespace; it takes its jobs there."""
         f = self.folder
-        inside = f"mount --bind {f / 'hosts'} /etc/hosts && exec slurmd -N {node} -f {f / 'slurm.conf'}"
-        subprocess.run(
-            ["nsenter", f"--net=/run/netns/{self.namespace(node)}", "unshare", "--mount", "--", "sh", "-c", inside],
-            check=True, capture_output=True, env=self.env,
-        )  # fmt: skip
+        command = self.on_node(node, f"exec slurmd -N {node} -f {f / 'slurm.conf'}")
+        subprocess.run(command, check=True, capture_output=True, env=self.env)
         self._pids.append(f / f"slurmd-{node}.pid")
+
+    def on_node(self, node: str, command: str) -> list[str]:
+        """The argv that runs the shell ``command`` on ``node``: in its namespaces, as its slurmd runs jobs."""
+        inside = f"mount --bind {self.folder / 'hosts'} /etc/hosts && {command}"
+        return ["nsenter", f"--net=/run/netns/{self.namespace(node)}", "unshare", "--mount", "--", "sh", "-c", inside]
+
+    def remote_shell(self) -> Path:
+        """An ``rsh`` for the nodes (what OpenMPI's ``plm_rsh_agent`` calls as ``AGENT HOST COMMAND...``): the
+        command runs on that node, as ssh would run it there."""
+        agent = self.folder / "node-shell"
+        cases = "".join(f"    {n}) ns={self.namespace(n)} ;;\n" for n in self.nodes)
+        agent.write_text(
+            "#!/bin/sh\n"
+            'host="$1"; shift\n'
+            'case "$host" in\n'
+            f"{cases}"
+            '    *) echo "node-shell: no node $host" >&2; exit 255 ;;\n'
+            "esac\n"
+            f'exec nsenter --net=/run/netns/$ns unshare --mount -- sh -c "mount --bind {self.folder / "hosts"} '
+            '/etc/hosts && exec $*"\n'
+        )
+        agent.chmod(0o755)
+        return agent
 
     def kill_node(self, node: str) -> None:
         """The node dies: its slurmd and every process of its jobs, at once (SIGKILL)."""

@@ -197,3 +197,27 @@ def test_mpirun_starts_the_ranks_and_trains_as_torchrun_does(tmp_path):
     assert _losses(tmp_path / "mpirun") == _losses(tmp_path / "torchrun") and len(_losses(tmp_path / "mpirun")) == 24
     a, b = (read_model_weights(tmp_path / name / "checkpoints" / "last") for name in starters)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_mpirun_across_two_hosts_trains_as_srun_does(slurm, never_preempted, tmp_path):
+    """``mpirun -H node0,node1`` (OpenMPI starting a rank on each node through its remote shell, as ssh would)
+    gives the losses and final weights of the same two-node run under srun, bit for bit (with the threads per rank
+    the sbatch file gives: a rank with other threads sums its matmuls in another order, and differs in the last bit
+    from step 13 on)."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun not installed (apt-get install openmpi-bin; .ci/run installs it)")
+    mpirun = [
+        "mpirun", "--allow-run-as-root", "--mca", "plm_rsh_agent", str(slurm.remote_shell()),
+        "--mca", "oob_tcp_if_include", f"{slurm.subnet}.0/24", "-H", ",".join(slurm.nodes), "-np", str(NODES),
+        "-x", f"MASTER_ADDR={slurm.nodes[0]}", "-x", "GLOO_SOCKET_IFNAME", "-x", "PATH",
+        "-x", f"OMP_NUM_THREADS={slurm.cpus // RANKS_PER_NODE}",  # what the sbatch file gives each task
+    ]  # fmt: skip
+    done = subprocess.run(
+        [*mpirun, "distrain", "train", "--output-dir", str(tmp_path / "run"), *TRAIN],
+        env=slurm.env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = never_preempted / "run"
+    assert _losses(tmp_path / "run") == _losses(reference) and len(_losses(reference)) == 24
+    a, b = (read_model_weights(run / "checkpoints" / "last") for run in (tmp_path / "run", reference))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
