@@ -35,7 +35,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from distrain.models.moe import expert_counts, group_sizes, grouped_linear
+from distrain.models.moe import MoE, expert_counts, group_sizes, grouped_linear
 from distrain.parallel import gradients
 
 EP, EDP = "expert_parallel", "expert_data_parallel"
@@ -107,13 +107,15 @@ def expert_count(module: nn.Module) -> int:
     stacked = dict(experts.named_parameters(recurse=False))
     router = getattr(module, "router", None)
     router = getattr(module, "gate", None) if router is None else router
-    weight = getattr(router, "weight", None)
-    if not (isinstance(weight, torch.Tensor) and weight.dim() == 2 and stacked):
+    # the experts' count: their stacked weights' first dimension, which the router scores (its weight may sit in a
+    # sub-layer of its own: HunYuan's gate.wg)
+    scores = [p.shape[0] for p in router.parameters() if p.dim() == 2] if isinstance(router, nn.Module) else []
+    if not stacked or not scores or all(p.dim() < 3 for p in stacked.values()):
         return 0
-    count = weight.shape[0]
-    if not all(p.shape[0] == count for p in stacked.values()) or all(p.dim() < 3 for p in stacked.values()):
+    count = next(iter(stacked.values())).shape[0]
+    if not all(p.shape[0] == count for p in stacked.values()) or count not in scores:
         return 0
-    if isinstance(router, nn.Linear) and callable(getattr(module, "compute", None)):  # distrain.models.moe.MoE
+    if _is_distrains_moe(module):
         return count
     # transformers' flags for experts laid out otherwise: transposed, with biases, gate and up interleaved, no gate,
     # a norm after each expert (integrations/moe.py, 5.x)
@@ -132,6 +134,12 @@ def expert_count(module: nn.Module) -> int:
             "(Mixtral, Qwen-MoE, OLMoE, DeepSeek); train it without expert_parallel_size"
         )
     return count
+
+
+def _is_distrains_moe(module: nn.Module) -> bool:
+    """distrain's own ``MoE`` (``models/moe.py``: a linear ``router`` and a ``compute`` step), not a Hugging Face
+    block that also names its router ``router`` (Phi-3.5-MoE's)."""
+    return isinstance(module, MoE)
 
 
 def split_experts(model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]:
@@ -155,7 +163,7 @@ def split_experts(model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]
             piece = p.detach()[rank * local : (rank + 1) * local].clone()
             setattr(layer.experts, pname, nn.Parameter(piece, requires_grad=p.requires_grad))
             layer.experts.get_parameter(pname).expert_parallel = True  # its gradient is not all-reduced
-        if hasattr(layer, "router"):  # distrain's MoE: its compute step goes through the group
+        if _is_distrains_moe(layer):  # its compute step goes through the group
             layer.compute = _Dispatch(layer.experts, group, size, local)
         else:  # a Hugging Face block: its experts' forward (routing in, weighted sum out) does
             layer.experts.forward = _HFExperts(layer.experts, _Dispatch(_hf_compute(layer.experts), group, size, local))
