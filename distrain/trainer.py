@@ -49,7 +49,7 @@ from distrain.training.manual import ManualOptimizer, manual_step
 from distrain.training.metrics import MetricsLogger, StepResult, print_fit_summary
 from distrain.training.nonfinite import NonFiniteError, step_is_finite
 from distrain.training.optimizers import LoopOptimizer, parse_optimizers, step_schedulers
-from distrain.training.outcomes import DROPPED, ROLLED_BACK, SKIP_REST_OF_EPOCH, SKIPPED
+from distrain.training.outcomes import StepOutcome
 from distrain.training.preemption import StopAgreement
 from distrain.training.stages import report, run_stage, sanity_check, setup_loader, teardown, validate_during_fit
 from distrain.training.views import TrainerViews
@@ -336,13 +336,13 @@ class Trainer(TrainerViews):
                     startup.mark("first step")
                     if self.is_global_zero:
                         print(startup.line(self.global_step), flush=True)
-                if output is ROLLED_BACK:
+                if output is StepOutcome.ROLLED_BACK:
                     break  # the newest checkpoint was loaded: read on from its position
-                if output is DROPPED or output is SKIPPED:
+                if output is StepOutcome.DROPPED or output is StepOutcome.SKIPPED:
                     if self._done():
                         return
                     continue
-                if output is SKIP_REST_OF_EPOCH:
+                if output is StepOutcome.SKIP_REST_OF_EPOCH:
                     self._end_epoch(val_loader)
                     break
                 self._after_step(output, micro_batches[-1], val_loader)
@@ -397,8 +397,8 @@ class Trainer(TrainerViews):
         """One optimizer step over this rank's micro-batches: forward/backward each (gradients
         synchronized on the last one only), then check, clip, step and log. The gradient is the mean
         over the step's micro-batches (each loss divided by their number, also in a shorter last
-        window) and over the ranks. Returns the last ``training_step`` output, or ``DROPPED`` when the strategy did not
-        commit the step (nothing applied, the step not counted)."""
+        window) and over the ranks. Returns the last ``training_step`` output, or the ``StepOutcome`` of a step that
+        gave none to go on with (``DROPPED``: the strategy did not commit it; nothing applied, the step not counted)."""
         if not self.module.automatic_optimization:
             return manual_step(self, micro_batches)
         rt, optimizer = self.runtime, self.optimizers[0]
@@ -413,11 +413,11 @@ class Trainer(TrainerViews):
         collector.current_batch_size = batch_size_of(micro_batches[0][1])
         first_idx = micro_batches[0][0]
         if self._skips_rest_of_epoch(first_idx, micro_batches[0][1]):
-            return SKIP_REST_OF_EPOCH
+            return StepOutcome.SKIP_REST_OF_EPOCH
         position = self.progress.samples_in_epoch  # the step's first sample in the epoch's global order
         if self.anomalies is not None and self.anomalies.skips(self.current_epoch, position):
             self.anomalies.skip_bad_data(micro_batches)
-            return SKIPPED
+            return StepOutcome.SKIPPED
         rng = rng_state() if self.anomalies is not None else None  # a re-run starts from the same RNG state
 
         def before_each(batch):  # before each training_step of the step
@@ -449,14 +449,14 @@ class Trainer(TrainerViews):
                     "training goes on with the groups that remain",
                     flush=True,
                 )
-            return DROPPED
+            return StepOutcome.DROPPED
 
         self.nonfinite.settle()  # the previous step's device check: the device has long passed it
         action = "apply"
         if self.anomalies is not None:  # a loss spike: re-run, then applied, skipped, rolled back from, or stopped at
             action = self.anomalies.check(step_loss, micro_batches, position, rng)
             if action == "rollback":
-                return ROLLED_BACK
+                return StepOutcome.ROLLED_BACK
         rt.mark_phase(None, "optimizer step")
         grad_norm = self._gradient_norm(optimizer) if action == "apply" else None
         last_idx = micro_batches[-1][0]

@@ -11,7 +11,7 @@ from distrain.data import batch_size_of, move_to_device, tokens_in_batch
 from distrain.module import loss_of, run_step
 from distrain.training.metrics import StepResult
 from distrain.training.optimizers import LoopOptimizer, sync_gradients
-from distrain.training.outcomes import SKIP_REST_OF_EPOCH
+from distrain.training.outcomes import StepOutcome
 
 
 class ManualOptimizer(LoopOptimizer):
@@ -51,7 +51,7 @@ def manual_step(trainer, micro_batches: list[tuple[int, Any]]) -> Any:
     batch = move_to_device(batch, rt.device)
     trainer.metrics.collector.current_batch_size = batch_size_of(batch)
     if trainer._skips_rest_of_epoch(batch_idx, batch):
-        return SKIP_REST_OF_EPOCH
+        return StepOutcome.SKIP_REST_OF_EPOCH
     before = trainer.global_step
     with rt.autocast():
         output = run_step(trainer.module, "training_step", batch, batch_idx)
