@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import os
 import re
 import shlex
@@ -633,85 +634,108 @@ def _main(argv: list[str] | None) -> int:
         close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         return _error(f"unknown command {argv[0]!r}{hint} (`distrain --help` lists them)")
-    if command == "launch":  # its own grammar: `-- <train args>` passes through untouched
-        return launch(argv)
-    if command == "config":
-        return config_command(argv)
+    if command in _OWN_GRAMMAR:  # `launch`'s `-- <train args>` pass through untouched
+        return _OWN_GRAMMAR[command](argv)
     parser = COMMANDS[command]()
     if command == "train" and not explicit:  # `distrain --verison`: distrain's own options are candidates too
         parser.also_flags = ("--version",)
     # intermixed: `key=value` overrides may stand between and after the options
-    args = parser.parse_intermixed_args(argv)
-    if command == "doctor":
-        from distrain import doctor
+    return _RUNS[command](parser.parse_intermixed_args(argv))
 
-        return doctor.run(args.devices, args.num_nodes, args.timeout)
-    if command == "plot":
-        return plot(args.runs, args.output, args.labels, args.title)
-    if command == "bench":
-        from distrain import bench
 
-        return bench.main(args)
-    if command == "convert":
-        try:
-            return convert(args.checkpoint, args.output, args.to, args.tokenizer)
-        except (FileNotFoundError, RuntimeError) as e:
-            return _error(e)
-    shapes = None
-    if command == "plan":  # a list of node or device counts: one plan per cluster shape (what-if)
-        lists = [flag for flag in ("num_nodes", "devices") if isinstance(getattr(args, flag), list)]
-        if len(lists) > 1:
-            return _error("give a list to --num-nodes or to --devices, not both")
-        if lists:
-            shapes = [(lists[0], v) for v in getattr(args, lists[0])]
-            setattr(args, lists[0], None)
+def _run_convert(args) -> int:
+    try:
+        return convert(args.checkpoint, args.output, args.to, args.tokenizer)
+    except (FileNotFoundError, RuntimeError) as e:
+        return _error(e)
+
+
+def _run_plan(args) -> int:
+    shapes = None  # a list of node or device counts: one plan per cluster shape (what-if)
+    lists = [flag for flag in ("num_nodes", "devices") if isinstance(getattr(args, flag), list)]
+    if len(lists) > 1:
+        return _error("give a list to --num-nodes or to --devices, not both")
+    if lists:
+        shapes = [(lists[0], v) for v in getattr(args, lists[0])]
+        setattr(args, lists[0], None)
     flags = _flag_values(args)
-    if command == "plan" and args.strategy == "all":  # every option: the plan's own value, not a strategy
+    if args.strategy == "all":  # every option: the plan's own value, not a strategy
         flags.pop("distributed.strategy", None)
     config = build_config(args.config, flags, args.overrides)  # a ConfigError: main's one line
-    if command == "plan":
-        from distrain.planner.cli import TimingArgs, plan_command, what_if_command
+    from distrain.planner.cli import TimingArgs, plan_command, what_if_command
 
-        try:
-            timing = TimingArgs.from_args(args)
-            if shapes:
-                return what_if_command(config, shapes, timing, args.json)
-            return plan_command(config, args.strategy, args.json, timing)
-        except (ConfigError, FileNotFoundError, ValueError) as e:
-            return _error(e)
+    try:
+        timing = TimingArgs.from_args(args)
+        if shapes:
+            return what_if_command(config, shapes, timing, args.json)
+        return plan_command(config, args.strategy, args.json, timing)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        return _error(e)
+
+
+def _run_train(args) -> int:
+    return _run_config(args, lambda config: train(config, resume=args.resume, overwrite=args.overwrite))
+
+
+def _run_verify(args) -> int:
+    from distrain.jobs.run import shrink, verify
+
+    def run(config) -> int:
+        if args.shrink:
+            shrink(config)
+        return verify(config, args.steps, args.json)
+
+    return _run_config(args, run)
+
+
+def _run_config(args, run) -> int:
+    """``run(config)`` of the run's config (``--print-config``: printed instead, the keys written the spec's way
+    said first); a failure is one line."""
+    config = build_config(args.config, _flag_values(args), args.overrides)  # a ConfigError: main's one line
     if args.print_config:
         import yaml
 
-        for note in config.mapped_keys:  # keys written the spec's way, and where they went
-            print(f"# {note}")
+        print("".join(f"# {note}\n" for note in config.mapped_keys), end="")
         print(yaml.safe_dump(redacted(config.to_dict()), sort_keys=False), end="")
         return 0
     try:
-        if command == "verify":
-            from distrain.jobs.run import shrink, verify
-
-            if args.shrink:
-                shrink(config)
-            return verify(config, args.steps, args.json)
-        return train(config, resume=args.resume, overwrite=args.overwrite)
+        return run(config)
     except Exception as e:
-        if getattr(e, "distrain_reported", False):  # the launcher already named the rank and the log
-            return 1
-        if _is_distrain_message(e):  # a problem distrain names itself (a config key, a file): one line
-            return _error(e)
-        # anything else (torch's, a library's, a bug): its traceback in this rank's log, one line here
-        from distrain.launch import rank_log, record_failure
+        return _failed(e, config)
 
-        rank = int(os.environ.get("RANK", "0"))
-        log_dir = str(Path(config.output_dir) / "logs")
-        if not getattr(e, "distrain_recorded", False):  # raised before the rank's log existed
-            record_failure(log_dir, rank, e)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        if getattr(e, "distrain_memory_plan", None):  # out of memory: what the plan says, on the same line
-            first += f"; {e.distrain_memory_plan}"
-        log = rank_log(log_dir, rank)
-        print(f"distrain: error on rank {rank}: {type(e).__name__}: {first} (traceback: {log})", file=sys.stderr)
+
+def _failed(e: Exception, config) -> int:
+    """A run that failed: one line, the error's traceback in the rank's log when it is not distrain's own."""
+    if getattr(e, "distrain_reported", False):  # the launcher already named the rank and the log
         return 1
+    if _is_distrain_message(e):  # a problem distrain names itself (a config key, a file): one line
+        return _error(e)
+    # anything else (torch's, a library's, a bug): its traceback in this rank's log, one line here
+    from distrain.launch import rank_log, record_failure
+
+    rank = int(os.environ.get("RANK", "0"))
+    log_dir = str(Path(config.output_dir) / "logs")
+    if not getattr(e, "distrain_recorded", False):  # raised before the rank's log existed
+        record_failure(log_dir, rank, e)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if getattr(e, "distrain_memory_plan", None):  # out of memory: what the plan says, on the same line
+        first += f"; {e.distrain_memory_plan}"
+    log = rank_log(log_dir, rank)
+    print(f"distrain: error on rank {rank}: {type(e).__name__}: {first} (traceback: {log})", file=sys.stderr)
+    return 1
+
+
+#: each command's run, from its parsed arguments; the commands that parse their own arguments
+_RUNS = {
+    "train": _run_train,
+    "plan": _run_plan,
+    "verify": _run_verify,
+    "convert": _run_convert,
+    "doctor": lambda args: importlib.import_module("distrain.doctor").run(args.devices, args.num_nodes, args.timeout),
+    "plot": lambda args: plot(args.runs, args.output, args.labels, args.title),
+    "bench": lambda args: importlib.import_module("distrain.bench").main(args),
+}
+_OWN_GRAMMAR = {"launch": launch, "config": config_command}
 
 
 def _is_distrain_message(error: BaseException) -> bool:
