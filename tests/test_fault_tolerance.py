@@ -414,7 +414,8 @@ def test_a_peer_state_that_names_code_is_refused_and_never_runs(tmp_path, how):
     from torch.distributed._serialization import _streaming_save
     from torchft.checkpointing import HTTPTransport
 
-    from distrain.checkpoint.safe_load import UnsafeCheckpointError, peer_state_transport
+    from distrain.checkpoint.peer_state import peer_state_transport
+    from distrain.checkpoint.safe_load import UnsafeCheckpointError
 
     buffer = io.BytesIO()
     _streaming_save({"model": {"w": torch.ones(2)}, "progress": _Runs(how, tmp_path / "ran")}, buffer)

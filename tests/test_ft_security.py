@@ -41,7 +41,7 @@ def _request(port: int, method: str, path: str, authorization: str | None) -> tu
 @pytest.fixture(scope="module")
 def serving():
     """A transport that holds a state at step 3 and serves it, as a running group's does."""
-    from distrain.checkpoint.safe_load import peer_state_transport
+    from distrain.checkpoint.peer_state import peer_state_transport
 
     timeout = timedelta(seconds=10)
     transport = peer_state_transport(timeout, SECRET)
@@ -69,7 +69,7 @@ def test_the_peer_state_server_refuses_every_request_without_the_job_secret(serv
 def test_the_peer_state_server_serves_the_job_secret_on_loopback_and_names_it_when_refused(serving):
     from torchft.checkpointing._serialization import _streaming_load
 
-    from distrain.checkpoint.safe_load import peer_state_transport
+    from distrain.checkpoint.peer_state import peer_state_transport
 
     transport, state, timeout = serving
     address = transport.metadata()

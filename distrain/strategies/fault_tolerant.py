@@ -20,7 +20,7 @@ group hands its live state from, and gloo's sockets; distrain's launcher adds to
 lighthouse and manager have no authentication (anyone who reaches them can join the quorum, or stop a group), so
 when the lighthouse is on this machine's loopback — the job runs on this machine, as distrain's launcher starts it —
 all of them listen on 127.0.0.1 only. The live state is served only to a request that carries the job's secret
-(``DISTRAIN_JOB_SECRET``, made by the launcher; see ``safe_load.peer_state_transport``).
+(``DISTRAIN_JOB_SECRET``, made by the launcher; see ``checkpoint/peer_state.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed import ReduceOp
 
 from distrain import distributed
-from distrain.checkpoint import safe_load
 from distrain.cluster import JOB_SECRET, ReplicaGroup, is_loopback_address, job_secret, replica_group
 from distrain.config import ConfigError
 from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits, as_timedelta
@@ -179,6 +178,8 @@ class TorchFTStrategy(Strategy):
         super().setup_environment()  # this group's own process group
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at INFO
         torchft = _torchft()
+        from distrain.checkpoint import peer_state  # torchft's transport: imported with torchft
+
         logging.getLogger("torchft").setLevel(logging.ERROR)  # its warnings are about NCCL's flight recorder
         _check_lighthouse(self.group.lighthouse, self.ft_timeout)
         pg_class = torchft.ProcessGroupNCCL if "nccl" in self.backend else torchft.ProcessGroupGloo
@@ -202,7 +203,7 @@ class TorchFTStrategy(Strategy):
                 store_port=int(os.environ["MASTER_PORT"]),
                 lighthouse_addr=self.group.lighthouse,
                 replica_id=f"distrain_replica_{self.group.id}",
-                checkpoint_transport=safe_load.peer_state_transport(self.ft_timeout, secret, loopback=local),
+                checkpoint_transport=peer_state.peer_state_transport(self.ft_timeout, secret, loopback=local),
                 init_sync=True,  # step 0: every group starts from the first group's weights, whatever built them
                 **advertised,
             )
