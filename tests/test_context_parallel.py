@@ -596,7 +596,7 @@ def _ring_against_whole_attention(rank, world, balanced, device="cpu", dtype="fl
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from distrain import compat
+    from distrain.parallel import ring_attention
 
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -617,7 +617,7 @@ def _ring_against_whole_attention(rank, world, balanced, device="cpu", dtype="fl
     else:
         index = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-    out = compat.ring_attention(*mine, dist.group.WORLD, scale=0.3, balanced=balanced)
+    out = ring_attention.ring_attention(*mine, dist.group.WORLD, scale=0.3, balanced=balanced)
     (out.float() * index.view(1, 1, -1, 1)).sum().backward()
     pairs = [(out, reference[:, :, index])] + [(m.grad, w.grad[:, :, index]) for m, w in zip(mine, whole)]
     return [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in pairs]

@@ -514,7 +514,7 @@ FOUR_RANK = {  # name: (strategy, job, per-rank batch, accumulation, data-parall
     "pp2xtp2-moe": (lambda: distrain.PipelineStrategy(stages=2, tensor_parallel_size=2), "gpt-moe", 4, 2, 1),
     "pp2xfsdp2": (lambda: distrain.PipelineStrategy(stages=2), "gpt2", 2, 2, 2),
     # 8 stages, 2 a rank: a gradient sent back is let go once a message proves it received, through other ranks'
-    # messages too (compat.release_sent_gradients); let go too early, gloo would send freed memory
+    # messages too (pipeline_memory.release_sent_gradients); let go too early, gloo would send freed memory
     "pp4-interleaved": (
         lambda: distrain.PipelineStrategy(stages=4, schedule="Interleaved1F1B", stages_per_rank=2),
         "gpt8",

@@ -61,11 +61,12 @@ def test_each_pipeline_rank_peaks_within_ten_percent_of_measured(tmp_path, world
 
 
 def test_a_rank_holds_the_micro_batches_in_flight_not_the_whole_step(tmp_path):
-    """What a pipeline rank receives and sends is held while its micro-batch is in flight (``compat._in_flight_stage``),
-    so under 1F1B and Interleaved1F1B, which keep a bounded number of micro-batches in flight, a rank's peak does not
-    grow with the step's micro-batches. torch 2.13 alone allocates a receive buffer for every micro-batch of a step
-    and its looped schedule keeps every send to the step's end: there gpt-tiny under Interleaved1F1B peaked 12 MiB
-    higher at 8 micro-batches than at 4 (59 and 71 MiB), and 1F1B 2 MiB higher."""
+    """What a pipeline rank receives and sends is held while its micro-batch is in flight
+    (``pipeline_memory.InFlightStage``), so under 1F1B and Interleaved1F1B, which keep a bounded number of
+    micro-batches in flight, a rank's peak does not grow with the step's micro-batches. torch 2.13 alone allocates a
+    receive buffer for every micro-batch of a step and its looped schedule keeps every send to the step's end: there
+    gpt-tiny under Interleaved1F1B peaked 12 MiB higher at 8 micro-batches than at 4 (59 and 71 MiB), and 1F1B 2 MiB
+    higher."""
     cases = [
         Case("gpt-tiny", "pp", False, 8, accumulate=4),  # (at 2, no backward runs beside gradients with 2 in flight)
         Case("gpt-tiny", "pp", False, 8, accumulate=8),

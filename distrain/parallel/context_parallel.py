@@ -9,7 +9,7 @@ runs on the slice. Attention needs every earlier token, and an engine provides i
   for a split of the heads, so each rank runs the ordinary causal attention (torch's SDPA) over the whole
   sequence for ``heads/N`` heads, and a second all-to-all trades back. Taken when N divides the heads (each
   rank's share of them, under tensor parallelism). Rank ``c`` of ``N`` holds tokens ``[c·T/N, (c+1)·T/N)``.
-- ``ring``: torch's ring attention (``compat.ring_attention``: the templates of
+- ``ring``: torch's ring attention (``parallel/ring_attention.py``: the templates of
   ``torch.distributed.tensor.experimental.context_parallel`` with CUDA's or the CPU's attention kernel). Every
   rank computes all its heads for its own queries against the key/value slices of the others. Taken when the heads
   do not split; any head count runs. Its layout is torch's load-balanced one: the sequence is cut into ``2N``
@@ -61,7 +61,7 @@ class SequenceShard:
 
     def __post_init__(self):
         if self.engine == "ring":
-            from distrain.compat import ring_attention
+            from distrain.parallel.ring_attention import ring_attention
 
             # eager inside a compiled block (dynamo fails on the ring's Python: group calls, a layout flag). Made
             # here, not where compat defines it: disabling imports torch._dynamo (seconds), which no run without a

@@ -33,6 +33,7 @@ from torch import nn
 from distrain import compat
 from distrain.config import Refusal
 from distrain.module import loss_of, run_step
+from distrain.parallel import pipeline_memory
 from distrain.parallel.gradients import match_gradient_layouts
 from distrain.parallel.layout import PP, ParallelLayout
 from distrain.parallel.pipeline_split import PipelineSplit, split_blocks
@@ -154,9 +155,8 @@ class PipelineRunner:
         self.group = mesh.get_group(PP)
         self.last_rank = dist.get_global_rank(self.group, layout.pipeline - 1)  # the rank of the last stage
         self.stage_modules = build.stage_modules(self)
-        self.stages = [
-            compat.pipeline_stage(m, m.index, layout.num_stages, device, self.group) for m in self.stage_modules
-        ]
+        stage = pipeline_memory.pipeline_stage
+        self.stages = [stage(m, m.index, layout.num_stages, device, self.group) for m in self.stage_modules]
         self.holds_last = any(m.is_last for m in self.stage_modules)
         self.tie_groups: list = []
         self._schedule = None
@@ -259,7 +259,7 @@ class PipelineRunner:
         key = (training, n, shapes)
         if key != self._schedule_key:  # a fresh schedule re-learns the shapes it sends (once per new shape)
             self._schedule = self._make_schedule(n, training)
-            compat.release_sent_gradients(self._schedule, self.stages)
+            pipeline_memory.release_sent_gradients(self._schedule, self.stages)
             self._schedule_key = key
         return self._schedule
 

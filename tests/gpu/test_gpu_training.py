@@ -698,9 +698,9 @@ def test_compile_on_cuda_matches_eager(tmp_path):
 
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 2e-2)], ids=["fp32", "bf16"])
 def test_ring_attention_on_cuda_matches_whole_sequence_attention(dtype, tolerance):
-    """``compat.ring_attention`` with CUDA's memory-efficient kernel: its forward and backward keyword plumbing
-    (the kernel's log-sum-exp and philox outputs handed to its backward) on one GPU, a group of one; the ring itself
-    between two GPUs under NCCL where there are two (on a CPU the same ring is tested on gloo)."""
+    """``parallel/ring_attention.py``'s ring with CUDA's memory-efficient kernel: its forward and backward keyword
+    plumbing (the kernel's log-sum-exp and philox outputs handed to its backward) on one GPU, a group of one; the ring
+    itself between two GPUs under NCCL where there are two (on a CPU the same ring is tested on gloo)."""
     from test_context_parallel import _ring_against_whole_attention
 
     world = 2 if GPUS >= 2 else 1

@@ -274,8 +274,8 @@ def activations_in_flight(
 ) -> tuple[int, int]:
     """(the most activation bytes alive before any gradient exists, the most after): a forward keeps its
     stage's saved activations, and the buffer it received them in, until that micro-batch's backward, which peaks
-    at the stage's own peak beside the buffer of the gradient it receives (distrain's stages hold a receive buffer
-    only while its micro-batch is in flight: ``compat._in_flight_stage``). The gradient a backward sends to the stage
+    at the stage's own peak beside the buffer of the gradient it receives (distrain's stages hold a receive buffer only
+    while its micro-batch is in flight: ``pipeline_memory.InFlightStage``). The gradient a backward sends to the stage
     before goes at once where ``sent_gradients`` is None (1F1B waits for each send); else it stays until the compute
     ``sent_gradients`` lets it go at (``sent_gradient_releases``), or to the step's end. The autocast cache of each of
     the rank's stages stays from its first forward on. The first backward of a step runs before gradients exist (the
@@ -318,7 +318,7 @@ def sent_gradient_releases(schedule: str, rank: int, pipeline: int, stages_per_r
     once (1F1B waits for each send before the next); {} at the step's end (torch's GPipe, also 1F1B's fall-back with
     fewer micro-batches than stages, keeps each send's work, and through it the tensor sent, to the step's end, and
     nothing comes back to prove one received); under the looped schedules, at the compute of this rank that first
-    knows its receiver consumed it, as distrain's stages let them go (``compat.release_sent_gradients``, on the
+    knows its receiver consumed it, as distrain's stages let them go (``pipeline_memory.release_sent_gradients``, on the
     order torch lowers from these computes)."""
     if stages_per_rank == 1:
         return {} if schedule == "GPipe" or micro_batches < pipeline else None
@@ -327,10 +327,10 @@ def sent_gradient_releases(schedule: str, rank: int, pipeline: int, stages_per_r
 
 @functools.cache
 def _looped_releases(schedule: str, pipeline: int, stages_per_rank: int, micro_batches: int):
-    from distrain import compat
+    from distrain.parallel import pipeline_memory
 
     orders = {r: numbered(rank_order(schedule, r, pipeline, stages_per_rank, micro_batches)) for r in range(pipeline)}
-    return compat.sent_gradient_releases(orders, pipeline)
+    return pipeline_memory.sent_gradient_releases(orders, pipeline)
 
 
 def rank_stages(rank: int, pipeline: int, stages_per_rank: int) -> list[int]:
