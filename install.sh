@@ -9,12 +9,14 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
-installed=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
+# torch's version from its metadata, not by importing it: a torch installed alone (no NumPy yet) warns on import
+version='import importlib.metadata as m; print(m.version("torch"))'
+installed=$("$PY" -c "$version" 2>/dev/null || true)
 if [ -z "$installed" ]; then
     # torch alone first, then pinned to exactly the build it took: resolved together with the extras, pip once
     # took a CUDA build (GBs) of 2.13.0 on a CPU machine over the local 2.13.0+cpu wheel, which it takes alone
     "$PY" -m pip install -q "torch==${DISTRAIN_TORCH_VERSION:-2.13.0}"
-    installed=$("$PY" -c 'import torch; print(torch.__version__)')
+    installed=$("$PY" -c "$version")
 fi
 echo "torch==${installed}" > "$constraints"
 extras=$(IFS=,; echo "$*")
