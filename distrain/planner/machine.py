@@ -10,9 +10,9 @@ depend on: the CPU's model and core count, the ranks per node (the cores each ra
 ``distrain plan --measure`` measures again and replaces them.
 
 Rates measured while other jobs shared the cores would make every later plan predict its steps too slow (2.2-2.3×,
-measured once on 2 cores), and ``auto`` decide on those numbers. So each plan first times this CPU's matmuls alone
-(a quarter of a second): where they now run ``FASTER`` times the kept rate, the kept rates were measured busy, and
-are measured again (said on the console). A CPU slower now than its kept rate is busy now: its kept rates stand.
+measured once on 2 cores), and ``auto`` decide on those numbers. So a process's first plan times this CPU's matmuls
+alone (a tenth of a second on 2 cores): where they now run ``FASTER`` times the kept rate, the kept rates were
+measured busy, and are measured again (said on the console). A CPU slower now than its kept rate is busy now: its kept rates stand.
 
 The file is read as untrusted bytes: JSON only, at most ``MAX_BYTES``, every figure a positive finite number;
 anything else is measured again, never an error.
@@ -37,8 +37,8 @@ from distrain.planner.timing import Hardware, cpu_hardware, cpu_matmul_flops, cp
 
 ROUNDS = 3
 MAX_BYTES = 16 * 2**10
-#: a CPU whose matmuls run this many times its kept rate (a quarter-second check at each plan) has its rates measured
-#: again: quiet measurements of one machine differ by a tenth or two, one made beside other jobs by 2× or more
+#: a CPU whose matmuls run this many times its kept rate (checked once per process) has its rates measured again:
+#: quiet measurements of one machine differ by a tenth or two, one made beside other jobs by 2× or more
 FASTER = 1.5
 #: the measured figures of a Hardware (the rest are constants, or say where the figures came from)
 MEASURED = (
