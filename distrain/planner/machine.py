@@ -12,7 +12,8 @@ depend on: the CPU's model and core count, the ranks per node (the cores each ra
 Rates measured while other jobs shared the cores would make every later plan predict its steps too slow (2.2-2.3×,
 measured once on 2 cores), and ``auto`` decide on those numbers. So a process's first plan times this CPU's matmuls
 alone (a tenth of a second on 2 cores): where they now run ``FASTER`` times the kept rate, the kept rates were
-measured busy, and are measured again (said on the console). A CPU slower now than its kept rate is busy now: its kept rates stand.
+measured busy, and are measured again (said on the console). A CPU slower now than its kept rate is busy now: its
+kept rates stand.
 
 The file is read as untrusted bytes: JSON only, at most ``MAX_BYTES``, every figure a positive finite number;
 anything else is measured again, never an error.
