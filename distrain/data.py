@@ -39,12 +39,19 @@ class ResumableDistributedSampler(DistributedSampler):
         num_replicas: int,
         rank: int,
         shuffle: bool = True,
-        seed: int = 0,
+        seed: int | None = 0,
         drop_last: bool = False,
         even: bool = True,
     ):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        super().__init__(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed or 0, drop_last=drop_last
+        )
         self.start = 0
+        #: ``seed=None``: each epoch's order comes from a seed drawn from torch's generator when the epoch's first
+        #: batch is fetched, as torch's ``RandomSampler`` draws it (Lightning's order on one process); the drawn seed
+        #: is kept here, for a checkpoint to carry (None: not drawn yet this epoch)
+        self.draws_seed = seed is None
+        self.drawn_seed: int | None = None
         # even=False (evaluation): no padding duplicates, so each sample is counted exactly once
         # and ranks may get one sample more or less.
         self.even = even
@@ -60,10 +67,16 @@ class ResumableDistributedSampler(DistributedSampler):
             )
         self.start = samples_consumed
 
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.drawn_seed = None  # a new epoch draws its own order
+
     def global_order(self) -> list[int]:
         if self.shuffle:
             g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
+            if self.draws_seed and self.drawn_seed is None:
+                self.drawn_seed = int(torch.empty((), dtype=torch.int64).random_().item())  # RandomSampler's draw
+            g.manual_seed(self.drawn_seed if self.draws_seed else self.seed + self.epoch)
             indices = torch.randperm(len(self.dataset), generator=g).tolist()
         else:
             indices = list(range(len(self.dataset)))
@@ -88,6 +101,7 @@ def with_distributed_sampler(
     even: bool = True,
     batch_size: int | None = None,
     shuffle: bool | None = None,
+    torch_draws: bool = False,
 ) -> DataLoader:
     """The same DataLoader, re-built around a ResumableDistributedSampler.
 
@@ -96,6 +110,9 @@ def with_distributed_sampler(
     drop_last=…)``, torch's BatchSampler signature. Iterable datasets are returned unchanged — they own
     their own sharding. ``batch_size``: another micro-batch than the loader's (an elastic resume keeping the
     global batch). ``shuffle``: shuffle (True) or not (False) whatever the loader says; None: as it says.
+    ``torch_draws``: random numbers come from torch's generator as in a loader torch built (Lightning's): each
+    epoch's iterator draws its workers' base seed from it, and on one rank a shuffled order draws its seed from it
+    as ``RandomSampler`` does; otherwise the loader has a private generator and the order comes from ``seed``.
     """
     if isinstance(loader.dataset, IterableDataset) or distributed_sampler(loader) is not None:
         return loader
@@ -123,12 +140,15 @@ def with_distributed_sampler(
     if shuffle is None:
         shuffle = isinstance(sampler, (RandomSampler, DistributedSampler)) and getattr(sampler, "shuffle", True)
     drop_last = getattr(loader.batch_sampler, "drop_last", False) if own_batches else loader.drop_last
+    draws_order = torch_draws and num_replicas == 1 and compat.plain_random_sampler(sampler)
+    if draws_order and sampler.generator is not None:
+        return loader  # its order comes from its own generator: nothing to shard, its sampler decides
     sampler = ResumableDistributedSampler(
         loader.dataset,
         num_replicas=num_replicas,
         rank=rank,
         shuffle=shuffle,
-        seed=seed,
+        seed=None if draws_order else seed,
         drop_last=drop_last,
         even=even,
     )
@@ -150,11 +170,13 @@ def with_distributed_sampler(
         multiprocessing_context=loader.multiprocessing_context,
         # A private generator: creating the iterator must not draw from the global RNG, or a
         # resumed run's dropout stream would be shifted by one draw. It also seeds the workers
-        # (``seed_workers``): per rank and epoch.
-        generator=torch.Generator(),
+        # (``seed_workers``): per rank and epoch. With ``torch_draws``, torch's generator as the loader had it.
+        generator=loader.generator if torch_draws else torch.Generator(),
         prefetch_factor=loader.prefetch_factor,
         persistent_workers=loader.persistent_workers,
     )
+    if torch_draws:
+        return distributed
     distributed.distrain_worker_seed = (seed, rank)
     seed_workers(distributed, epoch=0)
     return distributed

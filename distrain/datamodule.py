@@ -2,7 +2,7 @@
 
 A Lightning user's datamodule runs with its import changed. Its hooks run in every rank, in Lightning's order:
 ``prepare_data`` on local rank 0 of each node (the others wait for it: a download happens once per machine),
-then ``setup(stage)``, then the loader the stage needs. ``stage_loader`` is that order, in one place.
+then ``setup(stage)`` (``set_up_stage``), then the loader the stage needs (``stage_loader``).
 """
 
 from __future__ import annotations
@@ -80,11 +80,10 @@ def prepare(obj: Any, runtime) -> None:
         runtime.barrier("prepare_data")
 
 
-def stage_loader(stage: str, trainer, module, dataloaders, datamodule, datamodule_state=None) -> Any:
+def set_up_stage(stage: str, trainer, module, datamodule, datamodule_state=None) -> None:
     """In a rank, before the module is set up: ``prepare_data`` (module's and datamodule's), then ``setup(stage)`` of
-    the datamodule, the callbacks and the module, the datamodule's ``load_state_dict(datamodule_state)`` on a resume,
-    then the loader given, else the datamodule's, else the module's own (all as Lightning)."""
-    method = STAGE_LOADERS[stage]
+    the datamodule, the callbacks and the module, then the datamodule's ``load_state_dict(datamodule_state)`` on a
+    resume (all as Lightning)."""
     trainer.datamodule = datamodule  # self.trainer.datamodule, as Lightning modules read it
     trainer.module = module  # self.trainer in every hook from here on, setup(stage) included
     object.__setattr__(module, "_trainer", trainer)
@@ -101,6 +100,12 @@ def stage_loader(stage: str, trainer, module, dataloaders, datamodule, datamodul
     load_state = getattr(datamodule, "load_state_dict", None)  # a datamodule of Lightning's shape may lack the hook
     if callable(load_state) and datamodule_state is not None:
         load_state(datamodule_state)
+
+
+def stage_loader(stage: str, module, dataloaders, datamodule) -> Any:
+    """The stage's loader, once it is set up (``set_up_stage``): the one given, else the datamodule's, else the
+    module's own (as Lightning)."""
+    method = STAGE_LOADERS[stage]
     if dataloaders is not None:
         return one_loader(dataloaders, method)
     for source in (datamodule, module):

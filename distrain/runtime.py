@@ -428,6 +428,16 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+@contextlib.contextmanager
+def isolated_rng():
+    """Python's, NumPy's and torch's random streams as they were before the block (Lightning's ``isolate_rng``)."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))

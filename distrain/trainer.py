@@ -34,10 +34,10 @@ from distrain.data import (
     seed_workers,
     tokens_in_batch,
 )
-from distrain.datamodule import is_datamodule, one_loader, optional_loader, stage_loader
+from distrain.datamodule import is_datamodule, one_loader, optional_loader, set_up_stage, stage_loader
 from distrain.loggers import Logger
 from distrain.module import Module, StepRouter, as_module, loss_of, overrides, unsupported_hooks
-from distrain.runtime import Runtime, rng_state
+from distrain.runtime import Runtime, isolated_rng, rng_state
 from distrain.strategies.base import LoopFacts, Strategy
 from distrain.training import startup
 from distrain.training.anomalies import AnomalyError
@@ -103,6 +103,11 @@ class Trainer(TrainerViews):
     model: nn.Module | None  # the same, wrapped by the strategy (what the loop calls)
     optimizers: list[torch.optim.Optimizer]
     lr_schedulers: list[dict]
+    #: False: each stage seeds every rank from ``seed`` (``_seed_streams``: the same weights and order whatever ran
+    #: before it), and the loaders draw from generators of their own. True (``distrain.lightning``): a stage goes on
+    #: with the random streams the script left, and the loaders draw from torch's generator as torch's own do
+    continues_script_streams = False
+    _script_streams: dict | None = None  # spawned ranks: the streams the script had when it called fit
 
     def __init__(
         self,
@@ -246,6 +251,8 @@ class Trainer(TrainerViews):
 
     def _launch(self, fn, module: Module, *args):
         strategy = self.runtime.strategy  # as planned: strategy="auto" has chosen by now
+        if self.continues_script_streams and not self.runtime.ranks_run_this_script:
+            self._script_streams = rng_state()  # spawned ranks start from the script's streams, as Lightning's do
         if overrides(module, "backward") and not strategy.traits.runs_module_backward:
             raise NotImplementedError(
                 f"{type(module).__name__}.backward: {type(strategy).__name__} runs the backward in its own engine or "
@@ -266,13 +273,16 @@ class Trainer(TrainerViews):
         rt = self.runtime
         train_loader, val_loader, datamodule = data
         self.state = TrainerState("fit", "train")
-        rt.seed_everything(self.seed)  # setup(stage) may build layers: alike on every rank
+        self._seed_streams(stage_start=True)  # setup(stage) may build layers: alike on every rank
         checkpoint = self.checkpoints.resolve(ckpt_path) if ckpt_path is not None else None
         saved = self.checkpoints.read_before_loaders(checkpoint)  # the datamodule's state, the global batch
-        train_loader = stage_loader("fit", self, module, train_loader, datamodule, saved.get("datamodule"))
-        if val_loader is None:
-            val_loader = optional_loader(datamodule if datamodule is not None else module, "val_dataloader")
+        set_up_stage("fit", self, module, datamodule, saved.get("datamodule"))
+        self._build(module)
+        if val_loader is None:  # first, leaving the random streams alone, as Lightning makes it for its sanity check
+            with isolated_rng():
+                val_loader = optional_loader(datamodule if datamodule is not None else module, "val_dataloader")
         val_loader = one_loader(val_loader, "val_dataloaders")
+        train_loader = stage_loader("fit", module, train_loader, datamodule)
         micro_batch = resumed_micro_batch(self, checkpoint, saved.get("batch_layout"), train_loader)
         shuffle, shuffle_seed = self._train_order()
         train_loader = setup_loader(self, train_loader, shuffle_seed, batch_size=micro_batch, shuffle=shuffle)
@@ -378,10 +388,13 @@ class Trainer(TrainerViews):
         """This epoch's ``(batch_idx, batch)`` pairs from where the data position says."""
         sampler = distributed_sampler(loader)
         seed_workers(loader, self.current_epoch)
+        resumed = self.progress.samples_in_epoch > 0
         if sampler is not None:
             sampler.set_epoch(self.current_epoch)
             sampler.set_start(self.progress.samples_in_epoch)
-        elif self.progress.samples_in_epoch:
+            if sampler.draws_seed and resumed:
+                sampler.drawn_seed = self.progress.order_seed  # the order this epoch began with
+        elif resumed:
             raise RuntimeError(
                 "this checkpoint was saved mid-epoch, and this train loader has no distrain sampler to skip the "
                 "samples already seen (use_distributed_sampler=False, an IterableDataset or a custom batch "
@@ -390,7 +403,12 @@ class Trainer(TrainerViews):
         per_step = (micro_batch_size(loader) or 1) * self.data_parallel_size
         self._hook("on_train_epoch_start")
         start = self.progress.samples_in_epoch // per_step
-        batches = enumerate(loader, start=start)
+        if resumed and self.continues_script_streams:  # the epoch's iterator already drew, before the checkpoint
+            batches = enumerate(_iterated_without_drawing(loader), start=start)
+        else:
+            batches = enumerate(loader, start=start)
+        if sampler is not None and sampler.draws_seed:
+            batches = _noting_order_seed(batches, sampler, self.progress)
         return batches if self._num_batches is None else itertools.islice(batches, max(0, self._num_batches - start))
 
     def train_step(self, micro_batches: list[tuple[int, Any]]) -> Any:
@@ -597,15 +615,20 @@ class Trainer(TrainerViews):
         return int(v)
 
     # ---- set-up -----------------------------------------------------------------------------------
-    def _attach(self, module: Module, stage: str, train_loader=None) -> None:
-        rt = self.runtime
+    def _build(self, module: Module) -> None:
+        """A stage's module, once its ``setup(stage)`` ran and before its loaders are made (Lightning's order):
+        ``configure_model``'s layers, from random streams alike on every rank."""
         self.checkpoints.begin_stage()
-        rt.seed_everything(self.seed)  # same seed everywhere: every rank builds identical weights
+        self._seed_streams(stage_start=False)  # every rank builds identical weights
         self._process_settings.apply()
-        # asked only once a rank ran out of memory
-        rt.memory_plan = functools.partial(_memory_plan_of_fit, self) if stage == "fit" else None
         _own_memory(module)
         self._configure(module)
+
+    def _attach(self, module: Module, stage: str, train_loader=None) -> None:
+        """The built module set up by the strategy: wrapped, and for fit with its optimizers."""
+        rt = self.runtime
+        # asked only once a rank ran out of memory
+        rt.memory_plan = functools.partial(_memory_plan_of_fit, self) if stage == "fit" else None
         if stage != "fit":
             if not rt.strategy.traits.collective_forward:
                 self.model = None
@@ -654,6 +677,11 @@ class Trainer(TrainerViews):
                 module.configure_model()
             object.__setattr__(module, "_distrain_configured", True)
 
+    def _seed_streams(self, stage_start: bool) -> None:
+        """Every rank's random streams seeded from ``seed`` before a stage sets up anything, and again before the
+        model is built (``stage_start=False``): every rank builds the same weights."""
+        self.runtime.seed_everything(self.seed)
+
     def _train_order(self) -> tuple[bool | None, int]:
         """Whether the training data is shuffled (None: as its loader says) and the seed of its order."""
         return None, self.seed
@@ -679,6 +707,26 @@ def _own_memory(module: nn.Module) -> None:
         for tensor in [*module.parameters(), *module.buffers()]:
             if tensor.is_shared():
                 tensor.data = tensor.data.clone()
+
+
+def _iterated_without_drawing(loader) -> Iterator:
+    """``loader``'s batches from an iterator that drew nothing from torch's generator: a DataLoader draws its
+    workers' base seed from its ``generator``, torch's when it has none."""
+    if not isinstance(loader, torch.utils.data.DataLoader) or loader.generator is not None:
+        return iter(loader)
+    loader.generator = torch.Generator()
+    try:
+        return iter(loader)
+    finally:
+        loader.generator = None
+
+
+def _noting_order_seed(batches: Iterator, sampler, progress: TrainProgress) -> Iterator:
+    """``batches``, noting in ``progress`` the seed the sampler drew this epoch's order with (a checkpoint carries
+    it: a resumed epoch reads on in the same order)."""
+    for pair in batches:
+        progress.order_seed = sampler.drawn_seed
+        yield pair
 
 
 def _flops_per_token(module: Module) -> float | None:

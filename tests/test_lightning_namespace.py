@@ -581,3 +581,55 @@ def test_lightning_cli_ranks_agree_on_the_random_seed(tmp_path):
 
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0]["lr"] == 0.01 and isinstance(ranks[0]["seed"], int)
+
+
+# ---- Lightning's random streams --------------------------------------------------------------------------------------
+class DrawsInFit(pl.LightningModule):
+    """Draws as Lightning's users draw inside fit: its data made in the loader hooks, noise and dropout in
+    ``training_step``, a shuffled loader (the 2-rank and Lightning-reference runs: tests/test_lightning_examples.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x + 0.1 * torch.randn_like(x)), y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self.net(batch[0]), batch[1]))
+
+    def train_dataloader(self):
+        return DataLoader(_data(64, seed=int(torch.randint(100, ()))), batch_size=8, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(_data(16, seed=int(torch.randint(100, ()))), batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_lightning_run_resumed_mid_epoch_goes_on_with_the_order_and_streams_it_had(tmp_path):
+    """On one process a shuffled epoch's order comes from torch's generator, drawn as ``RandomSampler`` draws it
+    (Lightning's order); a run resumed mid-epoch reads on in that order, with the streams its checkpoint saved, and
+    draws nothing more at the resume: its losses are the uninterrupted run's."""
+    ckpt = tmp_path / "ckpt"
+
+    def fit(folder, ckpt_path=None):
+        pl.seed_everything(3)
+        module = DrawsInFit()
+        every = pl.callbacks.ModelCheckpoint(dirpath=str(ckpt), every_n_train_steps=3, save_top_k=-1)
+        trainer = pl.Trainer(
+            default_root_dir=str(folder), max_epochs=2, logger=False, enable_progress_bar=False, callbacks=[every]
+        )
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return module.losses
+
+    whole = fit(tmp_path / "whole")
+    assert len(whole) == 16
+    for step in (3, 9):  # mid-epoch in the first epoch and in the second
+        resumed = fit(tmp_path / f"from-{step}", ckpt_path=str(ckpt / f"epoch={step // 8}-step={step}.ckpt"))
+        assert resumed == whole[step:], step

@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from distrain.runtime import rng_state, set_rng_state
 from distrain.trainer import Trainer as _Trainer
 
 __all__ = ["Trainer", "env_defaults", "seed_everything"]
@@ -35,15 +36,33 @@ class Trainer(_Trainer):
       sampler gives it (seeded by ``PL_GLOBAL_SEED``, which ``seed_everything`` sets, else 0); ``distrain.Trainer``
       keeps the loader's own order;
     - on a CPU, ``devices="auto"`` (and -1) is one process, as Lightning's CPU accelerator counts one device
-      (``distrain.Trainer`` starts a rank per core, up to 2)."""
+      (``distrain.Trainer`` starts a rank per core, up to 2);
+    - Lightning's random numbers: fit goes on with the script's random streams (``_seed_streams``), the loaders draw
+      from torch's generator as torch's own do, and a sanity check of 2 batches runs first, drawing nothing."""
+
+    continues_script_streams = True  # Lightning's numbers: no stage reseeds, the loaders draw as torch's
 
     def __init__(self, **kwargs: Any):
-        kwargs = {**env_defaults(), **kwargs}
+        kwargs = {"num_sanity_val_steps": 2, **env_defaults(), **kwargs}  # Lightning's default sanity check
         precision, accelerator = kwargs.get("precision", "32-true"), kwargs.get("accelerator", "auto")
         kwargs["precision"] = _lightning_precision(precision, accelerator)
         if kwargs.get("devices", "auto") in ("auto", -1, "-1") and _on_cpu(accelerator):
             kwargs["devices"] = 1  # Lightning's CPU accelerator counts one device (distrain's: a rank per core)
         super().__init__(**kwargs)
+
+    def _seed_streams(self, stage_start: bool) -> None:
+        """Lightning's: a stage goes on with the script's streams (a spawned rank with those its parent had), except
+        that on several ranks it seeds them again from ``seed_everything``'s seed, as Lightning's distributed
+        strategies do when they set up (``reset_seed``); ranks of a script that never seeded take rank 0's, so
+        that every rank builds the same weights."""
+        if not stage_start:
+            return
+        if self._script_streams is not None:
+            set_rng_state(self._script_streams)
+        if self.world_size > 1 and "PL_GLOBAL_SEED" in os.environ:
+            self.runtime.seed_everything(int(os.environ["PL_GLOBAL_SEED"]))
+        elif self.world_size > 1:
+            set_rng_state(self.runtime.broadcast(rng_state()))
 
     def _train_order(self) -> tuple[bool | None, int]:
         return (True if self.data_parallel_size > 1 else None), int(os.environ.get("PL_GLOBAL_SEED", 0))

@@ -450,20 +450,21 @@ def decide_auto_strategy(trainer, module, loader, datamodule=None) -> None:
     this module and micro-batch in the device's memory (DDP, FSDP, with activation checkpointing or
     offload), and says why (``planner/decide.py``). Any other strategy is left alone."""
     from distrain.module import overrides
+    from distrain.runtime import isolated_rng
 
     rt = trainer.runtime
     if rt.auto_options is None or rt.environment_ready:
         return
-    if loader is None and datamodule is None and not overrides(module, "prepare_data", "setup"):
-        loader = module.train_dataloader()  # the planner reads a batch; this loader needs no set-up first
-    # else (a datamodule, or a module whose loader needs prepare_data/setup, which run in the ranks where they can
-    # wait for each other): the planner gets no loader and keeps DDP, and says so
-
     options = rt.auto_options
     rt.auto_options = None  # plan once
-    strategy, accumulate = for_trainer(
-        rt, module, loader, trainer.loop.accumulate_for(0), trainer.loop.gradient_clip_val, options
-    )
+    with isolated_rng():  # the loader made and read here draws nothing from the script's streams
+        if loader is None and datamodule is None and not overrides(module, "prepare_data", "setup"):
+            loader = module.train_dataloader()  # the planner reads a batch; this loader needs no set-up first
+        # else (a datamodule, or a module whose loader needs prepare_data/setup, which run in the ranks where they
+        # can wait for each other): the planner gets no loader and keeps DDP, and says so
+        strategy, accumulate = for_trainer(
+            rt, module, loader, trainer.loop.accumulate_for(0), trainer.loop.gradient_clip_val, options
+        )
     if strategy is not None:
         rt.use_strategy(strategy)
     if accumulate:  # a layout whose ranks share samples: as many more micro-batches, the same global batch

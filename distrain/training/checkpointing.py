@@ -45,6 +45,9 @@ class TrainProgress:
     dropped_steps: int = 0
     """Steps whose gradients were not applied because a replica group was lost during them (``ddp_torchft``); unlike
     skipped steps they do not count in ``global_step``."""
+    order_seed: int | None = None
+    """The seed this epoch's sample order was drawn with, where torch's generator drew it (``distrain.lightning`` on
+    one rank, as ``RandomSampler``); None where the order comes from the Trainer's seed."""
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,6 +60,9 @@ class TrainProgress:
             if type(value) is not int or value < 0:
                 raise ValueError(f"its progress {name} is {value!r}, not a count")
             setattr(self, name, value)
+        self.order_seed = state.get("order_seed")
+        if self.order_seed is not None and (type(self.order_seed) is not int or not 0 <= self.order_seed < 2**63):
+            raise ValueError(f"its progress order_seed is {self.order_seed!r}, not a seed")
         self.epoch_done = state.get("epoch_done", False)
         if type(self.epoch_done) is not bool:
             raise ValueError(f"its progress epoch_done is {self.epoch_done!r}, not true or false")

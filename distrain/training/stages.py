@@ -9,8 +9,9 @@ import functools
 
 from torch.utils.data import DataLoader
 
-from distrain.datamodule import STAGE_LOADERS, is_datamodule, stage_loader
+from distrain.datamodule import STAGE_LOADERS, is_datamodule, set_up_stage, stage_loader
 from distrain.module import as_module
+from distrain.runtime import isolated_rng
 from distrain.training.arguments import TrainerState
 from distrain.training.assembly import choose_run_dir
 from distrain.training.evaluation import length, limited
@@ -50,8 +51,10 @@ def evaluate(trainer, module, step_name: str, data: tuple, ckpt_path) -> list[di
     stage = "validate" if step_name == "validation_step" else "test"
     dataloaders, datamodule = data
     trainer.state = TrainerState(stage, stage)
-    trainer.runtime.seed_everything(trainer.seed)
-    loader = stage_loader(stage, trainer, module, dataloaders, datamodule)
+    trainer._seed_streams(stage_start=True)
+    set_up_stage(stage, trainer, module, datamodule)
+    trainer._build(module)
+    loader = stage_loader(stage, module, dataloaders, datamodule)
     trainer._attach(module, stage)
     loader = setup_loader(trainer, loader, even=False)
     if ckpt_path is not None:
@@ -73,8 +76,10 @@ def evaluate(trainer, module, step_name: str, data: tuple, ckpt_path) -> list[di
 def predict(trainer, module, data: tuple, ckpt_path) -> list:
     dataloaders, datamodule = data
     trainer.state = TrainerState("predict", "predict")
-    trainer.runtime.seed_everything(trainer.seed)
-    loader = stage_loader("predict", trainer, module, dataloaders, datamodule)
+    trainer._seed_streams(stage_start=True)
+    set_up_stage("predict", trainer, module, datamodule)
+    trainer._build(module)
+    loader = stage_loader("predict", module, dataloaders, datamodule)
     trainer._attach(module, "predict")
     loader = setup_loader(trainer, loader, even=False)
     if ckpt_path is not None:
@@ -99,16 +104,17 @@ def sanity_check(trainer, loader) -> None:
     """Lightning's sanity check: a few validation batches before training (``num_sanity_val_steps``; -1: all),
     so a broken ``validation_step`` fails in seconds; its metrics are dropped."""
     steps = trainer.loop.num_sanity_val_steps
-    trainer.sanity_checking, trainer.state.stage = True, "sanity_check"
-    trainer._call("on_sanity_check_start")
-    try:
-        limit = None if steps == -1 else steps
-        trainer.evaluator.run(
-            trainer.module, trainer.model, "validation_step", loader, limit, publish=lambda metrics: None
-        )
-    finally:
-        trainer.sanity_checking, trainer.state.stage = False, "train"
-    trainer._call("on_sanity_check_end")
+    with isolated_rng():  # as Lightning's: training draws the numbers it would have drawn without a sanity check
+        trainer.sanity_checking, trainer.state.stage = True, "sanity_check"
+        trainer._call("on_sanity_check_start")
+        try:
+            limit = None if steps == -1 else steps
+            trainer.evaluator.run(
+                trainer.module, trainer.model, "validation_step", loader, limit, publish=lambda metrics: None
+            )
+        finally:
+            trainer.sanity_checking, trainer.state.stage = False, "train"
+        trainer._call("on_sanity_check_end")
 
 
 def validate_during_fit(trainer, loader) -> None:
@@ -146,4 +152,5 @@ def setup_loader(
 
     # sharded over the ranks that see different data: a tensor-parallel group or a pipeline shares its batches
     dp_size, dp_rank = trainer.runtime.strategy.data_parallel_size, trainer.runtime.strategy.data_parallel_rank
-    return with_distributed_sampler(loader, dp_size, dp_rank, shuffle_seed, even, batch_size, shuffle)
+    draws = trainer.continues_script_streams
+    return with_distributed_sampler(loader, dp_size, dp_rank, shuffle_seed, even, batch_size, shuffle, draws)

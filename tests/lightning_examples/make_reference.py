@@ -11,7 +11,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 UPSTREAM = HERE / "upstream"  # the verbatim copies (ruff leaves them as they are: pyproject.toml)
 #: the scripts run: Lightning's own (upstream/), and ones written as its users write them (written/)
-EXAMPLES = ["upstream/bug_report_model.py", "written/boring_report.py"]
+EXAMPLES = [
+    "upstream/bug_report_model.py",
+    "written/boring_report.py",
+    "written/random_streams.py",
+    "written/unseeded_datamodule.py",
+]
 
 
 def example_env(script: Path, out: str, devices: int) -> dict:
