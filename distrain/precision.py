@@ -18,15 +18,32 @@ COMPUTE_DTYPES = {
 }
 #: the precisions that run under autocast in their compute dtype
 AUTOCAST = ("16-mixed", "bf16-mixed", "fp8")
+#: the precisions whose weights, inputs and new tensors are all of one dtype (Lightning's "true" precisions)
+TRUE_DTYPES = {"bf16-true": torch.bfloat16, "64-true": torch.float64}
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """``dtype`` as torch's default floating-point dtype inside the block."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def compute_dtype(name: str) -> torch.dtype:
-    """The dtype precision ``name`` computes in (``COMPUTE_DTYPES``)."""
-    return COMPUTE_DTYPES.get(name, torch.float32)
+    """The dtype precision ``name`` computes in (``COMPUTE_DTYPES``, ``TRUE_DTYPES``)."""
+    return COMPUTE_DTYPES.get(name) or TRUE_DTYPES.get(name, torch.float32)
 
 
 class Precision:
-    """``32-true`` | ``16-mixed`` | ``bf16-mixed`` | ``bf16-true`` | ``fp8``.
+    """``32-true`` | ``16-mixed`` | ``bf16-mixed`` | ``bf16-true`` | ``64-true`` | ``fp8``.
+
+    The "true" precisions (``bf16-true``, ``64-true``) hold the weights in their dtype, build ``configure_model``'s
+    layers and the forward's new tensors in it, and convert each batch's floating-point tensors to it, as
+    Lightning's do.
 
     ``fp8``: torchao's float8 training (the torchtitan choice): the model's linear layers compute
     their matmuls in float8 with dynamic per-tensor scales, everything else runs under bf16
@@ -60,16 +77,24 @@ class Precision:
         weights), None (as stored) otherwise."""
         return self.compute_dtype if self.name in AUTOCAST else None
 
+    @property
+    def true_dtype(self) -> torch.dtype | None:
+        """The one dtype of a "true" precision (``TRUE_DTYPES``); None for the others."""
+        return TRUE_DTYPES.get(self.name)
+
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.name == "fp8":
             convert_to_float8(module, fsdp_float8_all_gather=self.float8_all_gather)
             self._float8_module = module
             return module
-        return module.to(torch.bfloat16) if self.name == "bf16-true" else module
+        return module.to(self.true_dtype) if self.true_dtype is not None else module
 
     def autocast(self):
+        """Around each forward: autocast for the mixed precisions; a "true" one's dtype as torch's default."""
         if self.name in AUTOCAST:
             return torch.autocast(self.device_type, dtype=self.compute_dtype)
+        if self.true_dtype is not None:
+            return default_dtype(self.true_dtype)
         return contextlib.nullcontext()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

@@ -98,6 +98,20 @@ RECORDED = [
 ]  # fmt: skip
 
 
+class DoubleRegressor(LitRegressor):
+    """Keeps its own loss of each step, with the batch's dtype checked: float64 in 64-true."""
+
+    def __init__(self, batch_size: int):
+        super().__init__(batch_size=batch_size)
+        self.own_losses = []
+
+    def training_step(self, batch, batch_idx):
+        assert batch[0].dtype == torch.float64 and torch.zeros(1).dtype == torch.float64
+        out = super().training_step(batch, batch_idx)
+        self.own_losses.append(out["loss"].item())
+        return out
+
+
 class HookRecorder(LitRegressor):
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -594,6 +608,11 @@ def _cases(rank, tmp, batch):
     L.seed_everything(0)
     _, rec = _fit(tmp / "fsdp", LitRegressor(batch_size=batch), "fsdp", 2, max_epochs=2)
     out["fsdp"] = rec.losses
+    # in double precision: float64 weights and batches
+    L.seed_everything(0)
+    module = DoubleRegressor(batch_size=batch)
+    _fit(tmp / "fsdp64", module, "fsdp", 2, max_epochs=1, precision="64-true")
+    out["fsdp64"] = (module.own_losses, sorted({str(p.dtype) for p in module.parameters()}))
     # on_save_checkpoint / on_load_checkpoint across a resume; hparams back through load_from_checkpoint
     L.seed_everything(0)
     trainer, _ = _fit(
@@ -732,6 +751,19 @@ def test_loss_dicts_step_schedulers_and_parity_with_one_process(two_ranks, tmp_p
         [metrics["train_loss"], metrics["val_loss"]],
     )
     _close(single.losses, two_ranks[0]["fsdp"])  # FSDP too
+
+
+def test_double_precision_under_fsdp_matches_one_process_in_float64(two_ranks, tmp_path):
+    """``precision="64-true"`` (Lightning's, also spelled 64): float64 weights, batches and losses, FSDP on 2 ranks
+    as one process to float64's rounding, far below float32's."""
+    (first, dtypes), (second, _) = two_ranks[0]["fsdp64"], two_ranks[1]["fsdp64"]
+    assert dtypes == ["torch.float64"]
+    L.seed_everything(0)
+    module = DoubleRegressor(batch_size=8)
+    _fit(tmp_path, module, "single", 1, max_epochs=1, precision=64)
+    assert module.net[0].weight.dtype == torch.float64 and len(module.own_losses) == len(first) == 4
+    mean_of_ranks = [(a + b) / 2 for a, b in zip(first, second)]  # each rank's loss: the mean over its half
+    assert max(abs(a - b) for a, b in zip(module.own_losses, mean_of_ranks)) < 1e-12, (module.own_losses, first)
 
 
 def test_own_batch_sampler_a_step_without_batch_idx_and_a_skipped_epoch_rest(two_ranks, tmp_path):

@@ -278,7 +278,7 @@ def _on_meta():
     """Build on the meta device without running the initializers: they write no values there, and on meta tensors
     ``normal_`` and the like go through torch's reference implementations, whose first use imports torch._dynamo
     (0.85 s, paid by every ``Trainer(strategy="auto")`` start whose plan was kept)."""
-    return layers.device_init_context(torch.device("meta"), bf16_true=False, empty_init=True)
+    return layers.device_init_context(torch.device("meta"), dtype=None, empty_init=True)
 
 
 # ---- parameters ----------------------------------------------------------------------------------------

@@ -283,9 +283,9 @@ class Strategy:
 
     # ---- the model ------------------------------------------------------------------------------
     def module_init_context(self, empty_init: bool | None = None):
-        """Where ``configure_model`` runs: directly on the device (and in bf16 for bf16-true).
+        """Where ``configure_model`` runs: directly on the device (and in a "true" precision's dtype).
         ``empty_init=True`` skips the initializers: for weights about to be loaded anyway."""
-        return device_init_context(self.root_device, self.precision.name == "bf16-true", empty_init)
+        return device_init_context(self.root_device, self.precision.true_dtype, empty_init)
 
     def setup(
         self,

@@ -122,6 +122,11 @@ class DeepSpeedStrategy(Strategy):
 
     def connect(self, accelerator, precision, cluster, nprocs: int, num_nodes: int):
         super().connect(accelerator, precision, cluster, nprocs, num_nodes)
+        if precision.name == "64-true":  # as Lightning's DeepSpeed strategy refuses it
+            raise ValueError(
+                "precision='64-true' under DeepSpeed: its engine trains in fp32, fp16 or bf16, not float64; use "
+                "strategy='ddp' or 'fsdp' for 64-true"
+            )
         _check_nvme_offload(self.config, self.config_source)  # on the machine that runs it, not one that plans it
 
     @property

@@ -13,6 +13,7 @@ from torch import nn
 
 from distrain import compat
 from distrain.config import Refusal
+from distrain.precision import default_dtype
 
 
 def wrap(module: nn.Module) -> nn.Module:
@@ -201,13 +202,13 @@ def _networks(module: nn.Module) -> list[nn.Module]:
     return [child for child in module.children() if any(True for _ in child.parameters())]
 
 
-def device_init_context(device: torch.device, bf16_true: bool, empty_init: bool | None):
-    """Build directly on ``device`` (and in bf16 for bf16-true); ``empty_init=True`` skips the
+def device_init_context(device: torch.device, dtype: torch.dtype | None, empty_init: bool | None):
+    """Build directly on ``device`` (and in ``dtype``: a "true" precision's); ``empty_init=True`` skips the
     initializers, for weights about to be loaded anyway."""
     stack = contextlib.ExitStack()
     stack.enter_context(device)
-    if bf16_true:
-        stack.enter_context(default_dtype(torch.bfloat16))
+    if dtype is not None:
+        stack.enter_context(default_dtype(dtype))
     if empty_init:
         stack.enter_context(SkipInit())
     return stack
@@ -220,13 +221,3 @@ class SkipInit(torch.overrides.TorchFunctionMode):
         if getattr(func, "__module__", None) == "torch.nn.init":
             return args[0] if args else kwargs.get("tensor")
         return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)

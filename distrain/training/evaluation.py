@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from distrain.data import batch_size_of, move_to_device
+from distrain.data import batch_size_of
 from distrain.module import run_step
 from distrain.training.metrics import MetricsLogger
 
@@ -58,7 +58,7 @@ class Evaluator:
             for batch_idx, batch, padding in self._lockstep(loader, limit, collective):
                 collector.muted = padding
                 collector.current_batch_size = batch_size_of(batch)
-                batch = move_to_device(batch, rt.device)
+                batch = rt.to_device(batch)
                 if not padding:
                     self._hook(module, step_name, "batch_start", batch, batch_idx)
                 with rt.autocast():
@@ -86,7 +86,7 @@ class Evaluator:
         self._hook(module, "predict_step", "epoch_start")
         with torch.no_grad(), self.runtime.autocast():
             for batch_idx, batch, padding in self._lockstep(loader, limit, collective):
-                batch = move_to_device(batch, self.runtime.device)
+                batch = self.runtime.to_device(batch)
                 if not padding:
                     self._hook(module, "predict_step", "batch_start", batch, batch_idx)
                 output = step(batch, batch_idx)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from distrain.data import batch_size_of, move_to_device, tokens_in_batch
+from distrain.data import batch_size_of, tokens_in_batch
 from distrain.module import loss_of, run_step
 from distrain.training.metrics import StepResult
 from distrain.training.optimizers import LoopOptimizer, sync_gradients
@@ -48,7 +48,7 @@ def manual_step(trainer, micro_batches: list[tuple[int, Any]]) -> Any:
     rt = trainer.runtime
     ((batch_idx, batch),) = micro_batches  # accumulate_grad_batches is 1 (checked when fit starts)
     rt.mark_phase(trainer.global_step + 1, "manual training_step")
-    batch = move_to_device(batch, rt.device)
+    batch = rt.to_device(batch)
     trainer.metrics.collector.current_batch_size = batch_size_of(batch)
     if trainer._skips_rest_of_epoch(batch_idx, batch):
         return StepOutcome.SKIP_REST_OF_EPOCH

@@ -131,9 +131,11 @@ _READS_THE_CLUSTER = (
 )
 _NO_ENVIRONMENT = _NO_PLUGINS.format("environments", "{0}", "{0}", _READS_THE_CLUSTER)
 _NO_PRECISION_PLUGIN = _NO_PLUGINS.format(
-    "precision", "{0}", "{0}", "a precision is Trainer(precision=...): 32-true, 16-mixed, bf16-mixed, bf16-true, fp8"
+    "precision",
+    "{0}",
+    "{0}",
+    "a precision is Trainer(precision=...): 32-true, 16-mixed, bf16-mixed, bf16-true, 64-true, fp8",
 )
-_DOUBLE = "ValueError: precision={} is not run by distrain: double precision; distrain trains in '32-true' at most"
 
 SNIPPETS: list[Snippet] = [
     # ---- accelerators/gpu_basic.rst -----------------------------------------------------------------------------
@@ -990,7 +992,6 @@ trainer = L.Trainer(
             78,
             f"64-{kind}",
             _T + f"Trainer(precision={value})\n",
-            xfail=_DOUBLE.format(value.replace('"', "'") + ("" if kind == "true" else " (64-true)")),
             note=_ADDED_T,
         )
         for kind, value in (("true", '"64-true"'), ("str", '"64"'), ("int", "64"))
@@ -1000,7 +1001,6 @@ trainer = L.Trainer(
         96,
         "64-init-module",
         _T + 'trainer = Trainer(precision="64-true")\n',
-        xfail=_DOUBLE.format("'64-true'"),
         note=_ADDED_T,
     ),
     # ---- common/precision_expert.rst ----------------------------------------------------------------------------
