@@ -19,11 +19,13 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from distrain import run_dir
 from distrain.batch import BatchLayout, resumed_micro_batch
 from distrain.callbacks import Callback
 from distrain.data import (
@@ -274,7 +276,7 @@ class Trainer(TrainerViews):
         train_loader, val_loader, datamodule = data
         self.state = TrainerState("fit", "train")
         self._seed_streams(stage_start=True)  # setup(stage) may build layers: alike on every rank
-        checkpoint = self.checkpoints.resolve(ckpt_path) if ckpt_path is not None else None
+        checkpoint = self._checkpoint_at(ckpt_path) if ckpt_path is not None else None
         saved = self.checkpoints.read_before_loaders(checkpoint)  # the datamodule's state, the global batch
         set_up_stage("fit", self, module, datamodule, saved.get("datamodule"))
         self._build(module)
@@ -681,6 +683,15 @@ class Trainer(TrainerViews):
         """Every rank's random streams seeded from ``seed`` before a stage sets up anything, and again before the
         model is built (``stage_start=False``): every rank builds the same weights."""
         self.runtime.seed_everything(self.seed)
+
+    def _checkpoint_at(self, ckpt_path) -> Path | None:
+        """The checkpoint a stage starts from, fit to resume and the others to evaluate (``checkpoints.resolve``)."""
+        return self.checkpoints.resolve(ckpt_path)
+
+    def _run_folder(self, ckpt_path) -> str:
+        """The folder the run writes in (``trainer.log_dir``): ``default_root_dir``, or the next ``version_N`` in it
+        where it holds an earlier run; a resume goes on in the run it resumes (``run_dir.choose``)."""
+        return run_dir.choose(self.default_root_dir, ckpt_path)
 
     def _train_order(self) -> tuple[bool | None, int]:
         """Whether the training data is shuffled (None: as its loader says) and the seed of its order."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -355,8 +356,11 @@ def test_stage_methods_say_what_they_lack(tmp_path):
 def test_trainer_logger_is_tensorboard_with_its_writer_and_the_graph_when_asked(tmp_path, monkeypatch):
     from torch.utils.tensorboard import SummaryWriter
 
-    trainer, _ = make_trainer(tmp_path, devices=1, max_steps=2, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        default_root_dir=str(tmp_path), accelerator="cpu", devices=1, max_steps=2, enable_checkpointing=False
+    )
     assert isinstance(trainer.logger, pl.loggers.TensorBoardLogger) and trainer.logger is trainer.loggers[0]
+    assert Path(trainer.logger.log_dir) == tmp_path / "lightning_logs" / "version_0"  # Lightning's default
     trainer.logger._log_graph = True  # as Lightning's tutorials set it
     module = Regressor()
     module.example_input_array = torch.zeros(2, 4)
@@ -371,6 +375,49 @@ def test_trainer_logger_is_tensorboard_with_its_writer_and_the_graph_when_asked(
     assert isinstance(trainer.logger.experiment, pl.loggers.DummyExperiment)
     trainer.logger.experiment.add_image("x", torch.zeros(3, 2, 2), 0)
     assert pl.utilities.rank_zero_only(lambda: 1)() is None
+
+
+@pytest.mark.parametrize(
+    "logger, folder",
+    [
+        (True, "lightning_logs/version_{}"),
+        (lambda: pl.loggers.CSVLogger("logs/"), "logs/lightning_logs/version_{}"),
+        (lambda: pl.loggers.TensorBoardLogger("tb_logs", name="my_model"), "tb_logs/my_model/version_{}"),
+        (False, "."),
+    ],
+    ids=["default", "csv", "tensorboard", "none"],
+)
+def test_a_run_writes_and_checkpoints_in_lightnings_folders_and_last_resumes_the_newest_run(
+    tmp_path, monkeypatch, logger, folder
+):
+    """Lightning's paths, relative to the working directory (``default_root_dir``'s default): the run's folder is its
+    first logger's (``lightning_logs/version_N`` for the default), its checkpoints in ``checkpoints`` there, so
+    ``lightning_logs/version_0/checkpoints/...`` loads; each Trainer is a new version, and ``ckpt_path="last"``
+    resumes the newest earlier run's last checkpoint (Lightning would start over)."""
+    monkeypatch.chdir(tmp_path)
+
+    def fit(steps, ckpt_path=None):
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            enable_progress_bar=False,
+            logger=logger() if callable(logger) else logger,
+            callbacks=[pl.callbacks.ModelCheckpoint(save_last=True)],
+        )
+        trainer.fit(Regressor(), _loader(), ckpt_path=ckpt_path)
+        return trainer
+
+    first = fit(3)
+    assert Path(first.log_dir).resolve() == (tmp_path / folder.format(0)).resolve()
+    saved = Path(first.checkpoint_callback.best_model_path)
+    assert saved.resolve() == (tmp_path / folder.format(0) / "checkpoints" / "epoch=0-step=3").resolve()
+    loaded = Regressor.load_from_checkpoint(f"{folder.format(0)}/checkpoints/epoch=0-step=3.ckpt")
+    torch.testing.assert_close(loaded.net.weight, first.lightning_module.net.weight, rtol=0, atol=0)
+    again = fit(5, ckpt_path="last")
+    assert again.global_step == 5
+    if folder != ".":
+        assert Path(again.log_dir).resolve() == (tmp_path / folder.format(1)).resolve()
 
 
 class _SavingRegressor(Regressor):
@@ -551,10 +598,10 @@ def test_lightning_cli_parses_the_command_line_runs_the_subcommand_and_keeps_its
     root = f"--trainer.default_root_dir={tmp_path / 'run'}"
     cli = LightningCLI(Regressor, CLIData, args=["fit", *common, root, "--model.lr=0.2", "--trainer.max_steps=3"])
     assert cli.subcommand == "fit" and cli.model.lr == 0.2 and cli.trainer.global_step == 3
-    saved = (tmp_path / "run" / "config.yaml").read_text()
+    saved = (tmp_path / "run" / "lightning_logs" / "version_0" / "config.yaml").read_text()  # Lightning's place
     assert "lr: 0.2" in saved and "max_steps: 3" in saved and "seed_everything: " in saved
     # the saved config runs again, and a stage from it evaluates the run's last checkpoint
-    config = str(tmp_path / "run" / "config.yaml")
+    config = str(tmp_path / "run" / "lightning_logs" / "version_0" / "config.yaml")
     tested = LightningCLI(Regressor, CLIData, args=["test", "--config", config, "--ckpt_path", "last"])
     assert tested.model.lr == 0.2 and tested.trainer.callback_metrics["test_loss"] >= 0
     with pytest.raises(SystemExit):

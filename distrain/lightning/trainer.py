@@ -5,8 +5,10 @@ from __future__ import annotations
 import ast
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from distrain.checkpoint.remote import is_url
 from distrain.runtime import rng_state, set_rng_state
 from distrain.trainer import Trainer as _Trainer
 
@@ -46,6 +48,9 @@ class Trainer(_Trainer):
         kwargs = {"num_sanity_val_steps": 2, **env_defaults(), **kwargs}  # Lightning's default sanity check
         precision, accelerator = kwargs.get("precision", "32-true"), kwargs.get("accelerator", "auto")
         kwargs["precision"] = _lightning_precision(precision, accelerator)
+        kwargs["default_root_dir"] = kwargs.get("default_root_dir") or os.getcwd()  # Lightning's: where it runs
+        if kwargs.get("logger", True) is True and not is_url(str(kwargs["default_root_dir"])):
+            kwargs["logger"] = _default_loggers(str(kwargs["default_root_dir"]))
         if kwargs.get("devices", "auto") in ("auto", -1, "-1") and _on_cpu(accelerator):
             kwargs["devices"] = 1  # Lightning's CPU accelerator counts one device (distrain's: a rank per core)
         super().__init__(**kwargs)
@@ -64,8 +69,64 @@ class Trainer(_Trainer):
         elif self.world_size > 1:
             set_rng_state(self.runtime.broadcast(rng_state()))
 
+    def _checkpoint_at(self, ckpt_path):
+        """``ckpt_path="last"`` where this run (a new version, as in Lightning) has none yet: the newest earlier
+        version's ``last``, said on the console (Lightning would warn and go on without one); with none, Lightning's
+        warning, and the stage goes on from the weights as they are."""
+        import warnings
+
+        if ckpt_path != "last" or self.remote_root is not None:
+            return super()._checkpoint_at(ckpt_path)
+        try:
+            return super()._checkpoint_at(ckpt_path)
+        except FileNotFoundError:
+            pass
+        here = Path(self.log_dir)
+        earlier = sorted(
+            (p for p in here.parent.glob("version_*") if p != here and (p / "checkpoints" / "last").exists()),
+            key=lambda p: int(p.name.split("_", 1)[1]) if p.name.split("_", 1)[1].isdigit() else -1,
+        )
+        if earlier:
+            found = earlier[-1] / "checkpoints" / "last"
+            if self.is_global_zero:
+                print(f"distrain: ckpt_path='last': resuming {found}, the newest earlier run's", flush=True)
+            return super()._checkpoint_at(str(found))
+        if self.is_global_zero:
+            warnings.warn(
+                'ckpt_path="last": there is no last checkpoint yet, so none is loaded (as in Lightning); save one '
+                "with ModelCheckpoint(save_last=True)",
+                stacklevel=4,
+            )
+        return None
+
+    def _run_folder(self, ckpt_path) -> str:
+        """Lightning's: the first logger's folder (the ``log_dir`` of TensorBoard's and the CSV logger, another's
+        ``save_dir``; the default logger's is ``lightning_logs/version_N``), or ``default_root_dir`` with none. The
+        checkpoints go in its ``checkpoints`` folder, as Lightning's, and a run resumed from a checkpoint is a new
+        version, as in Lightning."""
+        from distrain.loggers import CSVLogger, TensorBoardLogger
+
+        loggers = self.metrics.loggers
+        if self.remote_root is not None:
+            return super()._run_folder(ckpt_path)
+        if not loggers:
+            return self.default_root_dir
+        first = loggers[0]
+        folder = first.log_dir if isinstance(first, (TensorBoardLogger, CSVLogger)) else first.save_dir
+        return str(folder or self.default_root_dir)
+
     def _train_order(self) -> tuple[bool | None, int]:
         return (True if self.data_parallel_size > 1 else None), int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def _default_loggers(root: str) -> list:
+    """``logger=True``: Lightning's default, TensorBoard in ``root/lightning_logs/version_N``, with distrain's
+    ``metrics.jsonl`` beside its event files."""
+    from distrain.lightning.loggers import TensorBoardLogger
+    from distrain.loggers import JSONLLogger
+
+    tensorboard = TensorBoardLogger(root)
+    return [tensorboard, JSONLLogger(tensorboard.log_dir)]
 
 
 def _on_cpu(accelerator: Any) -> bool:

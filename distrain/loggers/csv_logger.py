@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import csv
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from distrain.config import redacted
-from distrain.loggers.base import Logger, yaml_plain
+from distrain.loggers.base import Logger, next_version, yaml_plain
 
 
 class CSVLogger(Logger):
@@ -37,7 +36,7 @@ class CSVLogger(Logger):
         self.save_dir, self.name, self.prefix = os.fspath(save_dir), name or "", prefix
         self.flush_logs_every_n_steps = flush_logs_every_n_steps
         root = Path(self.save_dir) / self.name
-        self.version = _next_version(root) if version is None else version
+        self.version = next_version(root) if version is None else version
         self.log_dir = str(root / (self.version if isinstance(self.version, str) else f"version_{self.version}"))
         self.metrics_file = Path(self.log_dir) / "metrics.csv"
         self._rows: list[dict[str, Any]] = []  # logged, not yet written
@@ -88,13 +87,6 @@ class CSVLogger(Logger):
 
     def __getstate__(self):
         return {**self.__dict__, "_rows": []}  # a copy sent to a rank writes nothing twice
-
-
-def _next_version(root: Path) -> int:
-    versions = [
-        int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name)) and p.is_dir()
-    ]
-    return max(versions, default=-1) + 1
 
 
 def _cell(value: Any) -> Any:

@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from distrain import run_dir
 from distrain.checkpoint.remote import RemoteDir, is_url
 from distrain.cluster import replica_run_dir
 from distrain.run_dir import DEFAULT as DEFAULT_ROOT_DIR
@@ -100,7 +99,7 @@ def choose_run_dir(trainer, ckpt_path) -> None:
     if trainer._run_dir_chosen:
         return
     trainer._run_dir_chosen = True
-    path = run_dir.choose(trainer.default_root_dir, ckpt_path)
+    path = trainer._run_folder(ckpt_path)
     if path != trainer.log_dir:
         trainer.log_dir = path
         point_runtime_at_run_dir(trainer)

@@ -57,8 +57,9 @@ def evaluate(trainer, module, step_name: str, data: tuple, ckpt_path) -> list[di
     loader = stage_loader(stage, module, dataloaders, datamodule)
     trainer._attach(module, stage)
     loader = setup_loader(trainer, loader, even=False)
-    if ckpt_path is not None:
-        trainer.checkpoints.restore(trainer.checkpoints.resolve(ckpt_path), weights_only=True)
+    checkpoint = trainer._checkpoint_at(ckpt_path) if ckpt_path is not None else None
+    if checkpoint is not None:
+        trainer.checkpoints.restore(checkpoint, weights_only=True)
     try:
         with trainer.runtime.diagnosing_hangs():
             publish = lambda metrics: trainer.metrics.publish(  # noqa: E731
@@ -82,8 +83,9 @@ def predict(trainer, module, data: tuple, ckpt_path) -> list:
     loader = stage_loader("predict", module, dataloaders, datamodule)
     trainer._attach(module, "predict")
     loader = setup_loader(trainer, loader, even=False)
-    if ckpt_path is not None:
-        trainer.checkpoints.restore(trainer.checkpoints.resolve(ckpt_path), weights_only=True)
+    checkpoint = trainer._checkpoint_at(ckpt_path) if ckpt_path is not None else None
+    if checkpoint is not None:
+        trainer.checkpoints.restore(checkpoint, weights_only=True)
     try:
         with trainer.runtime.diagnosing_hangs():
             limit = limited(length(loader), trainer.loop.limit_predict_batches, "limit_predict_batches")

@@ -23,6 +23,7 @@ class TrainerViews:
         doc="How many ranks see different data: the data is sharded over them.",
     )
     strategy = property(lambda self: self.runtime.strategy, doc="The run's ``Strategy``.")
+    lightning_module = property(lambda self: self.module, doc="The module being trained (Lightning's name).")
     global_step = property(
         lambda self: self.progress.global_step, doc="The optimizer steps taken so far (a resumed run's included)."
     )
