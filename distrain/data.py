@@ -226,15 +226,18 @@ def seed_workers(loader: DataLoader, epoch: int) -> None:
         loader.generator.manual_seed((seed * 1_000_003 + rank * 7_919 + epoch * 104_729) % 2**63)
 
 
-def move_to_device(batch: Any, device: torch.device) -> Any:
+def move_to_device(batch: Any, device: torch.device, floating: torch.dtype | None = None) -> Any:
+    """``batch``'s tensors (in any nesting of dicts, lists, tuples and namedtuples) on ``device``; ``floating``: its
+    floating-point tensors also in that dtype (a "true" precision's, as Lightning converts a batch)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        dtype = floating if floating is not None and batch.is_floating_point() else None
+        return batch.to(device, dtype, non_blocking=True)
     if isinstance(batch, dict):
-        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})
+        return type(batch)({k: move_to_device(v, device, floating) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(move_to_device(v, device) for v in batch))
+        return type(batch)(*(move_to_device(v, device, floating) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(v, device) for v in batch)
+        return type(batch)(move_to_device(v, device, floating) for v in batch)
     if hasattr(batch, "to"):  # e.g. transformers' BatchEncoding
         return batch.to(device)
     return batch

@@ -236,8 +236,9 @@ class Runtime:
         return out[0] if len(out) == 1 else out
 
     def to_device(self, batch: Any) -> Any:
-        """``batch`` (tensors in any nesting of lists, tuples and dicts) on this rank's device."""
-        return move_to_device(batch, self.device)
+        """``batch`` (tensors in any nesting of lists, tuples and dicts) on this rank's device, its floating-point
+        tensors in the precision's dtype where it is a "true" one (``bf16-true``, ``64-true``), as Lightning's."""
+        return move_to_device(batch, self.device, self.precision.true_dtype)
 
     def autocast(self):
         """The precision's autocast context for the forward (a no-op in 32-true)."""

@@ -32,7 +32,6 @@ from distrain.data import (
     batch_size_of,
     distributed_sampler,
     micro_batch_size,
-    move_to_device,
     seed_workers,
     tokens_in_batch,
 )
@@ -68,9 +67,9 @@ class Trainer(TrainerViews):
     every GPU, or the CPU cores), ``num_nodes``, ``strategy`` (``auto``: the memory planner picks the fastest that
     fits; ``ddp``, ``ddp_spawn``, ``fsdp``, ``deepspeed_stage_1``..``_3_offload``, ``model_parallel``,
     ``pipeline``, ``ddp_torchft``, or a ``Strategy``), ``precision`` (``32-true``, ``16-mixed``, ``bf16-mixed``,
-    ``bf16-true``, ``fp8``); any other keyword goes to the strategy (``sharding_strategy=``, ``cpu_offload=``,
-    ``replica_groups=`` ...), and one no strategy takes is refused in one line. ``deterministic``, ``benchmark``,
-    ``detect_anomaly``: torch's flags, set in every rank.
+    ``bf16-true``, ``64-true``, ``fp8``); any other keyword goes to the strategy (``sharding_strategy=``,
+    ``cpu_offload=``, ``replica_groups=`` ...), and one no strategy takes is refused in one line. ``deterministic``,
+    ``benchmark``, ``detect_anomaly``: torch's flags, set in every rank.
 
     How long and how each step is made: ``max_epochs``, ``max_steps`` (-1: no limit), ``min_epochs``/``min_steps``
     (a stop a callback asks for waits for them), ``max_time`` (``"DD:HH:MM:SS"``, a timedelta or a dict),
@@ -426,7 +425,7 @@ class Trainer(TrainerViews):
         batches = [batch for _, batch in micro_batches]
         self.module.on_train_step_start(batches, len(batches))
         self._call("on_train_step_start", batches)
-        micro_batches = [(batch_idx, move_to_device(batch, rt.device)) for batch_idx, batch in micro_batches]
+        micro_batches = [(batch_idx, rt.to_device(batch)) for batch_idx, batch in micro_batches]
         collector = self.metrics.collector
         indices = iter([batch_idx for batch_idx, _ in micro_batches])
         self._first_micro_batch = True

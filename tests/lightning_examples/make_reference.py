@@ -16,6 +16,7 @@ EXAMPLES = [
     "written/boring_report.py",
     "written/random_streams.py",
     "written/unseeded_datamodule.py",
+    "written/double_precision.py",
 ]
 
 
