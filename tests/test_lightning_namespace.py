@@ -62,7 +62,7 @@ def test_the_import_edit_is_mechanical_and_leaves_other_words_alone():
         "logs = 'lightning_logs'  # lightning_fabric stays\n"
     )
     assert pl.migrate(source) == (
-        "import distrain as L\nimport distrain.lightning as pl\nimport distrain.lightning\n"
+        "import distrain.lightning as L\nimport distrain.lightning as pl\nimport distrain.lightning\n"
         "from distrain.lightning.callbacks import ModelCheckpoint\nfrom distrain.lightning.loggers import CSVLogger\n"
         "logs = 'lightning_logs'  # lightning_fabric stays\n"
     )
@@ -80,7 +80,7 @@ def test_the_import_edit_is_mechanical_and_leaves_other_words_alone():
     ).replace("'lightning.pytorch.callbacks", "'distrain.lightning.callbacks").replace(
         'r"pytorch_lightning"', 'r"distrain.lightning"'
     )
-    assert pl.migrate("import lightning as L\nif (:\n") == "import distrain as L\nif (:\n"
+    assert pl.migrate("import lightning as L\nif (:\n") == "import distrain.lightning as L\nif (:\n"
 
 
 @pytest.mark.parametrize(

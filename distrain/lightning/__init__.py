@@ -1,13 +1,15 @@
 """Lightning's module paths over distrain, so that a Lightning 2.x script moves by one mechanical edit of its
-imports (``migrate``): ``lightning.pytorch`` and ``pytorch_lightning`` → ``distrain.lightning``, ``lightning`` →
-``distrain``. Only names live here: each is distrain's own class or a small adapter over it, and the training loop
-(``distrain/trainer.py``) knows nothing of this package. A Lightning name distrain has no counterpart for is refused
-on import, in one line that says so (``_refuse.py``)."""
+imports (``migrate``): ``lightning``, ``lightning.pytorch`` and ``pytorch_lightning`` → ``distrain.lightning``, whose
+top level also holds the names of Lightning's (``L.Trainer``, ``L.LightningModule``, ``L.pytorch``...). Only names
+live here: each is distrain's own class or a small adapter over it, and the training loop (``distrain/trainer.py``)
+knows nothing of this package. A Lightning name distrain has no counterpart for is refused on import, in one line
+that says so (``_refuse.py``)."""
 
 from __future__ import annotations
 
 import io
 import re
+import sys
 import tokenize
 
 from distrain.callbacks import Callback
@@ -25,10 +27,14 @@ __all__ = [
     "cli_lightning_logo",
     "loggers",
     "migrate",
+    "pytorch",
     "seed_everything",
     "strategies",
     "utilities",
 ]
+
+#: ``import lightning as L`` then ``L.pytorch.callbacks``: Lightning's top level and ``lightning.pytorch`` are one here
+pytorch = sys.modules[__name__]
 
 # the module names a Lightning script imports, longest first: ``lightning`` alone is the package's top level
 _LIGHTNING_MODULES = re.compile(r"\b(pytorch_lightning|lightning\.pytorch|lightning)\b(?![_\w])")
@@ -38,15 +44,14 @@ _MODULE_PATH = re.compile(r"(pytorch_lightning|lightning)(\.[A-Za-z_]\w*)*")
 
 def migrate(source: str) -> str:
     """A Lightning script's source with its imports switched to distrain (the one edit a migration takes):
-    ``lightning.pytorch`` and ``pytorch_lightning`` → ``distrain.lightning``, ``lightning`` → ``distrain``. Only the
+    ``lightning``, ``lightning.pytorch`` and ``pytorch_lightning`` → ``distrain.lightning``. Only the
     code is edited: comments and text stay as written (a link to lightning.ai, ``"lightning_logs"``), but for a
     string that is itself a module path (``"lightning.pytorch.callbacks.ModelCheckpoint"``, a LightningCLI
     ``class_path``). Source Python cannot read is edited word by word."""
-    switch = lambda m: "distrain" if m.group(1) == "lightning" else "distrain.lightning"  # noqa: E731
     try:
         tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     except (tokenize.TokenError, SyntaxError):
-        return _LIGHTNING_MODULES.sub(switch, source)
+        return _LIGHTNING_MODULES.sub("distrain.lightning", source)
     starts = [0]
     for line in io.StringIO(source):  # the lines as tokenize reads them (splitlines also cuts at \f, \x1c, ...)
         starts.append(starts[-1] + len(line))
@@ -55,15 +60,15 @@ def migrate(source: str) -> str:
     for i, token in enumerate(tokens):
         after_dot = i > 0 and tokens[i - 1].string == "."  # an attribute of that name (``x.lightning``) stays
         if token.type == tokenize.NAME and token.string in ("lightning", "pytorch_lightning") and not after_dot:
-            end, text = token.end, "distrain" if token.string == "lightning" else "distrain.lightning"
+            end = token.end
             if token.string == "lightning" and [t.string for t in tokens[i + 1 : i + 3]] == [".", "pytorch"]:
-                end, text = tokens[i + 2].end, "distrain.lightning"
-            edits.append((offset(token.start), offset(end), text))
+                end = tokens[i + 2].end  # lightning.pytorch as one
+            edits.append((offset(token.start), offset(end), "distrain.lightning"))
         elif token.type == tokenize.STRING:
             quote = token.string.lstrip("rRbBuUfF")[:1]
             text = token.string[token.string.index(quote) :].strip(quote)
             if _MODULE_PATH.fullmatch(text):
-                switched = token.string.replace(text, _LIGHTNING_MODULES.sub(switch, text))
+                switched = token.string.replace(text, _LIGHTNING_MODULES.sub("distrain.lightning", text))
                 edits.append((offset(token.start), offset(token.end), switched))
     for start, end, text in reversed(edits):
         source = source[:start] + text + source[end:]

@@ -626,9 +626,6 @@ trainer = L.Trainer(strategy=strategy)
         "manual-wrap",
         'import lightning as L\n\ntrainer = L.Trainer(accelerator="cuda", devices=4, strategy="fsdp", precision=16)\n',
         _cuda(4),
-        expect=f"refused: {_FP16_MIXED}",
-        because="fp16: precision=16 (16-mixed) with FSDP; `import distrain as L` makes L.Trainer distrain's own, "
-        "which refuses fp16 on a CPU where distrain.lightning.Trainer trains in bf16-mixed as Lightning does",
     ),
     # ---- advanced/model_parallel/tp.rst -------------------------------------------------------------------------
     Snippet(
@@ -1103,7 +1100,7 @@ recipe = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "
 precision = TransformerEnginePrecision(weights_dtype=torch.bfloat16, recipe=recipe)
 trainer = Trainer(plugins=precision)
 """,
-        expect="refused: ^ModuleNotFoundError: No module named 'distrain.trainer.plugins'",
+        expect="refused: ^ModuleNotFoundError: No module named 'distrain.lightning.trainer.plugins'",
         because="lightning too: the page imports from lightning.trainer.plugins, which Lightning does not have "
         "(TransformerEnginePrecision is in lightning.pytorch.plugins); and Transformer Engine needs a GPU",
         note=_ADDED_T + "; `import torch` added",
