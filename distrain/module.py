@@ -339,7 +339,7 @@ class Module(nn.Module):
         wraps it: still an instance of its class, with a ``step()`` that goes through the strategy and the precision
         plugin. Under manual optimization ``step()`` averages the gradients over the ranks first (distrain syncs
         gradients at the step, so accumulating by hand communicates once). ``use_pl_optimizer=False``: unwrapped."""
-        opts = self.trainer._loop_optimizers if use_pl_optimizer else self.trainer.optimizers
+        opts = self.trainer.loop_optimizers if use_pl_optimizer else self.trainer.optimizers
         opts = opts or self.trainer.optimizers
         return opts[0] if len(opts) == 1 else list(opts)
 

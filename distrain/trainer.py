@@ -42,10 +42,17 @@ from distrain.runtime import Runtime, isolated_rng, rng_state
 from distrain.strategies.base import LoopFacts, Strategy
 from distrain.training import startup
 from distrain.training.anomalies import AnomalyError
-from distrain.training.arguments import LoopOptions, TrainerState, check_manual_optimization, checked_arguments
-from distrain.training.assembly import assemble, choose_run_dir
+from distrain.training.arguments import (
+    LoopOptions,
+    ProcessSettings,
+    TrainerState,
+    check_manual_optimization,
+    checked_arguments,
+)
+from distrain.training.assembly import RunDirChoice, assemble, choose_run_dir
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
 from distrain.training.evaluation import Evaluator, length, limited
+from distrain.training.loop_state import LoopState
 from distrain.training.manual import ManualOptimizer, manual_step
 from distrain.training.metrics import MetricsLogger, StepResult, print_fit_summary
 from distrain.training.nonfinite import NonFiniteError, step_is_finite
@@ -100,6 +107,10 @@ class Trainer(TrainerViews):
     evaluator: Evaluator  # validate / test / predict, in lockstep where forwards communicate
     checkpoints: CheckpointManager  # what a checkpoint holds; save and restore
     stop: StopAgreement  # SIGTERM/SIGUSR1 → every rank stops at the same step
+    loop_state: LoopState  # the loop's own bookkeeping between steps
+    loop_optimizers: list  # the optimizers as the module's hooks and self.optimizers() hand them out
+    process_settings: ProcessSettings  # torch's deterministic/benchmark/anomaly flags, set in each rank per stage
+    run_dir_choice: RunDirChoice  # how log_dir is chosen, once (training/assembly.py)
     module: Module | None  # the user's module
     model: nn.Module | None  # the same, wrapped by the strategy (what the loop calls)
     optimizers: list[torch.optim.Optimizer]
@@ -288,7 +299,9 @@ class Trainer(TrainerViews):
         shuffle, shuffle_seed = self._train_order()
         train_loader = setup_loader(self, train_loader, shuffle_seed, batch_size=micro_batch, shuffle=shuffle)
         val_loader = setup_loader(self, val_loader, even=False) if val_loader is not None else None
-        self._num_batches = limited(length(train_loader), self.loop.limit_train_batches, "limit_train_batches")
+        self.loop_state.num_batches = limited(
+            length(train_loader), self.loop.limit_train_batches, "limit_train_batches"
+        )
         self.train_dataloader, self.val_dataloaders = train_loader, val_loader
         self.batch_layout = BatchLayout(
             micro_batch_size(train_loader) or 1, self.loop.accumulate_for(0), self.data_parallel_size
@@ -301,7 +314,7 @@ class Trainer(TrainerViews):
             self.progress.samples_in_epoch -= self.progress.samples_in_epoch % step  # a whole step of this layout
             startup.mark("checkpoint read")
         # a rank that resumes or was restarted says how long it took to train again (training/startup.py)
-        self._announce_start = checkpoint is not None or startup.restarted()
+        self.loop_state.announce_start = checkpoint is not None or startup.restarted()
         first_step = self.global_step
         self.metrics.start_fit(_flops_per_token(module), self.run_config, module)
         self.metrics.timer.watch_gradients(module.parameters())  # each rank's own part of the backward (stragglers)
@@ -315,7 +328,7 @@ class Trainer(TrainerViews):
                 self._fit_loop(train_loader, val_loader)
                 self.nonfinite.settle()  # the last step's device check
                 rt.mark_phase(None, "end of training")
-                if val_loader is not None and self._last_val_step != self.global_step and not self.preempted:
+                if val_loader is not None and self.loop_state.last_val_step != self.global_step and not self.preempted:
                     validate_during_fit(self, val_loader)  # the run always ends with a val score
                 self._hook("on_train_end")
                 self.checkpoints.complete_pending()  # one written in the background: on disk before fit returns
@@ -342,8 +355,8 @@ class Trainer(TrainerViews):
                 if self.runtime.strategy.start_step(self.global_step):
                     break  # this rank took over a peer's state (a replica group rejoining): read on from its position
                 output = self.train_step(micro_batches)
-                if self._announce_start:
-                    self._announce_start = False
+                if self.loop_state.announce_start:
+                    self.loop_state.announce_start = False
                     startup.mark("first step")
                     if self.is_global_zero:
                         print(startup.line(self.global_step), flush=True)
@@ -410,7 +423,8 @@ class Trainer(TrainerViews):
             batches = enumerate(loader, start=start)
         if sampler is not None and sampler.draws_seed:
             batches = _noting_order_seed(batches, sampler, self.progress)
-        return batches if self._num_batches is None else itertools.islice(batches, max(0, self._num_batches - start))
+        limit = self.loop_state.num_batches
+        return batches if limit is None else itertools.islice(batches, max(0, limit - start))
 
     def train_step(self, micro_batches: list[tuple[int, Any]]) -> Any:
         """One optimizer step over this rank's micro-batches: forward/backward each (gradients
@@ -428,7 +442,7 @@ class Trainer(TrainerViews):
         micro_batches = [(batch_idx, rt.to_device(batch)) for batch_idx, batch in micro_batches]
         collector = self.metrics.collector
         indices = iter([batch_idx for batch_idx, _ in micro_batches])
-        self._first_micro_batch = True
+        self.loop_state.first_micro_batch = True
         collector.current_batch_size = batch_size_of(micro_batches[0][1])
         first_idx = micro_batches[0][0]
         if self._skips_rest_of_epoch(first_idx, micro_batches[0][1]):
@@ -481,7 +495,7 @@ class Trainer(TrainerViews):
         last_idx = micro_batches[-1][0]
         if action != "apply" or not self._apply_step(optimizer, grad_norm, step_loss, last_idx):
             self.progress.skipped_steps += 1
-        self.module.optimizer_zero_grad(self.current_epoch, last_idx, self._loop_optimizers[0])
+        self.module.optimizer_zero_grad(self.current_epoch, last_idx, self.loop_optimizers[0])
         step_schedulers(self, "step")
         self.progress.global_step += 1
         final = self._done()
@@ -518,7 +532,7 @@ class Trainer(TrainerViews):
         self._hook("on_before_optimizer_step", optimizer)
         closure = lambda: step_loss  # noqa: E731  (Lightning's closure: here forward and backward have run)
         with guard:
-            self.module.optimizer_step(self.current_epoch, batch_idx, self._loop_optimizers[0], closure)
+            self.module.optimizer_step(self.current_epoch, batch_idx, self.loop_optimizers[0], closure)
         if scaler is not None:
             return scaler.get_scale() >= scale
         return not engine_checks or self._finite(grad_norm, step_loss)
@@ -552,7 +566,7 @@ class Trainer(TrainerViews):
         rt.mark_phase(None, "stop-signal check")
         # A signal, or a callback's should_stop, on any rank: every rank stops at the same step (on
         # several ranks the step after the request; on_train_end writes the checkpoint)
-        self._stopping = self._stop_agreed(self.stop.requested(local=self.should_stop), self.current_epoch)
+        self.loop_state.stopping = self._stop_agreed(self.stop.requested(local=self.should_stop), self.current_epoch)
 
     def _end_epoch(self, val_loader) -> None:
         self.runtime.mark_phase(None, "end of epoch")
@@ -573,7 +587,9 @@ class Trainer(TrainerViews):
         self.progress.epoch_done = True  # a checkpoint saved in the hooks below resumes at the next epoch
         self._call("on_train_epoch_end")
         # a stop asked in this epoch's validation or end hooks (early stopping) ends the run here, on every rank
-        self._stopping = self._stop_agreed(self.stop.requested_now(local=self.should_stop), self.current_epoch + 1)
+        self.loop_state.stopping = self._stop_agreed(
+            self.stop.requested_now(local=self.should_stop), self.current_epoch + 1
+        )
         self._next_epoch()
 
     def _next_epoch(self) -> None:
@@ -592,8 +608,8 @@ class Trainer(TrainerViews):
             return agreed
         if self.global_step >= (self.loop.min_steps or 0) and epochs_done >= (self.loop.min_epochs or 0):
             return True
-        if self.should_stop and self.is_global_zero and not self._told_minimum:
-            self._told_minimum = True
+        if self.should_stop and self.is_global_zero and not self.loop_state.told_minimum:
+            self.loop_state.told_minimum = True
             print(
                 f"distrain: a stop was asked at step {self.global_step}, before min_epochs={self.loop.min_epochs} / "
                 f"min_steps={self.loop.min_steps}: training goes on until both are reached",
@@ -603,16 +619,16 @@ class Trainer(TrainerViews):
         return False
 
     def _done(self) -> bool:
-        return self._stopping or (self.loop.max_steps != -1 and self.global_step >= self.loop.max_steps)
+        return self.loop_state.stopping or (self.loop.max_steps != -1 and self.global_step >= self.loop.max_steps)
 
     def _val_every_steps(self) -> int | None:
         v = self.loop.val_check_interval
         if v is None:
             return None
         if isinstance(v, float) and v <= 1.0:
-            if self._num_batches is None:
+            if self.loop_state.num_batches is None:
                 raise ValueError("a fractional val_check_interval needs a train loader with a length")
-            return max(1, int(self._num_batches * v / self.loop.accumulate_for(0)))
+            return max(1, int(self.loop_state.num_batches * v / self.loop.accumulate_for(0)))
         return int(v)
 
     # ---- set-up -----------------------------------------------------------------------------------
@@ -621,7 +637,7 @@ class Trainer(TrainerViews):
         ``configure_model``'s layers, from random streams alike on every rank."""
         self.checkpoints.begin_stage()
         self._seed_streams(stage_start=False)  # every rank builds identical weights
-        self._process_settings.apply()
+        self.process_settings.apply()
         _own_memory(module)
         self._configure(module)
 
@@ -650,7 +666,7 @@ class Trainer(TrainerViews):
         manual = not module.automatic_optimization
         configure = lambda: parse_optimizers(module.configure_optimizers(), manual)  # noqa: E731
         self.model, self.optimizers, self.lr_schedulers = rt.strategy.setup(StepRouter(module), configure, loop)
-        self._loop_optimizers = [(ManualOptimizer if manual else LoopOptimizer)(self, o) for o in self.optimizers]
+        self.loop_optimizers = [(ManualOptimizer if manual else LoopOptimizer)(self, o) for o in self.optimizers]
 
     # ---- Lightning's per-micro-batch hooks and manual optimization -------------------------------------
     def _before_backward(self, output: Any) -> None:
@@ -658,8 +674,8 @@ class Trainer(TrainerViews):
         ``on_before_zero_grad`` (once per optimizer step) then ``on_before_backward(loss)``."""
         if self.metrics.timer is not None:
             self.metrics.timer.forward_ended()
-        if self._first_micro_batch:
-            self._first_micro_batch = False
+        if self.loop_state.first_micro_batch:
+            self.loop_state.first_micro_batch = False
             self._hook("on_before_zero_grad", self.optimizers[0])
         self._hook("on_before_backward", loss_of(output))
 

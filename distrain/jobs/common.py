@@ -84,7 +84,9 @@ def build_trainer(config: RunConfig, strategy: str, ckpt_dir: Path, strategy_opt
         **strategy_options,
     )
     trainer.run_config = config.to_dict()
-    trainer._run_dir_chosen = True  # the run is written in output_dir, which `distrain train` checked (run_dir.claim)
+    trainer.run_dir_choice.chosen = (
+        True  # the run is written in output_dir, which `distrain train` checked (run_dir.claim)
+    )
     return trainer
 
 

@@ -5,6 +5,7 @@ checkpoints, stop agreement, anomaly guard), with the loop's own state at its st
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +18,25 @@ from distrain.training.arguments import NOT_RUN, ProcessSettings, TrainerState, 
 from distrain.training.checkpointing import CheckpointManager, TrainProgress
 from distrain.training.defaults import default_callbacks, default_loggers
 from distrain.training.evaluation import Evaluator
+from distrain.training.loop_state import LoopState
 from distrain.training.metrics import MetricsLogger
 from distrain.training.nonfinite import DeviceCheck
 from distrain.training.preemption import StopAgreement
 
 
+@dataclass
+class RunDirChoice:
+    """How the run's folder is chosen: once, when the first stage starts (``choose_run_dir``)."""
+
+    chosen: bool = False
+    """Chosen already (``distrain train`` checks and keeps its own: ``run_dir.claim``)."""
+    default_loggers: bool = False
+    """``logger=True``: the default loggers write in the folder chosen."""
+
+
 def assemble(trainer, a: dict[str, Any]) -> None:
     """Build ``trainer``'s parts from its checked arguments ``a`` (``checked_arguments``)."""
-    trainer._process_settings = ProcessSettings(a["deterministic"], a["benchmark"], a["detect_anomaly"])
+    trainer.process_settings = ProcessSettings(a["deterministic"], a["benchmark"], a["detect_anomaly"])
     # Lightning's arguments distrain runs without, at their "not used" values; the rest are the strategy's options
     strategy_kwargs = a["strategy_kwargs"]
     check_keywords(a["strategy"], strategy_kwargs, set(a) - {"strategy_kwargs", "loop"})  # the Trainer's own names
@@ -44,8 +56,7 @@ def assemble(trainer, a: dict[str, Any]) -> None:
     #: the run's folder (Lightning's name): metrics, TensorBoard, checkpoints, plots, logs. Final once the first
     #: stage starts (``choose_run_dir``); ``distrain train`` checked its own (``run_dir.claim``) and keeps it
     trainer.log_dir = trainer.default_root_dir
-    trainer._run_dir_chosen = False
-    trainer._default_loggers = a["logger"] is True
+    trainer.run_dir_choice = RunDirChoice(default_loggers=a["logger"] is True)
     point_runtime_at_run_dir(trainer)
     strategy_name = type(rt.strategy).__name__
     if a["compile"]:  # torch.compile when the strategy sets the model up (strategies/layers.py: apply_compile)
@@ -96,14 +107,14 @@ def choose_run_dir(trainer, ckpt_path) -> None:
     """Where a Trainer's run writes, chosen once, when its first stage starts and before any rank writes:
     ``default_root_dir``, or the next ``version_N`` in it when it holds an earlier run; a resume goes on in the
     run it resumes (``run_dir.choose``)."""
-    if trainer._run_dir_chosen:
+    if trainer.run_dir_choice.chosen:
         return
-    trainer._run_dir_chosen = True
+    trainer.run_dir_choice.chosen = True
     path = trainer._run_folder(ckpt_path)
     if path != trainer.log_dir:
         trainer.log_dir = path
         point_runtime_at_run_dir(trainer)
-        if trainer._default_loggers:
+        if trainer.run_dir_choice.default_loggers:
             trainer.metrics.loggers = default_loggers(True, path)
     if trainer.remote_root is not None:
         checkpoints_to_object_storage(trainer)
@@ -138,15 +149,10 @@ def _start_state(trainer) -> None:
     trainer.model = None
     trainer.optimizers = []
     trainer.lr_schedulers = []
-    trainer._loop_optimizers = []  # what the module's hooks and self.optimizers() hand out (LoopOptimizer)
-    trainer._first_micro_batch = False  # on_before_zero_grad: once per optimizer step
+    trainer.loop_optimizers = []  # what the module's hooks and self.optimizers() hand out (LoopOptimizer)
     trainer.should_stop = False  # a callback may set it: the run ends (on every rank) at a step or epoch boundary
     trainer.state = TrainerState()
-    trainer._stopping = False
-    trainer._told_minimum = False  # a stop asked before min_epochs/min_steps: said once
-    trainer._last_val_step = -1
-    trainer._announce_start = False  # fit resumed or restarted: say how long the first step took to come
-    trainer._num_batches = None  # the train loader's length, when it has one
+    trainer.loop_state = LoopState()  # the loop's own bookkeeping (training/loop_state.py)
     trainer.batch_layout = None  # micro-batch × accumulation × data-parallel ranks, set by fit
     # what a Lightning module reads from its trainer (self.trainer.datamodule, ...), set in the ranks
     trainer.datamodule = None

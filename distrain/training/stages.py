@@ -122,7 +122,7 @@ def sanity_check(trainer, loader) -> None:
 def validate_during_fit(trainer, loader) -> None:
     """A validation in fit: its metrics go to the loggers and the console, and checkpoints can monitor them."""
     trainer.runtime.mark_phase(None, "validation")
-    trainer._last_val_step = trainer.global_step
+    trainer.loop_state.last_val_step = trainer.global_step
     limit = limited(length(loader), trainer.loop.limit_val_batches, "limit_val_batches")
     publish = lambda metrics: trainer.metrics.validation_done(  # noqa: E731
         metrics, trainer.global_step, trainer.loop.max_steps, trainer.current_epoch

@@ -89,7 +89,7 @@ class TrainerViews:
         length and the accumulation schedule; None when that is unknown (a loader with no length)."""
         if self.loop.max_steps != -1:
             return self.loop.max_steps
-        n = self._num_batches
+        n = self.loop_state.num_batches
         if n is None or self.loop.max_epochs is None:
             return None
         return sum(math.ceil(n / self.loop.accumulate_for(e)) for e in range(self.loop.max_epochs))
