@@ -1,0 +1,261 @@
+"""Expert parallelism over every mixture-of-experts family of the installed transformers: which ones distrain splits,
+and whether the split trains as one process.
+
+    python benchmarks/moe_families.py [--families mixtral olmoe ...] [--write docs/strategies.md]
+
+The families are read from transformers itself, not listed by hand: every configuration class whose constructor
+takes an expert count (``num_experts``, ``num_local_experts``, ``n_routed_experts``, ...) and whose model type has a
+causal language model. Each is built tiny from its own configuration class, with the shape keywords below where
+the class takes them (everything else its defaults), 4 experts, top-2. Then, on 2 CPU ranks over gloo:
+
+- ``check``: ``expert_parallel.check_module`` (what the Trainer asks before any rank starts): the mixture blocks it
+  finds, or its one-line refusal;
+- one step of a batch of 4 sequences: one process takes the two halves (its gradients summed, then halved); each
+  rank takes its half with each layer's stacked experts split over the 2 ranks (``split_model``: rank r keeps
+  experts 2r and 2r+1), the other gradients averaged over the ranks. ``max rel diff``: the largest difference of any
+  gradient (a rank's experts' rows against the same rows of one process's) relative to that gradient's largest
+  value, over both ranks; ``loss diff`` likewise for each rank's loss against its half's.
+
+A family passes when the split holds every layer's experts and both differences are within fp32 rounding (1e-4).
+This is one step of gradients through the model's own forward, the check ``tests/test_expert_parallel.py`` makes
+for the families it names; a Trainer run per family (DDP, FSDP and EP × FSDP on 4 ranks, 8 steps) is not yet here.
+``--write`` replaces the table between the markers in the file given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
+#: the tiny shape, by the keyword names the configuration classes use; a class gets those its constructor takes
+SHAPE = {
+    "vocab_size": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_size": 16,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 24,
+    "moe_intermediate_size": 12,
+    "shared_expert_intermediate_size": 12,
+    "max_position_embeddings": 64,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "top_k": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,  # DeepSeek's dense first layers: one, then mixtures
+    "kv_lora_rank": 8,
+    "q_lora_rank": 8,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 4,
+    "full_attention_interval": 2,  # hybrids of linear and full attention: one of each in every two layers
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    "expert_layer_period": 1,
+    "expert_layer_offset": 0,
+}
+#: a second shape, where a family refuses the first or cannot run it: two layers, one key-value head, no MLA query
+#: rank, the family's own token ids and layer pattern
+SMALLER = {
+    **{k: v for k, v in SHAPE.items() if not k.endswith(("_token_id", "_interval", "_period", "_offset"))},
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 1,
+    "q_lora_rank": None,
+}
+del SMALLER["first_k_dense_replace"]
+MARK = ("<!-- moe-families: start (benchmarks/moe_families.py --write) -->", "<!-- moe-families: end -->")
+
+
+def families() -> list[tuple[str, str]]:
+    """(model type, configuration class name) of every mixture-of-experts family with a causal language model."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type, name in CONFIG_MAPPING_NAMES.items():
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            continue
+        try:
+            parameters = inspect.signature(getattr(transformers, name).__init__).parameters
+        except (AttributeError, ImportError, ValueError, TypeError):
+            continue
+        if any(key in parameters for key in EXPERT_COUNTS):
+            found.append((model_type, name))
+    return sorted(found)
+
+
+def tiny_model(name: str, shape: dict):
+    import transformers
+
+    cls = getattr(transformers, name)
+    taken = inspect.signature(cls.__init__).parameters
+    keywords = {key: value for key, value in shape.items() if key in taken}
+    keywords.update({key: 4 for key in EXPERT_COUNTS if key in taken})
+    config = cls(**keywords)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+def batch() -> torch.Tensor:
+    return torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(2))
+
+
+def step(model, ids, half: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """One forward and backward of a half of the batch, from a generator state of that half's own: a router that
+    draws in training (Phi-3.5-MoE's jitter) draws alike in one process and in the rank that takes the half."""
+    torch.manual_seed(100 + half)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def one_process(name: str) -> dict:
+    """The family's build, distrain's check, and one process's two halves: in the first shape the family builds
+    and runs one process in (its transformers code, before distrain splits anything)."""
+    from distrain.parallel.expert_parallel import check_module
+
+    failure = {}
+    for shape in (SHAPE, SMALLER):
+        try:
+            model = tiny_model(name, shape)
+        except Exception as error:  # noqa: BLE001 - the table says why
+            failure = failure or {"error": f"build: {type(error).__name__}: {_short(error)}"}
+            continue
+        try:
+            check_module(model, 2)
+        except Exception as error:  # noqa: BLE001
+            return {"refused": _short(error)}
+        halves = []
+        try:
+            for i in (0, 2):
+                halves.append(step(model, batch()[i : i + 2], i // 2))
+        except Exception as error:  # noqa: BLE001
+            failure = failure or {"error": f"forward: {type(error).__name__}: {_short(error)}"}
+            continue
+        (loss0, _), (loss1, grads) = halves  # grads: summed over both halves
+        return {"shape": shape, "losses": (loss0, loss1), "grads": {n: g / 2 for n, g in grads.items()}}
+    return failure
+
+
+def in_rank(rank: int, port: int, names: list[tuple[str, dict]], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    from distrain.parallel.expert_parallel import split_model
+
+    results = {}
+    for name, shape in names:
+        try:
+            model = tiny_model(name, shape)
+            split = split_model(model, 2, "cpu")
+            loss, grads = step(model, batch()[2 * rank : 2 * rank + 2], rank)
+            for key, grad in grads.items():
+                if key in split.owners:
+                    grad.div_(2)  # the mean over both ranks' tokens, as the strategies take it
+                else:
+                    dist.all_reduce(grad, op=dist.ReduceOp.AVG)
+            held = {key: tuple(split.parameter(key).shape) for key in split.owners}
+            results[name] = {"loss": loss, "grads": grads, "held": held}
+        except Exception as error:  # noqa: BLE001 - every rank fails alike (the same model, the same split)
+            results[name] = {"error": f"{type(error).__name__}: {_short(error)}"}
+    torch.save(results, Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _short(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) <= 140 else text[:137] + "..."
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def compare(reference: dict, ranks: list[dict]) -> tuple[str, str, str, str]:
+    """(experts held, loss diff, max rel diff, result) of one family."""
+    if any("error" in r for r in ranks):
+        return "", "", "", "fails in the ranks: " + next(r["error"] for r in ranks if "error" in r)
+    held = ranks[0]["held"]
+    if not held:
+        return "none", "", "", "nothing split"
+    layers = len({key.rsplit(".", 1)[0] for key in held})
+    loss_diff = max(
+        abs(r["loss"] - reference["losses"][i]) / max(1e-12, abs(reference["losses"][i])) for i, r in enumerate(ranks)
+    )
+    worst = 0.0
+    for rank, r in enumerate(ranks):
+        for key, grad in r["grads"].items():
+            whole = reference["grads"][key]
+            if key in held:
+                whole = whole[2 * rank : 2 * rank + 2]
+            worst = max(worst, float((grad - whole).abs().max() / whole.abs().max().clamp_min(1e-12)))
+    ok = loss_diff <= 1e-4 and worst <= 1e-4 and all(shape[0] == 2 for shape in held.values())
+    return f"{layers} layers", f"{loss_diff:.1e}", f"{worst:.1e}", "exact" if ok else "differs"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", nargs="*", help="model types (default: every mixture family found)")
+    parser.add_argument("--write", help="a Markdown file whose table between the markers is replaced")
+    args = parser.parse_args()
+    import transformers
+
+    found = families()
+    if args.families:
+        found = [(t, n) for t, n in found if t in args.families]
+    started = time.perf_counter()
+    references = {name: one_process(name) for _, name in found}
+    runnable = [name for _, name in found if "grads" in references[name]]
+    ranks: list[dict] = [{}, {}]
+    if runnable:
+        with tempfile.TemporaryDirectory() as out:
+            shaped = [(name, references[name]["shape"]) for name in runnable]
+            mp.start_processes(in_rank, args=(_free_port(), shaped, out), nprocs=2, start_method="spawn")
+            ranks = [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(2)]
+    rows = []
+    for model_type, name in found:
+        ref = references[name]
+        if "grads" in ref:
+            held, loss_diff, grad_diff, result = compare(ref, [ranks[0][name], ranks[1][name]])
+        else:
+            held, loss_diff, grad_diff = "", "", ""
+            result = f"refused: {ref['refused']}" if "refused" in ref else ref["error"]
+        rows.append(f"| `{model_type}` | {held} | {loss_diff} | {grad_diff} | {result.replace('|', '/')} |")
+    exact = sum(row.endswith("| exact |") for row in rows)
+    header = [
+        f"transformers {transformers.__version__}, torch {torch.__version__}: {exact} of {len(rows)} mixture "
+        f"families split over 2 ranks as one process ({time.perf_counter() - started:.0f} s on 2 CPU cores).",
+        "",
+        "| family | experts split | loss diff | max rel diff | result |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    table = "\n".join(header + rows)
+    print(table)
+    if args.write:
+        path = Path(args.write)
+        text = path.read_text()
+        start, end = text.index(MARK[0]) + len(MARK[0]), text.index(MARK[1])
+        path.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
