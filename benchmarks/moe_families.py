@@ -14,7 +14,8 @@ the class takes them (everything else its defaults), 4 experts, top-2. Then, on 
   rank takes its half with each layer's stacked experts split over the 2 ranks (``split_model``: rank r keeps
   experts 2r and 2r+1), the other gradients averaged over the ranks. ``max rel diff``: the largest difference of any
   gradient (a rank's experts' rows against the same rows of one process's) relative to that gradient's largest
-  value, over both ranks; ``loss diff`` likewise for each rank's loss against its half's.
+  value (at least a millionth of the model's largest gradient), over both ranks; ``loss diff`` likewise for each
+  rank's loss against its half's.
 
 A family passes when the split holds every layer's experts and both differences are within fp32 rounding (1e-4).
 This is one step of gradients through the model's own forward, the check ``tests/test_expert_parallel.py`` makes
@@ -202,12 +203,15 @@ def compare(reference: dict, ranks: list[dict]) -> tuple[str, str, str, str]:
         abs(r["loss"] - reference["losses"][i]) / max(1e-12, abs(reference["losses"][i])) for i, r in enumerate(ranks)
     )
     worst = 0.0
+    # a gradient that is rounding noise (a router whose weights normalize to constants: DeepSeek-V4's hash layers
+    # with their table unset) is held to a millionth of the model's largest gradient, not to its own noise
+    floor = 1e-6 * max(float(g.abs().max()) for g in reference["grads"].values())
     for rank, r in enumerate(ranks):
         for key, grad in r["grads"].items():
             whole = reference["grads"][key]
             if key in held:
                 whole = whole[2 * rank : 2 * rank + 2]
-            worst = max(worst, float((grad - whole).abs().max() / whole.abs().max().clamp_min(1e-12)))
+            worst = max(worst, float((grad - whole).abs().max()) / max(float(whole.abs().max()), floor, 1e-30))
     ok = loss_diff <= 1e-4 and worst <= 1e-4 and all(shape[0] == 2 for shape in held.values())
     return f"{layers} layers", f"{loss_diff:.1e}", f"{worst:.1e}", "exact" if ok else "differs"
 

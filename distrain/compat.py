@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import re
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -298,6 +299,14 @@ def deepspeed_to_universal(input_folder: str, output_folder: str) -> None:
 
 # ---- transformers ---------------------------------------------------------------------------------------
 # Checked against transformers 5.23.
+
+
+def experts_gate(experts: Any) -> Callable[[Any], Any] | None:
+    """A Hugging Face experts module's own gating of its ``gate_up_proj`` output, where it has one: clamps (DeepSeek
+    V4), softcaps and two-argument activations (Inkling 2). ``_apply_gate``, private in transformers 5.25, is what its
+    grouped-matmul backends call too; None where the module has none (``act_fn(gate) * up``)."""
+    gate = getattr(experts, "_apply_gate", None)
+    return gate if callable(gate) else None
 
 
 def transformers_no_init_weights():

@@ -295,12 +295,16 @@ def _hf_config(family: str):
         return transformers.PhimoeConfig(**shape, intermediate_size=24, num_local_experts=4)
     if family == "hunyuan_v1_moe":  # its router keeps its weight in a sub-layer (gate.wg)
         return transformers.HunYuanMoEV1Config(**shape, intermediate_size=24, num_experts=4, moe_topk=2, head_dim=8)
+    if family == "inkling2_text":  # its experts gate through a two-argument, softcapped SwiGLU (_apply_gate)
+        return transformers.Inkling2TextConfig(**shape, head_dim=8, moe_intermediate_size=12, n_routed_experts=4)
+    if family == "llama4_text":  # its experts take every token for every expert: not split (yet)
+        return transformers.Llama4TextConfig(**shape, head_dim=8, intermediate_size=24, num_local_experts=4)
     if family == "gpt_oss":  # experts transposed and with biases: not split (yet)
         return transformers.GptOssConfig(**shape, intermediate_size=12, num_local_experts=4, head_dim=8)
     raise AssertionError(family)
 
 
-HF_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "phimoe", "hunyuan_v1_moe")
+HF_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "phimoe", "hunyuan_v1_moe", "inkling2_text")
 
 
 def _hf_model(family: str):
@@ -370,6 +374,9 @@ def test_a_mixture_whose_experts_cannot_be_split_is_refused_naming_it():
     model = _hf_model("gpt_oss")
     with pytest.raises(ValueError, match="expert parallelism cannot split GptOssMLP yet.*gate_up_proj_bias"):
         check_module(model, 2)
+    called = r"cannot split Llama4TextMoe yet: its experts \(Llama4TextExperts\) are called as forward\(hidden_states\)"
+    with pytest.raises(ValueError, match=called):
+        check_module(_hf_model("llama4_text"), 2)
     with pytest.raises(ValueError, match="does not divide model.layers.0.mlp's 4 experts"):
         check_module(_hf_model("mixtral"), 3)
 

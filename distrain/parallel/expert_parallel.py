@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from distrain import compat
 from distrain.models.moe import MoE, expert_counts, group_sizes, grouped_linear
 from distrain.parallel import gradients
 
@@ -133,7 +135,24 @@ def expert_count(module: nn.Module) -> int:
             "and it splits experts of gate_up_proj [experts, 2 × intermediate, hidden] and down_proj with an act_fn "
             "(Mixtral, Qwen-MoE, OLMoE, DeepSeek); train it without expert_parallel_size"
         )
+    called = _forward_arguments(experts)
+    if called is not None and len(called) != 3:
+        raise ValueError(
+            f"expert parallelism cannot split {type(module).__name__} yet: its experts ({type(experts).__name__}) "
+            f"are called as forward({', '.join(called)}), and it splits experts called with each token's top-k "
+            "choices, forward(hidden_states, top_k_index, top_k_weights) (Mixtral, Qwen-MoE, OLMoE, DeepSeek); "
+            "train it without expert_parallel_size"
+        )
     return count
+
+
+def _forward_arguments(module: nn.Module) -> list[str] | None:
+    """The names a module's class takes in ``forward`` after ``self`` (None where its signature cannot be read)."""
+    try:
+        parameters = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return [name for name in parameters if name != "self"]
 
 
 def _is_distrains_moe(module: nn.Module) -> bool:
@@ -238,11 +257,18 @@ class _HFExperts:
 
 
 def _hf_compute(experts: nn.Module) -> Callable[[torch.Tensor, list[int]], torch.Tensor]:
-    """This rank's experts of a Hugging Face experts module, as transformers computes each: ``down(act(gate) * up)``."""
+    """This rank's experts of a Hugging Face experts module, as transformers computes each: ``down(gate(gate_up))``,
+    the module's own gating where it has one (``compat.experts_gate``), else ``act(gate) * up``."""
+    own = compat.experts_gate(experts)
+
+    def gated(gate_up: torch.Tensor) -> torch.Tensor:
+        if own is not None:
+            return own(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return experts.act_fn(gate) * up
 
     def compute(tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        gate, up = grouped_linear(tokens, experts.gate_up_proj, counts).chunk(2, dim=-1)
-        return grouped_linear(experts.act_fn(gate) * up, experts.down_proj, counts)
+        return grouped_linear(gated(grouped_linear(tokens, experts.gate_up_proj, counts)), experts.down_proj, counts)
 
     return compute
 
