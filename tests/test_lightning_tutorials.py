@@ -7,12 +7,13 @@ variables, which the tutorials leave unset."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from lightning_tutorials.make_reference import HARNESS, TUTORIALS, tutorial_env
+from lightning_tutorials.make_reference import APART, HARNESS, TUTORIALS, tutorial_env
 
 from distrain.lightning import migrate
 
@@ -20,7 +21,7 @@ HERE = Path(__file__).resolve().parent / "lightning_tutorials"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tutorial", TUTORIALS)
+@pytest.mark.parametrize("tutorial", TUTORIALS + (APART if os.environ.get("DISTRAIN_TUTORIALS") == "all" else []))
 def test_a_lightning_tutorial_runs_with_its_imports_switched_and_logs_lightnings_losses(tmp_path, tutorial):
     migrated = migrate((HERE / "upstream" / tutorial).read_text())
     assert "import pytorch_lightning" not in migrated and "distrain.lightning" in migrated

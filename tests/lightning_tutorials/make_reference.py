@@ -13,6 +13,9 @@ HERE = Path(__file__).resolve().parent
 HARNESS = HERE.parent / "lightning_examples" / "run_example.py"
 #: Lightning's tutorials (``upstream/``, verbatim) whose dependencies install here, with the stand-ins
 TUTORIALS = ["mnist_hello_world.py", "datamodules.py", "basic_gan.py"]
+#: run apart, too long for the suite (ResNet-18 on 2 cores: 3 minutes under Lightning, 1.5 under distrain):
+#: ``DISTRAIN_TUTORIALS=all python -m pytest tests/test_lightning_tutorials.py``
+APART = ["cifar10_baseline.py"]
 #: a few batches of each stage, through Lightning's own variables (the tutorials set none of these)
 LIMITS = {f"PL_TRAINER_LIMIT_{stage}_BATCHES": "2" for stage in ("TRAIN", "VAL", "TEST")}
 
@@ -36,7 +39,7 @@ def losses(script: Path) -> list[float]:
 if __name__ == "__main__":
     import lightning
 
-    for name in sys.argv[1:] or TUTORIALS:
+    for name in sys.argv[1:] or TUTORIALS + APART:
         record = {"lightning": lightning.__version__, "torch": __import__("torch").__version__}
         record["losses"] = losses(HERE / "upstream" / name)
         (HERE / "reference" / Path(name).with_suffix(".json").name).write_text(json.dumps(record, indent=1) + "\n")
