@@ -57,6 +57,11 @@ SHAPE = {
     "num_experts_per_tok": 2,
     "moe_topk": 2,
     "top_k": 2,
+    "top_k_experts": 2,
+    "enable_moe_block": True,  # families whose mixture is off by default (Gemma 4, Doge)
+    "is_moe": True,
+    "expert_ffn_hidden_size": 12,
+    "zero_expert_num": 0,
     "n_group": 1,
     "topk_group": 1,
     "first_k_dense_replace": 1,  # DeepSeek's dense first layers: one, then mixtures
