@@ -52,6 +52,7 @@ from distrain.training.arguments import (
 from distrain.training.assembly import RunDirChoice, assemble, choose_run_dir
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
 from distrain.training.evaluation import Evaluator, length, limited
+from distrain.training.hooks import call_callbacks, call_hook
 from distrain.training.loop_state import LoopState
 from distrain.training.manual import ManualOptimizer, manual_step
 from distrain.training.metrics import MetricsLogger, StepResult, print_fit_summary
@@ -318,21 +319,21 @@ class Trainer(TrainerViews):
         first_step = self.global_step
         self.metrics.start_fit(_flops_per_token(module), self.run_config, module)
         self.metrics.timer.watch_gradients(module.parameters())  # each rank's own part of the backward (stragglers)
-        self._hook("on_fit_start")
+        call_hook(self, "on_fit_start")
         self.stop.install()
         try:
             with self.runtime.diagnosing_hangs(on_error=self._on_fit_error):
                 if val_loader is not None and self.loop.num_sanity_val_steps:
                     sanity_check(self, val_loader)
-                self._hook("on_train_start")
+                call_hook(self, "on_train_start")
                 self._fit_loop(train_loader, val_loader)
                 self.nonfinite.settle()  # the last step's device check
                 rt.mark_phase(None, "end of training")
                 if val_loader is not None and self.loop_state.last_val_step != self.global_step and not self.preempted:
                     validate_during_fit(self, val_loader)  # the run always ends with a val score
-                self._hook("on_train_end")
+                call_hook(self, "on_train_end")
                 self.checkpoints.complete_pending()  # one written in the background: on disk before fit returns
-                self._hook("on_fit_end")
+                call_hook(self, "on_fit_end")
         finally:
             self.metrics.timer.unwatch()
             self.stop.finish()  # no collective may be left in flight
@@ -344,7 +345,7 @@ class Trainer(TrainerViews):
         return self.callback_metrics
 
     def _on_fit_error(self, error: BaseException, hang: Exception | None) -> None:
-        self._call("on_exception", hang or error)
+        call_callbacks(self, "on_exception", hang or error)
         if hang is not None:
             self.stop.abandon()  # the stop-signal all-reduce in flight cannot finish either
 
@@ -415,7 +416,7 @@ class Trainer(TrainerViews):
                 "sampler); resume from an epoch-end checkpoint, or let distrain shard the data"
             )
         per_step = (micro_batch_size(loader) or 1) * self.data_parallel_size
-        self._hook("on_train_epoch_start")
+        call_hook(self, "on_train_epoch_start")
         start = self.progress.samples_in_epoch // per_step
         if resumed and self.continues_script_streams:  # the epoch's iterator already drew, before the checkpoint
             batches = enumerate(_iterated_without_drawing(loader), start=start)
@@ -438,7 +439,7 @@ class Trainer(TrainerViews):
         rt.mark_phase(self.global_step + 1, "forward/backward")  # where this rank is, if a collective hangs
         batches = [batch for _, batch in micro_batches]
         self.module.on_train_step_start(batches, len(batches))
-        self._call("on_train_step_start", batches)
+        call_callbacks(self, "on_train_step_start", batches)
         micro_batches = [(batch_idx, rt.to_device(batch)) for batch_idx, batch in micro_batches]
         collector = self.metrics.collector
         indices = iter([batch_idx for batch_idx, _ in micro_batches])
@@ -459,7 +460,7 @@ class Trainer(TrainerViews):
             batch_idx = next(indices, None)  # None: a pipeline's schedule calls it per piece of a micro-batch
             if batch_idx is None or batch_idx == first_idx:  # the first batch's hook ran before the step
                 return
-            if self._hook("on_train_batch_start", batch, batch_idx) == -1:
+            if call_hook(self, "on_train_batch_start", batch, batch_idx) == -1:
                 raise ValueError(
                     f"on_train_batch_start returned -1 (skip the rest of the epoch) at batch {batch_idx}, inside an "
                     "accumulation window; return it at the first batch of an optimizer step (batch_idx % "
@@ -467,7 +468,7 @@ class Trainer(TrainerViews):
                 )
 
         step_loss, output = rt.strategy.run_step(self.model, micro_batches, before_each=before_each)
-        self._hook("on_after_backward")
+        call_hook(self, "on_after_backward")
         samples = tokens = 0
         for _, batch in micro_batches:
             samples += batch_size_of(batch)
@@ -529,7 +530,7 @@ class Trainer(TrainerViews):
             elif not self._finite(grad_norm, step_loss):
                 return False
         scale = scaler.get_scale() if scaler is not None else None
-        self._hook("on_before_optimizer_step", optimizer)
+        call_hook(self, "on_before_optimizer_step", optimizer)
         closure = lambda: step_loss  # noqa: E731  (Lightning's closure: here forward and backward have run)
         with guard:
             self.module.optimizer_step(self.current_epoch, batch_idx, self.loop_optimizers[0], closure)
@@ -562,7 +563,7 @@ class Trainer(TrainerViews):
         rt.mark_phase(None, "callbacks after the step (checkpointing)")
         self.checkpoints.commit_written()  # one written in the background since: committed before a new one starts
         batch_idx, batch = last_micro_batch
-        self._hook("on_train_batch_end", output, batch, batch_idx)
+        call_hook(self, "on_train_batch_end", output, batch, batch_idx)
         rt.mark_phase(None, "stop-signal check")
         # A signal, or a callback's should_stop, on any rank: every rank stops at the same step (on
         # several ranks the step after the request; on_train_end writes the checkpoint)
@@ -585,7 +586,7 @@ class Trainer(TrainerViews):
         self.metrics.publish(epoch_metrics, self.global_step, to_loggers=bool(epoch_metrics), epoch=self.current_epoch)
         step_schedulers(self, "epoch")  # after validation: a scheduler may monitor its metric (ReduceLROnPlateau)
         self.progress.epoch_done = True  # a checkpoint saved in the hooks below resumes at the next epoch
-        self._call("on_train_epoch_end")
+        call_callbacks(self, "on_train_epoch_end")
         # a stop asked in this epoch's validation or end hooks (early stopping) ends the run here, on every rank
         self.loop_state.stopping = self._stop_agreed(
             self.stop.requested_now(local=self.should_stop), self.current_epoch + 1
@@ -676,14 +677,14 @@ class Trainer(TrainerViews):
             self.metrics.timer.forward_ended()
         if self.loop_state.first_micro_batch:
             self.loop_state.first_micro_batch = False
-            self._hook("on_before_zero_grad", self.optimizers[0])
-        self._hook("on_before_backward", loss_of(output))
+            call_hook(self, "on_before_zero_grad", self.optimizers[0])
+        call_hook(self, "on_before_backward", loss_of(output))
 
     def _skips_rest_of_epoch(self, batch_idx: int, batch: Any) -> bool:
         """Runs ``on_train_batch_start`` of a step's first batch. -1 there skips the rest of the epoch, as in
         Lightning, on every rank: where the module overrides the hook, the ranks agree (one small all-reduce a
         step), so a rank that returns -1 never leaves the others waiting in the step's collectives."""
-        skip = self._hook("on_train_batch_start", batch, batch_idx) == -1
+        skip = call_hook(self, "on_train_batch_start", batch, batch_idx) == -1
         if overrides(self.module, "on_train_batch_start") and self.world_size > 1:
             skip = bool(self.runtime.all_reduce(torch.tensor(int(skip)), op="max"))
         return skip
@@ -711,18 +712,6 @@ class Trainer(TrainerViews):
     def _train_order(self) -> tuple[bool | None, int]:
         """Whether the training data is shuffled (None: as its loader says) and the seed of its order."""
         return None, self.seed
-
-    def _call(self, hook: str, *args: Any) -> None:
-        """The callbacks' ``hook``, in their order (one that is not a ``Callback`` may lack it)."""
-        for cb in self.callbacks:
-            fn = getattr(cb, hook, None)
-            if fn is not None:
-                fn(self, self.module, *args)
-
-    def _hook(self, hook: str, *args: Any) -> Any:
-        """Lightning's ``hook``: the callbacks', then the module's, whose result it returns."""
-        self._call(hook, *args)
-        return getattr(self.module, hook)(*args)
 
 
 def _own_memory(module: nn.Module) -> None:

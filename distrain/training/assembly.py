@@ -4,6 +4,7 @@ checkpoints, stop agreement, anomaly guard), with the loop's own state at its st
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from distrain.training.arguments import NOT_RUN, ProcessSettings, TrainerState, 
 from distrain.training.checkpointing import CheckpointManager, TrainProgress
 from distrain.training.defaults import default_callbacks, default_loggers
 from distrain.training.evaluation import Evaluator
+from distrain.training.hooks import call_callbacks
 from distrain.training.loop_state import LoopState
 from distrain.training.metrics import MetricsLogger
 from distrain.training.nonfinite import DeviceCheck
@@ -95,7 +97,7 @@ def assemble(trainer, a: dict[str, Any]) -> None:
         print_steps=not a["enable_progress_bar"],
         straggler_threshold=a["straggler_threshold"],
     )
-    trainer.evaluator = Evaluator(rt, trainer.metrics, trainer._call)
+    trainer.evaluator = Evaluator(rt, trainer.metrics, functools.partial(call_callbacks, trainer))
     trainer.checkpoints = CheckpointManager(trainer)
     trainer.checkpoints.async_save = a["async_save"]  # checkpoints written while training goes on
     trainer.stop = StopAgreement(rt)

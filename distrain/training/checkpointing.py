@@ -26,6 +26,7 @@ from distrain.checkpoint.remote import is_url
 from distrain.checkpoint.state import read_checkpoint_meta
 from distrain.distributed import watch
 from distrain.runtime import rng_state, set_rng_state
+from distrain.training.hooks import call_callbacks
 
 CHECKPOINT_FORMAT = "distrain/1"
 
@@ -248,8 +249,9 @@ class CheckpointManager:
         strategy_state = t.strategy.state_dict()  # its own training state (semi-synchronous replica groups)
         if strategy_state:
             checkpoint["strategy_state"] = strategy_state
-        t._call("on_save_checkpoint", checkpoint)  # Lightning's hooks: the callbacks', then the module's, add keys
-        if t.module is not None:  # of their own (on_load_checkpoint gets them back)
+        # Lightning's hooks: the callbacks', then the module's, add keys of their own (on_load_checkpoint gets them)
+        call_callbacks(t, "on_save_checkpoint", checkpoint)
+        if t.module is not None:
             t.module.on_save_checkpoint(checkpoint)
         return checkpoint
 
@@ -433,7 +435,7 @@ class CheckpointManager:
         self.load_progress_state(state["progress"], source=path)
         t.strategy.load_state_dict(extra.pop("strategy_state", {}), str(path))  # {}: the checkpoint has none
         t.module.on_load_checkpoint(extra)  # the checkpoint's other keys: those on_save_checkpoint added
-        t._call("on_load_checkpoint", extra)
+        call_callbacks(t, "on_load_checkpoint", extra)
         saved = state["callbacks"]
         for cb in t.callbacks:
             key = cb.state_key

@@ -9,6 +9,7 @@ from typing import Any
 
 from distrain.data import batch_size_of, tokens_in_batch
 from distrain.module import loss_of, run_step
+from distrain.training.hooks import call_hook
 from distrain.training.metrics import StepResult
 from distrain.training.optimizers import LoopOptimizer, sync_gradients
 from distrain.training.outcomes import StepOutcome
@@ -23,14 +24,14 @@ class ManualOptimizer(LoopOptimizer):
         trainer = self._trainer
         result = closure() if closure is not None else None
         sync_gradients(trainer, self.optimizer)
-        trainer._hook("on_before_optimizer_step", self.optimizer)
+        call_hook(trainer, "on_before_optimizer_step", self.optimizer)
         trainer.runtime.optimizer_step(self.optimizer, trainer.model)
         self.optimizer._distrain_synced = False
         trainer.progress.global_step += 1
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._trainer._hook("on_before_zero_grad", self.optimizer)
+        call_hook(self._trainer, "on_before_zero_grad", self.optimizer)
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self.optimizer._distrain_synced = False
 

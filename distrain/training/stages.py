@@ -15,6 +15,7 @@ from distrain.runtime import isolated_rng
 from distrain.training.arguments import TrainerState
 from distrain.training.assembly import choose_run_dir
 from distrain.training.evaluation import length, limited
+from distrain.training.hooks import call_callbacks
 
 
 def run_stage(trainer, stage: str, model, dataloaders, ckpt_path, datamodule):
@@ -108,7 +109,7 @@ def sanity_check(trainer, loader) -> None:
     steps = trainer.loop.num_sanity_val_steps
     with isolated_rng():  # as Lightning's: training draws the numbers it would have drawn without a sanity check
         trainer.sanity_checking, trainer.state.stage = True, "sanity_check"
-        trainer._call("on_sanity_check_start")
+        call_callbacks(trainer, "on_sanity_check_start")
         try:
             limit = None if steps == -1 else steps
             trainer.evaluator.run(
@@ -116,7 +117,7 @@ def sanity_check(trainer, loader) -> None:
             )
         finally:
             trainer.sanity_checking, trainer.state.stage = False, "train"
-        trainer._call("on_sanity_check_end")
+        call_callbacks(trainer, "on_sanity_check_end")
 
 
 def validate_during_fit(trainer, loader) -> None:
@@ -139,7 +140,7 @@ def teardown(trainer, stage: str, module, datamodule) -> None:
     ``teardown(stage)``, in Lightning's order, as each ``setup(stage)`` was called."""
     if datamodule is not None:
         datamodule.teardown(stage)
-    trainer._call("teardown", stage)
+    call_callbacks(trainer, "teardown", stage)
     module.teardown(stage)
 
 
