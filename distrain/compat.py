@@ -301,6 +301,18 @@ def deepspeed_to_universal(input_folder: str, output_folder: str) -> None:
 # Checked against transformers 5.23.
 
 
+def experts_grouped_forward(experts: Any) -> Callable[..., Any] | None:
+    """transformers' own grouped-matmul forward of an experts module built with ``use_experts_implementation``
+    (``integrations.moe.grouped_mm_experts_forward``, transformers 5.25: ``forward(self, hidden_states,
+    top_k_index, top_k_weights)``), which computes every layout the decorator's flags declare (transposed, biased,
+    interleaved, without a gate, normed after each expert); None for a module built without it."""
+    if not hasattr(experts, "is_transposed") or not isinstance(getattr(experts, "num_experts", None), int):
+        return None
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    return grouped_mm_experts_forward
+
+
 def experts_gate(experts: Any) -> Callable[[Any], Any] | None:
     """A Hugging Face experts module's own gating of its ``gate_up_proj`` output, where it has one: clamps (DeepSeek
     V4), softcaps and two-argument activations (Inkling 2). ``_apply_gate``, private in transformers 5.25, is what its

@@ -299,19 +299,33 @@ def _hf_config(family: str):
         return transformers.Inkling2TextConfig(**shape, head_dim=8, moe_intermediate_size=12, n_routed_experts=4)
     if family == "llama4_text":  # its experts take every token for every expert: not split (yet)
         return transformers.Llama4TextConfig(**shape, head_dim=8, intermediate_size=24, num_local_experts=4)
-    if family == "gpt_oss":  # experts transposed and with biases: not split (yet)
+    if family == "gpt_oss":  # experts transposed, with biases, gate and up interleaved: transformers' grouped forward
         return transformers.GptOssConfig(**shape, intermediate_size=12, num_local_experts=4, head_dim=8)
     raise AssertionError(family)
 
 
-HF_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "phimoe", "hunyuan_v1_moe", "inkling2_text")
+HF_FAMILIES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v3",
+    "phimoe",
+    "hunyuan_v1_moe",
+    "inkling2_text",
+    "gpt_oss",
+)
 
 
 def _hf_model(family: str):
     import transformers
 
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(_hf_config(family)).float()
+    model = transformers.AutoModelForCausalLM.from_config(_hf_config(family)).float()
+    if family == "gpt_oss":  # rank 1's experts (2 and 3) never chosen in the first layer: that rank gets no rows
+        with torch.no_grad():
+            model.model.layers[0].mlp.router.bias[2:] = -100.0
+    return model
 
 
 def _hf_batch() -> torch.Tensor:
@@ -371,8 +385,9 @@ def test_hugging_face_mixtures_split_over_two_ranks_match_one_process():
 def test_a_mixture_whose_experts_cannot_be_split_is_refused_naming_it():
     from distrain.parallel.expert_parallel import check_module
 
-    model = _hf_model("gpt_oss")
-    with pytest.raises(ValueError, match="expert parallelism cannot split GptOssMLP yet.*gate_up_proj_bias"):
+    model = _hf_model("mixtral")  # one row per expert kept by a sub-layer (as Ergo's experts' own norms)
+    model.model.layers[1].mlp.experts.norm = torch.nn.Linear(1, 4)
+    with pytest.raises(ValueError, match=r"cannot split MixtralSparseMoeBlock yet: MixtralExperts.norm.bias, "):
         check_module(model, 2)
     called = r"cannot split Llama4TextMoe yet: its experts \(Llama4TextExperts\) are called as forward\(hidden_states\)"
     with pytest.raises(ValueError, match=called):

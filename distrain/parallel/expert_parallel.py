@@ -120,20 +120,33 @@ def expert_count(module: nn.Module) -> int:
     if _is_distrains_moe(module):
         return count
     # transformers' flags for experts laid out otherwise: transposed, with biases, gate and up interleaved, no gate,
-    # a norm after each expert (integrations/moe.py, 5.x)
-    layout = (
+    # a norm after each expert (integrations/moe.py, 5.x). Experts that declare them are computed by transformers'
+    # own grouped forward (compat.experts_grouped_forward), whatever their layout
+    declared = compat.experts_grouped_forward(experts) is not None
+    layout = not declared and (
         getattr(experts, "is_transposed", False)
         or getattr(experts, "has_bias", False)
         or not getattr(experts, "is_concatenated", True)
         or not getattr(experts, "has_gate", True)
         or getattr(experts, "has_post_expert_norm", False)
     )
-    if set(stacked) != _HF_EXPERT_WEIGHTS or layout or not callable(getattr(experts, "act_fn", None)):
+    unknown = set(stacked) != _HF_EXPERT_WEIGHTS or not callable(getattr(experts, "act_fn", None))
+    if layout or (unknown and not declared):
         raise ValueError(
             f"expert parallelism cannot split {type(module).__name__} yet: its experts ({type(experts).__name__}) "
             f"hold {', '.join(sorted(stacked))}{' (transposed, biased, interleaved or normed)' if layout else ''}, "
             "and it splits experts of gate_up_proj [experts, 2 × intermediate, hidden] and down_proj with an act_fn "
             "(Mixtral, Qwen-MoE, OLMoE, DeepSeek); train it without expert_parallel_size"
+        )
+    per_expert = sorted(  # one value per expert held by a sub-layer (Ergo's experts' own norms): not split yet
+        f"{type(experts).__name__}.{name}"
+        for name, p in experts.named_parameters()
+        if "." in name and p.dim() >= 1 and p.shape[0] == count
+    )
+    if per_expert:
+        raise ValueError(
+            f"expert parallelism cannot split {type(module).__name__} yet: {', '.join(per_expert)} holds one row per "
+            "expert outside the stacked weights it splits; train it without expert_parallel_size"
         )
     called = _forward_arguments(experts)
     if called is not None and len(called) != 3:
@@ -185,7 +198,10 @@ def split_experts(model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]
         if _is_distrains_moe(layer):  # its compute step goes through the group
             layer.compute = _Dispatch(layer.experts, group, size, local)
         else:  # a Hugging Face block: its experts' forward (routing in, weighted sum out) does
-            layer.experts.forward = _HFExperts(layer.experts, _Dispatch(_hf_compute(layer.experts), group, size, local))
+            compute = _hf_compute(layer.experts)  # before num_experts changes: the route depends on the module
+            if compat.experts_grouped_forward(layer.experts) is not None:
+                layer.experts.num_experts = local  # transformers' grouped forward counts this rank's experts
+            layer.experts.forward = _HFExperts(layer.experts, _Dispatch(compute, group, size, local))
     return [m for _, m, _ in layers]
 
 
@@ -257,8 +273,23 @@ class _HFExperts:
 
 
 def _hf_compute(experts: nn.Module) -> Callable[[torch.Tensor, list[int]], torch.Tensor]:
-    """This rank's experts of a Hugging Face experts module, as transformers computes each: ``down(gate(gate_up))``,
-    the module's own gating where it has one (``compat.experts_gate``), else ``act(gate) * up``."""
+    """This rank's experts of a Hugging Face experts module, as transformers computes each. A module built with
+    transformers' ``use_experts_implementation`` goes through transformers' own grouped forward (every layout its
+    flags declare), each dispatched row its own token with its expert and a weight of 1; another: ``down(gate(
+    gate_up))``, the module's own gating where it has one (``compat.experts_gate``), else ``act(gate) * up``."""
+    grouped = compat.experts_grouped_forward(experts)
+    if grouped is not None:
+
+        def through_transformers(tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+            if not tokens.shape[0]:  # no row for this rank's experts: zero gradients for them, not none, and the
+                # rows (none) still in the graph, so that the backward's all-to-all runs here as on the other ranks
+                nothing = sum(p.reshape(-1)[:1].sum() for p in experts.parameters(recurse=False))
+                return tokens * 0 + 0 * nothing
+            rows = torch.tensor(counts, device=tokens.device)
+            ids = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device), rows).unsqueeze(1)
+            return grouped(experts, tokens, ids, torch.ones(ids.shape, dtype=tokens.dtype, device=tokens.device))
+
+        return through_transformers
     own = compat.experts_gate(experts)
 
     def gated(gate_up: torch.Tensor) -> torch.Tensor:
