@@ -394,6 +394,15 @@ def test_a_mixture_whose_experts_cannot_be_split_is_refused_naming_it():
         check_module(_hf_model("llama4_text"), 2)
     with pytest.raises(ValueError, match="does not divide model.layers.0.mlp's 4 experts"):
         check_module(_hf_model("mixtral"), 3)
+    # beside FSDP's sharding, experts laid out their own way are refused (a tiny gpt-oss under FSDP with EP 2 gave
+    # other losses from its first step; under DDP it splits exactly, above); Mixtral's layout is not
+    from distrain.parallel.expert_parallel import check_sharded
+
+    with pytest.raises(
+        ValueError, match=r"beside FSDPStrategy's sharding cannot split model.layers.0.mlp \(GptOssMLP\)"
+    ):
+        check_sharded(_hf_model("gpt_oss"), "FSDPStrategy")
+    check_sharded(_hf_model("mixtral"), "FSDPStrategy")
 
 
 def test_expert_parallelism_it_cannot_run_is_refused_before_any_rank_starts(tmp_path):
