@@ -36,14 +36,6 @@ class TensorBoardLogger(_TensorBoardLogger):
             self.log_dir = self.log_dir / sub_dir
         self.prefix, self._writer_kwargs = prefix, kwargs
 
-    @property
-    def writer(self):
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.log_dir), **self._writer_kwargs)
-        return self._writer
-
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
         join = f"{self.prefix}-" if self.prefix else ""
         super().log_metrics({join + name: value for name, value in metrics.items()}, step)

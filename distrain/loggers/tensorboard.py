@@ -25,13 +25,14 @@ class TensorBoardLogger(Logger):
         self._log_graph = log_graph  # Lightning's names: tutorials set them on trainer.logger
         self._default_hp_metric = None
         self._writer = None
+        self._writer_kwargs: dict[str, Any] = {}  # SummaryWriter's own keywords (Lightning's TensorBoardLogger)
 
     @property
     def writer(self):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), **self._writer_kwargs)
         return self._writer
 
     def _experiment(self):
