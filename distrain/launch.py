@@ -195,9 +195,11 @@ class SubprocessLauncher:
             rank = self.node_rank * self.nprocs + local_rank
             record_exit(self.log_dir, rank, code, since=self._started_at, explain_memory=self.explain_memory)
 
-    def _kill_others(self, grace: float = 10.0) -> None:
+    def _kill_others(self, grace: float = 3.0) -> None:
         """SIGTERM, then SIGKILL whatever still runs after ``grace`` s: a rank that hangs outside
-        a collective never acts on SIGTERM (distrain's handler only asks for a stop at the next step)."""
+        a collective never acts on SIGTERM (distrain's handler only asks for a stop at the next step). The job has
+        failed: no rank can checkpoint with the others any more, so the grace is for a rank to exit and flush its
+        log (well under a second), not for a step to end; a hung rank waited out 10 s of it for nothing."""
         self._stopping = True
         alive = [proc for proc in self.procs if proc.poll() is None]
         for proc in alive:
