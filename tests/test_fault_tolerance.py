@@ -74,14 +74,23 @@ def test_resumed_on_4_3_2_4_ranks_the_global_batch_and_the_losses_stay(tmp_path)
 
 
 # ---- per-step fault tolerance: replica groups with torchft (strategy ddp_torchft) ------------------------------
-FT_STEPS = 100
+FT_STEPS = 250
+#: a step of 4 samples of 32 tokens: the default's 8 of 128 took 0.2 s on these 2 cores (4 processes training), and
+#: the run that kills a group needs its steps to outlast a restart, not a model's compute (250 small steps: 30 s of
+#: the three runs side by side, where 100 of the default took 48)
+SMALL_STEPS = ["data.seq_len=32", "training.batch_size_per_gpu=4", "data.max_bytes=200000"]
 
 
-def _train(out: Path, strategy: str = "ddp_torchft", devices: int = 1, *overrides: str) -> subprocess.Popen:
-    """``distrain train`` on the built-in GPT, as a user starts it (the launcher starts a lighthouse and the groups)."""
+def _train(
+    out: Path, strategy: str = "ddp_torchft", devices: int = 1, *overrides: str, small_steps: bool = True
+) -> subprocess.Popen:
+    """``distrain train`` on the built-in GPT, as a user starts it (the launcher starts a lighthouse and the groups).
+    ``small_steps=False``: the default batch, for a test whose window (a signal landing mid-run, a restart coming
+    back before the others end) is counted in steps that must take time."""
     command = ["distrain", "train", "--strategy", strategy, "--devices", str(devices), f"output_dir={out}"]
     command += [f"training.max_steps={FT_STEPS}", "training.gradient_accumulation_steps=2"]
     command += ["logging.progress_bar=false", "logging.log_every_n_steps=1", "checkpointing.save_every_n_steps=null"]
+    command += [*(SMALL_STEPS if small_steps else []), "logging.plot_summary=false", "logging.use_tensorboard=false"]
     return subprocess.Popen(
         [*command, *overrides], env=env_without_rank(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -230,7 +239,7 @@ def test_a_restarted_group_of_two_ranks_rejoins(tmp_path):
     second one must find the group's new manager server, not the killed one's (torchrun's store keeps the old
     address across the restart: it waited on it until ft_timeout, then failed every restart alike). The group takes
     the live state back and both groups end in lockstep."""
-    steps, kill_at = 30, 4
+    steps, kill_at = 60, 4  # small steps: 60 leave the kill room to land mid-run
     out = tmp_path / "run"
     launcher = _train(out, "ddp_torchft", 2, f"training.max_steps={steps}", "distributed.max_restarts=1")
     try:
@@ -253,9 +262,11 @@ def test_a_group_killed_twice_ends_with_the_jobs_final_state_never_alone(tmp_pat
     """kill -9 of group 1 mid-run (it rejoins with the live state), then again at the last steps: its second restart
     comes when group 0 has finished. It must not train alone from its own state (it did, 60 solo steps behind exit
     0): it takes group 0's final checkpoint and ends there, so both groups end with the same weights."""
-    steps = FT_STEPS  # long enough that the first restart lands mid-run (a restart takes seconds: Python, torch)
+    steps = 100  # long enough that the first restart lands mid-run (a restart takes seconds: Python, torch)
     out = tmp_path / "run"
-    launcher = _train(out, "ddp_torchft", 1, "distributed.max_restarts=2")
+    launcher = _train(
+        out, "ddp_torchft", 1, f"training.max_steps={steps}", "distributed.max_restarts=2", small_steps=False
+    )
     try:
         for kill_at in (6, steps - 1):
             _signal_group_one(launcher, out, kill_at, signal.SIGKILL)
@@ -281,7 +292,7 @@ def test_a_group_whose_restarts_ran_out_fails_the_job_naming_it(tmp_path):
     """max_restarts=0: group 1 killed once is not restarted; group 0 finishes, and the job exits non-zero naming
     group 1 (an exit 0 would hide that one group's work was lost)."""
     out = tmp_path / "run"
-    launcher = _train(out, "ddp_torchft", 1, "training.max_steps=20", "distributed.max_restarts=0")
+    launcher = _train(out, "ddp_torchft", 1, "training.max_steps=20", "distributed.max_restarts=0", small_steps=False)
     try:
         _signal_group_one(launcher, out, 4, signal.SIGKILL)
         output, _ = launcher.communicate(timeout=300)
@@ -309,7 +320,7 @@ def test_a_signal_to_the_launcher_stops_every_group_at_a_step_and_resume_goes_on
     step with a checkpoint and the job exits 0 (torchrun is not signalled: it would end its ranks and exit 1, and a
     SIGINT would crash them into a restart); ``--resume auto`` then trains both groups to the end."""
     out, steps = tmp_path / "run", 30  # the stop comes at step 3 or a little later: 30 leave room to resume
-    launcher = _train(out, "ddp_torchft", 1, f"training.max_steps={steps}")
+    launcher = _train(out, "ddp_torchft", 1, f"training.max_steps={steps}", small_steps=False)
     _wait_for_step(out / "replica_0", 3)
     launcher.send_signal(sig)
     output = _finish(launcher, timeout=120)
@@ -319,7 +330,9 @@ def test_a_signal_to_the_launcher_stops_every_group_at_a_step_and_resume_goes_on
     assert a["progress"]["global_step"] == b["progress"]["global_step"] == int(stopped[0])
     for name, value in a["model"].items():
         assert torch.equal(value, b["model"][name]), name
-    resumed = _finish(_train(out, "ddp_torchft", 1, f"training.max_steps={steps}", "--resume", "auto"))
+    resumed = _finish(
+        _train(out, "ddp_torchft", 1, f"training.max_steps={steps}", "--resume", "auto", small_steps=False)
+    )
     assert resumed.count(f"done at step {steps}") == 2, resumed[-3000:]
 
 
@@ -330,7 +343,7 @@ def test_a_signal_that_reaches_one_group_only_stops_every_group_at_the_same_step
     the same step, name the signal, write bit-identical final states, and the job exits 0; before, group 1 stopped at
     once and group 0 trained on without it."""
     out, steps = tmp_path / "run", 40
-    launcher = _train(out, "ddp_torchft", 1, f"training.max_steps={steps}")
+    launcher = _train(out, "ddp_torchft", 1, f"training.max_steps={steps}", small_steps=False)
     try:
         _signal_group_one(launcher, out, 3, signal.SIGUSR1)
         output = _finish(launcher, timeout=120)
