@@ -139,9 +139,7 @@ def choose(root: str, ckpt_path) -> str:
 
     if replica_group() is not None:
         return root
-    runs = ([root] if run_files(root, versions=False) else []) + [
-        str(p) for _, p in sorted(_versions(Path(root))) if run_files(p)
-    ]
+    runs = ([root] if run_files(root, versions=False) else []) + [str(p) for _, p in versions(root) if run_files(p)]
     if ckpt_path in ("last", "auto"):
         return runs[-1] if runs else root
     if ckpt_path is not None:
@@ -151,11 +149,20 @@ def choose(root: str, ckpt_path) -> str:
             return inside[-1]
     if not runs:
         return root
-    newest = max((n for n, p in _versions(Path(root)) if str(p) in runs), default=0)
+    newest = max((n for n, p in versions(root) if str(p) in runs), default=0)
     return os.path.join(root, f"version_{newest + 1}")
 
 
-def _versions(root: Path) -> list[tuple[int, Path]]:
+def versions(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """The ``version_N`` folders in ``root`` as (N, path), lowest N first: a Trainer's runs (``choose``), a logger's
+    (``next_version``), a Lightning resume's earlier runs."""
+    root = Path(root)
     if not root.is_dir():
         return []
-    return [(int(m.group(1)), p) for p in root.iterdir() if (m := _VERSION.fullmatch(p.name)) and p.is_dir()]
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _VERSION.fullmatch(p.name)) and p.is_dir())
+
+
+def next_version(root: str | os.PathLike) -> int:
+    """One more than the highest ``version_N`` folder in ``root`` (0 where there is none), as Lightning's loggers
+    number their runs."""
+    return max((n for n, _ in versions(root)), default=-1) + 1

@@ -9,7 +9,8 @@ from typing import Any
 from distrain.lightning._refuse import refusing
 from distrain.loggers import CSVLogger, Logger, MLFlowLogger, WandbLogger
 from distrain.loggers import TensorBoardLogger as _TensorBoardLogger
-from distrain.loggers.base import DummyExperiment, next_version
+from distrain.loggers.base import DummyExperiment
+from distrain.run_dir import next_version
 
 __all__ = ["CSVLogger", "DummyExperiment", "Logger", "MLFlowLogger", "TensorBoardLogger", "WandbLogger"]
 

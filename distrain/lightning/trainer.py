@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from distrain.checkpoint.remote import is_url
+from distrain.run_dir import versions
 from distrain.runtime import rng_state, set_rng_state
 from distrain.trainer import Trainer as _Trainer
 
@@ -82,10 +83,7 @@ class Trainer(_Trainer):
         except FileNotFoundError:
             pass
         here = Path(self.log_dir)
-        earlier = sorted(
-            (p for p in here.parent.glob("version_*") if p != here and (p / "checkpoints" / "last").exists()),
-            key=lambda p: int(p.name.split("_", 1)[1]) if p.name.split("_", 1)[1].isdigit() else -1,
-        )
+        earlier = [p for _, p in versions(here.parent) if p != here and (p / "checkpoints" / "last").exists()]
         if earlier:
             found = earlier[-1] / "checkpoints" / "last"
             if self.is_global_zero:

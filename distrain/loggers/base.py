@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import Any
 
 
@@ -76,12 +74,3 @@ def yaml_plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): yaml_plain(v) for k, v in value.items()}
     return repr(value)
-
-
-def next_version(root: Path) -> int:
-    """One more than the highest ``version_N`` folder in ``root`` (0 where there is none), as Lightning's loggers
-    number their runs."""
-    versions = [
-        int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name)) and p.is_dir()
-    ]
-    return max(versions, default=-1) + 1

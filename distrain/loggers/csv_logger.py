@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from distrain.config import redacted
-from distrain.loggers.base import Logger, next_version, yaml_plain
+from distrain.loggers.base import Logger, yaml_plain
+from distrain.run_dir import next_version
 
 
 class CSVLogger(Logger):
