@@ -519,6 +519,43 @@ def test_lightnings_checkpoint_names_weights_only_and_versions(tmp_path):
     assert {"epoch=0-step=8", "epoch=0-step=8-v1"} <= {p.name for p in (tmp_path / "ckpt").iterdir()}
 
 
+class _ValLossAtEachSave(distrain.Callback):
+    """The monitored value each epoch's checkpoint is ranked by (saved at the epoch's end, after validation)."""
+
+    def __init__(self):
+        self.at_epoch: list[float] = []
+
+    def on_train_epoch_end(self, trainer, module):
+        self.at_epoch.append(float(trainer.callback_metrics["val_loss"]))
+
+
+@pytest.mark.parametrize("mode, top_k", [("min", 2), ("max", -1), (None, 1)])
+def test_the_kept_checkpoints_are_told_as_lightnings_callback_tells_them(tmp_path, mode, top_k):
+    """``best_k_models`` (path → monitored value), ``best_model_score``, ``kth_best_model_path`` and ``kth_value``, as
+    Lightning 2.6.6 gives them for the same three callbacks (checked there: the same values to the last digit on its
+    tutorial's regression); without a monitor: None, {}, "" and inf."""
+    monitored = {} if mode is None else {"monitor": "val_loss", "mode": mode}
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=top_k, **monitored)
+    values = _ValLossAtEachSave()
+    trainer, _ = make_trainer(tmp_path, devices=1, max_epochs=3, logger=False, callbacks=[values, checkpoint])
+    trainer.fit(Regressor(), _loader(), _loader(8))
+    if mode is None:
+        assert (checkpoint.best_model_score, checkpoint.best_k_models, checkpoint.kth_best_model_path) == (None, {}, "")
+        assert checkpoint.kth_value == torch.tensor(float("inf"))
+        return
+    by_path = {str(tmp_path / "ckpt" / f"epoch={e}-step={8 * (e + 1)}"): v for e, v in enumerate(values.at_epoch)}
+    ranked = sorted(by_path, key=by_path.get, reverse=mode == "max")
+    kept = ranked if top_k < 0 else ranked[:top_k]
+    assert {p: float(v) for p, v in checkpoint.best_k_models.items()} == pytest.approx({p: by_path[p] for p in kept})
+    assert checkpoint.best_model_path == kept[0] and float(checkpoint.best_model_score) == pytest.approx(
+        by_path[kept[0]]
+    )
+    assert checkpoint.kth_best_model_path == kept[-1] and float(checkpoint.kth_value) == pytest.approx(
+        by_path[kept[-1]]
+    )
+    assert isinstance(checkpoint.best_model_score, torch.Tensor)
+
+
 def test_lightnings_ckpt_file_names_resume_and_load_what_was_saved_under_them(tmp_path):
     """Lightning's documentation resumes from ``checkpoints/last.ckpt`` and loads ``epoch=0-step=8.ckpt``: distrain's
     checkpoints are folders named without ``.ckpt``, and either spelling finds them."""

@@ -93,6 +93,44 @@ class ModelCheckpoint(Callback):
         self.remote = RemoteDir(url)
         self.dirpath = self.remote.stage
 
+    # ---- the kept checkpoints as Lightning's ModelCheckpoint tells them (read-only) ---------------------------------
+    @property
+    def best_k_models(self) -> dict:
+        """Each kept checkpoint's path and its ``monitor`` value (a tensor), as Lightning's; empty without a monitor."""
+        return {path: self._value(score) for score, path in self._top_k()} if self.monitor is not None else {}
+
+    @property
+    def best_model_score(self):
+        """The best kept checkpoint's ``monitor`` value (a tensor); None without a monitor or before a save."""
+        kept = self._top_k()
+        return self._value(kept[0][0]) if self.monitor is not None and kept else None
+
+    @property
+    def kth_best_model_path(self) -> str:
+        """The worst of the ``save_top_k`` kept (the next to go); "" without a monitor, as in Lightning."""
+        kept = self._top_k()
+        return kept[-1][1] if self.monitor is not None and kept else ""
+
+    @property
+    def kth_value(self):
+        """``kth_best_model_path``'s value; infinitely bad (inf for mode "min") while there is none."""
+        import torch
+
+        kept = self._top_k()
+        if self.monitor is not None and kept:
+            return self._value(kept[-1][0])
+        return torch.tensor(math.inf if self.mode == "min" else -math.inf)
+
+    def _top_k(self) -> list[tuple[float, str]]:
+        """The ranked checkpoints within ``save_top_k`` (``saved`` also keeps the one ``last`` points at)."""
+        return self.saved if self.save_top_k < 0 else self.saved[: self.save_top_k]
+
+    def _value(self, score: float):
+        """A score (higher is better) as the monitored value it came from."""
+        import torch
+
+        return torch.tensor(score if self.mode == "max" else -score)
+
     @property
     def state_key(self) -> str:
         """Two checkpoint callbacks that watch different things keep their states apart (Lightning's key)."""
