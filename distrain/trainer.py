@@ -59,7 +59,7 @@ from distrain.training.metrics import MetricsLogger, StepResult, print_fit_summa
 from distrain.training.nonfinite import NonFiniteError, step_is_finite
 from distrain.training.optimizers import LoopOptimizer, parse_optimizers, step_schedulers
 from distrain.training.outcomes import StepOutcome
-from distrain.training.preemption import StopAgreement
+from distrain.training.preemption import SIGNALS, StopAgreement
 from distrain.training.stages import report, run_stage, sanity_check, setup_loader, teardown, validate_during_fit
 from distrain.training.views import TrainerViews
 
@@ -120,6 +120,9 @@ class Trainer(TrainerViews):
     #: before it), and the loaders draw from generators of their own. True (``distrain.lightning``): a stage goes on
     #: with the random streams the script left, and the loaders draw from torch's generator as torch's own do
     continues_script_streams = False
+    #: the signals that stop the run at a step with a checkpoint (SIGTERM, SIGUSR1; Lightning's SLURMEnvironment adds
+    #: its requeue_signal)
+    stop_signals: tuple[int, ...] = SIGNALS
     _script_streams: dict | None = None  # spawned ranks: the streams the script had when it called fit
 
     def __init__(

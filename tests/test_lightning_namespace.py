@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -717,3 +718,138 @@ def test_a_lightning_run_resumed_mid_epoch_goes_on_with_the_order_and_streams_it
     for step in (3, 9):  # mid-epoch in the first epoch and in the second
         resumed = fit(tmp_path / f"from-{step}", ckpt_path=str(ckpt / f"epoch={step // 8}-step={step}.ckpt"))
         assert resumed == whole[step:], step
+
+
+# ---- plugins=: precision plugins and cluster environments ------------------------------------------------------------
+class _Losses(distrain.Callback):
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+
+def _fit_losses(tmp_path, **kwargs) -> tuple[pl.Trainer, list[float]]:
+    recorder = _Losses()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=4, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+        num_sanity_val_steps=0, default_root_dir=str(tmp_path), callbacks=[recorder], **kwargs,
+    )  # fmt: skip
+    distrain.seed_everything(0)
+    trainer.fit(Regressor(), _loader())
+    return trainer, recorder.losses
+
+
+def test_a_precision_plugin_trains_as_its_precision_and_one_overriding_a_hook_is_refused(tmp_path):
+    from distrain.lightning.plugins import DoublePrecision, MixedPrecision, Precision
+
+    _, bf16 = _fit_losses(tmp_path / "a", precision="bf16-mixed")
+    trainer, plugin = _fit_losses(tmp_path / "b", plugins=[MixedPrecision("bf16-mixed", "cpu")])
+    _, fp32 = _fit_losses(tmp_path / "c")
+    assert trainer.precision == "bf16-mixed" and plugin == bf16 and plugin != fp32  # bf16's own rounding
+
+    class Declared(Precision):  # the documentation's way: the class attribute, no hook
+        precision = "64-true"
+
+    assert pl.Trainer(plugins=[Declared()], logger=False).precision == "64-true"
+    assert pl.Trainer(plugins=DoublePrecision(), logger=False).precision == "64-true"
+
+    class ScalesItsOwnLoss(Precision):
+        def backward(self, tensor, model, optimizer, *args, **kwargs):
+            (tensor * 2).backward()
+
+    with pytest.raises(
+        ValueError, match=r"^Trainer\(plugins=\[ScalesItsOwnLoss\(\)\]\): .* never call ScalesItsOwnLoss's backward"
+    ):
+        pl.Trainer(plugins=[ScalesItsOwnLoss()])
+    with pytest.raises(ValueError, match=r"precision='bf16-mixed'.*a precision plugin of '64-true': choose one"):
+        pl.Trainer(precision="bf16-mixed", plugins=[DoublePrecision()])
+    with pytest.raises(ValueError, match=r"^Trainer\(plugins=\[Regressor\]\): distrain takes a precision plugin"):
+        pl.Trainer(plugins=[Regressor()])
+
+
+def test_a_cluster_environment_that_starts_the_ranks_places_this_one(tmp_path, monkeypatch):
+    """Lightning's interface (one leaving an abstract method out cannot be made), its answers as the process group's
+    variables when the Trainer is made, and an answer that fails named in one line."""
+    from distrain.cluster import find_free_port
+    from distrain.lightning.plugins.environments import ClusterEnvironment
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(key, "")  # recorded as absent (or as it was), so that what the plugin sets goes after
+        monkeypatch.delenv(key)
+    port = find_free_port()
+
+    class Scheduler(ClusterEnvironment):  # a scheduler of the user's that starts one process for the job
+        creates_processes_externally = True
+        main_address, main_port = "127.0.0.1", port
+
+        @staticmethod
+        def detect():
+            return True
+
+        def world_size(self):
+            return int(os.environ.get("SCHEDULER_TASKS", 1))
+
+        def set_world_size(self, size):
+            pass
+
+        def global_rank(self):
+            return 0
+
+        def set_global_rank(self, rank):
+            pass
+
+        def local_rank(self):
+            return 0
+
+        def node_rank(self):
+            return 0
+
+    trainer, losses = _fit_losses(tmp_path / "placed", plugins=[Scheduler()])
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_PORT"]) == ("0", "1", str(port))
+    assert trainer.world_size == 1 and len(losses) == 4
+    monkeypatch.setenv("SCHEDULER_TASKS", "two")
+    with pytest.raises(ValueError, match=r"^Trainer\(plugins=\[Scheduler\(\)\]\): asked for WORLD_SIZE, it raised "):
+        pl.Trainer(plugins=[Scheduler()], logger=False)
+
+    class Incomplete(ClusterEnvironment):
+        creates_processes_externally = True
+
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete()
+
+
+def test_slurm_environment_stops_on_its_signal_and_is_lightnings_default_under_srun(tmp_path, monkeypatch, capsys):
+    """``requeue_signal`` stops the run at a step with a checkpoint, as SIGUSR1 does (a job without a SLURM_JOB_ID is
+    not requeued, and says so); under srun a Trainer without the plugin behaves as with ``SLURMEnvironment()``."""
+    import signal
+
+    from distrain.lightning.plugins.environments import SLURMEnvironment
+
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+
+    class HangsUp(Regressor):
+        def training_step(self, batch, batch_idx):
+            if self.trainer.global_step == 2:
+                os.kill(os.getpid(), signal.SIGHUP)  # the default action would end the process
+            return super().training_step(batch, batch_idx)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=6, logger=False, enable_progress_bar=False,
+        default_root_dir=str(tmp_path), plugins=[SLURMEnvironment(requeue_signal=signal.SIGHUP)],
+    )  # fmt: skip
+    trainer.fit(HangsUp(), _loader())
+    assert trainer.preempted == signal.SIGHUP and trainer.global_step == 3
+    assert (tmp_path / "checkpoints" / "epoch=0-step=3").is_dir()
+    assert "stopped by signal 1, but SLURM_JOB_ID is None: not requeued" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # put back after fit
+    assert pl.Trainer(logger=False).slurm is None
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    default = pl.Trainer(logger=False).slurm
+    assert (default.auto_requeue, default.requeue_signal) == (True, signal.SIGUSR1)
+    monkeypatch.setenv("SLURM_JOB_NAME", "interactive")  # an allocation's shell: Lightning starts the ranks there
+    assert pl.Trainer(logger=False).slurm is None
+    for bad, said in ((dict(requeue_signal=signal.SIGKILL), "cannot catch"), (dict(auto_requeue="yes"), "True or")):
+        with pytest.raises(ValueError, match=said):
+            SLURMEnvironment(**bad)

@@ -156,6 +156,82 @@ def test_a_job_ended_by_the_scheduler_is_requeued_and_ends_bit_identical(slurm, 
     assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
 
 
+#: a Lightning script as its users write one for SLURM: its own sbatch file runs it under srun, and Lightning's
+#: SLURMEnvironment (here with SIGHUP for its signal) stops, requeues and resumes it. argv: root, devices, num_nodes
+LIGHTNING_SCRIPT = """
+import os, signal, sys, time
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+import distrain.lightning as L
+from distrain.lightning.plugins.environments import SLURMEnvironment
+
+class Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.2)  # a step slow enough for SLURM's signal to land mid-run, at no cost in CPU
+        loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+L.seed_everything(3)
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(256, 8, generator=g), torch.randn(256, 1, generator=g))
+plugins = [SLURMEnvironment(requeue_signal=signal.SIGHUP)] if "SLURM_JOB_ID" in os.environ else []
+trainer = L.Trainer(
+    accelerator="cpu", devices=int(sys.argv[2]), num_nodes=int(sys.argv[3]), max_steps=24, log_every_n_steps=1,
+    default_root_dir=sys.argv[1], enable_progress_bar=False, plugins=plugins,
+)
+trainer.fit(Regression(), DataLoader(data, batch_size=4, shuffle=True))
+if trainer.is_global_zero and trainer.global_step == 24:
+    torch.save(trainer.lightning_module.state_dict(), os.path.join(sys.argv[1], "final.pt"))
+"""
+
+
+def test_a_lightning_script_under_its_own_sbatch_requeues_itself_on_its_signal_and_resumes(slurm, tmp_path):
+    """Lightning's auto-requeue, as its users' own job files rely on it: ``srun python train.py`` with
+    ``plugins=[SLURMEnvironment(requeue_signal=SIGHUP)]``. ``scancel --signal=HUP`` mid-run: every rank stops at one
+    step with a checkpoint, rank 0 requeues the job (``scontrol requeue``), and the requeued job's ``fit`` (no
+    ``ckpt_path`` in the script) goes on from that checkpoint, in a new version folder as in Lightning, to the
+    weights of the same script never stopped (distrain's own launcher, 2 ranks on this machine), bit for bit."""
+    (tmp_path / "train.py").write_text(LIGHTNING_SCRIPT)
+    alone = {k: v for k, v in env_without_rank().items() if not k.startswith("SLURM_")} | {"OMP_NUM_THREADS": "1"}
+    local = subprocess.Popen(  # beside the job, which mostly sleeps
+        [sys.executable, "train.py", str(tmp_path / "local"), "2", "1"],
+        cwd=tmp_path, env=alone, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    job_file = tmp_path / "train.sbatch"
+    job_file.write_text(
+        f"#!/bin/bash\n#SBATCH --nodes={NODES}\n#SBATCH --ntasks-per-node=1\n#SBATCH --output=%x-%j.out\n"
+        f"export OMP_NUM_THREADS=1\nsrun {sys.executable} train.py {tmp_path / 'slurm'} 1 {NODES}\n"
+    )
+    job = slurm.submit(job_file)
+    first = tmp_path / "slurm" / "lightning_logs" / "version_0"
+    deadline = time.monotonic() + 120
+    while _steps_logged(first) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _steps_logged(first) >= 5, slurm.state(job)
+    signalled = slurm.run("scancel", "--signal=HUP", job)
+    assert signalled.returncode == 0, signalled.stderr
+    assert slurm.wait_until_ended(job) == "COMPLETED" and slurm.restarts(job) == 1
+    output = "".join(p.read_text() for p in tmp_path.glob("*.out"))  # the requeued start's
+    stopped = re.search(
+        r"stopped by signal 1 at step (\d+): requeued SLURM job (\d+)", (first / "logs" / "rank_0.log").read_text()
+    )
+    assert stopped and stopped.group(2) == job and 5 <= int(stopped.group(1)) < 24, output[-3000:]
+    assert f"resuming {first / 'checkpoints' / 'last'}" in output, output[-3000:]
+    _, errors = local.communicate(timeout=300)
+    assert local.returncode == 0, errors[-3000:]
+    ours = torch.load(tmp_path / "slurm" / "final.pt", weights_only=True)
+    reference = torch.load(tmp_path / "local" / "final.pt", weights_only=True)
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
 def test_the_partitions_grace_time_is_read_from_the_controller(slurm, monkeypatch):
     """What a rank under SLURM reads of its partition: the seconds from a preemption's SIGTERM to its SIGKILL, which
     a checkpoint must fit in (a save that takes longer is said once, on rank 0); nothing where the partition

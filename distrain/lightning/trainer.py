@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from distrain.checkpoint.remote import is_url
+from distrain.lightning.plugins.environments import ClusterEnvironment, SLURMEnvironment
+from distrain.lightning.plugins.precision import Precision, precision_of
 from distrain.run_dir import versions
 from distrain.runtime import rng_state, set_rng_state
 from distrain.trainer import Trainer as _Trainer
@@ -47,6 +49,22 @@ class Trainer(_Trainer):
 
     def __init__(self, **kwargs: Any):
         kwargs = {"num_sanity_val_steps": 2, **env_defaults(), **kwargs}  # Lightning's default sanity check
+        environment, plugin_precision = _plugins(kwargs.pop("plugins", None))
+        if plugin_precision is not None:
+            if kwargs.get("precision") not in (None, plugin_precision):
+                raise ValueError(
+                    f"Trainer(precision={kwargs['precision']!r}, plugins=[...]) and a precision plugin of "
+                    f"{plugin_precision!r}: choose one (as Lightning asks)"
+                )
+            kwargs["precision"] = plugin_precision
+        #: Lightning's SLURM behaviour (a plugin's, else the default under srun): stop on its signal, requeue, resume
+        self.slurm = environment if isinstance(environment, SLURMEnvironment) else None
+        if environment is None and SLURMEnvironment.detect():
+            self.slurm = SLURMEnvironment()
+        elif environment is not None and not isinstance(environment, SLURMEnvironment):
+            _place_this_rank(environment, kwargs.get("devices", "auto"), kwargs.get("num_nodes", 1))
+        if self.slurm is not None and self.slurm.requeue_signal not in self.stop_signals:
+            self.stop_signals = (*self.stop_signals, self.slurm.requeue_signal)
         precision, accelerator = kwargs.get("precision", "32-true"), kwargs.get("accelerator", "auto")
         kwargs["precision"] = _lightning_precision(precision, accelerator)
         kwargs["default_root_dir"] = kwargs.get("default_root_dir") or os.getcwd()  # Lightning's: where it runs
@@ -55,6 +73,18 @@ class Trainer(_Trainer):
         if kwargs.get("devices", "auto") in ("auto", -1, "-1") and _on_cpu(accelerator):
             kwargs["devices"] = 1  # Lightning's CPU accelerator counts one device (distrain's: a rank per core)
         super().__init__(**kwargs)
+
+    def fit(self, model, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
+        """distrain's ``fit``, with Lightning's SLURM auto-requeue: a job SLURM requeued (``SLURM_RESTART_COUNT``)
+        goes on from its last checkpoint where the script names none, and a run that its ``requeue_signal`` stopped
+        is requeued by rank 0 (``scontrol requeue``) once its checkpoint is written."""
+        requeues = self.slurm is not None and self.slurm.auto_requeue
+        if ckpt_path is None and requeues and SLURMEnvironment.requeued():
+            ckpt_path = "last"  # this run is a new version: `last` is the newest earlier version's
+        metrics = super().fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
+        if requeues and self.preempted == self.slurm.requeue_signal and self.is_global_zero:
+            _requeue(SLURMEnvironment.job_id(), self.preempted, self.global_step)
+        return metrics
 
     def _seed_streams(self, stage_start: bool) -> None:
         """Lightning's: a stage goes on with the script's streams (a spawned rank with those its parent had), except
@@ -115,6 +145,84 @@ class Trainer(_Trainer):
 
     def _train_order(self) -> tuple[bool | None, int]:
         return (True if self.data_parallel_size > 1 else None), int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def _plugins(plugins: Any) -> tuple[ClusterEnvironment | None, str | None]:
+    """``Trainer(plugins=...)`` (one plugin or a list): the cluster environment and the precision it names. Anything
+    else, or two of a kind, is refused in one line naming it."""
+    environment, precision = None, None
+    for plugin in [] if plugins is None else plugins if isinstance(plugins, (list, tuple)) else [plugins]:
+        name = type(plugin).__name__
+        if isinstance(plugin, ClusterEnvironment) and environment is None:
+            environment = plugin
+        elif isinstance(plugin, Precision) and precision is None:
+            precision = precision_of(plugin)
+        elif isinstance(plugin, (ClusterEnvironment, Precision)):
+            kind = "precisions" if isinstance(plugin, Precision) else "cluster environments"
+            raise ValueError(f"Trainer(plugins=[...]): two {kind} given ({name} is the second); give one")
+        else:
+            raise ValueError(
+                f"Trainer(plugins=[{name}]): distrain takes a precision plugin (Precision, MixedPrecision, "
+                "DoublePrecision, HalfPrecision) or a cluster environment (ClusterEnvironment, SLURMEnvironment) "
+                "there; checkpoint I/O is distrain's own (torch.distributed.checkpoint)"
+            )
+    return environment, precision
+
+
+def _place_this_rank(environment: ClusterEnvironment, devices: Any, num_nodes: Any) -> None:
+    """A cluster environment that starts the ranks itself (``creates_processes_externally``): its answers become the
+    variables this rank's process group reads, as Lightning's strategies ask it when the Trainer is made. One that
+    leaves starting them to the Trainer gives the main address and port."""
+    if isinstance(devices, int) and isinstance(num_nodes, int):
+        environment.validate_settings(devices, num_nodes)
+    answers = {"MASTER_ADDR": lambda: environment.main_address, "MASTER_PORT": lambda: environment.main_port}
+    if environment.creates_processes_externally:
+        answers.update(
+            RANK=environment.global_rank,
+            WORLD_SIZE=environment.world_size,
+            LOCAL_RANK=environment.local_rank,
+            NODE_RANK=environment.node_rank,
+        )
+    values = {}
+    for key, answer in answers.items():
+        try:
+            values[key] = str(answer())
+        except Exception as e:  # noqa: BLE001 — the user's class: its failure, named
+            raise ValueError(
+                f"Trainer(plugins=[{type(environment).__name__}()]): asked for {key}, it raised {type(e).__name__}: {e}"
+            ) from None
+    os.environ.update(values)
+    if environment.creates_processes_externally and isinstance(num_nodes, int) and num_nodes > 0:
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(max(1, int(values["WORLD_SIZE"]) // num_nodes)))
+
+
+def _requeue(job_id: str | None, signal_number: int, step: int) -> None:
+    """Lightning's auto-requeue, from rank 0 once the stopped run's checkpoint is written: ``scontrol requeue``."""
+    import re
+    import subprocess
+    import sys
+
+    if job_id is None or not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):
+        print(f"distrain: stopped by signal {signal_number}, but SLURM_JOB_ID is {job_id!r}: not requeued", flush=True)
+        return
+    try:
+        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+        said = (done.stderr or done.stdout).strip().splitlines()
+        failed = f"exit code {done.returncode}: {said[-1] if said else ''}" if done.returncode else ""
+    except (OSError, subprocess.TimeoutExpired) as e:
+        failed = f"{type(e).__name__}: {e}"
+    if failed:
+        print(
+            f"distrain: requeuing SLURM job {job_id} failed ({failed}); resume it with ckpt_path='last'",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        print(
+            f"distrain: stopped by signal {signal_number} at step {step}: requeued SLURM job {job_id}, which goes on "
+            "from this checkpoint (SLURMEnvironment(auto_requeue=True))",
+            flush=True,
+        )
 
 
 def _default_loggers(root: str) -> list:

@@ -100,7 +100,7 @@ def assemble(trainer, a: dict[str, Any]) -> None:
     trainer.evaluator = Evaluator(rt, trainer.metrics, functools.partial(call_callbacks, trainer))
     trainer.checkpoints = CheckpointManager(trainer)
     trainer.checkpoints.async_save = a["async_save"]  # checkpoints written while training goes on
-    trainer.stop = StopAgreement(rt)
+    trainer.stop = StopAgreement(rt, trainer.stop_signals)
     trainer.run_config = None  # the resolved config, stored in checkpoints (the CLI sets it)
     _start_state(trainer)
 

@@ -19,8 +19,9 @@ _ASKED = 0.5  # a stop asked for by the code (should_stop), not by a signal: bel
 
 
 class StopAgreement:
-    def __init__(self, runtime):
+    def __init__(self, runtime, signals: tuple[int, ...] = SIGNALS):
         self.runtime = runtime
+        self.signals = signals  # each stops the run; Lightning's SLURMEnvironment adds its requeue_signal
         self.received: int | None = None  # a signal this rank got
         self.preempted: int | None = None  # the signal every rank agreed to stop on
         self._pending: Callable[[], float] | None = None
@@ -33,7 +34,7 @@ class StopAgreement:
         def handler(signum, frame):
             self.received = signum
 
-        for signum in SIGNALS:
+        for signum in self.signals:
             self._previous_handlers[signum] = signal.signal(signum, handler)
 
     def uninstall(self) -> None:

@@ -33,6 +33,10 @@ class TrainerViews:
         lambda self: next(iter(self.metrics.loggers), None),
         doc="The first of ``loggers`` (TensorBoard, by default), or None.",
     )
+    precision = property(
+        lambda self: self.runtime.precision.name,
+        doc="The precision the run trains in (``bf16-mixed``...), Lightning's.",
+    )
     preempted = property(
         lambda self: self.stop.preempted, doc="The signal that stopped the run, if one did (None otherwise)."
     )

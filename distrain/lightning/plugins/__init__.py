@@ -1,8 +1,24 @@
-"""``lightning.pytorch.plugins``: Lightning's plugins are arguments and launchers here, so each of its names is
-refused where it is imported, saying what does its work (``Trainer(plugins=...)`` itself is refused alike)."""
+"""``lightning.pytorch.plugins``: the precision plugins and cluster environments ``Trainer(plugins=[...])`` takes
+(``precision.py``, ``environments.py``); Lightning's other plugins (checkpoint I/O, layer sync) are refused where
+they are imported, saying what does their work here."""
 
 from distrain.lightning._refuse import refusing
+from distrain.lightning.plugins.environments import ClusterEnvironment
+from distrain.lightning.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
-__getattr__ = refusing(
-    __name__, "a precision is Trainer(precision=...), and the cluster's variables are read by the launcher"
+__all__ = ["ClusterEnvironment", "DoublePrecision", "HalfPrecision", "MixedPrecision", "Precision"]
+
+_PRECISION = refusing(
+    __name__,
+    "a precision is Trainer(precision=...): 32-true, 16-mixed, bf16-mixed, bf16-true, 64-true, fp8, or a Precision, "
+    "MixedPrecision, DoublePrecision or HalfPrecision plugin",
 )
+_OTHER = refusing(
+    __name__,
+    "checkpoints are written by distrain's own checkpoint code (torch.distributed.checkpoint), and sync_batchnorm "
+    "is converting the model yourself",
+)
+
+
+def __getattr__(name: str) -> object:
+    return (_PRECISION if name.endswith("Precision") else _OTHER)(name)
