@@ -12,7 +12,6 @@ metrics and stop-signal agreement are components it holds (``distrain/training/`
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 import time
@@ -37,9 +36,9 @@ from distrain.data import (
 )
 from distrain.datamodule import is_datamodule, one_loader, optional_loader, set_up_stage, stage_loader
 from distrain.loggers import Logger
-from distrain.module import Module, StepRouter, as_module, loss_of, overrides, unsupported_hooks
+from distrain.module import Module, as_module, loss_of, overrides, unsupported_hooks
 from distrain.runtime import Runtime, isolated_rng, rng_state
-from distrain.strategies.base import LoopFacts, Strategy
+from distrain.strategies.base import Strategy
 from distrain.training import startup
 from distrain.training.anomalies import AnomalyError
 from distrain.training.arguments import (
@@ -54,12 +53,13 @@ from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager
 from distrain.training.evaluation import Evaluator, length, limited
 from distrain.training.hooks import call_callbacks, call_hook
 from distrain.training.loop_state import LoopState
-from distrain.training.manual import ManualOptimizer, manual_step
+from distrain.training.manual import manual_step
 from distrain.training.metrics import MetricsLogger, StepResult, print_fit_summary
 from distrain.training.nonfinite import NonFiniteError, step_is_finite
-from distrain.training.optimizers import LoopOptimizer, parse_optimizers, step_schedulers
+from distrain.training.optimizers import step_schedulers
 from distrain.training.outcomes import StepOutcome
 from distrain.training.preemption import SIGNALS, StopAgreement
+from distrain.training.stage_setup import attach, build, configure
 from distrain.training.stages import report, run_stage, sanity_check, setup_loader, teardown, validate_during_fit
 from distrain.training.views import TrainerViews
 
@@ -278,7 +278,7 @@ class Trainer(TrainerViews):
         strategy.check_module(module)
 
         def restore(state):  # spawn/fork: the trained weights and the progress come back to this process
-            self._configure(module)  # the parent never built configure_model's layers
+            configure(self, module)  # the parent never built configure_model's layers
             self.checkpoints.restore_in_parent(module, state)
 
         return self.runtime.run_in_ranks(fn, module, *args, collect=self.checkpoints.state_for_parent, restore=restore)
@@ -293,7 +293,7 @@ class Trainer(TrainerViews):
         checkpoint = self._checkpoint_at(ckpt_path) if ckpt_path is not None else None
         saved = self.checkpoints.read_before_loaders(checkpoint)  # the datamodule's state, the global batch
         set_up_stage("fit", self, module, datamodule, saved.get("datamodule"))
-        self._build(module)
+        build(self, module)
         if val_loader is None:  # first, leaving the random streams alone, as Lightning makes it for its sanity check
             with isolated_rng():
                 val_loader = optional_loader(datamodule if datamodule is not None else module, "val_dataloader")
@@ -310,7 +310,7 @@ class Trainer(TrainerViews):
         self.batch_layout = BatchLayout(
             micro_batch_size(train_loader) or 1, self.loop.accumulate_for(0), self.data_parallel_size
         )
-        self._attach(module, "fit", train_loader)
+        attach(self, module, "fit", train_loader)
         startup.mark("model and data set-up")
         if checkpoint is not None:
             self.checkpoints.restore(checkpoint)
@@ -635,43 +635,6 @@ class Trainer(TrainerViews):
             return max(1, int(self.loop_state.num_batches * v / self.loop.accumulate_for(0)))
         return int(v)
 
-    # ---- set-up -----------------------------------------------------------------------------------
-    def _build(self, module: Module) -> None:
-        """A stage's module, once its ``setup(stage)`` ran and before its loaders are made (Lightning's order):
-        ``configure_model``'s layers, from random streams alike on every rank."""
-        self.checkpoints.begin_stage()
-        self._seed_streams(stage_start=False)  # every rank builds identical weights
-        self.process_settings.apply()
-        _own_memory(module)
-        self._configure(module)
-
-    def _attach(self, module: Module, stage: str, train_loader=None) -> None:
-        """The built module set up by the strategy: wrapped, and for fit with its optimizers."""
-        rt = self.runtime
-        # asked only once a rank ran out of memory
-        rt.memory_plan = functools.partial(_memory_plan_of_fit, self) if stage == "fit" else None
-        if stage != "fit":
-            if not rt.strategy.traits.collective_forward:
-                self.model = None
-                module.to(rt.device)
-            elif self.model is None or rt.strategy.unwrap(self.model).module is not module:  # not the one fit() set up
-                self.model = rt.strategy.setup(StepRouter(module)).model  # no optimizer
-            return
-        # The optimizers are built on the model as set up: sharding strategies replace its parameters
-        loop = LoopFacts(
-            micro_batch_size=micro_batch_size(train_loader),
-            accumulate=self.loop.accumulate_for(0),
-            max_accumulate=max(self.loop.accumulation.values()),
-            gradient_clip_val=self.loop.gradient_clip_val,
-            total_steps=self.estimated_stepping_batches,
-            run_dir=self.log_dir,
-            live_state=(self.checkpoints.live_state, self.checkpoints.load_live_state),
-        )
-        manual = not module.automatic_optimization
-        configure = lambda: parse_optimizers(module.configure_optimizers(), manual)  # noqa: E731
-        self.model, self.optimizers, self.lr_schedulers = rt.strategy.setup(StepRouter(module), configure, loop)
-        self.loop_optimizers = [(ManualOptimizer if manual else LoopOptimizer)(self, o) for o in self.optimizers]
-
     # ---- Lightning's per-micro-batch hooks and manual optimization -------------------------------------
     def _before_backward(self, output: Any) -> None:
         """Between ``training_step`` and its backward (``StepRouter`` calls it): Lightning's
@@ -692,12 +655,6 @@ class Trainer(TrainerViews):
             skip = bool(self.runtime.all_reduce(torch.tensor(int(skip)), op="max"))
         return skip
 
-    def _configure(self, module: Module) -> None:
-        if not getattr(module, "_distrain_configured", False):
-            with self.runtime.init_module():
-                module.configure_model()
-            object.__setattr__(module, "_distrain_configured", True)
-
     def _seed_streams(self, stage_start: bool) -> None:
         """Every rank's random streams seeded from ``seed`` before a stage sets up anything, and again before the
         model is built (``stage_start=False``): every rank builds the same weights."""
@@ -715,16 +672,6 @@ class Trainer(TrainerViews):
     def _train_order(self) -> tuple[bool | None, int]:
         """Whether the training data is shuffled (None: as its loader says) and the seed of its order."""
         return None, self.seed
-
-
-def _own_memory(module: nn.Module) -> None:
-    """Spawned ranks receive the module through torch.multiprocessing, which puts its tensors in shared
-    memory: every rank would then update the same weights (each step applied once per rank). Each rank
-    takes its own copy."""
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if tensor.is_shared():
-                tensor.data = tensor.data.clone()
 
 
 def _iterated_without_drawing(loader) -> Iterator:
@@ -758,10 +705,3 @@ def _flops_per_token(module: Module) -> float | None:
             stacklevel=2,
         )
         return None
-
-
-def _memory_plan_of_fit(trainer: Trainer, host: bool) -> str:
-    """``planner/oom.py``'s plan of this fit, imported only once a rank ran out of memory."""
-    from distrain.planner.oom import memory_plan_of_fit
-
-    return memory_plan_of_fit(trainer, host)

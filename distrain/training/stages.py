@@ -16,6 +16,7 @@ from distrain.training.arguments import TrainerState
 from distrain.training.assembly import choose_run_dir
 from distrain.training.evaluation import length, limited
 from distrain.training.hooks import call_callbacks
+from distrain.training.stage_setup import attach, build
 
 
 def run_stage(trainer, stage: str, model, dataloaders, ckpt_path, datamodule):
@@ -48,19 +49,26 @@ def run_stage(trainer, stage: str, model, dataloaders, ckpt_path, datamodule):
     )
 
 
-def evaluate(trainer, module, step_name: str, data: tuple, ckpt_path) -> list[dict]:
-    stage = "validate" if step_name == "validation_step" else "test"
+def begin(trainer, stage: str, module, data: tuple, ckpt_path):
+    """``validate``, ``test`` or ``predict`` in a rank up to its first batch: the module set up for the stage
+    (``stage_setup``), the checkpoint's weights read into it where one is named, and the stage's loader, returned."""
     dataloaders, datamodule = data
     trainer.state = TrainerState(stage, stage)
     trainer._seed_streams(stage_start=True)
     set_up_stage(stage, trainer, module, datamodule)
-    trainer._build(module)
+    build(trainer, module)
     loader = stage_loader(stage, module, dataloaders, datamodule)
-    trainer._attach(module, stage)
+    attach(trainer, module, stage)
     loader = setup_loader(trainer, loader, even=False)
     checkpoint = trainer._checkpoint_at(ckpt_path) if ckpt_path is not None else None
     if checkpoint is not None:
         trainer.checkpoints.restore(checkpoint, weights_only=True)
+    return loader
+
+
+def evaluate(trainer, module, step_name: str, data: tuple, ckpt_path) -> list[dict]:
+    stage = "validate" if step_name == "validation_step" else "test"
+    loader = begin(trainer, stage, module, data, ckpt_path)
     try:
         with trainer.runtime.diagnosing_hangs():
             publish = lambda metrics: trainer.metrics.publish(  # noqa: E731
@@ -71,28 +79,18 @@ def evaluate(trainer, module, step_name: str, data: tuple, ckpt_path) -> list[di
             metrics = trainer.evaluator.run(module, trainer.model, step_name, loader, limit, publish)
         trainer.metrics.finalize()
     finally:
-        teardown(trainer, stage, module, datamodule)
+        teardown(trainer, stage, module, data[1])
     return [metrics]
 
 
 def predict(trainer, module, data: tuple, ckpt_path) -> list:
-    dataloaders, datamodule = data
-    trainer.state = TrainerState("predict", "predict")
-    trainer._seed_streams(stage_start=True)
-    set_up_stage("predict", trainer, module, datamodule)
-    trainer._build(module)
-    loader = stage_loader("predict", module, dataloaders, datamodule)
-    trainer._attach(module, "predict")
-    loader = setup_loader(trainer, loader, even=False)
-    checkpoint = trainer._checkpoint_at(ckpt_path) if ckpt_path is not None else None
-    if checkpoint is not None:
-        trainer.checkpoints.restore(checkpoint, weights_only=True)
+    loader = begin(trainer, "predict", module, data, ckpt_path)
     try:
         with trainer.runtime.diagnosing_hangs():
             limit = limited(length(loader), trainer.loop.limit_predict_batches, "limit_predict_batches")
             predictions = trainer.evaluator.predict(module, trainer.model, loader, limit)
     finally:
-        teardown(trainer, "predict", module, datamodule)
+        teardown(trainer, "predict", module, data[1])
     return predictions
 
 
