@@ -1,4 +1,4 @@
-"""Each private or version-sensitive call in distrain/compat.py and distrain/planner/fake.py, exercised for real; and
+"""Each private or version-sensitive call in distrain/compat/ and distrain/planner/fake.py, exercised for real; and
 checkpoints written by an earlier distrain (tests/data/previous/) still resume."""
 
 import dataclasses

@@ -1,9 +1,9 @@
 """The planner's fake-tensor kit: torch's memory trackers, fake tensors, a fake process group, and the two patches
 a traced step needs (device meshes built outside fake mode, transformers' masks answered as in eager mode).
 
-Every call here is private or version-sensitive, as in ``distrain/compat.py``, and the same rule holds: each
+Every call here is private or version-sensitive, as in ``distrain/compat/``, and the same rule holds: each
 function names what it relies on and the versions it was checked against, and each has a test in
-``tests/test_compat.py`` that exercises the real call. Only the planner uses these; ``compat.py`` keeps what the
+``tests/test_compat.py`` that exercises the real call. Only the planner uses these; ``compat/`` keeps what the
 training path needs.
 """
 
