@@ -299,3 +299,44 @@ def test_no_module_imports_another_modules_private_names(tmp_path):
     assert private_imports({"distrain.reaching": reaching}) == [
         "distrain.reaching:1 imports _secret from distrain.strategies.deepspeed_config"
     ]
+
+
+# ---- the Trainer's private members stay the Trainer's ----------------------------------------------------------------
+#: the private members of the Trainer that other modules still reach, each a step its stages and loop take (a ratchet:
+#: this list only shrinks; the Lightning subclass overrides some and is the Trainer's own)
+TRAINER_PRIVATE_REACHED = {
+    ("module.py", "_before_backward"),
+    ("training/assembly.py", "_run_folder"),
+    ("training/manual.py", "_done"),
+    ("training/manual.py", "_skips_rest_of_epoch"),
+    ("training/stage_setup.py", "_seed_streams"),
+    ("training/stages.py", "_check_lightning_module"),
+    ("training/stages.py", "_checkpoint_at"),
+    ("training/stages.py", "_launch"),
+    ("training/stages.py", "_seed_streams"),
+}
+
+
+def trainer_private_reached(package: Path = PACKAGE) -> set[tuple[str, str]]:
+    """(file, member) for each ``trainer._member`` (or ``self.trainer._member``) read outside the Trainer's files."""
+    own = {"trainer.py", "lightning/trainer.py"}
+    reached = set()
+    for file in package.rglob("*.py"):
+        name = file.relative_to(package).as_posix()
+        if name in own:
+            continue
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                if owner_name == "trainer":
+                    reached.add((name, node.attr))
+    return reached
+
+
+def test_no_module_reaches_further_into_the_trainer(tmp_path):
+    """No module reads more of the Trainer's private members than it does today; and the check sees a new one."""
+    assert trainer_private_reached() <= TRAINER_PRIVATE_REACHED, trainer_private_reached() - TRAINER_PRIVATE_REACHED
+    (tmp_path / "callbacks").mkdir()
+    (tmp_path / "callbacks" / "peek.py").write_text("def on_end(trainer):\n    return trainer._progress_secret\n")
+    assert trainer_private_reached(tmp_path) == {("callbacks/peek.py", "_progress_secret")}
