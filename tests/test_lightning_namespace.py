@@ -839,11 +839,12 @@ def test_slurm_environment_stops_on_its_signal_and_is_lightnings_default_under_s
         accelerator="cpu", devices=1, max_steps=6, logger=False, enable_progress_bar=False,
         default_root_dir=str(tmp_path), plugins=[SLURMEnvironment(requeue_signal=signal.SIGHUP)],
     )  # fmt: skip
+    before = signal.getsignal(signal.SIGHUP)  # the default, or ignored under nohup
     trainer.fit(HangsUp(), _loader())
     assert trainer.preempted == signal.SIGHUP and trainer.global_step == 3
     assert (tmp_path / "checkpoints" / "epoch=0-step=3").is_dir()
     assert "stopped by signal 1, but SLURM_JOB_ID is None: not requeued" in capsys.readouterr().out
-    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # put back after fit
+    assert signal.getsignal(signal.SIGHUP) is before  # put back after fit
     assert pl.Trainer(logger=False).slurm is None
     monkeypatch.setenv("SLURM_NTASKS", "1")
     default = pl.Trainer(logger=False).slurm
