@@ -812,6 +812,14 @@ def test_a_cluster_environment_that_starts_the_ranks_places_this_one(tmp_path, m
     with pytest.raises(ValueError, match=r"^Trainer\(plugins=\[Scheduler\(\)\]\): asked for WORLD_SIZE, it raised "):
         pl.Trainer(plugins=[Scheduler()], logger=False)
 
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key)
+    from distrain.lightning.plugins.environments import LightningEnvironment, TorchElasticEnvironment
+
+    for own in (LightningEnvironment(), TorchElasticEnvironment()):  # what distrain reads anyway: nothing placed
+        pl.Trainer(plugins=[own], logger=False)
+        assert "MASTER_PORT" not in os.environ and "MASTER_ADDR" not in os.environ, type(own).__name__
+
     class Incomplete(ClusterEnvironment):
         creates_processes_externally = True
 

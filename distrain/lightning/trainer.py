@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from distrain.checkpoint.remote import is_url
-from distrain.lightning.plugins.environments import ClusterEnvironment, SLURMEnvironment
+from distrain.lightning.plugins.environments import READ_BY_DISTRAIN, ClusterEnvironment, SLURMEnvironment
 from distrain.lightning.plugins.precision import Precision, precision_of
 from distrain.run_dir import versions
 from distrain.runtime import rng_state, set_rng_state
@@ -61,7 +61,7 @@ class Trainer(_Trainer):
         self.slurm = environment if isinstance(environment, SLURMEnvironment) else None
         if environment is None and SLURMEnvironment.detect():
             self.slurm = SLURMEnvironment()
-        elif environment is not None and not isinstance(environment, SLURMEnvironment):
+        elif environment is not None and not isinstance(environment, READ_BY_DISTRAIN):
             _place_this_rank(environment, kwargs.get("devices", "auto"), kwargs.get("num_nodes", 1))
         if self.slurm is not None and self.slurm.requeue_signal not in self.stop_signals:
             self.stop_signals = (*self.stop_signals, self.slurm.requeue_signal)

@@ -174,6 +174,9 @@ class SLURMEnvironment(_Detected):
         return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
 
 
+#: the environments whose every answer is distrain's own reading of the variables: nothing to place
+READ_BY_DISTRAIN = (LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment)
+
 __getattr__ = refusing(
     __name__,
     "distrain reads torchrun's, SLURM's, MPI's and Kubernetes' variables itself (distrain.cluster); Lightning's "
