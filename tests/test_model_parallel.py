@@ -41,6 +41,8 @@ class SmallGPT(distrain.Module):
         x, y, _ = batch
         loss = self.gpt(x, y)
         self.log("train_loss", loss)
+        for name, value in self.gpt.load_balance().items():  # a mixture: its balance, as the built-in job logs it
+            self.log(name, value)
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -103,11 +105,12 @@ class Recorder(distrain.Callback):
     """Per step: loss, gradient norm and what the module logged, as rank 0's logger view has them."""
 
     def __init__(self):
-        self.rows: list[tuple[float, float, float | None]] = []
+        self.rows: list[tuple[float | None, ...]] = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         m = trainer.callback_metrics
-        self.rows.append((m["loss"], m["grad_norm"], m.get("train_loss")))
+        row = (m["loss"], m["grad_norm"], m.get("train_loss"), m.get("moe_aux_loss"), m.get("moe_load_max_over_mean"))
+        self.rows.append(row)
 
 
 def _fit(tmp, strategy, devices: int, job: str, accumulate: int, batch: int, llama: str | None = None, **kw):
@@ -166,7 +169,7 @@ def _assert_close(reference, result, what: str, tolerance: float = 1e-5) -> None
     rows, metrics, predictions = result[:3]
     assert len(rows) == len(ref_rows) == STEPS, what
     for step, (a, b) in enumerate(zip(ref_rows, rows), start=1):
-        for name, x, y in zip(("loss", "grad_norm", "train_loss"), a, b):
+        for name, x, y in zip(("loss", "grad_norm", "train_loss", "moe_aux_loss", "moe_load_max_over_mean"), a, b):
             if x is None and y is None:
                 continue
             assert y is not None and math.isclose(x, y, rel_tol=tolerance), f"{what}: {name} at step {step}: {x} vs {y}"
@@ -586,7 +589,7 @@ def _four_rank_session(rank, tmp, llama):
             )
             out[f"{name} parameter gathers"] = (parameters.calls, parameters.steps, units)
         if data_parallel > 1 and name.startswith("fsdp"):  # a value logged without sync_dist is this replica's
-            rows = [(loss, norm, None) for loss, norm, _ in rows]
+            rows = [(loss, norm, None) for loss, norm, *_ in rows]
         if data_parallel > 1:  # each replica predicts its share of the samples
             predictions = None
         out[name] = (rows, metrics, predictions)
@@ -621,7 +624,7 @@ def test_fsdp_x_tensor_parallel_and_3d_on_four_ranks_match_one_process(tmp_path,
         )
         for rank in range(4):
             result = results[rank][name]
-            expected_rows = [(loss, norm, None) for loss, norm, _ in rows] if result[0][0][2] is None else rows
+            expected_rows = [(loss, norm, None) for loss, norm, *_ in rows] if result[0][0][2] is None else rows
             expected = (expected_rows, metrics, predictions if result[2] is not None else None)
             _assert_close(expected, result, f"{name} rank {rank}")
 

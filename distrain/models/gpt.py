@@ -131,6 +131,8 @@ class GPT(nn.Module):
         self.head.weight = self.tok_emb.weight  # weight tying
         self.reset_parameters()
         self.sequence_shard = None  # context parallelism: this rank's slice of every sequence (enable_context_parallel)
+        #: a pipeline's last stage: the whole model's balance of the micro-batch it answered (``pipeline_balance``)
+        self.balance_of_every_stage: dict[str, torch.Tensor] | None = None
         # counted now: a pipeline stage later holds only some of the layers
         numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731  (ZeRO-3 keeps only a partition)
         self._param_counts = (sum(numel(p) for p in self.parameters()), numel(self.pos_emb.weight))
@@ -164,11 +166,18 @@ class GPT(nn.Module):
         """The last forward's balance over the experts, for the metrics (empty without MoE): the load-balancing
         loss (``moe_aux_loss``, 1.0 when even) and the busiest expert's tokens over the mean, in the least balanced
         layer (``moe_load_max_over_mean``: 1.0 when even, the expert count when every token went to one)."""
-        counts = [layer.tokens_per_expert.float() for layer in self._mixtures() if layer.tokens_per_expert is not None]
-        if not counts:
-            return {}
-        ratio = torch.stack([c.max() / c.mean().clamp(min=1e-9) for c in counts]).max()
-        return {"moe_aux_loss": self.aux_loss().detach(), "moe_load_max_over_mean": ratio}
+        if self.balance_of_every_stage is not None:  # a pipeline stage holds some blocks: the stages' together
+            return self.balance_of_every_stage
+        ratio = self.load_ratio(self.blocks)
+        return {} if ratio is None else {"moe_aux_loss": self.aux_loss().detach(), "moe_load_max_over_mean": ratio}
+
+    @staticmethod
+    def load_ratio(blocks: nn.Module) -> torch.Tensor | None:
+        """The busiest expert's tokens over the mean in the least balanced mixture of ``blocks`` (None: no MoE)."""
+        counts = [
+            m.tokens_per_expert.float() for m in blocks.modules() if getattr(m, "tokens_per_expert", None) is not None
+        ]
+        return torch.stack([c.max() / c.mean().clamp(min=1e-9) for c in counts]).max() if counts else None
 
     def aux_loss(self) -> torch.Tensor | None:
         """The last forward's load-balancing loss, the mean over the blocks' mixtures of experts (None: no MoE)."""

@@ -69,12 +69,28 @@ class PipelineSplit:
     ``answer`` gets the whole model's (``aux_loss=``) and the backward reaches every stage's routers, as one process
     computes them. None: the model has none."""
 
+    load_ratio: Callable[[nn.Module], torch.Tensor] | None = None
+    """With ``aux_loss``: a stage's blocks → the busiest expert's tokens over the mean in their least balanced layer,
+    of the last forward. It travels with the losses' sum, each stage keeping the larger, so that ``answer`` gets the
+    whole model's (``aux_loss=`` then holds both: the sum, then the ratio) for the metrics your step logs."""
+
     def answer_call(self, output: Any, *args, **kwargs) -> Any:
         """``answer`` from what the last stage computed: the head's output, and with ``aux_loss`` the model's sum."""
         if self.aux_loss is None:
             return self.answer(output, *args, **kwargs)
         head_output, aux_loss = output
         return self.answer(head_output, *args, aux_loss=aux_loss, **kwargs)
+
+    def stage_aux(self, blocks: nn.Module, received: torch.Tensor | None) -> torch.Tensor:
+        """What a stage sends on beside its output: the auxiliary losses' sum so far (``received``: the stages' before
+        it), and with ``load_ratio`` the largest ratio so far after it."""
+        aux = self.aux_loss(blocks)
+        if self.load_ratio is None:
+            return aux if received is None else received + aux
+        ratio = self.load_ratio(blocks).detach().to(aux.dtype)
+        if received is not None:
+            aux, ratio = received[0] + aux, torch.maximum(received[1], ratio)
+        return torch.stack([aux, ratio])
 
 
 # ---- built-in plans ---------------------------------------------------------------------------------------------
@@ -86,7 +102,11 @@ def gpt_split(gpt: nn.Module) -> PipelineSplit:
 
     def answer(logits, idx, targets=None, aux_loss=None):
         loss = GPT.output(logits, targets)  # with a mixture: the balance loss's mean over every block's, as forward's
-        return loss if targets is None or aux_loss is None else gpt.with_aux_loss(loss, aux_loss / cfg.n_layer)
+        if targets is None or aux_loss is None:
+            return loss
+        aux, ratio = aux_loss[0] / cfg.n_layer, aux_loss[1]
+        gpt.balance_of_every_stage = {"moe_aux_loss": aux.detach(), "moe_load_max_over_mean": ratio}
+        return gpt.with_aux_loss(loss, aux)
 
     return PipelineSplit(
         model=gpt,
@@ -95,6 +115,7 @@ def gpt_split(gpt: nn.Module) -> PipelineSplit:
         head=gpt.logits,
         answer=answer,
         aux_loss=GPT.aux_loss_sum if cfg.n_experts and cfg.aux_loss_coef else None,
+        load_ratio=GPT.load_ratio if cfg.n_experts and cfg.aux_loss_coef else None,
         batch_inputs=_first_tensor,
         call_inputs=lambda idx, targets=None: idx,
         first=[gpt.tok_emb, gpt.pos_emb, gpt.drop],

@@ -67,8 +67,7 @@ class StageModule(nn.Module):
         out = self.split.head(x) if self.is_last else x
         if self.split.aux_loss is None:
             return out
-        aux = self.split.aux_loss(self.blocks)
-        return out, aux if self.is_first else received[1] + aux
+        return out, self.split.stage_aux(self.blocks, None if self.is_first else received[1])
 
 
 @dataclass
