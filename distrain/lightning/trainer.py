@@ -88,14 +88,14 @@ class Trainer(_Trainer):
 
     def _seed_streams(self, stage_start: bool) -> None:
         """Lightning's: a stage goes on with the script's streams (a spawned rank with those its parent had), except
-        that on several ranks it seeds them again from ``seed_everything``'s seed, as Lightning's distributed
-        strategies do when they set up (``reset_seed``); ranks of a script that never seeded take rank 0's, so
-        that every rank builds the same weights."""
+        that a distributed strategy (DDP, FSDP, DeepSpeed: any but one device's own, on one device too) seeds them
+        again from ``seed_everything``'s seed when it sets up, as Lightning's do (``reset_seed``); ranks of a script
+        that never seeded take rank 0's, so that every rank builds the same weights."""
         if not stage_start:
             return
         if self._script_streams is not None:
             set_rng_state(self._script_streams)
-        if self.world_size > 1 and "PL_GLOBAL_SEED" in os.environ:
+        if self._distributed and "PL_GLOBAL_SEED" in os.environ:
             self.runtime.seed_everything(int(os.environ["PL_GLOBAL_SEED"]))
         elif self.world_size > 1:
             set_rng_state(self.runtime.broadcast(rng_state()))
@@ -144,7 +144,18 @@ class Trainer(_Trainer):
         return str(folder or self.default_root_dir)
 
     def _train_order(self) -> tuple[bool | None, int]:
-        return (True if self.data_parallel_size > 1 else None), int(os.environ.get("PL_GLOBAL_SEED", 0))
+        """Lightning's: under a distributed strategy (on one device too) the training data is shuffled by its
+        ``DistributedSampler``, seeded by ``PL_GLOBAL_SEED``, whatever the loader says; on one device's own, as the
+        loader says."""
+        return (True if self._distributed else None), int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+    @property
+    def _distributed(self) -> bool:
+        """A strategy of several ranks' kind (DDP, FSDP, DeepSpeed...), whatever the ranks: Lightning's reseed its
+        streams and shard (and shuffle) the training data on one device too; its single-device strategy does not."""
+        from distrain.strategies.single import SingleDeviceStrategy
+
+        return not isinstance(self.runtime.strategy, SingleDeviceStrategy)
 
 
 def _plugins(plugins: Any) -> tuple[ClusterEnvironment | None, str | None]:

@@ -17,6 +17,7 @@ EXAMPLES = [
     "written/random_streams.py",
     "written/unseeded_datamodule.py",
     "written/double_precision.py",
+    "written/named_ddp.py",
 ]
 
 
