@@ -26,7 +26,7 @@ from torch import nn
 
 from distrain import run_dir
 from distrain.batch import BatchLayout, resumed_micro_batch
-from distrain.callbacks import Callback
+from distrain.callbacks import Callback, ModelCheckpoint
 from distrain.data import (
     batch_size_of,
     distributed_sampler,
@@ -123,6 +123,8 @@ class Trainer(TrainerViews):
     #: the signals that stop the run at a step with a checkpoint (SIGTERM, SIGUSR1; Lightning's SLURMEnvironment adds
     #: its requeue_signal)
     stop_signals: tuple[int, ...] = SIGNALS
+    #: the checkpoint callback a Trainer adds where none is given (Lightning's names its checkpoints ``*.ckpt``)
+    default_checkpoint: type[ModelCheckpoint] = ModelCheckpoint
     _script_streams: dict | None = None  # spawned ranks: the streams the script had when it called fit
 
     def __init__(

@@ -412,7 +412,7 @@ def test_a_run_writes_and_checkpoints_in_lightnings_folders_and_last_resumes_the
     first = fit(3)
     assert Path(first.log_dir).resolve() == (tmp_path / folder.format(0)).resolve()
     saved = Path(first.checkpoint_callback.best_model_path)
-    assert saved.resolve() == (tmp_path / folder.format(0) / "checkpoints" / "epoch=0-step=3").resolve()
+    assert saved.resolve() == (tmp_path / folder.format(0) / "checkpoints" / "epoch=0-step=3.ckpt").resolve()
     loaded = Regressor.load_from_checkpoint(f"{folder.format(0)}/checkpoints/epoch=0-step=3.ckpt")
     torch.testing.assert_close(loaded.net.weight, first.lightning_module.net.weight, rtol=0, atol=0)
     again = fit(5, ckpt_path="last")
@@ -507,7 +507,7 @@ def test_lightnings_checkpoint_names_weights_only_and_versions(tmp_path):
         return trainer, checkpoint
 
     trainer, checkpoint = run(2, filename="{epoch}-{val_loss:.2f}", save_weights_only=True, save_top_k=-1)
-    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name != "last")
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name not in ("last", "last.ckpt"))
     assert [n.split("-val_loss=")[0] for n in names] == ["epoch=0", "epoch=1"], names
     meta = read_checkpoint_meta(checkpoint.best_model_path)
     assert meta["weights_only"] is True and "optimizers" not in meta and "lr_schedulers" not in meta
@@ -517,7 +517,7 @@ def test_lightnings_checkpoint_names_weights_only_and_versions(tmp_path):
         again.fit(Regressor(), _loader(), ckpt_path=checkpoint.best_model_path)
     run(1, save_top_k=-1)  # the default name, Lightning's, twice in one folder: the second is versioned
     run(1, save_top_k=-1)
-    assert {"epoch=0-step=8", "epoch=0-step=8-v1"} <= {p.name for p in (tmp_path / "ckpt").iterdir()}
+    assert {"epoch=0-step=8.ckpt", "epoch=0-step=8-v1.ckpt"} <= {p.name for p in (tmp_path / "ckpt").iterdir()}
 
 
 class _ValLossAtEachSave(distrain.Callback):
@@ -544,7 +544,7 @@ def test_the_kept_checkpoints_are_told_as_lightnings_callback_tells_them(tmp_pat
         assert (checkpoint.best_model_score, checkpoint.best_k_models, checkpoint.kth_best_model_path) == (None, {}, "")
         assert checkpoint.kth_value == torch.tensor(float("inf"))
         return
-    by_path = {str(tmp_path / "ckpt" / f"epoch={e}-step={8 * (e + 1)}"): v for e, v in enumerate(values.at_epoch)}
+    by_path = {str(tmp_path / "ckpt" / f"epoch={e}-step={8 * (e + 1)}.ckpt"): v for e, v in enumerate(values.at_epoch)}
     ranked = sorted(by_path, key=by_path.get, reverse=mode == "max")
     kept = ranked if top_k < 0 else ranked[:top_k]
     assert {p: float(v) for p, v in checkpoint.best_k_models.items()} == pytest.approx({p: by_path[p] for p in kept})
@@ -558,20 +558,37 @@ def test_the_kept_checkpoints_are_told_as_lightnings_callback_tells_them(tmp_pat
 
 
 def test_lightnings_ckpt_file_names_resume_and_load_what_was_saved_under_them(tmp_path):
-    """Lightning's documentation resumes from ``checkpoints/last.ckpt`` and loads ``epoch=0-step=8.ckpt``: distrain's
-    checkpoints are folders named without ``.ckpt``, and either spelling finds them."""
+    """Lightning's documentation resumes from ``checkpoints/last.ckpt`` and loads ``epoch=0-step=8.ckpt``: under
+    ``distrain.lightning`` those are the checkpoints' own paths (directories, as Lightning's sharded strategies write,
+    ``last.ckpt`` a link to the newest), the callback reports them as Lightning's does, and distrain's ``last`` finds
+    the newest too. A file of someone else's where the link goes is kept, not replaced."""
     ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "last.ckpt").write_bytes(b"a checkpoint Lightning wrote")
 
-    def fit(folder, max_epochs, ckpt_path=None):
-        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=str(ckpt), save_last=True, save_top_k=-1)
+    def fit(folder, max_epochs, ckpt_path=None, name_last=None, **options):
+        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=str(ckpt), **{"save_last": True, "save_top_k": -1, **options})
+        if name_last:
+            checkpoint.CHECKPOINT_NAME_LAST = name_last
         trainer, _ = make_trainer(folder, devices=1, max_epochs=max_epochs, logger=False, callbacks=[checkpoint])
         distrain.seed_everything(0)
         module = Regressor()
         trainer.fit(module, DataLoader(_data(), batch_size=4, shuffle=True), ckpt_path=ckpt_path)
         return trainer, module
 
-    _, first = fit(tmp_path / "first", 1)
-    for name in ("last.ckpt", "epoch=0-step=8.ckpt", str(ckpt / "epoch=0-step=8.ckpt")):
+    with pytest.warns(UserWarning, match=r"last\.ckpt was a file, not a link .* kept as .*last\.ckpt\.copy"):
+        trainer, first = fit(tmp_path / "first", 1)
+    assert (ckpt / "last.ckpt.copy").read_bytes() == b"a checkpoint Lightning wrote"
+    callback = trainer.checkpoint_callback
+    assert (callback.best_model_path, callback.last_model_path) == (
+        str(ckpt / "epoch=0-step=8.ckpt"),
+        str(ckpt / "last.ckpt"),
+    )
+    assert (
+        os.path.isdir(callback.best_model_path)
+        and os.path.realpath(callback.last_model_path) == callback.best_model_path
+    )
+    for name in ("last.ckpt", "last", "epoch=0-step=8.ckpt", str(ckpt / "epoch=0-step=8.ckpt")):
         loaded = Regressor.load_from_checkpoint(ckpt / name)
         torch.testing.assert_close(loaded.net.weight, first.net.weight, rtol=0, atol=0)
     resumed_trainer, resumed = fit(tmp_path / "resumed", 2, ckpt_path=str(ckpt / "last.ckpt"))
@@ -583,6 +600,16 @@ def test_lightnings_ckpt_file_names_resume_and_load_what_was_saved_under_them(tm
     again, _ = make_trainer(tmp_path / "again", devices=1, max_epochs=3, logger=False)
     with pytest.raises(FileNotFoundError, match=r"checkpoint not found: .*nothing\.ckpt"):
         again.fit(Regressor(), _loader(), ckpt_path=str(ckpt / "nothing.ckpt"))
+    # Lightning's class attribute: the link named by the epoch, the one before it removed; without save_last no
+    # last_model_path (""), as Lightning's; the same name again is versioned before the extension
+    trainer, _ = fit(tmp_path / "by-epoch", 2, name_last="{epoch}-last")
+    assert trainer.checkpoint_callback.last_model_path == str(ckpt / "epoch=1-last.ckpt")
+    assert not (ckpt / "epoch=0-last.ckpt").exists() and (ckpt / "epoch=1-last.ckpt").is_symlink()
+    trainer, _ = fit(tmp_path / "no-last", 1, save_last=False)
+    assert trainer.checkpoint_callback.last_model_path == ""
+    assert trainer.checkpoint_callback.best_model_path == str(
+        ckpt / "epoch=0-step=8-v3.ckpt"
+    )  # whole: v1, by-epoch: v2
 
 
 def test_checkpoints_after_each_validation_and_by_time(tmp_path):
@@ -593,11 +620,14 @@ def test_checkpoints_after_each_validation_and_by_time(tmp_path):
         tmp_path / "v", devices=1, max_epochs=1, val_check_interval=4, logger=False, callbacks=[after_validation]
     )
     trainer.fit(Regressor(), _loader(), _loader(8))
-    assert sorted(p.name for p in (tmp_path / "v" / "checkpoints").iterdir()) == ["epoch=0-step=4", "epoch=0-step=8"]
+    assert sorted(p.name for p in (tmp_path / "v" / "checkpoints").iterdir()) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=0-step=8.ckpt",
+    ]
     by_time = pl.callbacks.ModelCheckpoint(train_time_interval=timedelta(0), save_top_k=-1, verbose=True)
     trainer, _ = make_trainer(tmp_path / "t", devices=1, max_steps=3, logger=False, callbacks=[by_time])
     trainer.fit(Regressor(), _loader())
-    assert {f"epoch=0-step={s}" for s in (1, 2, 3)} <= {p.name for p in (tmp_path / "t" / "checkpoints").iterdir()}
+    assert {f"epoch=0-step={s}.ckpt" for s in (1, 2, 3)} <= {p.name for p in (tmp_path / "t" / "checkpoints").iterdir()}
     with pytest.raises(ValueError, match="train_time_interval must be a timedelta"):
         pl.callbacks.ModelCheckpoint(train_time_interval=60)
 
@@ -850,7 +880,7 @@ def test_slurm_environment_stops_on_its_signal_and_is_lightnings_default_under_s
     before = signal.getsignal(signal.SIGHUP)  # the default, or ignored under nohup
     trainer.fit(HangsUp(), _loader())
     assert trainer.preempted == signal.SIGHUP and trainer.global_step == 3
-    assert (tmp_path / "checkpoints" / "epoch=0-step=3").is_dir()
+    assert (tmp_path / "checkpoints" / "epoch=0-step=3.ckpt").is_dir()
     assert "stopped by signal 1, but SLURM_JOB_ID is None: not requeued" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGHUP) is before  # put back after fit
     assert pl.Trainer(logger=False).slurm is None

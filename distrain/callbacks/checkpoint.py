@@ -38,6 +38,13 @@ class ModelCheckpoint(Callback):
     ``enable_version_counter`` (a name that exists gets ``-v1``, ``-v2``... rather than replacing it), ``verbose``.
     """
 
+    #: appended to each checkpoint's name (Lightning's: ``.ckpt``, a directory named as Lightning's sharded
+    #: strategies name theirs)
+    FILE_EXTENSION = ""
+    #: with ``save_last``, a second link to the newest checkpoint under this name (a ``filename``-style pattern) plus
+    #: ``FILE_EXTENSION``, which ``last_model_path`` gives (Lightning's ``last.ckpt``); None: ``last`` alone
+    CHECKPOINT_NAME_LAST: str | None = None
+
     def __init__(
         self,
         dirpath: str | None = None,
@@ -67,6 +74,7 @@ class ModelCheckpoint(Callback):
         #: rank 0's uploads, in the background
         self.uploads = Uploads()
         filename = filename or "{epoch}-{step}"  # Lightning's None
+        self.auto_insert_metric_name = auto_insert_metric_name
         self.filename = _with_metric_names(filename) if auto_insert_metric_name else filename
         self.save_weights_only = save_weights_only
         self.save_on_train_epoch_end = save_on_train_epoch_end
@@ -82,7 +90,10 @@ class ModelCheckpoint(Callback):
         self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (None if every_n_train_steps else 1)
         self.saved: list[tuple[float, str]] = []  # (score, path) of kept checkpoints
         self.best_model_path: str | None = None
+        #: the newest checkpoint, where ``last`` points (with ``CHECKPOINT_NAME_LAST``: that link's path, or "")
         self.last_model_path: str | None = None
+        self._newest: str | None = None  # never removed by save_top_k: `last` points at it
+        self._last_link: str | None = None  # CHECKPOINT_NAME_LAST's link, as last named
         self._saving: tuple[float, str] | None = None  # (score, path) of the checkpoint being written
         self._last_saved_step = -1
         self._warned = False
@@ -242,15 +253,27 @@ class ModelCheckpoint(Callback):
             if trainer.is_global_zero:
                 warnings.warn(
                     f"distrain: the checkpoint at step {trainer.global_step} holds non-finite weights: written to "
-                    f"{path}, but `last` still points at {self.last_model_path}",
+                    f"{path}, but `last` still points at {self._newest}",
                     stacklevel=2,
                 )
             return
-        self.last_model_path = str(path)
+        self._newest = str(path)
+        if self.CHECKPOINT_NAME_LAST is None:
+            self.last_model_path = self._newest
+        elif self.save_last:
+            self.last_model_path = str(self.dirpath / self._last_link_name(trainer))
+        else:
+            self.last_model_path = ""  # Lightning's, without save_last
 
         def after_commit() -> str | None:
             if self.save_last:
                 point_last(self.dirpath, path)
+                if self.CHECKPOINT_NAME_LAST is not None:
+                    name = Path(self.last_model_path).name
+                    point_last(self.dirpath, path, name=name)
+                    if self._last_link not in (None, name):  # a pattern with {epoch}: the link before goes
+                        (self.dirpath / self._last_link).unlink(missing_ok=True)
+                    self._last_link = name
             stale = self._keep_top_k(score, str(path))
             if self.remote is None:
                 self._remove(stale)
@@ -263,18 +286,37 @@ class ModelCheckpoint(Callback):
         self.best_model_path = trainer.runtime.decided_on_rank_zero(after_commit)
 
     def _new_name(self, trainer) -> str:
-        """``format_name``'s; with ``enable_version_counter``, a name that exists already gets ``-v1``, ``-v2``..."""
+        """``format_name``'s and ``FILE_EXTENSION``; with ``enable_version_counter``, a name that exists already gets
+        ``-v1``, ``-v2``... before the extension."""
         name = base = self.format_name(trainer)
         version = 1
-        while self.enable_version_counter and (self.dirpath / name).exists():
+        while self.enable_version_counter and (self.dirpath / (name + self.FILE_EXTENSION)).exists():
             name, version = f"{base}-v{version}", version + 1
+        name += self.FILE_EXTENSION
+        if not is_checkpoint_name(name) or name == self._last_link_name(trainer):
+            raise ValueError(
+                f"ModelCheckpoint(filename={self.filename!r}) gives {name!r}, which is not one directory name inside "
+                f"{self.dirpath} (no '/', not empty, not starting with '.', not a name of `last`)"
+            )
+        return name
+
+    def _last_link_name(self, trainer) -> str | None:
+        """``CHECKPOINT_NAME_LAST`` formatted, with ``FILE_EXTENSION``: the second link's name (None: no such link)."""
+        if self.CHECKPOINT_NAME_LAST is None or not self.save_last:
+            return None
+        pattern = self.CHECKPOINT_NAME_LAST
+        name = self._format(_with_metric_names(pattern) if self.auto_insert_metric_name else pattern, trainer)
+        name += self.FILE_EXTENSION
+        if not is_checkpoint_name(name):
+            raise ValueError(
+                f"ModelCheckpoint.CHECKPOINT_NAME_LAST={self.CHECKPOINT_NAME_LAST!r} gives {name!r}, which is not one "
+                f"directory name inside {self.dirpath}"
+            )
         return name
 
     def format_name(self, trainer) -> str:
         """The checkpoint's name from ``filename``. A metric it uses that is not logged yet (``{val_loss}``
         before the first validation) is 0, as in Lightning, and said once."""
-        # the loop's own epoch and step win over logged metrics of those names (a resumed run's restored metrics
-        # would name the checkpoint `epoch=0.0-step=5`; a user metric called `step` would rename every one)
         fields = {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step}
         used = {
             field.split(".")[0].split("[")[0] for _, field, _, _ in string.Formatter().parse(self.filename) if field
@@ -287,16 +329,16 @@ class ModelCheckpoint(Callback):
                 stacklevel=3,
             )
             self._warned_names = True
+        return self._format(self.filename, trainer, **dict.fromkeys(missing, 0))
+
+    def _format(self, pattern: str, trainer, **missing) -> str:
+        # the loop's own epoch and step win over logged metrics of those names (a resumed run's restored metrics
+        # would name the checkpoint `epoch=0.0-step=5`; a user metric called `step` would rename every one)
+        fields = {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step, **missing}
         try:
-            name = self.filename.format(**fields, **dict.fromkeys(missing, 0))
+            return pattern.format(**fields)
         except (ValueError, KeyError, IndexError, AttributeError, TypeError) as e:
-            raise ValueError(f"ModelCheckpoint(filename={self.filename!r}) cannot be formatted: {e}") from None
-        if not is_checkpoint_name(name):
-            raise ValueError(
-                f"ModelCheckpoint(filename={self.filename!r}) gives {name!r}, which is not one directory name inside "
-                f"{self.dirpath} (no '/', not empty, not starting with '.', not {LAST!r})"
-            )
-        return name
+            raise ValueError(f"ModelCheckpoint(filename={pattern!r}) cannot be formatted: {e}") from None
 
     def _upload(self, path: Path, stale: list[str]) -> int:
         """Up, manifest last, then `last`; what a killed upload left goes first, the pruned ones after."""
@@ -320,9 +362,9 @@ class ModelCheckpoint(Callback):
         stale = []
         if self.save_top_k >= 0:
             # never delete what `last` points to
-            stale = [p for _, p in self.saved[self.save_top_k :] if p != self.last_model_path]
+            stale = [p for _, p in self.saved[self.save_top_k :] if p != self._newest]
             self.saved = [sp for sp in self.saved[: self.save_top_k]] + [
-                sp for sp in self.saved[self.save_top_k :] if sp[1] == self.last_model_path
+                sp for sp in self.saved[self.save_top_k :] if sp[1] == self._newest
             ]
         self.best_model_path = self.saved[0][1] if self.saved else None
         return stale

@@ -260,25 +260,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def point_last(dirpath: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Make ``dirpath/last`` a symlink to ``target``, replaced atomically. A real directory there — what ``aws s3
-    sync``, ``gsutil cp -r`` or ``rsync -L`` make of the link in a copied run — is a checkpoint of its own: it is kept,
-    renamed ``last.copy`` (``last.copy-2``, … when taken), and said once."""
+def point_last(dirpath: str | os.PathLike, target: str | os.PathLike, name: str = LAST) -> None:
+    """Make ``dirpath/last`` (or ``dirpath/<name>``: Lightning's ``last.ckpt``) a symlink to ``target``, replaced
+    atomically. A real directory there — what ``aws s3 sync``, ``gsutil cp -r`` or ``rsync -L`` make of the link in a
+    copied run — is a checkpoint of its own, and a file there (Lightning's own ``last.ckpt``) someone's: either is
+    kept, renamed ``last.copy`` (``last.copy-2``, … when taken), and said once."""
     dirpath = Path(dirpath)
-    link = dirpath / LAST
-    tmp = dirpath / f".{LAST}.tmp-{os.getpid()}"
+    link = dirpath / name
+    tmp = dirpath / f".{name}.tmp-{os.getpid()}"
     tmp.unlink(missing_ok=True)
     os.symlink(os.path.relpath(target, dirpath), tmp)
-    if link.is_dir() and not link.is_symlink():
+    if link.exists() and not link.is_symlink():
+        kind = "directory" if link.is_dir() else "file"
         kept = next(
-            dirpath / name
+            dirpath / copy
             for n in range(1, 1 << 16)
-            if not (dirpath / (name := f"{LAST}.copy" + (f"-{n}" if n > 1 else ""))).exists()
+            if not (dirpath / (copy := f"{name}.copy" + (f"-{n}" if n > 1 else ""))).exists()
         )
         os.replace(link, kept)
         warnings.warn(
-            f"distrain: {link} was a directory, not a link (a synced or copied run?): kept as {kept}; "
-            f"`last` now links to {target}",
+            f"distrain: {link} was a {kind}, not a link (a synced or copied run?): "
+            f"kept as {kept}; "
+            f"`{name}` now links to {target}",
             stacklevel=2,
         )
     os.replace(tmp, link)

@@ -6,9 +6,15 @@ from distrain.lightning._refuse import refusing
 
 
 class ModelCheckpoint(_ModelCheckpoint):
-    """distrain's ``ModelCheckpoint`` with Lightning's defaults: ``filename`` ``{epoch}-{step}`` with each field's name
-    inserted (``epoch=3-step=120``, ``epoch=3-val_loss=0.25``), and a name that exists already versioned (``-v1``)
-    rather than replaced."""
+    """distrain's ``ModelCheckpoint`` with Lightning's defaults and paths: ``filename`` ``{epoch}-{step}`` with each
+    field's name inserted and ``.ckpt`` appended (``epoch=3-step=120.ckpt``, ``epoch=3-val_loss=0.25.ckpt``: a
+    directory, as Lightning's sharded strategies write theirs), a name that exists already versioned
+    (``epoch=3-step=120-v1.ckpt``) rather than replaced, and with ``save_last`` a ``last.ckpt`` link to the newest,
+    which ``last_model_path`` gives ("" without ``save_last``, as in Lightning). ``FILE_EXTENSION`` and
+    ``CHECKPOINT_NAME_LAST`` are Lightning's class attributes (``"{epoch}-last"``: the link named by the epoch)."""
+
+    FILE_EXTENSION = ".ckpt"
+    CHECKPOINT_NAME_LAST = "last"
 
     def __init__(
         self,

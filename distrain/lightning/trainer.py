@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from distrain.checkpoint.remote import is_url
+from distrain.lightning.callbacks import ModelCheckpoint
 from distrain.lightning.plugins.environments import READ_BY_DISTRAIN, ClusterEnvironment, SLURMEnvironment
 from distrain.lightning.plugins.precision import Precision, precision_of
 from distrain.run_dir import versions
@@ -45,6 +46,7 @@ class Trainer(_Trainer):
     - Lightning's random numbers: fit goes on with the script's random streams (``_seed_streams``), the loaders draw
       from torch's generator as torch's own do, and a sanity check of 2 batches runs first, drawing nothing."""
 
+    default_checkpoint = ModelCheckpoint  # Lightning's paths: epoch=0-step=8.ckpt, last.ckpt
     continues_script_streams = True  # Lightning's numbers: no stage reseeds, the loaders draw as torch's
 
     def __init__(self, **kwargs: Any):

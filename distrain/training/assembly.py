@@ -89,6 +89,7 @@ def assemble(trainer, a: dict[str, Any]) -> None:
         a["enable_progress_bar"],
         a["enable_plots"],
         a["histogram_every_n_steps"],
+        type(trainer).default_checkpoint,
     )
     trainer.metrics = MetricsLogger(
         rt,

@@ -22,14 +22,15 @@ def default_callbacks(
     progress_bar: bool,
     plots: bool,
     histogram_every_n_steps: int | None,
+    checkpoint_class: type[ModelCheckpoint] = ModelCheckpoint,
 ) -> list[Callback]:
-    """The user's callbacks, and the defaults they did not give one of: a ``ModelCheckpoint`` (its folder in the
+    """The user's callbacks, and the defaults they did not give one of: a ``checkpoint_class`` (its folder in the
     replica group's run directory of a fault-tolerant run), a ``ProgressBar``, a ``PlotSummary`` and, when asked,
     ``ParameterHistograms``; the checkpoint callbacks last. Two that would keep their state under one key are
     refused."""
     callbacks = callback_list(callbacks)
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-        callbacks.append(ModelCheckpoint())
+        callbacks.append(checkpoint_class())
     for cb in callbacks:
         if isinstance(cb, ModelCheckpoint) and cb.remote is not None:  # in object storage: the group's own prefix
             cb.write_to(replica_run_dir(cb.remote.url))

@@ -428,7 +428,8 @@ def print_fit_summary(trainer, first_step: int, seconds: float) -> None:
     plot = next((c.last_path for c in trainer.callbacks if isinstance(c, PlotSummary)), None)
     events = next((lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
     paths = {
-        "checkpoint": checkpoint.last_model_path if checkpoint is not None else None,
+        # Lightning's callback without save_last has no last_model_path (""): its best is on disk
+        "checkpoint": (checkpoint.last_model_path or checkpoint.best_model_path) if checkpoint is not None else None,
         "plot": plot,
         "tensorboard": f"tensorboard --logdir {events}" if events is not None and events.is_dir() else None,
     }
