@@ -58,6 +58,7 @@ SHAPE = {
     "moe_topk": 2,
     "top_k": 2,
     "top_k_experts": 2,
+    "moe_k": 2,  # ERNIE 4.5's
     "enable_moe_block": True,  # families whose mixture is off by default (Gemma 4, Doge)
     "is_moe": True,
     "expert_ffn_hidden_size": 12,
@@ -75,6 +76,9 @@ SHAPE = {
     "attn_layer_offset": 1,
     "expert_layer_period": 1,
     "expert_layer_offset": 0,
+    "n_shared_experts": 1,  # Dots1 multiplies by it, and has no default
+    "mamba_n_heads": 4,  # hybrids with Mamba layers: heads × head size = expand (2) × hidden size
+    "mamba_d_head": 8,
 }
 #: a second shape, where a family refuses the first or cannot run it: two layers, one key-value head, no MLA query
 #: rank, the family's own token ids and layer pattern
@@ -85,6 +89,8 @@ SMALLER = {
     "q_lora_rank": None,
 }
 del SMALLER["first_k_dense_replace"]
+#: a third, where a family takes one expert per token only (ZAYA)
+ONE_CHOICE = {**SMALLER, **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "top_k_experts", "moe_k"), 1)}
 MARK = ("<!-- moe-families: start (benchmarks/moe_families.py --write) -->", "<!-- moe-families: end -->")
 
 
@@ -127,7 +133,7 @@ def step(model, ids, half: int) -> tuple[float, dict[str, torch.Tensor]]:
     """One forward and backward of a half of the batch, from a generator state of that half's own: a router that
     draws in training (Phi-3.5-MoE's jitter) draws alike in one process and in the rank that takes the half."""
     torch.manual_seed(100 + half)
-    loss = model(input_ids=ids, labels=ids).loss
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # as distrain's causal-LM task trains
     loss.backward()
     return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -138,7 +144,7 @@ def one_process(name: str) -> dict:
     from distrain.parallel.expert_parallel import check_module
 
     failure = {}
-    for shape in (SHAPE, SMALLER):
+    for shape in (SHAPE, SMALLER, ONE_CHOICE):
         try:
             model = tiny_model(name, shape)
         except Exception as error:  # noqa: BLE001 - the table says why

@@ -65,9 +65,11 @@ def splittable_experts(model: nn.Module) -> int:
 
 def dispatched_per_token(layer: nn.Module) -> tuple[int, int]:
     """(top_k, width) of a mixture-of-experts layer: each token leaves for ``top_k`` experts as ``width`` numbers,
-    and comes back so (``expert_count`` found it)."""
+    and comes back so (``expert_count`` found it); for experts that take every token, top_k is every expert."""
     router = getattr(layer, "router", None)
     router = getattr(layer, "gate", None) if router is None else router
+    if not _is_distrains_moe(layer) and _takes_every_token(layer.experts):
+        return expert_count(layer), router.weight.shape[1]
     top_k = getattr(layer, "top_k", None) or getattr(router, "top_k", None) or 1
     return int(top_k), router.weight.shape[1]
 
@@ -143,14 +145,21 @@ def expert_count(module: nn.Module) -> int:
             "expert outside the stacked weights it splits; train it without expert_parallel_size"
         )
     called = _forward_arguments(experts)
-    if called is not None and len(called) != 3:
+    if called is not None and len(called) not in (1, 3):
         raise ValueError(
             f"expert parallelism cannot split {type(module).__name__} yet: its experts ({type(experts).__name__}) "
             f"are called as forward({', '.join(called)}), and it splits experts called with each token's top-k "
-            "choices, forward(hidden_states, top_k_index, top_k_weights) (Mixtral, Qwen-MoE, OLMoE, DeepSeek); "
-            "train it without expert_parallel_size"
+            "choices, forward(hidden_states, top_k_index, top_k_weights) (Mixtral, Qwen-MoE, OLMoE, DeepSeek), or "
+            "with every token for every expert, forward(hidden_states) (Llama 4); train it without "
+            "expert_parallel_size"
         )
     return count
+
+
+def _takes_every_token(experts: nn.Module) -> bool:
+    """Experts called as ``forward(hidden_states)`` alone (Llama 4's): every token goes to every expert, its rows
+    grouped by expert and weighted by the router before the call (zero where the expert was not chosen)."""
+    return len(_forward_arguments(experts) or ()) == 1
 
 
 def _forward_arguments(module: nn.Module) -> list[str] | None:
@@ -191,6 +200,8 @@ def split_experts(model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]
             layer.experts.get_parameter(pname).expert_parallel = True  # its gradient is not all-reduced
         if _is_distrains_moe(layer):  # its compute step goes through the group
             layer.compute = _Dispatch(layer.experts, group, size, local)
+        elif _takes_every_token(layer.experts):  # every token for every expert: each expert's rows go to its rank
+            layer.experts.forward = _EveryTokenDispatch(layer.experts.forward, group, local)
         else:  # a Hugging Face block: its experts' forward (routing in, weighted sum out) does
             compute = _hf_compute(layer.experts)  # before num_experts changes: the route depends on the module
             if compat.experts_grouped_forward(layer.experts) is not None:
@@ -244,6 +255,33 @@ class _Dispatch:
         back = out.split([pieces[s * local + e] for e in range(local) for s in range(n)])
         returned = torch.cat([back[e * n + s] for s in range(n) for e in range(local)])
         return all_to_all_single_autograd(returned, sent_per_rank, received_per_rank, self.group)
+
+
+class _EveryTokenDispatch:
+    """Experts that take every token for every expert (``_takes_every_token``), split: the rows a rank holds for
+    another rank's experts (a block of ``local`` experts × its tokens) go to that rank, through its experts (the
+    module's own forward, on the experts it holds, with every rank's tokens), and back in the order they came."""
+
+    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], group: dist.ProcessGroup, local: int):
+        self.forward, self.group, self.local = forward, group, local
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        size, local, width = dist.get_world_size(self.group), self.local, hidden.shape[-1]
+        mine = hidden.shape[0] // (size * local)  # this rank's tokens: the rows of each expert
+        if compat.is_fake(hidden):  # the planner's trace: as many tokens on every rank
+            tokens = [mine] * size
+        else:
+            gathered = [torch.zeros(1, dtype=torch.long, device=hidden.device) for _ in range(size)]
+            dist.all_gather(gathered, torch.tensor([mine], device=hidden.device), group=self.group)
+            tokens = [int(t) for t in gathered]
+        sent, received = [local * mine] * size, [local * t for t in tokens]
+        arrived = all_to_all_single_autograd(hidden, received, sent, self.group).split(received)
+        # each source rank's block is [my experts, its tokens]: side by side, [my experts, every rank's tokens]
+        rows = torch.cat([block.view(local, t, width) for block, t in zip(arrived, tokens)], dim=1)
+        out = self.forward(rows.reshape(-1, width))
+        back = out.view(local, sum(tokens), -1).split(tokens, dim=1)
+        returned = torch.cat([block.reshape(-1, out.shape[-1]) for block in back])
+        return all_to_all_single_autograd(returned, sent, received, self.group)
 
 
 class _HFExperts:
