@@ -299,6 +299,11 @@ def _hf_config(family: str):
         return transformers.Inkling2TextConfig(**shape, head_dim=8, moe_intermediate_size=12, n_routed_experts=4)
     if family == "llama4_text":  # its experts take every token for every expert (rows grouped by expert)
         return transformers.Llama4TextConfig(**shape, head_dim=8, intermediate_size=24, num_local_experts=4)
+    if family == "zaya":  # its router scores one class more than experts: a skip expert, its tokens weighted 0
+        shape = {**shape, "num_experts_per_tok": 1}  # the only choice ZAYA takes
+        return transformers.ZayaConfig(
+            **shape, num_experts=4, moe_intermediate_size=12, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2
+        )
     if family == "gpt_oss":  # experts transposed, with biases, gate and up interleaved: transformers' grouped forward
         return transformers.GptOssConfig(**shape, intermediate_size=12, num_local_experts=4, head_dim=8)
     raise AssertionError(family)
@@ -315,6 +320,7 @@ HF_FAMILIES = (
     "inkling2_text",
     "gpt_oss",
     "llama4_text",
+    "zaya",
 )
 
 
@@ -361,7 +367,8 @@ def _hf_expert_parallel(rank: int, families):
 def test_hugging_face_mixtures_split_over_two_ranks_match_one_process():
     """Mixtral, Qwen2-MoE (a shared expert), Qwen3-MoE, OLMoE, DeepSeek-V3 (a dense first layer, shared experts),
     Phi-3.5-MoE (whose block names its router `router`: it once took the route of distrain's own MoE and failed in
-    the experts' matmul) and HunYuan-MoE (its router's weight in a sub-layer: it was said to have no mixture): each
+    the experts' matmul), HunYuan-MoE (its router's weight in a sub-layer: it was said to have no mixture), Llama 4
+    (every token for every expert: it was refused) and ZAYA (a skip expert the router scores: no mixture found): each
     layer's stacked experts split over 2 ranks by structure, each rank half of the batch; the mean of the ranks'
     losses, and every gradient, are one process's."""
     reference = {}

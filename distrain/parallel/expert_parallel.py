@@ -112,12 +112,13 @@ def expert_count(module: nn.Module) -> int:
     router = getattr(module, "router", None)
     router = getattr(module, "gate", None) if router is None else router
     # the experts' count: their stacked weights' first dimension, which the router scores (its weight may sit in a
-    # sub-layer of its own: HunYuan's gate.wg)
+    # sub-layer of its own: HunYuan's gate.wg), perhaps with one more class for "no expert" (ZAYA's skip expert,
+    # whose tokens reach the experts with weight 0)
     scores = [p.shape[0] for p in router.parameters() if p.dim() == 2] if isinstance(router, nn.Module) else []
     if not stacked or not scores or all(p.dim() < 3 for p in stacked.values()):
         return 0
     count = next(iter(stacked.values())).shape[0]
-    if not all(p.shape[0] == count for p in stacked.values()) or count not in scores:
+    if not all(p.shape[0] == count for p in stacked.values()) or not {count, count + 1} & set(scores):
         return 0
     if _is_distrains_moe(module):
         return count
