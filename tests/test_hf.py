@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-from helpers import make_trainer, run_ranks  # noqa: E402
+from helpers import make_trainer, run_cli, run_ranks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -120,7 +120,7 @@ def test_local_datasets_load_and_hub_names_offline_fail_clearly(tiny, tmp_path):
         (("data.dataset=./missing/data.jsonl",), "data.dataset: no such file or directory: './missing/data.jsonl'"),
         ((f"data.dataset={tiny['counting']}", "data.eval_split=/no/eval.txt"), "data.eval_split: no such file"),
     ):
-        proc = _cli("train", "--model_name", tiny["llama"], "--output-dir", str(tmp_path / "never"), *items)
+        proc = run_cli(["train", "--model_name", tiny["llama"], "--output-dir", str(tmp_path / "never"), *items])
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and said in proc.stderr, (items, proc.stderr)
         assert "strategy" not in proc.stdout + proc.stderr  # nothing was planned
     assert not (tmp_path / "never").exists()
