@@ -12,11 +12,10 @@ metrics and stop-signal agreement are components it holds (``distrain/training/`
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,9 +28,7 @@ from distrain.batch import BatchLayout, resumed_micro_batch
 from distrain.callbacks import Callback, ModelCheckpoint
 from distrain.data import (
     batch_size_of,
-    distributed_sampler,
     micro_batch_size,
-    seed_workers,
     tokens_in_batch,
 )
 from distrain.datamodule import is_datamodule, one_loader, optional_loader, set_up_stage, stage_loader
@@ -50,6 +47,7 @@ from distrain.training.arguments import (
 )
 from distrain.training.assembly import RunDirChoice, assemble, choose_run_dir
 from distrain.training.checkpointing import CHECKPOINT_FORMAT, CheckpointManager, TrainProgress
+from distrain.training.epoch_data import epoch_batches, optimizer_steps
 from distrain.training.evaluation import Evaluator, length, limited
 from distrain.training.hooks import call_callbacks, call_hook
 from distrain.training.loop_state import LoopState
@@ -357,7 +355,16 @@ class Trainer(TrainerViews):
     def _fit_loop(self, loader, val_loader) -> None:
         while not self._done() and (self.loop.max_epochs is None or self.current_epoch < self.loop.max_epochs):
             accumulate = self.loop.accumulate_for(self.current_epoch)
-            for micro_batches in self._optimizer_steps(self._epoch_batches(loader), accumulate, loader):
+            batches = epoch_batches(
+                loader,
+                self.progress,
+                self.current_epoch,
+                self.data_parallel_size,
+                self.loop_state.num_batches,
+                drew_already=self.continues_script_streams,
+                epoch_start=lambda: call_hook(self, "on_train_epoch_start"),
+            )
+            for micro_batches in optimizer_steps(batches, accumulate, self.runtime, loader, self.metrics.timer):
                 if self.runtime.strategy.start_step(self.global_step):
                     break  # this rank took over a peer's state (a replica group rejoining): read on from its position
                 output = self.train_step(micro_batches)
@@ -380,57 +387,6 @@ class Trainer(TrainerViews):
                     return
             else:
                 self._end_epoch(val_loader)
-
-    def _optimizer_steps(self, batches: Iterable, accumulate: int, loader) -> Iterator[list]:
-        """The epoch's ``(batch_idx, batch)`` pairs in windows of ``accumulate``, one per optimizer
-        step, counted from where the epoch (re)starts. The last window of an epoch may be shorter: it
-        still steps, its gradient the mean over the micro-batches it has (``train_step``).
-
-        With distrain's sampler every rank has the same number of batches. Without it (an iterable
-        dataset, a sampler of your own) ranks may run out at different times, so they agree on each
-        window's length (one small all-reduce per step): batches beyond the shortest rank's are
-        dropped, and the epoch ends for all when one rank has none left."""
-        batches = iter(batches)
-        agree = self.world_size > 1 and distributed_sampler(loader) is None
-        timer = self.metrics.timer
-        while True:
-            waited = time.perf_counter()
-            window = list(itertools.islice(batches, accumulate))
-            timer.data_waited(time.perf_counter() - waited)
-            if agree:
-                shortest = int(self.runtime.all_reduce(torch.tensor(len(window)), op="min"))
-                window = window[:shortest]
-            if not window:
-                return
-            yield window
-
-    def _epoch_batches(self, loader) -> Iterator[tuple[int, Any]]:
-        """This epoch's ``(batch_idx, batch)`` pairs from where the data position says."""
-        sampler = distributed_sampler(loader)
-        seed_workers(loader, self.current_epoch)
-        resumed = self.progress.samples_in_epoch > 0
-        if sampler is not None:
-            sampler.set_epoch(self.current_epoch)
-            sampler.set_start(self.progress.samples_in_epoch)
-            if sampler.draws_seed and resumed:
-                sampler.drawn_seed = self.progress.order_seed  # the order this epoch began with
-        elif resumed:
-            raise RuntimeError(
-                "this checkpoint was saved mid-epoch, and this train loader has no distrain sampler to skip the "
-                "samples already seen (use_distributed_sampler=False, an IterableDataset or a custom batch "
-                "sampler); resume from an epoch-end checkpoint, or let distrain shard the data"
-            )
-        per_step = (micro_batch_size(loader) or 1) * self.data_parallel_size
-        call_hook(self, "on_train_epoch_start")
-        start = self.progress.samples_in_epoch // per_step
-        if resumed and self.continues_script_streams:  # the epoch's iterator already drew, before the checkpoint
-            batches = enumerate(_iterated_without_drawing(loader), start=start)
-        else:
-            batches = enumerate(loader, start=start)
-        if sampler is not None and sampler.draws_seed:
-            batches = _noting_order_seed(batches, sampler, self.progress)
-        limit = self.loop_state.num_batches
-        return batches if limit is None else itertools.islice(batches, max(0, limit - start))
 
     def train_step(self, micro_batches: list[tuple[int, Any]]) -> Any:
         """One optimizer step over this rank's micro-batches: forward/backward each (gradients
@@ -479,15 +435,9 @@ class Trainer(TrainerViews):
             samples += batch_size_of(batch)
             tokens += tokens_in_batch(batch) or 0
             self.progress.samples_in_epoch += batch_size_of(batch) * self.data_parallel_size
-        if not rt.strategy.commit_step():  # a replica group was lost during this step: no rank of this group applies it
+        if not rt.strategy.commit_step():  # the strategy dropped the step (and said why): nothing of it applies
             optimizer.zero_grad(set_to_none=True)
             self.progress.dropped_steps += 1
-            if self.is_global_zero:
-                print(
-                    f"distrain: step {self.global_step + 1} dropped (a replica group was lost during it); "
-                    "training goes on with the groups that remain",
-                    flush=True,
-                )
             return StepOutcome.DROPPED
 
         self.nonfinite.settle()  # the previous step's device check: the device has long passed it
@@ -562,8 +512,9 @@ class Trainer(TrainerViews):
 
     def _after_step(self, output: Any, last_micro_batch: tuple[int, Any], val_loader) -> None:
         rt = self.runtime
-        val_every = self._val_every_steps()
-        if val_loader is not None and val_every and self.global_step % val_every == 0 and self._validates_this_epoch():
+        val_every = self.loop.val_every_steps(self.loop_state.num_batches)
+        validates = self.loop.validates_epoch(self.current_epoch)
+        if val_loader is not None and val_every and self.global_step % val_every == 0 and validates:
             validate_during_fit(self, val_loader)  # before the callbacks, so checkpoints can monitor it
         rt.mark_phase(None, "callbacks after the step (checkpointing)")
         self.checkpoints.commit_written()  # one written in the background since: committed before a new one starts
@@ -577,9 +528,10 @@ class Trainer(TrainerViews):
     def _end_epoch(self, val_loader) -> None:
         self.runtime.mark_phase(None, "end of epoch")
         if self.progress.epoch_done:  # resumed from a checkpoint written at this epoch's end: already done
-            self._next_epoch()
+            self.progress.next_epoch()
             return
-        if val_loader is not None and not self._val_every_steps() and self._validates_this_epoch():
+        every_steps = self.loop.val_every_steps(self.loop_state.num_batches)
+        if val_loader is not None and not every_steps and self.loop.validates_epoch(self.current_epoch):
             validate_during_fit(self, val_loader)
         collector = self.metrics.collector
         collector.stage = "epoch end"  # what on_train_epoch_end logs is an epoch value (as in Lightning)
@@ -596,15 +548,7 @@ class Trainer(TrainerViews):
         self.loop_state.stopping = self._stop_agreed(
             self.stop.requested_now(local=self.should_stop), self.current_epoch + 1
         )
-        self._next_epoch()
-
-    def _next_epoch(self) -> None:
-        self.progress.epoch_done = False
-        self.progress.epoch += 1
-        self.progress.samples_in_epoch = 0
-
-    def _validates_this_epoch(self) -> bool:
-        return (self.current_epoch + 1) % self.loop.check_val_every_n_epoch == 0
+        self.progress.next_epoch()
 
     def _stop_agreed(self, agreed: bool, epochs_done: int) -> bool:
         """Whether the run stops, every rank having ``agreed`` on a stop: a signal always stops it; a stop the code
@@ -626,16 +570,6 @@ class Trainer(TrainerViews):
 
     def _done(self) -> bool:
         return self.loop_state.stopping or (self.loop.max_steps != -1 and self.global_step >= self.loop.max_steps)
-
-    def _val_every_steps(self) -> int | None:
-        v = self.loop.val_check_interval
-        if v is None:
-            return None
-        if isinstance(v, float) and v <= 1.0:
-            if self.loop_state.num_batches is None:
-                raise ValueError("a fractional val_check_interval needs a train loader with a length")
-            return max(1, int(self.loop_state.num_batches * v / self.loop.accumulate_for(0)))
-        return int(v)
 
     # ---- Lightning's per-micro-batch hooks and manual optimization -------------------------------------
     def _before_backward(self, output: Any) -> None:
@@ -674,26 +608,6 @@ class Trainer(TrainerViews):
     def _train_order(self) -> tuple[bool | None, int]:
         """Whether the training data is shuffled (None: as its loader says) and the seed of its order."""
         return None, self.seed
-
-
-def _iterated_without_drawing(loader) -> Iterator:
-    """``loader``'s batches from an iterator that drew nothing from torch's generator: a DataLoader draws its
-    workers' base seed from its ``generator``, torch's when it has none."""
-    if not isinstance(loader, torch.utils.data.DataLoader) or loader.generator is not None:
-        return iter(loader)
-    loader.generator = torch.Generator()
-    try:
-        return iter(loader)
-    finally:
-        loader.generator = None
-
-
-def _noting_order_seed(batches: Iterator, sampler, progress: TrainProgress) -> Iterator:
-    """``batches``, noting in ``progress`` the seed the sampler drew this epoch's order with (a checkpoint carries
-    it: a resumed epoch reads on in the same order)."""
-    for pair in batches:
-        progress.order_seed = sampler.drawn_seed
-        yield pair
 
 
 def _flops_per_token(module: Module) -> float | None:

@@ -450,7 +450,7 @@ class Strategy:
 
     def commit_step(self) -> bool:
         """After the backward: whether this step's gradients may be applied. False (a replica group was lost during
-        the step, ``ddp_torchft``): the loop drops the step, and it does not count."""
+        the step, ``ddp_torchft``, which says so on the console): the loop drops the step, and it does not count."""
         return True
 
     def state_dict(self) -> dict[str, Any]:

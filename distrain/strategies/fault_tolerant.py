@@ -95,6 +95,7 @@ class TorchFTStrategy(Strategy):
         self._groups_in_quorum = 0  # how many groups the last quorum had (a change is announced)
         self._hands_over_state = False  # the loop's live state is registered with this manager (fit may run again)
         self._in_step = False  # a quorum was formed for the step under way
+        self._step = 0  # the step under way (start_step), which commit_step settles
         self._formed_a_quorum = False  # this process has: its first one waits for every group (a start or a resume)
         # torchrun restarted this group (its rank died): it must meet another group before it trains again
         self._restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -324,6 +325,7 @@ class TorchFTStrategy(Strategy):
 
     # ---- the step -----------------------------------------------------------------------------------------------
     def start_step(self, step: int) -> bool:
+        self._step = step + 1
         if self._semi is not None:
             return self._start_semi_step(step)
         manager = self.manager
@@ -515,6 +517,12 @@ class TorchFTStrategy(Strategy):
         if committed and self._stop_votes is not None:  # a failed step's all-reduce may hold anything
             self._stop_agreed = max(self._stop_agreed, _stop_outcome(self._stop_votes))
         self._stop_votes = None
+        if not committed and self.is_global_zero:
+            print(
+                f"distrain: step {self._step} dropped (a replica group was lost during it); training goes on with the "
+                "groups that remain",
+                flush=True,
+            )
         return committed
 
 

@@ -137,6 +137,21 @@ class LoopOptions:
     def accumulate_for(self, epoch: int) -> int:
         return self.accumulation[max(e for e in self.accumulation if e <= epoch)]
 
+    def val_every_steps(self, num_batches: int | None) -> int | None:
+        """Validation every so many optimizer steps (None: at each validated epoch's end); a fractional
+        ``val_check_interval`` is of an epoch's ``num_batches``."""
+        v = self.val_check_interval
+        if v is None:
+            return None
+        if isinstance(v, float) and v <= 1.0:
+            if num_batches is None:
+                raise ValueError("a fractional val_check_interval needs a train loader with a length")
+            return max(1, int(num_batches * v / self.accumulate_for(0)))
+        return int(v)
+
+    def validates_epoch(self, epoch: int) -> bool:
+        return (epoch + 1) % self.check_val_every_n_epoch == 0
+
 
 def checked_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
     """The Trainer's arguments (``locals()`` of its ``__init__``), each checked, with what Lightning's shortcuts mean

@@ -50,6 +50,11 @@ class TrainProgress:
     """The seed this epoch's sample order was drawn with, where torch's generator drew it (``distrain.lightning`` on
     one rank, as ``RandomSampler``); None where the order comes from the Trainer's seed."""
 
+    def next_epoch(self) -> None:
+        self.epoch_done = False
+        self.epoch += 1
+        self.samples_in_epoch = 0
+
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
