@@ -113,11 +113,18 @@ def families() -> list[tuple[str, str]]:
     return sorted(found)
 
 
+#: what a family needs beyond the shape and has no default for, by configuration class, from the shape
+OWN_KEYWORDS = {
+    "Lfm2MoeConfig": lambda shape: {"layer_types": ["conv", "full_attention"] * (shape["num_hidden_layers"] // 2)},
+}
+
+
 def tiny_model(name: str, shape: dict):
     import transformers
 
     cls = getattr(transformers, name)
     taken = inspect.signature(cls.__init__).parameters
+    shape = {**shape, **OWN_KEYWORDS.get(name, lambda shape: {})(shape)}
     keywords = {key: value for key, value in shape.items() if key in taken}
     keywords.update({key: 4 for key in EXPERT_COUNTS if key in taken})
     config = cls(**keywords)
