@@ -605,6 +605,9 @@ def test_lightnings_ckpt_file_names_resume_and_load_what_was_saved_under_them(tm
     trainer, _ = fit(tmp_path / "by-epoch", 2, name_last="{epoch}-last")
     assert trainer.checkpoint_callback.last_model_path == str(ckpt / "epoch=1-last.ckpt")
     assert not (ckpt / "epoch=0-last.ckpt").exists() and (ckpt / "epoch=1-last.ckpt").is_symlink()
+    resumed, _ = fit(tmp_path / "by-epoch-resumed", 3, str(ckpt / "epoch=1-last.ckpt"), name_last="{epoch}-last")
+    assert resumed.global_step == 24 and (ckpt / "epoch=2-last.ckpt").is_symlink()
+    assert not (ckpt / "epoch=1-last.ckpt").exists()  # the resumed run knew the link its checkpoint had made
     trainer, _ = fit(tmp_path / "no-last", 1, save_last=False)
     assert trainer.checkpoint_callback.last_model_path == ""
     assert trainer.checkpoint_callback.best_model_path == str(

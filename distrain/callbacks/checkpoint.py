@@ -94,6 +94,7 @@ class ModelCheckpoint(Callback):
         self.last_model_path: str | None = None
         self._newest: str | None = None  # never removed by save_top_k: `last` points at it
         self._last_link: str | None = None  # CHECKPOINT_NAME_LAST's link, as last named
+        self._saving_link: str | None = None  # the one the checkpoint being written will have
         self._saving: tuple[float, str] | None = None  # (score, path) of the checkpoint being written
         self._last_saved_step = -1
         self._warned = False
@@ -238,6 +239,7 @@ class ModelCheckpoint(Callback):
         path = self.dirpath / trainer.runtime.decided_on_rank_zero(lambda: self._new_name(trainer))
         # the checkpoint's own record of the kept ones (``state_dict``) counts it: resumed from, it is still ranked
         self._saving = (score, str(path))
+        self._saving_link = self._last_link_name(trainer)  # the `last` link this save makes: a resume moves it on
         try:
             then = lambda finite: self._committed(trainer, path, score, finite)  # noqa: E731
             trainer.checkpoints.save(path, then=then, weights_only=self.save_weights_only)
@@ -271,8 +273,9 @@ class ModelCheckpoint(Callback):
                 if self.CHECKPOINT_NAME_LAST is not None:
                     name = Path(self.last_model_path).name
                     point_last(self.dirpath, path, name=name)
-                    if self._last_link not in (None, name):  # a pattern with {epoch}: the link before goes
-                        (self.dirpath / self._last_link).unlink(missing_ok=True)
+                    before = self.dirpath / self._last_link if self._last_link not in (None, name) else None
+                    if before is not None and before.is_symlink():  # a pattern with {epoch}: the link before goes
+                        before.unlink()
                     self._last_link = name
             stale = self._keep_top_k(score, str(path))
             if self.remote is None:
@@ -380,12 +383,13 @@ class ModelCheckpoint(Callback):
         checkpoint of this callback is being written, the list holds that one too: a run resumed from it goes on
         ranking it (it was left on disk, never deleted, and the best could point past it). What was removed after
         the save is not there on a resume, and is dropped then (``load_state_dict``)."""
-        saved, best = self.saved, self.best_model_path
+        saved, best, link = self.saved, self.best_model_path, self._last_link
         if self._saving is not None:
             saved = _ranked(saved, *self._saving)
-            best = saved[0][1]
+            best, link = saved[0][1], self._saving_link or link
         # names, not paths: the list means something only inside this run's own checkpoint directory
-        return {"saved": [[s, Path(p).name] for s, p in saved], "best_model_path": Path(best).name if best else None}
+        state = {"saved": [[s, Path(p).name] for s, p in saved], "best_model_path": Path(best).name if best else None}
+        return {**state, "last_link": link} if link else state
 
     def load_state_dict(self, state: dict) -> None:
         """The checkpoints this callback goes on ranking — and later deletes — are only checkpoint directories inside
@@ -401,6 +405,13 @@ class ModelCheckpoint(Callback):
         self.saved = saved
         best = self._own_checkpoint(state.get("best_model_path")) if isinstance(state, dict) else None
         self.best_model_path = best if best is not None else (self.saved[0][1] if self.saved else None)
+        # the `last` link of a CHECKPOINT_NAME_LAST pattern, moved on (its old name removed) at the next save: only a
+        # link by that name inside dirpath, to one of its checkpoints
+        link = state.get("last_link") if isinstance(state, dict) else None
+        ours = isinstance(link, str) and is_checkpoint_name(link) and self.dirpath is not None
+        if ours and (self.dirpath / link).is_symlink():
+            ours = self._own_checkpoint(str((self.dirpath / link).resolve())) is not None
+        self._last_link = link if ours and (self.dirpath / link).is_symlink() else None
 
     def _own_checkpoint(self, entry) -> str | None:
         """``dirpath/<name>`` for a name (or a path whose directory is ``dirpath``) of a checkpoint directory that
