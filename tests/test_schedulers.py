@@ -1,7 +1,7 @@
 """Real schedulers. distrain's sbatch file on a real SLURM (tests/slurm_cluster.py: slurmctld, a slurmd node, munge),
 as written by ``distrain launch slurm``: checked by the controller itself, run by sbatch and srun, ended as SLURM
-ends jobs, requeued, and resumed to the weights of the same job never preempted, bit for bit. And OpenMPI's
-``mpirun`` starting the ranks, against torchrun."""
+ends jobs (requeued, or cancelled and submitted again), and resumed to the weights of the same job never preempted,
+bit for bit. And OpenMPI's ``mpirun`` starting the ranks, against torchrun."""
 
 from __future__ import annotations
 
@@ -157,6 +157,35 @@ def test_a_job_ended_by_the_scheduler_is_requeued_and_ends_bit_identical(slurm, 
     stopped = re.search(rf"stopped by signal {signal_number} at step (\d+) \(`last` resumes it\)", log)
     resumed = re.search(r"done at step 24 \(resumed from step (\d+)\)", log)
     assert stopped and resumed and 5 <= int(stopped.group(1)) == int(resumed.group(1)) < 24, log[-3000:]
+    ours = read_model_weights(run / "checkpoints" / "last")
+    reference = read_model_weights(never_preempted / "run" / "checkpoints" / "last")
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
+def test_a_job_cancelled_mid_run_checkpoints_and_its_resubmission_ends_bit_identical(slurm, never_preempted, tmp_path):
+    """``scancel`` with no signal named (SIGTERM to every task, SIGKILL after ``KillWait``): the job ends
+    ``CANCELLED`` and is not requeued, and every rank first finishes its step and checkpoints it. The same file
+    submitted again goes on from that checkpoint (``--resume auto``) to the weights of the job never cancelled."""
+    job = slurm.submit(_job_file(tmp_path))
+    run = tmp_path / "run"
+    deadline = time.monotonic() + 120
+    while _steps_logged(run) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _steps_logged(run) >= 5, slurm.state(job)
+    cancelled = slurm.run("scancel", job)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert slurm.wait_until_ended(job) == "CANCELLED" and slurm.restarts(job) == 0
+    while slurm.run("squeue", "-h", "-j", job).stdout.strip() and time.monotonic() < deadline:  # still completing
+        time.sleep(0.1)
+    stopped = re.search(
+        r"stopped by signal 15 at step (\d+) \(`last` resumes it\)", (run / "logs" / "rank_0.log").read_text()
+    )
+    assert stopped and 5 <= int(stopped.group(1)) < 24
+    again = slurm.submit(tmp_path / "distrain.sbatch")
+    assert slurm.wait_until_ended(again) == "COMPLETED" and _steps_logged(run) == 24
+    assert not (run / "PREEMPTED").exists()
+    resumed = re.search(r"done at step 24 \(resumed from step (\d+)\)", (run / "logs" / "rank_0.log").read_text())
+    assert resumed and resumed.group(1) == stopped.group(1)
     ours = read_model_weights(run / "checkpoints" / "last")
     reference = read_model_weights(never_preempted / "run" / "checkpoints" / "last")
     assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
