@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,14 @@ def unsupported_hooks(module: nn.Module) -> list[str]:
         for name, instead in UNSUPPORTED_HOOKS.items()
         if callable(getattr(type(module), name, None)) and getattr(Module, name, None) is None
     ]
+
+
+def check_hooks(module: nn.Module) -> None:
+    """Before any rank starts: a Lightning hook distrain does not call is refused in one line, naming it and what to
+    do instead (``UNSUPPORTED_HOOKS``), rather than training without it."""
+    problems = unsupported_hooks(module)
+    if problems:
+        raise NotImplementedError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 
 
 class AttributeDict(dict):
@@ -577,15 +586,17 @@ class StepRouter(nn.Module):
     """Makes ``model("training_step", batch, i)`` run through the strategy's wrapper (DDP's
     forward hooks must see the call) while the user's code stays a plain ``training_step``."""
 
-    def __init__(self, module: Module):
+    def __init__(self, module: Module, before_backward: Callable[[Any], None] | None = None):
         super().__init__()
         self.module = module
+        #: the loop's, between a ``training_step`` and its backward (Lightning's on_before_zero_grad,
+        #: on_before_backward: here, in order)
+        self.before_backward = before_backward
 
     def forward(self, step_name: str, batch: Any, batch_idx: int) -> Any:
         output = run_step(self.module, step_name, batch, batch_idx)
-        trainer = self.module._trainer
-        if step_name == "training_step" and trainer is not None and self.module.automatic_optimization:
-            trainer._before_backward(output)  # Lightning's on_before_zero_grad, on_before_backward: here, in order
+        if step_name == "training_step" and self.before_backward is not None and self.module.automatic_optimization:
+            self.before_backward(output)
         return output
 
 

@@ -33,7 +33,7 @@ from distrain.data import (
 )
 from distrain.datamodule import is_datamodule, one_loader, optional_loader, set_up_stage, stage_loader
 from distrain.loggers import Logger
-from distrain.module import Module, as_module, loss_of, overrides, unsupported_hooks
+from distrain.module import Module, as_module, check_hooks, loss_of, overrides
 from distrain.runtime import Runtime, isolated_rng, rng_state
 from distrain.strategies.base import Strategy
 from distrain.training import startup
@@ -58,7 +58,7 @@ from distrain.training.optimizers import step_schedulers
 from distrain.training.outcomes import StepOutcome
 from distrain.training.preemption import SIGNALS, StopAgreement
 from distrain.training.stage_setup import attach, build, configure
-from distrain.training.stages import report, run_stage, sanity_check, setup_loader, teardown, validate_during_fit
+from distrain.training.stages import report, sanity_check, setup_loader, stage_call, teardown, validate_during_fit
 from distrain.training.views import TrainerViews
 
 __all__ = ["Trainer", "CHECKPOINT_FORMAT", "NonFiniteError", "AnomalyError"]
@@ -114,7 +114,7 @@ class Trainer(TrainerViews):
     model: nn.Module | None  # the same, wrapped by the strategy (what the loop calls)
     optimizers: list[torch.optim.Optimizer]
     lr_schedulers: list[dict]
-    #: False: each stage seeds every rank from ``seed`` (``_seed_streams``: the same weights and order whatever ran
+    #: False: each stage seeds every rank from ``seed`` (``seed_streams``: the same weights and order whatever ran
     #: before it), and the loaders draw from generators of their own. True (``distrain.lightning``): a stage goes on
     #: with the random streams the script left, and the loaders draw from torch's generator as torch's own do
     continues_script_streams = False
@@ -205,7 +205,7 @@ class Trainer(TrainerViews):
                 "fit() needs train_dataloaders, a datamodule with train_dataloader(), or a module that defines "
                 "train_dataloader()"
             )
-        self._check_lightning_module(module)
+        check_hooks(module)
         if ckpt_path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
             # torchrun restarted the group after a failure: continue from the newest intact checkpoint
             ckpt_path = "auto"
@@ -217,13 +217,6 @@ class Trainer(TrainerViews):
         check_manual_optimization(self, module)
         data = (train_dataloaders, val_dataloaders, datamodule)
         return self._launch(self._fit, module, data, ckpt_path)
-
-    def _check_lightning_module(self, module: Module) -> None:
-        """Before any rank starts: a Lightning hook distrain does not call is refused in one line, naming it and
-        what to do instead (``module.UNSUPPORTED_HOOKS``), rather than training without it."""
-        problems = unsupported_hooks(module)
-        if problems:
-            raise NotImplementedError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 
     def verify(self, module: nn.Module, train_dataloaders=None, datamodule=None, steps: int = 3):
         """A few steps of this configuration against one process on the same global batch, and the checks
@@ -244,13 +237,15 @@ class Trainer(TrainerViews):
         self, model: nn.Module | None = None, dataloaders=None, ckpt_path=None, verbose: bool = True, datamodule=None
     ) -> list[dict]:
         """The validation metrics (``verbose``: also printed, on rank 0)."""
-        return report(self, "validate", run_stage(self, "validate", model, dataloaders, ckpt_path, datamodule), verbose)
+        call = stage_call(self, "validate", model, dataloaders, ckpt_path, datamodule)
+        return report(self, "validate", self._launch(*call), verbose)
 
     def test(
         self, model: nn.Module | None = None, dataloaders=None, ckpt_path=None, verbose: bool = True, datamodule=None
     ) -> list[dict]:
         """The test metrics (``verbose``: also printed, on rank 0)."""
-        return report(self, "test", run_stage(self, "test", model, dataloaders, ckpt_path, datamodule), verbose)
+        call = stage_call(self, "test", model, dataloaders, ckpt_path, datamodule)
+        return report(self, "test", self._launch(*call), verbose)
 
     def predict(
         self,
@@ -262,7 +257,7 @@ class Trainer(TrainerViews):
     ) -> list | None:
         """Returns this rank's predictions, in its sampler order (rank 0's for spawn/fork); None with
         ``return_predictions=False``."""
-        predictions = run_stage(self, "predict", model, dataloaders, ckpt_path, datamodule)
+        predictions = self._launch(*stage_call(self, "predict", model, dataloaders, ckpt_path, datamodule))
         return None if return_predictions is False else predictions
 
     def _launch(self, fn, module: Module, *args):
@@ -289,8 +284,8 @@ class Trainer(TrainerViews):
         rt = self.runtime
         train_loader, val_loader, datamodule = data
         self.state = TrainerState("fit", "train")
-        self._seed_streams(stage_start=True)  # setup(stage) may build layers: alike on every rank
-        checkpoint = self._checkpoint_at(ckpt_path) if ckpt_path is not None else None
+        self.seed_streams(stage_start=True)  # setup(stage) may build layers: alike on every rank
+        checkpoint = self.checkpoint_at(ckpt_path) if ckpt_path is not None else None
         saved = self.checkpoints.read_before_loaders(checkpoint)  # the datamodule's state, the global batch
         set_up_stage("fit", self, module, datamodule, saved.get("datamodule"))
         build(self, module)
@@ -300,7 +295,7 @@ class Trainer(TrainerViews):
         val_loader = one_loader(val_loader, "val_dataloaders")
         train_loader = stage_loader("fit", module, train_loader, datamodule)
         micro_batch = resumed_micro_batch(self, checkpoint, saved.get("batch_layout"), train_loader)
-        shuffle, shuffle_seed = self._train_order()
+        shuffle, shuffle_seed = self.train_order()
         train_loader = setup_loader(self, train_loader, shuffle_seed, batch_size=micro_batch, shuffle=shuffle)
         val_loader = setup_loader(self, val_loader, even=False) if val_loader is not None else None
         self.loop_state.num_batches = limited(
@@ -310,7 +305,7 @@ class Trainer(TrainerViews):
         self.batch_layout = BatchLayout(
             micro_batch_size(train_loader) or 1, self.loop.accumulate_for(0), self.data_parallel_size
         )
-        attach(self, module, "fit", train_loader)
+        attach(self, module, "fit", train_loader, before_backward=self._before_backward)
         startup.mark("model and data set-up")
         if checkpoint is not None:
             self.checkpoints.restore(checkpoint)
@@ -395,7 +390,7 @@ class Trainer(TrainerViews):
         window) and over the ranks. Returns the last ``training_step`` output, or the ``StepOutcome`` of a step that
         gave none to go on with (``DROPPED``: the strategy did not commit it; nothing applied, the step not counted)."""
         if not self.module.automatic_optimization:
-            return manual_step(self, micro_batches)
+            return manual_step(self, micro_batches, self._skips_rest_of_epoch, self._done)
         rt, optimizer = self.runtime, self.optimizers[0]
         rt.mark_phase(self.global_step + 1, "forward/backward")  # where this rank is, if a collective hangs
         batches = [batch for _, batch in micro_batches]
@@ -591,21 +586,22 @@ class Trainer(TrainerViews):
             skip = bool(self.runtime.all_reduce(torch.tensor(int(skip)), op="max"))
         return skip
 
-    def _seed_streams(self, stage_start: bool) -> None:
+    # ---- conventions: where Lightning's Trainer differs, ``distrain.lightning``'s overrides these -----------------
+    def seed_streams(self, stage_start: bool) -> None:
         """Every rank's random streams seeded from ``seed`` before a stage sets up anything, and again before the
         model is built (``stage_start=False``): every rank builds the same weights."""
         self.runtime.seed_everything(self.seed)
 
-    def _checkpoint_at(self, ckpt_path) -> Path | None:
+    def checkpoint_at(self, ckpt_path) -> Path | None:
         """The checkpoint a stage starts from, fit to resume and the others to evaluate (``checkpoints.resolve``)."""
         return self.checkpoints.resolve(ckpt_path)
 
-    def _run_folder(self, ckpt_path) -> str:
+    def run_folder(self, ckpt_path) -> str:
         """The folder the run writes in (``trainer.log_dir``): ``default_root_dir``, or the next ``version_N`` in it
         where it holds an earlier run; a resume goes on in the run it resumes (``run_dir.choose``)."""
         return run_dir.choose(self.default_root_dir, ckpt_path)
 
-    def _train_order(self) -> tuple[bool | None, int]:
+    def train_order(self) -> tuple[bool | None, int]:
         """Whether the training data is shuffled (None: as its loader says) and the seed of its order."""
         return None, self.seed
 

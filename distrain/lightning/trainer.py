@@ -43,7 +43,7 @@ class Trainer(_Trainer):
       keeps the loader's own order;
     - on a CPU, ``devices="auto"`` (and -1) is one process, as Lightning's CPU accelerator counts one device
       (``distrain.Trainer`` starts a rank per core, up to 2);
-    - Lightning's random numbers: fit goes on with the script's random streams (``_seed_streams``), the loaders draw
+    - Lightning's random numbers: fit goes on with the script's random streams (``seed_streams``), the loaders draw
       from torch's generator as torch's own do, and a sanity check of 2 batches runs first, drawing nothing."""
 
     default_checkpoint = ModelCheckpoint  # Lightning's paths: epoch=0-step=8.ckpt, last.ckpt
@@ -88,7 +88,7 @@ class Trainer(_Trainer):
             _requeue(SLURMEnvironment.job_id(), self.preempted, self.global_step)
         return metrics
 
-    def _seed_streams(self, stage_start: bool) -> None:
+    def seed_streams(self, stage_start: bool) -> None:
         """Lightning's: a stage goes on with the script's streams (a spawned rank with those its parent had), except
         that a distributed strategy (DDP, FSDP, DeepSpeed: any but one device's own, on one device too) seeds them
         again from ``seed_everything``'s seed when it sets up, as Lightning's do (``reset_seed``); ranks of a script
@@ -102,16 +102,16 @@ class Trainer(_Trainer):
         elif self.world_size > 1:
             set_rng_state(self.runtime.broadcast(rng_state()))
 
-    def _checkpoint_at(self, ckpt_path):
+    def checkpoint_at(self, ckpt_path):
         """``ckpt_path="last"`` where this run (a new version, as in Lightning) has none yet: the newest earlier
         version's ``last``, said on the console (Lightning would warn and go on without one); with none, Lightning's
         warning, and the stage goes on from the weights as they are."""
         import warnings
 
         if ckpt_path != "last" or self.remote_root is not None:
-            return super()._checkpoint_at(ckpt_path)
+            return super().checkpoint_at(ckpt_path)
         try:
-            return super()._checkpoint_at(ckpt_path)
+            return super().checkpoint_at(ckpt_path)
         except FileNotFoundError:
             pass
         here = Path(self.log_dir)
@@ -120,7 +120,7 @@ class Trainer(_Trainer):
             found = earlier[-1] / "checkpoints" / "last"
             if self.is_global_zero:
                 print(f"distrain: ckpt_path='last': resuming {found}, the newest earlier run's", flush=True)
-            return super()._checkpoint_at(str(found))
+            return super().checkpoint_at(str(found))
         if self.is_global_zero:
             warnings.warn(
                 'ckpt_path="last": there is no last checkpoint yet, so none is loaded (as in Lightning); save one '
@@ -129,7 +129,7 @@ class Trainer(_Trainer):
             )
         return None
 
-    def _run_folder(self, ckpt_path) -> str:
+    def run_folder(self, ckpt_path) -> str:
         """Lightning's: the first logger's folder (the ``log_dir`` of TensorBoard's and the CSV logger, another's
         ``save_dir``; the default logger's is ``lightning_logs/version_N``), or ``default_root_dir`` with none. The
         checkpoints go in its ``checkpoints`` folder, as Lightning's, and a run resumed from a checkpoint is a new
@@ -138,14 +138,14 @@ class Trainer(_Trainer):
 
         loggers = self.metrics.loggers
         if self.remote_root is not None:
-            return super()._run_folder(ckpt_path)
+            return super().run_folder(ckpt_path)
         if not loggers:
             return self.default_root_dir
         first = loggers[0]
         folder = first.log_dir if isinstance(first, (TensorBoardLogger, CSVLogger)) else first.save_dir
         return str(folder or self.default_root_dir)
 
-    def _train_order(self) -> tuple[bool | None, int]:
+    def train_order(self) -> tuple[bool | None, int]:
         """Lightning's: under a distributed strategy (on one device too) the training data is shuffled by its
         ``DistributedSampler``, seeded by ``PL_GLOBAL_SEED``, whatever the loader says; on one device's own, as the
         loader says."""

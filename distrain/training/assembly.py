@@ -113,7 +113,7 @@ def choose_run_dir(trainer, ckpt_path) -> None:
     if trainer.run_dir_choice.chosen:
         return
     trainer.run_dir_choice.chosen = True
-    path = trainer._run_folder(ckpt_path)
+    path = trainer.run_folder(ckpt_path)
     if path != trainer.log_dir:
         trainer.log_dir = path
         point_runtime_at_run_dir(trainer)

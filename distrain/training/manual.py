@@ -5,6 +5,7 @@ once, when an optimizer steps (``optimizers.sync_gradients``)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from distrain.data import batch_size_of, tokens_in_batch
@@ -41,17 +42,23 @@ class ManualOptimizer(LoopOptimizer):
         yield
 
 
-def manual_step(trainer, micro_batches: list[tuple[int, Any]]) -> Any:
+def manual_step(
+    trainer,
+    micro_batches: list[tuple[int, Any]],
+    skips_rest_of_epoch: Callable[[int, Any], bool],
+    done: Callable[[], bool],
+) -> Any:
     """One batch under manual optimization: ``training_step`` steps the optimizers itself (each ``step()``
-    counts in ``global_step``, as in Lightning). It is called on the module, not through the strategy's
-    wrapper: the gradients stay local through any number of ``manual_backward`` calls and are averaged over
-    the ranks once, when an optimizer steps (``ManualOptimizer``)."""
+    counts in ``global_step``, as in Lightning). ``skips_rest_of_epoch(batch_idx, batch)``: the batch's
+    ``on_train_batch_start`` said -1 on some rank; ``done()``: the run ends at this step. It is called on the module,
+    not through the strategy's wrapper: the gradients stay local through any number of ``manual_backward`` calls and
+    are averaged over the ranks once, when an optimizer steps (``ManualOptimizer``)."""
     rt = trainer.runtime
     ((batch_idx, batch),) = micro_batches  # accumulate_grad_batches is 1 (checked when fit starts)
     rt.mark_phase(trainer.global_step + 1, "manual training_step")
     batch = rt.to_device(batch)
     trainer.metrics.collector.current_batch_size = batch_size_of(batch)
-    if trainer._skips_rest_of_epoch(batch_idx, batch):
+    if skips_rest_of_epoch(batch_idx, batch):
         return StepOutcome.SKIP_REST_OF_EPOCH
     before = trainer.global_step
     with rt.autocast():
@@ -65,5 +72,5 @@ def manual_step(trainer, micro_batches: list[tuple[int, Any]]) -> Any:
     result = StepResult(
         trainer.global_step, trainer.current_epoch, loss, lr, None, samples, tokens_in_batch(batch) or 0
     )
-    trainer.metrics.step_done(result, final=trainer._done(), max_steps=trainer.loop.max_steps)
+    trainer.metrics.step_done(result, final=done(), max_steps=trainer.loop.max_steps)
     return output

@@ -20,7 +20,7 @@ def build(trainer, module: Module) -> None:
     """A stage's module, once its ``setup(stage)`` ran and before its loaders are made (Lightning's order):
     ``configure_model``'s layers, from random streams alike on every rank."""
     trainer.checkpoints.begin_stage()
-    trainer._seed_streams(stage_start=False)  # every rank builds identical weights
+    trainer.seed_streams(stage_start=False)  # every rank builds identical weights
     trainer.process_settings.apply()
     _own_memory(module)
     configure(trainer, module)
@@ -34,8 +34,9 @@ def configure(trainer, module: Module) -> None:
         object.__setattr__(module, "_distrain_configured", True)
 
 
-def attach(trainer, module: Module, stage: str, train_loader=None) -> None:
-    """The built module set up by the strategy: wrapped, and for fit with its optimizers."""
+def attach(trainer, module: Module, stage: str, train_loader=None, before_backward=None) -> None:
+    """The built module set up by the strategy: wrapped, and for fit with its optimizers; ``before_backward(output)``
+    (fit's) runs between each ``training_step`` and its backward."""
     rt = trainer.runtime
     # asked only once a rank ran out of memory
     rt.memory_plan = functools.partial(_memory_plan_of_fit, trainer) if stage == "fit" else None
@@ -59,7 +60,7 @@ def attach(trainer, module: Module, stage: str, train_loader=None) -> None:
     manual = not module.automatic_optimization
     configure_optimizers = lambda: parse_optimizers(module.configure_optimizers(), manual)  # noqa: E731
     trainer.model, trainer.optimizers, trainer.lr_schedulers = rt.strategy.setup(
-        StepRouter(module), configure_optimizers, loop
+        StepRouter(module, before_backward), configure_optimizers, loop
     )
     trainer.loop_optimizers = [(ManualOptimizer if manual else LoopOptimizer)(trainer, o) for o in trainer.optimizers]
 

@@ -1,4 +1,4 @@
-"""``validate``, ``test`` and ``predict``: which module and loaders a stage reads (``run_stage``, before any rank
+"""``validate``, ``test`` and ``predict``: which module and loaders a stage reads (``stage_call``, before any rank
 starts), and the stage in each rank (``evaluate``, ``predict``); fit's validations (``sanity_check``,
 ``validate_during_fit``); what every stage does with its loaders (``setup_loader``) and last (``teardown``). The loop
 that runs the batches is ``Evaluator``'s."""
@@ -10,7 +10,7 @@ import functools
 from torch.utils.data import DataLoader
 
 from distrain.datamodule import STAGE_LOADERS, is_datamodule, set_up_stage, stage_loader
-from distrain.module import as_module
+from distrain.module import as_module, check_hooks
 from distrain.runtime import isolated_rng
 from distrain.training.arguments import TrainerState
 from distrain.training.assembly import choose_run_dir
@@ -19,9 +19,10 @@ from distrain.training.hooks import call_callbacks
 from distrain.training.stage_setup import attach, build
 
 
-def run_stage(trainer, stage: str, model, dataloaders, ckpt_path, datamodule):
-    """The loaders given, else the datamodule's (also in ``dataloaders``' place), else the module's own: made in
-    every rank after ``prepare_data`` and ``setup(stage)``."""
+def stage_call(trainer, stage: str, model, dataloaders, ckpt_path, datamodule) -> tuple:
+    """What ``validate``, ``test`` or ``predict`` launches in the ranks: ``(function, module, *arguments)``, checked
+    before any rank starts. The loaders given, else the datamodule's (also in ``dataloaders``' place), else the
+    module's own: made in every rank after ``prepare_data`` and ``setup(stage)``."""
     if model is None:
         if trainer.module is None:
             raise ValueError(f"{stage}() needs a model: pass one, or call fit() first (model=None is fit's)")
@@ -39,14 +40,12 @@ def run_stage(trainer, stage: str, model, dataloaders, ckpt_path, datamodule):
         raise ValueError(
             f"{stage}() needs dataloaders, a datamodule with {method}(), or a module that defines {method}()"
         )
-    trainer._check_lightning_module(module)
+    check_hooks(module)
     choose_run_dir(trainer, ckpt_path)
     if stage == "predict":
-        return trainer._launch(functools.partial(predict, trainer), module, (dataloaders, datamodule), ckpt_path)
+        return functools.partial(predict, trainer), module, (dataloaders, datamodule), ckpt_path
     step_name = "validation_step" if stage == "validate" else "test_step"
-    return trainer._launch(
-        functools.partial(evaluate, trainer), module, step_name, (dataloaders, datamodule), ckpt_path
-    )
+    return functools.partial(evaluate, trainer), module, step_name, (dataloaders, datamodule), ckpt_path
 
 
 def begin(trainer, stage: str, module, data: tuple, ckpt_path):
@@ -54,13 +53,13 @@ def begin(trainer, stage: str, module, data: tuple, ckpt_path):
     (``stage_setup``), the checkpoint's weights read into it where one is named, and the stage's loader, returned."""
     dataloaders, datamodule = data
     trainer.state = TrainerState(stage, stage)
-    trainer._seed_streams(stage_start=True)
+    trainer.seed_streams(stage_start=True)
     set_up_stage(stage, trainer, module, datamodule)
     build(trainer, module)
     loader = stage_loader(stage, module, dataloaders, datamodule)
     attach(trainer, module, stage)
     loader = setup_loader(trainer, loader, even=False)
-    checkpoint = trainer._checkpoint_at(ckpt_path) if ckpt_path is not None else None
+    checkpoint = trainer.checkpoint_at(ckpt_path) if ckpt_path is not None else None
     if checkpoint is not None:
         trainer.checkpoints.restore(checkpoint, weights_only=True)
     return loader
