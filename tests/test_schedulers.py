@@ -129,6 +129,23 @@ ENDINGS = {
 }
 
 
+def _submitted_until_step_5(slurm, folder: Path) -> tuple[str, Path, float]:
+    """The job of ``folder``'s file submitted and running, 5 of its 24 steps logged: its id, its run folder and a
+    deadline two minutes from its submission."""
+    job = slurm.submit(_job_file(folder))
+    run = folder / "run"
+    deadline = time.monotonic() + 120
+    while _steps_logged(run) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _steps_logged(run) >= 5, slurm.state(job)
+    return job, run, deadline
+
+
+def _assert_same_final_weights(run: Path, reference: Path) -> None:
+    ours, theirs = (read_model_weights(folder / "checkpoints" / "last") for folder in (run, reference))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 @pytest.mark.parametrize("ending", list(ENDINGS))
 def test_a_job_ended_by_the_scheduler_is_requeued_and_ends_bit_identical(slurm, never_preempted, tmp_path, ending):
     """In the middle of the run, ``scancel --signal=USR1`` (what SLURM sends before a time limit or a preemption,
@@ -138,12 +155,7 @@ def test_a_job_ended_by_the_scheduler_is_requeued_and_ends_bit_identical(slurm, 
     to SIGKILL); the ranks checkpoint the same way. Each time ``--resume auto`` goes on from that checkpoint to the
     weights of the job never preempted."""
     end, signal_number = ENDINGS[ending]
-    job = slurm.submit(_job_file(tmp_path))
-    run = tmp_path / "run"
-    deadline = time.monotonic() + 120
-    while _steps_logged(run) < 5 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _steps_logged(run) >= 5, slurm.state(job)
+    job, run, deadline = _submitted_until_step_5(slurm, tmp_path)
     signalled = end(slurm, job, tmp_path)
     assert signalled.returncode == 0, signalled.stderr
     while not (run / "PREEMPTED").exists() and time.monotonic() < deadline:  # the first attempt's end
@@ -157,21 +169,14 @@ def test_a_job_ended_by_the_scheduler_is_requeued_and_ends_bit_identical(slurm, 
     stopped = re.search(rf"stopped by signal {signal_number} at step (\d+) \(`last` resumes it\)", log)
     resumed = re.search(r"done at step 24 \(resumed from step (\d+)\)", log)
     assert stopped and resumed and 5 <= int(stopped.group(1)) == int(resumed.group(1)) < 24, log[-3000:]
-    ours = read_model_weights(run / "checkpoints" / "last")
-    reference = read_model_weights(never_preempted / "run" / "checkpoints" / "last")
-    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+    _assert_same_final_weights(run, never_preempted / "run")
 
 
 def test_a_job_cancelled_mid_run_checkpoints_and_its_resubmission_ends_bit_identical(slurm, never_preempted, tmp_path):
     """``scancel`` with no signal named (SIGTERM to every task, SIGKILL after ``KillWait``): the job ends
     ``CANCELLED`` and is not requeued, and every rank first finishes its step and checkpoints it. The same file
     submitted again goes on from that checkpoint (``--resume auto``) to the weights of the job never cancelled."""
-    job = slurm.submit(_job_file(tmp_path))
-    run = tmp_path / "run"
-    deadline = time.monotonic() + 120
-    while _steps_logged(run) < 5 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _steps_logged(run) >= 5, slurm.state(job)
+    job, run, deadline = _submitted_until_step_5(slurm, tmp_path)
     cancelled = slurm.run("scancel", job)
     assert cancelled.returncode == 0, cancelled.stderr
     assert slurm.wait_until_ended(job) == "CANCELLED" and slurm.restarts(job) == 0
@@ -186,9 +191,7 @@ def test_a_job_cancelled_mid_run_checkpoints_and_its_resubmission_ends_bit_ident
     assert not (run / "PREEMPTED").exists()
     resumed = re.search(r"done at step 24 \(resumed from step (\d+)\)", (run / "logs" / "rank_0.log").read_text())
     assert resumed and resumed.group(1) == stopped.group(1)
-    ours = read_model_weights(run / "checkpoints" / "last")
-    reference = read_model_weights(never_preempted / "run" / "checkpoints" / "last")
-    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+    _assert_same_final_weights(run, never_preempted / "run")
 
 
 #: a Lightning script as its users write one for SLURM: its own sbatch file runs it under srun, and Lightning's
