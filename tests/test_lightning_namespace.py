@@ -610,9 +610,18 @@ def test_lightnings_ckpt_file_names_resume_and_load_what_was_saved_under_them(tm
     assert not (ckpt / "epoch=1-last.ckpt").exists()  # the resumed run knew the link its checkpoint had made
     trainer, _ = fit(tmp_path / "no-last", 1, save_last=False)
     assert trainer.checkpoint_callback.last_model_path == ""
-    assert trainer.checkpoint_callback.best_model_path == str(
-        ckpt / "epoch=0-step=8-v3.ckpt"
-    )  # whole: v1, by-epoch: v2
+    versioned = ckpt / "epoch=0-step=8-v3.ckpt"  # -v1: the whole run's, -v2: by-epoch's
+    assert trainer.checkpoint_callback.best_model_path == str(versioned)
+    # Lightning's default callback (save_last=None) makes no last.ckpt and has no last_model_path, as Lightning's;
+    # distrain's own `last` stays, for ckpt_path="last"
+    default = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+        default_root_dir=str(tmp_path / "default"),
+    )  # fmt: skip
+    default.fit(Regressor(), _loader())
+    callback, folder = default.checkpoint_callback, tmp_path / "default" / "checkpoints"
+    assert callback.last_model_path == "" and callback.best_model_path == str(folder / "epoch=0-step=8.ckpt")
+    assert not (folder / "last.ckpt").exists() and (folder / "last").is_symlink()
 
 
 def test_checkpoints_after_each_validation_and_by_time(tmp_path):

@@ -86,6 +86,8 @@ class ModelCheckpoint(Callback):
         self.mode = mode
         self.save_top_k = save_top_k
         self.save_last = bool(save_last)  # "link": distrain's ``last`` is a link already
+        #: whether the CHECKPOINT_NAME_LAST link is made (Lightning's subclass: only when its save_last asks)
+        self.names_last = self.save_last
         self.every_n_train_steps = every_n_train_steps
         self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (None if every_n_train_steps else 1)
         self.saved: list[tuple[float, str]] = []  # (score, path) of kept checkpoints
@@ -262,7 +264,7 @@ class ModelCheckpoint(Callback):
         self._newest = str(path)
         if self.CHECKPOINT_NAME_LAST is None:
             self.last_model_path = self._newest
-        elif self.save_last:
+        elif self.names_last:
             self.last_model_path = str(self.dirpath / self._last_link_name(trainer))
         else:
             self.last_model_path = ""  # Lightning's, without save_last
@@ -270,7 +272,7 @@ class ModelCheckpoint(Callback):
         def after_commit() -> str | None:
             if self.save_last:
                 point_last(self.dirpath, path)
-                if self.CHECKPOINT_NAME_LAST is not None:
+                if self._last_link_name(trainer) is not None:
                     name = Path(self.last_model_path).name
                     point_last(self.dirpath, path, name=name)
                     before = self.dirpath / self._last_link if self._last_link not in (None, name) else None
@@ -305,7 +307,7 @@ class ModelCheckpoint(Callback):
 
     def _last_link_name(self, trainer) -> str | None:
         """``CHECKPOINT_NAME_LAST`` formatted, with ``FILE_EXTENSION``: the second link's name (None: no such link)."""
-        if self.CHECKPOINT_NAME_LAST is None or not self.save_last:
+        if self.CHECKPOINT_NAME_LAST is None or not self.names_last:
             return None
         pattern = self.CHECKPOINT_NAME_LAST
         name = self._format(_with_metric_names(pattern) if self.auto_insert_metric_name else pattern, trainer)
