@@ -238,12 +238,15 @@ class ModelCheckpoint(Callback):
         # Rank 0 names the checkpoint and every rank writes there: a name may use metrics that
         # differ per rank (step time, tokens/s), and a sharded checkpoint needs every rank's shards.
         # A name that cannot be made (a bad format) fails on every rank, not on rank 0 alone.
-        path = self.dirpath / trainer.runtime.decided_on_rank_zero(lambda: self._new_name(trainer))
+        # The second `last` link's name too (a pattern may use metrics), decided once with it: the checkpoint records
+        # it, and the commit (perhaps steps later, for an asynchronous save) makes that one.
+        name, link = trainer.runtime.decided_on_rank_zero(lambda: self._new_names(trainer))
+        path = self.dirpath / name
         # the checkpoint's own record of the kept ones (``state_dict``) counts it: resumed from, it is still ranked
         self._saving = (score, str(path))
-        self._saving_link = self._last_link_name(trainer)  # the `last` link this save makes: a resume moves it on
+        self._saving_link = link  # the `last` link this save makes: a resume moves it on
         try:
-            then = lambda finite: self._committed(trainer, path, score, finite)  # noqa: E731
+            then = lambda finite: self._committed(trainer, path, score, finite, link)  # noqa: E731
             trainer.checkpoints.save(path, then=then, weights_only=self.save_weights_only)
         finally:
             self._saving = None
@@ -251,8 +254,9 @@ class ModelCheckpoint(Callback):
         if self.verbose and trainer.is_global_zero:
             print(f"distrain: step {trainer.global_step}: checkpoint saved to {path}", flush=True)
 
-    def _committed(self, trainer, path: Path, score: float, finite: bool) -> None:
-        """Once the checkpoint is on disk under its name: ``last`` moves to it, and only then are older ones removed."""
+    def _committed(self, trainer, path: Path, score: float, finite: bool, link: str | None) -> None:
+        """Once the checkpoint is on disk under its name: ``last`` (and ``link``, CHECKPOINT_NAME_LAST's) moves to it,
+        and only then are older ones removed."""
         if not finite:  # kept for a post-mortem, but never what a resume picks up
             if trainer.is_global_zero:
                 warnings.warn(
@@ -264,21 +268,20 @@ class ModelCheckpoint(Callback):
         self._newest = str(path)
         if self.CHECKPOINT_NAME_LAST is None:
             self.last_model_path = self._newest
-        elif self.names_last:
-            self.last_model_path = str(self.dirpath / self._last_link_name(trainer))
+        elif link is not None:
+            self.last_model_path = str(self.dirpath / link)
         else:
             self.last_model_path = ""  # Lightning's, without save_last
 
         def after_commit() -> str | None:
             if self.save_last:
                 point_last(self.dirpath, path)
-                if self._last_link_name(trainer) is not None:
-                    name = Path(self.last_model_path).name
-                    point_last(self.dirpath, path, name=name)
-                    before = self.dirpath / self._last_link if self._last_link not in (None, name) else None
+                if link is not None:
+                    point_last(self.dirpath, path, name=link)
+                    before = self.dirpath / self._last_link if self._last_link not in (None, link) else None
                     if before is not None and before.is_symlink():  # a pattern with {epoch}: the link before goes
                         before.unlink()
-                    self._last_link = name
+                    self._last_link = link
             stale = self._keep_top_k(score, str(path))
             if self.remote is None:
                 self._remove(stale)
@@ -290,20 +293,21 @@ class ModelCheckpoint(Callback):
         # sync made a directory) reaches every rank at once instead of leaving them in a barrier until the timeout
         self.best_model_path = trainer.runtime.decided_on_rank_zero(after_commit)
 
-    def _new_name(self, trainer) -> str:
-        """``format_name``'s and ``FILE_EXTENSION``; with ``enable_version_counter``, a name that exists already gets
-        ``-v1``, ``-v2``... before the extension."""
+    def _new_names(self, trainer) -> tuple[str, str | None]:
+        """The checkpoint's name (``format_name``'s and ``FILE_EXTENSION``; with ``enable_version_counter``, a name
+        that exists already gets ``-v1``, ``-v2``... before the extension) and its second `last` link's (None: none)."""
+        link = self._last_link_name(trainer)
         name = base = self.format_name(trainer)
         version = 1
         while self.enable_version_counter and (self.dirpath / (name + self.FILE_EXTENSION)).exists():
             name, version = f"{base}-v{version}", version + 1
         name += self.FILE_EXTENSION
-        if not is_checkpoint_name(name) or name == self._last_link_name(trainer):
+        if not is_checkpoint_name(name) or name == link:
             raise ValueError(
                 f"ModelCheckpoint(filename={self.filename!r}) gives {name!r}, which is not one directory name inside "
                 f"{self.dirpath} (no '/', not empty, not starting with '.', not a name of `last`)"
             )
-        return name
+        return name, link
 
     def _last_link_name(self, trainer) -> str | None:
         """``CHECKPOINT_NAME_LAST`` formatted, with ``FILE_EXTENSION``: the second link's name (None: no such link)."""
