@@ -183,8 +183,9 @@ class Trainer(TrainerViews):
         return self.runtime.init_module(empty_init)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Write a checkpoint directory: called by every rank together, or by one alone where each holds the whole
-        state (DDP: under ``if trainer.is_global_zero:``); elsewhere that is refused in one line
+        """Write a checkpoint (one file for a ``.ckpt``/``.pt`` name where the state is whole, else a directory):
+        called by every rank together, or by one alone where each holds the whole state (DDP: under
+        ``if trainer.is_global_zero:``); elsewhere that is refused in one line
         (``CheckpointManager.save_as_called``)."""
         if not self.checkpoints.save_as_called(path) and self.is_global_zero:
             warnings.warn(f"distrain: the checkpoint {path} holds non-finite weights", stacklevel=2)

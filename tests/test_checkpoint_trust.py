@@ -331,10 +331,20 @@ def test_remove_checkpoint_refuses_anything_but_a_checkpoint_inside(tmp_path):
     (tmp_path / "other" / "state.pt").write_bytes(b"x")
     (ckpts / "plain").mkdir()
     (ckpts / "link").symlink_to(tmp_path / "other")
-    for path in (tmp_path / "other", ckpts / "plain", ckpts / "link", ckpts / ".." / "other"):
+    # files named as checkpoint files: a model someone saved there, a text file, a link to a checkpoint file
+    torch.save({"model": {"w": torch.ones(2)}, "format": "mine"}, ckpts / "model.pt")
+    (ckpts / "notes.ckpt").write_text("format: distrain/1")
+    torch.save({"format": "distrain/1", "model": {}}, tmp_path / "theirs.ckpt")
+    (ckpts / "linked.ckpt").symlink_to(tmp_path / "theirs.ckpt")
+    kept = (tmp_path / "other", ckpts / "plain", ckpts / "link", ckpts / ".." / "other", ckpts / "model.pt")
+    for path in (*kept, ckpts / "notes.ckpt", ckpts / "linked.ckpt", ckpts / ".." / "theirs.ckpt"):
         with pytest.raises(CheckpointError, match="refusing to delete"):
             remove_checkpoint(path, within=ckpts)
     assert (tmp_path / "other" / "state.pt").exists() and (ckpts / "plain").is_dir()
+    assert all(p.exists() for p in (ckpts / "model.pt", ckpts / "notes.ckpt", tmp_path / "theirs.ckpt"))
+    torch.save({"format": "distrain/1", "model": {}}, ckpts / "ours.ckpt")  # a checkpoint file inside: removed
+    remove_checkpoint(ckpts / "ours.ckpt", within=ckpts)
+    assert not (ckpts / "ours.ckpt").exists() and (ckpts / "linked.ckpt").is_symlink()
 
 
 # ---- names: the loop decides them ------------------------------------------------------------------------------

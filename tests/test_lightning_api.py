@@ -548,11 +548,11 @@ class SavesOnOneRank(LitRegressor):
             self.weights_at[step] = {k: v.detach().clone() for k, v in self.state_dict().items()}
         if step == 2 and self.global_rank == self.saver:
             try:
-                self.trainer.save_checkpoint(f"{self.folder}/alone")
+                self.trainer.save_checkpoint(f"{self.folder}/alone.ckpt")
             except RuntimeError as e:  # a sharded state: refused, and no collective was entered
                 self.refused = str(e)
         if step == 3:
-            self.trainer.save_checkpoint(f"{self.folder}/together")
+            self.trainer.save_checkpoint(f"{self.folder}/together.ckpt")
 
 
 def _saved_by_one_rank(tmp, batch, rank):
@@ -566,13 +566,14 @@ def _saved_by_one_rank(tmp, batch, rank):
         L.seed_everything(0)
         module = SavesOnOneRank(str(folder), saver, batch_size=batch)
         _fit(folder, module, strategy, 2, max_steps=5)
-        saved = {name: folder / name for name in ("alone", "together") if (folder / name).exists()}
+        saved = {name: folder / f"{name}.ckpt" for name in ("alone", "together") if (folder / f"{name}.ckpt").exists()}
         same = {
             name: all(torch.equal(v, module.weights_at[step][k].cpu()) for k, v in read_model_weights(path).items())
             for name, step in (("alone", 2), ("together", 3))
             if (path := saved.get(name)) is not None and module.weights_at
         }
-        out[f"{strategy}-{saver}"] = (sorted(saved), same, module.refused, module.global_step)
+        files = sorted(name for name, path in saved.items() if path.is_file())  # one file where the state is
+        out[f"{strategy}-{saver}"] = (sorted(saved), same, module.refused, module.global_step, files)
     return out
 
 
@@ -833,21 +834,22 @@ def test_a_torchmetrics_metric_is_logged_as_lightning_logs_it(two_ranks):
 def test_save_checkpoint_on_one_rank_writes_where_the_state_is_whole_and_is_refused_where_it_is_sharded(two_ranks):
     """Lightning's documentation saves by hand under ``if trainer.global_rank == 0:``; gloo aborted the job there
     (Lightning hangs). Under DDP the rank that called writes the checkpoint alone, as the weights were; under FSDP the
-    call is refused in one line naming it, and training goes on; a call by every rank is written together."""
+    call is refused in one line naming it, and training goes on; a call by every rank is written together. A ``.ckpt``
+    name is one file where the state is whole (DDP), as Lightning writes it, and a directory of shards under FSDP."""
     for rank, rank_result in enumerate(two_ranks):
         result = rank_result["saved_by_one_rank"]
         for saver in (0, 1):
-            saved, same, refused, steps = result[f"ddp-{saver}"]
-            assert saved == ["alone", "together"] and refused is None and steps == 5
+            saved, same, refused, steps, files = result[f"ddp-{saver}"]
+            assert saved == files == ["alone", "together"] and refused is None and steps == 5
             if rank == 0:  # the weights are rank 0's to compare (each rank holds them the same)
                 assert same == {"alone": True, "together": True}
-        saved, same, refused, steps = result["fsdp-0"]
-        assert saved == ["together"] and steps == 5
+        saved, same, refused, steps, files = result["fsdp-0"]
+        assert saved == ["together"] and files == [] and steps == 5  # each rank's shards: a directory
         if rank == 0:
             assert re.fullmatch(
-                r"trainer\.save_checkpoint\('.*/alone'\) was called on rank 0 alone \(no other rank called it within "
-                r"1 s\): under FSDPStrategy each rank holds part of the state, so every rank must call it \(not under "
-                r"`if trainer\.is_global_zero:`\)",
+                r"trainer\.save_checkpoint\('.*/alone\.ckpt'\) was called on rank 0 alone \(no other rank called it "
+                r"within 1 s\): under FSDPStrategy each rank holds part of the state, so every rank must call it "
+                r"\(not under `if trainer\.is_global_zero:`\)",
                 refused,
             ), refused
         else:

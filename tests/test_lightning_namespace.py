@@ -559,9 +559,9 @@ def test_the_kept_checkpoints_are_told_as_lightnings_callback_tells_them(tmp_pat
 
 def test_lightnings_ckpt_file_names_resume_and_load_what_was_saved_under_them(tmp_path):
     """Lightning's documentation resumes from ``checkpoints/last.ckpt`` and loads ``epoch=0-step=8.ckpt``: under
-    ``distrain.lightning`` those are the checkpoints' own paths (directories, as Lightning's sharded strategies write,
-    ``last.ckpt`` a link to the newest), the callback reports them as Lightning's does, and distrain's ``last`` finds
-    the newest too. A file of someone else's where the link goes is kept, not replaced."""
+    ``distrain.lightning`` those are the checkpoints' own paths (one file each, which ``torch.load`` opens, as
+    Lightning's; ``last.ckpt`` a link to the newest), the callback reports them as Lightning's does, and distrain's
+    ``last`` finds the newest too. A file of someone else's where the link goes is kept, not replaced."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "last.ckpt").write_bytes(b"a checkpoint Lightning wrote")
@@ -585,9 +585,23 @@ def test_lightnings_ckpt_file_names_resume_and_load_what_was_saved_under_them(tm
         str(ckpt / "last.ckpt"),
     )
     assert (
-        os.path.isdir(callback.best_model_path)
+        os.path.isfile(callback.best_model_path)
         and os.path.realpath(callback.last_model_path) == callback.best_model_path
     )
+    # common/checkpointing_basic.rst's reading blocks (lines 138, 192, 220), verbatim: a checkpoint is one file, in
+    # Lightning's layout, beside distrain's own entries
+    CKPT_PATH = checkpoint = callback.best_model_path
+    checkpoint = torch.load(checkpoint, map_location=lambda storage, loc: storage)
+    assert checkpoint["hyper_parameters"] == dict(first.hparams)
+    checkpoint = torch.load(CKPT_PATH)
+    assert {"state_dict", "epoch", "global_step", "pytorch-lightning_version", "hyper_parameters"} <= set(checkpoint)
+    encoder_weights = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
+    assert encoder_weights.keys() == first.state_dict().keys() and (checkpoint["epoch"], checkpoint["global_step"]) == (
+        0,
+        8,
+    )
+    for name, value in first.state_dict().items():
+        torch.testing.assert_close(encoder_weights[name], value, rtol=0, atol=0)
     for name in ("last.ckpt", "last", "epoch=0-step=8.ckpt", str(ckpt / "epoch=0-step=8.ckpt")):
         loaded = Regressor.load_from_checkpoint(ckpt / name)
         torch.testing.assert_close(loaded.net.weight, first.net.weight, rtol=0, atol=0)
@@ -892,7 +906,7 @@ def test_slurm_environment_stops_on_its_signal_and_is_lightnings_default_under_s
     before = signal.getsignal(signal.SIGHUP)  # the default, or ignored under nohup
     trainer.fit(HangsUp(), _loader())
     assert trainer.preempted == signal.SIGHUP and trainer.global_step == 3
-    assert (tmp_path / "checkpoints" / "epoch=0-step=3.ckpt").is_dir()
+    assert (tmp_path / "checkpoints" / "epoch=0-step=3.ckpt").is_file()
     assert "stopped by signal 1, but SLURM_JOB_ID is None: not requeued" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGHUP) is before  # put back after fit
     assert pl.Trainer(logger=False).slurm is None

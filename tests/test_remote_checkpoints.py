@@ -59,8 +59,8 @@ def s3(tmp_path_factory):
         server.stop()
 
 
-def _fit(tmp, steps: int, dirpath: str | None = None, resume: str | None = None, devices: int = 2):
-    callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2)] if dirpath else []
+def _fit(tmp, steps: int, dirpath: str | None = None, resume: str | None = None, devices: int = 2, **checkpoint):
+    callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, **checkpoint)] if dirpath else []
     strategy = "ddp" if devices > 1 else "single"
     trainer, rec = make_trainer(
         tmp,
@@ -77,10 +77,12 @@ def _fit(tmp, steps: int, dirpath: str | None = None, resume: str | None = None,
 
 
 def _legs(rank, tmp, url):
-    """Uninterrupted 6 steps; 4 steps checkpointing to ``url``; a resume from ``url``'s ``last`` to 6."""
+    """Uninterrupted 6 steps; 4 steps checkpointing to ``url``; a resume from ``url``'s ``last`` to 6. Named as
+    Lightning's files (``.ckpt``): one file in the local stage, up as a checkpoint directory's one file."""
     whole = _fit(Path(tmp) / "whole", 6)
-    first = _fit(Path(tmp) / "first", 4, dirpath=url)
-    resumed = _fit(Path(tmp) / "resumed", 6, dirpath=url, resume=f"{url}/last")
+    named = {"filename": "epoch={epoch}-step={step}.ckpt"}
+    first = _fit(Path(tmp) / "first", 4, dirpath=url, **named)
+    resumed = _fit(Path(tmp) / "resumed", 6, dirpath=url, resume=f"{url}/last", **named)
     return whole, first, resumed
 
 
@@ -94,11 +96,12 @@ def test_two_ranks_checkpoint_to_s3_and_resume_from_it_bit_identically(s3, tmp_p
     fs = s3["fs"]
     names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{BUCKET}/legs"))
     # save_top_k=1: the newest only (steps 2 and 4 pruned, manifest first), and `last` naming it
-    assert names == ["epoch=0-step=6", "last"], names
-    assert json.loads(fs.cat_file(f"{BUCKET}/legs/last")) == {"checkpoint": "epoch=0-step=6"}
-    manifest = json.loads(fs.cat_file(f"{BUCKET}/legs/epoch=0-step=6/manifest.json"))
+    assert names == ["epoch=0-step=6.ckpt", "last"], names
+    assert json.loads(fs.cat_file(f"{BUCKET}/legs/last")) == {"checkpoint": "epoch=0-step=6.ckpt"}
+    manifest = json.loads(fs.cat_file(f"{BUCKET}/legs/epoch=0-step=6.ckpt/manifest.json"))
+    assert list(manifest["files"]) == ["state.pt"]
     for rel, size in manifest["files"].items():
-        assert fs.size(f"{BUCKET}/legs/epoch=0-step=6/{rel}") == size, rel
+        assert fs.size(f"{BUCKET}/legs/epoch=0-step=6.ckpt/{rel}") == size, rel
     # the credentials went nowhere: not into the objects, the run directories or the local stage
     secret = s3["secret"].encode()
     assert not [p for p in fs.find(BUCKET) if secret in fs.cat_file(p)]

@@ -19,6 +19,12 @@ Committing is crash-safe on every file system:
 ``last`` is a pointer (a symlink, replaced atomically) moved only after the commit; older
 checkpoints are removed only after that.
 
+A checkpoint named as a file (``epoch=0-step=8.ckpt``, ``model.pt``: ``FILE_SUFFIXES``) whose state is one file
+(every strategy that keeps the whole state on a rank: one process, DDP) is that file, as Lightning writes it:
+``torch.load(path)["state_dict"]`` reads it (``lightning_keys``). It is committed by one ``rename`` of the finished
+file onto the name, atomic over an older one. Sharded state keeps the directory under the same name, as Lightning's
+sharded strategies do.
+
 A checkpoint is intact when every file its manifest lists is there at its recorded size
 (``find_damage``: one ``stat`` per file, nothing read) — what a crash or a full disk mid-write leaves
 behind. A bit flipped inside a file is not found there (torch.load does not check zip CRCs either).
@@ -46,6 +52,14 @@ MANIFEST = "manifest.json"
 LAST = "last"
 REPLACED = ".replaced"  # suffix of a checkpoint being replaced (no RENAME_EXCHANGE)
 WRITING = ".tmp-all-ranks"  # suffix of a checkpoint being written
+#: every checkpoint's ``format`` entry: what a distrain checkpoint file is told apart by
+CHECKPOINT_FORMAT = "distrain/1"
+#: names of checkpoints written as one file where the state is one (Lightning's ``.ckpt``; torch's own)
+FILE_SUFFIXES = (".ckpt", ".pt", ".pth")
+#: the largest pickle (the structure, not the tensors' bytes) read to tell a checkpoint file apart
+MAX_PICKLE_BYTES = 64 << 20
+#: the Lightning release whose checkpoint layout a file follows: Lightning's own ``load_from_checkpoint`` reads it
+LIGHTNING_LAYOUT = "2.6.0"
 
 __all__ = ["CheckpointError", "write_checkpoint", "find_damage", "recover", "point_last", "load_file"]
 
@@ -123,6 +137,10 @@ def write_checkpoint(
     def commit() -> None:
         if finish is not None:
             _fsync_files(finish(tmp) or ())
+        if _one_file(tmp, path):
+            commit_file(tmp / STATE_FILE, path)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
         _write_manifest(tmp)
         commit_dir(tmp, path)
 
@@ -173,6 +191,43 @@ def describe_error(error: BaseException) -> str:
         )
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def save_state_file(plain: dict[str, Any], directory: Path) -> list[Path]:
+    """A whole checkpoint's state as ``directory/state.pt`` (the one file of a full checkpoint), with Lightning's keys
+    beside distrain's (``lightning_keys``); the files written."""
+    import torch
+
+    torch.save(lightning_keys(plain), directory / STATE_FILE)
+    return [directory / STATE_FILE]
+
+
+def lightning_keys(plain: dict[str, Any]) -> dict[str, Any]:
+    """``plain`` with the keys Lightning's checkpoints have and its users read: ``state_dict`` (the model's weights: the
+    same tensors as ``model``, which ``torch.save`` stores once), ``epoch``, ``global_step`` and
+    ``pytorch-lightning_version`` (what Lightning's own ``load_from_checkpoint`` checks); ``hyper_parameters`` is
+    there already. Keys a hook added under those names stay."""
+    model = plain.get("model")
+    if not isinstance(model, dict):
+        return plain
+    progress = plain.get("progress") if isinstance(plain.get("progress"), dict) else {}
+    counters = {k: progress[k] for k in ("epoch", "global_step") if type(progress.get(k)) is int}
+    return {"state_dict": model, **counters, "pytorch-lightning_version": LIGHTNING_LAYOUT, **plain}
+
+
+def _one_file(tmp: Path, path: Path) -> bool:
+    """Whether the checkpoint is committed as one file: named as one, its state one file, and no directory there."""
+    return (
+        path.suffix in FILE_SUFFIXES
+        and [p.name for p in tmp.iterdir()] == [STATE_FILE]
+        and not (path.is_dir() and not path.is_symlink())
+    )
+
+
+def commit_file(file: Path, path: Path) -> None:
+    """A finished, flushed file onto ``path`` in one ``rename`` (atomic over an older checkpoint file)."""
+    os.replace(file, path)
+    _fsync_dir(path.parent)
 
 
 def _write_manifest(tmp: Path) -> None:
@@ -304,12 +359,28 @@ def is_checkpoint_name(name: str) -> bool:
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    """A real directory (not a link) holding what distrain writes into every checkpoint."""
+    """A real directory (not a link) holding what distrain writes into every checkpoint, or a checkpoint file."""
     return (
         path.is_dir()
         and not path.is_symlink()
         and any((path / marker).is_file() for marker in (MANIFEST, STATE_FILE, META_FILE))
-    )
+    ) or is_checkpoint_file(path)
+
+
+def is_checkpoint_file(path: Path) -> bool:
+    """A real file (not a link) named as a checkpoint file, written by ``torch.save`` (a zip archive) and holding a
+    distrain checkpoint: its pickle (read as bytes, never run) names ``CHECKPOINT_FORMAT``. Anyone's other file there
+    (a model someone saved beside the checkpoints, Lightning's own checkpoint) is not one, and is never deleted."""
+    if path.suffix not in FILE_SUFFIXES or not path.is_file() or path.is_symlink():
+        return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [info for info in archive.infolist() if info.filename.endswith("/data.pkl")]
+            if len(pickles) != 1 or pickles[0].file_size > MAX_PICKLE_BYTES:
+                return False
+            return CHECKPOINT_FORMAT.encode() in archive.read(pickles[0])
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
 
 
 def remove_checkpoint(path: str | os.PathLike, within: str | os.PathLike) -> None:
@@ -322,7 +393,10 @@ def remove_checkpoint(path: str | os.PathLike, within: str | os.PathLike) -> Non
         raise CheckpointError(f"refusing to delete {path}: it is not a checkpoint inside {within}")
     if not is_checkpoint_dir(path):
         raise CheckpointError(f"refusing to delete {path}: it is not a checkpoint directory")
-    shutil.rmtree(path, ignore_errors=True)
+    if path.is_file():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ---- reading -----------------------------------------------------------------------------------------------
@@ -375,7 +449,10 @@ def describe_damage(file: Path, error: BaseException) -> str:
 
 
 def _checkpoint_of(file: Path) -> Path | None:
-    """The checkpoint directory a file belongs to (it may sit in a subdirectory, e.g. DeepSpeed's)."""
+    """The checkpoint a file belongs to: itself (a checkpoint file), or the directory it sits in (perhaps in a
+    subdirectory, e.g. DeepSpeed's)."""
+    if file.name not in (STATE_FILE, META_FILE) and file.suffix in FILE_SUFFIXES:
+        return file.resolve()
     for parent in [file.parent, *file.parents]:
         if (parent / STATE_FILE).exists() or (parent / META_FILE).exists():
             return parent.resolve()
@@ -383,16 +460,17 @@ def _checkpoint_of(file: Path) -> Path | None:
 
 
 def checkpoints_newest_first(dirpath: Path, exclude: Path | None = None) -> list[Path]:
-    """The checkpoint directories in ``dirpath``, the most recently written first."""
+    """The checkpoints (directories and files) in ``dirpath``, the most recently written first."""
     if not dirpath.is_dir():
         return []
     found = [
         p
         for p in dirpath.iterdir()
-        if p.is_dir()
-        and not p.is_symlink()
-        and not p.name.startswith(".")
-        and ((p / STATE_FILE).exists() or (p / META_FILE).exists())
+        if not p.name.startswith(".")
+        and (
+            (p.is_dir() and not p.is_symlink() and ((p / STATE_FILE).exists() or (p / META_FILE).exists()))
+            or is_checkpoint_file(p)
+        )
     ]
     found = [p.resolve() for p in found if exclude is None or p.resolve() != exclude]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
@@ -406,8 +484,11 @@ def find_damage(path: Path) -> str | None:
     """What is damaged or missing in a checkpoint directory, or None when it is whole. With a manifest
     (every checkpoint distrain writes): each file there at its recorded size — a ``stat`` per file,
     nothing read. Without one (older checkpoints): each torch file's zip directory opens, and DCP's
-    shard files are as long as ``.metadata`` says."""
+    shard files are as long as ``.metadata`` says. A checkpoint file: its zip directory opens."""
     try:
+        if path.is_file():
+            zipfile.ZipFile(path).close()  # reads the central directory at the end: a truncated file has none
+            return None
         manifest = path / MANIFEST
         if manifest.is_file():
             for name, size in json.loads(manifest.read_text())["files"].items():

@@ -33,7 +33,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from distrain.checkpoint import CheckpointError
-from distrain.checkpoint.io import LAST, MANIFEST, describe_error, is_checkpoint_name
+from distrain.checkpoint.io import LAST, MANIFEST, STATE_FILE, describe_error, is_checkpoint_name
 from distrain.config import ConfigError
 
 #: a URL fsspec serves: a scheme of letters, digits, '+', '-', '.', then ://
@@ -98,13 +98,17 @@ class RemoteDir:
         """Copy a committed local checkpoint up: its files, then its manifest; then ``last`` names it. An upload
         that fails (after ``RETRIES``) leaves the previous checkpoint the newest committed one. The bytes sent."""
         name = checkpoint.name
-        manifest = json.loads((checkpoint / MANIFEST).read_text())
-        files = list(manifest["files"])
         target = f"{self.root}/{name}"
+        if checkpoint.is_file():  # a checkpoint file: up as a checkpoint directory's one file, as every other is
+            sources = {STATE_FILE: checkpoint}
+            manifest = {"files": {STATE_FILE: checkpoint.stat().st_size}}
+        else:
+            manifest = json.loads((checkpoint / MANIFEST).read_text())
+            sources = {rel: checkpoint / rel for rel in manifest["files"]}
         self._forget(name)  # a checkpoint replaced under the same name: its old manifest goes first
         with ThreadPoolExecutor(PARALLEL) as pool:
-            list(pool.map(lambda rel: self._retry(self.fs.put_file, str(checkpoint / rel), f"{target}/{rel}"), files))
-        self._retry(self.fs.put_file, str(checkpoint / MANIFEST), f"{target}/{MANIFEST}")
+            list(pool.map(lambda rel: self._retry(self.fs.put_file, str(sources[rel]), f"{target}/{rel}"), sources))
+        self._retry(self.fs.pipe_file, f"{target}/{MANIFEST}", json.dumps(manifest, indent=0).encode())
         self.point_last(name)
         return sum(manifest["files"].values())
 

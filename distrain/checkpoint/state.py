@@ -286,7 +286,8 @@ def saved_model_shapes(path: str | os.PathLike, key: str = "model") -> dict[str,
             return None
         if is_sharded_checkpoint(path):
             return _stored_shapes(safe_load.read_dcp_metadata(path).state_dict_metadata, key)
-        model = safe_load.load_torch_file(path / ckpt_io.STATE_FILE, mmap=True).get(key)
+        file = path if path.is_file() else path / ckpt_io.STATE_FILE
+        model = safe_load.load_torch_file(file, mmap=True).get(key)
     except Exception:  # noqa: BLE001 (damaged, unsafe, another layout: the load itself reports it)
         return None
     if not isinstance(model, dict):
@@ -377,12 +378,13 @@ def _deepspeed_fp32_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def read_plain(path: str | os.PathLike, key: str = "model") -> dict[str, Any]:
-    """Any distrain checkpoint as plain values, without a process group: a full ``state.pt`` as it is;
-    a sharded (DCP) or DeepSpeed one as its ``meta.pt`` entries plus the whole model weights."""
+    """Any distrain checkpoint as plain values, without a process group: a full one (``state.pt``, a checkpoint file)
+    as it is; a sharded (DCP) or DeepSpeed one as its ``meta.pt`` entries plus the whole model weights. With Lightning's
+    keys (``ckpt_io.lightning_keys``: the weights under ``state_dict`` too), which older checkpoints lack."""
     path = ckpt_io.resolve_checkpoint(path)
     if not (path / META_FILE).is_file():
-        return ckpt_io.read_state_file(path)
-    return {**ckpt_io.load_file(path / META_FILE), key: read_model_weights(path, key)}
+        return ckpt_io.lightning_keys(ckpt_io.read_state_file(path))
+    return ckpt_io.lightning_keys({**ckpt_io.load_file(path / META_FILE), key: read_model_weights(path, key)})
 
 
 def checkpoint_state_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:

@@ -550,10 +550,7 @@ class Strategy:
         plain = ckpt_state.state_of(state, self.unwrap, ckpt_state.FULL)
 
         def write(tmp) -> list:
-            if not self.is_global_zero:
-                return []
-            torch.save(plain, tmp / ckpt_io.STATE_FILE)
-            return [tmp / ckpt_io.STATE_FILE]
+            return ckpt_io.save_state_file(plain, tmp) if self.is_global_zero else []
 
         return ckpt_io.write_checkpoint(path, write, self.is_global_zero, self.all_gather_object)
 

@@ -28,7 +28,7 @@ from distrain.distributed import watch
 from distrain.runtime import rng_state, set_rng_state
 from distrain.training.hooks import call_callbacks
 
-CHECKPOINT_FORMAT = "distrain/1"
+CHECKPOINT_FORMAT = ckpt_io.CHECKPOINT_FORMAT
 
 
 @dataclass
@@ -488,9 +488,5 @@ def _write_alone(path: str | os.PathLike, plain: dict[str, Any]) -> bool:
     """A whole checkpoint state (plain values), written and committed by this process with no other rank taking
     part; returns whether its model weights are finite."""
 
-    def write(tmp: Path) -> list[Path]:
-        torch.save(plain, tmp / ckpt_io.STATE_FILE)
-        return [tmp / ckpt_io.STATE_FILE]
-
-    ckpt_io.write_checkpoint(path, write, True, lambda outcome: [outcome])
+    ckpt_io.write_checkpoint(path, lambda tmp: ckpt_io.save_state_file(plain, tmp), True, lambda outcome: [outcome])
     return all(bool(torch.isfinite(v).all()) for v in plain["model"].values())

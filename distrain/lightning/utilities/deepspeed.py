@@ -33,11 +33,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
             f"folder, {DEEPSPEED_TAG!r}; leave tag out and name the checkpoint itself (e.g. checkpoints/last.ckpt)"
         )
     plain = read_plain(checkpoint_dir)
-    state = {k: v for k, v in plain.items() if k not in _LEFT_OUT}
-    progress = plain.get("progress") if isinstance(plain.get("progress"), dict) else {}
-    # Lightning's names for the counters, beside distrain's own record of them
-    state.update({k: progress[k] for k in ("epoch", "global_step") if type(progress.get(k)) is int})
-    state["state_dict"] = plain["model"]
+    state = {k: v for k, v in plain.items() if k not in _LEFT_OUT}  # Lightning's keys with distrain's, less the rest
     print(f"Saving fp32 state dict to {output_file}")  # Lightning's line
     torch.save(state, output_file)
     return state
