@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import os
 from pathlib import Path
 
@@ -918,3 +919,45 @@ def test_slurm_environment_stops_on_its_signal_and_is_lightnings_default_under_s
     for bad, said in ((dict(requeue_signal=signal.SIGKILL), "cannot catch"), (dict(auto_requeue="yes"), "True or")):
         with pytest.raises(ValueError, match=said):
             SLURMEnvironment(**bad)
+
+
+def test_checkpoints_lightning_wrote_resume_with_lightnings_numbers(tmp_path, monkeypatch):
+    """A run from before the move: checkpoints Lightning 2.6.6 itself wrote (``tests/data/lightning_written``: its
+    ``make.py`` under Lightning; Adam and a StepLR, whose states are keyed by position there) resume under
+    ``distrain.lightning``. Saved at an epoch's end, to the weights Lightning's own resume ends with, to the last bit;
+    saved mid-epoch, after the batches it had trained on, to Lightning's uninterrupted run (Lightning's own resume
+    starts its loader over, and warns). A counter or an optimizer state that is not one is refused in one line."""
+    import importlib.util
+
+    from distrain.checkpoint.io import CheckpointError
+
+    here = Path(__file__).resolve().parent / "data" / "lightning_written"
+    monkeypatch.setenv("WRITTEN_BY", "distrain")
+    spec = importlib.util.spec_from_file_location("lightning_written", here / "make.py")
+    written = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(written)
+    reference = json.loads((here / "reference.json").read_text())
+
+    def resume(checkpoint):
+        torch.manual_seed(1)  # another init: everything comes from the checkpoint
+        module = written.Regression()
+        trainer = written.trainer(None, 2)
+        trainer.fit(module, written.loader(), ckpt_path=checkpoint)
+        return trainer.global_step, written.weights(module)
+
+    assert resume(here / "epoch_end.ckpt") == (16, reference["resumed"]["epoch_end"]["weights"])
+    assert resume(here / "mid_epoch.ckpt") == (16, reference["whole"])
+    assert reference["resumed"]["mid_epoch"]["weights"] != reference["whole"]  # Lightning's own resume differs
+    loaded = written.Regression.load_from_checkpoint(here / "mid_epoch.ckpt")
+    assert loaded.hparams.lr == 0.05
+    original = torch.load(here / "mid_epoch.ckpt", weights_only=True)
+    for damage, said in (
+        (lambda c: c["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"].update(processed=-3), "processed"),
+        (lambda c: c["optimizer_states"].append(c["optimizer_states"][0]), "2 optimizer states"),
+        (lambda c: c["optimizer_states"][0]["param_groups"][0]["params"].pop(), "group 0, holds 3 parameters"),
+    ):
+        crafted = copy.deepcopy(original)
+        damage(crafted)
+        torch.save(crafted, tmp_path / "crafted.ckpt")
+        with pytest.raises(CheckpointError, match=rf"crafted\.ckpt \(written by Lightning\): .*{said}"):
+            resume(tmp_path / "crafted.ckpt")

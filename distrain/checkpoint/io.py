@@ -21,7 +21,7 @@ checkpoints are removed only after that.
 
 A checkpoint named as a file (``epoch=0-step=8.ckpt``, ``model.pt``: ``FILE_SUFFIXES``) whose state is one file
 (every strategy that keeps the whole state on a rank: one process, DDP) is that file, as Lightning writes it:
-``torch.load(path)["state_dict"]`` reads it (``lightning_keys``). It is committed by one ``rename`` of the finished
+``torch.load(path)["state_dict"]`` reads it (``lightning_layout``). It is committed by one ``rename`` of the finished
 file onto the name, atomic over an older one. Sharded state keeps the directory under the same name, as Lightning's
 sharded strategies do.
 
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from distrain.checkpoint import CheckpointError, safe_load
+from distrain.checkpoint.lightning_layout import lightning_keys
 from distrain.distributed.collectives import SharedFailure, shared_outcome
 
 STATE_FILE = "state.pt"
@@ -58,8 +59,6 @@ CHECKPOINT_FORMAT = "distrain/1"
 FILE_SUFFIXES = (".ckpt", ".pt", ".pth")
 #: the largest pickle (the structure, not the tensors' bytes) read to tell a checkpoint file apart
 MAX_PICKLE_BYTES = 64 << 20
-#: the Lightning release whose checkpoint layout a file follows: Lightning's own ``load_from_checkpoint`` reads it
-LIGHTNING_LAYOUT = "2.6.0"
 
 __all__ = ["CheckpointError", "write_checkpoint", "find_damage", "recover", "point_last", "load_file"]
 
@@ -200,19 +199,6 @@ def save_state_file(plain: dict[str, Any], directory: Path) -> list[Path]:
 
     torch.save(lightning_keys(plain), directory / STATE_FILE)
     return [directory / STATE_FILE]
-
-
-def lightning_keys(plain: dict[str, Any]) -> dict[str, Any]:
-    """``plain`` with the keys Lightning's checkpoints have and its users read: ``state_dict`` (the model's weights: the
-    same tensors as ``model``, which ``torch.save`` stores once), ``epoch``, ``global_step`` and
-    ``pytorch-lightning_version`` (what Lightning's own ``load_from_checkpoint`` checks); ``hyper_parameters`` is
-    there already. Keys a hook added under those names stay."""
-    model = plain.get("model")
-    if not isinstance(model, dict):
-        return plain
-    progress = plain.get("progress") if isinstance(plain.get("progress"), dict) else {}
-    counters = {k: progress[k] for k in ("epoch", "global_step") if type(progress.get(k)) is int}
-    return {"state_dict": model, **counters, "pytorch-lightning_version": LIGHTNING_LAYOUT, **plain}
 
 
 def _one_file(tmp: Path, path: Path) -> bool:

@@ -25,7 +25,7 @@ from torch import nn
 
 from distrain import compat
 from distrain.checkpoint import io as ckpt_io
-from distrain.checkpoint import safe_load
+from distrain.checkpoint import lightning_layout, safe_load
 from distrain.parallel import expert_parallel
 
 if TYPE_CHECKING:
@@ -308,7 +308,10 @@ def load_any(
     _dcp()
     path = ckpt_io.resolve_checkpoint(path)
     if not is_sharded_checkpoint(path):
-        return load_into(state, ckpt_io.read_state_file(path), unwrap, FULL, strict)
+        loaded = ckpt_io.read_state_file(path)
+        if lightning_layout.written_by_lightning(loaded):  # a run from before the move to distrain
+            loaded = _from_lightning(loaded, state, unwrap, path)
+        return load_into(state, loaded, unwrap, FULL, strict)
     # DCP reads into the tensors we hand it, resharding to our layout: ask for our own state
     # first (this also creates optimizer state, so there is something to load into).
     keys = tensor_keys(state)
@@ -323,6 +326,24 @@ def load_any(
     safe_load.dcp_load(target, path, no_dist=not dist.is_initialized())
     meta = ckpt_io.load_file(path / META_FILE) if (path / META_FILE).exists() else {}
     return load_into(state, {**meta, **target}, unwrap, options, strict)
+
+
+def _from_lightning(loaded: dict[str, Any], state: dict[str, Any], unwrap: Callable, path: Path) -> dict[str, Any]:
+    """A checkpoint Lightning wrote, as distrain's entries for ``state``'s objects (``lightning_layout``); what it has
+    no entry for (the precision's scaler) stays as it is."""
+    model_key = next((k for k, v in state.items() if isinstance(v, nn.Module)), "model")
+    optimizers_key = next((k for k, v in state.items() if _optimizers(v) is not None), None)
+    optimizers = _optimizers(state[optimizers_key]) if optimizers_key is not None else []
+    model = state.get(model_key)
+    names = {id(p): n for n, p in unwrap(model).named_parameters()} if isinstance(model, nn.Module) else {}
+    try:
+        out = lightning_layout.as_distrain(loaded, model_key, optimizers_key, optimizers, names)
+    except ValueError as e:
+        raise ckpt_io.CheckpointError(f"{path} (written by Lightning): {e}") from None
+    for key, target in state.items():
+        if key not in out and ckpt_io.is_stateful(target):
+            out[key] = target.state_dict()
+    return out
 
 
 def is_deepspeed_checkpoint(path: Path) -> bool:
@@ -380,11 +401,11 @@ def _deepspeed_fp32_weights(path: Path) -> dict[str, torch.Tensor]:
 def read_plain(path: str | os.PathLike, key: str = "model") -> dict[str, Any]:
     """Any distrain checkpoint as plain values, without a process group: a full one (``state.pt``, a checkpoint file)
     as it is; a sharded (DCP) or DeepSpeed one as its ``meta.pt`` entries plus the whole model weights. With Lightning's
-    keys (``ckpt_io.lightning_keys``: the weights under ``state_dict`` too), which older checkpoints lack."""
+    keys (``lightning_layout.lightning_keys``: the weights under ``state_dict`` too), which older checkpoints lack."""
     path = ckpt_io.resolve_checkpoint(path)
     if not (path / META_FILE).is_file():
-        return ckpt_io.lightning_keys(ckpt_io.read_state_file(path))
-    return ckpt_io.lightning_keys({**ckpt_io.load_file(path / META_FILE), key: read_model_weights(path, key)})
+        return lightning_layout.lightning_keys(ckpt_io.read_state_file(path))
+    return lightning_layout.lightning_keys({**ckpt_io.load_file(path / META_FILE), key: read_model_weights(path, key)})
 
 
 def checkpoint_state_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from distrain.checkpoint import io as ckpt_io
+from distrain.checkpoint import lightning_layout
 from distrain.checkpoint import state as ckpt_state
 from distrain.checkpoint.remote import at as remote_at
 from distrain.checkpoint.remote import is_url
@@ -438,6 +439,13 @@ class CheckpointManager:
                 f"{path} has checkpoint format {extra['format']!r}; this distrain reads {CHECKPOINT_FORMAT!r}"
             )
         self.load_progress_state(state["progress"], source=path)
+        try:  # a checkpoint Lightning wrote: its epoch goes on after the batches it had trained on (all at its end)
+            batches = lightning_layout.batches_into_epoch(extra)
+        except ValueError as e:
+            raise ckpt_io.CheckpointError(f"{path} (written by Lightning): {e}") from None
+        if batches is not None:
+            batches = t.loop_state.num_batches if t.progress.epoch_done else batches
+            t.progress.samples_in_epoch = batches * t.batch_layout.micro_batch * t.data_parallel_size
         t.strategy.load_state_dict(extra.pop("strategy_state", {}), str(path))  # {}: the checkpoint has none
         t.module.on_load_checkpoint(extra)  # the checkpoint's other keys: those on_save_checkpoint added
         call_callbacks(t, "on_load_checkpoint", extra)
