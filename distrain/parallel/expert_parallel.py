@@ -352,22 +352,8 @@ def check_size(size: Any, world_size: int | None = None) -> int:
     return size
 
 
-def check_sharded(module: nn.Module, strategy: str) -> None:
-    """Experts whose module declares a layout of its own (transposed, biased, interleaved, without a gate, normed:
-    gpt-oss, Aria, Nemotron-H) split under DDP as one process, but not yet beside FSDP's sharding: a tiny gpt-oss
-    under FSDP with EP 2 gave other losses from its first step on. Refused in one line, naming the block."""
-    for name, layer in module.named_modules():
-        experts = getattr(layer, "experts", None)
-        declared = isinstance(experts, nn.Module) and compat.experts_grouped_forward(experts) is not None
-        if declared and expert_count(layer) and _declares_own_layout(experts):
-            raise ValueError(
-                f"expert parallelism beside {strategy}'s sharding cannot split {name} ({type(layer).__name__}) yet: "
-                f"its experts ({type(experts).__name__}) are laid out their own way (transposed, biased, interleaved "
-                "or without a gate); use strategy='ddp' with expert_parallel_size, or train without it"
-            )
-
-
 def _declares_own_layout(experts: nn.Module) -> bool:
+    """Experts laid out otherwise than transformers' default: transposed, biased, interleaved, gateless, normed."""
     return bool(
         getattr(experts, "is_transposed", False)
         or getattr(experts, "has_bias", False)

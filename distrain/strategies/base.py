@@ -320,8 +320,6 @@ class Strategy:
     def _split_experts(self, module: nn.Module) -> None:
         """``expert_parallel_size`` > 1: each mixture-of-experts layer keeps this rank's share of its experts."""
         if self.expert_parallel_size > 1:
-            if self.traits.collective_forward:  # sharded beside: not every layout yet
-                expert_parallel.check_sharded(module, type(self).__name__)
             self.experts = expert_parallel.split_model(module, self.expert_parallel_size, self.root_device.type)
 
     def _setup_training(self, model: nn.Module, optimizers: list, schedulers: list, loop: LoopFacts) -> SetUp:
@@ -439,8 +437,6 @@ class Strategy:
         built in ``__init__``; a module that builds them in ``configure_model`` is checked in the ranks): here,
         experts that ``expert_parallel_size`` cannot split."""
         expert_parallel.check_module(module, self.expert_parallel_size)
-        if self.expert_parallel_size > 1 and self.traits.collective_forward:
-            expert_parallel.check_sharded(module, type(self).__name__)
 
     def start_step(self, step: int) -> bool:
         """Before a step's batches are read (``step``: the steps done so far). True when this rank's state was just
