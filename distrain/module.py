@@ -385,9 +385,8 @@ class Module(nn.Module):
             sync_gradients(trainer, optimizer)
         if gradient_clip_algorithm in (None, "norm"):
             return trainer.runtime.clip_gradients(trainer.model, optimizer, gradient_clip_val)
-        if gradient_clip_algorithm == "value":
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            return torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+        if gradient_clip_algorithm == "value":  # unscaled first, as the norm's
+            return trainer.runtime.strategy.clip_gradient_values(trainer.model, optimizer, gradient_clip_val)
         raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}")
 
     # ---- the optimizer step's hooks, as Lightning's: override one to change how the loop steps ----------------

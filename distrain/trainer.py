@@ -79,13 +79,15 @@ class Trainer(TrainerViews):
 
     How long and how each step is made: ``max_epochs``, ``max_steps`` (-1: no limit), ``min_epochs``/``min_steps``
     (a stop a callback asks for waits for them), ``max_time`` (``"DD:HH:MM:SS"``, a timedelta or a dict),
-    ``accumulate_grad_batches`` (an int, or ``{epoch: n}``), ``gradient_clip_val`` (by norm), ``val_check_interval``
+    ``accumulate_grad_batches`` (an int, or ``{epoch: n}``), ``gradient_clip_val`` (by norm, or by value with
+    ``gradient_clip_algorithm="value"``), ``val_check_interval``
     (steps, or a fraction of an epoch), ``check_val_every_n_epoch``, ``num_sanity_val_steps`` (0 here: no sanity
     check unless asked), ``limit_train/val/test/predict_batches`` (a count or a fraction), ``fast_dev_run`` (n
     batches of each stage, nothing written), ``use_distributed_sampler`` (shard the loaders over the data-parallel
     ranks; resumable mid-epoch), ``seed`` (every rank builds the same weights), ``compile``. ``inference_mode`` and
     ``enable_model_summary`` are accepted: evaluation runs under ``torch.no_grad`` either way, and no model summary
-    is printed.
+    is printed (Lightning's ``ModelSummary`` callback prints one); ``suggest_integrations`` too (no tips here).
+    ``overfit_batches``, ``sync_batchnorm`` (on GPUs) and ``enable_autolog_hparams`` do as in Lightning.
 
     When something goes wrong: ``on_nonfinite`` (a NaN/inf loss or gradient norm: ``stop``, ``skip``,
     ``ignore``), ``on_anomaly`` (a loss spike or non-finite loss re-run to tell data from hardware, then ``stop``,
@@ -170,6 +172,10 @@ class Trainer(TrainerViews):
         histogram_every_n_steps: int | None = None,
         compile: bool | dict = False,
         async_save: bool = False,
+        sync_batchnorm: bool = False,
+        overfit_batches: int | float = 0,
+        enable_autolog_hparams: bool = True,
+        suggest_integrations: bool = True,
         **strategy_kwargs: Any,
     ):
         # each argument checked (one line for one at fault) and made what the loop reads (training/arguments.py),
@@ -492,11 +498,12 @@ class Trainer(TrainerViews):
     def _gradient_norm(self, optimizer) -> Any:
         """The global gradient norm: clipped to ``gradient_clip_val`` when set; else measured only to
         check it is finite."""
-        rt = self.runtime
+        rt, clip, algorithm = self.runtime, self.loop.gradient_clip_val, self.loop.gradient_clip_algorithm
         if overrides(self.module, "configure_gradient_clipping"):  # the module clips; the loop measures after
-            self.module.configure_gradient_clipping(optimizer, self.loop.gradient_clip_val, "norm")
-        elif self.loop.gradient_clip_val:
-            return rt.clip_gradients(self.model, optimizer, self.loop.gradient_clip_val)
+            self.module.configure_gradient_clipping(optimizer, clip, algorithm)
+        elif clip:  # by norm, or each element by value
+            by = rt.strategy.clip_gradient_values if algorithm == "value" else rt.strategy.clip_gradients
+            return by(self.model, optimizer, clip)
         if self.loop.on_nonfinite == "ignore" or rt.precision.scaler is not None:
             return None  # fp16's GradScaler skips overflowed steps itself: that is how it finds its scale
         return rt.strategy.gradient_norm(self.model, optimizer)
@@ -603,8 +610,9 @@ class Trainer(TrainerViews):
         return run_dir.choose(self.default_root_dir, ckpt_path)
 
     def train_order(self) -> tuple[bool | None, int]:
-        """Whether the training data is shuffled (None: as its loader says) and the seed of its order."""
-        return None, self.seed
+        """Whether the training data is shuffled (None: as its loader says; never with ``overfit_batches``) and the
+        seed of its order."""
+        return (False if self.loop.overfit else None), self.seed
 
 
 def _flops_per_token(module: Module) -> float | None:

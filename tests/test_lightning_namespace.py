@@ -961,3 +961,165 @@ def test_checkpoints_lightning_wrote_resume_with_lightnings_numbers(tmp_path, mo
         torch.save(crafted, tmp_path / "crafted.ckpt")
         with pytest.raises(CheckpointError, match=rf"crafted\.ckpt \(written by Lightning\): .*{said}"):
             resume(tmp_path / "crafted.ckpt")
+
+
+# ---- the lines of Lightning's other documentation pages (trainer, training tricks, progress bar, debugging) ----------
+def test_lightnings_submodule_paths_import_the_same_names():
+    """``from lightning.pytorch.callbacks.early_stopping import EarlyStopping`` and the like (Lightning's API pages
+    and most scripts import from the submodule): each submodule path gives its package's name; a name the package
+    lacks is refused there, in its one line; ``lightning.fabric`` gives the seed and the cluster environments."""
+    namespace: dict = {}
+    exec(
+        pl.migrate(
+            "from lightning.pytorch.callbacks.early_stopping import EarlyStopping\n"
+            "from lightning.pytorch.callbacks.progress.tqdm_progress import TQDMProgressBar\n"
+            "from lightning.pytorch.trainer.trainer import Trainer\n"
+            "from lightning.pytorch.loggers.csv_logs import CSVLogger\n"
+            "from lightning.pytorch.strategies.ddp import DDPStrategy\n"
+            "from lightning.pytorch.core.module import LightningModule\n"
+            "from lightning.pytorch.plugins.precision.amp import MixedPrecision\n"
+            "from lightning.fabric.plugins.environments import SLURMEnvironment\n"
+            "from lightning.fabric.utilities.seed import seed_everything\n"
+            "import lightning.pytorch.callbacks.model_checkpoint\n"
+            "Checkpoint = lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint\n"
+        ),
+        namespace,
+    )
+    assert namespace["EarlyStopping"] is pl.callbacks.EarlyStopping and namespace["Trainer"] is pl.Trainer
+    assert namespace["Checkpoint"] is pl.callbacks.ModelCheckpoint and namespace["CSVLogger"] is pl.loggers.CSVLogger
+    assert (
+        namespace["TQDMProgressBar"] is pl.callbacks.TQDMProgressBar and namespace["LightningModule"] is distrain.Module
+    )
+    assert namespace["SLURMEnvironment"] is pl.plugins.environments.SLURMEnvironment
+    assert namespace["seed_everything"] is pl.seed_everything
+    with pytest.raises(
+        ImportError, match=r"^distrain\.lightning\.callbacks\.ModelPruning: distrain has no counterpart"
+    ):
+        exec(pl.migrate("from lightning.pytorch.callbacks.pruning import ModelPruning"), {})
+    with pytest.raises(ImportError, match=r"^distrain\.lightning\.fabric\.Fabric: distrain has no counterpart"):
+        exec(pl.migrate("from lightning.fabric import Fabric"), {})
+
+
+class _Seen(distrain.Callback):
+    """The first sample of each training and validation batch, by epoch."""
+
+    def __init__(self):
+        self.train: dict[int, list[float]] = {}
+        self.val: dict[int, list[float]] = {}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.train.setdefault(trainer.current_epoch, []).append(float(batch[0][0, 0]))
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking:
+            self.val.setdefault(trainer.current_epoch, []).append(float(batch[0][0, 0]))
+
+
+def test_overfit_batches_trains_and_validates_on_the_same_first_batches_in_order(tmp_path):
+    """Lightning's ``overfit_batches`` (its first page's and its trainer page's line): that many batches of the
+    training data, in its own order though its loader shuffles, every epoch; as many of the validation data."""
+    seen = _Seen()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=3, overfit_batches=2, logger=False, enable_progress_bar=False,
+        enable_checkpointing=False, default_root_dir=str(tmp_path), callbacks=[seen],
+    )  # fmt: skip
+    trainer.fit(Regressor(), DataLoader(_data(), batch_size=4, shuffle=True), _loader(16))
+    first = [float(_data()[i][0][0]) for i in (0, 4)]
+    assert seen.train == {0: first, 1: first, 2: first} and trainer.global_step == 6
+    assert seen.val == {e: [float(_data(16)[i][0][0]) for i in (0, 4)] for e in range(3)}
+    with pytest.raises(ValueError, match=r"^overfit_batches is a number of batches or a fraction in \[0, 1\]"):
+        pl.Trainer(overfit_batches=1.5, logger=False)
+
+
+def test_gradient_clipping_by_value_clamps_each_gradient_element(tmp_path):
+    """``gradient_clip_algorithm="value"`` (the training-tricks page): each gradient element clamped to the value
+    before the step, as torch's ``clip_grad_value_``; refused under DeepSpeed, whose engine clips by norm."""
+    distrain.seed_everything(0)
+    module = Regressor(lr=1.0)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, gradient_clip_val=0.5, gradient_clip_algorithm="value",
+        logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(module, _loader())
+    by_hand = nn.Linear(4, 1)
+    by_hand.load_state_dict({k.removeprefix("net."): v for k, v in before.items()})
+    x, y = next(iter(_loader()))
+    F.mse_loss(by_hand(x), y).backward()
+    assert max(float(p.grad.abs().max()) for p in by_hand.parameters()) > 0.5  # clamping changes this step
+    with torch.no_grad():
+        for p in by_hand.parameters():
+            p -= p.grad.clamp(-0.5, 0.5)
+    for name, value in by_hand.state_dict().items():
+        torch.testing.assert_close(module.net.state_dict()[name], value, rtol=0, atol=1e-7)
+    from distrain.strategies.deepspeed import DeepSpeedStrategy
+
+    with pytest.raises(ValueError, match=r"^gradient_clip_algorithm='value' under DeepSpeed: the engine clips by"):
+        DeepSpeedStrategy.clip_gradient_values(None, None, None, 0.5)
+
+
+class _Normed(Regressor):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+
+
+def test_sync_batchnorm_converts_the_batch_norms_and_is_refused_on_cpu_ranks(tmp_path):
+    """``Trainer(sync_batchnorm=True)`` (the trainer page): the model's batch norms become torch's SyncBatchNorm,
+    with the same parameters (one process trains as without); on CPU ranks, where torch's SyncBatchNorm raises at its
+    first forward, it is refused in one line before any rank starts."""
+    losses = {}
+    for sync in (False, True):
+        distrain.seed_everything(0)
+        module, recorder = _Normed(), _Losses()
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=3, sync_batchnorm=sync, logger=False, enable_progress_bar=False,
+            enable_checkpointing=False, default_root_dir=str(tmp_path), callbacks=[recorder],
+        )  # fmt: skip
+        trainer.fit(module, _loader())
+        assert isinstance(module.net[1], nn.SyncBatchNorm) == sync
+        losses[sync] = recorder.losses
+    assert losses[True] == losses[False] and len(losses[True]) == 3
+    with pytest.raises(ValueError, match=r"^sync_batchnorm=True on cpu: torch's SyncBatchNorm synchronizes on GPUs"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", sync_batchnorm=True, logger=False)
+
+
+def test_a_gradient_accumulation_schedule_and_the_progress_bars_and_model_summary_take_lightnings_arguments(
+    tmp_path, capsys
+):
+    """``GradientAccumulationScheduler(scheduling={...})`` (the gradient-accumulation page) steps as its schedule
+    says, and beside ``accumulate_grad_batches`` is Lightning's error; ``TQDMProgressBar(refresh_rate=..., leave=...)``
+    and ``ModelSummary(max_depth=-1)`` (the progress-bar and debugging pages) take Lightning's arguments: the summary
+    names every layer and the totals; ``enable_autolog_hparams=False`` keeps the hyperparameters out of the logs."""
+    schedule = pl.callbacks.GradientAccumulationScheduler(scheduling={1: 2})
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+        default_root_dir=str(tmp_path), callbacks=[schedule, pl.callbacks.ModelSummary(max_depth=-1),
+                                                   pl.callbacks.TQDMProgressBar(refresh_rate=0, leave=True)],
+    )  # fmt: skip
+    trainer.fit(_Normed(), _loader())
+    assert trainer.global_step == 8 + 4  # 8 batches an epoch: 1 each in epoch 0, 2 each from epoch 1
+    out = capsys.readouterr()
+    assert "train:" not in out.err  # refresh_rate=0: no bar
+    summary = out.out[out.out.index("  | Name") :].splitlines()
+    assert [line.split("|")[1].strip() for line in summary[2:6]] == ["net", "net.0", "net.1", "net.2"]
+    assert {"65        Total params", "0         Non-trainable params"} <= set(summary)
+    with pytest.raises(ValueError, match=r"You have set `accumulate_grad_batches` and are using the"):
+        pl.Trainer(accumulate_grad_batches=2, callbacks=[schedule], logger=False)
+    with pytest.raises(IndexError, match="epoch -1 should be an integer >= 0"):
+        pl.callbacks.GradientAccumulationScheduler(scheduling={-1: 2})
+    for autolog in (True, False):
+        folder = tmp_path / f"autolog-{autolog}"
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=1, enable_autolog_hparams=autolog, enable_progress_bar=False,
+            enable_checkpointing=False, logger=pl.loggers.CSVLogger(str(folder)), default_root_dir=str(folder),
+        )  # fmt: skip
+        trainer.fit(_Hyper(), _loader())
+        hparams = (Path(trainer.logger.log_dir) / "hparams.yaml").read_text()
+        assert ("lr: 0.05" in hparams) == autolog, hparams
+
+
+class _Hyper(Regressor):
+    def __init__(self, lr: float = 0.05):
+        super().__init__(lr)
+        self.save_hyperparameters()

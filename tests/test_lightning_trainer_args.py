@@ -20,14 +20,14 @@ from distrain.strategies import DDPStrategy
 from distrain.training.arguments import NOT_RUN
 from helpers import make_trainer
 
-#: Lightning 2.5's ``Trainer.__init__`` arguments
+#: Lightning 2.6's ``Trainer.__init__`` arguments
 LIGHTNING_TRAINER_ARGUMENTS = """accelerator strategy devices num_nodes precision logger callbacks fast_dev_run
 max_epochs min_epochs max_steps min_steps max_time limit_train_batches limit_val_batches limit_test_batches
 limit_predict_batches overfit_batches val_check_interval check_val_every_n_epoch num_sanity_val_steps
 log_every_n_steps enable_checkpointing enable_progress_bar enable_model_summary accumulate_grad_batches
 gradient_clip_val gradient_clip_algorithm deterministic benchmark inference_mode use_distributed_sampler profiler
 detect_anomaly barebones plugins sync_batchnorm reload_dataloaders_every_n_epochs default_root_dir
-model_registry""".split()
+enable_autolog_hparams model_registry suggest_integrations""".split()
 
 
 class Counted(L.Module):
@@ -117,7 +117,7 @@ def test_options_of_the_strategies_auto_may_choose_are_kept_for_it_and_torch_ddp
 @pytest.mark.parametrize(
     "keyword, value, says",
     [
-        ("gradient_clip_algorithm", "value", r"distrain clips by the gradients' norm"),
+        ("gradient_clip_algorithm", "max", r"^gradient_clip_algorithm must be 'norm' or 'value', got 'max'"),
         ("fast_dev_run", -2, r"fast_dev_run is True, False or a number of batches >= 1, got -2"),
         ("limit_train_batches", 1.5, r"limit_train_batches is a number of batches or a fraction in \(0, 1\], got 1.5"),
         ("limit_train_batches", 0, r"limit_train_batches"),

@@ -14,7 +14,19 @@ import tokenize
 
 from distrain.callbacks import Callback
 from distrain.datamodule import DataModule as LightningDataModule
-from distrain.lightning import callbacks, loggers, strategies, utilities
+from distrain.lightning import (
+    accelerators,
+    callbacks,
+    core,
+    fabric,
+    loggers,
+    plugins,
+    profilers,
+    strategies,
+    trainer,
+    utilities,
+)
+from distrain.lightning.plugins import environments, precision
 from distrain.lightning.trainer import Trainer, seed_everything
 from distrain.module import Module as LightningModule
 
@@ -73,6 +85,54 @@ def migrate(source: str) -> str:
     for start, end, text in reversed(edits):
         source = source[:start] + text + source[end:]
     return source
+
+
+#: Lightning's public submodules, by the package that holds their names here: ``from lightning.pytorch.callbacks.
+#: early_stopping import EarlyStopping`` reads ``EarlyStopping`` from ``distrain.lightning.callbacks``, and a name that
+#: module lacks is refused there, in its one line
+_SUBMODULES = {
+    callbacks: (
+        "batch_size_finder callback checkpoint device_stats_monitor early_stopping finetuning "
+        "gradient_accumulation_scheduler lambda_function lr_finder lr_monitor model_checkpoint model_summary "
+        "on_exception_checkpoint prediction_writer progress progress.progress_bar progress.rich_progress "
+        "progress.tqdm_progress pruning rich_model_summary spike stochastic_weight_avg throughput_monitor timer "
+        "weight_averaging"
+    ),
+    loggers: "comet csv_logs litlogger logger mlflow neptune tensorboard wandb",
+    strategies: "ddp deepspeed fsdp model_parallel parallel single_device strategy",
+    core: "datamodule hooks module optimizer saving mixins mixins.hparams_mixin",
+    accelerators: "accelerator cpu cuda mps xla",
+    precision: "amp bitsandbytes deepspeed double fsdp half precision transformer_engine xla",
+    environments: "cluster_environment kubeflow lightning lsf mpi slurm torchelastic xla",
+    trainer: "trainer",
+    profilers: "advanced base profiler pytorch simple xla",
+}
+
+
+def _alias_submodules() -> None:
+    for module, names in _SUBMODULES.items():
+        for name in names.split():
+            parts = name.split(".")
+            for depth in range(1, len(parts) + 1):  # ``progress``, then ``progress.tqdm_progress``: each this module
+                sys.modules.setdefault(f"{module.__name__}.{'.'.join(parts[:depth])}", module)
+            for part in parts:  # and its attribute, as an imported submodule is its package's
+                if part not in vars(module):
+                    setattr(module, part, module)
+    for path, module in _FABRIC.items():
+        sys.modules.setdefault(f"{__name__}.fabric.{path}", module)
+
+
+#: ``lightning.fabric``'s modules a Lightning script takes names from (the cluster environments, the seed)
+_FABRIC = {
+    "plugins": plugins,
+    "plugins.environments": environments,
+    "utilities": utilities,
+    "utilities.seed": fabric,
+    "utilities.rank_zero": utilities.rank_zero,
+}
+
+
+_alias_submodules()
 
 
 def cli_lightning_logo() -> None:

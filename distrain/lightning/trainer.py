@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from distrain.checkpoint.remote import is_url
-from distrain.lightning.callbacks import ModelCheckpoint
+from distrain.lightning.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from distrain.lightning.plugins.environments import READ_BY_DISTRAIN, ClusterEnvironment, SLURMEnvironment
 from distrain.lightning.plugins.precision import Precision, precision_of
 from distrain.run_dir import versions
 from distrain.runtime import rng_state, set_rng_state
 from distrain.trainer import Trainer as _Trainer
+from distrain.training.defaults import callback_list
 
 __all__ = ["Trainer", "env_defaults", "seed_everything"]
 
@@ -70,6 +71,15 @@ class Trainer(_Trainer):
         precision, accelerator = kwargs.get("precision", "32-true"), kwargs.get("accelerator", "auto")
         kwargs["precision"] = _lightning_precision(precision, accelerator)
         kwargs["default_root_dir"] = kwargs.get("default_root_dir") or os.getcwd()  # Lightning's: where it runs
+        schedules = [c for c in callback_list(kwargs.get("callbacks")) if isinstance(c, GradientAccumulationScheduler)]
+        if schedules:  # Lightning's callback: distrain's own schedule of accumulate_grad_batches
+            if kwargs.get("accumulate_grad_batches", 1) != 1 or len(schedules) > 1:
+                raise ValueError(
+                    "You have set `accumulate_grad_batches` and are using the `GradientAccumulationScheduler` "
+                    "callback (or two of them). Either remove `accumulate_grad_batches` from the Trainer or remove "
+                    "the callback."
+                )
+            kwargs["accumulate_grad_batches"] = schedules[0].scheduling
         if kwargs.get("logger", True) is True and not is_url(str(kwargs["default_root_dir"])):
             kwargs["logger"] = _default_loggers(str(kwargs["default_root_dir"]))
         if kwargs.get("devices", "auto") in ("auto", -1, "-1") and _on_cpu(accelerator):
@@ -148,8 +158,9 @@ class Trainer(_Trainer):
     def train_order(self) -> tuple[bool | None, int]:
         """Lightning's: under a distributed strategy (on one device too) the training data is shuffled by its
         ``DistributedSampler``, seeded by ``PL_GLOBAL_SEED``, whatever the loader says; on one device's own, as the
-        loader says."""
-        return (True if self._distributed else None), int(os.environ.get("PL_GLOBAL_SEED", 0))
+        loader says; with ``overfit_batches``, never shuffled."""
+        shuffle = False if self.loop.overfit else (True if self._distributed else None)
+        return shuffle, int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     @property
     def _distributed(self) -> bool:

@@ -118,6 +118,9 @@ class Strategy:
     start_method: str | None = None
     #: ``torch.compile`` when the model is set up (``Trainer(compile=...)`` sets it): False, True or compile kwargs
     compile: bool | dict = False
+    #: ``Trainer(sync_batchnorm=True)``: batch norms share their batch statistics over the ranks (torch's
+    #: ``SyncBatchNorm``, converted when the model is set up)
+    sync_batchnorm: bool = False
     #: the ranks' named mesh, for strategies that lay ranks out on one (``model_parallel``); None otherwise
     device_mesh: Any = None
     #: how the ranks split the work (``ParallelLayout``: data, tensor, pipeline, context), where it is more than data
@@ -298,6 +301,8 @@ class Strategy:
         ``configure_optimizers``), or built before and re-pointed at the new parameters by name (a loop of your
         own). ``loop``: what the Trainer will do (None: a loop of your own, or evaluation)."""
         names = {id(p): n for n, p in module.named_parameters()}
+        if self.sync_batchnorm:  # each BatchNorm*d replaced in place, with the same parameters
+            module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
         model = self._setup_module(module)
         if callable(optimizers):
             optimizers, schedulers = optimizers()
@@ -410,6 +415,14 @@ class Strategy:
             return norm
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # of DTensor gradients: over every shard
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def clip_gradient_values(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_value: float):
+        """Lightning's ``gradient_clip_algorithm="value"``: unscale ``optimizer``'s gradients and clamp each element to
+        ``[-clip_value, clip_value]`` (elementwise: a shard is clamped as the whole would be); returns their global
+        norm from before (``gradient_norm``), in which a non-finite gradient still shows."""
+        norm = self.gradient_norm(module, optimizer)
+        torch.nn.utils.clip_grad_value_([p for g in optimizer.param_groups for p in g["params"]], clip_value)
+        return norm
 
     def gradient_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """The global norm of the gradients about to be applied, without clipping them."""

@@ -385,6 +385,12 @@ class DeepSpeedStrategy(Strategy):
         self.engine.set_gradient_accumulation_boundary(not enabled)
         return contextlib.nullcontext()
 
+    def clip_gradient_values(self, module: nn.Module, optimizer, clip_value: float):
+        raise ValueError(
+            "gradient_clip_algorithm='value' under DeepSpeed: the engine clips by the gradients' norm only "
+            "(gradient_clip_val, its config's gradient_clipping), as in Lightning"
+        )
+
     def clip_gradients(self, module: nn.Module, optimizer, max_norm: float):
         """The engine clips, inside its step, to ``gradient_clipping`` from its config: ``max_norm`` must be that
         value (a ValueError otherwise). Returns the gradient norm, read from the engine once it has stepped; where

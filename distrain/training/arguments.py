@@ -48,13 +48,11 @@ WRITES_OR_STOPS = (ModelCheckpoint, EarlyStopping, LearningRateMonitor, Timer)
 #: Lightning ``Trainer`` arguments distrain does not run: the value that means "not used" (accepted), and what to
 #: do instead of any other
 NOT_RUN: dict[str, tuple[Any, str]] = {
-    "overfit_batches": (0, "train and validate on a fixed subset instead: a Subset of your dataset"),
     "reload_dataloaders_every_n_epochs": (0, "the loaders are made once per stage; make an epoch-dependent dataset"),
     "profiler": (None, "run torch.profiler around fit, or in a callback's on_train_batch_start/end"),
     "barebones": (False, "turn off what you do not want: logger=False, enable_checkpointing=False, ..."),
     "plugins": (None, "precision and cluster environments are arguments here: precision=, and the launcher"),
     "model_registry": (None, "upload the checkpoint or its export (`distrain convert`) yourself"),
-    "sync_batchnorm": (False, "convert the model yourself: torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)"),
 }
 
 
@@ -116,6 +114,8 @@ class LoopOptions:
     accumulation: dict[int, int]
     """epoch → micro-batches per optimizer step (from that epoch on)."""
     gradient_clip_val: float | None
+    gradient_clip_algorithm: str
+    """``norm`` (the global norm scaled down to ``gradient_clip_val``) or ``value`` (each element clamped)."""
     val_check_interval: int | float | None
     check_val_every_n_epoch: int
     limit_train_batches: int | float | None
@@ -133,6 +133,8 @@ class LoopOptions:
     on_nonfinite: str
     """A non-finite loss or gradient norm: ``stop`` the run (the default), ``skip`` the step on every
     rank, or ``ignore`` it (no check, no host sync per step)."""
+    overfit: bool = False
+    """Lightning's ``overfit_batches``: the training data in its order, unshuffled (the limits hold the count)."""
 
     def accumulate_for(self, epoch: int) -> int:
         return self.accumulation[max(e for e in self.accumulation if e <= epoch)]
@@ -170,11 +172,18 @@ def checked_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
     for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
         if isinstance(a[name], float) and a[name] > 1:
             raise ValueError(f"{name} is a number of batches or a fraction in (0, 1], got {a[name]!r}")
-    if a["gradient_clip_algorithm"] not in (None, "norm"):
-        raise ValueError(
-            f"gradient_clip_algorithm={a['gradient_clip_algorithm']!r}: distrain clips by the gradients' norm "
-            "(gradient_clip_val); for 'value', clamp them yourself in on_before_optimizer_step"
-        )
+    if a["gradient_clip_algorithm"] not in (None, "norm", "value"):
+        raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {a['gradient_clip_algorithm']!r}")
+    overfit = a["overfit_batches"]  # Lightning's: the same first batches every epoch, to train and to validate on
+    if (
+        isinstance(overfit, bool)
+        or not isinstance(overfit, (int, float))
+        or not 0 <= overfit
+        or (isinstance(overfit, float) and overfit > 1)
+    ):
+        raise ValueError(f"overfit_batches is a number of batches or a fraction in [0, 1], got {overfit!r}")
+    if overfit:
+        a.update(limit_train_batches=overfit, limit_val_batches=overfit)
     if a["fast_dev_run"]:  # Lightning's smoke test: n batches of each stage, nothing written
         n = 1 if a["fast_dev_run"] is True else a["fast_dev_run"]
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -190,6 +199,8 @@ def checked_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
         max_steps=a["max_steps"],
         accumulation=_accumulation_schedule(a["accumulate_grad_batches"]),
         gradient_clip_val=a["gradient_clip_val"],
+        gradient_clip_algorithm=a["gradient_clip_algorithm"] or "norm",
+        overfit=bool(overfit),
         val_check_interval=a["val_check_interval"],
         check_val_every_n_epoch=a["check_val_every_n_epoch"] or 1,
         limit_train_batches=a["limit_train_batches"],

@@ -65,6 +65,13 @@ def assemble(trainer, a: dict[str, Any]) -> None:
         if not rt.strategy.traits.compiles:
             raise ValueError(f"compile=True is not supported with {strategy_name}")
         rt.strategy.compile = a["compile"]
+    if a["sync_batchnorm"]:
+        if rt.world_size > 1 and rt.accelerator.name == "cpu":
+            raise ValueError(
+                "sync_batchnorm=True on cpu: torch's SyncBatchNorm synchronizes on GPUs only (it raises on a CPU "
+                "tensor once ranks share a process group); train on GPUs, or without it"
+            )
+        rt.strategy.sync_batchnorm = True
     if a["async_save"] and not rt.strategy.traits.saves_in_background:
         raise ValueError(f"async_save=True (checkpointing.async_save) is not supported with {strategy_name}")
     trainer.seed = a["seed"]
@@ -98,6 +105,7 @@ def assemble(trainer, a: dict[str, Any]) -> None:
         print_steps=not a["enable_progress_bar"],
         straggler_threshold=a["straggler_threshold"],
     )
+    trainer.metrics.autolog_hparams = bool(a["enable_autolog_hparams"])  # Lightning's: hyperparameters to loggers
     trainer.evaluator = Evaluator(rt, trainer.metrics, functools.partial(call_callbacks, trainer))
     trainer.checkpoints = CheckpointManager(trainer)
     trainer.checkpoints.async_save = a["async_save"]  # checkpoints written while training goes on

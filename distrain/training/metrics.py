@@ -255,6 +255,7 @@ class MetricsLogger:
     ):
         self.runtime = runtime
         self.loggers = loggers
+        self.autolog_hparams = True  # the module's hyperparameters go to the loggers (Trainer(enable_autolog_hparams))
         self.log_every_n_steps = log_every_n_steps
         self.print_steps = print_steps  # a line per logged step when there is no progress bar
         self.collector = MetricCollector(runtime)
@@ -285,7 +286,7 @@ class MetricsLogger:
             # the run's config (the CLI's), else the module's save_hyperparameters(), as Lightning logs them
             params = run_config or dict(getattr(module, "hparams", None) or {})
             for lg in self.loggers:
-                if params:
+                if params and self.autolog_hparams:
                     lg.log_hyperparams(params)
                 if module is not None:
                     lg.log_graph(module)  # a logger asked to (TensorBoardLogger(log_graph=True)) draws it

@@ -35,7 +35,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-__all__ = ["SNIPPETS", "Snippet", "stand_in"]
+__all__ = ["FURTHER_PAGES", "PAGES", "SNIPPETS", "Snippet", "stand_in"]
 
 #: the refusals that count as legitimate: what Lightning itself needs and this machine lacks, or Lightning's own
 LEGITIMATE = ("fp16", "transformer engine", "gpu only", "machine lacks", "lightning too")
@@ -105,6 +105,7 @@ _ADDED_L = "`import lightning as L` added (the page imports it in an earlier blo
 _ADDED_FSDP = "`from lightning.pytorch.strategies import FSDPStrategy` added (the page imports it earlier)"
 _ADDED_NN = "`import torch.nn as nn` added (the page imports it earlier)"
 _DROPPED = "Lightning's `...` placeholder (your other arguments) dropped"
+_FURTHER = "a further page's line (the page is not in the corpus whole: FURTHER_PAGES)"
 
 
 def _gpu(devices: object, accelerator: str = "gpu") -> str:
@@ -1116,6 +1117,102 @@ trainer = Trainer(plugins=precision)
             ),
         ]
     ),
+    # ---- further pages: the lines an outside run of every other page found failing, each fixed since ------------
+    *(
+        Snippet(
+            "common/trainer.rst",
+            464,
+            f"autolog-hparams-{value}",
+            _T + f"trainer = Trainer(enable_autolog_hparams={value})\n",
+            note=f"{_ADDED_T}; {_FURTHER}",
+        )
+        for value in (True, False)
+    ),
+    Snippet(
+        "common/trainer.rst",
+        523,
+        "model-summary-callback",
+        _T + "from lightning.pytorch.callbacks import ModelSummary\n\n"
+        "trainer = Trainer(enable_model_summary=True, callbacks=[ModelSummary(max_depth=-1)])\n",
+        note=f"{_ADDED_T}; {_FURTHER}",
+    ),
+    *(
+        Snippet(
+            "common/trainer.rst",
+            962,
+            f"overfit-{kind}",
+            _T + f"trainer = Trainer(overfit_batches={value})\n",
+            note=f"{_ADDED_T}; {_FURTHER}",
+        )
+        for kind, value in (("fraction", "0.01"), ("count", "10"))
+    ),
+    Snippet(
+        "common/trainer.rst",
+        1152,
+        "sync-batchnorm",
+        _T + "trainer = Trainer(sync_batchnorm=True)\n",
+        note=f"{_ADDED_T}; {_FURTHER}",
+    ),
+    Snippet(
+        "advanced/training_tricks.rst",
+        38,
+        "clip-by-value",
+        _T + "# clip gradients' maximum magnitude to <=0.5\n"
+        'trainer = Trainer(gradient_clip_val=0.5, gradient_clip_algorithm="value")\n',
+        note=f"{_ADDED_T}; {_FURTHER}",
+    ),
+    Snippet(
+        "common/progress_bar.rst",
+        33,
+        "tqdm-refresh-rate",
+        _T + "from lightning.pytorch.callbacks import TQDMProgressBar\n\n"
+        "trainer = Trainer(callbacks=[TQDMProgressBar(refresh_rate=10)])\n",
+        note=f"{_ADDED_T}; {_FURTHER}",
+    ),
+    Snippet(
+        "common/progress_bar.rst",
+        47,
+        "tqdm-leave",
+        _T + "from lightning.pytorch.callbacks import TQDMProgressBar\n"
+        "trainer = Trainer(callbacks=[TQDMProgressBar(leave=True)])\n",
+        note=f"{_ADDED_T}; the TQDMProgressBar import added (the page imports it in an earlier block); {_FURTHER}",
+    ),
+    Snippet(
+        "common/gradient_accumulation.rst",
+        23,
+        "accumulation-schedule",
+        _T + "from lightning.pytorch.callbacks import GradientAccumulationScheduler\n\n"
+        "# till 5th epoch, it will accumulate every 8 batches. From 5th epoch\n"
+        "# till 9th epoch it will accumulate every 4 batches and after that no accumulation\n"
+        "# will happen. Note that you need to use zero-indexed epoch keys here\n"
+        "accumulator = GradientAccumulationScheduler(scheduling={0: 8, 4: 4, 8: 1})\n"
+        "trainer = Trainer(callbacks=accumulator)\n",
+        note=f"{_ADDED_T}; {_FURTHER}",
+    ),
+    Snippet(
+        "common/early_stopping.rst",
+        42,
+        "submodule-import",
+        _T + "from lightning.pytorch.callbacks.early_stopping import EarlyStopping\n\n"
+        'trainer = Trainer(callbacks=[EarlyStopping(monitor="val_loss", mode="min")])\n',
+        note=f"{_ADDED_T}; the block's LitModel and fit left out; {_FURTHER}",
+    ),
+    Snippet(
+        "debug/debugging_basic.rst",
+        123,
+        "model-summary-depth",
+        _T + "from lightning.pytorch.callbacks import ModelSummary\n\n"
+        "trainer = Trainer(callbacks=[ModelSummary(max_depth=-1)])\n",
+        note=f"{_ADDED_T}; {_FURTHER}",
+    ),
+    Snippet(
+        "starter/introduction.rst",
+        231,
+        "overfit-flags",
+        _L + "# 20+ helpful flags for rapid idea iteration\n"
+        "trainer = L.Trainer(\n    max_epochs=10,\n    min_epochs=5,\n    overfit_batches=1\n )\n",
+        note=f"{_ADDED_L}; the block's other Trainers left out; {_FURTHER}",
+    ),
 ]
 
 #: every page of the corpus, with no snippet where it shows none (their Trainer lines are in prose or shell)
@@ -1140,4 +1237,15 @@ PAGES = [
     "common/precision_basic.rst",
     "common/precision_intermediate.rst",
     "common/precision_expert.rst",
+]
+#: pages beyond those of the issue, not in the corpus whole: each line here is one that an outside run of every
+#: other page's Trainer lines found failing under distrain, and that was fixed (2026-12-07)
+FURTHER_PAGES = [
+    "common/trainer.rst",
+    "advanced/training_tricks.rst",
+    "common/progress_bar.rst",
+    "common/gradient_accumulation.rst",
+    "common/early_stopping.rst",
+    "debug/debugging_basic.rst",
+    "starter/introduction.rst",
 ]

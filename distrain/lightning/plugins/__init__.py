@@ -15,8 +15,8 @@ _PRECISION = refusing(
 )
 _OTHER = refusing(
     __name__,
-    "checkpoints are written by distrain's own checkpoint code (torch.distributed.checkpoint), and sync_batchnorm "
-    "is converting the model yourself",
+    "checkpoints are written by distrain's own checkpoint code (torch.distributed.checkpoint), and a layer sync is "
+    "Trainer(sync_batchnorm=True)",
 )
 
 
