@@ -933,6 +933,7 @@ def test_checkpoints_lightning_wrote_resume_with_lightnings_numbers(tmp_path, mo
 
     here = Path(__file__).resolve().parent / "data" / "lightning_written"
     monkeypatch.setenv("WRITTEN_BY", "distrain")
+    monkeypatch.chdir(tmp_path)  # Lightning's default_root_dir: the working directory
     spec = importlib.util.spec_from_file_location("lightning_written", here / "make.py")
     written = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(written)
