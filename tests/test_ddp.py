@@ -97,12 +97,27 @@ def _hooks(rank, tmp):
         module = TinyGPT(lr=1e-2, schedule=False)
         trainer.fit(module, loader(8))
         results[hook] = (rec.losses, params_of(module))
-    return results
+    # a parameter the loss never uses: DDP's reduction never finishes, and its error names none of them
+    trainer, _ = make_trainer(tmp / "unused", devices=2, max_steps=3, enable_checkpointing=False, logger=False)
+    module = TinyGPT(lr=1e-2, schedule=False)
+    module.idle = torch.nn.Linear(2, 2)
+    try:
+        trainer.fit(module, loader(8))
+    except RuntimeError as error:
+        return results, str(error)
+    return results, None
 
 
 @pytest.mark.slow
 def test_comm_hooks_train_and_keep_replicas_in_sync(tmp_path):
-    r0, r1 = run_ranks(_hooks, 2, tmp_path)
+    """Each comm hook trains and keeps the replicas alike. A parameter no step uses fails DDP at the next step's
+    forward in one line naming it and the option that trains such a model (DDP's own names none)."""
+    (r0, unused), (r1, _) = run_ranks(_hooks, 2, tmp_path)
+    assert unused is not None and unused.startswith(
+        "DDP: 2 parameters of the model got no gradient in a step (idle.weight, idle.bias), so DDP's gradient "
+        "reduction never finished"
+    ), unused
+    assert "find_unused_parameters=True" in unused and "\n" not in unused
     for hook, (losses, params) in r0.items():
         assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, (hook, losses)
         if hook != "post_localsgd":  # local SGD lets replicas drift between averagings

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain import compat, distributed
 from distrain.config import ConfigError
+from distrain.module import StepRouter
 from distrain.parallel import expert_parallel
 from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits, checked_start_method
 from distrain.strategies.registry import alias, register, unalias
@@ -74,6 +75,7 @@ class DDPStrategy(Strategy):
         self.ddp_comm_wrapper = ddp_comm_wrapper
         self.model_averaging_period = model_averaging_period
         self._model_averager = None
+        self._no_gradient: list[str] | None = None  # the parameters the first backward left without a gradient
 
     @staticmethod
     def passes_options_to() -> set[str]:
@@ -173,6 +175,33 @@ class DDPStrategy(Strategy):
                 )
             return module.no_sync()
         return contextlib.nullcontext()
+
+    def run_step(self, model: nn.Module, micro_batches: list, before_each: Callable | None = None):
+        """As ``Strategy.run_step``. DDP's error for a parameter that got no gradient (its reduction never finished,
+        found at the next step's forward) is one line naming the parameters the first backward left without one, and
+        the option that trains such a model."""
+        try:
+            return super().run_step(model, micro_batches, before_each)
+        except RuntimeError as error:
+            if "Expected to have finished reduction in the prior iteration" not in str(error):
+                raise
+            names = self._no_gradient or []
+            shown = f" ({', '.join(names[:3])}{', …' if len(names) > 3 else ''})" if names else ""
+            raise RuntimeError(
+                f"DDP: {len(names) or 'some'} parameter{'s' * (len(names) != 1)} of the model got no gradient in a "
+                f"step{shown}, so DDP's gradient reduction never finished: a layer the loss does not use in every step "
+                "(an index or a choice computed without gradient, a branch not taken). Train it with "
+                "find_unused_parameters=True (Lightning's strategy='ddp_find_unused_parameters_true'; "
+                "distributed.find_unused_parameters in a config)"
+            ) from None
+
+    def backward(self, loss: torch.Tensor, module: nn.Module | None = None) -> None:
+        super().backward(loss, module)
+        if self._no_gradient is None and module is not None:  # once: what DDP's own error cannot name
+            own = self.experts.owns if self.experts is not None else (lambda p: False)  # its experts: its own
+            user = self.unwrap(module)
+            params = (user.module if isinstance(user, StepRouter) else user).named_parameters()  # the user's names
+            self._no_gradient = [n for n, p in params if p.requires_grad and p.grad is None and not own(p)]
 
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """As ``Strategy.clip_gradients``. Once post-local SGD averages gradients within subgroups only, the ranks'
