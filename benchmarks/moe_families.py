@@ -19,7 +19,13 @@ the class takes them (everything else its defaults), 4 experts, top-2. Then, on 
 
 A family passes when the split holds every layer's experts and both differences are within fp32 rounding (1e-4).
 This is one step of gradients through the model's own forward, the check ``tests/test_expert_parallel.py`` makes
-for the families it names; a Trainer run per family (DDP, FSDP and EP × FSDP on 4 ranks, 8 steps) is not yet here.
+for the families it names. ``--trainer`` adds, for each family that passes it, the Trainer's own runs: 8 AdamW steps
+of a global batch of 4 sequences with ``expert_parallel_size=2`` under DDP and FSDP on 2 ranks, and EP 2 × FSDP 2 on
+4, each step's loss (the mean over the ranks) against one process's on the same global batch (``fit``; one
+set of ranks for each world size, started once, runs every family in turn). A run passes within 1e-5 of one process
+at every step. A router's jitter (Phi-3.5-MoE's) is off in these runs: it draws otherwise on each rank. DDP runs with
+``find_unused_parameters=True``: a family whose attention computes an index without gradient (DeepSeek-V3.2's sparse
+attention) leaves parameters without one, which plain DDP refuses (in one line naming them) with or without experts.
 ``--write`` replaces the table between the markers in the file given.
 """
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import socket
 import sys
@@ -234,10 +241,162 @@ def compare(reference: dict, ranks: list[dict]) -> tuple[str, str, str, str]:
     return f"{layers} layers", f"{loss_diff:.1e}", f"{worst:.1e}", "exact" if ok else "differs"
 
 
+#: the Trainer's runs of a family (``--trainer``): name → (strategy, ranks)
+RUNS = {"DDP, EP 2": ("ddp_find_unused_parameters_true", 2), "FSDP, EP 2": ("fsdp", 2), "EP 2 × FSDP 2": ("fsdp", 4)}
+STEPS = 8
+
+
+def fit(model_type: str, strategy: str, devices: int) -> list[float] | None:
+    """One Trainer run of a family's tiny model, by this process alone (``devices=1``) or as a rank of a job of
+    ``devices`` (its variables set): each step's loss, the mean over the ranks (on rank 0; None elsewhere). A router's
+    jitter is off (it draws otherwise on each rank)."""
+    import distrain
+
+    name = dict(families())[model_type]
+    shape = next(s for s in (SHAPE, SMALLER, ONE_CHOICE) if _builds(name, s))
+    shape = {**shape, "router_jitter_noise": 0.0, "input_jitter_noise": 0.0}
+
+    class CausalLM(distrain.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_model(name, shape)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0], labels=batch[0], use_cache=False).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    losses: list[float] = []
+
+    class Losses(distrain.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+    ids = torch.randint(0, 64, (4 * STEPS, 12), generator=torch.Generator().manual_seed(2))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4 // devices)
+    options = {"expert_parallel_size": 2} if devices > 1 else {}
+    trainer = distrain.Trainer(
+        accelerator="cpu", strategy=strategy, devices=devices, max_steps=STEPS, seed=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Losses()],
+        default_root_dir=os.path.join(tempfile.gettempdir(), "moe_families"), **options,
+    )  # fmt: skip
+    trainer.fit(CausalLM(), loader)
+    every_rank = trainer.strategy.all_gather_object(losses) if devices > 1 else [losses]
+    return [sum(step) / devices for step in zip(*every_rank)] if trainer.is_global_zero else None
+
+
+def _builds(name: str, shape: dict) -> bool:
+    try:
+        tiny_model(name, shape)
+    except Exception:  # noqa: BLE001 - the next shape
+        return False
+    return True
+
+
+def _pool_rank(rank: int, world: int, port: int, jobs: list[tuple[str, str]], out: str) -> None:
+    """A rank of a job that runs each (family, strategy) in turn; each result (or this rank's error) a file."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    for model_type, strategy in jobs:
+        result = Path(out) / f"{model_type}.{strategy}.{world}.json"
+        try:
+            losses = fit(model_type, strategy, world)
+        except Exception as error:  # noqa: BLE001 - the table says why; the pool starts again after it
+            result.write_text(json.dumps(f"fails: {type(error).__name__}: {_short(error)}"))
+            return
+        if losses is not None:
+            result.write_text(json.dumps(losses))
+
+
+def run_pool(world: int, jobs: list[tuple[str, str]], out: str, patience: float = 240) -> None:
+    """``jobs`` on one set of ``world`` ranks started once (a failure or a hang: the ranks are stopped, that job
+    recorded, and a new set goes on with the next ones)."""
+
+    def result(job: tuple[str, str]) -> Path:
+        return Path(out) / f"{job[0]}.{job[1]}.{world}.json"
+
+    remaining = list(jobs)
+    while remaining:
+        context = mp.start_processes(
+            _pool_rank, args=(world, _free_port(), remaining, out), nprocs=world, join=False, start_method="spawn"
+        )
+        last, seen, ended = time.monotonic(), 0, False
+        while not ended:
+            try:
+                ended = context.join(timeout=1)
+            except Exception:  # noqa: BLE001 - a rank died; its error file says why
+                ended = True
+            finished = [job for job in remaining if result(job).exists()]
+            if len(finished) > seen:
+                last, seen = time.monotonic(), len(finished)
+            ended = ended or any("fails" in result(job).read_text() for job in finished)
+            ended = ended or time.monotonic() - last > patience
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        done = 0
+        while done < len(remaining) and result(remaining[done]).exists():
+            done += 1
+        if done < len(remaining) and not any("fails" in result(job).read_text() for job in remaining[:done]):
+            result(remaining[done]).write_text(json.dumps("timed out"))  # it hung: the next set goes on after it
+            done += 1
+        remaining = remaining[done:]
+
+
+def trainer_runs(model_types: list[str], out: str, world_sizes: set[int]) -> dict[str, list[str]]:
+    """Each family's ``RUNS`` against one process: the largest relative difference of a step's loss, or why not.
+    Each result is a file in ``out``, kept: a run stopped half-way goes on from there, and only ``world_sizes``' runs
+    are started (the others' cells stay empty until a run makes them)."""
+
+    def result(model_type: str, strategy: str, devices: int) -> Path:
+        return Path(out) / f"{model_type}.{strategy}.{devices}.json"
+
+    for model_type in model_types:
+        if not result(model_type, "single", 1).exists():
+            try:
+                one = fit(model_type, "single", 1)
+            except Exception as error:  # noqa: BLE001
+                one = f"one process fails: {type(error).__name__}: {_short(error)}"
+            result(model_type, "single", 1).write_text(json.dumps(one))
+    for world in sorted(world_sizes):
+        strategies = [strategy for strategy, devices in RUNS.values() if devices == world]
+        jobs = [(m, s) for m in model_types for s in strategies if not result(m, s, world).exists()]
+        if jobs:
+            run_pool(world, jobs, out)
+    cells = {}
+    for model_type in model_types:
+        reference = json.loads(result(model_type, "single", 1).read_text())
+        row = []
+        for strategy, devices in RUNS.values():
+            if not result(model_type, strategy, devices).exists():
+                row.append("not run yet")
+                continue
+            split = json.loads(result(model_type, strategy, devices).read_text())
+            if isinstance(reference, str) or isinstance(split, str):
+                row.append(reference if isinstance(reference, str) else split)
+                continue
+            worst = max(abs(a - b) / abs(b) for a, b in zip(split, reference))
+            row.append(f"{worst:.0e}" + ("" if worst <= 1e-5 and len(split) == len(reference) else " (differs)"))
+        cells[model_type] = row
+    return cells
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--families", nargs="*", help="model types (default: every mixture family found)")
     parser.add_argument("--write", help="a Markdown file whose table between the markers is replaced")
+    parser.add_argument("--trainer", action="store_true", help="add the Trainer's runs (DDP, FSDP, EP × FSDP)")
+    parser.add_argument(
+        "--results",
+        default=str(Path.home() / ".cache" / "distrain" / "moe_trainer"),
+        help="where the Trainer's runs keep their results (a run stopped half-way goes on from them)",
+    )
+    parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4], help="the world sizes to run now")
     args = parser.parse_args()
     import transformers
 
@@ -253,7 +412,14 @@ def main() -> None:
             shaped = [(name, references[name]["shape"]) for name in runnable]
             mp.start_processes(in_rank, args=(_free_port(), shaped, out), nprocs=2, start_method="spawn")
             ranks = [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(2)]
-    rows = []
+    passed = [
+        t for t, n in found if "grads" in references[n] and compare(references[n], [r[n] for r in ranks])[3] == "exact"
+    ]
+    results = Path(args.results) / f"transformers-{transformers.__version__}-torch-{torch.__version__}"
+    if args.trainer:
+        results.mkdir(parents=True, exist_ok=True)
+    trained_runs = trainer_runs(passed, str(results), set(args.ranks)) if args.trainer else {}
+    rows, exact, trained = [], 0, 0
     for model_type, name in found:
         ref = references[name]
         if "grads" in ref:
@@ -261,14 +427,28 @@ def main() -> None:
         else:
             held, loss_diff, grad_diff = "", "", ""
             result = f"refused: {ref['refused']}" if "refused" in ref else ref["error"]
-        rows.append(f"| `{model_type}` | {held} | {loss_diff} | {grad_diff} | {result.replace('|', '/')} |")
-    exact = sum(row.endswith("| exact |") for row in rows)
+        exact += result == "exact"
+        cells = [held, loss_diff, grad_diff]
+        if args.trainer:
+            runs = trained_runs.get(model_type, [""] * len(RUNS))
+            made = [c for c in runs if c != "not run yet"]
+            trained += result == "exact" and bool(made) and all(c[:1].isdigit() and "differs" not in c for c in made)
+            cells += runs
+        cells.append(result.replace("|", "/"))
+        rows.append(f"| `{model_type}` | " + " | ".join(cells) + " |")
+        print(rows[-1], flush=True)
+    runs = (
+        f"; {trained} of them train under the Trainer as one process in every run made (8 AdamW steps of each)"
+        if args.trainer
+        else ""
+    )
+    columns = ["family", "experts split", "loss diff", "max rel diff", *(RUNS if args.trainer else ()), "result"]
     header = [
         f"transformers {transformers.__version__}, torch {torch.__version__}: {exact} of {len(rows)} mixture "
-        f"families split over 2 ranks as one process ({time.perf_counter() - started:.0f} s on 2 CPU cores).",
+        f"families split over 2 ranks as one process{runs} ({time.perf_counter() - started:.0f} s on 2 CPU cores).",
         "",
-        "| family | experts split | loss diff | max rel diff | result |",
-        "| --- | --- | --- | --- | --- |",
+        "| " + " | ".join(columns) + " |",
+        "| " + " | ".join("---" for _ in columns) + " |",
     ]
     table = "\n".join(header + rows)
     print(table)
