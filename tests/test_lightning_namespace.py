@@ -956,6 +956,11 @@ def test_checkpoints_lightning_wrote_resume_with_lightnings_numbers(tmp_path, mo
         (lambda c: c["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"].update(processed=-3), "processed"),
         (lambda c: c["optimizer_states"].append(c["optimizer_states"][0]), "2 optimizer states"),
         (lambda c: c["optimizer_states"][0]["param_groups"][0]["params"].pop(), "group 0, holds 3 parameters"),
+        (lambda c: c["optimizer_states"][0]["param_groups"][0]["params"].append([1]), "otherwise than by position"),
+        (
+            lambda c: c["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"].update(processed=2**40),
+            "1099511627776 processed batches exceed this run's epoch of 8",
+        ),
     ):
         crafted = copy.deepcopy(original)
         damage(crafted)

@@ -101,7 +101,9 @@ def _by_name(saved: Any, optimizer, names: dict[int, str], index: int) -> dict[s
     named_groups = []
     for g, (group, live) in enumerate(zip(groups, optimizer.param_groups)):
         positions = group.get("params") if isinstance(group, dict) else None
-        if not isinstance(positions, list) or len(positions) != len(live["params"]):
+        if not isinstance(positions, list) or not all(type(i) is int for i in positions):
+            raise ValueError(f"its optimizer state {index}, group {g}, names its parameters otherwise than by position")
+        if len(positions) != len(live["params"]):
             raise ValueError(
                 f"its optimizer state {index}, group {g}, holds {len(positions) if isinstance(positions, list) else 0} "
                 f"parameters, and the model's optimizer {len(live['params'])}"

@@ -444,7 +444,14 @@ class CheckpointManager:
         except ValueError as e:
             raise ckpt_io.CheckpointError(f"{path} (written by Lightning): {e}") from None
         if batches is not None:
-            batches = t.loop_state.num_batches if t.progress.epoch_done else batches
+            epoch = t.loop_state.num_batches
+            if t.progress.epoch_done:  # at its end, on any number of ranks
+                batches = epoch
+            elif epoch is not None and batches > epoch:
+                raise ckpt_io.CheckpointError(
+                    f"{path} (written by Lightning): its loops' {batches} processed batches exceed this run's epoch of "
+                    f"{epoch} batches"
+                )
             t.progress.samples_in_epoch = batches * t.batch_layout.micro_batch * t.data_parallel_size
         t.strategy.load_state_dict(extra.pop("strategy_state", {}), str(path))  # {}: the checkpoint has none
         t.module.on_load_checkpoint(extra)  # the checkpoint's other keys: those on_save_checkpoint added
