@@ -104,11 +104,11 @@ def claim(directory: str | os.PathLike, resume: str | None, overwrite: bool, che
 
 def _checkpoints_in(directory: Path) -> list[Path]:
     """The checkpoints (and ``last``) in a checkpoint folder outside the run's: only those are the run's."""
-    from distrain.checkpoint.io import LAST, is_checkpoint_dir
+    from distrain.checkpoint.io import LAST, is_checkpoint
 
     if not directory.is_dir():
         return []
-    return [p for p in sorted(directory.iterdir()) if p.name == LAST or is_checkpoint_dir(p)]
+    return [p for p in sorted(directory.iterdir()) if p.name == LAST or is_checkpoint(p)]
 
 
 def _shown(path: Path, directory) -> str:

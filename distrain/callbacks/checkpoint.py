@@ -16,7 +16,7 @@ from distrain.checkpoint import CheckpointError
 from distrain.checkpoint.io import (
     LAST,
     describe_error,
-    is_checkpoint_dir,
+    is_checkpoint,
     is_checkpoint_name,
     point_last,
     remove_checkpoint,
@@ -428,7 +428,7 @@ class ModelCheckpoint(Callback):
         if entry != name and Path(entry).parent.resolve() != self.dirpath.resolve():
             return None
         candidate = self.dirpath / name
-        if not is_checkpoint_name(name) or not is_checkpoint_dir(candidate):
+        if not is_checkpoint_name(name) or not is_checkpoint(candidate):
             return None
         return str(candidate)
 

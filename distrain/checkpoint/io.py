@@ -344,7 +344,7 @@ def is_checkpoint_name(name: str) -> bool:
     )
 
 
-def is_checkpoint_dir(path: Path) -> bool:
+def is_checkpoint(path: Path) -> bool:
     """A real directory (not a link) holding what distrain writes into every checkpoint, or a checkpoint file."""
     return (
         path.is_dir()
@@ -377,8 +377,8 @@ def remove_checkpoint(path: str | os.PathLike, within: str | os.PathLike) -> Non
         return
     if path.parent.resolve() != Path(within).resolve() or not is_checkpoint_name(path.name):
         raise CheckpointError(f"refusing to delete {path}: it is not a checkpoint inside {within}")
-    if not is_checkpoint_dir(path):
-        raise CheckpointError(f"refusing to delete {path}: it is not a checkpoint directory")
+    if not is_checkpoint(path):
+        raise CheckpointError(f"refusing to delete {path}: it is not a checkpoint")
     if path.is_file():
         path.unlink(missing_ok=True)
     else:
@@ -449,15 +449,7 @@ def checkpoints_newest_first(dirpath: Path, exclude: Path | None = None) -> list
     """The checkpoints (directories and files) in ``dirpath``, the most recently written first."""
     if not dirpath.is_dir():
         return []
-    found = [
-        p
-        for p in dirpath.iterdir()
-        if not p.name.startswith(".")
-        and (
-            (p.is_dir() and not p.is_symlink() and ((p / STATE_FILE).exists() or (p / META_FILE).exists()))
-            or is_checkpoint_file(p)
-        )
-    ]
+    found = [p for p in dirpath.iterdir() if not p.name.startswith(".") and is_checkpoint(p)]
     found = [p.resolve() for p in found if exclude is None or p.resolve() != exclude]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
