@@ -243,9 +243,12 @@ def check_manual_optimization(trainer, module) -> None:
             "gradient_clip_val=...) in training_step"
         )
     from distrain.strategies.base import Strategy
+    from distrain.strategies.ddp import DDPStrategy
 
     strategy = trainer.runtime.strategy
-    plain = type(strategy).backward is Strategy.backward and type(strategy).run_step is Strategy.run_step
+    # the base step (DDP's own overrides only name the parameters its error leaves unnamed)
+    steps = {Strategy.backward, Strategy.run_step, DDPStrategy.backward, DDPStrategy.run_step}
+    plain = type(strategy).backward in steps and type(strategy).run_step in steps
     if strategy.traits.collective_forward or strategy.traits.metrics_elsewhere or not plain:
         raise NotImplementedError(
             f"automatic_optimization=False is not supported with {type(strategy).__name__}: use DDP or one "
