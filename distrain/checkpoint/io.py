@@ -435,13 +435,13 @@ def describe_damage(file: Path, error: BaseException) -> str:
 
 
 def _checkpoint_of(file: Path) -> Path | None:
-    """The checkpoint a file belongs to: itself (a checkpoint file), or the directory it sits in (perhaps in a
-    subdirectory, e.g. DeepSpeed's)."""
-    if file.name not in (STATE_FILE, META_FILE) and file.suffix in FILE_SUFFIXES:
-        return file.resolve()
+    """The checkpoint a file belongs to: the directory it sits in (perhaps in a subdirectory, e.g. DeepSpeed's), or,
+    in none, itself (a checkpoint file)."""
     for parent in [file.parent, *file.parents]:
         if (parent / STATE_FILE).exists() or (parent / META_FILE).exists():
             return parent.resolve()
+    if file.suffix in FILE_SUFFIXES:
+        return file.resolve()
     return None
 
 
