@@ -36,8 +36,13 @@ def lightning_keys(plain: dict[str, Any]) -> dict[str, Any]:
 
 
 def written_by_lightning(loaded: dict[str, Any]) -> bool:
-    """Lightning's own checkpoint: its keys, and none of distrain's (whose files carry Lightning's keys too)."""
-    return VERSION_KEY in loaded and isinstance(loaded.get("state_dict"), dict) and "format" not in loaded
+    """Lightning's own checkpoint, its weights under ``state_dict``."""
+    return _lightnings(loaded) and isinstance(loaded.get("state_dict"), dict)
+
+
+def _lightnings(entries: dict[str, Any]) -> bool:
+    """Entries of Lightning's own checkpoint: its version, and not distrain's format (whose files carry the version)."""
+    return VERSION_KEY in entries and "format" not in entries
 
 
 def as_distrain(
@@ -72,7 +77,7 @@ def batches_into_epoch(extra: dict[str, Any]) -> int | None:
     """The batches of its epoch a checkpoint Lightning wrote had trained on on each rank (their steps had run:
     ``processed``); None for any other checkpoint. Lightning records no world size: a checkpoint saved mid-epoch
     resumes at its place on the world size it was saved on."""
-    if VERSION_KEY not in extra or "format" in extra:
+    if not _lightnings(extra):
         return None
     batch = _fit_loop(extra).get("epoch_loop.batch_progress")
     current = batch.get("current") if isinstance(batch, dict) else None
@@ -105,8 +110,8 @@ def _by_name(saved: Any, optimizer, names: dict[int, str], index: int) -> dict[s
             raise ValueError(f"its optimizer state {index}, group {g}, names its parameters otherwise than by position")
         if len(positions) != len(live["params"]):
             raise ValueError(
-                f"its optimizer state {index}, group {g}, holds {len(positions) if isinstance(positions, list) else 0} "
-                f"parameters, and the model's optimizer {len(live['params'])}"
+                f"its optimizer state {index}, group {g}, holds {len(positions)} parameters, and the model's optimizer "
+                f"{len(live['params'])}"
             )
         if any(id(p) not in names for p in live["params"]):
             raise ValueError(f"the model's optimizer {index} holds a parameter that is not the model's")
