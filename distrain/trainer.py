@@ -11,7 +11,6 @@ metrics and stop-signal agreement are components it holds (``distrain/training/`
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import warnings
@@ -53,7 +52,8 @@ from distrain.training.hooks import call_callbacks, call_hook
 from distrain.training.loop_state import LoopState
 from distrain.training.manual import manual_step
 from distrain.training.metrics import MetricsLogger, StepResult, print_fit_summary
-from distrain.training.nonfinite import NonFiniteError, step_is_finite
+from distrain.training.nonfinite import NonFiniteError
+from distrain.training.optimizer_step import apply_step, gradient_norm
 from distrain.training.optimizers import step_schedulers
 from distrain.training.outcomes import StepOutcome
 from distrain.training.preemption import SIGNALS, StopAgreement
@@ -391,37 +391,66 @@ class Trainer(TrainerViews):
                 self._end_epoch(val_loader)
 
     def train_step(self, micro_batches: list[tuple[int, Any]]) -> Any:
-        """One optimizer step over this rank's micro-batches: forward/backward each (gradients
-        synchronized on the last one only), then check, clip, step and log. The gradient is the mean
-        over the step's micro-batches (each loss divided by their number, also in a shorter last
-        window) and over the ranks. Returns the last ``training_step`` output, or the ``StepOutcome`` of a step that
-        gave none to go on with (``DROPPED``: the strategy did not commit it; nothing applied, the step not counted)."""
+        """One optimizer step over this rank's micro-batches: forward/backward each (gradients synchronized on the
+        last one only), settle it (the strategy commits it or drops it; a loss spike is re-run, then applied, skipped
+        or rolled back from), apply it (clip, check, step) and log it. The gradient is the mean over the step's
+        micro-batches (each loss divided by their number, also in a shorter last window) and over the ranks. Returns
+        the last ``training_step`` output, or the ``StepOutcome`` of a step that gave none to go on with."""
         if not self.module.automatic_optimization:
             return manual_step(self, micro_batches, self._skips_rest_of_epoch, self._done)
         rt, optimizer = self.runtime, self.optimizers[0]
         rt.mark_phase(self.global_step + 1, "forward/backward")  # where this rank is, if a collective hangs
+        micro_batches = self._start_step(micro_batches)
+        if isinstance(micro_batches, StepOutcome):
+            return micro_batches
+        position = self.progress.samples_in_epoch  # the step's first sample in the epoch's global order
+        rng = rng_state() if self.anomalies is not None else None  # a re-run starts from the same RNG state
+        step_loss, output = rt.strategy.run_step(
+            self.model, micro_batches, before_each=self._before_each(micro_batches)
+        )
+        call_hook(self, "on_after_backward")
+        self.progress.samples_in_epoch += sum(batch_size_of(b) for _, b in micro_batches) * self.data_parallel_size
+        action = self._settle(step_loss, micro_batches, position, rng)
+        if isinstance(action, StepOutcome):
+            return action
+
+        rt.mark_phase(None, "optimizer step")
+        grad_norm = gradient_norm(self, optimizer) if action == "apply" else None
+        last_idx = micro_batches[-1][0]
+        if action != "apply" or not apply_step(self, optimizer, grad_norm, step_loss, last_idx):
+            self.progress.skipped_steps += 1
+        self.module.optimizer_zero_grad(self.current_epoch, last_idx, self.loop_optimizers[0])
+        step_schedulers(self, "step")
+        self.progress.global_step += 1
+        self._log_step(step_loss, grad_norm, micro_batches)
+        return output
+
+    def _start_step(self, micro_batches: list[tuple[int, Any]]) -> list[tuple[int, Any]] | StepOutcome:
+        """The step's micro-batches on the device, its start hooks run; or why it does not run: its first batch's
+        ``on_train_batch_start`` skipped the rest of the epoch, or the anomaly policy skips its data."""
         batches = [batch for _, batch in micro_batches]
         self.module.on_train_step_start(batches, len(batches))
         call_callbacks(self, "on_train_step_start", batches)
-        micro_batches = [(batch_idx, rt.to_device(batch)) for batch_idx, batch in micro_batches]
-        collector = self.metrics.collector
-        indices = iter([batch_idx for batch_idx, _ in micro_batches])
+        micro_batches = [(batch_idx, self.runtime.to_device(batch)) for batch_idx, batch in micro_batches]
         self.loop_state.first_micro_batch = True
-        collector.current_batch_size = batch_size_of(micro_batches[0][1])
-        first_idx = micro_batches[0][0]
-        if self._skips_rest_of_epoch(first_idx, micro_batches[0][1]):
+        self.metrics.collector.current_batch_size = batch_size_of(micro_batches[0][1])
+        if self._skips_rest_of_epoch(*micro_batches[0]):
             return StepOutcome.SKIP_REST_OF_EPOCH
-        position = self.progress.samples_in_epoch  # the step's first sample in the epoch's global order
-        if self.anomalies is not None and self.anomalies.skips(self.current_epoch, position):
+        if self.anomalies is not None and self.anomalies.skips(self.current_epoch, self.progress.samples_in_epoch):
             self.anomalies.skip_bad_data(micro_batches)
             return StepOutcome.SKIPPED
-        rng = rng_state() if self.anomalies is not None else None  # a re-run starts from the same RNG state
+        return micro_batches
 
-        def before_each(batch):  # before each training_step of the step
+    def _before_each(self, micro_batches: list[tuple[int, Any]]):
+        """What runs before each ``training_step`` of the step: its timer, batch size and ``on_train_batch_start``
+        (the first batch's ran in ``_start_step``)."""
+        indices, first_idx = iter([batch_idx for batch_idx, _ in micro_batches]), micro_batches[0][0]
+
+        def before_each(batch):
             self.metrics.timer.forward_started()
-            collector.current_batch_size = batch_size_of(batch)
+            self.metrics.collector.current_batch_size = batch_size_of(batch)
             batch_idx = next(indices, None)  # None: a pipeline's schedule calls it per piece of a micro-batch
-            if batch_idx is None or batch_idx == first_idx:  # the first batch's hook ran before the step
+            if batch_idx is None or batch_idx == first_idx:
                 return
             if call_hook(self, "on_train_batch_start", batch, batch_idx) == -1:
                 raise ValueError(
@@ -430,88 +459,34 @@ class Trainer(TrainerViews):
                     "accumulate_grad_batches == 0)"
                 )
 
-        step_loss, output = rt.strategy.run_step(self.model, micro_batches, before_each=before_each)
-        call_hook(self, "on_after_backward")
-        samples = tokens = 0
-        for _, batch in micro_batches:
-            samples += batch_size_of(batch)
-            tokens += tokens_in_batch(batch) or 0
-            self.progress.samples_in_epoch += batch_size_of(batch) * self.data_parallel_size
-        if not rt.strategy.commit_step():  # the strategy dropped the step (and said why): nothing of it applies
-            optimizer.zero_grad(set_to_none=True)
+        return before_each
+
+    def _settle(self, step_loss: torch.Tensor, micro_batches, position: int, rng) -> str | StepOutcome:
+        """What becomes of the step once its gradients are in: the strategy drops it (it said why: nothing of it
+        applies, the step not counted), or "apply"/"skip" (the anomaly policy may re-run a loss spike first), or
+        the anomaly policy rolls back."""
+        if not self.runtime.strategy.commit_step():
+            self.optimizers[0].zero_grad(set_to_none=True)
             self.progress.dropped_steps += 1
             return StepOutcome.DROPPED
-
         self.nonfinite.settle()  # the previous step's device check: the device has long passed it
-        action = "apply"
-        if self.anomalies is not None:  # a loss spike: re-run, then applied, skipped, rolled back from, or stopped at
-            action = self.anomalies.check(step_loss, micro_batches, position, rng)
-            if action == "rollback":
-                return StepOutcome.ROLLED_BACK
-        rt.mark_phase(None, "optimizer step")
-        grad_norm = self._gradient_norm(optimizer) if action == "apply" else None
-        last_idx = micro_batches[-1][0]
-        if action != "apply" or not self._apply_step(optimizer, grad_norm, step_loss, last_idx):
-            self.progress.skipped_steps += 1
-        self.module.optimizer_zero_grad(self.current_epoch, last_idx, self.loop_optimizers[0])
-        step_schedulers(self, "step")
-        self.progress.global_step += 1
+        if self.anomalies is None:
+            return "apply"
+        action = self.anomalies.check(step_loss, micro_batches, position, rng)
+        return StepOutcome.ROLLED_BACK if action == "rollback" else action
+
+    def _log_step(self, step_loss: torch.Tensor, grad_norm: Any, micro_batches) -> None:
         final = self._done()
         if self.metrics.logs_at(self.global_step, final):
             self.nonfinite.settle()  # a logged step counts only applied steps
-
-        rt.mark_phase(None, "logging")
-        lr = optimizer.param_groups[0]["lr"]
+        self.runtime.mark_phase(None, "logging")
+        samples = sum(batch_size_of(batch) for _, batch in micro_batches)
+        tokens = sum(tokens_in_batch(batch) or 0 for _, batch in micro_batches)
+        lr = self.optimizers[0].param_groups[0]["lr"]
         result = StepResult(
             self.global_step, self.current_epoch, step_loss, lr, grad_norm, samples, tokens, self.progress.skipped_steps
         )
         self.metrics.step_done(result, final=final, max_steps=self.loop.max_steps)
-        return output
-
-    def _apply_step(self, optimizer, grad_norm: Any, step_loss: torch.Tensor, batch_idx: int) -> bool:
-        """Step the optimizer unless the step must be skipped; returns whether it was applied.
-        - fp16's GradScaler skips an overflowed step itself and lowers its scale (that is how it finds its
-          scale; the overflow flag is agreed across ranks): a non-finite norm there is not an error;
-        - an engine that checks (DeepSpeed ZeRO) skips inside its step: the check after it stops or reports;
-        - an optimizer that skips on the device when handed ``found_inf`` (torch's fused ones) is handed it: no host
-          sync, and the host reads the flag a step later (``training/nonfinite.DeviceCheck``); it returns True;
-        - otherwise the loop checks first. The norm is global (every rank computed the same one), so every
-          rank decides alike with no collective of its own (on_nonfinite="ignore" skips the host sync)."""
-        rt = self.runtime
-        scaler = rt.precision.scaler
-        engine_checks = rt.strategy.traits.engine_skips_nonfinite
-        guard = contextlib.nullcontext()
-        if scaler is None and not engine_checks:
-            if self.nonfinite.applies(optimizer, grad_norm):  # skipped on the device; the host reads it next step
-                guard = self.nonfinite.guarding(optimizer, grad_norm, step_loss, self.global_step + 1)
-            elif not self._finite(grad_norm, step_loss):
-                return False
-        scale = scaler.get_scale() if scaler is not None else None
-        call_hook(self, "on_before_optimizer_step", optimizer)
-        closure = lambda: step_loss  # noqa: E731  (Lightning's closure: here forward and backward have run)
-        with guard:
-            self.module.optimizer_step(self.current_epoch, batch_idx, self.loop_optimizers[0], closure)
-        if scaler is not None:
-            return scaler.get_scale() >= scale
-        return not engine_checks or self._finite(grad_norm, step_loss)
-
-    def _gradient_norm(self, optimizer) -> Any:
-        """The global gradient norm: clipped to ``gradient_clip_val`` when set; else measured only to
-        check it is finite."""
-        rt, clip, algorithm = self.runtime, self.loop.gradient_clip_val, self.loop.gradient_clip_algorithm
-        if overrides(self.module, "configure_gradient_clipping"):  # the module clips; the loop measures after
-            self.module.configure_gradient_clipping(optimizer, clip, algorithm)
-        elif clip:  # by norm, or each element by value
-            by = rt.strategy.clip_gradient_values if algorithm == "value" else rt.strategy.clip_gradients
-            return by(self.model, optimizer, clip)
-        if self.loop.on_nonfinite == "ignore" or rt.precision.scaler is not None:
-            return None  # fp16's GradScaler skips overflowed steps itself: that is how it finds its scale
-        return rt.strategy.gradient_norm(self.model, optimizer)
-
-    def _finite(self, grad_norm: Any, step_loss: torch.Tensor) -> bool:
-        """False when the step must be skipped (``training/nonfinite.py``)."""
-        policy, step = self.loop.on_nonfinite, self.global_step + 1
-        return step_is_finite(policy, grad_norm, step_loss, step, self.runtime, self.checkpoints)
 
     def _after_step(self, output: Any, last_micro_batch: tuple[int, Any], val_loader) -> None:
         rt = self.runtime
