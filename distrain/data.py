@@ -159,7 +159,21 @@ def with_distributed_sampler(
         batching = dict(batch_sampler=rebuilt)
     else:
         batching = dict(batch_size=batch_size or loader.batch_size, sampler=sampler, drop_last=drop_last)
-    distributed = DataLoader(
+    # A private generator: creating the iterator must not draw from the global RNG, or a resumed run's dropout
+    # stream would be shifted by one draw. It also seeds the workers (``seed_workers``): per rank and epoch. With
+    # ``torch_draws``, torch's generator as the loader had it.
+    distributed = _rebatched(loader, loader.generator if torch_draws else torch.Generator(), **batching)
+    if torch_draws:
+        return distributed
+    distributed.distrain_worker_seed = (seed, rank)
+    seed_workers(distributed, epoch=0)
+    return distributed
+
+
+def _rebatched(loader: DataLoader, generator: torch.Generator | None, **batching: Any) -> DataLoader:
+    """A DataLoader as ``loader`` but for how it batches (``batching``: a sampler and batch size, or a batch
+    sampler) and its ``generator``."""
+    return DataLoader(
         loader.dataset,
         **batching,
         num_workers=loader.num_workers,
@@ -168,18 +182,47 @@ def with_distributed_sampler(
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context,
-        # A private generator: creating the iterator must not draw from the global RNG, or a
-        # resumed run's dropout stream would be shifted by one draw. It also seeds the workers
-        # (``seed_workers``): per rank and epoch. With ``torch_draws``, torch's generator as the loader had it.
-        generator=loader.generator if torch_draws else torch.Generator(),
+        generator=generator,
         prefetch_factor=loader.prefetch_factor,
         persistent_workers=loader.persistent_workers,
     )
-    if torch_draws:
-        return distributed
-    distributed.distrain_worker_seed = (seed, rank)
-    seed_workers(distributed, epoch=0)
-    return distributed
+
+
+class SeenBatches:
+    """A batch sampler whose batches are kept as they are drawn (``seen``): the samples each batch of a loader holds,
+    which Lightning's prediction writers are given. Drawn in the loading process, with workers too, which draw ahead:
+    batch ``i``'s samples are ``seen[i]``. Its ``sampler``, ``batch_size`` and ``drop_last`` are the wrapped one's."""
+
+    def __init__(self, batch_sampler: Any):
+        self.batch_sampler = batch_sampler
+        self.seen: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.seen = []
+        for batch in self.batch_sampler:
+            self.seen.append(list(batch))
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "batch_sampler":  # not yet set (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.batch_sampler, name)
+
+
+def with_seen_batches(loader: Any) -> tuple[Any, SeenBatches | None]:
+    """``loader`` re-built to keep the samples of each batch it draws, and what keeps them; ``(loader, None)`` where
+    its batches are not drawn by a batch sampler of a plain DataLoader (an iterable dataset, a DataLoader
+    subclass, batching of its own)."""
+    if type(loader) is not DataLoader or loader.batch_sampler is None:
+        return loader, None
+    seen = SeenBatches(loader.batch_sampler)
+    rebuilt = _rebatched(loader, loader.generator, batch_sampler=seen)
+    if hasattr(loader, "distrain_worker_seed"):  # its workers seeded as before (the generator is the same)
+        rebuilt.distrain_worker_seed = loader.distrain_worker_seed
+    return rebuilt, seen
 
 
 def _rebuilt(
@@ -228,10 +271,11 @@ def seed_workers(loader: DataLoader, epoch: int) -> None:
 
 def move_to_device(batch: Any, device: torch.device, floating: torch.dtype | None = None) -> Any:
     """``batch``'s tensors (in any nesting of dicts, lists, tuples and namedtuples) on ``device``; ``floating``: its
-    floating-point tensors also in that dtype (a "true" precision's, as Lightning converts a batch)."""
+    floating-point tensors also in that dtype (a "true" precision's, as Lightning converts a batch). A copy to the
+    CPU completes before it returns (one that did not could be read before the device wrote it)."""
     if isinstance(batch, torch.Tensor):
         dtype = floating if floating is not None and batch.is_floating_point() else None
-        return batch.to(device, dtype, non_blocking=True)
+        return batch.to(device, dtype, non_blocking=torch.device(device).type != "cpu")
     if isinstance(batch, dict):
         return type(batch)({k: move_to_device(v, device, floating) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple

@@ -11,6 +11,7 @@ metrics and stop-signal agreement are components it holds (``distrain/training/`
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -262,10 +263,16 @@ class Trainer(TrainerViews):
         return_predictions: bool | None = None,
         ckpt_path=None,
     ) -> list | None:
-        """Returns this rank's predictions, in its sampler order (rank 0's for spawn/fork); None with
-        ``return_predictions=False``."""
-        predictions = self._launch(*stage_call(self, "predict", model, dataloaders, ckpt_path, datamodule))
+        """Returns this rank's predictions, in its sampler order (rank 0's for spawn/fork), on the CPU; None with
+        ``return_predictions=False``, which keeps none (a ``BasePredictionWriter`` writes them)."""
+        run, *call = stage_call(self, "predict", model, dataloaders, ckpt_path, datamodule)
+        predictions = self._launch(functools.partial(run, keep=return_predictions is not False), *call)
         return None if return_predictions is False else predictions
+
+    @property
+    def predict_loop(self):
+        """Lightning's ``trainer.predict_loop``: the samples of the batches ``predict`` runs, and what it kept."""
+        return self.evaluator.predict_loop
 
     def _launch(self, fn, module: Module, *args):
         strategy = self.runtime.strategy  # as planned: strategy="auto" has chosen by now

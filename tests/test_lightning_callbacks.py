@@ -173,3 +173,52 @@ def test_with_validation_every_other_epoch_early_stopping_checks_after_validatio
     trainer.fit(Plateau(), _loader(), _loader())
     # validations after epochs 1, 3, 5: the first sets the best, the next two do not improve on it
     assert (trainer.current_epoch, stopping.stopped_epoch, stopping.wait_count) == (6, 5, 2)
+
+
+class _Echo(L.LightningModule):
+    """Predicts the sample's own index (the dataset is its indices), so each prediction shows which sample it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(1, 1)
+
+    def predict_step(self, batch, batch_idx):
+        return batch[0] * 1
+
+
+def test_a_prediction_writer_gets_each_batchs_samples_with_workers_drawing_ahead_and_keeps_nothing_else(tmp_path):
+    """Two workers draw batches ahead of the loop, from a shuffled order: each batch still comes with its own samples'
+    indices. With ``return_predictions=False`` and a writer of batches only, nothing is kept; a writer at the epoch's
+    end gets every batch's predictions and indices (a list per loader), whatever ``return_predictions`` says."""
+    from distrain.callbacks import BasePredictionWriter
+
+    class Writer(BasePredictionWriter):
+        def __init__(self, interval):
+            super().__init__(interval)
+            self.batches, self.epoch = [], None
+
+        def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+            self.batches.append((batch_idx, dataloader_idx, list(batch_indices), prediction.tolist()))
+
+        def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+            self.epoch = ([p.tolist() for p in predictions], batch_indices)
+
+    data = TensorDataset(torch.arange(10.0))
+    loader = DataLoader(data, batch_size=3, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(5))
+    batches, epoch = Writer("batch"), Writer("epoch")
+    trainer, _ = make_trainer(tmp_path, devices=1, callbacks=[batches, epoch], logger=False)
+    assert trainer.predict(_Echo(), loader, return_predictions=False) is None
+    assert [b[:2] for b in batches.batches] == [(0, 0), (1, 0), (2, 0), (3, 0)] and batches.epoch is None
+    for _, _, indices, prediction in batches.batches:
+        assert prediction == [float(i) for i in indices]  # the indices are this batch's samples
+    assert sorted(i for b in batches.batches for i in b[2]) == list(range(10))
+    assert sorted(i for b in batches.batches for i in b[2]) != [i for b in batches.batches for i in b[2]]  # shuffled
+    predictions, indices = epoch.epoch
+    assert indices == [[b[2] for b in batches.batches]] and predictions == [b[3] for b in batches.batches]
+    assert trainer.predict_loop.epoch_batch_indices == []  # cleared once written, as Lightning's loop does
+    only_batches = Writer("batch")
+    trainer, _ = make_trainer(tmp_path, devices=1, callbacks=[only_batches], logger=False)
+    assert trainer.predict(_Echo(), DataLoader(data, batch_size=4), return_predictions=False) is None
+    assert trainer.predict_loop.predictions == [] and len(only_batches.batches) == 3  # nothing kept
+    with pytest.raises(ValueError, match=r"`write_interval` should be one of \['batch', 'epoch', 'batch_and_epoch'\]"):
+        Writer("step")

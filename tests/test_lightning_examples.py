@@ -1,6 +1,7 @@
 """Lightning's own example scripts (``tests/lightning_examples/``, verbatim) run under distrain with only their imports
 switched (``distrain.lightning.migrate``), and every backward pass's loss equals the stored Lightning run's, on 1
-process and on 2 DDP ranks (the layout in Lightning's own ``PL_TRAINER_*`` variables: the scripts set none)."""
+process and on 2 DDP ranks (the layout in Lightning's own ``PL_TRAINER_*`` variables: the scripts set none), and so
+do the files a script writes under ``predictions/``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from lightning_examples.make_reference import EXAMPLES as SCRIPTS
-from lightning_examples.make_reference import example_env
+from lightning_examples.make_reference import example_env, outputs
 
 from distrain.lightning import migrate
 
@@ -39,3 +40,17 @@ def test_a_lightning_example_runs_with_its_imports_switched_and_logs_lightnings_
         want = expected[str(rank)]
         assert len(got) == len(want) and got, (rank, got, want)
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (rank, got, want)
+    # the files it wrote (its predictions, and the samples each holds): Lightning's, by name, sample for sample
+    written, expected = outputs(tmp_path), reference.get("outputs", {}).get(str(devices), {})
+    assert written.keys() == expected.keys(), (sorted(written), sorted(expected))
+    for name, want in expected.items():
+        assert _same_numbers(written[name], want), (name, written[name], want)
+
+
+def _same_numbers(got, want) -> bool:
+    """The same nesting of lists, the same integers (sample indices) and floats within the losses' tolerance."""
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(map(_same_numbers, got, want))
+    if isinstance(want, float):
+        return isinstance(got, float) and got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    return type(got) is type(want) and got == want

@@ -3,7 +3,17 @@ from distrain.callbacks.checkpoint import ModelCheckpoint
 from distrain.callbacks.early_stopping import EarlyStopping
 from distrain.callbacks.lr_monitor import LearningRateMonitor
 from distrain.callbacks.plot import PlotSummary
+from distrain.callbacks.prediction_writer import BasePredictionWriter
 from distrain.callbacks.progress import ProgressBar
 from distrain.callbacks.timer import Timer
 
-__all__ = ["Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "PlotSummary", "ProgressBar", "Timer"]
+__all__ = [
+    "BasePredictionWriter",
+    "Callback",
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "ModelCheckpoint",
+    "PlotSummary",
+    "ProgressBar",
+    "Timer",
+]

@@ -2,7 +2,7 @@
 
 import math
 
-from distrain.callbacks import Callback, EarlyStopping, LearningRateMonitor, ProgressBar, Timer
+from distrain.callbacks import BasePredictionWriter, Callback, EarlyStopping, LearningRateMonitor, ProgressBar, Timer
 from distrain.callbacks import ModelCheckpoint as _ModelCheckpoint
 from distrain.lightning._refuse import refusing
 
@@ -164,6 +164,7 @@ def _human(n: int) -> str:
 
 
 __all__ = [
+    "BasePredictionWriter",
     "Callback",
     "EarlyStopping",
     "GradientAccumulationScheduler",

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from distrain.data import batch_size_of
+from distrain.data import batch_size_of, move_to_device, with_seen_batches
 from distrain.module import run_step
 from distrain.training.metrics import MetricsLogger
 
@@ -23,11 +24,24 @@ DEFAULT_LOSS_NAMES = {"validation_step": "val_loss", "test_step": "test_loss"}
 HOOK_PREFIXES = {"validation_step": "validation", "test_step": "test", "predict_step": "predict"}
 
 
+@dataclass
+class PredictLoop:
+    """What Lightning's ``trainer.predict_loop`` tells its prediction writers while ``predict`` runs: the samples
+    (dataset indices) of the batch under way, ``current_batch_indices``; of each batch so far,
+    ``epoch_batch_indices`` (a list per loader, as Lightning lays it out); and the ``predictions`` kept, on the CPU.
+    Indices are known where a plain DataLoader's batch sampler draws the batches, else empty (Lightning's too)."""
+
+    current_batch_indices: list[int] = field(default_factory=list)
+    epoch_batch_indices: list[list[list[int]]] = field(default_factory=list)
+    predictions: list = field(default_factory=list)
+
+
 class Evaluator:
     def __init__(self, runtime, metrics: MetricsLogger, call_callbacks: Callable[..., None]):
         self.runtime = runtime
         self.metrics = metrics
         self.call_callbacks = call_callbacks  # (hook name, *args): each callback's hook, with the trainer and module
+        self.predict_loop = PredictLoop()
 
     def _hook(self, module, step_name: str, when: str, *args: Any) -> None:
         """Lightning's ``on_<stage>_<when>``: the callbacks', then the module's, where it has one."""
@@ -77,25 +91,32 @@ class Evaluator:
         module.train(was_training)
         return metrics
 
-    def predict(self, module, model, loader, limit: int | None = None) -> list:
-        """This rank's predictions, in its sampler order (of its first ``limit`` batches)."""
+    def predict(self, module, model, loader, limit: int | None = None, keep: bool = True) -> list:
+        """This rank's predictions, in its sampler order (of its first ``limit`` batches), moved to the CPU as each
+        is made; none kept (an empty list) unless ``keep``. ``predict_loop`` follows the batches' samples."""
         module.eval()
         step, collective = self._step_function(module, model, "predict_step")
-        predictions = []
+        record = self.predict_loop = PredictLoop(epoch_batch_indices=[[]])
+        loader, seen = with_seen_batches(loader)
         self._hook(module, "predict_step", "start")
         self._hook(module, "predict_step", "epoch_start")
         with torch.no_grad(), self.runtime.autocast():
             for batch_idx, batch, padding in self._lockstep(loader, limit, collective):
                 batch = self.runtime.to_device(batch)
                 if not padding:
+                    if seen is not None:
+                        record.current_batch_indices = seen.seen[batch_idx]
+                        record.epoch_batch_indices[0].append(record.current_batch_indices)
                     self._hook(module, "predict_step", "batch_start", batch, batch_idx)
                 output = step(batch, batch_idx)
                 if not padding:
-                    predictions.append(output)
                     self._hook(module, "predict_step", "batch_end", output, batch, batch_idx)
+                    if keep:
+                        record.predictions.append(move_to_device(output, torch.device("cpu")))
         self._hook(module, "predict_step", "epoch_end")
+        record.epoch_batch_indices = []  # as Lightning's loop leaves them once the epoch's writers have run
         self._hook(module, "predict_step", "end")
-        return predictions
+        return record.predictions
 
     def _step_function(self, module, model, step_name: str):
         """Through the strategy's wrapper where forwards communicate (every rank must run them),

@@ -82,12 +82,18 @@ def evaluate(trainer, module, step_name: str, data: tuple, ckpt_path) -> list[di
     return [metrics]
 
 
-def predict(trainer, module, data: tuple, ckpt_path) -> list:
+def predict(trainer, module, data: tuple, ckpt_path, keep: bool = True) -> list:
+    """This rank's predictions; kept (``keep``: ``return_predictions``) or for a writer that writes them all at the
+    epoch's end, else none (an empty list)."""
+    from distrain.callbacks.prediction_writer import BasePredictionWriter
+
     loader = begin(trainer, "predict", module, data, ckpt_path)
+    writers = [cb for cb in trainer.callbacks if isinstance(cb, BasePredictionWriter)]
+    keep = keep or any(writer.interval.on_epoch for writer in writers)
     try:
         with trainer.runtime.diagnosing_hangs():
             limit = limited(length(loader), trainer.loop.limit_predict_batches, "limit_predict_batches")
-            predictions = trainer.evaluator.predict(module, trainer.model, loader, limit)
+            predictions = trainer.evaluator.predict(module, trainer.model, loader, limit, keep)
     finally:
         teardown(trainer, "predict", module, data[1])
     return predictions

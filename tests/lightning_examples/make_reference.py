@@ -18,7 +18,10 @@ EXAMPLES = [
     "written/unseeded_datamodule.py",
     "written/double_precision.py",
     "written/named_ddp.py",
+    "written/prediction_writer.py",
 ]
+#: where a script writes files that are compared too (``torch.save``'d tensors and lists, read back as numbers)
+OUTPUTS = "predictions"
 
 
 def example_env(script: Path, out: str, devices: int) -> dict:
@@ -30,18 +33,43 @@ def example_env(script: Path, out: str, devices: int) -> dict:
     return env
 
 
-def losses(script: Path, devices: int) -> dict:
+def outputs(folder: Path) -> dict:
+    """The files a script wrote under ``folder/OUTPUTS``, by their path there: what each holds, as numbers (its
+    tensors as nested lists)."""
+    import torch
+
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    root = folder / OUTPUTS
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
+    return {str(p.relative_to(root)): plain(torch.load(p, weights_only=True)) for p in files}
+
+
+def run(script: Path, devices: int) -> tuple[dict, dict]:
+    """The losses of each rank's backward passes, and the files it wrote (``outputs``)."""
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
             [sys.executable, str(HERE / "run_example.py")], cwd=tmp, env=example_env(script, tmp, devices), check=True
         )
-        return {rank: json.loads((Path(tmp) / f"losses_rank{rank}.json").read_text()) for rank in range(devices)}
+        ranks = {rank: json.loads((Path(tmp) / f"losses_rank{rank}.json").read_text()) for rank in range(devices)}
+        return ranks, outputs(Path(tmp))
 
 
 if __name__ == "__main__":
     import lightning
 
-    for name in EXAMPLES:
-        runs = {str(devices): losses(HERE / name, devices) for devices in (1, 2)}
-        record = {"lightning": lightning.__version__, "torch": __import__("torch").__version__, "losses": runs}
+    for name in sys.argv[1:] or EXAMPLES:  # the scripts named, else every one
+        runs = {str(devices): run(HERE / name, devices) for devices in (1, 2)}
+        record = {
+            "lightning": lightning.__version__,
+            "torch": __import__("torch").__version__,
+            "losses": {devices: losses for devices, (losses, _) in runs.items()},
+        }
+        if any(files for _, files in runs.values()):
+            record["outputs"] = {devices: files for devices, (_, files) in runs.items()}
         (HERE / "reference" / Path(name).with_suffix(".json").name).write_text(json.dumps(record, indent=1) + "\n")
