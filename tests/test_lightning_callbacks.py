@@ -222,3 +222,45 @@ def test_a_prediction_writer_gets_each_batchs_samples_with_workers_drawing_ahead
     assert trainer.predict_loop.predictions == [] and len(only_batches.batches) == 3  # nothing kept
     with pytest.raises(ValueError, match=r"`write_interval` should be one of \['batch', 'epoch', 'batch_and_epoch'\]"):
         Writer("step")
+
+
+class _Averaged(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_weight_averaging_resumes_to_the_uninterrupted_average_and_is_refused_where_ranks_hold_parts(tmp_path):
+    """A run resumed from a checkpoint mid-way ends with the uninterrupted run's averaged weights and buffers, to the
+    bit (the average and when it last updated are in the checkpoint). Under a strategy whose ranks hold part of the
+    model the average (a whole copy) is refused in one line naming the strategy."""
+    from distrain.callbacks import EMAWeightAveraging, ModelCheckpoint
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(24, 3, generator=g), torch.randn(24, 1, generator=g))
+
+    def fit(root, steps, ckpt_path=None):
+        torch.manual_seed(0)
+        module = _Averaged()
+        every = ModelCheckpoint(dirpath=str(root / "ckpt"), every_n_train_steps=3, save_top_k=-1)
+        averaging = EMAWeightAveraging(decay=0.8, update_starting_at_step=1)
+        trainer, _ = make_trainer(root, devices=1, max_steps=steps, callbacks=[averaging, every], logger=False)
+        trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
+        return {k: v.clone() for k, v in module.state_dict().items()}, averaging
+
+    whole, averaging = fit(tmp_path / "whole", 8)
+    assert averaging._latest_update_step == 8
+    resumed, _ = fit(tmp_path / "resumed", 8, ckpt_path=str(tmp_path / "whole" / "ckpt" / "epoch=0-step=3"))
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+    stopped, _ = fit(tmp_path / "stopped", 3)
+    assert not torch.equal(stopped["net.0.weight"], whole["net.0.weight"])  # the resume had something to do
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="fsdp", callbacks=[EMAWeightAveraging()], logger=False)
+    with pytest.raises(ValueError, match=r"^EMAWeightAveraging keeps a whole copy of the model .* under FSDPStrategy"):
+        trainer.fit(_Averaged(), DataLoader(data, batch_size=4))

@@ -6,14 +6,17 @@ from distrain.callbacks.plot import PlotSummary
 from distrain.callbacks.prediction_writer import BasePredictionWriter
 from distrain.callbacks.progress import ProgressBar
 from distrain.callbacks.timer import Timer
+from distrain.callbacks.weight_averaging import EMAWeightAveraging, WeightAveraging
 
 __all__ = [
     "BasePredictionWriter",
     "Callback",
+    "EMAWeightAveraging",
     "EarlyStopping",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "PlotSummary",
     "ProgressBar",
     "Timer",
+    "WeightAveraging",
 ]

@@ -365,8 +365,11 @@ def read_model_weights(path: str | os.PathLike, key: str = "model") -> dict[str,
         return _deepspeed_fp32_weights(path)
     if not is_sharded_checkpoint(path):
         state = ckpt_io.read_state_file(path)
-        if key == "model" and key not in state and isinstance(state.get("state_dict"), dict):
-            return state["state_dict"]  # a file in Lightning's layout (convert_zero_checkpoint_to_fp32_state_dict's)
+        lightnings = isinstance(state.get("state_dict"), dict)
+        if key == "model" and lightnings and (key not in state or "current_model_state" in state):
+            # a file in Lightning's layout (convert_zero_checkpoint_to_fp32_state_dict's), or one whose state_dict a
+            # weight-averaging callback made the average: the weights Lightning's load_from_checkpoint loads
+            return state["state_dict"]
         if key not in state:
             raise KeyError(f"{path} holds no {key!r} weights (its entries: {', '.join(sorted(map(str, state)))})")
         return state[key]

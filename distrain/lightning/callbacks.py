@@ -2,7 +2,16 @@
 
 import math
 
-from distrain.callbacks import BasePredictionWriter, Callback, EarlyStopping, LearningRateMonitor, ProgressBar, Timer
+from distrain.callbacks import (
+    BasePredictionWriter,
+    Callback,
+    EarlyStopping,
+    EMAWeightAveraging,
+    LearningRateMonitor,
+    ProgressBar,
+    Timer,
+    WeightAveraging,
+)
 from distrain.callbacks import ModelCheckpoint as _ModelCheckpoint
 from distrain.lightning._refuse import refusing
 
@@ -166,6 +175,7 @@ def _human(n: int) -> str:
 __all__ = [
     "BasePredictionWriter",
     "Callback",
+    "EMAWeightAveraging",
     "EarlyStopping",
     "GradientAccumulationScheduler",
     "LearningRateMonitor",
@@ -176,6 +186,7 @@ __all__ = [
     "RichProgressBarTheme",
     "TQDMProgressBar",
     "Timer",
+    "WeightAveraging",
 ]
 
 

@@ -83,6 +83,10 @@ class Traits:
     counts_metrics: bool = True
     """This rank's logged values count in cross-rank reductions; a rank holding a copy of another's samples (a
     tensor-parallel peer, a pipeline's earlier stage) does not, so a sample counts once."""
+    forward_syncs_buffers: bool = False
+    """The wrapper's forward sets every rank's buffers to rank 0's (DDP's ``broadcast_buffers``): evaluation runs
+    through it too, every rank running as many forwards, so each rank evaluates with rank 0's buffers (BatchNorm's
+    running statistics), as Lightning's DDP does."""
     replicated_state: bool = False
     """Every rank holds the whole training state, the same (DDP without split experts): one rank alone can write a
     checkpoint of it (``trainer.save_checkpoint`` called under ``if trainer.is_global_zero:``)."""

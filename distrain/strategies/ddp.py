@@ -34,7 +34,10 @@ class DDPStrategy(Strategy):
 
     @functools.cached_property  # asked in every step's logging: made once
     def traits(self) -> Traits:
-        return Traits(replicated_state=self.expert_parallel_size == 1)
+        return Traits(
+            replicated_state=self.expert_parallel_size == 1,
+            forward_syncs_buffers=self.ddp_kwargs.get("broadcast_buffers", True),
+        )
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """One process, one device: no process group, no wrapping."""
 
-from distrain.strategies.base import Strategy
+from distrain.strategies.base import Strategy, Traits
 from distrain.strategies.registry import register
 
 
@@ -9,6 +9,10 @@ class SingleDeviceStrategy(Strategy):
 
     start_method = None
     planned_as = ("single", {})
+
+    @property
+    def traits(self) -> Traits:
+        return Traits(replicated_state=True)  # the one process holds the whole state
 
 
 register("single", SingleDeviceStrategy, "one process on one device", cost_model="distrain.planner.models.replicated")

@@ -119,9 +119,10 @@ class Evaluator:
         return record.predictions
 
     def _step_function(self, module, model, step_name: str):
-        """Through the strategy's wrapper where forwards communicate (every rank must run them),
-        else the module's own step."""
-        if self.runtime.strategy.traits.collective_forward and model is not None:
+        """Through the strategy's wrapper where forwards communicate (every rank must run them: sharded parameters,
+        DDP's buffers), else the module's own step."""
+        traits = self.runtime.strategy.traits
+        if (traits.collective_forward or traits.forward_syncs_buffers) and model is not None:
             return (lambda batch, i: model(step_name, batch, i)), True
         return (lambda batch, i: run_step(module, step_name, batch, i)), False
 

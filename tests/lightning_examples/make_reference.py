@@ -19,6 +19,7 @@ EXAMPLES = [
     "written/double_precision.py",
     "written/named_ddp.py",
     "written/prediction_writer.py",
+    "written/weight_averaging.py",
 ]
 #: where a script writes files that are compared too (``torch.save``'d tensors and lists, read back as numbers)
 OUTPUTS = "predictions"
@@ -29,6 +30,9 @@ def example_env(script: Path, out: str, devices: int) -> dict:
     # Lightning's own variables only as set here: one left by the caller (PL_GLOBAL_SEED) would change the numbers
     env = {k: v for k, v in os.environ.items() if not k.startswith("PL_")}
     env.update(EXAMPLE_SCRIPT=str(script), EXAMPLE_OUT=out, PL_TRAINER_ACCELERATOR="cpu")
+    # one thread a process, under both frameworks: a sum over two threads rounds otherwise, and over a few epochs of
+    # momentum that reaches the comparison's tolerance
+    env["OMP_NUM_THREADS"] = "1"
     env.update(PL_TRAINER_DEVICES=str(devices), PL_TRAINER_STRATEGY="ddp" if devices > 1 else "auto")
     return env
 
