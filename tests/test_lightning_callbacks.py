@@ -264,3 +264,56 @@ def test_weight_averaging_resumes_to_the_uninterrupted_average_and_is_refused_wh
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="fsdp", callbacks=[EMAWeightAveraging()], logger=False)
     with pytest.raises(ValueError, match=r"^EMAWeightAveraging keeps a whole copy of the model .* under FSDPStrategy"):
         trainer.fit(_Averaged(), DataLoader(data, batch_size=4))
+
+
+class _SWAModule(L.LightningModule):
+    def __init__(self, batch_norm: bool = False):
+        super().__init__()
+        middle = nn.BatchNorm1d(4) if batch_norm else nn.ReLU()
+        self.net = nn.Sequential(nn.Linear(3, 4), middle, nn.Linear(4, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+
+def test_stochastic_weight_averaging_resumed_inside_its_epochs_ends_on_the_uninterrupted_weights(tmp_path):
+    """Resumed from the checkpoint of an epoch inside the averaging (its SWALR schedule in place of the module's, the
+    average half made), the run ends on the uninterrupted run's weights to the bit. A model with BatchNorm is refused
+    in one line saying what to use."""
+    from distrain.callbacks import ModelCheckpoint, StochasticWeightAveraging
+
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(16, 3, generator=g), torch.randn(16, 1, generator=g))
+
+    class Epochs(L.Callback):
+        def __init__(self):
+            self.started, self.ended = [], []
+
+        def on_train_epoch_start(self, trainer, module):
+            self.started.append(trainer.current_epoch)
+
+        def on_train_epoch_end(self, trainer, module):
+            self.ended.append(trainer.current_epoch)
+
+    def fit(root, ckpt_path=None, module=None):
+        torch.manual_seed(0)
+        module, epochs = module or _SWAModule(), Epochs()
+        swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=3)
+        every = ModelCheckpoint(dirpath=str(root / "ckpt"), save_top_k=-1)
+        trainer, _ = make_trainer(root, devices=1, max_epochs=5, callbacks=[swa, every, epochs], logger=False)
+        trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
+        return {k: v.clone() for k, v in module.state_dict().items()}, trainer, epochs
+
+    whole, trainer, _ = fit(tmp_path / "whole")
+    assert type(trainer.lr_schedulers[0]["scheduler"]).__name__ == "SWALR"
+    resumed, _, epochs = fit(tmp_path / "resumed", ckpt_path=str(tmp_path / "whole" / "ckpt" / "epoch=2-step=12"))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    # the epochs left, each started and ended once: none for the epoch the checkpoint ended (Lightning's hooks)
+    assert (epochs.started, epochs.ended) == ([3, 4], [3, 4])
+    with pytest.raises(ValueError, match=r"^StochasticWeightAveraging: _SWAModule has a BatchNorm1d, .* EMAWeight"):
+        fit(tmp_path / "bn", module=_SWAModule(batch_norm=True))

@@ -119,8 +119,8 @@ def test_lightnings_names_are_at_lightnings_paths(path, names):
 
 
 def test_a_lightning_name_distrain_lacks_is_refused_in_one_line_where_it_is_imported():
-    with pytest.raises(ImportError, match=r"callbacks\.StochasticWeightAveraging: distrain has no counterpart"):
-        from distrain.lightning.callbacks import StochasticWeightAveraging  # noqa: F401
+    with pytest.raises(ImportError, match=r"callbacks\.ModelPruning: distrain has no counterpart"):
+        from distrain.lightning.callbacks import ModelPruning  # noqa: F401
     with pytest.raises(ImportError, match=r"loggers\.NeptuneLogger"):
         from distrain.lightning.loggers import NeptuneLogger  # noqa: F401
 

@@ -6,7 +6,7 @@ from distrain.callbacks.plot import PlotSummary
 from distrain.callbacks.prediction_writer import BasePredictionWriter
 from distrain.callbacks.progress import ProgressBar
 from distrain.callbacks.timer import Timer
-from distrain.callbacks.weight_averaging import EMAWeightAveraging, WeightAveraging
+from distrain.callbacks.weight_averaging import EMAWeightAveraging, StochasticWeightAveraging, WeightAveraging
 
 __all__ = [
     "BasePredictionWriter",
@@ -17,6 +17,7 @@ __all__ = [
     "ModelCheckpoint",
     "PlotSummary",
     "ProgressBar",
+    "StochasticWeightAveraging",
     "Timer",
     "WeightAveraging",
 ]

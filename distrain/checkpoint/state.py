@@ -159,6 +159,7 @@ def load_into(
             for o, v in zip(opts, values):
                 if experts is not None:
                     v = {**v, "state": experts.local_state(v["state"])}
+                _take_group_keys(o, v)
                 if model is not None:
                     set_optimizer_state_dict(model, o, v, options=compat.optimizer_load_options(v, options))
                 else:
@@ -171,6 +172,19 @@ def load_into(
         else:
             state[key] = value
     return {k: v for k, v in loaded.items() if k not in state}
+
+
+def _take_group_keys(optimizer: torch.optim.Optimizer, saved: Any) -> None:
+    """A hyperparameter the saved parameter groups have and the live ones lack (one a scheduler added: SWALR's
+    ``swa_lr``, ``initial_lr``) is added to them before loading, as ``Optimizer.load_state_dict`` takes the saved
+    groups whole; torch's ``set_optimizer_state_dict`` asks every saved key of the live groups."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if isinstance(groups, list):
+        for live, group in zip(optimizer.param_groups, groups):
+            if isinstance(group, dict):
+                for key, value in group.items():
+                    if key != "params":
+                        live.setdefault(key, value)
 
 
 def is_sharded_checkpoint(path: Path) -> bool:

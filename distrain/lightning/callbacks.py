@@ -9,6 +9,7 @@ from distrain.callbacks import (
     EMAWeightAveraging,
     LearningRateMonitor,
     ProgressBar,
+    StochasticWeightAveraging,
     Timer,
     WeightAveraging,
 )
@@ -184,6 +185,7 @@ __all__ = [
     "ProgressBar",
     "RichProgressBar",
     "RichProgressBarTheme",
+    "StochasticWeightAveraging",
     "TQDMProgressBar",
     "Timer",
     "WeightAveraging",

@@ -25,8 +25,9 @@ def epoch_batches(
 ) -> Iterator[tuple[int, Any]]:
     """This epoch's ``(batch_idx, batch)`` pairs from where ``progress`` says, at most ``limit`` in the epoch.
     ``epoch_start`` (the ``on_train_epoch_start`` hooks) runs once the sampler knows the epoch and before the loader
-    is iterated, which may draw from torch's generator. ``drew_already``: a resumed epoch's iterator drew before the
-    checkpoint, so it draws nothing now (``distrain.lightning``'s streams go on as the script left them)."""
+    is iterated, which may draw from torch's generator; not for an epoch a resumed checkpoint ended. ``drew_already``:
+    a resumed epoch's iterator drew before the checkpoint, so it draws nothing now (``distrain.lightning``'s streams go
+    on as the script left them)."""
     sampler = distributed_sampler(loader)
     seed_workers(loader, epoch)
     resumed = progress.samples_in_epoch > 0
@@ -42,7 +43,8 @@ def epoch_batches(
             "sampler); resume from an epoch-end checkpoint, or let distrain shard the data"
         )
     per_step = (micro_batch_size(loader) or 1) * data_parallel_size
-    epoch_start()
+    if not progress.epoch_done:  # resumed from a checkpoint of the epoch's end: it started (and ended) before
+        epoch_start()
     start = progress.samples_in_epoch // per_step
     if resumed and drew_already:
         batches = enumerate(_iterated_without_drawing(loader), start=start)

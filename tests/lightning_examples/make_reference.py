@@ -20,6 +20,7 @@ EXAMPLES = [
     "written/named_ddp.py",
     "written/prediction_writer.py",
     "written/weight_averaging.py",
+    "written/stochastic_weight_averaging.py",
 ]
 #: where a script writes files that are compared too (``torch.save``'d tensors and lists, read back as numbers)
 OUTPUTS = "predictions"
