@@ -94,6 +94,8 @@ def set_up_stage(stage: str, trainer, module, datamodule, datamodule_state=None)
         if not isinstance(getattr(type(datamodule), "trainer", None), property):  # a distrain.Module has its own
             datamodule.trainer = trainer
         datamodule.setup(stage)
+    if getattr(trainer, "profiler", None) is not None:
+        trainer.profiler.setup(stage, trainer.local_rank, trainer.log_dir)
     for callback in trainer.callbacks:
         callback.setup(trainer, module, stage)
     module.setup(stage)

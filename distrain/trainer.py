@@ -34,6 +34,7 @@ from distrain.data import (
 from distrain.datamodule import is_datamodule, one_loader, optional_loader, set_up_stage, stage_loader
 from distrain.loggers import Logger
 from distrain.module import Module, as_module, check_hooks, loss_of, overrides
+from distrain.profilers import Profiler, profile
 from distrain.runtime import Runtime, isolated_rng, rng_state
 from distrain.strategies.base import Strategy
 from distrain.training import startup
@@ -88,7 +89,8 @@ class Trainer(TrainerViews):
     ranks; resumable mid-epoch), ``seed`` (every rank builds the same weights), ``compile``. ``inference_mode`` and
     ``enable_model_summary`` are accepted: evaluation runs under ``torch.no_grad`` either way, and no model summary
     is printed (Lightning's ``ModelSummary`` callback prints one); ``suggest_integrations`` too (no tips here).
-    ``overfit_batches``, ``sync_batchnorm`` (on GPUs) and ``enable_autolog_hparams`` do as in Lightning.
+    ``overfit_batches``, ``sync_batchnorm`` (on GPUs), ``enable_autolog_hparams`` and ``profiler`` (``"simple"``,
+    ``"advanced"`` or a ``distrain.profilers`` one: a report per stage) do as in Lightning.
 
     When something goes wrong: ``on_nonfinite`` (a NaN/inf loss or gradient norm: ``stop``, ``skip``,
     ``ignore``), ``on_anomaly`` (a loss spike or non-finite loss re-run to tell data from hardware, then ``stop``,
@@ -107,6 +109,7 @@ class Trainer(TrainerViews):
     callbacks: list[Callback]
     metrics: MetricsLogger  # Module.log, throughput, memory → loggers (rank 0)
     evaluator: Evaluator  # validate / test / predict, in lockstep where forwards communicate
+    profiler: Profiler | None  # where each stage's time goes, by action (Trainer(profiler=...))
     checkpoints: CheckpointManager  # what a checkpoint holds; save and restore
     stop: StopAgreement  # SIGTERM/SIGUSR1 → every rank stops at the same step
     loop_state: LoopState  # the loop's own bookkeeping between steps
@@ -177,6 +180,7 @@ class Trainer(TrainerViews):
         overfit_batches: int | float = 0,
         enable_autolog_hparams: bool = True,
         suggest_integrations: bool = True,
+        profiler: str | Profiler | None = None,
         **strategy_kwargs: Any,
     ):
         # each argument checked (one line for one at fault) and made what the loop reads (training/arguments.py),
@@ -376,7 +380,8 @@ class Trainer(TrainerViews):
             for micro_batches in optimizer_steps(batches, accumulate, self.runtime, loader, self.metrics.timer):
                 if self.runtime.strategy.start_step(self.global_step):
                     break  # this rank took over a peer's state (a replica group rejoining): read on from its position
-                output = self.train_step(micro_batches)
+                with profile(self, "run_training_batch"):
+                    output = self.train_step(micro_batches)
                 if self.loop_state.announce_start:
                     self.loop_state.announce_start = False
                     startup.mark("first step")
@@ -412,9 +417,10 @@ class Trainer(TrainerViews):
             return micro_batches
         position = self.progress.samples_in_epoch  # the step's first sample in the epoch's global order
         rng = rng_state() if self.anomalies is not None else None  # a re-run starts from the same RNG state
-        step_loss, output = rt.strategy.run_step(
-            self.model, micro_batches, before_each=self._before_each(micro_batches)
-        )
+        with profile(self, f"[Strategy]{type(rt.strategy).__name__}.training_step"):
+            step_loss, output = rt.strategy.run_step(
+                self.model, micro_batches, before_each=self._before_each(micro_batches)
+            )
         call_hook(self, "on_after_backward")
         self.progress.samples_in_epoch += sum(batch_size_of(b) for _, b in micro_batches) * self.data_parallel_size
         action = self._settle(step_loss, micro_batches, position, rng)

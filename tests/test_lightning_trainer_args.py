@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import time
 from datetime import timedelta
 
@@ -295,3 +296,39 @@ def test_on_a_cpu_lightnings_trainer_counts_one_device_as_lightning_does(monkeyp
     assert L.Trainer(accelerator="cpu").world_size == min(2, os.cpu_count() or 1)
     monkeypatch.setenv("PL_TRAINER_DEVICES", "2")
     assert Trainer(accelerator="cpu").world_size == 2
+
+
+def test_a_profiler_reports_each_stage_by_action_on_the_console_or_in_each_ranks_file(tmp_path, capsys):
+    """``profiler="simple"``: at the end of fit, Lightning's table with a row per action (the strategy's steps, each
+    batch, each hook), its calls counted; validate's report starts empty. With a ``filename`` the report goes to
+    ``dirpath/{stage}-{filename}-{rank}.txt`` instead; ``"advanced"`` gives cProfile's functions per action;
+    ``"pytorch"`` is refused in one line."""
+    from distrain.profilers import SimpleProfiler
+
+    trainer = _trainer(tmp_path, max_steps=3, profiler="simple", num_sanity_val_steps=0, limit_val_batches=2)
+    trainer.fit(Counted(), _loader(), _loader(8))
+    out = capsys.readouterr().out
+    assert "FIT Profiler Report" in out, out
+
+    def calls(report: str, action: str) -> int:
+        row = re.search(rf"^\|  {re.escape(action)}\s*\|\s*\S+\s*\|\s*(\d+)", report, re.M)
+        return int(row.group(1)) if row else 0
+
+    assert calls(out, "[Strategy]SingleDeviceStrategy.training_step") == calls(out, "run_training_batch") == 3
+    assert calls(out, "[Strategy]SingleDeviceStrategy.validation_step") == 2  # the end of fit's validation
+    assert calls(out, "[LightningModule]Counted.on_train_batch_end") == 3
+    trainer.validate(Counted(), _loader(8))
+    validate = capsys.readouterr().out.split("VALIDATE Profiler Report")[1]
+    assert calls(validate, "[Strategy]SingleDeviceStrategy.validation_step") == 2  # its own calls only
+    assert "training_step" not in validate
+
+    written = _trainer(tmp_path, max_steps=2, profiler=SimpleProfiler(dirpath=tmp_path / "p", filename="perf"))
+    written.fit(Counted(), _loader())
+    assert "Profiler Report" not in capsys.readouterr().out
+    assert calls((tmp_path / "p" / "fit-perf-0.txt").read_text(), "run_training_batch") == 2
+    advanced = _trainer(tmp_path, max_steps=1, profiler="advanced")
+    advanced.fit(Counted(), _loader())
+    out = capsys.readouterr().out
+    assert "Profile stats for: [Strategy]SingleDeviceStrategy.training_step" in out and "cumulative" in out, out
+    with pytest.raises(ValueError, match=r"^Trainer\(profiler='pytorch'\): distrain runs 'simple' and 'advanced'"):
+        _trainer(tmp_path, profiler="pytorch")

@@ -177,12 +177,13 @@ class StochasticWeightAveraging(Callback):
         lrs = swa_lrs if isinstance(swa_lrs, list) else [swa_lrs]
         if not isinstance(swa_lrs, (float, list)) or not all(isinstance(lr, float) and lr > 0 for lr in lrs):
             raise ValueError("The `swa_lrs` should a positive float, or a list of positive floats")
-        if annealing_strategy not in ("cos", "linear"):
-            raise ValueError(f"annealing_strategy should be 'cos' or 'linear', got {annealing_strategy!r}")
+        anneal = annealing_strategy  # SWALR's anneal_strategy: how the learning rate moves to swa_lrs
+        if anneal not in ("cos", "linear"):
+            raise ValueError(f"annealing_strategy should be 'cos' or 'linear', got {anneal!r}")
         if avg_fn is not None and not callable(avg_fn):
             raise ValueError("The `avg_fn` should be callable.")
         self._swa_epoch_start, self._swa_lrs = swa_epoch_start, swa_lrs
-        self._annealing_epochs, self._annealing_strategy = annealing_epochs, annealing_strategy
+        self._annealing_epochs, self._anneal = annealing_epochs, anneal
         self._avg_fn = avg_fn or self.avg_fn
         self._device = device
         self._average_model: torch.nn.Module | None = None
@@ -253,8 +254,8 @@ class StochasticWeightAveraging(Callback):
                 optimizer,
                 swa_lr=self._swa_lrs,
                 anneal_epochs=self._annealing_epochs,
-                anneal_strategy=self._annealing_strategy,
-                last_epoch=self._max_epochs if self._annealing_strategy == "cos" else -1,
+                anneal_strategy=self._anneal,
+                last_epoch=self._max_epochs if self._anneal == "cos" else -1,
             )
             if self._scheduler_state is not None:
                 self._swa_scheduler.load_state_dict(self._scheduler_state)

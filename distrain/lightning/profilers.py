@@ -1,9 +1,10 @@
-"""``lightning.pytorch.profilers``: refused where imported, in one line (``Trainer(profiler=...)`` is refused there
-too): distrain times its steps itself (``step_time`` in the metrics, the stragglers), and torch's profiler runs around
-``fit`` or in a callback."""
+"""``lightning.pytorch.profilers``: Lightning's ``SimpleProfiler`` and ``AdvancedProfiler`` (``distrain.profilers``);
+its ``PyTorchProfiler`` and ``XLAProfiler`` are refused where imported, in one line: torch's own profiler runs around
+``fit``."""
 
 from distrain.lightning._refuse import refusing
+from distrain.profilers import AdvancedProfiler, PassThroughProfiler, Profiler, SimpleProfiler
 
-__getattr__ = refusing(
-    __name__, "run torch.profiler around fit, or in a callback's on_train_batch_start/end (step times are logged)"
-)
+__all__ = ["AdvancedProfiler", "PassThroughProfiler", "Profiler", "SimpleProfiler"]
+
+__getattr__ = refusing(__name__, "run torch.profiler.profile around fit (step times are logged)")

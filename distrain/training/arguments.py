@@ -49,7 +49,6 @@ WRITES_OR_STOPS = (ModelCheckpoint, EarlyStopping, LearningRateMonitor, Timer)
 #: do instead of any other
 NOT_RUN: dict[str, tuple[Any, str]] = {
     "reload_dataloaders_every_n_epochs": (0, "the loaders are made once per stage; make an epoch-dependent dataset"),
-    "profiler": (None, "run torch.profiler around fit, or in a callback's on_train_batch_start/end"),
     "barebones": (False, "turn off what you do not want: logger=False, enable_checkpointing=False, ..."),
     "plugins": (None, "precision and cluster environments are arguments here: precision=, and the launcher"),
     "model_registry": (None, "upload the checkpoint or its export (`distrain convert`) yourself"),

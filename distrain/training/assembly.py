@@ -12,6 +12,7 @@ from typing import Any
 
 from distrain.checkpoint.remote import RemoteDir, is_url
 from distrain.cluster import replica_run_dir
+from distrain.profilers import profile, profiler_from
 from distrain.run_dir import DEFAULT as DEFAULT_ROOT_DIR
 from distrain.runtime import Runtime
 from distrain.training.anomalies import AnomalyGuard
@@ -106,7 +107,10 @@ def assemble(trainer, a: dict[str, Any]) -> None:
         straggler_threshold=a["straggler_threshold"],
     )
     trainer.metrics.autolog_hparams = bool(a["enable_autolog_hparams"])  # Lightning's: hyperparameters to loggers
-    trainer.evaluator = Evaluator(rt, trainer.metrics, functools.partial(call_callbacks, trainer))
+    trainer.profiler = profiler_from(a["profiler"])  # Lightning's: where each stage's time goes, by action
+    trainer.evaluator = Evaluator(
+        rt, trainer.metrics, functools.partial(call_callbacks, trainer), functools.partial(profile, trainer)
+    )
     trainer.checkpoints = CheckpointManager(trainer)
     trainer.checkpoints.async_save = a["async_save"]  # checkpoints written while training goes on
     trainer.stop = StopAgreement(rt, trainer.stop_signals)

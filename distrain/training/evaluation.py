@@ -8,6 +8,7 @@ from the dataset's first sample) with its results dropped, so each sample still 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -37,10 +38,17 @@ class PredictLoop:
 
 
 class Evaluator:
-    def __init__(self, runtime, metrics: MetricsLogger, call_callbacks: Callable[..., None]):
+    def __init__(
+        self,
+        runtime,
+        metrics: MetricsLogger,
+        call_callbacks: Callable[..., None],
+        profile: Callable[[str], Any] = lambda action: contextlib.nullcontext(),
+    ):
         self.runtime = runtime
         self.metrics = metrics
         self.call_callbacks = call_callbacks  # (hook name, *args): each callback's hook, with the trainer and module
+        self.profile = profile  # (action): a context that times it (the trainer's profiler)
         self.predict_loop = PredictLoop()
 
     def _hook(self, module, step_name: str, when: str, *args: Any) -> None:
@@ -122,9 +130,17 @@ class Evaluator:
         """Through the strategy's wrapper where forwards communicate (every rank must run them: sharded parameters,
         DDP's buffers), else the module's own step."""
         traits = self.runtime.strategy.traits
+        action = f"[Strategy]{type(self.runtime.strategy).__name__}.{step_name}"
         if (traits.collective_forward or traits.forward_syncs_buffers) and model is not None:
-            return (lambda batch, i: model(step_name, batch, i)), True
-        return (lambda batch, i: run_step(module, step_name, batch, i)), False
+            step, collective = (lambda batch, i: model(step_name, batch, i)), True
+        else:
+            step, collective = (lambda batch, i: run_step(module, step_name, batch, i)), False
+
+        def profiled(batch, i):
+            with self.profile(action):
+                return step(batch, i)
+
+        return profiled, collective
 
     def _lockstep(self, loader, limit: int | None, collective: bool) -> Iterator[tuple[int, Any, bool]]:
         """``(batch_idx, batch, padding)``: this rank's batches; where forwards communicate, followed by

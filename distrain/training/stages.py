@@ -140,11 +140,14 @@ def validate_during_fit(trainer, loader) -> None:
 
 def teardown(trainer, stage: str, module, datamodule) -> None:
     """Last in every stage, whether it finished or failed: the datamodule's, the callbacks' and the module's
-    ``teardown(stage)``, in Lightning's order, as each ``setup(stage)`` was called."""
+    ``teardown(stage)``, in Lightning's order, as each ``setup(stage)`` was called; then the profiler's report."""
     if datamodule is not None:
         datamodule.teardown(stage)
     call_callbacks(trainer, "teardown", stage)
     module.teardown(stage)
+    if trainer.profiler is not None:  # the stage's report, then the next stage's starts empty
+        trainer.profiler.describe(trainer.is_global_zero)
+        trainer.profiler.teardown(stage)
 
 
 def setup_loader(
