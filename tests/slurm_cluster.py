@@ -20,6 +20,7 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from helpers import find_free_port
@@ -37,6 +38,11 @@ GRACE_S = 30
 NODES = 2
 #: each node's interface, the same name in every namespace: a job's ``GLOO_SOCKET_IFNAME``
 INTERFACE = "eth0"
+#: a node that answers no ping for this long is declared down (SLURM's default, 300 s, would hold a test that long)
+SLURMD_TIMEOUT_S = 6
+#: SIGTERM to SIGKILL when SLURM ends a job itself (its default, 30 s): a rank waiting on a lost node's collective
+#: never ends its step, and the job stays COMPLETING that long; every checkpoint here is written in well under it
+KILL_WAIT_S = 5
 
 
 def why_not() -> str | None:
@@ -135,6 +141,26 @@ class SlurmCluster:
             except (OSError, ValueError):
                 pass
 
+    def lose_node(self, node: str) -> None:
+        """The node is lost as one that loses power is: off the network first (no packet in or out, so its peers get
+        no reset and their collectives wait), then its slurmd and every process of its jobs killed. The controller
+        declares it down once ``SLURMD_TIMEOUT_S`` has passed without an answer to its pings."""
+        self._ip("link", "set", f"dsv{self.id}{node[-1]}", "down")
+        self.kill_node(node)
+
+    def restore_node(self, node: str) -> None:
+        """The node back: on the network, its slurmd started again, and the controller told it may take jobs."""
+        self._ip("link", "set", f"dsv{self.id}{node[-1]}", "up")
+        self.start_node(node)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            self.run("scontrol", "update", f"nodename={node}", "state=resume")
+            state = self.run("sinfo", "-h", "-n", node, "-o", "%T").stdout.strip()
+            if state in ("idle", "mixed", "allocated"):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"{node} did not come back: {state}")
+
     def stop(self) -> None:
         """Every daemon ended, and every job's process with them; the namespaces and the bridge removed."""
         subprocess.run(["scancel", "--full", "--user", "root"], capture_output=True, env=self.env, timeout=30)
@@ -205,6 +231,8 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
 ReturnToService=2
+SlurmdTimeout={SLURMD_TIMEOUT_S}
+KillWait={KILL_WAIT_S}
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 {nodes}PartitionName=cpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={GRACE_S}
@@ -250,17 +278,23 @@ PartitionName=tight Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 GraceTime
         return next((f.split("=", 1)[1] for f in shown.split() if f.startswith(f"{name}=")), "")
 
     def wait_until_ended(self, job: str, timeout: float = 240.0, release_requeued: bool = True) -> str:
-        """The job's final state, once it has one. A job requeued waits 2 minutes before it may start again
+        """The job's final state, once it has one (``wait_until``)."""
+        return self.wait_until(job, lambda state: state in ENDED, timeout, release_requeued)
+
+    def wait_until(
+        self, job: str, done: Callable[[str], bool], timeout: float = 240.0, release_requeued: bool = True
+    ) -> str:
+        """The job's state once ``done(state)`` holds. A job requeued waits 2 minutes before it may start again
         (SLURM's own delay): ``release_requeued`` makes it eligible after ``RELEASE_AFTER_S``, as an administrator
         would (``StartTime=now``)."""
         deadline, pending_since = time.monotonic() + timeout, None
         while time.monotonic() < deadline:
             state = self.state(job)
-            if state in ENDED:
+            if done(state):
                 return state
             pending_since = (pending_since or time.monotonic()) if state == "PENDING" else None
             # not at once: slurmd refuses a batch job it killed moments ago ("already killed, do not launch")
             if pending_since and time.monotonic() - pending_since > RELEASE_AFTER_S and release_requeued:
                 self.run("scontrol", "update", f"jobid={job}", "StartTime=now")
-            time.sleep(0.5)
+            time.sleep(0.2)
         raise TimeoutError(f"SLURM job {job} still {self.state(job)} after {timeout:g} s")

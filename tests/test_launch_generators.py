@@ -80,14 +80,14 @@ def test_sbatch_script_for_a_cpu_partition(tmp_path):
     text = (tmp_path / "distrain.sbatch").read_text()
     assert "gpus" not in text and "gres" not in text and "--cpus-per-task=8" not in text, text
     assert "#SBATCH --ntasks-per-node=3" in text and "#SBATCH --exclusive" in text
-    assert "export CPUS_PER_TASK=$((SLURM_CPUS_ON_NODE / SLURM_NTASKS_PER_NODE))" in text
+    assert "export CPUS_PER_TASK=$((SLURM_CPUS_ON_NODE / 3))" in text
     srun = next(line for line in text.splitlines() if line.startswith("srun "))
     assert srun.startswith("srun --kill-on-bad-exit=1 --cpus-per-task=$CPUS_PER_TASK distrain train")
     assert "--num-nodes 2 --devices 3" in srun
     # what the script computes, as bash computes it on a node of 16 CPUs running 3 tasks
     line = next(line for line in text.splitlines() if line.startswith("export CPUS_PER_TASK="))
     cpus = subprocess.run(
-        ["bash", "-c", f"{line}; echo $CPUS_PER_TASK"], env={"SLURM_CPUS_ON_NODE": "16", "SLURM_NTASKS_PER_NODE": "3"},
+        ["bash", "-c", f"{line}; echo $CPUS_PER_TASK"], env={"SLURM_CPUS_ON_NODE": "16"},
         capture_output=True, text=True,
     )  # fmt: skip
     assert cpus.stdout.strip() == "5", cpus
@@ -162,7 +162,13 @@ def test_elastic_job_files(tmp_path):
     assert distrain("launch", "slurm", *args, "--time", "01:00:00", cwd=tmp_path).returncode == 0
     text = (tmp_path / "distrain.sbatch").read_text()
     assert "#SBATCH --nodes=2-4" in text
-    assert "--num-nodes" not in next(line for line in text.splitlines() if line.startswith("srun "))
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "--num-nodes" not in srun
+    # the tasks per node on srun, not in the header: there SLURM would count the job's tasks from MIN and grant MIN
+    # nodes however many are free (the real controller in test_schedulers.py shows it)
+    assert "--ntasks-per-node" not in text.split("srun ")[0] and srun.startswith(
+        "srun --kill-on-bad-exit=1 --ntasks-per-node=8"
+    )
     assert distrain("launch", "k8s", *args, "--image", "reg/d:1", cwd=tmp_path).returncode == 0
     job = yaml.safe_load((tmp_path / "pytorchjob.yaml").read_text())
     assert job["spec"]["elasticPolicy"] == {

@@ -335,3 +335,36 @@ def test_mpirun_across_two_hosts_trains_as_srun_does(slurm, never_preempted, tmp
     assert _losses(tmp_path / "run") == _losses(reference) and len(_losses(reference)) == 24
     a, b = (read_model_weights(run / "checkpoints" / "last") for run in (tmp_path / "run", reference))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_node_lost_mid_run_requeues_the_job_which_goes_on_with_the_node_left_and_the_global_batch(
+    slurm, never_preempted, tmp_path
+):
+    """An elastic job (``--min-nodes 1`` of 2) loses a node after its first checkpoint, as a node loses power: off
+    the network, then its slurmd and its rank killed. The controller finds it down, ends the job ``NODE_FAIL`` and
+    requeues it; it starts again on the node left, and ``--resume auto`` goes on from the checkpoint with one rank
+    accumulating what two made (the same global batch): it ends on the never-preempted job's weights within fp32
+    rounding (one rank sums in another order than two), and the lost node comes back for the next job."""
+    script, deadline = _job_file(tmp_path, "--min-nodes", "1"), time.monotonic() + 120
+    while (
+        slurm.run("sinfo", "-h", "-N", "-p", "cpu", "-o", "%T").stdout.split() != ["idle"] * 2
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.1)  # both nodes free (the job before may still be completing): it starts on both
+    job, run = slurm.submit(script), tmp_path / "run"
+    while _steps_logged(run) < 10 and time.monotonic() < deadline:  # past its first checkpoint (step 8)
+        time.sleep(0.05)
+    assert _steps_logged(run) >= 10 and slurm.nodes_of(job) == "node[0-1]", slurm.state(job)
+    slurm.lose_node("node1")
+    try:
+        assert slurm.wait_until_ended(job) == "COMPLETED" and slurm.restarts(job) >= 1
+        assert slurm.nodes_of(job) == "node0"  # the node left
+    finally:
+        slurm.restore_node("node1")
+    log = (run / "logs" / "rank_0.log").read_text()
+    resumed = re.search(r"done at step 24 \(resumed from step (\d+)\)", log)
+    assert resumed and int(resumed.group(1)) >= 8, log[-3000:]
+    ours, theirs = (read_model_weights(folder / "checkpoints" / "last") for folder in (run, never_preempted / "run"))
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.allclose(ours[name], theirs[name], rtol=1e-4, atol=1e-6), name
