@@ -49,6 +49,49 @@ def run_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
         return [pickle.loads((Path(out) / f"{r}.pkl").read_bytes()) for r in range(world_size)]
 
 
+def run_harness(harness: str | os.PathLike, env: dict[str, str], cwd: str | os.PathLike) -> subprocess.CompletedProcess:
+    """``python HARNESS`` in ``cwd`` with ``env`` (a script on one process, no launcher: its own ``__main__``, its
+    own environment and folder), in a process forked from the server that has imported torch and distrain: what a new
+    interpreter spends importing them (seconds on 2 cores) is not spent again. Its output and exit status as a
+    subprocess's. Not for a script that starts its other ranks by running itself again (``sys.argv`` is the
+    server's)."""
+    return run_ranks(_harness_in_rank, 1, str(harness), dict(env), str(cwd))[0]
+
+
+def _harness_in_rank(rank: int, harness: str, env: dict[str, str], cwd: str) -> subprocess.CompletedProcess:
+    import runpy
+    import traceback
+
+    os.environ.clear()
+    os.environ.update(env)  # no rank variables: a script on a machine with no launcher
+    os.chdir(cwd)
+    streams = (sys.stdout, sys.stderr)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        try:
+            runpy.run_path(harness, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:  # noqa: BLE001 — the script's failure is its exit status and its traceback
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = streams
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess([harness], code, out.read(), err.read())
+
+
 def _entry(rank, fn, world_size, port, out, args, here=None):
     import faulthandler
 
