@@ -13,7 +13,7 @@ pytest.importorskip("deepspeed")
 
 import distrain  # noqa: E402
 from distrain.models.gpt import GPT, Block, GPTConfig  # noqa: E402
-from helpers import TinyGPT, loader, make_trainer, params_of, run_ranks  # noqa: E402
+from helpers import TinyGPT, loader, make_trainer, params_of, run_cli, run_ranks  # noqa: E402
 
 STEPS = 6
 
@@ -295,10 +295,10 @@ def test_conflict_and_fp16_on_cpu_through_the_cli(tmp_path):
 
     fp16 = tmp_path / "fp16.json"
     fp16.write_text(json.dumps({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
-    proc = _cli(
-        "train", "--config", str(fp16), "--max-steps", "2", "--output-dir", str(tmp_path / "b"), *COMMON, timeout=300
-    )
-    assert proc.returncode != 0 and "fp16, which needs a CUDA GPU" in proc.stderr, proc.stderr[-3000:]
+    # the file's precision is known before any rank starts: refused there, in one line, in this process
+    proc = run_cli(["train", "--config", str(fp16), "--max-steps", "2", "--output-dir", str(tmp_path / "b"), *COMMON])
+    assert proc.returncode == 2 and "fp16, which needs a CUDA GPU" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "b" / "logs").exists(), proc.stderr
 
 
 def test_nvme_offload_is_refused_where_it_runs_and_planned_anywhere(tmp_path):

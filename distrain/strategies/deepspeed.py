@@ -39,6 +39,7 @@ from distrain.strategies.base import LoopFacts, SetUp, Strategy, Traits
 from distrain.strategies.deepspeed_config import (
     PRESETS,
     TrainingFacts,
+    check_precision,
     fill_config,
     options_config,
     read_user_config,
@@ -128,6 +129,8 @@ class DeepSpeedStrategy(Strategy):
                 "strategy='ddp' or 'fsdp' for 64-true"
             )
         _check_nvme_offload(self.config, self.config_source)  # on the machine that runs it, not one that plans it
+        # the file's precision against the Trainer's (fp16 needs a GPU): refused here, before any rank starts
+        check_precision(copy.deepcopy(self.config), precision.name, accelerator.name == "cuda", self.config_source)
 
     @property
     def planned_as(self) -> tuple[str, dict[str, Any]]:

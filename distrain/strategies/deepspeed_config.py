@@ -183,7 +183,7 @@ def fill_config(config: dict, facts: TrainingFacts, source: str, extra: dict[str
     ``extra``: values for keys only the caller knows (e.g. ``warmup_num_steps``), by leaf name."""
     cfg = copy.deepcopy(config)
     extra = dict(extra or {})
-    _check_precision(cfg, facts, source)
+    check_precision(cfg, facts.precision, facts.on_cuda, source)
     _fill_batch(cfg, facts, source)
     _fill_clipping(cfg, facts, source)
     _fill_optimizer_and_scheduler(cfg, facts, source, extra)
@@ -197,8 +197,10 @@ def fill_config(config: dict, facts: TrainingFacts, source: str, extra: dict[str
     return cfg
 
 
-def _check_precision(cfg: dict, facts: TrainingFacts, source: str) -> None:
-    wants = {"bf16": facts.precision.startswith("bf16"), "fp16": facts.precision == "16-mixed"}
+def check_precision(cfg: dict, precision: str, on_cuda: bool, source: str) -> None:
+    """The file's bf16/fp16 sections against the Trainer's ``precision`` (``"auto"`` filled in ``cfg``), and fp16
+    only on a GPU: known before any rank starts, so a conflict is refused there."""
+    wants = {"bf16": precision.startswith("bf16"), "fp16": precision == "16-mixed"}
     for section in ("bf16", "fp16"):
         block = cfg.get(section)
         if block is None:
@@ -207,13 +209,13 @@ def _check_precision(cfg: dict, facts: TrainingFacts, source: str) -> None:
             continue
         if block.get("enabled", "auto") == "auto":
             block["enabled"] = wants[section]
-        elif bool(block["enabled"]) != wants[section] and (block["enabled"] is False or facts.precision != "32-true"):
+        elif bool(block["enabled"]) != wants[section] and (block["enabled"] is False or precision != "32-true"):
             # an explicit bf16/fp16 over the Trainer's default fp32 is the file's choice; any other mix is a conflict
             raise ValueError(
                 f"{section}.enabled={block['enabled']} in {source} disagrees with the Trainer's "
-                f'precision {facts.precision!r}; set {section}.enabled to "auto" or make them agree'
+                f'precision {precision!r}; set {section}.enabled to "auto" or make them agree'
             )
-    if cfg.get("fp16", {}).get("enabled") and not facts.on_cuda:
+    if cfg.get("fp16", {}).get("enabled") and not on_cuda:
         raise ValueError(
             f"{source} enables fp16, which needs a CUDA GPU (DeepSpeed's fp16 loss scaling); "
             "on CPU use bf16 (precision='bf16-mixed') or fp32"
