@@ -317,3 +317,41 @@ def test_stochastic_weight_averaging_resumed_inside_its_epochs_ends_on_the_unint
     assert (epochs.started, epochs.ended) == ([3, 4], [3, 4])
     with pytest.raises(ValueError, match=r"^StochasticWeightAveraging: _SWAModule has a BatchNorm1d, .* EMAWeight"):
         fit(tmp_path / "bn", module=_SWAModule(batch_norm=True))
+
+
+def test_device_stats_reach_the_loggers_under_lightnings_names_on_logging_steps(tmp_path):
+    """On a CPU: the host's CPU, memory and swap use at the start and end of each training batch of a logging step
+    (``DeviceStatsMonitor.on_train_batch_start/cpu_percent``...), and of validation's; none with ``cpu_stats=False``;
+    without a logger, refused in one line as Lightning refuses it."""
+    from distrain.callbacks import DeviceStatsMonitor
+    from distrain.loggers import JSONLLogger
+
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(16, 3, generator=g), torch.randn(16, 1, generator=g)), batch_size=4)
+
+    def logged(**kw) -> list[dict]:
+        kw = {"max_steps": 4, **kw}
+        trainer, recorder = make_trainer(
+            tmp_path, devices=1, log_every_n_steps=2, logger=JSONLLogger(str(tmp_path)), **kw
+        )
+        trainer.callbacks.remove(recorder)  # it reads a loss at every step; this run logs every other one
+        trainer.fit(_SWAModule(), data, data)
+        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        (tmp_path / "metrics.jsonl").unlink()
+        return [r for r in rows if any(k.startswith("DeviceStatsMonitor.") for k in r)]
+
+    rows = logged(callbacks=[DeviceStatsMonitor()])
+
+    def steps(name: str) -> list[int]:
+        return [r["step"] for r in rows if f"DeviceStatsMonitor.{name}" in r]
+
+    # the batches of optimizer steps 2 and 4 (the logging steps), at Lightning's step: those stepped before them
+    assert steps("on_train_batch_start/cpu_percent") == steps("on_train_batch_end/cpu_vm_percent") == [1, 3]
+    assert all(0 <= value <= 100 for r in rows for key, value in r.items() if key.startswith("DeviceStatsMonitor."))
+    assert steps("on_validation_batch_end/cpu_swap_percent") == []  # the validation after step 4 counts towards 5
+    rows = logged(callbacks=[DeviceStatsMonitor()], limit_train_batches=3, max_epochs=1)  # validated after step 3
+    assert steps("on_validation_batch_start/cpu_percent") == steps("on_validation_batch_end/cpu_percent") == [3] * 4
+    assert logged(callbacks=[DeviceStatsMonitor(cpu_stats=False)]) == []
+    trainer, _ = make_trainer(tmp_path, devices=1, max_steps=1, logger=False, callbacks=[DeviceStatsMonitor()])
+    with pytest.raises(ValueError, match=r"^Cannot use `DeviceStatsMonitor` callback with `Trainer\(logger=False\)`"):
+        trainer.fit(_SWAModule(), data)

@@ -1,5 +1,6 @@
 from distrain.callbacks.base import Callback
 from distrain.callbacks.checkpoint import ModelCheckpoint
+from distrain.callbacks.device_stats import DeviceStatsMonitor
 from distrain.callbacks.early_stopping import EarlyStopping
 from distrain.callbacks.lr_monitor import LearningRateMonitor
 from distrain.callbacks.plot import PlotSummary
@@ -11,6 +12,7 @@ from distrain.callbacks.weight_averaging import EMAWeightAveraging, StochasticWe
 __all__ = [
     "BasePredictionWriter",
     "Callback",
+    "DeviceStatsMonitor",
     "EMAWeightAveraging",
     "EarlyStopping",
     "LearningRateMonitor",

@@ -5,6 +5,7 @@ import math
 from distrain.callbacks import (
     BasePredictionWriter,
     Callback,
+    DeviceStatsMonitor,
     EarlyStopping,
     EMAWeightAveraging,
     LearningRateMonitor,
@@ -176,6 +177,7 @@ def _human(n: int) -> str:
 __all__ = [
     "BasePredictionWriter",
     "Callback",
+    "DeviceStatsMonitor",
     "EMAWeightAveraging",
     "EarlyStopping",
     "GradientAccumulationScheduler",
