@@ -9,10 +9,7 @@ class SingleDeviceStrategy(Strategy):
 
     start_method = None
     planned_as = ("single", {})
-
-    @property
-    def traits(self) -> Traits:
-        return Traits(replicated_state=True)  # the one process holds the whole state
+    traits = Traits(replicated_state=True)  # the one process holds the whole state
 
 
 register("single", SingleDeviceStrategy, "one process on one device", cost_model="distrain.planner.models.replicated")
