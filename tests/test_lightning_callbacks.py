@@ -355,3 +355,37 @@ def test_device_stats_reach_the_loggers_under_lightnings_names_on_logging_steps(
     trainer, _ = make_trainer(tmp_path, devices=1, max_steps=1, logger=False, callbacks=[DeviceStatsMonitor()])
     with pytest.raises(ValueError, match=r"^Cannot use `DeviceStatsMonitor` callback with `Trainer\(logger=False\)`"):
         trainer.fit(_SWAModule(), data)
+
+
+def test_every_stock_callback_and_profiler_can_be_sent_to_spawned_ranks():
+    """``ddp_spawn`` pickles the Trainer, its callbacks and profiler, to each rank: each stock one survives the trip
+    as Lightning's documentation constructs it (EMAWeightAveraging's average was a closure of torch's, which pickle
+    cannot carry), and an EMA sent keeps its arithmetic."""
+    import pickle
+
+    from distrain.lightning import callbacks as cb
+    from distrain.lightning import profilers
+
+    made = [
+        cb.BasePredictionWriter("epoch"), cb.EMAWeightAveraging(decay=0.9), cb.WeightAveraging(),
+        cb.StochasticWeightAveraging(swa_lrs=1e-2), cb.DeviceStatsMonitor(), cb.ModelCheckpoint(monitor="val_loss"),
+        cb.EarlyStopping("val_loss"), cb.LearningRateMonitor(), cb.Timer(), cb.TQDMProgressBar(refresh_rate=5),
+        cb.GradientAccumulationScheduler({0: 2}), cb.ModelSummary(max_depth=2),
+        profilers.SimpleProfiler(), profilers.AdvancedProfiler(), profilers.PassThroughProfiler(),
+    ]  # fmt: skip
+    for callback in made:
+        assert type(pickle.loads(pickle.dumps(callback))) is type(callback), callback
+    ema = pickle.loads(pickle.dumps(cb.EMAWeightAveraging(decay=0.9)))._kwargs["avg_fn"]
+    averaged, current = torch.tensor([1.0]), torch.tensor([3.0])
+    assert torch.equal(ema(averaged, current, 1), torch.optim.swa_utils.get_ema_avg_fn(0.9)(averaged, current, 1))
+
+
+def test_a_timer_without_a_duration_keeps_the_time_and_stops_nothing(tmp_path):
+    """Lightning's ``Timer()`` default: no duration, the training time kept, the run to its last step."""
+    from distrain.callbacks import Timer
+
+    timer = Timer()
+    trainer, _ = make_trainer(tmp_path, devices=1, max_steps=3, logger=False, callbacks=[timer])
+    data = DataLoader(TensorDataset(torch.randn(16, 3), torch.randn(16, 1)), batch_size=4)
+    trainer.fit(_SWAModule(), data)
+    assert trainer.global_step == 3 and timer.time_elapsed() > 0 and timer.time_remaining() is None

@@ -33,13 +33,14 @@ def as_duration(duration: str | timedelta | dict) -> timedelta:
 
 class Timer(Callback):
     """Stops ``fit`` once its training time reaches ``duration``, checked after each optimizer step (``interval``
-    "step") or at each epoch's end ("epoch"). The time spent so far is saved in each checkpoint, so a resumed run
-    spends what is left. Validation inside ``fit`` counts, as it does in Lightning."""
+    "step") or at each epoch's end ("epoch"); with no ``duration`` (Lightning's default) it only keeps the time. The
+    time spent so far is saved in each checkpoint, so a resumed run spends what is left. Validation inside ``fit``
+    counts, as it does in Lightning."""
 
-    def __init__(self, duration: str | timedelta | dict, interval: str = "step", verbose: bool = True):
+    def __init__(self, duration: str | timedelta | dict | None = None, interval: str = "step", verbose: bool = True):
         if interval not in ("step", "epoch"):
             raise ValueError(f"Timer interval must be 'step' or 'epoch', got {interval!r}")
-        self.duration = as_duration(duration)
+        self.duration = as_duration(duration) if duration is not None else None
         self.interval = interval
         self.verbose = verbose
         self._spent_before = 0.0  # by the runs this one resumed
@@ -50,8 +51,9 @@ class Timer(Callback):
         running = time.monotonic() - self._started if self._started is not None else 0.0
         return self._spent_before + running
 
-    def time_remaining(self) -> float:
-        return self.duration.total_seconds() - self.time_elapsed()
+    def time_remaining(self) -> float | None:
+        """Seconds left of ``duration`` (None: none was given)."""
+        return None if self.duration is None else self.duration.total_seconds() - self.time_elapsed()
 
     def on_train_start(self, trainer, module) -> None:
         self._started = time.monotonic()
@@ -68,7 +70,7 @@ class Timer(Callback):
             self._check(trainer)
 
     def _check(self, trainer) -> None:
-        if trainer.should_stop or self.time_remaining() > 0:
+        if trainer.should_stop or self.duration is None or self.time_remaining() > 0:
             return
         trainer.should_stop = True
         if self.verbose and trainer.is_global_zero:

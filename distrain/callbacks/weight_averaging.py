@@ -13,7 +13,7 @@ import itertools
 from typing import Any
 
 import torch
-from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_avg_fn
+from torch.optim.swa_utils import SWALR, AveragedModel
 
 from distrain.callbacks.base import Callback
 
@@ -122,6 +122,18 @@ class WeightAveraging(Callback):
         checkpoint["averaging_state"] = {k: v for k, v in average.items() if not k.startswith("module.")}
 
 
+class ExponentialAverage:
+    """torch's ``get_ema_avg_fn(decay)`` (the same arithmetic), as an object a spawned rank can be sent: torch's is a
+    closure, which pickle cannot carry (``ddp_spawn`` failed with it)."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+
+    @torch.no_grad()
+    def __call__(self, ema_param: torch.Tensor, current_param: torch.Tensor, num_averaged: Any) -> torch.Tensor:
+        return self.decay * ema_param + (1 - self.decay) * current_param
+
+
 class EMAWeightAveraging(WeightAveraging):
     """An exponential moving average of the weights (``decay``), updated every ``update_every_n_steps`` optimizer
     steps from step ``update_starting_at_step`` on, and after each epoch from ``update_starting_at_epoch`` on where
@@ -137,7 +149,7 @@ class EMAWeightAveraging(WeightAveraging):
         update_starting_at_epoch: int | None = None,
         **kwargs: Any,
     ):
-        super().__init__(device=device, use_buffers=use_buffers, **kwargs, avg_fn=get_ema_avg_fn(decay=decay))
+        super().__init__(device=device, use_buffers=use_buffers, **kwargs, avg_fn=ExponentialAverage(decay))
         self.update_every_n_steps = update_every_n_steps
         self.update_starting_at_step = update_starting_at_step
         self.update_starting_at_epoch = update_starting_at_epoch
