@@ -54,15 +54,19 @@ class Profiler:
         rank 0."""
         summary = self.summary()
         if self.filename:
-            folder = Path(self.dirpath or self._log_dir or ".")
-            folder.mkdir(parents=True, exist_ok=True)
             parts = [p for p in (self._stage, self.filename, self._local_rank) if p is not None]
-            (folder / ("-".join(map(str, parts)) + ".txt")).write_text(summary)
+            (self._folder() / ("-".join(map(str, parts)) + ".txt")).write_text(summary)
         elif is_global_zero and summary:
             print(summary, flush=True)
 
     def teardown(self, stage: str | None) -> None:
         """A stage's actions are its own: the next stage's report starts empty."""
+
+    def _folder(self) -> Path:
+        """Where its files go: ``dirpath``, else the run's folder."""
+        folder = Path(self.dirpath or self._log_dir or ".")
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
 
 
 class PassThroughProfiler(Profiler):
@@ -171,9 +175,7 @@ class AdvancedProfiler(Profiler):
             )
             reports[action] = stream.getvalue()
             if self.dump_stats:
-                folder = Path(self.dirpath or self._log_dir or ".")
-                folder.mkdir(parents=True, exist_ok=True)
-                profiler.dump_stats(str(folder / f"{self._stage}-{action}.prof".replace("/", "_")))
+                profiler.dump_stats(str(self._folder() / f"{self._stage}-{action}.prof".replace("/", "_")))
         stage = f"{self._stage.upper()} " if self._stage is not None else ""
         return f"{stage}Profiler Report{os.linesep}" + "".join(
             f"{os.linesep}Profile stats for: {action}{os.linesep}{report}" for action, report in reports.items()

@@ -422,7 +422,9 @@ class Trainer(TrainerViews):
                 self.model, micro_batches, before_each=self._before_each(micro_batches)
             )
         call_hook(self, "on_after_backward")
-        self.progress.samples_in_epoch += sum(batch_size_of(b) for _, b in micro_batches) * self.data_parallel_size
+        samples = sum(batch_size_of(batch) for _, batch in micro_batches)
+        tokens = sum(tokens_in_batch(batch) or 0 for _, batch in micro_batches)
+        self.progress.samples_in_epoch += samples * self.data_parallel_size
         action = self._settle(step_loss, micro_batches, position, rng)
         if isinstance(action, StepOutcome):
             return action
@@ -435,7 +437,7 @@ class Trainer(TrainerViews):
         self.module.optimizer_zero_grad(self.current_epoch, last_idx, self.loop_optimizers[0])
         step_schedulers(self, "step")
         self.progress.global_step += 1
-        self._log_step(step_loss, grad_norm, micro_batches)
+        self._log_step(step_loss, grad_norm, samples, tokens)
         return output
 
     def _start_step(self, micro_batches: list[tuple[int, Any]]) -> list[tuple[int, Any]] | StepOutcome:
@@ -488,13 +490,11 @@ class Trainer(TrainerViews):
         action = self.anomalies.check(step_loss, micro_batches, position, rng)
         return StepOutcome.ROLLED_BACK if action == "rollback" else action
 
-    def _log_step(self, step_loss: torch.Tensor, grad_norm: Any, micro_batches) -> None:
+    def _log_step(self, step_loss: torch.Tensor, grad_norm: Any, samples: int, tokens: int) -> None:
         final = self._done()
         if self.metrics.logs_at(self.global_step, final):
             self.nonfinite.settle()  # a logged step counts only applied steps
         self.runtime.mark_phase(None, "logging")
-        samples = sum(batch_size_of(batch) for _, batch in micro_batches)
-        tokens = sum(tokens_in_batch(batch) or 0 for _, batch in micro_batches)
         lr = self.optimizers[0].param_groups[0]["lr"]
         result = StepResult(
             self.global_step, self.current_epoch, step_loss, lr, grad_norm, samples, tokens, self.progress.skipped_steps

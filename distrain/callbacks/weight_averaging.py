@@ -18,6 +18,15 @@ from torch.optim.swa_utils import SWALR, AveragedModel
 from distrain.callbacks.base import Callback
 
 
+def refuse_partial_models(callback: Callback, trainer) -> None:
+    """An average is a whole copy of the model on every rank: refused in one line where a rank holds part of it."""
+    if not trainer.strategy.traits.replicated_state:
+        raise ValueError(
+            f"{type(callback).__name__} keeps a whole copy of the model on every rank, and under "
+            f"{type(trainer.strategy).__name__} a rank holds part of it: use it with one process or DDP"
+        )
+
+
 class WeightAveraging(Callback):
     """The average of the weights, ``AveragedModel(module, device, use_buffers, **kwargs)`` (``avg_fn`` or
     ``multi_avg_fn`` choose how it averages: an equal average by default, SWA's). ``use_buffers`` averages the buffers
@@ -41,12 +50,7 @@ class WeightAveraging(Callback):
     def setup(self, trainer, module, stage: str) -> None:
         if stage != "fit":
             return
-        strategy = trainer.strategy
-        if not strategy.traits.replicated_state:
-            raise ValueError(
-                f"{type(self).__name__} keeps a whole copy of the model on every rank, and under "
-                f"{type(strategy).__name__} a rank holds part of it: use it with one process or DDP"
-            )
+        refuse_partial_models(self, trainer)
         device = self._device if self._device is not None else next(module.parameters(), torch.empty(0)).device
         self._average_model = AveragedModel(module, device=device, use_buffers=self._use_buffers, **self._kwargs)
         if self._restored is not None:
@@ -222,11 +226,7 @@ class StochasticWeightAveraging(Callback):
     def setup(self, trainer, module, stage: str) -> None:
         if stage != "fit":
             return
-        if not trainer.strategy.traits.replicated_state:
-            raise ValueError(
-                f"StochasticWeightAveraging keeps a whole copy of the model on every rank, and under "
-                f"{type(trainer.strategy).__name__} a rank holds part of it: use it with one process or DDP"
-            )
+        refuse_partial_models(self, trainer)
         self._average_model = copy.deepcopy(module)  # before the strategy moves the model
 
     def on_fit_start(self, trainer, module) -> None:
