@@ -26,6 +26,7 @@ from torch import nn
 from distrain import run_dir
 from distrain.batch import BatchLayout, resumed_micro_batch
 from distrain.callbacks import Callback, ModelCheckpoint
+from distrain.callbacks.lr_finder import TunerExit
 from distrain.data import (
     batch_size_of,
     micro_batch_size,
@@ -335,10 +336,10 @@ class Trainer(TrainerViews):
         first_step = self.global_step
         self.metrics.start_fit(_flops_per_token(module), self.run_config, module)
         self.metrics.timer.watch_gradients(module.parameters())  # each rank's own part of the backward (stragglers)
-        call_hook(self, "on_fit_start")
         self.stop.install()
         try:
             with self.runtime.diagnosing_hangs(on_error=self._on_fit_error):
+                call_hook(self, "on_fit_start")
                 if val_loader is not None and self.loop.num_sanity_val_steps:
                     sanity_check(self, val_loader)
                 call_hook(self, "on_train_start")
@@ -350,6 +351,8 @@ class Trainer(TrainerViews):
                 call_hook(self, "on_train_end")
                 self.checkpoints.complete_pending()  # one written in the background: on disk before fit returns
                 call_hook(self, "on_fit_end")
+        except TunerExit:  # Tuner.lr_find's search ran when fit started: the fit ends there, as in Lightning
+            return self.callback_metrics
         finally:
             self.metrics.timer.unwatch()
             self.stop.finish()  # no collective may be left in flight
@@ -361,6 +364,8 @@ class Trainer(TrainerViews):
         return self.callback_metrics
 
     def _on_fit_error(self, error: BaseException, hang: Exception | None) -> None:
+        if isinstance(error, TunerExit):
+            return
         call_callbacks(self, "on_exception", hang or error)
         if hang is not None:
             self.stop.abandon()  # the stop-signal all-reduce in flight cannot finish either
@@ -374,9 +379,11 @@ class Trainer(TrainerViews):
                 self.current_epoch,
                 self.data_parallel_size,
                 self.loop_state.num_batches,
-                drew_already=self.continues_script_streams,
+                drew_already=self.continues_script_streams
+                and (self.progress.samples_in_epoch > 0 or self.loop_state.iterator_drew),
                 epoch_start=lambda: call_hook(self, "on_train_epoch_start"),
             )
+            self.loop_state.iterator_drew = False
             for micro_batches in optimizer_steps(batches, accumulate, self.runtime, loader, self.metrics.timer):
                 if self.runtime.strategy.start_step(self.global_step):
                     break  # this rank took over a peer's state (a replica group rejoining): read on from its position

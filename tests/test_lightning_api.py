@@ -996,6 +996,62 @@ def test_several_optimizers_need_manual_optimization(tmp_path):
         trainer.fit(TwoOptimizers())
 
 
+def test_a_search_when_fit_starts_leaves_a_fit_as_a_fresh_one_at_the_suggested_rate(tmp_path):
+    """``LearningRateFinder`` under distrain.Trainer: the search's steps (past two epoch ends) leave nothing behind,
+    neither weights, optimizer, the module's StepLR, progress, random streams nor logged values, so the fit logs the
+    losses of a fresh fit of the same module at the suggested rate, which the module's ``hparams.lr`` holds."""
+    from distrain.callbacks import LearningRateFinder
+
+    finder = LearningRateFinder(min_lr=1e-4, max_lr=1.0, num_training_steps=20, early_stop_threshold=None)
+    trainer, searched = make_trainer(tmp_path / "s", strategy="single", devices=1, max_steps=10, callbacks=[finder])
+    model = LitRegressor()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.fit(model)
+    lrs = finder.optimal_lr.results["lr"]
+    assert len(lrs) == len(finder.optimal_lr.results["loss"]) == 20
+    assert lrs[0] == 1e-4 and lrs[-1] == pytest.approx(1.0) and lrs == sorted(lrs)
+    suggested = finder.optimal_lr.suggestion()
+    assert model.hparams.lr == suggested and 1e-4 < suggested < 1.0
+    fresh, unsearched = make_trainer(tmp_path / "f", strategy="single", devices=1, max_steps=10)
+    unsearched_model = LitRegressor(lr=suggested)
+    unsearched_model.load_state_dict(initial)
+    fresh.fit(unsearched_model)
+    assert searched.losses == unsearched.losses and len(searched.losses) == 10
+    assert trainer.callback_metrics["val_loss"] == fresh.callback_metrics["val_loss"]
+
+
+def test_lr_find_refusals_each_in_one_line(tmp_path):
+    from distrain.callbacks import LearningRateFinder
+    from distrain.tuner import Tuner
+
+    class NoRate(LitRegressor):
+        def __init__(self):
+            super().__init__()
+            self.hparams.pop("lr")
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer, _ = make_trainer(tmp_path, strategy="single", devices=1, max_steps=1, logger=False)
+    with pytest.raises(AttributeError, match=r"should have one of these fields: \('lr', 'learning_rate'\)"):
+        Tuner(trainer).lr_find(NoRate(), num_training=3)
+    with pytest.raises(AttributeError, match="set to rate, but could not find"):
+        Tuner(trainer).lr_find(LitRegressor(), num_training=3, attr_name="rate")
+    assert Tuner(trainer).lr_find(NoRate(), num_training=3, update_attr=False).results["lr"][0] == 1e-8
+    with pytest.raises(ValueError, match="automatic optimization"):
+        Tuner(trainer).lr_find(ToyGAN(), DataLoader(gan_data(), batch_size=4), num_training=3, update_attr=False)
+    with pytest.raises(ValueError, match="`mode` should be either of"):
+        LearningRateFinder(mode="cubic")
+    with pytest.raises(NotImplementedError, match="distrain plan"):
+        Tuner(trainer).scale_batch_size(LitRegressor())
+    searching, _ = make_trainer(tmp_path, strategy="single", devices=1, callbacks=[LearningRateFinder()])
+    with pytest.raises(ValueError, match="already configured with a `LearningRateFinder`"):
+        Tuner(searching).lr_find(LitRegressor())
+    spawned, _ = make_trainer(tmp_path, strategy="ddp_spawn", devices=2, max_steps=1)
+    with pytest.raises(ValueError, match="lr_find with ranks spawned or forked from this process"):
+        Tuner(spawned).lr_find(LitRegressor())
+
+
 def test_hparams_read_as_attributes_and_keys():
     model = LitRegressor(lr=0.3)
     assert model.hparams.lr == model.hparams["lr"] == 0.3 and model.hparams.hidden == 8

@@ -2,6 +2,7 @@ from distrain.callbacks.base import Callback
 from distrain.callbacks.checkpoint import ModelCheckpoint
 from distrain.callbacks.device_stats import DeviceStatsMonitor
 from distrain.callbacks.early_stopping import EarlyStopping
+from distrain.callbacks.lr_finder import LearningRateFinder
 from distrain.callbacks.lr_monitor import LearningRateMonitor
 from distrain.callbacks.plot import PlotSummary
 from distrain.callbacks.prediction_writer import BasePredictionWriter
@@ -15,6 +16,7 @@ __all__ = [
     "DeviceStatsMonitor",
     "EMAWeightAveraging",
     "EarlyStopping",
+    "LearningRateFinder",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "PlotSummary",

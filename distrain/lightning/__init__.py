@@ -24,6 +24,7 @@ from distrain.lightning import (
     profilers,
     strategies,
     trainer,
+    tuner,
     utilities,
 )
 from distrain.lightning.plugins import environments, precision
@@ -106,6 +107,7 @@ _SUBMODULES = {
     environments: "cluster_environment kubeflow lightning lsf mpi slurm torchelastic xla",
     trainer: "trainer",
     profilers: "advanced base profiler pytorch simple xla",
+    tuner: "tuning lr_finder batch_size_scaling",
 }
 
 

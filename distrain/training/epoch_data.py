@@ -26,8 +26,8 @@ def epoch_batches(
     """This epoch's ``(batch_idx, batch)`` pairs from where ``progress`` says, at most ``limit`` in the epoch.
     ``epoch_start`` (the ``on_train_epoch_start`` hooks) runs once the sampler knows the epoch and before the loader
     is iterated, which may draw from torch's generator; not for an epoch a resumed checkpoint ended. ``drew_already``:
-    a resumed epoch's iterator drew before the checkpoint, so it draws nothing now (``distrain.lightning``'s streams go
-    on as the script left them)."""
+    this epoch's iterator drew its seed already (before a checkpoint this run resumes, or in a search the streams were
+    set back from), so it draws nothing now (``distrain.lightning``'s streams go on as Lightning's)."""
     sampler = distributed_sampler(loader)
     seed_workers(loader, epoch)
     resumed = progress.samples_in_epoch > 0
@@ -46,7 +46,7 @@ def epoch_batches(
     if not progress.epoch_done:  # resumed from a checkpoint of the epoch's end: it started (and ended) before
         epoch_start()
     start = progress.samples_in_epoch // per_step
-    if resumed and drew_already:
+    if drew_already:
         batches = enumerate(_iterated_without_drawing(loader), start=start)
     else:
         batches = enumerate(loader, start=start)

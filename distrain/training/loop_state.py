@@ -21,3 +21,6 @@ class LoopState:
     """The global step of fit's last validation: fit ends with one unless it just ran one."""
     announce_start: bool = False
     """fit resumed or was restarted: the console says how long its first step took to come."""
+    iterator_drew: bool = False
+    """The next epoch's loader iterator was made (its seed drawn) in a search whose random streams were then set back
+    (Lightning's ``lr_find`` makes it so): the next epoch's draws nothing when made."""

@@ -21,6 +21,7 @@ EXAMPLES = [
     "written/prediction_writer.py",
     "written/weight_averaging.py",
     "written/stochastic_weight_averaging.py",
+    "written/lr_finder.py",
 ]
 #: where a script writes files that are compared too (``torch.save``'d tensors and lists, read back as numbers)
 OUTPUTS = "predictions"
