@@ -583,7 +583,18 @@ class LossModule(Module):
 
 class StepRouter(nn.Module):
     """Makes ``model("training_step", batch, i)`` run through the strategy's wrapper (DDP's
-    forward hooks must see the call) while the user's code stays a plain ``training_step``."""
+    forward hooks must see the call) while the user's code stays a plain ``training_step``.
+
+    ``StepRouter.of(module)``: the module's one router, whichever stage and Trainer set it up: a strategy that
+    shards in place (FSDP2's ``fully_shard``) finds it sharded already and keeps it so."""
+
+    @classmethod
+    def of(cls, module: Module, before_backward: Callable[[Any], None] | None = None) -> StepRouter:
+        router = module.__dict__.get("_distrain_router")  # not a submodule: outside the module's tree and state
+        if router is None:
+            router = module.__dict__["_distrain_router"] = cls(module)
+        router.before_backward = before_backward
+        return router
 
     def __init__(self, module: Module, before_backward: Callable[[Any], None] | None = None):
         super().__init__()

@@ -607,8 +607,10 @@ def _cases(rank, tmp, batch):
     out["services"] = (printed.getvalue(), gathered.tolist(), where, model.global_step, model.current_epoch)
     # the same under FSDP
     L.seed_everything(0)
-    _, rec = _fit(tmp / "fsdp", LitRegressor(batch_size=batch), "fsdp", 2, max_epochs=2)
-    out["fsdp"] = rec.losses
+    sharded = LitRegressor(batch_size=batch)
+    _, rec = _fit(tmp / "fsdp", sharded, "fsdp", 2, max_epochs=2)
+    _, again = _fit(tmp / "fsdp-again", sharded, "fsdp", 2, max_steps=3)  # a second fit: the module sharded already
+    out["fsdp"] = (rec.losses, again.losses)
     # in double precision: float64 weights and batches
     L.seed_everything(0)
     module = DoubleRegressor(batch_size=batch)
@@ -744,14 +746,17 @@ def test_loss_dicts_step_schedulers_and_parity_with_one_process(two_ranks, tmp_p
     assert "train_loss" in bar and "loss" not in bar  # one name for the training loss on the progress bar
     assert metrics["epochs_done"] == 2.0  # logged in on_train_epoch_end
     L.seed_everything(0)
-    trainer, single = _fit(tmp_path, LitRegressor(batch_size=8), "single", 1, max_epochs=2)
+    module = LitRegressor(batch_size=8)
+    trainer, single = _fit(tmp_path, module, "single", 1, max_epochs=2)
     _close(single.losses, losses)
     # the epoch mean of train_loss (on_epoch=True, sync_dist=True) and the validation loss: the same
     _close(
         [trainer.callback_metrics["train_loss"], trainer.callback_metrics["val_loss"]],
         [metrics["train_loss"], metrics["val_loss"]],
     )
-    _close(single.losses, two_ranks[0]["fsdp"])  # FSDP too
+    _close(single.losses, two_ranks[0]["fsdp"][0])  # FSDP too
+    _, single_again = _fit(tmp_path / "again", module, "single", 1, max_steps=3)  # and a second fit of the module
+    _close(single_again.losses, two_ranks[0]["fsdp"][1])
 
 
 def test_double_precision_under_fsdp_matches_one_process_in_float64(two_ranks, tmp_path):

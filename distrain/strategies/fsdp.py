@@ -219,8 +219,10 @@ class FSDPStrategy(Strategy):
         return lambda m: isinstance(m, classes)
 
     def _setup_module(self, module: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
+        if isinstance(module, FSDPModule):  # sharded by an earlier stage (a fit after Tuner.lr_find, a second fit)
+            return module
         module = self.precision.convert_module(module)
         on_meta = built_on_meta(module)
         if not on_meta:

@@ -45,7 +45,7 @@ def attach(trainer, module: Module, stage: str, train_loader=None, before_backwa
             trainer.model = None
             module.to(rt.device)
         elif trainer.model is None or rt.strategy.unwrap(trainer.model).module is not module:  # not fit's
-            trainer.model = rt.strategy.setup(StepRouter(module)).model  # no optimizer
+            trainer.model = rt.strategy.setup(StepRouter.of(module)).model  # no optimizer
         return
     # The optimizers are built on the model as set up: sharding strategies replace its parameters
     loop = LoopFacts(
@@ -60,7 +60,7 @@ def attach(trainer, module: Module, stage: str, train_loader=None, before_backwa
     manual = not module.automatic_optimization
     configure_optimizers = lambda: parse_optimizers(module.configure_optimizers(), manual)  # noqa: E731
     trainer.model, trainer.optimizers, trainer.lr_schedulers = rt.strategy.setup(
-        StepRouter(module, before_backward), configure_optimizers, loop
+        StepRouter.of(module, before_backward), configure_optimizers, loop
     )
     trainer.loop_optimizers = [(ManualOptimizer if manual else LoopOptimizer)(trainer, o) for o in trainer.optimizers]
 
