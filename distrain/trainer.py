@@ -1,6 +1,6 @@
 """The Trainer: epochs → optimizer steps → the micro-batches of each step.
 
-    for epoch:                                     _fit_loop
+    for epoch:                                     run_epochs
         for micro_batches in optimizer steps:      (the last window of an epoch may be shorter)
             train_step(micro_batches)              forward/backward each, then clip and step once
             validate, checkpoint, stop?            callbacks after the step
@@ -343,7 +343,7 @@ class Trainer(TrainerViews):
                 if val_loader is not None and self.loop.num_sanity_val_steps:
                     sanity_check(self, val_loader)
                 call_hook(self, "on_train_start")
-                self._fit_loop(train_loader, val_loader)
+                self.run_epochs(train_loader, val_loader)
                 self.nonfinite.settle()  # the last step's device check
                 rt.mark_phase(None, "end of training")
                 if val_loader is not None and self.loop_state.last_val_step != self.global_step and not self.preempted:
@@ -370,7 +370,9 @@ class Trainer(TrainerViews):
         if hang is not None:
             self.stop.abandon()  # the stop-signal all-reduce in flight cannot finish either
 
-    def _fit_loop(self, loader, val_loader) -> None:
+    def run_epochs(self, loader, val_loader) -> None:
+        """fit's epochs from where the progress stands, until ``max_steps``, ``max_epochs`` or an agreed stop; also
+        run by a callback that trains a while with the fit's set-up (the learning-rate finder's search)."""
         while not self._done() and (self.loop.max_epochs is None or self.current_epoch < self.loop.max_epochs):
             accumulate = self.loop.accumulate_for(self.current_epoch)
             batches = epoch_batches(

@@ -209,7 +209,7 @@ def find_lr(
             )
             trainer.loop_state = type(trainer.loop_state)(num_batches=trainer.loop_state.num_batches)
             trainer.anomalies = None
-            trainer._fit_loop(trainer.train_dataloader, None)
+            trainer.run_epochs(trainer.train_dataloader, None)
         finally:
             t.callbacks, t.lr_schedulers, t.metrics, t.loop, t.loop_state, t.anomalies = kept
             trainer.should_stop = False
@@ -233,9 +233,7 @@ def find_lr(
 def _quiet(metrics):
     """A metrics logger for the search: the module's ``self.log`` calls land in it, nothing reaches a logger or the
     console, and the run's own values stay as they were."""
-    from distrain.training.metrics import MetricsLogger
-
-    quiet = MetricsLogger(metrics.runtime, [], 2**62, print_steps=False, straggler_threshold=math.inf)
+    quiet = type(metrics)(metrics.runtime, [], 2**62, print_steps=False, straggler_threshold=math.inf)
     quiet.monitor, quiet.summarize = metrics.monitor, False
     quiet.start_fit(None, None)
     return quiet
