@@ -404,9 +404,18 @@ def test_ranks_with_uneven_iterable_data_agree_on_every_window(tmp_path):
 
 # ---- hangs outside fit ---------------------------------------------------------------------------------------
 class SlowValidation(TinyGPT):
+    """Rank 1 stays in its first validation step until rank 0 has diagnosed the hang (at most 30 s), then ends."""
+
+    def __init__(self, diagnosed: Path):
+        super().__init__()
+        self.diagnosed = diagnosed
+
     def validation_step(self, batch, batch_idx):
         if self.trainer.global_rank == 1 and batch_idx == 0:
-            time.sleep(8)  # far beyond the collective timeout
+            deadline = time.monotonic() + 30
+            while not self.diagnosed.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os._exit(0)
         super().validation_step(batch, batch_idx)
 
 
@@ -422,7 +431,7 @@ def _validate_with_a_slow_rank(rank, tmp, port):
     )
     trainer, _ = make_trainer(tmp, strategy="ddp", devices=2, logger=False, collective_timeout=3)
     try:
-        trainer.validate(SlowValidation(), loader(4))
+        trainer.validate(SlowValidation(Path(tmp, "error-0")), loader(4))
     except distrain.CollectiveHangError as e:
         Path(tmp, f"error-{rank}").write_text(str(e))
     os._exit(0)  # the group is broken: no orderly shutdown to wait for
