@@ -52,7 +52,7 @@ class Tuner:
         finder = LearningRateFinder(
             min_lr, max_lr, num_training, mode, early_stop_threshold, update_attr, attr_name, weights_only
         )
-        finder._early_exit = True
+        finder.early_exit = True
         trainer.callbacks = [finder, *trainer.callbacks]
         try:
             trainer.fit(model, train_dataloaders, val_dataloaders, datamodule)

@@ -267,7 +267,7 @@ class LearningRateFinder(Callback):
             raise ValueError(f"LearningRateFinder's num_training_steps must be an int >= 1, got {num_training_steps!r}")
         self._min_lr, self._max_lr, self._num_training_steps, self._mode = min_lr, max_lr, num_training_steps, mode
         self._early_stop_threshold, self._update_attr, self._attr_name = early_stop_threshold, update_attr, attr_name
-        self._early_exit = False  # Tuner's: the fit ends once the search ran
+        self.early_exit = False  # Tuner's: the fit ends once the search ran
         self.optimal_lr: LRFinder | None = None
 
     def lr_find(self, trainer, module) -> None:
@@ -282,7 +282,7 @@ class LearningRateFinder(Callback):
             update_attr=self._update_attr,
             attr_name=self._attr_name,
         )
-        if self._early_exit:
+        if self.early_exit:
             raise TunerExit()
         trainer.loop_state.iterator_drew = True  # Lightning made the fit's iterator as the search ended
 
