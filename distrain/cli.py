@@ -191,7 +191,7 @@ def train_parser(
     train.add_argument("--devices", type=_devices, help="processes per node (an integer, or auto)")
     train.add_argument("--accelerator", help="auto, cpu or gpu")
     train.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int)
-    train.add_argument("--precision", help="32-true, 16-mixed, bf16-mixed, bf16-true, 64-true or fp8")
+    train.add_argument("--precision", help="32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, 64-true or fp8")
     train.add_argument("--max-steps", "--max_steps", dest="max_steps", type=int)
     train.add_argument(
         "--output-dir",

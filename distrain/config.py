@@ -29,12 +29,11 @@ import yaml
 from distrain.run_dir import DEFAULT as DEFAULT_OUTPUT_DIR
 
 #: the precisions distrain runs (``distrain.precision``)
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "64-true", "fp8")
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "fp8")
 #: Lightning's older spellings, as Lightning 2.x maps them (integers too: ``precision=16``); it warns for 16 and bf16
 PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
 #: Lightning's precisions distrain does not run, and what to use instead
 PRECISIONS_NOT_RUN = {
-    "16-true": "fp16 weights without an fp32 copy; use '16-mixed' on a GPU, or 'bf16-true'",
     "transformer-engine": "NVIDIA Transformer Engine's layers; distrain's float8 training is 'fp8' (torchao, "
     "on an H100-class GPU)",
     "transformer-engine-float16": "NVIDIA Transformer Engine's layers in fp16; distrain's float8 training is "
@@ -196,8 +195,8 @@ class TrainingConfig:
     max_grad_norm: float | None = number(1.0, ge=0, means={0: "no clipping, as null"})
     """Clip the global gradient norm to this; null or 0: no clipping."""
     precision: str | int = number("32-true", ge=16, le=64)
-    """32-true, 16-mixed (a GPU), bf16-mixed, bf16-true, 64-true or fp8 (an H100-class GPU); Lightning's 16, 32, 64
-    and bf16 read as Lightning reads them (16-mixed, 32-true, 64-true, bf16-mixed); a number is one of those."""
+    """32-true, 16-mixed (a GPU), bf16-mixed, 16-true, bf16-true, 64-true or fp8 (an H100-class GPU); Lightning's 16,
+    32, 64 and bf16 read as Lightning reads them (16-mixed, 32-true, 64-true, bf16-mixed); a number is one of those."""
     seed: int = number(1234, ge=0, means={0: "seed 0, a seed like any other"})
     """A non-negative integer (0 is a seed like any other); Hugging Face datasets refuse negative ones."""
     val_check_interval: int = number(100, ge=0, means={0: "validate at each epoch's end only"})

@@ -13,13 +13,14 @@ from distrain.config import canonical_precision
 COMPUTE_DTYPES = {
     "16-mixed": torch.float16,
     "bf16-mixed": torch.bfloat16,
+    "16-true": torch.float16,
     "bf16-true": torch.bfloat16,
     "fp8": torch.bfloat16,
 }
 #: the precisions that run under autocast in their compute dtype
 AUTOCAST = ("16-mixed", "bf16-mixed", "fp8")
 #: the precisions whose weights, inputs and new tensors are all of one dtype (Lightning's "true" precisions)
-TRUE_DTYPES = {"bf16-true": torch.bfloat16, "64-true": torch.float64}
+TRUE_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "64-true": torch.float64}
 
 
 @contextlib.contextmanager
@@ -39,11 +40,11 @@ def compute_dtype(name: str) -> torch.dtype:
 
 
 class Precision:
-    """``32-true`` | ``16-mixed`` | ``bf16-mixed`` | ``bf16-true`` | ``64-true`` | ``fp8``.
+    """``32-true`` | ``16-mixed`` | ``bf16-mixed`` | ``16-true`` | ``bf16-true`` | ``64-true`` | ``fp8``.
 
-    The "true" precisions (``bf16-true``, ``64-true``) hold the weights in their dtype, build ``configure_model``'s
-    layers and the forward's new tensors in it, and convert each batch's floating-point tensors to it, as
-    Lightning's do.
+    The "true" precisions (``16-true``, ``bf16-true``, ``64-true``) hold the weights in their dtype, build
+    ``configure_model``'s layers and the forward's new tensors in it, and convert each batch's floating-point tensors
+    to it, as Lightning's do.
 
     ``fp8``: torchao's float8 training (the torchtitan choice): the model's linear layers compute
     their matmuls in float8 with dynamic per-tensor scales, everything else runs under bf16

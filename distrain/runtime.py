@@ -213,7 +213,7 @@ class Runtime:
 
     # ---- model, optimizers, data ----------------------------------------------------------------
     def init_module(self, empty_init: bool | None = None):
-        """Context to build the model in: on the device (and in bf16 for bf16-true)."""
+        """Context to build the model in: on the device (and in a "true" precision's dtype: bf16 for bf16-true)."""
         return self.strategy.module_init_context(empty_init)
 
     def setup(self, module: nn.Module, *optimizers: torch.optim.Optimizer):
@@ -237,7 +237,8 @@ class Runtime:
 
     def to_device(self, batch: Any) -> Any:
         """``batch`` (tensors in any nesting of lists, tuples and dicts) on this rank's device, its floating-point
-        tensors in the precision's dtype where it is a "true" one (``bf16-true``, ``64-true``), as Lightning's."""
+        tensors in the precision's dtype where it is a "true" one (``16-true``, ``bf16-true``, ``64-true``), as
+        Lightning's."""
         return move_to_device(batch, self.device, self.precision.true_dtype)
 
     def autocast(self):

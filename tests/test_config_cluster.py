@@ -22,7 +22,7 @@ def test_layers_file_then_flags_then_items(tmp_path):
         ("distributed: {strategy: zero9}", "distributed.strategy"),
         ("distributed: {devices: many}", "distributed.devices"),
         ("training: {precision: fp7}", "training.precision"),
-        ("training: {precision: 16-true}", "training.precision='16-true' is not run by distrain"),
+        ("training: {precision: transformer-engine}", "training.precision='transformer-engine' is not run by distrain"),
         ("trainer: {}", "unknown key 'trainer'"),
         ("training: 3", "expected a section"),
         ("[1, 2]", "mapping"),

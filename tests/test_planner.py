@@ -87,6 +87,18 @@ def test_deep_models_extrapolated_from_two_shallow_depths_match_the_full_depth(m
         assert predicted.seconds == pytest.approx(traced.seconds, rel=0.03), option
 
 
+def test_a_true_precision_is_planned_in_its_dtype():
+    """16-true, bf16-true and 64-true hold the weights in their dtype, with no float32 copy: 2, 2 and 8 bytes of
+    parameters per parameter under DDP, where 32-true (and bf16-mixed, whose autocast casts a copy) holds 4."""
+    spec = ModelSpec.builtin_gpt("gpt-tiny", 32)
+    params = {
+        precision: Estimator(Job(spec, 1, precision)).estimate(Option("ddp")).params
+        for precision in ("32-true", "bf16-mixed", "16-true", "bf16-true", "64-true")
+    }
+    n = params["32-true"] / 4
+    assert params == {"32-true": 4 * n, "bf16-mixed": 4 * n, "16-true": 2 * n, "bf16-true": 2 * n, "64-true": 8 * n}
+
+
 def test_zero_model_states_against_deepspeed_and_published_figures():
     """For sizes this machine cannot run: 7B on 8 GPUs, bf16 + Adam. ZeRO-3 holds 16 bytes per
     parameter of model state before sharding (2 bf16 weights + 2 bf16 grads + 12 fp32 master and

@@ -26,7 +26,7 @@ from distrain.planner.models import model_of
 from distrain.planner.options import BYTE_FIELDS, Option, Row
 from distrain.planner.simulate import Started
 from distrain.planner.timing import Hardware, StepTime, step_at_depth
-from distrain.precision import AUTOCAST, compute_dtype
+from distrain.precision import AUTOCAST, TRUE_DTYPES, compute_dtype
 
 
 @dataclass
@@ -159,7 +159,7 @@ class Estimator:
         autocast = compute if p in AUTOCAST else None
         if model_of(kind).sharded_dtypes:
             return compute, autocast
-        return (compute if p == "bf16-true" else torch.float32), autocast
+        return (compute if p in TRUE_DTYPES else torch.float32), autocast
 
     def trace(
         self, kind: str, checkpoint: int | None, micro_batch: int | None = None, routed_over: int = 1

@@ -200,7 +200,7 @@ def fill_config(config: dict, facts: TrainingFacts, source: str, extra: dict[str
 def check_precision(cfg: dict, precision: str, on_cuda: bool, source: str) -> None:
     """The file's bf16/fp16 sections against the Trainer's ``precision`` (``"auto"`` filled in ``cfg``), and fp16
     only on a GPU: known before any rank starts, so a conflict is refused there."""
-    wants = {"bf16": precision.startswith("bf16"), "fp16": precision == "16-mixed"}
+    wants = {"bf16": precision.startswith("bf16"), "fp16": precision in ("16-mixed", "16-true")}
     for section in ("bf16", "fp16"):
         block = cfg.get(section)
         if block is None:

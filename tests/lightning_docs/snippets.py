@@ -120,7 +120,6 @@ def _cuda(devices: object) -> str:
 
 #: distrain's one-line refusals, as regexes
 _FP16_MIXED = r"^ValueError: precision='16-mixed' needs a CUDA GPU \(fp16 with a GradScaler\); on CPU use 'bf16-mixed'$"
-_FP16_TRUE = r"^ValueError: precision='16-true' is not run by distrain: .*use '16-mixed' on a GPU"
 _TE = r"^ValueError: precision='transformer-engine.*' is not run by distrain: NVIDIA Transformer Engine's layers"
 
 SNIPPETS: list[Snippet] = [
@@ -962,8 +961,6 @@ trainer = L.Trainer(
         38,
         "16-true",
         _T + 'Trainer(precision="16-true")\n',
-        expect=f"refused: {_FP16_TRUE}",
-        because="fp16: 16-true",
         note=_ADDED_T,
     ),
     *(
@@ -1032,8 +1029,6 @@ trainer = Trainer(plugins=[CustomPrecision()])
         92,
         "16-true",
         _T + '# Select FP16 precision\ntrainer = Trainer(precision="16-true")\n',
-        expect=f"refused: {_FP16_TRUE}",
-        because="fp16: 16-true",
         note=_ADDED_T,
     ),
     Snippet(

@@ -17,6 +17,7 @@ EXAMPLES = [
     "written/random_streams.py",
     "written/unseeded_datamodule.py",
     "written/double_precision.py",
+    "written/half_precision.py",
     "written/named_ddp.py",
     "written/prediction_writer.py",
     "written/weight_averaging.py",

@@ -10,8 +10,8 @@ __all__ = ["ClusterEnvironment", "DoublePrecision", "HalfPrecision", "MixedPreci
 
 _PRECISION = refusing(
     __name__,
-    "a precision is Trainer(precision=...): 32-true, 16-mixed, bf16-mixed, bf16-true, 64-true, fp8, or a Precision, "
-    "MixedPrecision, DoublePrecision or HalfPrecision plugin",
+    "a precision is Trainer(precision=...): 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, 64-true, fp8, or a "
+    "Precision, MixedPrecision, DoublePrecision or HalfPrecision plugin",
 )
 _OTHER = refusing(
     __name__,

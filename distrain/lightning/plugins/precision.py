@@ -1,6 +1,6 @@
 """``lightning.pytorch.plugins.precision``: Lightning's precision plugins, for ``Trainer(plugins=[...])``.
 
-A precision is ``Trainer(precision=...)`` here (32-true, 16-mixed, bf16-mixed, bf16-true, 64-true, fp8), and
+A precision is ``Trainer(precision=...)`` here (32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, 64-true, fp8), and
 distrain runs it itself: autocast, the fp16 GradScaler, the dtype of the weights and of each batch. A plugin given
 to the Trainer stands for its ``precision``: ``Precision`` (a subclass sets the class attribute, as Lightning's
 own do), ``MixedPrecision("bf16-mixed", "cpu")``, ``DoublePrecision()``, ``HalfPrecision("bf16-true")``. A
@@ -74,8 +74,7 @@ class DoublePrecision(Precision):
 
 
 class HalfPrecision(Precision):
-    """Lightning's half-precision weights plugin: ``precision`` "bf16-true" (or "16-true", which distrain refuses
-    where the Trainer checks its precision)."""
+    """Lightning's half-precision weights plugin: ``precision`` "16-true" or "bf16-true"."""
 
     def __init__(self, precision: str = "16-true") -> None:
         if precision not in ("16-true", "bf16-true"):
@@ -98,5 +97,5 @@ def precision_of(plugin: Precision) -> str:
 
 
 __getattr__ = refusing(
-    __name__, "a precision is Trainer(precision=...): 32-true, 16-mixed, bf16-mixed, bf16-true, 64-true, fp8"
+    __name__, "a precision is Trainer(precision=...): 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, 64-true, fp8"
 )
