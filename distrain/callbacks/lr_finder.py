@@ -161,15 +161,17 @@ def set_lr_attribute(module, name: str, lr: float) -> None:
 def find_lr(
     trainer,
     module,
-    min_lr: float = 1e-8,
-    max_lr: float = 1.0,
-    num_training: int = 100,
-    mode: str = "exponential",
-    early_stop_threshold: float | None = 4.0,
-    update_attr: bool = False,
-    attr_name: str = "",
+    *,
+    min_lr: float,
+    max_lr: float,
+    num_training: int,
+    mode: str,
+    early_stop_threshold: float | None,
+    update_attr: bool,
+    attr_name: str,
 ) -> LRFinder:
-    """The search, in every rank of a fit that has set up its optimizer (``LearningRateFinder.on_fit_start``)."""
+    """The search, in every rank of a fit that has set up its optimizer (``LearningRateFinder.lr_find``: its
+    arguments, Lightning's)."""
     if update_attr:
         attr_name = lr_attribute(module, attr_name)
     if not module.automatic_optimization:
