@@ -603,6 +603,10 @@ class StepRouter(nn.Module):
         #: on_before_backward: here, in order)
         self.before_backward = before_backward
 
+    def __getstate__(self) -> dict:
+        # the module carries its router (``of``): a copy or pickle of the module leaves the loop's hook behind
+        return {**super().__getstate__(), "before_backward": None}
+
     def forward(self, step_name: str, batch: Any, batch_idx: int) -> Any:
         output = run_step(self.module, step_name, batch, batch_idx)
         if step_name == "training_step" and self.before_backward is not None and self.module.automatic_optimization:
