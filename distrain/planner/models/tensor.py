@@ -41,34 +41,10 @@ class ModelParallel(CostModel):
         return 5
 
     def label(self, option, accumulate=None) -> str:
-        if option.family == "cp":
-            return (
-                f"context parallel {option.context}"
-                + (f" ({option.get('engine')})" if option.get("engine") else "")
-                + (f" × tensor {option.tensor}" if option.tensor > 1 else "")
-                + (" × fsdp" if option.get("sharding") else "")
-                + (f" + experts over {option.get('experts')}" if option.get("experts") else "")
-            )
-        return (
-            f"tensor parallel {option.tensor}"
-            + (" + SP" if option.get("sequence_parallel", False) else "")
-            + (" × fsdp" if option.get("sharding") else "")
-        )
+        return "".join(long for long, _ in _name_parts(option))
 
     def short(self, option) -> str:
-        if option.family == "cp":
-            return (
-                f"CP{option.context}"
-                + (f"({option.get('engine')})" if option.get("engine") else "")
-                + (f"×TP{option.tensor}" if option.tensor > 1 else "")
-                + ("×FSDP" if option.get("sharding") else "")
-                + (f"+EP{option.get('experts')}" if option.get("experts") else "")
-            )
-        return (
-            f"TP{option.tensor}"
-            + ("+SP" if option.get("sequence_parallel", False) else "")
-            + ("×FSDP" if option.get("sharding") else "")
-        )
+        return "".join(short for _, short in _name_parts(option))
 
     def prefetch(self, estimator, option) -> None:
         from distrain.planner.simulate import start_tensor_parallel_simulation
@@ -246,3 +222,23 @@ def tensor_parallel_option(job, strict: bool = False) -> Option | None:
 
 
 MODELS = (ModelParallel(),)
+
+
+def _name_parts(option) -> list[tuple[str, str]]:
+    """The parts of the option's name that hold (its label's, its short name's), in order."""
+    engine, experts = option.get("engine"), option.get("experts")
+    if option.family == "cp":
+        parts = [
+            (f"context parallel {option.context}", f"CP{option.context}"),
+            (f" ({engine})", f"({engine})") if engine else None,
+            (f" × tensor {option.tensor}", f"×TP{option.tensor}") if option.tensor > 1 else None,
+            (" × fsdp", "×FSDP") if option.get("sharding") else None,
+            (f" + experts over {experts}", f"+EP{experts}") if experts else None,
+        ]
+    else:
+        parts = [
+            (f"tensor parallel {option.tensor}", f"TP{option.tensor}"),
+            (" + SP", "+SP") if option.get("sequence_parallel", False) else None,
+            (" × fsdp", "×FSDP") if option.get("sharding") else None,
+        ]
+    return [part for part in parts if part is not None]
