@@ -58,3 +58,10 @@ if __name__ == "__main__":
     results = finder.optimal_lr.results
     save("callback", [torch.tensor(results["lr"]), torch.tensor(results["loss"]), finder.optimal_lr.suggestion()])
     save("callback_fit", [trainer.optimizers[0].param_groups[0]["lr"], *[p.detach() for p in model.parameters()]])
+
+    model = LitModel()
+    trainer = pl.Trainer(
+        max_epochs=1, accumulate_grad_batches=2, enable_progress_bar=False, logger=False, enable_checkpointing=False
+    )
+    found = Tuner(trainer).lr_find(model, train, num_training=14, mode="linear", max_lr=0.1, early_stop_threshold=None)
+    save("accumulated", [torch.tensor(found.results["lr"]), torch.tensor(found.results["loss"]), found.suggestion()])
