@@ -301,6 +301,51 @@ def test_no_module_imports_another_modules_private_names(tmp_path):
     ]
 
 
+def private_attributes_reached(package: Path = PACKAGE) -> list[str]:
+    """``obj._name`` read or written in a module other than the ones whose classes own ``_name`` (assign
+    ``self._name``, define a method or class attribute of that name): one module reaching into another's objects.
+    ``compat/`` is left out: reaching into torch's, DeepSpeed's and transformers' private names is its one job."""
+    files = {f.relative_to(package).as_posix(): ast.parse(f.read_text()) for f in package.rglob("*.py")}
+    owners: dict[str, set[str]] = {}
+    for name, tree in files.items():
+        for node in ast.walk(tree):
+            owned = []
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    owned.append(node.attr)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                owned.append(node.name)
+            elif isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    targets = item.targets if isinstance(item, ast.Assign) else [getattr(item, "target", None)]
+                    owned += [t.id for t in targets if isinstance(t, ast.Name)]
+            for attr in owned:
+                owners.setdefault(attr, set()).add(name)
+    found = []
+    for name, tree in files.items():
+        if name.startswith("compat/"):
+            continue
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            value = node.value
+            if (isinstance(value, ast.Name) and value.id in ("self", "cls")) or (
+                isinstance(value, ast.Call) and getattr(value.func, "id", "") == "super"
+            ):
+                continue
+            if node.attr in owners and name not in owners[node.attr]:
+                found.append(f"{name}:{node.lineno} reaches {ast.unparse(node)} (owned by {sorted(owners[node.attr])})")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_objects(tmp_path):
+    """Nothing outside a class's module reads or writes its underscore attributes; and the check sees one that does."""
+    assert not private_attributes_reached(), "\n".join(private_attributes_reached())
+    (tmp_path / "a.py").write_text("class Stage:\n    def __init__(self):\n        self._said = False\n")
+    (tmp_path / "b.py").write_text("def warn(stage):\n    stage._said = True\n")
+    assert private_attributes_reached(tmp_path) == ["b.py:2 reaches stage._said (owned by ['a.py'])"]
+
+
 # ---- the Trainer's private members stay the Trainer's ----------------------------------------------------------------
 #: the private members of the Trainer that other modules reach: none. Its stages and loop parts are handed what they
 #: call back (as ``Evaluator`` is); the conventions ``distrain.lightning``'s Trainer overrides are public methods

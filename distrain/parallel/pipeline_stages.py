@@ -162,7 +162,8 @@ class PipelineRunner:
         self._schedule_key = None
         self._window: list[tuple[int, Any]] = []
         self._targets: list[torch.Tensor] = []
-        self._warned_short = False
+        #: a step of fewer micro-batches than the stages was said on the console (by the strategy's set-up, or here)
+        self.warned_short = False
 
     def finish(self) -> None:
         """Once the model holds its final (sharded, initialized, pruned) parameters."""
@@ -292,14 +293,14 @@ class PipelineRunner:
             return ScheduleLoopedBFS(target, n, loss_fn=loss_fn, scale_grads=False)
 
     def _warn_short(self, n: int) -> None:
-        if not self._warned_short and dist.get_rank() == 0:
+        if not self.warned_short and dist.get_rank() == 0:
             warnings.warn(
                 f"distrain: a pipeline step of {n} micro-batch(es) on {self.layout.pipeline} stages cannot run "
                 f"{self.schedule_name}; it runs breadth-first instead (same result, more idle stages). Use a multiple "
                 "of the stages for accumulate_grad_batches (training.gradient_accumulation_steps)",
                 stacklevel=2,
             )
-            self._warned_short = True
+            self.warned_short = True
 
     # ---- the model call the user's step makes on the last stage ------------------------------------------------
     @contextlib.contextmanager

@@ -337,7 +337,7 @@ class ModelParallelStrategy(Strategy):
                 f"{self.microbatches}, or leave microbatches unset"
             )
         if self.runner is not None and loop.accumulate < self.layout.pipeline and optimizers:
-            self.runner._warned_short = True  # said here once; the schedule's fallback need not say it again
+            self.runner.warned_short = True  # said here once; the schedule's fallback need not say it again
             if self.is_global_zero:
                 warnings.warn(
                     f"distrain: {loop.accumulate} micro-batch(es) per step on {self.layout.pipeline} pipeline stages: "
