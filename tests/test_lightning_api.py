@@ -1007,9 +1007,16 @@ def test_a_search_when_fit_starts_leaves_a_fit_as_a_fresh_one_at_the_suggested_r
     losses of a fresh fit of the same module at the suggested rate, which the module's ``hparams.lr`` holds."""
     from distrain.callbacks import LearningRateFinder
 
+    class WritesToItsExperiment(
+        LitRegressor
+    ):  # TensorBoard's writer in the fit, a logger that keeps nothing in the search
+        def training_step(self, batch, batch_idx):
+            self.logger.experiment.add_scalar("batch", float(batch_idx), self.global_step)
+            return super().training_step(batch, batch_idx)
+
     finder = LearningRateFinder(min_lr=1e-4, max_lr=1.0, num_training_steps=20, early_stop_threshold=None)
     trainer, searched = make_trainer(tmp_path / "s", strategy="single", devices=1, max_steps=10, callbacks=[finder])
-    model = LitRegressor()
+    model = WritesToItsExperiment()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     trainer.fit(model)
     lrs = finder.optimal_lr.results["lr"]
@@ -1018,11 +1025,22 @@ def test_a_search_when_fit_starts_leaves_a_fit_as_a_fresh_one_at_the_suggested_r
     suggested = finder.optimal_lr.suggestion()
     assert model.hparams.lr == suggested and 1e-4 < suggested < 1.0
     fresh, unsearched = make_trainer(tmp_path / "f", strategy="single", devices=1, max_steps=10)
-    unsearched_model = LitRegressor(lr=suggested)
+    unsearched_model = WritesToItsExperiment()
+    unsearched_model.hparams.lr = suggested
     unsearched_model.load_state_dict(initial)
     fresh.fit(unsearched_model)
     assert searched.losses == unsearched.losses and len(searched.losses) == 10
     assert trainer.callback_metrics["val_loss"] == fresh.callback_metrics["val_loss"]
+    # the search logged nothing: the run's loggers hold the fit's steps, as the unsearched run's do
+    rows = [_loss_rows(Path(t.log_dir) / "metrics.jsonl") for t in (trainer, fresh)]
+    assert rows[0] == rows[1] and [step for step, _ in rows[0]] == list(range(1, 11))
+
+
+def _loss_rows(metrics: Path) -> list[tuple[int, float]]:
+    import json
+
+    records = map(json.loads, metrics.read_text().splitlines())
+    return [(r["step"], r["loss"]) for r in records if "loss" in r]
 
 
 def test_lr_find_refusals_each_in_one_line(tmp_path):

@@ -19,6 +19,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from distrain.callbacks.base import Callback
+from distrain.loggers.base import Logger
 from distrain.runtime import isolated_rng
 
 MODES = ("linear", "exponential")
@@ -232,10 +233,19 @@ def find_lr(
     return finder
 
 
+class _Absorbing(Logger):
+    """The search's logger where the run has one (Lightning's ``DummyLogger``): ``trainer.logger`` and its
+    ``experiment`` take whatever the module's code hands them, and keep nothing."""
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        pass
+
+
 def _quiet(metrics):
     """A metrics logger for the search: the module's ``self.log`` calls land in it, nothing reaches a logger or the
     console, and the run's own values stay as they were."""
-    quiet = type(metrics)(metrics.runtime, [], 2**62, print_steps=False, straggler_threshold=math.inf)
+    loggers = [_Absorbing()] if metrics.loggers else []
+    quiet = type(metrics)(metrics.runtime, loggers, 2**62, print_steps=False, straggler_threshold=math.inf)
     quiet.monitor, quiet.summarize = metrics.monitor, False
     quiet.start_fit(None, None)
     return quiet
