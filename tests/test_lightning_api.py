@@ -1070,6 +1070,9 @@ def test_lr_find_refusals_each_in_one_line(tmp_path):
     searching, _ = make_trainer(tmp_path, strategy="single", devices=1, callbacks=[LearningRateFinder()])
     with pytest.raises(ValueError, match="already configured with a `LearningRateFinder`"):
         Tuner(searching).lr_find(LitRegressor())
+    smoke, _ = make_trainer(tmp_path, strategy="single", devices=1, fast_dev_run=True)
+    with pytest.warns(UserWarning, match="Skipping learning rate finder since `fast_dev_run` is enabled"):
+        assert Tuner(smoke).lr_find(LitRegressor()) is None
     spawned, _ = make_trainer(tmp_path, strategy="ddp_spawn", devices=2, max_steps=1)
     with pytest.raises(ValueError, match="lr_find with ranks spawned or forked from this process"):
         Tuner(spawned).lr_find(LitRegressor())

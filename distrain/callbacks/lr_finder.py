@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -170,9 +171,13 @@ def find_lr(
     early_stop_threshold: float | None,
     update_attr: bool,
     attr_name: str,
-) -> LRFinder:
+) -> LRFinder | None:
     """The search, in every rank of a fit that has set up its optimizer (``LearningRateFinder.lr_find``: its
-    arguments, Lightning's)."""
+    arguments, Lightning's). None under ``fast_dev_run``, which skips it, as Lightning does."""
+    if trainer.loop.fast_dev_run:
+        if trainer.is_global_zero:
+            warnings.warn("Skipping learning rate finder since `fast_dev_run` is enabled.", stacklevel=2)
+        return None
     if update_attr:
         attr_name = lr_attribute(module, attr_name)
     if not module.automatic_optimization:

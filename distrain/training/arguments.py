@@ -134,6 +134,9 @@ class LoopOptions:
     rank, or ``ignore`` it (no check, no host sync per step)."""
     overfit: bool = False
     """Lightning's ``overfit_batches``: the training data in its order, unshuffled (the limits hold the count)."""
+    fast_dev_run: bool = False
+    """Lightning's smoke test (its limits hold the batches): a search of its own (the learning-rate finder) is
+    skipped, as Lightning skips it."""
 
     def accumulate_for(self, epoch: int) -> int:
         return self.accumulation[max(e for e in self.accumulation if e <= epoch)]
@@ -200,6 +203,7 @@ def checked_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
         gradient_clip_val=a["gradient_clip_val"],
         gradient_clip_algorithm=a["gradient_clip_algorithm"] or "norm",
         overfit=bool(overfit),
+        fast_dev_run=bool(a["fast_dev_run"]),
         val_check_interval=a["val_check_interval"],
         check_val_every_n_epoch=a["check_val_every_n_epoch"] or 1,
         limit_train_batches=a["limit_train_batches"],
