@@ -1036,6 +1036,29 @@ def test_a_search_when_fit_starts_leaves_a_fit_as_a_fresh_one_at_the_suggested_r
     assert rows[0] == rows[1] and [step for step, _ in rows[0]] == list(range(1, 11))
 
 
+def test_a_fit_resumed_with_the_finder_goes_on_as_the_uninterrupted_one(tmp_path, capsys):
+    """A resumed fit does not search again: its checkpoint holds the rate the first search set (and the scheduler's
+    moves since), and it ends on the weights of the fit never interrupted, bit for bit."""
+    from distrain.callbacks import LearningRateFinder
+
+    def fit(folder, max_steps, ckpt_path=None):
+        finder = LearningRateFinder(min_lr=1e-4, max_lr=1.0, num_training_steps=20, early_stop_threshold=None)
+        trainer, _ = make_trainer(
+            tmp_path / folder, strategy="single", devices=1, max_steps=max_steps, callbacks=[finder], logger=False
+        )
+        torch.manual_seed(0)
+        model = LitRegressor()
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return _final(model)
+
+    whole = fit("whole", 10)
+    fit("legs", 6)
+    assert "lr_find skipped" not in capsys.readouterr().out
+    resumed = fit("legs", 10, ckpt_path="last")
+    assert "lr_find skipped: this fit goes on from step 6" in capsys.readouterr().out
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
 def _loss_rows(metrics: Path) -> list[tuple[int, float]]:
     import json
 

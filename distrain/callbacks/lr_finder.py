@@ -304,4 +304,12 @@ class LearningRateFinder(Callback):
         trainer.loop_state.iterator_drew = True  # Lightning made the fit's iterator as the search ended
 
     def on_fit_start(self, trainer, module) -> None:
+        if trainer.global_step > 0:  # resumed: its checkpoint's optimizer holds the rate the first search set
+            if trainer.is_global_zero:
+                print(
+                    f"distrain: lr_find skipped: this fit goes on from step {trainer.global_step} with the learning "
+                    "rate its checkpoint holds (Lightning restores that over a new search's)",
+                    flush=True,
+                )
+            return
         self.lr_find(trainer, module)
