@@ -339,7 +339,10 @@ class Trainer(TrainerViews):
         self.stop.install()
         try:
             with self.runtime.diagnosing_hangs(on_error=self._on_fit_error):
-                call_hook(self, "on_fit_start")
+                try:
+                    call_hook(self, "on_fit_start")
+                except TunerExit:  # Tuner.lr_find's search ran when fit started: the fit ends there, as in Lightning
+                    return self.callback_metrics
                 if val_loader is not None and self.loop.num_sanity_val_steps:
                     sanity_check(self, val_loader)
                 call_hook(self, "on_train_start")
@@ -351,8 +354,6 @@ class Trainer(TrainerViews):
                 call_hook(self, "on_train_end")
                 self.checkpoints.complete_pending()  # one written in the background: on disk before fit returns
                 call_hook(self, "on_fit_end")
-        except TunerExit:  # Tuner.lr_find's search ran when fit started: the fit ends there, as in Lightning
-            return self.callback_metrics
         finally:
             self.metrics.timer.unwatch()
             self.stop.finish()  # no collective may be left in flight
@@ -364,8 +365,6 @@ class Trainer(TrainerViews):
         return self.callback_metrics
 
     def _on_fit_error(self, error: BaseException, hang: Exception | None) -> None:
-        if isinstance(error, TunerExit):
-            return
         call_callbacks(self, "on_exception", hang or error)
         if hang is not None:
             self.stop.abandon()  # the stop-signal all-reduce in flight cannot finish either
