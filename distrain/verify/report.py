@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distrain.precision import TRUE_DTYPES, compute_dtype
+
 #: relative difference (of whole tensors, by norm) a precision's rounding explains, per optimizer step. bf16 keeps 8
 #: bits: a norm's gradient computed from bf16 weights (FSDP's mixed precision gathers every parameter in bf16) and
 #: from fp32 ones under autocast differ by several percent (measured: up to 6e-2, gpt-tiny, 3 steps)
@@ -26,15 +28,6 @@ LOW_PRECISION_WEIGHTS = {"DeepSpeedStrategy"}
 #: under tensor parallelism (gradients equal to 7e-7 at step 1): up to 9e-5 on the weights after step 1 and 2e-4 on
 #: step 2's gradients (gpt-tiny and a tiny Llama, 4 steps); a layout bug moves whole tensors by 1e-2 and more
 AFTER_A_STEP = 1e-3
-#: the dtype each precision computes in, where not float32
-_LOW = {
-    "bf16-mixed": "bfloat16",
-    "16-mixed": "float16",
-    "16-true": "float16",
-    "bf16-true": "bfloat16",
-    "64-true": "float64",
-    "fp8": "bfloat16",
-}
 
 
 @dataclass
@@ -342,8 +335,9 @@ def _checkpoint(run: dict, weights: dict) -> Check:
 
 def _precision(run: dict) -> Check:
     precision, seen = run["precision"], run["dtypes"]
-    want_master = _LOW[precision] if precision.endswith("-true") and precision != "32-true" else "float32"
-    want_compute = _LOW.get(precision, "float32")
+    # a "true" precision holds its weights in its own dtype; every other keeps fp32 masters
+    want_master = _dtype_name(TRUE_DTYPES.get(precision, torch.float32))
+    want_compute = _dtype_name(compute_dtype(precision))
     problems = []
     for stage in ("master weights", "optimizer state"):
         found = set(seen.get(stage, []))
@@ -357,3 +351,8 @@ def _precision(run: dict) -> Check:
         problems.append(f"gradients reduced in {'/'.join(sorted(reduction))} under 32-true")
     summary = " · ".join(f"{stage} {'/'.join(v)}" for stage, v in seen.items())
     return Check("precision", not problems, "; ".join(problems) + f" (seen: {summary})" if problems else summary)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``bfloat16``, as the run's dtypes are recorded."""
+    return str(dtype).removeprefix("torch.")
