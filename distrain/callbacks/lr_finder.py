@@ -160,6 +160,10 @@ def set_lr_attribute(module, name: str, lr: float) -> None:
         hparams[name] = lr
 
 
+#: the Trainer's parts a search replaces with its own, and puts back
+_SET_ASIDE = ("callbacks", "lr_schedulers", "metrics", "loop", "loop_state", "anomalies")
+
+
 def find_lr(
     trainer,
     module,
@@ -192,8 +196,7 @@ def find_lr(
             ", whose rate the search cannot schedule; find the rate under ddp or fsdp, and train with it here"
         )
     recorder = _Recorder(early_stop_threshold)
-    t = trainer
-    kept = (t.callbacks, t.lr_schedulers, t.metrics, t.loop, t.loop_state, t.anomalies)
+    kept = {name: getattr(trainer, name) for name in _SET_ASIDE}
     # its tensors may be the live ones, which the search moves: copies
     saved = tree_map(
         lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, trainer.checkpoints.live_state()
@@ -219,7 +222,8 @@ def find_lr(
             trainer.anomalies = None
             trainer.run_epochs(trainer.train_dataloader, None)
         finally:
-            t.callbacks, t.lr_schedulers, t.metrics, t.loop, t.loop_state, t.anomalies = kept
+            for name, value in kept.items():
+                setattr(trainer, name, value)
             trainer.should_stop = False
             trainer.checkpoints.load_live_state(saved)
     results = trainer.runtime.broadcast({"lr": recorder.lrs, "loss": recorder.losses})
