@@ -1,3 +1,4 @@
+import faulthandler
 import fcntl
 import glob
 import importlib.util
@@ -6,8 +7,10 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -79,11 +82,16 @@ def pytest_unconfigure(config):
 # reader-writer lock on two files: `gate` stops new tests while an `alone` test waits for `room` to empty.
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: the wait is not part of any test's time limit
 def pytest_runtest_protocol(item, nextitem):
-    if _OWNER == "main":  # no workers beside this process
-        yield
-        return
-    with _turn(alone=item.get_closest_marker("alone") is not None):
-        yield
+    watchdog = item.config.stash.get(_WATCHDOG, None)
+    # no workers beside the main process: no turns to take
+    with nullcontext() if _OWNER == "main" else _turn(alone=item.get_closest_marker("alone") is not None):
+        if watchdog is not None:
+            watchdog.running = (item.nodeid, time.monotonic())
+        try:
+            yield
+        finally:
+            if watchdog is not None:
+                watchdog.running = None
 
 
 @contextmanager
@@ -102,24 +110,78 @@ def _turn(alone: bool):
             fcntl.flock(room, fcntl.LOCK_UN)
 
 
-def _end_leftover_ranks(session):
-    """A test that failed or timed out can leave ranks behind (waiting on a peer that is gone); they
-    would keep the session from ending (multiprocessing joins its children at exit). End them, and
-    say so: a leftover is a bug to look at, not to wait for."""
+# ---- a test stuck where its time limit cannot reach it -----------------------------------------------------------
+# pytest-timeout (`timeout` in pyproject.toml) ends a test by raising in its main thread. A test stuck in native code
+# (a C++ wait, a wait on a child) or in a finalizer, where the exception is swallowed, never sees it: the session then
+# hangs until CI's 90 minutes run out, nothing lands, and the log stops at the last dot. A watchdog thread acts
+# `_STUCK_GRACE` seconds past the limit: it prints the test's name and every thread's stack, ends the processes below
+# this one (the ranks or tools the test waits on: ended, the wait returns and the test fails as it should), and if the
+# test is still running `_STUCK_GRACE` seconds later, ends the session with that diagnosis rather than hang.
+_STUCK_GRACE = float(os.environ.get("DISTRAIN_TEST_STUCK_GRACE", 60))
+
+
+class _Watchdog:
+    def __init__(self, limit: float, out_fd: int):
+        self.limit, self.out_fd = limit, out_fd
+        self.running: tuple[str, float] | None = None  # the test's node id, and when it started
+        threading.Thread(target=self._watch, name="distrain-test-watchdog", daemon=True).start()
+
+    def _say(self, text: str) -> None:
+        os.write(self.out_fd, f"\n{text}\n".encode())
+
+    def _watch(self) -> None:
+        acted_on = None
+        while True:
+            time.sleep(min(5.0, _STUCK_GRACE / 4))
+            running = self.running
+            if running is None or running == acted_on:
+                if running is not None and time.monotonic() - running[1] > self.limit + 2 * _STUCK_GRACE:
+                    self._say(f"{running[0]} is still stuck: ending the test session (exit 1)")
+                    os._exit(1)
+                continue
+            if time.monotonic() - running[1] > self.limit + _STUCK_GRACE:
+                acted_on = running
+                self._say(f"{running[0]} outlived its {self.limit:.0f} s limit; its threads' stacks:")
+                faulthandler.dump_traceback(file=self.out_fd, all_threads=True)
+                ended = _end_processes_below()
+                self._say(f"ended the processes it started: {', '.join(ended) or 'none'}")
+
+
+def _end_processes_below() -> list[str]:
+    """Kills every process below this one but the fork server and multiprocessing's resource tracker (shared by all
+    tests); returns their ids and the start of their command lines."""
     import psutil
 
-    leftovers = []
+    ended = []
     for process in psutil.Process().children(recursive=True):
         try:
             command = " ".join(process.cmdline())
             if "resource_tracker" not in command and "multiprocessing.forkserver" not in command:
                 process.kill()
-                leftovers.append(process)
+                ended.append(f"{process.pid} ({command[:80]})")
         except psutil.Error:  # ended meanwhile
             continue
+    return ended
+
+
+def pytest_configure(config):
+    limit = float(config.getini("timeout") or 0) if config.pluginmanager.hasplugin("timeout") else 0.0
+    if limit > 0:
+        config.stash[_WATCHDOG] = _Watchdog(limit, os.dup(2))  # fd 2 as it is between tests: the terminal
+
+
+_WATCHDOG = pytest.StashKey[_Watchdog]()
+
+
+def _end_leftover_ranks(session):
+    """A test that failed or timed out can leave ranks behind (waiting on a peer that is gone); they
+    would keep the session from ending (multiprocessing joins its children at exit). End them, and
+    say so: a leftover is a bug to look at, not to wait for."""
+    leftovers = _end_processes_below()
     if leftovers:
-        names = ", ".join(f"{p.pid}" for p in leftovers)
-        session.config.get_terminal_writer().line(f"killed {len(leftovers)} process(es) left by the tests: {names}")
+        session.config.get_terminal_writer().line(
+            f"killed {len(leftovers)} process(es) left by the tests: {', '.join(leftovers)}"
+        )
 
 
 @pytest.fixture(autouse=True)
