@@ -380,8 +380,8 @@ class Trainer(TrainerViews):
                 self.current_epoch,
                 self.data_parallel_size,
                 self.loop_state.num_batches,
-                drew_already=self.continues_script_streams
-                and (self.progress.samples_in_epoch > 0 or self.loop_state.iterator_drew),
+                streams_continue=self.continues_script_streams,
+                iterator_drew=self.loop_state.iterator_drew,
                 epoch_start=lambda: call_hook(self, "on_train_epoch_start"),
             )
             self.loop_state.iterator_drew = False

@@ -20,17 +20,20 @@ def epoch_batches(
     epoch: int,
     data_parallel_size: int,
     limit: int | None,
-    drew_already: bool,
+    streams_continue: bool,
+    iterator_drew: bool,
     epoch_start: Callable[[], Any],
 ) -> Iterator[tuple[int, Any]]:
     """This epoch's ``(batch_idx, batch)`` pairs from where ``progress`` says, at most ``limit`` in the epoch.
     ``epoch_start`` (the ``on_train_epoch_start`` hooks) runs once the sampler knows the epoch and before the loader
-    is iterated, which may draw from torch's generator; not for an epoch a resumed checkpoint ended. ``drew_already``:
-    this epoch's iterator drew its seed already (before a checkpoint this run resumes, or in a search the streams were
-    set back from), so it draws nothing now (``distrain.lightning``'s streams go on as Lightning's)."""
+    is iterated, which may draw from torch's generator; not for an epoch a resumed checkpoint ended.
+    ``streams_continue``: the script's random streams go on as Lightning's (``distrain.lightning``), so an iterator
+    that drew its seed already draws nothing now: before the checkpoint this run resumes mid-epoch, or
+    (``iterator_drew``) in a search the streams were set back from."""
     sampler = distributed_sampler(loader)
     seed_workers(loader, epoch)
     resumed = progress.samples_in_epoch > 0
+    drew_already = streams_continue and (resumed or iterator_drew)
     if sampler is not None:
         sampler.set_epoch(epoch)
         sampler.set_start(progress.samples_in_epoch)
