@@ -349,7 +349,8 @@ class Trainer(TrainerViews):
                 self.run_epochs(train_loader, val_loader)
                 self.nonfinite.settle()  # the last step's device check
                 rt.mark_phase(None, "end of training")
-                if val_loader is not None and self.loop_state.last_val_step != self.global_step and not self.preempted:
+                closing = val_loader is not None and not self.loop.validates_as_lightning and not self.preempted
+                if closing and self.loop_state.last_val_step != self.global_step:
                     validate_during_fit(self, val_loader)  # the run always ends with a val score
                 call_hook(self, "on_train_end")
                 self.checkpoints.complete_pending()  # one written in the background: on disk before fit returns
@@ -404,8 +405,11 @@ class Trainer(TrainerViews):
                 if output is StepOutcome.SKIP_REST_OF_EPOCH:
                     self._end_epoch(val_loader)
                     break
-                self._after_step(output, micro_batches[-1], val_loader)
+                self._after_step(output, micro_batches, val_loader)
                 if self._done():
+                    if self.loop.validates_as_lightning and not self.preempted:  # Lightning ends an epoch cut short,
+                        last = micro_batches[-1][0] + 1 == self.loop_state.num_batches  # validated at its last batch
+                        self._end_epoch(val_loader if last else None)
                     return
             else:
                 self._end_epoch(val_loader)
@@ -509,16 +513,18 @@ class Trainer(TrainerViews):
         )
         self.metrics.step_done(result, final=final, max_steps=self.loop.max_steps)
 
-    def _after_step(self, output: Any, last_micro_batch: tuple[int, Any], val_loader) -> None:
-        rt = self.runtime
-        val_every = self.loop.val_every_steps(self.loop_state.num_batches)
-        validates = self.loop.validates_epoch(self.current_epoch)
-        if val_loader is not None and val_every and self.global_step % val_every == 0 and validates:
+    def _after_step(self, output: Any, micro_batches: list[tuple[int, Any]], val_loader) -> None:
+        rt, as_lightning = self.runtime, self.loop.validates_as_lightning
+        step = (self.current_epoch, self.global_step, [b for b, _ in micro_batches], self.loop_state.num_batches)
+        due = val_loader is not None and self.loop.validates_after(*step)
+        if due and not as_lightning:
             validate_during_fit(self, val_loader)  # before the callbacks, so checkpoints can monitor it
         rt.mark_phase(None, "callbacks after the step (checkpointing)")
         self.checkpoints.commit_written()  # one written in the background since: committed before a new one starts
-        batch_idx, batch = last_micro_batch
+        batch_idx, batch = micro_batches[-1]
         call_hook(self, "on_train_batch_end", output, batch, batch_idx)
+        if due and as_lightning:
+            validate_during_fit(self, val_loader)
         rt.mark_phase(None, "stop-signal check")
         # A signal, or a callback's should_stop, on any rank: every rank stops at the same step (on
         # several ranks the step after the request; on_train_end writes the checkpoint)
@@ -529,8 +535,7 @@ class Trainer(TrainerViews):
         if self.progress.epoch_done:  # resumed from a checkpoint written at this epoch's end: already done
             self.progress.next_epoch()
             return
-        every_steps = self.loop.val_every_steps(self.loop_state.num_batches)
-        if val_loader is not None and not every_steps and self.loop.validates_epoch(self.current_epoch):
+        if val_loader is not None and self.loop.validates_at_end(self.current_epoch, self.loop_state.num_batches):
             validate_during_fit(self, val_loader)
         collector = self.metrics.collector
         collector.stage = "epoch end"  # what on_train_epoch_end logs is an epoch value (as in Lightning)

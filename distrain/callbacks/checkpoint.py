@@ -33,7 +33,8 @@ class ModelCheckpoint(Callback):
 
     Lightning's other arguments: ``save_weights_only`` (the model's weights and the run's records, without the
     optimizer and scheduler states: such a checkpoint is evaluated or fine-tuned from, never resumed),
-    ``every_n_epochs``, ``save_on_train_epoch_end`` (False: save after each validation of fit instead),
+    ``every_n_epochs``, ``save_on_train_epoch_end`` (False: save after each validation of fit instead; None, the
+    default, decides as Lightning does: after each validation where fit validates inside its epochs),
     ``train_time_interval`` (a ``timedelta``: save when that much time passed since the last save, rank 0's clock),
     ``enable_version_counter`` (a name that exists gets ``-v1``, ``-v2``... rather than replacing it), ``verbose``.
     """
@@ -180,14 +181,26 @@ class ModelCheckpoint(Callback):
 
     def on_train_epoch_end(self, trainer, module) -> None:
         """Saves at the end of every ``every_n_epochs``-th epoch (each epoch unless ``every_n_train_steps`` is
-        given); with ``save_on_train_epoch_end=False``, after each validation of fit instead."""
-        if self.save_on_train_epoch_end is not False and self._epoch_due(trainer):
+        given), or after each validation of fit instead (``_saves_on_train_epoch_end``)."""
+        if self._saves_on_train_epoch_end(trainer) and self._epoch_due(trainer):
             self.save(trainer)
 
     def on_validation_end(self, trainer, module) -> None:
-        if self.save_on_train_epoch_end is False and trainer.state.fn == "fit" and not trainer.sanity_checking:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking and not self._saves_on_train_epoch_end(trainer):
             if self._epoch_due(trainer):
                 self.save(trainer)
+
+    def _saves_on_train_epoch_end(self, trainer) -> bool:
+        """``save_on_train_epoch_end``; where not given, Lightning's rule: at the epoch's end when fit validates at
+        most once an epoch, at its end, else after each validation (``val_check_interval`` inside the epoch,
+        ``check_val_every_n_epoch`` above 1), so that a checkpoint has the metrics of the validation just run."""
+        if self.save_on_train_epoch_end is not None:
+            return self.save_on_train_epoch_end
+        if trainer.check_val_every_n_epoch != 1:
+            return False
+        if trainer.val_dataloaders is None or trainer.loop.limit_val_batches == 0:
+            return True
+        return trainer.val_check_interval in (None, 1.0)
 
     def _epoch_due(self, trainer) -> bool:
         return bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
@@ -287,11 +300,12 @@ class ModelCheckpoint(Callback):
                 self._remove(stale)
             else:  # up in the background (after the upload before it), then the pruned ones go
                 self.uploads.submit(lambda: self._upload(path, stale))
-            return self.best_model_path
+            return self.best_model_path, self.saved
 
         # rank 0 alone moves `last` and removes stale checkpoints; a failure there (a full disk, a `last` that a
-        # sync made a directory) reaches every rank at once instead of leaving them in a barrier until the timeout
-        self.best_model_path = trainer.runtime.decided_on_rank_zero(after_commit)
+        # sync made a directory) reaches every rank at once instead of leaving them in a barrier until the timeout.
+        # Every rank knows the kept ones after (best_model_score, best_k_models), as in Lightning
+        self.best_model_path, self.saved = trainer.runtime.decided_on_rank_zero(after_commit)
 
     def _new_names(self, trainer) -> tuple[str, str | None]:
         """The checkpoint's name (``format_name``'s and ``FILE_EXTENSION``; with ``enable_version_counter``, a name
@@ -364,6 +378,12 @@ class ModelCheckpoint(Callback):
                 "newest"
             ) from None
         return sent
+
+    def _enters_top_k(self, score: float) -> bool:
+        """Whether a checkpoint scored ``score`` is among the ``save_top_k`` best kept (strictly better than the
+        worst of a full set, as Lightning ranks a tie)."""
+        kept = [s for s, _ in self._top_k()]
+        return self.save_top_k < 0 or len(kept) < self.save_top_k or score > min(kept)
 
     def _keep_top_k(self, score: float, path: str) -> list[str]:
         """Ranks ``path`` among the kept ones; the checkpoints to remove now."""

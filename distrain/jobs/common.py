@@ -64,6 +64,7 @@ def build_trainer(config: RunConfig, strategy: str, ckpt_dir: Path, strategy_opt
                 every_n_train_steps=c.save_every_n_steps,
                 save_top_k=c.keep_last_n,
                 save_last=True,
+                save_on_train_epoch_end=True,  # save_every_n_steps=0: at each epoch's end, validated inside or not
             )
         ],
         logger=loggers,

@@ -56,6 +56,22 @@ class ModelCheckpoint(_ModelCheckpoint):
         )
         self.names_last = save_last in (True, "link")  # Lightning's last.ckpt only when asked, as in Lightning
 
+    def save(self, trainer) -> None:
+        """Lightning writes a monitored checkpoint only where it enters the ``save_top_k`` best (or where
+        ``save_last`` asks for ``last.ckpt``): the hooks of a save (``on_save_checkpoint``) run for those alone. A run
+        a signal stopped is saved whatever its score."""
+        scored = self.monitor is not None and self.save_top_k > 0 and not self.names_last
+        if scored and trainer.preempted is None and not self._enters_top_k(self._score(trainer)):
+            return
+        super().save(trainer)
+
+    def on_train_end(self, trainer, module) -> None:
+        """Lightning saves nothing when training ends: the kept checkpoints are those of its epochs' ends or
+        validations (a final one would take a place in ``save_top_k`` with the last validation's score). A run a
+        signal stopped is saved there, so that it resumes from the step it stopped at."""
+        if trainer.preempted is not None:
+            super().on_train_end(trainer, module)
+
 
 class TQDMProgressBar(ProgressBar):
     """Lightning's progress bar, drawn by distrain's (one bar over the fit's optimizer steps, on rank 0): moved every

@@ -44,6 +44,9 @@ class Trainer(_Trainer):
       keeps the loader's own order;
     - on a CPU, ``devices="auto"`` (and -1) is one process, as Lightning's CPU accelerator counts one device
       (``distrain.Trainer`` starts a rank per core, up to 2);
+    - Lightning's schedule of validations: ``val_check_interval`` counts the batches of each epoch
+      (``distrain.Trainer``: optimizer steps over the run), a validation inside an epoch runs after
+      ``on_train_batch_end``, and fit adds none after its last step (``distrain.Trainer`` ends with one);
     - Lightning's random numbers: fit goes on with the script's random streams (``seed_streams``), the loaders draw
       from torch's generator as torch's own do, and a sanity check of 2 batches runs first, drawing nothing."""
 
@@ -85,6 +88,7 @@ class Trainer(_Trainer):
         if kwargs.get("devices", "auto") in ("auto", -1, "-1") and _on_cpu(accelerator):
             kwargs["devices"] = 1  # Lightning's CPU accelerator counts one device (distrain's: a rank per core)
         super().__init__(**kwargs)
+        self.loop.validates_as_lightning = True
 
     def fit(self, model, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
         """distrain's ``fit``, with Lightning's SLURM auto-requeue: a job SLURM requeued (``SLURM_RESTART_COUNT``)

@@ -137,6 +137,11 @@ class LoopOptions:
     fast_dev_run: bool = False
     """Lightning's smoke test (its limits hold the batches): a search of its own (the learning-rate finder) is
     skipped, as Lightning skips it."""
+    validates_as_lightning: bool = False
+    """Lightning's schedule of fit's validations (``distrain.lightning``): ``val_check_interval`` counts the batches of
+    each epoch (the count starts again with each), a validation inside an epoch runs after ``on_train_batch_end``, and
+    none is added after the last step. distrain's own: optimizer steps over the whole run, the validation before
+    ``on_train_batch_end`` (whose callbacks see its metrics), and every fit ends with a validation score."""
 
     def accumulate_for(self, epoch: int) -> int:
         return self.accumulation[max(e for e in self.accumulation if e <= epoch)]
@@ -152,6 +157,40 @@ class LoopOptions:
                 raise ValueError("a fractional val_check_interval needs a train loader with a length")
             return max(1, int(num_batches * v / self.accumulate_for(0)))
         return int(v)
+
+    def val_check_batch(self, num_batches: int | None) -> int | None:
+        """Lightning's ``val_check_batch``: validation after each this many batches of an epoch (None: at each validated
+        epoch's end, as a fraction of 1.0 means); a fraction is of the epoch's ``num_batches``."""
+        v = self.val_check_interval
+        if v is None or (isinstance(v, float) and v == 1.0):
+            return None
+        if isinstance(v, float) and v < 1.0:
+            if num_batches is None:
+                raise ValueError("a fractional val_check_interval needs a train loader with a length")
+            return max(1, int(num_batches * v))
+        return int(v)
+
+    def validates_after(self, epoch: int, global_step: int, batch_indices: list[int], num_batches: int | None) -> bool:
+        """Whether fit validates after the optimizer step that made ``global_step`` from the epoch's batches
+        ``batch_indices`` (an epoch of ``num_batches``). Lightning's schedule: after the batch that completes each
+        ``val_check_batch`` of the epoch (one inside an accumulation window after the window's step; Lightning runs it
+        between the window's batches); distrain's: every ``val_every_steps`` steps."""
+        if not self.validates_epoch(epoch):
+            return False
+        if self.validates_as_lightning:
+            every = self.val_check_batch(num_batches)
+            return every is not None and any((batch_idx + 1) % every == 0 for batch_idx in batch_indices)
+        every = self.val_every_steps(num_batches)
+        return bool(every) and global_step % every == 0
+
+    def validates_at_end(self, epoch: int, num_batches: int | None) -> bool:
+        """Whether fit validates when ``epoch`` (of ``num_batches``) ends: where it validates at all, and not inside
+        the epochs."""
+        if self.validates_as_lightning:
+            inside = self.val_check_batch(num_batches) is not None
+        else:
+            inside = bool(self.val_every_steps(num_batches))
+        return self.validates_epoch(epoch) and not inside
 
     def validates_epoch(self, epoch: int) -> bool:
         return (epoch + 1) % self.check_val_every_n_epoch == 0

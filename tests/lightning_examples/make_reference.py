@@ -23,6 +23,7 @@ EXAMPLES = [
     "written/weight_averaging.py",
     "written/stochastic_weight_averaging.py",
     "written/lr_finder.py",
+    "written/mid_epoch_validation.py",
 ]
 #: where a script writes files that are compared too (``torch.save``'d tensors and lists, read back as numbers)
 OUTPUTS = "predictions"
