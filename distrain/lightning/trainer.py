@@ -89,6 +89,7 @@ class Trainer(_Trainer):
             kwargs["devices"] = 1  # Lightning's CPU accelerator counts one device (distrain's: a rank per core)
         super().__init__(**kwargs)
         self.loop.validates_as_lightning = True
+        self.metrics.collector.forks = True  # on_step and on_epoch: name_step, name_epoch
 
     def fit(self, model, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
         """distrain's ``fit``, with Lightning's SLURM auto-requeue: a job SLURM requeued (``SLURM_RESTART_COUNT``)

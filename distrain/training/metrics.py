@@ -46,6 +46,10 @@ class MetricCollector:
         #: torchmetrics Metrics logged on_epoch, by name: their own compute() is the epoch value (``_metric_object``)
         self.epoch_objects: dict[str, Any] = {}
         self.muted = False  # padding steps that only keep collectives matched
+        #: Lightning's names for a value logged both on_step and on_epoch (``distrain.lightning``): ``name_step`` and
+        #: ``name_epoch``, and the callbacks' ``name`` the newer of the two (``aliases``); distrain's keep ``name``
+        self.forks = False
+        self.forked: set[str] = set()
 
     def log(
         self,
@@ -64,13 +68,17 @@ class MetricCollector:
         training = self.stage == "train"
         on_step = training if on_step is None else on_step
         on_epoch = (not training) if on_epoch is None else on_epoch
+        step_name = epoch_name = name
+        if self.forks and on_step and on_epoch:
+            step_name, epoch_name = f"{name}_step", f"{name}_epoch"
+            self.forked.add(name)
         if _metric_object(value):
             # as Lightning logs one: the step's value is what its forward returned (none after update() alone); the
             # epoch's, its compute() (its own reduction across ranks) at the epoch's end, then reset()
             if on_epoch:
-                self.epoch_objects[name] = value
+                self.epoch_objects[epoch_name] = value
             if prog_bar:
-                self.prog_bar.add(name)
+                self.prog_bar.update({step_name, epoch_name})
             if not on_step or value._forward_cache is None:
                 return
             value = value._forward_cache
@@ -79,20 +87,30 @@ class MetricCollector:
         value = value.detach().float().mean() if isinstance(value, torch.Tensor) else float(value)
         weight = batch_size or self.current_batch_size
         if on_step:
-            self.step_entries[name] = _Entry(value, sync_dist)
+            self.step_entries[step_name] = _Entry(value, sync_dist)
         if on_epoch:
-            acc = self.epoch_sums.setdefault(name, [0.0, 0.0])
+            acc = self.epoch_sums.setdefault(epoch_name, [0.0, 0.0])
             if reduce_fx == "sum":
                 acc[0] = acc[0] + value
                 acc[1] += 1
-                self.epoch_summed.add(name)
+                self.epoch_summed.add(epoch_name)
             else:
                 acc[0] = acc[0] + value * weight
                 acc[1] += weight
             if sync_dist or not training or self.runtime.strategy.traits.metrics_elsewhere:
-                self.epoch_sync.add(name)
+                self.epoch_sync.add(epoch_name)
         if prog_bar:
-            self.prog_bar.add(name)
+            self.prog_bar.update({step_name, epoch_name})
+
+    def aliases(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's callback metrics also hold a forked value under its own name: its newest step value, and once
+        its epoch ends the epoch's."""
+        return {
+            name: metrics[name + suffix]
+            for name in self.forked
+            for suffix in ("_step", "_epoch")
+            if name + suffix in metrics
+        }
 
     def stash_epoch(self) -> tuple:
         """Set the epoch values aside (and start empty): an evaluation inside a training epoch keeps its own, so
@@ -304,7 +322,7 @@ class MetricsLogger:
         logging_step = self.logs_at(result.step, final)
         logged = self.collector.pop_step_metrics(reduce=logging_step)
         if not logging_step:
-            self.callback_metrics.update(logged)
+            self.callback_metrics.update({**logged, **self.collector.aliases(logged)})
             return
         rt.accelerator.synchronize(rt.device)  # CUDA is async: time what really ran
         metrics = {
@@ -403,7 +421,8 @@ class MetricsLogger:
 
     def publish(self, metrics: dict[str, Any], step: int, to_loggers: bool = True, epoch: int | None = None) -> None:
         """``epoch``: the loggers' records carry it, as Lightning's do (a CSV's rows of validation metrics too)."""
-        self.callback_metrics.update({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        self.callback_metrics.update({**numbers, **self.collector.aliases(numbers)})
         self.logged_metrics = metrics
         if to_loggers and self.runtime.is_global_zero:
             record = metrics if epoch is None else {"epoch": epoch, **metrics}

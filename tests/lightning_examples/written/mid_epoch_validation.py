@@ -2,7 +2,9 @@
 batches or a fraction of the epoch), with a checkpoint kept by the monitored validation loss and the test run from the
 best one. Its files under ``predictions/`` are compared with Lightning's: when each hook ran (the training batch ends,
 the validations, the epoch ends and the checkpoints saved, by step), each validation's loss, the checkpoints kept and
-the best one's score, and the test loss of the best weights. The second fit ends at ``max_steps`` inside an epoch."""
+the best one's score, the test loss of the best weights, and the names and values of the training loss logged both
+per step and per epoch (``train_loss_step``, ``train_loss_epoch``, and ``train_loss`` the newer of the two). The
+second fit ends at ``max_steps`` inside an epoch."""
 
 import os
 
@@ -20,7 +22,9 @@ class Net(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return F.mse_loss(self.net(x), y)
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)  # logged as train_loss_step and train_loss_epoch
+        return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -35,10 +39,14 @@ class Net(pl.LightningModule):
 
 
 class When(pl.Callback):
-    """Each hook of interest as ``<letter><global step>``, and each validation's loss."""
+    """Each hook of interest as ``<letter><global step>``, each validation's loss, and the training loss's names and
+    values the callbacks see at each validation's and each epoch's end."""
 
     def __init__(self):
-        self.events, self.val_losses = [], []
+        self.events, self.val_losses, self.train_losses = [], [], []
+
+    def _train_losses(self, trainer):
+        self.train_losses.append(sorted([k, float(v)] for k, v in trainer.callback_metrics.items() if "train" in k))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.events.append(f"B{trainer.global_step}")
@@ -47,9 +55,11 @@ class When(pl.Callback):
         if not trainer.sanity_checking:
             self.events.append(f"V{trainer.global_step}")
             self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+            self._train_losses(trainer)
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.events.append(f"E{trainer.global_step}")
+        self._train_losses(trainer)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         self.events.append(f"S{trainer.global_step}")
@@ -63,7 +73,7 @@ def fit(name, data, val, test, **trainer_args):
     trainer.fit(Net(), DataLoader(data, batch_size=4, shuffle=True), DataLoader(val, batch_size=4))
     tested = trainer.test(ckpt_path="best", dataloaders=DataLoader(test, batch_size=4), verbose=False)
     kept = sorted(f for f in os.listdir(name) if f.endswith(".ckpt"))
-    record = [when.events, when.val_losses, kept, os.path.basename(keep.best_model_path)]
+    record = [when.events, when.val_losses, when.train_losses, kept, os.path.basename(keep.best_model_path)]
     record += [float(keep.best_model_score), tested[0]["test_loss"], trainer.current_epoch, trainer.global_step]
     torch.save(record, os.path.join("predictions", f"{name}_rank{trainer.global_rank}.pt"))
 
