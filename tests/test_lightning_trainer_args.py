@@ -190,6 +190,25 @@ def test_validation_every_n_epochs_and_a_sanity_check_before_training(tmp_path):
     assert sanity.calls == ["start", "end", "train start"] and sanity.metrics_at_train_start == {}
 
 
+def test_a_val_check_interval_longer_than_an_epoch_is_lightnings_error_unless_it_counts_across_epochs(tmp_path):
+    """An int val_check_interval counts the batches of each epoch: one longer than the epoch would never validate, so
+    Lightning refuses it, naming check_val_every_n_epoch=None, with which it counts the run's batches instead."""
+    from distrain.lightning import Trainer
+
+    def trainer(**kw):
+        return Trainer(
+            default_root_dir=tmp_path, logger=False, enable_checkpointing=False, enable_progress_bar=False, **kw
+        )
+
+    with pytest.raises(ValueError, match=r"`val_check_interval` \(10\) must be less than or equal to the number of"):
+        trainer(max_epochs=2, val_check_interval=10, num_sanity_val_steps=0).fit(Counted(), _loader(), _loader(8))
+    module = Counted()
+    trainer(max_epochs=3, val_check_interval=10, check_val_every_n_epoch=None, num_sanity_val_steps=0).fit(
+        module, _loader(), _loader(8)
+    )
+    assert module.seen["val"] == [1, 1, 2, 2]  # after the run's 10th and 20th batches (8 an epoch)
+
+
 class SanityRecorder(L.Callback):
     def __init__(self):
         self.calls: list[str] = []

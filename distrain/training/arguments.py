@@ -116,7 +116,9 @@ class LoopOptions:
     gradient_clip_algorithm: str
     """``norm`` (the global norm scaled down to ``gradient_clip_val``) or ``value`` (each element clamped)."""
     val_check_interval: int | float | None
-    check_val_every_n_epoch: int
+    check_val_every_n_epoch: int | None
+    """Fit validates in every n-th epoch; None (Lightning's): in every epoch, an int ``val_check_interval`` counting the
+    batches of the whole run rather than of each epoch."""
     limit_train_batches: int | float | None
     """Batches of each training epoch: a count, or a fraction of the loader (None: all); as the ``limit_*`` of the
     other stages."""
@@ -168,6 +170,12 @@ class LoopOptions:
             if num_batches is None:
                 raise ValueError("a fractional val_check_interval needs a train loader with a length")
             return max(1, int(num_batches * v))
+        if self.check_val_every_n_epoch is not None and num_batches is not None and int(v) > num_batches:
+            raise ValueError(  # Lightning's refusal: it would never validate
+                f"`val_check_interval` ({v}) must be less than or equal to the number of the training batches "
+                f"({num_batches}). If you want to disable validation set `limit_val_batches` to 0.0 instead. If you "
+                "want to validate based on the total training batches, set `check_val_every_n_epoch=None`."
+            )
         return int(v)
 
     def validates_after(self, epoch: int, global_step: int, batch_indices: list[int], num_batches: int | None) -> bool:
@@ -179,7 +187,12 @@ class LoopOptions:
             return False
         if self.validates_as_lightning:
             every = self.val_check_batch(num_batches)
-            return every is not None and any((batch_idx + 1) % every == 0 for batch_idx in batch_indices)
+            if every is None:
+                return False
+            if self.check_val_every_n_epoch is None:  # the run's batches so far (Lightning's total_batch_idx + 1)
+                accumulate = self.accumulate_for(epoch)
+                return global_step * accumulate // every > (global_step - 1) * accumulate // every
+            return any((batch_idx + 1) % every == 0 for batch_idx in batch_indices)
         every = self.val_every_steps(num_batches)
         return bool(every) and global_step % every == 0
 
@@ -193,7 +206,7 @@ class LoopOptions:
         return self.validates_epoch(epoch) and not inside
 
     def validates_epoch(self, epoch: int) -> bool:
-        return (epoch + 1) % self.check_val_every_n_epoch == 0
+        return self.check_val_every_n_epoch is None or (epoch + 1) % self.check_val_every_n_epoch == 0
 
 
 def checked_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -244,7 +257,7 @@ def checked_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
         overfit=bool(overfit),
         fast_dev_run=bool(a["fast_dev_run"]),
         val_check_interval=a["val_check_interval"],
-        check_val_every_n_epoch=a["check_val_every_n_epoch"] or 1,
+        check_val_every_n_epoch=a["check_val_every_n_epoch"],
         limit_train_batches=a["limit_train_batches"],
         limit_val_batches=a["limit_val_batches"],
         limit_test_batches=a["limit_test_batches"],

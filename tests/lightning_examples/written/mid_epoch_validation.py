@@ -4,7 +4,8 @@ best one. Its files under ``predictions/`` are compared with Lightning's: when e
 the validations, the epoch ends and the checkpoints saved, by step), each validation's loss, the checkpoints kept and
 the best one's score, the test loss of the best weights, and the names and values of the training loss logged both
 per step and per epoch (``train_loss_step``, ``train_loss_epoch``, and ``train_loss`` the newer of the two). The
-second fit ends at ``max_steps`` inside an epoch."""
+second fit ends at ``max_steps`` inside an epoch; the third counts its batches across epochs
+(``check_val_every_n_epoch=None``)."""
 
 import os
 
@@ -86,3 +87,4 @@ if __name__ == "__main__":
     os.makedirs("predictions", exist_ok=True)
     fit("every_3_batches", data, val, test, max_epochs=2, val_check_interval=3)
     fit("half_epochs", data, val, test, max_epochs=3, max_steps=7, val_check_interval=0.5)
+    fit("across_epochs", data, val, test, max_epochs=2, val_check_interval=5, check_val_every_n_epoch=None)
