@@ -209,6 +209,27 @@ def test_a_val_check_interval_longer_than_an_epoch_is_lightnings_error_unless_it
     assert module.seen["val"] == [1, 1, 2, 2]  # after the run's 10th and 20th batches (8 an epoch)
 
 
+class SavedAt(L.Callback):
+    def __init__(self):
+        self.steps: list[int] = []
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        self.steps.append(trainer.global_step)
+
+
+@pytest.mark.parametrize("every, saved", [(None, [8, 16]), (3, [3, 6, 9, 12, 15, 16])])
+def test_model_checkpoint_saves_after_each_validation_inside_the_epochs_else_at_their_ends(tmp_path, every, saved):
+    """Lightning's rule where save_on_train_epoch_end is not given, in distrain.Trainer too: validations inside the
+    epochs (every 3 steps here) each get a checkpoint with their metrics; a run that validates at its epochs' ends
+    saves there. distrain.Trainer ends every fit with a validation (step 16), so with a checkpoint."""
+    saves = SavedAt()
+    trainer, _ = make_trainer(
+        tmp_path, devices=1, logger=False, max_epochs=2, val_check_interval=every, callbacks=[saves, ModelCheckpoint()]
+    )
+    trainer.fit(Counted(), _loader(), _loader(8))
+    assert saves.steps == saved
+
+
 class SanityRecorder(L.Callback):
     def __init__(self):
         self.calls: list[str] = []
