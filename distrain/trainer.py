@@ -317,9 +317,10 @@ class Trainer(TrainerViews):
         shuffle, shuffle_seed = self.train_order()
         train_loader = setup_loader(self, train_loader, shuffle_seed, batch_size=micro_batch, shuffle=shuffle)
         val_loader = setup_loader(self, val_loader, even=False) if val_loader is not None else None
-        self.loop_state.num_batches = limited(
-            length(train_loader), self.loop.limit_train_batches, "limit_train_batches"
-        )
+        batches = limited(length(train_loader), self.loop.limit_train_batches, "limit_train_batches")
+        # how often fit validates, once, before any step (an interval that could never validate is refused here)
+        every = self.loop.validation_interval(batches) if val_loader is not None else None
+        self.loop_state.num_batches, self.loop_state.val_every = batches, every
         self.train_dataloader, self.val_dataloaders = train_loader, val_loader
         self.batch_layout = BatchLayout(
             micro_batch_size(train_loader) or 1, self.loop.accumulate_for(0), self.data_parallel_size
@@ -515,7 +516,7 @@ class Trainer(TrainerViews):
 
     def _after_step(self, output: Any, micro_batches: list[tuple[int, Any]], val_loader) -> None:
         rt, as_lightning = self.runtime, self.loop.validates_as_lightning
-        step = (self.current_epoch, self.global_step, [b for b, _ in micro_batches], self.loop_state.num_batches)
+        step = (self.current_epoch, self.global_step, [b for b, _ in micro_batches], self.loop_state.val_every)
         due = val_loader is not None and self.loop.validates_after(*step)
         if due and not as_lightning:
             validate_during_fit(self, val_loader)  # before the callbacks, so checkpoints can monitor it
@@ -535,7 +536,7 @@ class Trainer(TrainerViews):
         if self.progress.epoch_done:  # resumed from a checkpoint written at this epoch's end: already done
             self.progress.next_epoch()
             return
-        if val_loader is not None and self.loop.validates_at_end(self.current_epoch, self.loop_state.num_batches):
+        if val_loader is not None and self.loop.validates_at_end(self.current_epoch, self.loop_state.val_every):
             validate_during_fit(self, val_loader)
         collector = self.metrics.collector
         collector.stage = "epoch end"  # what on_train_epoch_end logs is an epoch value (as in Lightning)

@@ -178,32 +178,30 @@ class LoopOptions:
             )
         return int(v)
 
-    def validates_after(self, epoch: int, global_step: int, batch_indices: list[int], num_batches: int | None) -> bool:
-        """Whether fit validates after the optimizer step that made ``global_step`` from the epoch's batches
-        ``batch_indices`` (an epoch of ``num_batches``). Lightning's schedule: after the batch that completes each
-        ``val_check_batch`` of the epoch (one inside an accumulation window after the window's step; Lightning runs it
-        between the window's batches); distrain's: every ``val_every_steps`` steps."""
-        if not self.validates_epoch(epoch):
-            return False
-        if self.validates_as_lightning:
-            every = self.val_check_batch(num_batches)
-            if every is None:
-                return False
-            if self.check_val_every_n_epoch is None:  # the run's batches so far (Lightning's total_batch_idx + 1)
-                accumulate = self.accumulate_for(epoch)
-                return global_step * accumulate // every > (global_step - 1) * accumulate // every
-            return any((batch_idx + 1) % every == 0 for batch_idx in batch_indices)
-        every = self.val_every_steps(num_batches)
-        return bool(every) and global_step % every == 0
+    def validation_interval(self, num_batches: int | None) -> int | None:
+        """fit's validations inside its epochs, for an epoch of ``num_batches``: every this many batches of each epoch
+        (Lightning's schedule, ``val_check_batch``) or optimizer steps of the run (distrain's, ``val_every_steps``);
+        None: at the end of each validated epoch."""
+        return self.val_check_batch(num_batches) if self.validates_as_lightning else self.val_every_steps(num_batches)
 
-    def validates_at_end(self, epoch: int, num_batches: int | None) -> bool:
-        """Whether fit validates when ``epoch`` (of ``num_batches``) ends: where it validates at all, and not inside
-        the epochs."""
-        if self.validates_as_lightning:
-            inside = self.val_check_batch(num_batches) is not None
-        else:
-            inside = bool(self.val_every_steps(num_batches))
-        return self.validates_epoch(epoch) and not inside
+    def validates_after(self, epoch: int, global_step: int, batch_indices: list[int], every: int | None) -> bool:
+        """Whether fit validates after the optimizer step that made ``global_step`` from the epoch's batches
+        ``batch_indices``, validating ``every`` (``validation_interval``). Lightning's schedule: after the batch that
+        completes each ``every`` of the epoch (one inside an accumulation window after the window's step; Lightning
+        runs it between the window's batches); distrain's: every ``every`` steps."""
+        if every is None or not self.validates_epoch(epoch):
+            return False
+        if not self.validates_as_lightning:
+            return global_step % every == 0
+        if self.check_val_every_n_epoch is None:  # the run's batches so far (Lightning's total_batch_idx + 1)
+            accumulate = self.accumulate_for(epoch)
+            return global_step * accumulate // every > (global_step - 1) * accumulate // every
+        return any((batch_idx + 1) % every == 0 for batch_idx in batch_indices)
+
+    def validates_at_end(self, epoch: int, every: int | None) -> bool:
+        """Whether fit validates when ``epoch`` ends: an epoch it validates, with no validations inside (``every``,
+        ``validation_interval``, is None)."""
+        return every is None and self.validates_epoch(epoch)
 
     def validates_epoch(self, epoch: int) -> bool:
         return self.check_val_every_n_epoch is None or (epoch + 1) % self.check_val_every_n_epoch == 0

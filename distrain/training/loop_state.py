@@ -11,6 +11,9 @@ class LoopState:
 
     num_batches: int | None = None
     """The train loader's batches per epoch, ``limit_train_batches`` applied (None: a loader without a length)."""
+    val_every: int | None = None
+    """fit's validations inside its epochs (``LoopOptions.validation_interval``), decided once ``num_batches`` is
+    known: None, at the end of each validated epoch."""
     first_micro_batch: bool = False
     """At a step's first micro-batch, until ``on_before_zero_grad`` ran for it: once per optimizer step."""
     stopping: bool = False
