@@ -72,13 +72,13 @@ class MetricCollector:
         if self.forks and on_step and on_epoch:
             step_name, epoch_name = f"{name}_step", f"{name}_epoch"
             self.forked.add(name)
+        if prog_bar:
+            self.prog_bar.update({step_name, epoch_name})
         if _metric_object(value):
             # as Lightning logs one: the step's value is what its forward returned (none after update() alone); the
             # epoch's, its compute() (its own reduction across ranks) at the epoch's end, then reset()
             if on_epoch:
                 self.epoch_objects[epoch_name] = value
-            if prog_bar:
-                self.prog_bar.update({step_name, epoch_name})
             if not on_step or value._forward_cache is None:
                 return
             value = value._forward_cache
@@ -99,8 +99,6 @@ class MetricCollector:
                 acc[1] += weight
             if sync_dist or not training or self.runtime.strategy.traits.metrics_elsewhere:
                 self.epoch_sync.add(epoch_name)
-        if prog_bar:
-            self.prog_bar.update({step_name, epoch_name})
 
     def aliases(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """Lightning's callback metrics also hold a forked value under its own name: its newest step value, and once
